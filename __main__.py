@@ -1,0 +1,3 @@
+from dtnode.daemon.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,132 @@
+"""The `dtnode` command: join, local, status.
+
+Node options are generated from NodeSettings, so the flags, their help texts and the
+DTNODE_* variables can never drift apart. A flag is passed on only when given, which is
+what lets env vars and the TOML file fill in the rest.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from typing import Any, get_args, get_origin
+
+from dtnode import __version__
+
+from .settings import ENV_PREFIX, NodeSettings, SettingsError, flag, load_settings
+
+EXIT_USAGE = 2
+EXIT_JOIN = 3
+# Options that `dtnode local` sets per node itself.
+LOCAL_MANAGED = {"peers", "state_dir", "host", "announce_host", "dht_port", "grpc_port", "http_port", "min_peers"}
+
+
+def _is_bool(annotation: Any) -> bool:
+    return annotation is bool
+
+
+def _is_list(annotation: Any) -> bool:
+    return get_origin(annotation) is list or any(get_origin(a) is list for a in get_args(annotation))
+
+
+def add_node_options(parser: argparse.ArgumentParser, skip: set[str] = frozenset()) -> None:
+    groups: dict[str, argparse._ArgumentGroup] = {}
+    for name, field in NodeSettings.model_fields.items():
+        if name in skip:
+            continue
+        default = field.get_default(call_default_factory=True)
+        shown = "none" if default in (None, []) else default
+        help_text = f"{field.description} (default: {shown}; env {ENV_PREFIX}{name.upper()})"
+        group = groups.setdefault("node", parser.add_argument_group("node options"))
+        if name == "peers":
+            group.add_argument("--peer", dest="peers", action="append", metavar="MULTIADDR",
+                               default=argparse.SUPPRESS, help=help_text)
+        elif _is_bool(field.annotation):
+            group.add_argument(flag(name), dest=name, action=argparse.BooleanOptionalAction,
+                               default=argparse.SUPPRESS, help=help_text)
+        else:
+            group.add_argument(flag(name), dest=name, metavar=name.upper(), default=argparse.SUPPRESS, help=help_text)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="dtnode", description="Fault-tolerant peer-to-peer DiLoCo training node.")
+    parser.add_argument("--version", action="version", version=f"dtnode {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    join = sub.add_parser("join", help="run a node; without --peer it starts a new swarm",
+                          description="Run one node. Without --peer it starts a new swarm and prints the "
+                                      "`dtnode join --peer ...` line other hosts use.")
+    add_node_options(join)
+    local = sub.add_parser("local", help="run a whole swarm of N nodes on this host",
+                           description="Start N node processes on loopback (ports picked automatically), "
+                                       "their logs prefixed by node. Ctrl-C stops them all.")
+    local.add_argument("--nodes", type=int, default=3, help="number of node processes (default: 3)")
+    local.add_argument("--base-dir", default="state/local", help="state dirs go to BASE_DIR/nodeI (default: state/local)")
+    add_node_options(local, skip=LOCAL_MANAGED)
+    status = sub.add_parser("status", help="show a node and its swarm as a table")
+    status.add_argument("--url", default=None, help="the node's sidecar URL (default: http://127.0.0.1:<DTNODE_HTTP_PORT "
+                                                    "or 7702>)")
+    status.add_argument("--json", action="store_true", help="print the raw JSON instead of tables")
+    return parser
+
+
+def _node_values(args: argparse.Namespace) -> dict[str, Any]:
+    return {k: v for k, v in vars(args).items() if k in NodeSettings.model_fields}
+
+
+def configure_logging(level: str) -> None:
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)-7s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    for noisy in ("hivemind", "aiohttp.access", "asyncio"):
+        logging.getLogger(noisy).setLevel(max(logging.WARNING, logging.getLevelName(level)))
+
+
+def cmd_join(args: argparse.Namespace) -> int:
+    settings = load_settings(_node_values(args))
+    configure_logging(settings.log_level)
+    import uvloop
+
+    from dtnode.peers.membership import JoinError
+
+    from .node import run_node
+
+    try:
+        return uvloop.run(run_node(settings))
+    except JoinError as e:
+        print(f"dtnode: error: {e}", file=sys.stderr)
+        return EXIT_JOIN
+
+
+def cmd_local(args: argparse.Namespace) -> int:
+    values = _node_values(args)
+    load_settings(values)  # fail fast, before any process starts
+    if args.nodes < 1 or args.nodes > 64:
+        raise SettingsError("--nodes", "must be between 1 and 64")
+    from .local import run_local
+
+    return run_local(args.nodes, args.base_dir, values)
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from .status_cmd import show_status
+
+    url = args.url or f"http://127.0.0.1:{os.environ.get(ENV_PREFIX + 'HTTP_PORT', '7702')}"
+    return show_status(url, as_json=args.json)
+
+
+def main(argv: list[str] | None = None) -> int:
+    os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
+    os.environ.setdefault("HIVEMIND_LOGLEVEL", "WARNING")
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return {"join": cmd_join, "local": cmd_local, "status": cmd_status}[args.command](args)
+    except SettingsError as e:
+        print(f"dtnode: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

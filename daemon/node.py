@@ -1,0 +1,409 @@
+"""One dtnode process: DHT membership, the DiLoCo round loop, gRPC averaging, HTTP sidecar.
+
+Everything runs on one asyncio loop (uvloop). Inner steps run on a dedicated training
+thread, checkpoint writes on another, tensor work of the data plane in the default pool,
+so the loop stays free to serve peers, heartbeats and HTTP while the model trains.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import math
+import signal
+import socket
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from dtnode import __version__
+from dtnode.peers.butterfly import (
+    FP32, INT8, AllReduceReport, AveragingService, ChannelPool, Member, ReductionRegistry, butterfly_allreduce,
+    make_plan, max_message_bytes,
+)
+from dtnode.peers.matchmaking import Matchmaker
+from dtnode.peers.membership import JoinError, Membership, PeerRecord, public_maddrs, start_dht
+from dtnode.peers.server import start_grpc_server
+
+from .checkpoint import (
+    CheckpointError, CheckpointInfo, Layout, file_sha256, list_checkpoints, prune_checkpoints, read_checkpoint,
+    write_checkpoint,
+)
+from .data import DataStream, open_source, stable_seed
+from .model import build_model, config_hash
+from .replica import Replica
+from .settings import NodeSettings, SettingsError
+from .sidecar import Sidecar
+from .sync import fetch_from_swarm
+from .trainer import Trainer
+
+log = logging.getLogger("dtnode")
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        if torch.cuda.is_available():
+            return torch.device("cuda")
+        return torch.device("cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SettingsError("--device", "CUDA is not available on this host")
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        raise SettingsError("--device", f"no CUDA device {device.index} (found {torch.cuda.device_count()})")
+    if device.type == "mps" and not torch.backends.mps.is_available():
+        raise SettingsError("--device", "MPS is not available on this host")
+    return device
+
+
+class Node:
+    def __init__(self, settings: NodeSettings):
+        self.settings = settings
+        self.device = resolve_device(settings.device)
+        self.state = "joining"
+        self.started_at = time.time()
+        self.stop_requested = asyncio.Event()
+        self.stop_flag = threading.Event()  # seen by the training thread
+        self.state_dir = Path(settings.state_dir)
+        self.checkpoints: dict[int, CheckpointInfo] = {}
+        self.last_round: dict[str, Any] = {}
+        self.rounds_done = 0
+        self.tokens_per_s = 0.0
+        self.eval_loss: float | None = None
+        self.train_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="train")
+        self.io_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="checkpoint")
+        self._pending_write: asyncio.Future | None = None
+        self.peer_id = ""
+        self.grpc_addr = ""
+        self.http_addr = ""
+        self.join_command = ""
+        self._build_workload()
+        self._build_metrics()
+
+    # ---- set-up -------------------------------------------------------------------------
+    def _build_workload(self) -> None:
+        s = self.settings
+        seed = stable_seed(s.run_id, s.seed, "init")
+        model, self.model_description = build_model(s.model, seed)
+        self.model_hash = config_hash(self.model_description)
+        self.seq_len = min(s.seq_len or model.context_length, model.context_length)
+        self.source = open_source(s.run_id, s.seed, s.data)
+        self._model = model
+
+    def _build_metrics(self) -> None:
+        self.metrics_registry = CollectorRegistry()
+        r = self.metrics_registry
+        self.m_outer = Gauge("dtnode_outer_step", "Completed outer steps", registry=r)
+        self.m_inner = Gauge("dtnode_inner_step", "Inner steps taken by this node", registry=r)
+        self.m_loss = Gauge("dtnode_loss", "Mean inner training loss of the last round", registry=r)
+        self.m_eval = Gauge("dtnode_eval_loss", "Loss on the swarm-wide eval batch", registry=r)
+        self.m_tps = Gauge("dtnode_tokens_per_second", "Training throughput of the last round", registry=r)
+        self.m_group = Gauge("dtnode_group_size", "Size of the last averaging group", registry=r)
+        self.m_sent = Counter("dtnode_allreduce_sent_bytes", "Payload bytes sent by all-reduces", registry=r)
+        self.m_recv = Counter("dtnode_allreduce_received_bytes", "Payload bytes received by all-reduces", registry=r)
+        self.m_failed = Counter("dtnode_allreduce_failed_parts", "Parts whose reducer failed", registry=r)
+        self.m_round = Histogram("dtnode_round_seconds", "Wall time of an outer round", registry=r,
+                                 buckets=(0.5, 1, 2, 5, 10, 30, 60, 120, 300, 600, 1800))
+        self.m_allreduce = Histogram("dtnode_allreduce_seconds", "Wall time of the data plane", registry=r,
+                                     buckets=(0.01, 0.05, 0.1, 0.5, 1, 2, 5, 10, 30, 60))
+
+    def _start_training_state(self) -> None:
+        s = self.settings
+        stream = DataStream(self.source, s.run_id, self.peer_id, s.batch_size, self.seq_len)
+        self.trainer = Trainer(self._model, stream, self.device, lr=s.inner_lr, weight_decay=s.inner_weight_decay,
+                               warmup_steps=s.warmup_steps, grad_clip=s.grad_clip)
+        self.replica = Replica(self.trainer, s.outer_lr, s.outer_momentum)
+        flat = self.trainer.flat
+        self.layout = Layout(tuple(flat.names), tuple(flat.shapes))
+
+    def _resume_local(self) -> None:
+        """Resume from the newest whole checkpoint in the state dir; skip torn ones."""
+        for step, path in list_checkpoints(self.state_dir):
+            try:
+                loaded = read_checkpoint(path, self.layout, self.settings.run_id, self.model_hash)
+            except CheckpointError as e:
+                log.warning("skipping checkpoint %s: %s", path.name, e)
+                continue
+            self.replica.load(loaded.theta_g, loaded.momentum, loaded.step)
+            self.checkpoints[step] = CheckpointInfo(step, path, file_sha256(path), path.stat().st_size)
+            log.info("resumed from %s (outer step %d, params %s)", path.name, step, self.replica.params_sha256()[:12])
+            return
+
+    def _announce_host(self) -> str:
+        s = self.settings
+        if s.announce_host:
+            return s.announce_host
+        if s.host not in ("0.0.0.0", "::", ""):
+            return s.host
+        for addr in public_maddrs(self.dht, None):
+            parts = addr.split("/")
+            if len(parts) > 2 and parts[1] == "ip4" and not parts[2].startswith("127.") and parts[2] != "0.0.0.0":
+                return parts[2]
+        return socket.gethostbyname("localhost")
+
+    # ---- what the sidecar shows ------------------------------------------------------------
+    def record(self) -> PeerRecord:
+        newest = self.checkpoint()
+        return PeerRecord(
+            peer_id=self.peer_id, grpc_addr=self.grpc_addr, http_addr=self.http_addr, state=self.state,
+            outer_step=self.replica.outer_step, checkpoint_step=newest.step if newest else -1,
+            checkpoint_sha256=newest.sha256 if newest else "", tokens_per_s=self.tokens_per_s,
+            bandwidth_mbps=self.settings.bandwidth_mbps, device=str(self.device), client_mode=self.settings.client_mode,
+            model_hash=self.model_hash, version=__version__,
+        )
+
+    def status(self) -> dict[str, Any]:
+        loss = self.trainer.last_loss if hasattr(self, "trainer") else math.nan
+        return {
+            "peer_id": self.peer_id, "run_id": self.settings.run_id, "state": self.state,
+            "outer_step": self.replica.outer_step if hasattr(self, "replica") else 0,
+            "inner_step": self.trainer.inner_step if hasattr(self, "trainer") else 0,
+            "loss": None if math.isnan(loss) else loss, "eval_loss": self.eval_loss,
+            "loss_floor": self.source.entropy_rate, "tokens_per_s": self.tokens_per_s,
+            "uptime_s": time.time() - self.started_at,
+            "params_sha256": self.replica.params_sha256() if hasattr(self, "replica") else "",
+            "http_url": self.http_addr, "grpc_addr": self.grpc_addr, "join_command": self.join_command,
+            "model": self.settings.model, "model_hash": self.model_hash, "device": str(self.device),
+            "client_mode": self.settings.client_mode, "version": __version__, "last_round": self.last_round,
+        }
+
+    async def peer_records(self) -> list[dict[str, Any]]:
+        members = await self.membership.members()
+        return [r.model_dump() for r in sorted(members.values(), key=lambda r: r.peer_id)]
+
+    def checkpoint(self, step: int | None = None) -> CheckpointInfo | None:
+        if step is None:
+            return self.checkpoints[max(self.checkpoints)] if self.checkpoints else None
+        return self.checkpoints.get(step)
+
+    # ---- lifecycle ------------------------------------------------------------------------
+    def request_stop(self) -> None:
+        if not self.stop_requested.is_set():
+            log.info("stopping: finishing or abandoning the current round")
+        self.stop_requested.set()
+        self.stop_flag.set()
+
+    async def run(self) -> int:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, self.request_stop)
+        s = self.settings
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        self.dht = await start_dht(s.peers, s.host, s.dht_port, s.announce_host, s.join_timeout,
+                                   identity_path=str(self.state_dir / "identity.key"))
+        self.peer_id = str(self.dht.peer_id)
+        self.heartbeat_task: asyncio.Task | None = None
+        self.grpc_server = None
+        self.sidecar = Sidecar(self)
+        self.channels = ChannelPool(max_message_bytes(s.chunk_elements))
+        try:
+            await loop.run_in_executor(self.train_thread, self._start_training_state)
+            await loop.run_in_executor(self.io_thread, self._resume_local)
+            await self._start_services()
+            if s.peers:
+                await self._sync_with_swarm()
+            self.state = "training"
+            await self.membership.announce(self.record())
+            if s.min_peers > 1:
+                log.info("waiting for %d peers (up to %.0fs)", s.min_peers, s.join_timeout)
+                view = await self._wait_or_stop(self.membership.wait_for(s.min_peers, s.join_timeout))
+                if view is not None and len(view) < s.min_peers:
+                    log.warning("only %d of %d peers after %.0fs; training anyway", len(view), s.min_peers,
+                                s.join_timeout)
+            while not self.stop_requested.is_set():
+                if s.max_rounds is not None and self.rounds_done >= s.max_rounds:
+                    log.info("finished %d rounds (--max-rounds)", self.rounds_done)
+                    break
+                await self.run_round()
+            return 0
+        finally:
+            await self._shutdown()
+
+    async def _wait_or_stop(self, coro):
+        task = asyncio.ensure_future(coro)
+        stopper = asyncio.ensure_future(self.stop_requested.wait())
+        await asyncio.wait({task, stopper}, return_when=asyncio.FIRST_COMPLETED)
+        stopper.cancel()
+        if not task.done():
+            task.cancel()
+            return None
+        return task.result()
+
+    async def _start_services(self) -> None:
+        s = self.settings
+        announce = self._announce_host()
+        self.registry = ReductionRegistry()
+        if not s.client_mode:
+            service = AveragingService(self.registry, s.run_id, registration_wait=min(5.0, s.matchmaking_window))
+            self.grpc_server, grpc_port = await start_grpc_server(service, s.host, s.grpc_port,
+                                                                  max_message_bytes(s.chunk_elements))
+            self.grpc_addr = f"{announce}:{grpc_port}"
+        try:
+            http_port = await self.sidecar.start(s.host, s.http_port)
+        except OSError as e:
+            raise SettingsError("--http-port", f"cannot listen on {s.host}:{s.http_port}: {e.strerror or e}") from None
+        self.http_addr = f"http://{announce}:{http_port}"
+        self.membership = Membership(self.dht, s.run_id, s.peer_ttl, s.heartbeat_interval)
+        self.matchmaker = Matchmaker(self.dht, s.run_id, Member(self.peer_id, self.grpc_addr, s.client_mode,
+                                                                 s.bandwidth_mbps))
+        await self.membership.announce(self.record())
+        self.heartbeat_task = asyncio.create_task(self.membership.heartbeat(self.record, self.stop_requested))
+        maddr = public_maddrs(self.dht, s.announce_host)[0]
+        extra = f" --run-id {s.run_id}" if s.run_id != "dtnode-demo" else ""
+        extra += f" --model {s.model}" if s.model != "tiny" else ""
+        self.join_command = f"dtnode join --peer {maddr}{extra}"
+        print(f"dtnode node {self.peer_id} is up: status {self.http_addr}/status, gRPC "
+              f"{self.grpc_addr or 'client mode'}", flush=True)
+        print(f"To add a peer to this swarm, run on another host:\n  {self.join_command}", flush=True)
+
+    async def _sync_with_swarm(self) -> None:
+        self.state = "syncing"
+        view = await self.membership.members()
+        newest = max((m.checkpoint_step for m in view.values() if m.model_hash == self.model_hash), default=-1)
+        if newest <= self.replica.outer_step - 1 or newest < 1:
+            log.info("swarm is at outer step %d; nothing to download", max(newest, 0))
+            return
+        log.info("swarm is at outer step %d, this node at %d: downloading a checkpoint", newest, self.replica.outer_step)
+        loaded = await fetch_from_swarm(view, self.peer_id, self.replica.outer_step - 1, self.model_hash,
+                                        self.settings.run_id, self.layout, self.state_dir, self.settings.join_timeout)
+        if loaded is None:
+            log.warning("no peer could serve a checkpoint; training from the local state at step %d",
+                        self.replica.outer_step)
+            return
+        self.replica.load(loaded.theta_g, loaded.momentum, loaded.step)
+        self._pending_write = asyncio.ensure_future(self._write_checkpoint())
+        await self._pending_write
+        log.info("in sync at outer step %d (params %s)", loaded.step, self.replica.params_sha256()[:12])
+
+    async def _shutdown(self) -> None:
+        self.stop_requested.set()
+        self.stop_flag.set()
+        self.state = "stopped"
+        if self._pending_write is not None:
+            await asyncio.gather(self._pending_write, return_exceptions=True)
+        if getattr(self, "replica", None) is not None and self.replica.outer_step not in self.checkpoints \
+                and self.replica.outer_step > 0:
+            await self._write_checkpoint()
+        if self.heartbeat_task is not None:
+            await asyncio.gather(self.heartbeat_task, return_exceptions=True)
+        await self.sidecar.stop()
+        if self.grpc_server is not None:
+            await self.grpc_server.stop(grace=1.0)
+        await self.channels.close()
+        await asyncio.to_thread(self.dht.shutdown)
+        self.train_thread.shutdown(wait=True, cancel_futures=True)
+        self.io_thread.shutdown(wait=True)
+        log.info("stopped at outer step %d", self.replica.outer_step if hasattr(self, "replica") else 0)
+
+    # ---- one outer round ------------------------------------------------------------------
+    async def _expected_peers(self, round: int) -> set[str]:
+        view = await self.membership.members()
+        return {p.peer_id for p in view.values()
+                if p.outer_step == round and p.model_hash == self.model_hash and p.state in ("training", "averaging")}
+
+    async def run_round(self) -> None:
+        s = self.settings
+        loop = asyncio.get_running_loop()
+        round_started = time.monotonic()
+        round_no = self.replica.outer_step
+        self.state = "training"
+        inner = await loop.run_in_executor(self.train_thread, self.trainer.run, s.inner_steps, self.stop_flag)
+        if inner.steps < s.inner_steps and self.stop_requested.is_set():
+            log.info("round %d abandoned after %d of %d inner steps", round_no, inner.steps, s.inner_steps)
+            return
+        self.tokens_per_s = inner.tokens / inner.seconds if inner.seconds > 0 else 0.0
+        delta = await loop.run_in_executor(self.train_thread, self.replica.pseudo_gradient)
+        self.state = "averaging"
+        await self.membership.announce(self.record())
+        group = await self.matchmaker.form_group(round_no, 0, lambda: self._expected_peers(round_no),
+                                                 s.matchmaking_window, s.target_group_size)
+        mean = self.replica.mean_cpu
+        report: AllReduceReport | None = None
+        if len(group.members) > 1:
+            plan = make_plan(s.run_id, round_no, 0, group.members, self.replica.numel, s.quant_block_size,
+                             s.chunk_elements, INT8 if s.compression == "int8" else FP32)
+            report = await butterfly_allreduce(plan, self.peer_id, delta, float(inner.tokens), mean, self.registry,
+                                               self.channels, s.allreduce_timeout)
+            included = report.included_peers
+        else:
+            mean.copy_(delta)  # a group of one still applies its own outer step
+            included = [self.peer_id]
+        await loop.run_in_executor(self.train_thread, self.replica.apply_outer_step, mean)
+        self.eval_loss = await loop.run_in_executor(self.train_thread, self.trainer.eval_loss)
+        self.rounds_done += 1
+        if self._pending_write is not None:
+            await asyncio.gather(self._pending_write, return_exceptions=True)
+        self._pending_write = asyncio.ensure_future(self._write_checkpoint())
+        self.state = "training"
+        duration = time.monotonic() - round_started
+        self.last_round = {
+            "outer_step": round_no, "group_size": len(group.members), "group_key": group.key,
+            "included_peers": included, "matchmaking_s": round(group.seconds, 4), "duration_s": round(duration, 4),
+            "allreduce_s": round(report.seconds, 4) if report else 0.0,
+            "bytes_sent": report.bytes_sent if report else 0, "bytes_received": report.bytes_received if report else 0,
+            "failed_parts": [p.reducer for p in report.failed_parts] if report else [],
+            "inner_steps": inner.steps, "tokens": inner.tokens, "inner_s": round(inner.seconds, 4),
+            "loss": inner.mean_loss, "eval_loss": self.eval_loss,
+        }
+        self._observe(report, group_size=len(group.members), duration=duration, loss=inner.mean_loss)
+        await self.membership.announce(self.record())
+        floor = self.source.entropy_rate
+        log.info("round %d | group %d/%d | loss %.4f | eval %.4f%s | allreduce %.3fs (%s sent) | %.0f tok/s | params %s",
+                 round_no, len(group.members), group.registrants, inner.mean_loss, self.eval_loss,
+                 f" (floor {floor:.3f})" if floor else "", self.last_round["allreduce_s"],
+                 _human_bytes(self.last_round["bytes_sent"]), self.tokens_per_s, self.replica.params_sha256()[:12])
+
+    def _observe(self, report: AllReduceReport | None, group_size: int, duration: float, loss: float) -> None:
+        self.m_outer.set(self.replica.outer_step)
+        self.m_inner.set(self.trainer.inner_step)
+        self.m_loss.set(loss)
+        self.m_eval.set(self.eval_loss if self.eval_loss is not None else math.nan)
+        self.m_tps.set(self.tokens_per_s)
+        self.m_group.set(group_size)
+        self.m_round.observe(duration)
+        if report:
+            self.m_sent.inc(report.bytes_sent)
+            self.m_recv.inc(report.bytes_received)
+            self.m_failed.inc(len(report.failed_parts))
+            self.m_allreduce.observe(report.seconds)
+
+    async def _write_checkpoint(self) -> None:
+        """Snapshot θ_g and momentum (the only work on the training thread), write on the I/O thread."""
+        loop = asyncio.get_running_loop()
+        step = self.replica.outer_step
+
+        def snapshot() -> tuple[torch.Tensor, torch.Tensor]:
+            return self.replica.theta_g.detach().to("cpu", copy=True), self.replica.outer.momentum_buffer.to("cpu", copy=True)
+
+        theta, momentum = await loop.run_in_executor(self.train_thread, snapshot)
+        metadata = {"run_id": self.settings.run_id, "model_hash": self.model_hash, "model": self.settings.model}
+        try:
+            info = await loop.run_in_executor(self.io_thread, write_checkpoint, self.state_dir, step, self.layout,
+                                              theta, momentum, metadata)
+        except OSError as e:
+            log.error("could not write checkpoint %d: %s", step, e)
+            return
+        self.checkpoints[step] = info
+        await loop.run_in_executor(self.io_thread, prune_checkpoints, self.state_dir, self.settings.keep_checkpoints)
+        kept = {s for s, _ in list_checkpoints(self.state_dir)}
+        self.checkpoints = {s: i for s, i in self.checkpoints.items() if s in kept}
+
+
+def _human_bytes(n: int) -> str:
+    for unit in ("B", "kB", "MB", "GB"):
+        if n < 1000:
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n:.1f} TB"
+
+
+async def run_node(settings: NodeSettings) -> int:
+    node = Node(settings)
+    return await node.run()
+
+
+__all__ = ["Node", "run_node", "JoinError"]

@@ -1,0 +1,58 @@
+"""DiLoCo replica state around the trainer: θ_g, the outer optimizer and the outer step.
+
+θ_g stays on the training device next to θ_l; the pseudo-gradient Δ = θ_g − θ_l is staged
+in a (pinned, on CUDA) CPU buffer for the network, and the averaged Δ comes back the same
+way. After the outer step θ_l is reset to θ_g; the inner optimizer state is kept.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dtnode.ops.flat import sha256_of
+from dtnode.ops.outer_optimizer import NesterovOuterOptimizer
+
+from .trainer import Trainer
+
+
+class Replica:
+    def __init__(self, trainer: Trainer, outer_lr: float, outer_momentum: float):
+        self.trainer = trainer
+        local = trainer.parameters_flat
+        self.theta_g = local.detach().clone()
+        self.outer = NesterovOuterOptimizer(local.numel(), outer_lr, outer_momentum, device=local.device)
+        self.outer_step = 0
+        pin = local.device.type == "cuda"
+        self.delta_cpu = torch.empty(local.numel(), dtype=torch.float32, pin_memory=pin)
+        self.mean_cpu = torch.empty(local.numel(), dtype=torch.float32, pin_memory=pin)
+        self._delta_device = torch.empty_like(local)
+
+    @property
+    def numel(self) -> int:
+        return self.theta_g.numel()
+
+    @torch.no_grad()
+    def pseudo_gradient(self) -> torch.Tensor:
+        """Δ = θ_g − θ_l into the CPU staging buffer (returned)."""
+        torch.sub(self.theta_g, self.trainer.parameters_flat, out=self._delta_device)
+        self.delta_cpu.copy_(self._delta_device, non_blocking=True)
+        if self._delta_device.is_cuda:
+            torch.cuda.current_stream(self._delta_device.device).synchronize()
+        return self.delta_cpu
+
+    @torch.no_grad()
+    def apply_outer_step(self, mean_delta_cpu: torch.Tensor) -> None:
+        self._delta_device.copy_(mean_delta_cpu, non_blocking=True)
+        self.outer.step(self.theta_g, self._delta_device)
+        self.trainer.parameters_flat.copy_(self.theta_g)
+        self.outer_step += 1
+
+    @torch.no_grad()
+    def load(self, theta_g: torch.Tensor, momentum: torch.Tensor, outer_step: int) -> None:
+        self.theta_g.copy_(theta_g)
+        self.outer.load_state_dict({"outer_momentum": momentum})
+        self.trainer.parameters_flat.copy_(self.theta_g)
+        self.outer_step = outer_step
+
+    def params_sha256(self) -> str:
+        return sha256_of(self.theta_g)

@@ -1,0 +1,184 @@
+"""The node's settings: one pydantic model for every option.
+
+Precedence, lowest to highest: defaults < TOML file (`--config` / DTNODE_CONFIG) <
+environment variables `DTNODE_<NAME>` < CLI flags. The CLI is generated from this model, so
+every option has exactly one name, one type and one help text.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tomllib
+from pathlib import Path
+from typing import Any
+
+from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic.fields import FieldInfo
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+
+ENV_PREFIX = "DTNODE_"
+_DEVICE = re.compile(r"^(auto|cpu|mps|cuda(:\d+)?)$")
+
+
+class SettingsError(ValueError):
+    """A bad option value; `option` names it the way the user wrote it (flag form)."""
+
+    def __init__(self, option: str, message: str):
+        super().__init__(f"{option}: {message}")
+        self.option = option
+
+
+def flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+class NodeSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="forbid", validate_default=True)
+
+    # Swarm identity and membership
+    run_id: str = Field("dtnode-demo", min_length=1, max_length=64, pattern=r"^[A-Za-z0-9._-]+$",
+                        description="Name of the training run; only peers with the same run id train together.")
+    peers: list[str] = Field(default_factory=list,
+                             description="Multiaddr of a swarm member to join through (repeatable). "
+                                         "Without it the node starts a new swarm.")
+    config: Path | None = Field(None, description="TOML file with option values (keys as in this list, "
+                                                  "with underscores).")
+    state_dir: Path = Field(Path("state"), description="Directory for checkpoints and node identity.")
+    # Network
+    host: str = Field("0.0.0.0", description="Interface to listen on for DHT, gRPC and HTTP.")
+    announce_host: str | None = Field(None, description="Address other peers should use to reach this node "
+                                                        "(default: detected from the listening interfaces).")
+    dht_port: int = Field(7700, ge=0, le=65535, description="TCP port of the DHT (libp2p); 0 picks a free port.")
+    grpc_port: int = Field(7701, ge=0, le=65535, description="TCP port of the averaging gRPC server; 0 picks a free one.")
+    http_port: int = Field(7702, ge=0, le=65535, description="TCP port of the HTTP sidecar; 0 picks a free one.")
+    client_mode: bool = Field(False, description="Behind NAT: open only outbound streams and reduce no part.")
+    join_timeout: float = Field(30.0, gt=0, le=3600, description="Seconds to reach the DHT and the initial "
+                                                                 "peers before giving up with an error.")
+    min_peers: int = Field(1, ge=1, le=10_000, description="Wait (up to --join-timeout) until this many "
+                                                           "members are visible before the first round.")
+    heartbeat_interval: float = Field(2.0, gt=0, le=60, description="Seconds between membership heartbeats.")
+    peer_ttl: float = Field(6.0, gt=0, le=600, description="Seconds a membership record lives without a heartbeat.")
+    # Model and data
+    model: str = Field("tiny", description="Model preset (tiny, small, base) or 'module:factory' "
+                                           "returning a torch.nn.Module.")
+    data: Path | None = Field(None, description="UTF-8 text file to train on (byte-level tokens); default: "
+                                                "the built-in synthetic language seeded by the run id.")
+    device: str = Field("auto", description="Torch device: auto, cpu, cuda, cuda:N or mps.")
+    seed: int = Field(0, ge=0, description="Seed of the initial weights and the synthetic language "
+                                           "(combined with the run id).")
+    batch_size: int = Field(16, ge=1, le=65536, description="Sequences per inner step.")
+    seq_len: int | None = Field(None, ge=2, le=65536, description="Tokens per sequence (default: the model's context).")
+    # DiLoCo
+    inner_steps: int = Field(20, ge=1, le=1_000_000, description="H: inner AdamW steps between outer steps.")
+    inner_lr: float = Field(1e-3, gt=0, le=1, description="Peak learning rate of the inner AdamW.")
+    inner_weight_decay: float = Field(0.1, ge=0, le=1, description="Weight decay of the inner AdamW.")
+    warmup_steps: int = Field(50, ge=0, description="Linear warmup of the inner learning rate, in inner steps.")
+    grad_clip: float = Field(1.0, ge=0, description="Gradient norm clip of inner steps (0 disables).")
+    outer_lr: float = Field(0.7, gt=0, le=10, description="Learning rate of the outer Nesterov SGD.")
+    outer_momentum: float = Field(0.9, ge=0, lt=1, description="Momentum of the outer Nesterov SGD.")
+    max_rounds: int | None = Field(None, ge=1, description="Exit 0 after this many outer rounds (default: run forever).")
+    # Averaging
+    target_group_size: int = Field(16, ge=1, le=1024, description="Peers per averaging group; larger rounds "
+                                                                  "split deterministically.")
+    matchmaking_window: float = Field(15.0, gt=0, le=600, description="Seconds a round waits for peers to "
+                                                                       "join its group.")
+    allreduce_timeout: float = Field(60.0, gt=0, le=3600, description="Seconds an all-reduce may take "
+                                                                      "before missing parts are given up.")
+    quant_block_size: int = Field(256, ge=8, le=1 << 20, description="Values per int8 quantization block.")
+    chunk_elements: int = Field(1 << 20, ge=1024, le=1 << 26, description="Values per streamed chunk "
+                                                                           "(a multiple of the block size).")
+    compression: str = Field("int8", pattern=r"^(int8|none)$", description="Wire format of pseudo-gradients: "
+                                                                            "int8 (blockwise) or none (fp32).")
+    bandwidth_mbps: float = Field(1000.0, gt=0, description="This node's bandwidth in Mbit/s, used to size "
+                                                            "the part it reduces.")
+    # Checkpoints
+    keep_checkpoints: int = Field(3, ge=1, le=1000, description="Newest checkpoints kept in the state dir.")
+    # Logging
+    log_level: str = Field("INFO", pattern=r"^(DEBUG|INFO|WARNING|ERROR)$",
+                           description="Log level: DEBUG, INFO, WARNING or ERROR.")
+
+    @field_validator("device")
+    @classmethod
+    def _known_device(cls, value: str) -> str:
+        if not _DEVICE.match(value):
+            raise ValueError(f"unknown device {value!r}; use auto, cpu, cuda, cuda:N or mps")
+        return value
+
+    @field_validator("model")
+    @classmethod
+    def _model_spec(cls, value: str) -> str:
+        from .model import PRESETS
+
+        if value not in PRESETS and not re.match(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$", value):
+            raise ValueError(f"unknown model {value!r}; use one of {', '.join(PRESETS)} or module:factory")
+        return value
+
+    @field_validator("data")
+    @classmethod
+    def _readable_data(cls, value: Path | None) -> Path | None:
+        if value is not None and not (value.is_file() and os.access(value, os.R_OK)):
+            raise ValueError(f"cannot read data file {value}")
+        return value
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "NodeSettings":
+        if self.chunk_elements % self.quant_block_size:
+            raise ValueError("chunk_elements: must be a multiple of --quant-block-size")
+        if self.peer_ttl <= self.heartbeat_interval:
+            raise ValueError("peer_ttl: must be longer than --heartbeat-interval")
+        return self
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        return init_settings, env_settings, TomlFileSource(settings_cls, init_settings)
+
+
+class TomlFileSource(PydanticBaseSettingsSource):
+    """Values from the TOML file named by `config` (CLI) or DTNODE_CONFIG."""
+
+    def __init__(self, settings_cls: type[BaseSettings], init_settings: PydanticBaseSettingsSource):
+        super().__init__(settings_cls)
+        self.init_settings = init_settings
+
+    def get_field_value(self, field: FieldInfo, field_name: str) -> tuple[Any, str, bool]:
+        return None, field_name, False  # unused: __call__ reads the whole file
+
+    def __call__(self) -> dict[str, Any]:
+        path = self.init_settings().get("config") or os.environ.get(ENV_PREFIX + "CONFIG")
+        if not path:
+            return {}
+        try:
+            with open(path, "rb") as f:
+                values = tomllib.load(f)
+        except OSError as e:
+            raise SettingsError("--config", f"cannot read {path}: {e.strerror or e}") from None
+        except tomllib.TOMLDecodeError as e:
+            raise SettingsError("--config", f"{path} is not valid TOML: {e}") from None
+        values = {k.replace("-", "_"): v for k, v in values.items()}
+        unknown = sorted(set(values) - set(NodeSettings.model_fields))
+        if unknown:
+            raise SettingsError("--config", f"{path} has unknown option(s): {', '.join(unknown)}")
+        values.pop("config", None)
+        return values
+
+
+def load_settings(cli_values: dict[str, Any]) -> NodeSettings:
+    """Build the settings; raise SettingsError naming the first bad option."""
+    try:
+        return NodeSettings(**cli_values)
+    except ValidationError as e:
+        err = e.errors()[0]
+        message = err["msg"].removeprefix("Value error, ")
+        if err["loc"]:
+            name = str(err["loc"][0])
+        else:  # model-level checks start their message with the field they blame
+            name, _, message = message.partition(": ")
+        raise SettingsError(flag(name), message) from None

@@ -1,0 +1,133 @@
+"""The HTTP sidecar: health, status, peers, metrics and checkpoints on one aiohttp server.
+
+It runs on the node's event loop but never waits on training or averaging: every handler
+reads state the node has already published, and checkpoint files stream from disk, so a
+node in the middle of an all-reduce still answers at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any, Protocol
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+
+from .checkpoint import CheckpointInfo
+
+MAX_STEP = 1 << 62
+
+
+class NodeView(Protocol):
+    """What the sidecar needs from the node."""
+
+    metrics_registry: CollectorRegistry
+
+    def status(self) -> dict[str, Any]: ...
+
+    async def peer_records(self) -> list[dict[str, Any]]: ...
+
+    def checkpoint(self, step: int | None = None) -> CheckpointInfo | None: ...
+
+
+class Sidecar:
+    def __init__(self, node: NodeView, max_downloads: int = 4):
+        self.node = node
+        self.downloads = asyncio.Semaphore(max_downloads)
+        self.app = web.Application()
+        self.app.add_routes([
+            web.get("/healthz", self.healthz),
+            web.get("/status", self.status),
+            web.get("/peers", self.peers),
+            web.get("/metrics", self.metrics),
+            web.get("/checkpoint", self.checkpoint_meta),
+            web.get("/checkpoint/{step}", self.checkpoint_file),
+            web.get("/", self.dashboard),
+        ])
+        self.runner: web.AppRunner | None = None
+        self.port = 0
+
+    async def start(self, host: str, port: int) -> int:
+        self.runner = web.AppRunner(self.app, access_log=None, handle_signals=False)
+        await self.runner.setup()
+        site = web.TCPSite(self.runner, host, port, reuse_address=True)
+        await site.start()
+        self.port = site._server.sockets[0].getsockname()[1]  # the bound port when port was 0
+        return self.port
+
+    async def stop(self) -> None:
+        if self.runner is not None:
+            await self.runner.cleanup()
+
+    async def healthz(self, request: web.Request) -> web.Response:
+        return web.json_response({"ok": True, "state": self.node.status()["state"]})
+
+    async def status(self, request: web.Request) -> web.Response:
+        return web.json_response(self.node.status())
+
+    async def peers(self, request: web.Request) -> web.Response:
+        return web.json_response(await self.node.peer_records())
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        body = generate_latest(self.node.metrics_registry)
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    async def checkpoint_meta(self, request: web.Request) -> web.Response:
+        info = self.node.checkpoint()
+        if info is None:
+            raise web.HTTPNotFound(text="no checkpoint yet")
+        return web.json_response({
+            "outer_step": info.step, "sha256": info.sha256, "size_bytes": info.size_bytes,
+            "url": str(request.url.with_path(f"/checkpoint/{info.step}").with_query(None)),
+        })
+
+    async def checkpoint_file(self, request: web.Request) -> web.StreamResponse:
+        raw = request.match_info["step"]
+        # Only a plain decimal integer ever reaches a file name.
+        if not raw.isascii() or not raw.isdigit() or len(raw) > 19 or int(raw) > MAX_STEP:
+            raise web.HTTPBadRequest(text="step must be a non-negative integer")
+        info = self.node.checkpoint(int(raw))
+        if info is None or not Path(info.path).is_file():
+            raise web.HTTPNotFound(text=f"no checkpoint for step {int(raw)}")
+        if self.downloads.locked():
+            raise web.HTTPServiceUnavailable(text="too many downloads in progress", headers={"Retry-After": "2"})
+        async with self.downloads:
+            response = web.FileResponse(info.path, chunk_size=1 << 20, headers={
+                "X-Checkpoint-Sha256": info.sha256, "X-Checkpoint-Step": str(info.step),
+                "Content-Type": "application/octet-stream",
+            })
+            await response.prepare(request)  # sends the whole file while we hold the slot
+            return response
+
+    async def dashboard(self, request: web.Request) -> web.Response:
+        return web.Response(text=DASHBOARD_HTML, content_type="text/html")
+
+
+DASHBOARD_HTML = """<!doctype html>
+<html><head><meta charset="utf-8"><title>dtnode</title>
+<style>body{font:14px system-ui,sans-serif;margin:2em;max-width:70em}table{border-collapse:collapse}
+td,th{padding:.25em .8em;border-bottom:1px solid #ddd;text-align:left}code{font-size:12px}</style></head>
+<body><h1>dtnode <span id="run"></span></h1>
+<p id="me"></p><h2>Loss</h2><svg id="chart" width="640" height="200" style="border:1px solid #ccc"></svg>
+<h2>Peers</h2><table id="peers"></table>
+<script>
+const losses=[];
+async function tick(){
+  const s=await (await fetch('/status')).json(); const p=await (await fetch('/peers')).json();
+  document.getElementById('run').textContent='· '+s.run_id;
+  document.getElementById('me').innerHTML=`<b>${s.state}</b> · outer step ${s.outer_step} · inner step ${s.inner_step}`+
+    ` · loss ${s.loss?.toFixed?.(4)} · params <code>${s.params_sha256.slice(0,12)}</code>`;
+  if(s.loss!=null&&(losses.length==0||losses[losses.length-1][0]!=s.inner_step))losses.push([s.inner_step,s.loss]);
+  const svg=document.getElementById('chart'); if(losses.length>1){
+    const xs=losses.map(l=>l[0]),ys=losses.map(l=>l[1]),x0=Math.min(...xs),x1=Math.max(...xs),y0=Math.min(...ys),y1=Math.max(...ys);
+    const pts=losses.map(([x,y])=>`${(x-x0)/(x1-x0||1)*620+10},${190-(y-y0)/(y1-y0||1)*180}`).join(' ');
+    svg.innerHTML=`<polyline fill="none" stroke="#36c" stroke-width="2" points="${pts}"/>`;}
+  const rows=p.map(r=>`<tr><td><code>${r.peer_id.slice(-10)}</code></td><td>${r.state}</td><td>${r.outer_step}</td>`+
+    `<td>${r.tokens_per_s.toFixed(0)}</td><td>${r.device}</td><td>${r.client_mode?'client':''}</td></tr>`).join('');
+  document.getElementById('peers').innerHTML='<tr><th>peer</th><th>state</th><th>outer step</th><th>tokens/s</th>'+
+    '<th>device</th><th></th></tr>'+rows;
+}
+tick(); setInterval(tick, 2000);
+</script></body></html>
+"""

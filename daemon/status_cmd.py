@@ -1,0 +1,56 @@
+"""`dtnode status`: one node and the swarm it sees, as tables."""
+
+from __future__ import annotations
+
+import json
+import sys
+import urllib.error
+import urllib.request
+
+from rich.console import Console
+from rich.table import Table
+
+
+def _get(url: str) -> object:
+    with urllib.request.urlopen(url, timeout=5) as resp:
+        return json.load(resp)
+
+
+def show_status(url: str, as_json: bool = False) -> int:
+    base = url.rstrip("/")
+    try:
+        status = _get(base + "/status")
+        peers = _get(base + "/peers")
+    except (urllib.error.URLError, OSError, ValueError) as e:
+        print(f"dtnode: error: no node answers at {base}: {getattr(e, 'reason', e)}", file=sys.stderr)
+        return 1
+    if as_json:
+        print(json.dumps({"status": status, "peers": peers}, indent=2))
+        return 0
+    console = Console()
+    node = Table(title=f"node {status['peer_id']}", show_header=False)
+    last = status.get("last_round") or {}
+    rows = [
+        ("run", status["run_id"]), ("state", status["state"]), ("outer step", status["outer_step"]),
+        ("inner step", status["inner_step"]), ("loss", _fmt(status.get("loss"))),
+        ("eval loss", _fmt(status.get("eval_loss"))), ("loss floor", _fmt(status.get("loss_floor"))),
+        ("tokens/s", f"{status['tokens_per_s']:.0f}"), ("uptime", f"{status['uptime_s']:.0f}s"),
+        ("params sha256", status["params_sha256"][:16]), ("http", status["http_url"]),
+        ("last round", f"group {last.get('group_size', '-')}, {last.get('duration_s', '-')}s, "
+                       f"all-reduce {last.get('allreduce_s', '-')}s, sent {last.get('bytes_sent', '-')} B"),
+    ]
+    for key, value in rows:
+        node.add_row(key, str(value))
+    console.print(node)
+    swarm = Table(title=f"swarm: {len(peers)} peers")
+    for col in ("peer", "state", "outer step", "checkpoint", "tokens/s", "device", "mode", "http"):
+        swarm.add_column(col)
+    for p in peers:
+        swarm.add_row(p["peer_id"][-12:], p["state"], str(p["outer_step"]), str(p["checkpoint_step"]),
+                      f"{p['tokens_per_s']:.0f}", p["device"], "client" if p["client_mode"] else "full", p["http_addr"])
+    console.print(swarm)
+    return 0
+
+
+def _fmt(value: float | None) -> str:
+    return "-" if value is None else f"{value:.4f}"

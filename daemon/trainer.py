@@ -1,0 +1,101 @@
+"""The inner loop: AdamW steps on the local weights θ_l, run on a worker thread.
+
+The trainer owns the model and the inner optimizer; each replica keeps its own AdamW state
+(DiLoCo: syncing it would triple the traffic for no gain). It runs a bounded number of
+steps per call and checks a stop flag between steps, so a shutdown never waits for a whole
+round of compute.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from dtnode.ops.flat import FlatParameters
+
+from .data import DataStream
+
+
+@dataclass
+class InnerResult:
+    steps: int
+    tokens: int
+    mean_loss: float
+    seconds: float
+
+
+class Trainer:
+    def __init__(self, model: torch.nn.Module, stream: DataStream, device: torch.device, *, lr: float,
+                 weight_decay: float, warmup_steps: int, grad_clip: float):
+        self.device = device
+        self.model = model.to(device)
+        self.flat = FlatParameters(self.model.named_parameters())
+        self.stream = stream
+        self.lr = lr
+        self.warmup_steps = warmup_steps
+        self.grad_clip = grad_clip
+        decay = [p for p in self.model.parameters() if p.dim() >= 2]
+        no_decay = [p for p in self.model.parameters() if p.dim() < 2]
+        self.optimizer = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+            lr=lr, betas=(0.9, 0.95), foreach=device.type != "cpu" or None,
+        )
+        self.inner_step = 0
+        self.last_loss = math.nan
+        self.autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext())
+
+    @property
+    def parameters_flat(self) -> torch.Tensor:
+        """θ_l: every parameter lives in this one buffer."""
+        return self.flat.buffer
+
+    def _set_lr(self) -> None:
+        scale = min(1.0, (self.inner_step + 1) / self.warmup_steps) if self.warmup_steps else 1.0
+        for group in self.optimizer.param_groups:
+            group["lr"] = self.lr * scale
+
+    def _loss(self, batch: torch.Tensor) -> torch.Tensor:
+        batch = batch.to(self.device, non_blocking=True)
+        with self.autocast:
+            logits = self.model(batch[:, :-1])
+        return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
+
+    def run(self, steps: int, stop: threading.Event, deadline: float | None = None) -> InnerResult:
+        """Up to `steps` AdamW steps; ends early on `stop` or past the monotonic `deadline`."""
+        self.model.train()
+        started = time.monotonic()
+        done, tokens, loss_sum = 0, 0, 0.0
+        for _ in range(steps):
+            if stop.is_set() or (deadline is not None and time.monotonic() > deadline):
+                break
+            batch = self.stream.next_batch()
+            self._set_lr()
+            loss = self._loss(batch)
+            self.optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            if self.grad_clip:
+                torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
+            self.optimizer.step()
+            loss_value = loss.detach().item()
+            if not math.isfinite(loss_value):
+                raise FloatingPointError(f"inner loss became {loss_value} at inner step {self.inner_step}")
+            self.inner_step += 1
+            done += 1
+            tokens += batch[:, 1:].numel()
+            loss_sum += loss_value
+        mean = loss_sum / done if done else math.nan
+        if done:
+            self.last_loss = mean
+        return InnerResult(done, tokens, mean, time.monotonic() - started)
+
+    @torch.no_grad()
+    def eval_loss(self) -> float:
+        """Loss on the swarm-wide eval batch: comparable across peers."""
+        self.model.eval()
+        return float(self._loss(self.stream.eval_batch))

@@ -1,0 +1,70 @@
+"""One flat fp32 buffer behind all parameters of a model.
+
+Packing the parameters into one contiguous buffer makes the pseudo-gradient a single
+subtraction and lets the network layer ship one buffer instead of one RPC per tensor.
+Parameters become views into the buffer, so the inner optimizer keeps working unchanged.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable
+
+import torch
+
+
+class FlatParameters:
+    """Re-points every parameter's storage into one flat buffer (in a fixed order)."""
+
+    def __init__(self, named_parameters: Iterable[tuple[str, torch.nn.Parameter]]) -> None:
+        params = [(name, p) for name, p in named_parameters if p.requires_grad]
+        if not params:
+            raise ValueError("model has no trainable parameters")
+        device = params[0][1].device
+        self.names = [name for name, _ in params]
+        self.shapes = [tuple(p.shape) for _, p in params]
+        self.numel = sum(p.numel() for _, p in params)
+        self.buffer = torch.empty(self.numel, dtype=torch.float32, device=device)
+        offset = 0
+        self.offsets: list[int] = []
+        for _, p in params:
+            n = p.numel()
+            view = self.buffer[offset : offset + n].view_as(p)
+            view.copy_(p.detach())
+            p.data = view
+            self.offsets.append(offset)
+            offset += n
+
+    def views(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Named views of another flat buffer laid out like this one."""
+        if flat.numel() != self.numel:
+            raise ValueError(f"flat buffer has {flat.numel()} values, expected {self.numel}")
+        return {
+            name: flat[off : off + _prod(shape)].view(shape)
+            for name, shape, off in zip(self.names, self.shapes, self.offsets)
+        }
+
+    def unflatten_into(self, tensors: dict[str, torch.Tensor], flat: torch.Tensor) -> None:
+        """Copy named tensors into `flat`; names, shapes and dtypes must match exactly."""
+        if set(tensors) != set(self.names):
+            missing = sorted(set(self.names) - set(tensors))
+            extra = sorted(set(tensors) - set(self.names))
+            raise ValueError(f"parameter names differ (missing {missing[:3]}, unexpected {extra[:3]})")
+        for name, view in self.views(flat).items():
+            src = tensors[name]
+            if tuple(src.shape) != tuple(view.shape) or src.dtype != torch.float32:
+                raise ValueError(f"{name}: expected float32{list(view.shape)}, got {src.dtype}{list(src.shape)}")
+            view.copy_(src)
+
+
+def _prod(shape: tuple[int, ...]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def sha256_of(flat: torch.Tensor) -> str:
+    """Hash of the raw bytes of a flat fp32 tensor: equal hashes mean bit-identical weights."""
+    data = flat.detach().to("cpu", torch.float32).contiguous()
+    return hashlib.sha256(data.numpy().tobytes()).hexdigest()

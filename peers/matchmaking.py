@@ -1,0 +1,103 @@
+"""Group formation through the DHT, without a leader.
+
+Every peer that reaches round r registers under the key `{run_id}.group.{r}.{hop}` and
+polls it. The group closes when every live member that the membership shows at the same
+round has registered, or when the matchmaking window ends. Every member then derives the
+same groups from the same sorted registrant list (split into balanced groups when over
+the target size); a member whose view differs ends up in a plan with a different group id,
+which reducers reject, so a divergent view costs that member its round, never corrupts
+anyone else's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+import hivemind
+from hivemind.utils import get_dht_time
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from .butterfly import Member
+
+log = logging.getLogger(__name__)
+
+
+class Registration(BaseModel):
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    grpc_addr: str = Field("", max_length=256)
+    client_mode: bool = False
+    bandwidth_mbps: float = Field(1000.0, gt=0, le=1e9)
+
+
+@dataclass
+class FormedGroup:
+    key: str
+    members: list[Member]
+    registrants: int
+    seconds: float
+
+
+def split_groups(peer_ids: list[str], target_size: int) -> list[list[str]]:
+    """Balanced, deterministic split of a sorted id list into groups of at most target_size."""
+    ordered = sorted(peer_ids)
+    count = max(1, math.ceil(len(ordered) / target_size))
+    return [ordered[len(ordered) * g // count : len(ordered) * (g + 1) // count] for g in range(count)]
+
+
+class Matchmaker:
+    def __init__(self, dht: hivemind.DHT, run_id: str, own: Member, poll_interval: float = 0.15):
+        self.dht = dht
+        self.run_id = run_id
+        self.own = own
+        self.poll_interval = poll_interval
+
+    def group_key(self, round: int, hop: int) -> str:
+        return f"{self.run_id}.group.{round}.{hop}"
+
+    async def _registrants(self, key: str) -> dict[str, Member]:
+        found = await self.dht.get(key, latest=True, return_future=True)
+        entries = found.value if found is not None and isinstance(found.value, dict) else {}
+        members = {}
+        for peer_id, item in entries.items():
+            try:
+                reg = Registration.model_validate(item.value)
+            except (ValidationError, AttributeError, TypeError):
+                continue
+            if not isinstance(peer_id, str) or len(peer_id) > 128 or (not reg.client_mode and not reg.grpc_addr):
+                continue
+            members[peer_id] = Member(peer_id, reg.grpc_addr, reg.client_mode, reg.bandwidth_mbps)
+        return members
+
+    async def form_group(self, round: int, hop: int, expected: Callable[[], Awaitable[set[str]]], window: float,
+                         target_size: int) -> FormedGroup:
+        """Register for (round, hop) and return this peer's group once it closes."""
+        started = time.monotonic()
+        key = self.group_key(round, hop)
+        value = Registration(grpc_addr=self.own.grpc_addr, client_mode=self.own.client_mode,
+                             bandwidth_mbps=self.own.bandwidth).model_dump()
+        await self.dht.store(key, subkey=self.own.peer_id, value=value,
+                             expiration_time=get_dht_time() + window + 60, return_future=True)
+        deadline = started + window
+        registrants: dict[str, Member] = {self.own.peer_id: self.own}
+        while True:
+            try:
+                registrants = await self._registrants(key) | {self.own.peer_id: self.own}
+                wanted = await expected()
+            except Exception as e:
+                log.warning("matchmaking lookup failed: %s", e)
+                wanted = set(registrants) | {"?"}
+            if wanted <= set(registrants) or time.monotonic() >= deadline:
+                break
+            await asyncio.sleep(self.poll_interval)
+        groups = split_groups(list(registrants), target_size)
+        mine = next(g for g in groups if self.own.peer_id in g)
+        members = [registrants[p] for p in mine]
+        if all(m.client_mode for m in members):
+            members = [self.own]  # nobody can reduce: average alone
+        return FormedGroup(key, members, len(registrants), time.monotonic() - started)

@@ -1,0 +1,37 @@
+"""The node's gRPC server: hosts the averaging service on one port."""
+
+from __future__ import annotations
+
+import grpc
+
+from dtnode.proto import averaging_pb2_grpc as pb_grpc
+
+from .butterfly import AveragingService
+
+
+class GrpcPortError(OSError):
+    """The gRPC port could not be bound (in use, or no permission)."""
+
+
+async def start_grpc_server(
+    service: AveragingService, host: str, port: int, max_message_bytes: int, max_concurrent_streams: int = 64
+) -> tuple[grpc.aio.Server, int]:
+    """Start serving; returns the server and the bound port (useful when port is 0)."""
+    server = grpc.aio.server(
+        options=[
+            ("grpc.max_send_message_length", max_message_bytes),
+            ("grpc.max_receive_message_length", max_message_bytes),
+            ("grpc.max_concurrent_streams", max_concurrent_streams),
+            ("grpc.so_reuseport", 0),
+        ]
+    )
+    pb_grpc.add_AveragingServicer_to_server(service, server)
+    bind_host = f"[{host}]" if ":" in host else host
+    try:
+        bound = server.add_insecure_port(f"{bind_host}:{port}")
+    except RuntimeError as e:
+        raise GrpcPortError(f"cannot bind gRPC port {host}:{port}: {e}") from e
+    if bound == 0:
+        raise GrpcPortError(f"cannot bind gRPC port {host}:{port}")
+    await server.start()
+    return server, bound
