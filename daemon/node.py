@@ -290,6 +290,10 @@ class Node:
             await self._write_checkpoint()
         if self.heartbeat_task is not None:
             await asyncio.gather(self.heartbeat_task, return_exceptions=True)
+            try:  # tell peers at once, so no group waits for us; the record then expires
+                await asyncio.wait_for(self.membership.announce(self.record()), 2.0)
+            except Exception:
+                pass
         await self.sidecar.stop()
         if self.grpc_server is not None:
             await self.grpc_server.stop(grace=1.0)

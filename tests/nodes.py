@@ -1,0 +1,83 @@
+"""Real `dtnode` processes on loopback for multi-node tests."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+LOOPBACK = ["--host", "127.0.0.1", "--dht-port", "0", "--grpc-port", "0", "--http-port", "0"]
+
+
+class NodeProcess:
+    def __init__(self, name: str, args: list[str], state_dir: Path, env: dict | None = None):
+        self.name = name
+        self.state_dir = state_dir
+        self.lines: list[str] = []
+        self.proc = subprocess.Popen(
+            [sys.executable, "-u", "-m", "dtnode", *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            text=True, env={**os.environ, "GRPC_VERBOSITY": "ERROR", **(env or {})},
+        )
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.append(line.rstrip())
+
+    @classmethod
+    def join(cls, name: str, tmp: Path, *extra: str, env: dict | None = None) -> "NodeProcess":
+        state_dir = tmp / name
+        return cls(name, ["join", *LOOPBACK, "--state-dir", str(state_dir), *extra], state_dir, env)
+
+    def wait_for_line(self, pattern: str, timeout: float = 60) -> re.Match:
+        regex = re.compile(pattern)
+        deadline = time.monotonic() + timeout
+        seen = 0
+        while time.monotonic() < deadline:
+            for line in self.lines[seen:]:
+                if m := regex.search(line):
+                    return m
+            seen = 0
+            if self.proc.poll() is not None and not self._reader.is_alive():
+                break
+            time.sleep(0.05)
+        raise AssertionError(f"{self.name}: no line matching {pattern!r}; output:\n" + self.output)
+
+    @property
+    def output(self) -> str:
+        return "\n".join(self.lines)
+
+    @property
+    def join_address(self) -> str:
+        return self.wait_for_line(r"dtnode join --peer (\S+)").group(1)
+
+    @property
+    def http_url(self) -> str:
+        return self.wait_for_line(r"status (http://\S+)/status").group(1)
+
+    def get(self, path: str) -> object:
+        with urllib.request.urlopen(self.http_url + path, timeout=5) as resp:
+            return json.load(resp)
+
+    def wait(self, timeout: float) -> int:
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"{self.name} did not exit in {timeout}s; output:\n{self.output}") from None
+
+    def stop(self, sig: int = signal.SIGTERM) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()

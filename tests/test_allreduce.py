@@ -1,0 +1,164 @@
+"""The gRPC butterfly all-reduce against a plain torch weighted mean, on real loopback servers."""
+
+import asyncio
+
+import grpc
+import pytest
+import torch
+
+from allreduce_harness import allreduce, start_peers, stop_peers
+from dtnode.ops.quantization import quantize
+from dtnode.peers.butterfly import FP32, INT8, Member, butterfly_allreduce, make_plan
+from dtnode.proto import averaging_pb2 as pb
+from dtnode.proto import averaging_pb2_grpc as pb_grpc
+
+# Two int8 quantizations (sender, then the reducer's mean), each ≤ ~0.8% on Gaussian data.
+INT8_BOUND = 0.02
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def exact_mean(values, weights):
+    return sum(w * v for w, v in zip(weights, values)) / sum(weights)
+
+
+def rel(a, b):
+    return float((a - b).norm() / b.norm())
+
+
+@pytest.mark.parametrize("n,numel,client_mode", [
+    (1, 1000, ()), (2, 1000, ()), (3, 100_003, ()), (4, 5_000, (2,)), (5, 77_777, (1,)), (5, 12_345, ()),
+])
+def test_matches_exact_weighted_mean(n, numel, client_mode):
+    async def main():
+        peers = await start_peers(n, client_mode=client_mode)
+        gen = torch.Generator().manual_seed(n * numel)
+        values = [torch.randn(numel, generator=gen) * (i + 1) for i in range(n)]
+        weights = [float(100 * (i + 1)) for i in range(n)]
+        try:
+            outs, reports = await allreduce(peers, values, weights, chunk_elements=1024)
+        finally:
+            await stop_peers(peers)
+        expected = exact_mean(values, weights)
+        for out, report in zip(outs, reports):
+            assert rel(out, expected) <= INT8_BOUND
+            assert not report.failed_parts
+            assert report.included_peers == sorted(p.member.peer_id for p in peers)
+        # one answer per group: every member applies the same bytes
+        for out in outs[1:]:
+            assert torch.equal(out, outs[0])
+    run(main())
+
+
+def test_fp32_codec_is_exact_to_float_rounding():
+    async def main():
+        peers = await start_peers(3)
+        values = [torch.randn(10_001) for _ in range(3)]
+        try:
+            outs, _ = await allreduce(peers, values, [1.0, 2.0, 3.0], codec=FP32, chunk_elements=1024)
+        finally:
+            await stop_peers(peers)
+        assert torch.allclose(outs[0], exact_mean(values, [1.0, 2.0, 3.0]), atol=1e-5)
+    run(main())
+
+
+def test_bandwidth_sizes_parts():
+    async def main():
+        peers = await start_peers(2, bandwidths=[1.0, 3.0])
+        try:
+            _, reports = await allreduce(peers, [torch.randn(64_000) for _ in range(2)], [1.0, 1.0])
+        finally:
+            await stop_peers(peers)
+        # peer 0 reduces a quarter, so it uploads three quarters of its buffer
+        assert reports[0].bytes_sent > 2.5 * reports[1].bytes_sent
+    run(main())
+
+
+def test_dead_reducer_leaves_own_values_for_its_part():
+    async def main():
+        peers = await start_peers(2)
+        dead = Member("peer99", "127.0.0.1:1")  # nobody listens there
+        members = [p.member for p in peers] + [dead]
+        plan = make_plan("test-run", 0, 0, members, 9_000, 64, 1024, INT8)
+        values = [torch.randn(9_000) for _ in range(2)]
+        outs = [torch.empty(9_000) for _ in range(2)]
+        try:
+            reports = await asyncio.gather(*(
+                butterfly_allreduce(plan, p.member.peer_id, v, 1.0, o, p.registry, p.channels, timeout=3.0)
+                for p, v, o in zip(peers, values, outs)))
+        finally:
+            await stop_peers(peers)
+        dead_part = plan.index_of("peer99")
+        offset, length = plan.parts[dead_part]
+        for v, o, r in zip(values, outs, reports):
+            assert torch.equal(o[offset:offset + length], v[offset:offset + length])
+            assert [p.reducer for p in r.failed_parts] == ["peer99"]
+        live = torch.ones(9_000, dtype=torch.bool)
+        live[offset:offset + length] = False
+        assert rel(outs[0][live], exact_mean(values, [1.0, 1.0])[live]) <= INT8_BOUND
+    run(main())
+
+
+def _chunk(plan, part, sender, offset, values, **overrides):
+    q = quantize(values, plan.block_size)
+    fields = dict(run_id=plan.run_id, round=plan.round, hop=plan.hop, group_id=plan.group_id, part=part,
+                  sender=sender, weight=1.0, offset=offset, length=values.numel(), codec=plan.codec,
+                  block_size=plan.block_size, values=q.codes.numpy().tobytes(), scales=q.scales.numpy().tobytes(),
+                  last=True)
+    fields.update(overrides)
+    return pb.PartChunk(**fields)
+
+
+HOSTILE = {
+    "nan scale": lambda c: c.__setattr__("scales", torch.full((len(c.scales) // 4,), float("nan")).numpy().tobytes()),
+    "short payload": lambda c: c.__setattr__("values", c.values[:-1]),
+    "wrong round": lambda c: c.__setattr__("round", c.round + 1),
+    "unknown sender": lambda c: c.__setattr__("sender", "peer-evil"),
+    "huge weight": lambda c: c.__setattr__("weight", 1e30),
+    "wrong offset": lambda c: c.__setattr__("offset", 64),
+    "oversized length": lambda c: c.__setattr__("length", 1 << 30),
+}
+
+
+@pytest.mark.parametrize("attack", sorted(HOSTILE))
+def test_hostile_member_is_rejected_and_others_unaffected(attack):
+    async def main():
+        peers = await start_peers(2)
+        hostile = Member("peer-hostile", "", client_mode=True)
+        plan = make_plan("test-run", 5, 0, [p.member for p in peers] + [hostile], 4096, 64, 4096, INT8)
+        values = [torch.randn(4096) for _ in range(2)]
+        outs = [torch.empty(4096) for _ in range(2)]
+
+        async def attacker():
+            codes = []
+            for part, peer in enumerate(peers):
+                idx = plan.index_of(peer.member.peer_id)
+                offset, length = plan.parts[idx]
+                chunk = _chunk(plan, idx, "peer-hostile", 0, torch.randn(length))
+                HOSTILE[attack](chunk)
+                async with grpc.aio.insecure_channel(peer.member.grpc_addr) as channel:
+                    call = pb_grpc.AveragingStub(channel).Reduce(iter([chunk]), timeout=5)
+                    try:
+                        async for _ in call:
+                            pass
+                        codes.append(grpc.StatusCode.OK)
+                    except grpc.aio.AioRpcError as e:
+                        codes.append(e.code())
+            return codes
+
+        try:
+            *reports, codes = await asyncio.gather(
+                *(butterfly_allreduce(plan, p.member.peer_id, v, 1.0, o, p.registry, p.channels, timeout=5.0)
+                  for p, v, o in zip(peers, values, outs)),
+                attacker())
+        finally:
+            await stop_peers(peers)
+        assert all(c in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION) for c in codes), codes
+        expected = exact_mean(values, [1.0, 1.0])
+        for out, report in zip(outs, reports):
+            assert rel(out, expected) <= INT8_BOUND
+            assert "peer-hostile" not in report.included_peers
+        assert torch.equal(outs[0], outs[1])
+    run(main())

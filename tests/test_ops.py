@@ -1,0 +1,106 @@
+import math
+
+import pytest
+import torch
+
+from dtnode.ops.outer_optimizer import NesterovOuterOptimizer
+from dtnode.ops.partition import plan_parts
+from dtnode.ops.quantization import (
+    NonFiniteError, QuantizedBlocks, dequantize, dequantize_accumulate, quantize, relative_l2_error,
+)
+
+
+@pytest.mark.parametrize("block", [64, 256, 1024])
+@pytest.mark.parametrize("numel", [1, 63, 1000, 100_003])
+def test_round_trip_error_under_one_percent(block, numel):
+    x = torch.randn(numel, generator=torch.Generator().manual_seed(numel))
+    y = dequantize(quantize(x, block))
+    assert relative_l2_error(x, y) <= 0.01
+    # each value is within half a quantization step (scale = block absmax / 127) of the original
+    q = quantize(x, block)
+    step = q.scales.repeat_interleave(block)[:numel]
+    assert bool(((x - y).abs() <= step / 2 + 1e-6).all())
+    assert y.shape == x.shape and y.dtype == torch.float32
+
+
+def test_zeros_and_all_equal_blocks_are_exact():
+    zeros = torch.zeros(1000)
+    assert torch.equal(dequantize(quantize(zeros, 64)), zeros)
+    equal = torch.full((300,), -2.5)
+    assert torch.equal(dequantize(quantize(equal, 64)), equal)
+    mixed = torch.cat([torch.zeros(64), torch.randn(64), torch.zeros(10)])
+    y = dequantize(quantize(mixed, 64))
+    assert torch.equal(y[:64], torch.zeros(64)) and torch.equal(y[128:], torch.zeros(10))
+
+
+def test_empty_and_tiny_inputs():
+    q = quantize(torch.empty(0), 64)
+    assert q.codes.numel() == 0 and q.scales.numel() == 0
+    assert dequantize(q).numel() == 0
+    one = torch.tensor([3.0])
+    assert torch.equal(dequantize(quantize(one, 64)), one)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_non_finite_input_is_an_error(bad):
+    x = torch.randn(500)
+    x[321] = bad
+    with pytest.raises(NonFiniteError):
+        quantize(x, 64)
+
+
+def test_codes_are_symmetric_and_scales_absmax():
+    x = torch.randn(4096)
+    q = quantize(x, 256)
+    assert int(q.codes.min()) >= -127 and int(q.codes.max()) <= 127
+    assert torch.allclose(q.scales, x.view(-1, 256).abs().amax(1) / 127)
+
+
+def test_dequantize_accumulate_matches_weighted_sum():
+    x = torch.randn(1000)
+    q = quantize(x, 64)
+    acc = torch.ones(1000)
+    dequantize_accumulate(q, acc, weight=2.5)
+    assert torch.allclose(acc, 1 + 2.5 * dequantize(q), atol=1e-6)
+
+
+def test_quantize_into_preallocated_buffers():
+    x = torch.randn(1000)
+    out = QuantizedBlocks(torch.empty(1000, dtype=torch.int8), torch.empty(16), 64)
+    q = quantize(x, 64, out=out)
+    assert q.codes.data_ptr() == out.codes.data_ptr()
+    assert relative_l2_error(x, dequantize(q)) < 0.01
+
+
+def test_outer_optimizer_matches_torch_nesterov_sgd():
+    torch.manual_seed(0)
+    theta = torch.randn(100)
+    reference = torch.nn.Parameter(theta.clone())
+    sgd = torch.optim.SGD([reference], lr=0.7, momentum=0.9, nesterov=True)
+    ours = NesterovOuterOptimizer(100, lr=0.7, momentum=0.9)
+    for _ in range(5):
+        delta = torch.randn(100)
+        reference.grad = delta.clone()
+        sgd.step()
+        ours.step(theta, delta)
+    assert torch.allclose(theta, reference.detach(), atol=1e-6)
+
+
+@pytest.mark.parametrize("total,shares,align", [(1000, [1, 1, 1], 64), (10, [1, 0, 2], 4), (0, [1, 1], 8),
+                                                (12345, [1, 3, 0, 2], 256), (7, [5], 4)])
+def test_parts_cover_the_buffer_exactly(total, shares, align):
+    parts = plan_parts(total, shares, align)
+    assert len(parts) == len(shares)
+    offset = 0
+    for (start, length), share in zip(parts, shares):
+        assert start == offset or length == 0
+        assert start % align == 0 or length == 0
+        if share == 0:
+            assert length == 0
+        offset = start + length if length else offset
+    assert sum(length for _, length in parts) == total
+
+
+def test_parts_follow_bandwidth():
+    parts = plan_parts(1 << 20, [1, 3], align=256)
+    assert math.isclose(parts[1][1] / parts[0][1], 3, rel_tol=0.01)

@@ -1,0 +1,103 @@
+"""Whole nodes as separate processes: DHT, gRPC, HTTP and training, all real, on loopback."""
+
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from dtnode.daemon.checkpoint import checkpoint_path
+from nodes import NodeProcess
+from safetensors.torch import load_file
+
+FAST = ["--model", "tiny", "--inner-steps", "15", "--batch-size", "8", "--seq-len", "32", "--keep-checkpoints", "100",
+        "--matchmaking-window", "10", "--peer-ttl", "4", "--heartbeat-interval", "1"]
+STATUS_FIELDS = {"peer_id", "run_id", "state", "outer_step", "inner_step", "loss", "tokens_per_s", "uptime_s",
+                 "params_sha256", "http_url", "last_round"}
+LAST_ROUND_FIELDS = {"group_size", "included_peers", "duration_s", "allreduce_s", "bytes_sent", "bytes_received"}
+RECORD_FIELDS = {"peer_id", "grpc_addr", "http_addr", "outer_step", "checkpoint_step", "checkpoint_sha256",
+                 "tokens_per_s", "device", "client_mode", "model_hash", "version"}
+
+
+def theta(node: NodeProcess, step: int) -> torch.Tensor:
+    tensors = load_file(str(checkpoint_path(node.state_dir, step)))
+    return torch.cat([t.reshape(-1) for name, t in sorted(tensors.items()) if name.startswith("theta_g/")])
+
+
+@pytest.fixture
+def cleanup():
+    nodes: list[NodeProcess] = []
+    yield nodes
+    for node in nodes:
+        node.kill()
+
+
+def test_three_joined_processes_train_in_consensus(tmp_path, cleanup):
+    first = NodeProcess.join("a", tmp_path, *FAST, "--min-peers", "3", "--run-id", "swarm-test")
+    cleanup.append(first)
+    join_line = first.wait_for_line(r"(dtnode join --peer \S+.*)").group(1)
+    assert "--run-id swarm-test" in join_line  # the printed command is complete
+    address = first.join_address
+    others = [NodeProcess.join(name, tmp_path, *FAST, "--min-peers", "3", "--run-id", "swarm-test",
+                               "--peer", address, "--max-rounds", "4") for name in ("b", "c")]
+    cleanup.extend(others)
+    for node in others:
+        assert node.wait(120) == 0, node.output
+    # The first node keeps training alone; its sidecar shows the documented fields.
+    status = first.get("/status")
+    assert STATUS_FIELDS <= set(status) and LAST_ROUND_FIELDS <= set(status["last_round"])
+    assert status["run_id"] == "swarm-test" and status["outer_step"] >= 4 and status["state"] in ("training", "averaging")
+    peers = first.get("/peers")
+    assert peers and all(RECORD_FIELDS <= set(p) for p in peers)
+    assert status["peer_id"] in {p["peer_id"] for p in peers}
+    table = subprocess.run([sys.executable, "-m", "dtnode", "status", "--url", first.http_url], capture_output=True,
+                           text=True, timeout=30)
+    assert table.returncode == 0 and status["peer_id"] in table.stdout and "swarm:" in table.stdout
+    first.stop(signal.SIGTERM)
+    assert first.wait(30) == 0, first.output
+    assert "stopped at outer step" in first.output
+
+    for node in (first, *others):
+        rounds = re.findall(r"round (\d+) \| group (\d+)/", node.output)
+        assert [int(r) for r, _ in rounds[:4]] == [0, 1, 2, 3], node.output
+        assert all(int(size) == 3 for _, size in rounds[:4]), node.output
+    for step in range(1, 5):
+        reference = theta(first, step)
+        for node in others:
+            other = theta(node, step)
+            # members apply the same averaged bytes: θ_g agrees far within the int8 error
+            assert float((other - reference).norm() / reference.norm()) <= 1e-2
+    losses = [float(x) for x in re.findall(r"\| eval (\d+\.\d+)", others[0].output)]
+    assert losses[-1] < losses[0]
+
+
+def test_local_swarm_trains_and_stops_on_ctrl_c(tmp_path):
+    proc = subprocess.Popen(
+        [sys.executable, "-u", "-m", "dtnode", "local", "--nodes", "3", "--base-dir", str(tmp_path), *FAST],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines: list[str] = []
+    deadline = time.monotonic() + 120
+    try:
+        for line in proc.stdout:
+            lines.append(line)
+            done = {n for n in ("node0", "node1", "node2")
+                    if any(l.lstrip().startswith(n) and "round 3 |" in l for l in lines)}
+            if len(done) == 3 or time.monotonic() > deadline:
+                break
+        proc.send_signal(signal.SIGINT)
+        rest, _ = proc.communicate(timeout=60)
+        lines.append(rest)
+    finally:
+        proc.kill()
+    output = "".join(lines)
+    assert proc.returncode == 0, output
+    for n in ("node0", "node1", "node2"):
+        mine = [l for l in output.splitlines() if l.lstrip().startswith(n)]
+        rounds = [l for l in mine if re.search(r"round \d+ \| group 3/3", l)]
+        assert len(rounds) >= 4, output
+        losses = [float(re.search(r"\| loss (\d+\.\d+)", l).group(1)) for l in rounds]
+        assert losses[-1] < losses[0]
+        assert any("stopped at outer step" in l for l in mine), output
