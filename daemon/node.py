@@ -205,6 +205,7 @@ class Node:
             await loop.run_in_executor(self.io_thread, self._resume_local)
             await self._start_services()
             if s.peers:
+                self.state = "syncing"
                 await self._sync_with_swarm()
             self.state = "training"
             await self.membership.announce(self.record())
@@ -260,24 +261,31 @@ class Node:
               f"{self.grpc_addr or 'client mode'}", flush=True)
         print(f"To add a peer to this swarm, run on another host:\n  {self.join_command}", flush=True)
 
-    async def _sync_with_swarm(self) -> None:
-        self.state = "syncing"
+    async def _sync_with_swarm(self) -> bool:
+        """Download the swarm's newest state if it is more than --max-lag outer steps ahead of ours."""
         view = await self.membership.members()
-        newest = max((m.checkpoint_step for m in view.values() if m.model_hash == self.model_hash), default=-1)
-        if newest <= self.replica.outer_step - 1 or newest < 1:
-            log.info("swarm is at outer step %d; nothing to download", max(newest, 0))
-            return
-        log.info("swarm is at outer step %d, this node at %d: downloading a checkpoint", newest, self.replica.outer_step)
-        loaded = await fetch_from_swarm(view, self.peer_id, self.replica.outer_step - 1, self.model_hash,
-                                        self.settings.run_id, self.layout, self.state_dir, self.settings.join_timeout)
+        own = self.replica.outer_step
+        newest = max((m.checkpoint_step for m in view.values()
+                      if m.model_hash == self.model_hash and m.peer_id != self.peer_id), default=-1)
+        if newest <= own + self.settings.max_lag:
+            return False
+        previous_state, self.state = self.state, "syncing"
+        log.info("swarm is at outer step %d, this node at %d: downloading a checkpoint", newest, own)
+        loaded = await fetch_from_swarm(view, self.peer_id, own, self.model_hash, self.settings.run_id, self.layout,
+                                        self.state_dir, self.settings.join_timeout)
+        self.state = previous_state
         if loaded is None:
-            log.warning("no peer could serve a checkpoint; training from the local state at step %d",
-                        self.replica.outer_step)
-            return
-        self.replica.load(loaded.theta_g, loaded.momentum, loaded.step)
+            log.warning("no peer could serve a checkpoint; continuing from outer step %d", own)
+            return False
+        await asyncio.get_running_loop().run_in_executor(
+            self.train_thread, self.replica.load, loaded.theta_g, loaded.momentum, loaded.step)
+        if self._pending_write is not None:
+            await asyncio.gather(self._pending_write, return_exceptions=True)
         self._pending_write = asyncio.ensure_future(self._write_checkpoint())
         await self._pending_write
         log.info("in sync at outer step %d (params %s)", loaded.step, self.replica.params_sha256()[:12])
+        await self.membership.announce(self.record())
+        return True
 
     async def _shutdown(self) -> None:
         self.stop_requested.set()
@@ -313,6 +321,7 @@ class Node:
         s = self.settings
         loop = asyncio.get_running_loop()
         round_started = time.monotonic()
+        await self._sync_with_swarm()  # a node left behind (stalled, or a solo round) catches up first
         round_no = self.replica.outer_step
         self.state = "training"
         inner = await loop.run_in_executor(self.train_thread, self.trainer.run, s.inner_steps, self.stop_flag)

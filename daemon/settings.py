@@ -92,6 +92,8 @@ class NodeSettings(BaseSettings):
                                                                             "int8 (blockwise) or none (fp32).")
     bandwidth_mbps: float = Field(1000.0, gt=0, description="This node's bandwidth in Mbit/s, used to size "
                                                             "the part it reduces.")
+    max_lag: int = Field(0, ge=0, le=1_000_000, description="Download the swarm's newest checkpoint when it is "
+                                                            "more than this many outer steps ahead of this node.")
     # Checkpoints
     keep_checkpoints: int = Field(3, ge=1, le=1000, description="Newest checkpoints kept in the state dir.")
     # Logging

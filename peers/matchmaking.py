@@ -4,9 +4,15 @@ Every peer that reaches round r registers under the key `{run_id}.group.{r}.{hop
 polls it. The group closes when every live member that the membership shows at the same
 round has registered, or when the matchmaking window ends. Every member then derives the
 same groups from the same sorted registrant list (split into balanced groups when over
-the target size); a member whose view differs ends up in a plan with a different group id,
-which reducers reject, so a divergent view costs that member its round, never corrupts
-anyone else's.
+the target size).
+
+Views can still differ (a registration that reached one member before it closed and another
+after), so closing has a second phase: each member publishes the member list it closed with
+and waits, briefly, for the lists of its group. A latecomer ignores registrants that already
+closed without it; a member that sees a list different from its own averages alone for this
+hop. A divergent view therefore costs its members one hop of averaging, never a stall until
+the all-reduce timeout and never a corrupted average (reducers also reject chunks whose
+group id differs from theirs).
 """
 
 from __future__ import annotations
@@ -74,8 +80,19 @@ class Matchmaker:
             members[peer_id] = Member(peer_id, reg.grpc_addr, reg.client_mode, reg.bandwidth_mbps)
         return members
 
+    async def _closed_lists(self, key: str) -> dict[str, tuple[str, ...]]:
+        found = await self.dht.get(key + ".closed", latest=True, return_future=True)
+        entries = found.value if found is not None and isinstance(found.value, dict) else {}
+        lists = {}
+        for peer_id, item in entries.items():
+            value = getattr(item, "value", None)
+            if isinstance(peer_id, str) and isinstance(value, (list, tuple)) and len(value) <= 4096 \
+                    and all(isinstance(v, str) and len(v) <= 128 for v in value):
+                lists[peer_id] = tuple(value)
+        return lists
+
     async def form_group(self, round: int, hop: int, expected: Callable[[], Awaitable[set[str]]], window: float,
-                         target_size: int) -> FormedGroup:
+                         target_size: int, confirm_timeout: float = 3.0) -> FormedGroup:
         """Register for (round, hop) and return this peer's group once it closes."""
         started = time.monotonic()
         key = self.group_key(round, hop)
@@ -85,9 +102,12 @@ class Matchmaker:
                              expiration_time=get_dht_time() + window + 60, return_future=True)
         deadline = started + window
         registrants: dict[str, Member] = {self.own.peer_id: self.own}
+        me = self.own.peer_id
         while True:
             try:
-                registrants = await self._registrants(key) | {self.own.peer_id: self.own}
+                closed = await self._closed_lists(key)
+                registrants = {p: m for p, m in (await self._registrants(key)).items()
+                               if p not in closed or me in closed[p]} | {me: self.own}
                 wanted = await expected()
             except Exception as e:
                 log.warning("matchmaking lookup failed: %s", e)
@@ -96,8 +116,31 @@ class Matchmaker:
                 break
             await asyncio.sleep(self.poll_interval)
         groups = split_groups(list(registrants), target_size)
-        mine = next(g for g in groups if self.own.peer_id in g)
+        mine = tuple(next(g for g in groups if me in g))
         members = [registrants[p] for p in mine]
+        if len(mine) > 1:
+            members = await self._confirm(key, mine, members, confirm_timeout)
         if all(m.client_mode for m in members):
             members = [self.own]  # nobody can reduce: average alone
         return FormedGroup(key, members, len(registrants), time.monotonic() - started)
+
+    async def _confirm(self, key: str, mine: tuple[str, ...], members: list[Member], timeout: float) -> list[Member]:
+        """Second phase: proceed only if no member of the group closed with another list."""
+        await self.dht.store(key + ".closed", subkey=self.own.peer_id, value=list(mine),
+                             expiration_time=get_dht_time() + 120, return_future=True)
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                closed = await self._closed_lists(key)
+            except Exception as e:
+                log.warning("matchmaking confirmation failed: %s", e)
+                return [self.own]
+            if all(p in closed for p in mine) or time.monotonic() >= deadline:
+                break
+            await asyncio.sleep(self.poll_interval)
+        divergent = sorted(p for p in mine if p in closed and closed[p] != mine)
+        if divergent:
+            log.warning("%s: %s closed with another member list; averaging alone this hop", key, divergent)
+            return [self.own]
+        # A member that never confirmed (crashed) stays in: the all-reduce drops its parts.
+        return members

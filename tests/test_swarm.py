@@ -101,3 +101,24 @@ def test_local_swarm_trains_and_stops_on_ctrl_c(tmp_path):
         losses = [float(re.search(r"\| loss (\d+\.\d+)", l).group(1)) for l in rounds]
         assert losses[-1] < losses[0]
         assert any("stopped at outer step" in l for l in mine), output
+
+
+def test_late_joiner_downloads_state_and_trains_in_step(tmp_path, cleanup):
+    a = NodeProcess.join("a", tmp_path, *FAST, "--min-peers", "2")
+    cleanup.append(a)
+    b = NodeProcess.join("b", tmp_path, *FAST, "--min-peers", "2", "--peer", a.join_address)
+    cleanup.append(b)
+    b.wait_for_line(r"round 2 \| group 2/", timeout=90)
+    c = NodeProcess.join("c", tmp_path, *FAST, "--peer", a.join_address, "--max-rounds", "3")
+    cleanup.append(c)
+    synced = int(c.wait_for_line(r"in sync at outer step (\d+)", timeout=60).group(1))
+    assert synced >= 2
+    assert c.wait(90) == 0, c.output
+    # the joiner's state equals the donor's checkpoint, bit for bit
+    assert torch.equal(theta(c, synced), theta(a, synced))
+    # and it then averaged with the others
+    sizes = [int(g) for g in re.findall(r"round \d+ \| group (\d+)/", c.output)]
+    assert 3 in sizes, c.output
+    for node in (a, b):
+        node.stop()
+        assert node.wait(30) == 0, node.output
