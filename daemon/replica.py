@@ -26,6 +26,7 @@ class Replica:
         self.delta_cpu = torch.empty(local.numel(), dtype=torch.float32, pin_memory=pin)
         self.mean_cpu = torch.empty(local.numel(), dtype=torch.float32, pin_memory=pin)
         self._delta_device = torch.empty_like(local)
+        self._sha256 = sha256_of(self.theta_g)
 
     @property
     def numel(self) -> int:
@@ -46,6 +47,7 @@ class Replica:
         self.outer.step(self.theta_g, self._delta_device)
         self.trainer.parameters_flat.copy_(self.theta_g)
         self.outer_step += 1
+        self._sha256 = sha256_of(self.theta_g)
 
     @torch.no_grad()
     def load(self, theta_g: torch.Tensor, momentum: torch.Tensor, outer_step: int) -> None:
@@ -53,6 +55,8 @@ class Replica:
         self.outer.load_state_dict({"outer_momentum": momentum})
         self.trainer.parameters_flat.copy_(self.theta_g)
         self.outer_step = outer_step
+        self._sha256 = sha256_of(self.theta_g)
 
     def params_sha256(self) -> str:
-        return sha256_of(self.theta_g)
+        """Hash of θ_g, computed where θ_g changes (on the training thread), so readers never hash."""
+        return self._sha256

@@ -53,7 +53,7 @@ class Sidecar:
         await self.runner.setup()
         site = web.TCPSite(self.runner, host, port, reuse_address=True)
         await site.start()
-        self.port = site._server.sockets[0].getsockname()[1]  # the bound port when port was 0
+        self.port = self.runner.addresses[0][1]  # the bound port when port was 0
         return self.port
 
     async def stop(self) -> None:

@@ -472,11 +472,12 @@ async def butterfly_allreduce(
     reducer_deadline = started + timeout * 0.8
     me = plan.index_of(own_id)
     report = AllReduceReport(parts=[])
-    out.copy_(values)
+    await _maybe_thread(out.copy_, values, size=values.numel())
 
     async def reduce_own_part() -> PartOutcome:
         offset, length = plan.parts[me]
-        reduction = PartReduction(plan, own_id, values[offset : offset + length], weight, reducer_deadline)
+        reduction = await _maybe_thread(PartReduction, plan, own_id, values[offset : offset + length], weight,
+                                        reducer_deadline, size=length)
         await registry.register(reduction)
         try:
             result, included, _ = await reduction.wait_result()

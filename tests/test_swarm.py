@@ -9,7 +9,9 @@ import time
 import pytest
 import torch
 
-from dtnode.daemon.checkpoint import checkpoint_path
+from dtnode.daemon.checkpoint import Layout, checkpoint_path, read_checkpoint
+from dtnode.daemon.model import build_model, config_hash
+from dtnode.ops.flat import FlatParameters, sha256_of
 from nodes import NodeProcess
 from safetensors.torch import load_file
 
@@ -122,3 +124,17 @@ def test_late_joiner_downloads_state_and_trains_in_step(tmp_path, cleanup):
     for node in (a, b):
         node.stop()
         assert node.wait(30) == 0, node.output
+
+
+def test_restart_resumes_from_its_checkpoint(tmp_path):
+    first = NodeProcess.join("solo", tmp_path, *FAST, "--max-rounds", "3")
+    assert first.wait(60) == 0, first.output
+    again = NodeProcess.join("solo", tmp_path, *FAST, "--max-rounds", "1")
+    assert again.wait(60) == 0, again.output
+    resumed = again.wait_for_line(r"resumed from ckpt-00000003\.safetensors \(outer step 3, params (\w+)\)").group(1)
+    model, description = build_model("tiny", seed=0)
+    flat = FlatParameters(model.named_parameters())
+    saved = read_checkpoint(checkpoint_path(first.state_dir, 3), Layout(tuple(flat.names), tuple(flat.shapes)),
+                            "dtnode-demo", config_hash(description))
+    assert sha256_of(saved.theta_g).startswith(resumed)  # resumed parameters are bit-identical to the saved ones
+    assert re.search(r"round 3 \| group 1/", again.output), again.output
