@@ -11,7 +11,7 @@ import argparse
 import logging
 import os
 import sys
-from typing import Any, get_args, get_origin
+from typing import Any
 
 from dtnode import __version__
 
@@ -27,19 +27,14 @@ def _is_bool(annotation: Any) -> bool:
     return annotation is bool
 
 
-def _is_list(annotation: Any) -> bool:
-    return get_origin(annotation) is list or any(get_origin(a) is list for a in get_args(annotation))
-
-
 def add_node_options(parser: argparse.ArgumentParser, skip: set[str] = frozenset()) -> None:
-    groups: dict[str, argparse._ArgumentGroup] = {}
+    group = parser.add_argument_group("node options")
     for name, field in NodeSettings.model_fields.items():
         if name in skip:
             continue
         default = field.get_default(call_default_factory=True)
         shown = "none" if default in (None, []) else default
         help_text = f"{field.description} (default: {shown}; env {ENV_PREFIX}{name.upper()})"
-        group = groups.setdefault("node", parser.add_argument_group("node options"))
         if name == "peers":
             group.add_argument("--peer", dest="peers", action="append", metavar="MULTIADDR",
                                default=argparse.SUPPRESS, help=help_text)

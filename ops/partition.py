@@ -33,7 +33,7 @@ def plan_parts(total: int, shares: list[float], align: int = 1) -> list[tuple[in
         given = end
     parts = []
     offset = 0
-    for i, nblocks in enumerate(lengths):
+    for nblocks in lengths:
         start = min(offset * align, total)
         stop = min((offset + nblocks) * align, total)
         parts.append((start, stop - start))

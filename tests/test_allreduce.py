@@ -133,9 +133,9 @@ def test_hostile_member_is_rejected_and_others_unaffected(attack):
 
         async def attacker():
             codes = []
-            for part, peer in enumerate(peers):
+            for peer in peers:
                 idx = plan.index_of(peer.member.peer_id)
-                offset, length = plan.parts[idx]
+                _, length = plan.parts[idx]
                 chunk = _chunk(plan, idx, "peer-hostile", 0, torch.randn(length))
                 HOSTILE[attack](chunk)
                 async with grpc.aio.insecure_channel(peer.member.grpc_addr) as channel:
