@@ -124,12 +124,15 @@ def write_checkpoint(directory: Path, step: int, layout: Layout, theta_g: torch.
     return CheckpointInfo(step, final, digest.hexdigest(), size)
 
 
-def prune_checkpoints(directory: Path, keep: int) -> None:
-    for _, path in list_checkpoints(directory)[keep:]:
+def prune_checkpoints(directory: Path, keep: int) -> set[int]:
+    """Delete all but the newest `keep` checkpoints and torn temp files; return the kept steps."""
+    found = list_checkpoints(directory)
+    for _, path in found[keep:]:
         path.unlink(missing_ok=True)
     for stale in directory.glob(".ckpt-*.tmp-*"):  # torn writes of a killed process
         if not _pid_alive(stale.name.rsplit("-", 1)[-1]):
             stale.unlink(missing_ok=True)
+    return {step for step, _ in found[:keep]}
 
 
 def _pid_alive(pid: str) -> bool:

@@ -401,8 +401,8 @@ class Node:
             log.error("could not write checkpoint %d: %s", step, e)
             return
         self.checkpoints[step] = info
-        await loop.run_in_executor(self.io_thread, prune_checkpoints, self.state_dir, self.settings.keep_checkpoints)
-        kept = {s for s, _ in list_checkpoints(self.state_dir)}
+        kept = await loop.run_in_executor(self.io_thread, prune_checkpoints, self.state_dir,
+                                          self.settings.keep_checkpoints)
         self.checkpoints = {s: i for s, i in self.checkpoints.items() if s in kept}
 
 
