@@ -22,10 +22,13 @@ import torch
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from dtnode import __version__
-from dtnode.peers.butterfly import (
-    FP32, INT8, AllReduceReport, AveragingService, ChannelPool, Member, ReductionRegistry, butterfly_allreduce,
-    make_plan, max_message_bytes,
-)
+from dtnode.ops.quantization import fused_kernels_active, use_fused_kernels
+from dtnode.peers.butterfly import ChannelPool, butterfly_allreduce
+from dtnode.peers.deadlines import AdaptiveDeadlines, expected_payload_bytes
+from dtnode.peers.grid import coordinates, grid_shape, hop_groups, hop_key
+from dtnode.peers.plan import FP32, INT8, Member, make_plan
+from dtnode.peers.reducer import AveragingService, ReductionRegistry
+from dtnode.peers.wire import max_message_bytes
 from dtnode.peers.matchmaking import Matchmaker
 from dtnode.peers.membership import JoinError, Membership, PeerRecord, public_maddrs, start_dht
 from dtnode.peers.server import start_grpc_server
@@ -77,6 +80,9 @@ class Node:
         self.train_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="train")
         self.io_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="checkpoint")
         self._pending_write: asyncio.Future | None = None
+        self.deadlines = AdaptiveDeadlines(settings.matchmaking_window_min, settings.matchmaking_window,
+                                           settings.allreduce_timeout_min, settings.allreduce_timeout)
+        self.residual: torch.Tensor | None = None  # error feedback, when enabled
         self.peer_id = ""
         self.grpc_addr = ""
         self.http_addr = ""
@@ -119,6 +125,8 @@ class Node:
         self.replica = Replica(self.trainer, s.outer_lr, s.outer_momentum)
         flat = self.trainer.flat
         self.layout = Layout(tuple(flat.names), tuple(flat.shapes))
+        if s.error_feedback and s.compression == "int8":
+            self.residual = torch.zeros(self.replica.numel, dtype=torch.float32)
 
     def _resume_local(self) -> None:
         """Resume from the newest whole checkpoint in the state dir; skip torn ones."""
@@ -169,7 +177,15 @@ class Node:
             "http_url": self.http_addr, "grpc_addr": self.grpc_addr, "join_command": self.join_command,
             "model": self.settings.model, "model_hash": self.model_hash, "device": str(self.device),
             "client_mode": self.settings.client_mode, "version": __version__, "last_round": self.last_round,
+            "deadlines": self.deadlines.snapshot(self._expected_bytes()), "fused_kernels": fused_kernels_active(),
         }
+
+    def _expected_bytes(self) -> int:
+        if not hasattr(self, "replica"):
+            return 0
+        size = max(self.last_round.get("group_size", 2), 2)
+        return expected_payload_bytes(self.replica.numel, size, self.settings.compression == "int8",
+                                      self.settings.quant_block_size)
 
     async def peer_records(self) -> list[dict[str, Any]]:
         members = await self.membership.members()
@@ -202,6 +218,9 @@ class Node:
         self.channels = ChannelPool(max_message_bytes(s.chunk_elements))
         try:
             await loop.run_in_executor(self.train_thread, self._start_training_state)
+            if s.fused_kernels and s.compression == "int8":
+                # Compiling takes seconds of CPU: in the background, eager kernels meanwhile.
+                self._kernels_task = loop.run_in_executor(None, use_fused_kernels, True)
             await loop.run_in_executor(self.io_thread, self._resume_local)
             await self._start_services()
             if s.peers:
@@ -312,10 +331,17 @@ class Node:
         log.info("stopped at outer step %d", self.replica.outer_step if hasattr(self, "replica") else 0)
 
     # ---- one outer round ------------------------------------------------------------------
-    async def _expected_peers(self, round: int) -> set[str]:
+    async def _round_population(self, round: int) -> set[str]:
+        """Peers that take part in `round`: live, same model, at this step or finishing the one before."""
         view = await self.membership.members()
         return {p.peer_id for p in view.values()
-                if p.outer_step == round and p.model_hash == self.model_hash and p.state in ("training", "averaging")}
+                if p.outer_step in (round - 1, round) and p.model_hash == self.model_hash
+                and p.state in ("training", "averaging")} | {self.peer_id}
+
+    async def _alive(self, peers: list[str], round: int) -> set[str]:
+        view = await self.membership.members()
+        return {p for p in peers if p in view and view[p].state in ("training", "averaging")
+                and view[p].outer_step in (round - 1, round)} | {self.peer_id}
 
     async def run_round(self) -> None:
         s = self.settings
@@ -332,19 +358,7 @@ class Node:
         delta = await loop.run_in_executor(self.train_thread, self.replica.pseudo_gradient)
         self.state = "averaging"
         await self.membership.announce(self.record())
-        group = await self.matchmaker.form_group(round_no, 0, lambda: self._expected_peers(round_no),
-                                                 s.matchmaking_window, s.target_group_size)
-        mean = self.replica.mean_cpu
-        report: AllReduceReport | None = None
-        if len(group.members) > 1:
-            plan = make_plan(s.run_id, round_no, 0, group.members, self.replica.numel, s.quant_block_size,
-                             s.chunk_elements, INT8 if s.compression == "int8" else FP32)
-            report = await butterfly_allreduce(plan, self.peer_id, delta, float(inner.tokens), mean, self.registry,
-                                               self.channels, s.allreduce_timeout)
-            included = report.included_peers
-        else:
-            mean.copy_(delta)  # a group of one still applies its own outer step
-            included = [self.peer_id]
+        mean, hops, weight = await self._average(round_no, delta, float(inner.tokens))
         await loop.run_in_executor(self.train_thread, self.replica.apply_outer_step, mean)
         self.eval_loss = await loop.run_in_executor(self.train_thread, self.trainer.eval_loss)
         self.rounds_done += 1
@@ -353,36 +367,84 @@ class Node:
         self._pending_write = asyncio.ensure_future(self._write_checkpoint())
         self.state = "training"
         duration = time.monotonic() - round_started
+        first = hops[0]
         self.last_round = {
-            "outer_step": round_no, "group_size": len(group.members), "group_key": group.key,
-            "included_peers": included, "matchmaking_s": round(group.seconds, 4), "duration_s": round(duration, 4),
-            "allreduce_s": round(report.seconds, 4) if report else 0.0,
-            "bytes_sent": report.bytes_sent if report else 0, "bytes_received": report.bytes_received if report else 0,
-            "failed_parts": [p.reducer for p in report.failed_parts] if report else [],
-            "inner_steps": inner.steps, "tokens": inner.tokens, "inner_s": round(inner.seconds, 4),
+            "outer_step": round_no, "group_size": first["group_size"], "group_key": first["group_key"],
+            "included_peers": first["included_peers"], "matchmaking_s": round(sum(h["matchmaking_s"] for h in hops), 4),
+            "duration_s": round(duration, 4), "allreduce_s": round(sum(h["allreduce_s"] for h in hops), 4),
+            "bytes_sent": sum(h["bytes_sent"] for h in hops), "bytes_received": sum(h["bytes_received"] for h in hops),
+            "failed_parts": [p for h in hops for p in h["failed_parts"]], "weight_after": weight,
+            "hops": hops, "inner_steps": inner.steps, "tokens": inner.tokens, "inner_s": round(inner.seconds, 4),
             "loss": inner.mean_loss, "eval_loss": self.eval_loss,
         }
-        self._observe(report, group_size=len(group.members), duration=duration, loss=inner.mean_loss)
+        self._observe(hops, duration=duration, loss=inner.mean_loss)
         await self.membership.announce(self.record())
         floor = self.source.entropy_rate
-        log.info("round %d | group %d/%d | loss %.4f | eval %.4f%s | allreduce %.3fs (%s sent) | %.0f tok/s | params %s",
-                 round_no, len(group.members), group.registrants, inner.mean_loss, self.eval_loss,
-                 f" (floor {floor:.3f})" if floor else "", self.last_round["allreduce_s"],
-                 _human_bytes(self.last_round["bytes_sent"]), self.tokens_per_s, self.replica.params_sha256()[:12])
+        groups = " ".join(f"{h['group_size']}/{h['registrants']}" for h in hops)
+        log.info("round %d | groups %s | loss %.4f | eval %.4f%s | allreduce %.3fs (%s sent) | %.0f tok/s | params %s",
+                 round_no, groups, inner.mean_loss, self.eval_loss, f" (floor {floor:.3f})" if floor else "",
+                 self.last_round["allreduce_s"], _human_bytes(self.last_round["bytes_sent"]), self.tokens_per_s,
+                 self.replica.params_sha256()[:12])
 
-    def _observe(self, report: AllReduceReport | None, group_size: int, duration: float, loss: float) -> None:
+    async def _average(self, round_no: int, delta: torch.Tensor, weight: float) -> tuple[torch.Tensor, list[dict], float]:
+        """Moshpit averaging of Δ over d hops; returns the buffer holding the mean, per-hop facts, the weight.
+
+        Each hop averages the running (weighted mean, weight) pair within one grid cell, so
+        tokens-processed weighting survives the hops. Δ and the replica's second staging
+        buffer take turns as input and output.
+        """
+        s = self.settings
+        population = await self._round_population(round_no)
+        side, dims = grid_shape(len(population), s.target_group_size, s.grid_dims)
+        coords = coordinates(sorted(population), round_no, side, dims, salt=s.run_id)
+        cells = {k: hop_groups(coords, k) for k in range(dims)}
+        current, spare = delta, self.replica.mean_cpu
+        hops = []
+        for hop in range(dims):
+            cell = hop_key(coords[self.peer_id], hop)
+            cell_members = cells[hop][cell]
+            window = self.deadlines.matchmaking_window
+            group = await self.matchmaker.form_group(
+                round_no, hop, lambda m=cell_members: self._alive(m, round_no), window, s.target_group_size,
+                confirm_timeout=min(3.0, window), cell=f"d{dims}.{cell}")
+            self.deadlines.observe_matchmaking(group.last_arrival_lag, group.complete)
+            fact = {"hop": hop, "group_key": group.key, "group_size": len(group.members),
+                    "registrants": group.registrants, "expected": len(cell_members),
+                    "matchmaking_s": round(group.seconds, 4), "window_s": round(window, 3),
+                    "included_peers": [self.peer_id], "allreduce_s": 0.0, "timeout_s": 0.0,
+                    "bytes_sent": 0, "bytes_received": 0, "failed_parts": []}
+            if len(group.members) > 1:
+                int8 = s.compression == "int8"
+                expected = expected_payload_bytes(self.replica.numel, len(group.members), int8, s.quant_block_size)
+                timeout = self.deadlines.allreduce_timeout(expected)
+                plan = make_plan(s.run_id, round_no, hop, group.members, self.replica.numel, s.quant_block_size,
+                                 s.chunk_elements, INT8 if int8 else FP32)
+                report = await butterfly_allreduce(
+                    plan, self.peer_id, current, weight, spare, self.registry, self.channels, timeout,
+                    in_flight=s.in_flight_chunks, residual=self.residual if hop == 0 else None)
+                moved = report.bytes_sent + report.bytes_received
+                self.deadlines.observe_allreduce(moved, report.seconds, not report.failed_parts)
+                weight = report.weight_after(weight)
+                current, spare = spare, current
+                fact.update(included_peers=report.included_peers, allreduce_s=round(report.seconds, 4),
+                            timeout_s=round(timeout, 3), bytes_sent=report.bytes_sent,
+                            bytes_received=report.bytes_received,
+                            failed_parts=[p.reducer for p in report.failed_parts])
+                self.m_sent.inc(report.bytes_sent)
+                self.m_recv.inc(report.bytes_received)
+                self.m_failed.inc(len(report.failed_parts))
+                self.m_allreduce.observe(report.seconds)
+            hops.append(fact)
+        return current, hops, weight
+
+    def _observe(self, hops: list[dict], duration: float, loss: float) -> None:
         self.m_outer.set(self.replica.outer_step)
         self.m_inner.set(self.trainer.inner_step)
         self.m_loss.set(loss)
         self.m_eval.set(self.eval_loss if self.eval_loss is not None else math.nan)
         self.m_tps.set(self.tokens_per_s)
-        self.m_group.set(group_size)
+        self.m_group.set(hops[0]["group_size"])
         self.m_round.observe(duration)
-        if report:
-            self.m_sent.inc(report.bytes_sent)
-            self.m_recv.inc(report.bytes_received)
-            self.m_failed.inc(len(report.failed_parts))
-            self.m_allreduce.observe(report.seconds)
 
     async def _write_checkpoint(self) -> None:
         """Snapshot θ_g and momentum (the only work on the training thread), write on the I/O thread."""

@@ -81,10 +81,26 @@ class NodeSettings(BaseSettings):
     # Averaging
     target_group_size: int = Field(16, ge=1, le=1024, description="Peers per averaging group; larger rounds "
                                                                   "split deterministically.")
-    matchmaking_window: float = Field(15.0, gt=0, le=600, description="Seconds a round waits for peers to "
-                                                                       "join its group.")
-    allreduce_timeout: float = Field(60.0, gt=0, le=3600, description="Seconds an all-reduce may take "
-                                                                      "before missing parts are given up.")
+    grid_dims: int = Field(0, ge=0, le=8, description="d: averaging hops per outer step (moshpit grid "
+                                                        "dimensions); 0 derives it from the swarm size and "
+                                                        "--target-group-size.")
+    matchmaking_window: float = Field(15.0, gt=0, le=600, description="Upper bound, in seconds, of the window a "
+                                                                       "hop waits for missing group members; the "
+                                                                       "window adapts to measured arrival times.")
+    matchmaking_window_min: float = Field(1.0, gt=0, le=600, description="Lower bound of the adaptive "
+                                                                          "matchmaking window, in seconds.")
+    allreduce_timeout: float = Field(60.0, gt=0, le=3600, description="Upper bound, in seconds, of the all-reduce "
+                                                                      "deadline; the deadline adapts to measured "
+                                                                      "transfer rates.")
+    allreduce_timeout_min: float = Field(3.0, gt=0, le=3600, description="Lower bound of the adaptive all-reduce "
+                                                                         "deadline, in seconds.")
+    error_feedback: bool = Field(False, description="Carry the int8 quantization residual of this node's "
+                                                    "pseudo-gradient into the next round.")
+    in_flight_chunks: int = Field(4, ge=1, le=64, description="Encoded chunks a stream may hold ahead of the "
+                                                              "network (bounds sender memory).")
+    fused_kernels: bool = Field(True, description="Compile the CPU int8 kernels with torch.compile in the "
+                                                  "background (eager kernels until ready, and if compiling "
+                                                  "fails).")
     quant_block_size: int = Field(256, ge=8, le=1 << 20, description="Values per int8 quantization block.")
     chunk_elements: int = Field(1 << 20, ge=1024, le=1 << 26, description="Values per streamed chunk "
                                                                            "(a multiple of the block size).")
@@ -127,6 +143,10 @@ class NodeSettings(BaseSettings):
     def _consistent(self) -> "NodeSettings":
         if self.chunk_elements % self.quant_block_size:
             raise ValueError("chunk_elements: must be a multiple of --quant-block-size")
+        if self.matchmaking_window_min > self.matchmaking_window:
+            raise ValueError("matchmaking_window_min: must not exceed --matchmaking-window")
+        if self.allreduce_timeout_min > self.allreduce_timeout:
+            raise ValueError("allreduce_timeout_min: must not exceed --allreduce-timeout")
         if self.peer_ttl <= self.heartbeat_interval:
             raise ValueError("peer_ttl: must be longer than --heartbeat-interval")
         return self

@@ -1,8 +1,9 @@
 """Group formation through the DHT, without a leader.
 
-Every peer that reaches round r registers under the key `{run_id}.group.{r}.{hop}` and
-polls it. The group closes when every live member that the membership shows at the same
-round has registered, or when the matchmaking window ends. Every member then derives the
+Every peer that reaches hop k of round r registers under the key
+`{run_id}.group.{r}.{k}.{cell}` (the cell is its moshpit grid coordinates without dimension
+k, see `grid.py`) and polls it. The group closes when every peer it expects there has
+registered, when it reaches the target size, or when the matchmaking window ends. Every member then derives the
 same groups from the same sorted registrant list (split into balanced groups when over
 the target size).
 
@@ -28,7 +29,7 @@ import hivemind
 from hivemind.utils import get_dht_time
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from .butterfly import Member
+from .plan import Member
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +48,8 @@ class FormedGroup:
     members: list[Member]
     registrants: int
     seconds: float
+    complete: bool = False  # every expected member registered before the window ended
+    last_arrival_lag: float = 0.0  # seconds from our registration to the last registrant's
 
 
 def split_groups(peer_ids: list[str], target_size: int) -> list[list[str]]:
@@ -63,8 +66,8 @@ class Matchmaker:
         self.own = own
         self.poll_interval = poll_interval
 
-    def group_key(self, round: int, hop: int) -> str:
-        return f"{self.run_id}.group.{round}.{hop}"
+    def group_key(self, round: int, hop: int, cell: str = "all") -> str:
+        return f"{self.run_id}.group.{round}.{hop}.{cell}"
 
     async def _registrants(self, key: str) -> dict[str, Member]:
         found = await self.dht.get(key, latest=True, return_future=True)
@@ -92,10 +95,14 @@ class Matchmaker:
         return lists
 
     async def form_group(self, round: int, hop: int, expected: Callable[[], Awaitable[set[str]]], window: float,
-                         target_size: int, confirm_timeout: float = 3.0) -> FormedGroup:
-        """Register for (round, hop) and return this peer's group once it closes."""
+                         target_size: int, confirm_timeout: float = 3.0, cell: str = "all") -> FormedGroup:
+        """Register for (round, hop, grid cell) and return this peer's group once it closes.
+
+        `expected` names the peers this one should meet there; the group closes as soon as
+        they have all registered, or when the window ends.
+        """
         started = time.monotonic()
-        key = self.group_key(round, hop)
+        key = self.group_key(round, hop, cell)
         value = Registration(grpc_addr=self.own.grpc_addr, client_mode=self.own.client_mode,
                              bandwidth_mbps=self.own.bandwidth).model_dump()
         await self.dht.store(key, subkey=self.own.peer_id, value=value,
@@ -103,16 +110,22 @@ class Matchmaker:
         deadline = started + window
         registrants: dict[str, Member] = {self.own.peer_id: self.own}
         me = self.own.peer_id
+        last_arrival = started
+        complete = False
         while True:
             try:
                 closed = await self._closed_lists(key)
-                registrants = {p: m for p, m in (await self._registrants(key)).items()
-                               if p not in closed or me in closed[p]} | {me: self.own}
+                found = {p: m for p, m in (await self._registrants(key)).items()
+                         if p not in closed or me in closed[p]} | {me: self.own}
+                if set(found) - set(registrants):
+                    last_arrival = time.monotonic()
+                registrants = found
                 wanted = await expected()
             except Exception as e:
                 log.warning("matchmaking lookup failed: %s", e)
                 wanted = set(registrants) | {"?"}
-            if wanted <= set(registrants) or time.monotonic() >= deadline:
+            complete = wanted <= set(registrants)
+            if complete or time.monotonic() >= deadline:
                 break
             await asyncio.sleep(self.poll_interval)
         groups = split_groups(list(registrants), target_size)
@@ -122,7 +135,8 @@ class Matchmaker:
             members = await self._confirm(key, mine, members, confirm_timeout)
         if all(m.client_mode for m in members):
             members = [self.own]  # nobody can reduce: average alone
-        return FormedGroup(key, members, len(registrants), time.monotonic() - started)
+        return FormedGroup(key, members, len(registrants), time.monotonic() - started, complete,
+                           last_arrival - started)
 
     async def _confirm(self, key: str, mine: tuple[str, ...], members: list[Member], timeout: float) -> list[Member]:
         """Second phase: proceed only if no member of the group closed with another list."""

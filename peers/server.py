@@ -6,7 +6,7 @@ import grpc
 
 from dtnode.proto import averaging_pb2_grpc as pb_grpc
 
-from .butterfly import AveragingService
+from .reducer import AveragingService
 
 
 class GrpcPortError(OSError):

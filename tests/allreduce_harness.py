@@ -7,10 +7,10 @@ from dataclasses import dataclass
 
 import torch
 
-from dtnode.peers.butterfly import (
-    AllReduceReport, AveragingService, ChannelPool, INT8, Member, ReductionRegistry,
-    butterfly_allreduce, make_plan, max_message_bytes,
-)
+from dtnode.peers.butterfly import AllReduceReport, ChannelPool, butterfly_allreduce
+from dtnode.peers.plan import INT8, Member, make_plan
+from dtnode.peers.reducer import AveragingService, ReductionRegistry
+from dtnode.peers.wire import max_message_bytes
 from dtnode.peers.server import start_grpc_server
 
 

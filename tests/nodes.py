@@ -14,6 +14,20 @@ import urllib.request
 from pathlib import Path
 
 LOOPBACK = ["--host", "127.0.0.1", "--dht-port", "0", "--grpc-port", "0", "--http-port", "0"]
+# Small and quick: the tiny preset, short rounds, short timeouts, eager int8 kernels.
+FAST = ["--model", "tiny", "--inner-steps", "15", "--batch-size", "8", "--seq-len", "32", "--keep-checkpoints", "100",
+        "--matchmaking-window", "10", "--peer-ttl", "4", "--heartbeat-interval", "1", "--no-fused-kernels"]
+
+
+def theta(state_dir: Path, step: int):
+    """θ_g of a node's checkpoint at `step`, flat."""
+    import torch
+    from safetensors.torch import load_file
+
+    from dtnode.daemon.checkpoint import checkpoint_path
+
+    tensors = load_file(str(checkpoint_path(state_dir, step)))
+    return torch.cat([t.reshape(-1) for name, t in sorted(tensors.items()) if name.startswith("theta_g/")])
 
 
 class NodeProcess:

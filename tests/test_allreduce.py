@@ -8,7 +8,9 @@ import torch
 
 from allreduce_harness import allreduce, start_peers, stop_peers
 from dtnode.ops.quantization import quantize
-from dtnode.peers.butterfly import FP32, INT8, Member, butterfly_allreduce, make_plan
+from dtnode.peers.butterfly import butterfly_allreduce
+from dtnode.peers.plan import FP32, INT8, Member, make_plan
+from dtnode.peers.wire import chunk_message
 from dtnode.proto import averaging_pb2 as pb
 from dtnode.proto import averaging_pb2_grpc as pb_grpc
 
@@ -67,12 +69,18 @@ def test_fp32_codec_is_exact_to_float_rounding():
 def test_bandwidth_sizes_parts():
     async def main():
         peers = await start_peers(2, bandwidths=[1.0, 3.0])
+        values = [torch.randn(64_000) for _ in range(2)]
         try:
-            _, reports = await allreduce(peers, [torch.randn(64_000) for _ in range(2)], [1.0, 1.0])
+            outs, reports = await allreduce(peers, values, [1.0, 1.0])
         finally:
             await stop_peers(peers)
-        # peer 0 reduces a quarter, so it uploads three quarters of its buffer
-        assert reports[0].bytes_sent > 2.5 * reports[1].bytes_sent
+        plan = make_plan("test-run", 0, 0, [p.member for p in peers], 64_000, 64, 1 << 12)
+        # peer 0 reduces a quarter: it receives a quarter from peer 1 and returns it averaged
+        assert abs(plan.parts[0][1] / 64_000 - 0.25) < 0.01
+        assert rel(outs[0], exact_mean(values, [1.0, 1.0])) <= INT8_BOUND
+        # every byte one sends, the other receives
+        assert reports[0].bytes_sent == reports[1].bytes_received
+        assert reports[1].bytes_sent == reports[0].bytes_received
     run(main())
 
 
@@ -161,4 +169,95 @@ def test_hostile_member_is_rejected_and_others_unaffected(attack):
             assert rel(out, expected) <= INT8_BOUND
             assert "peer-hostile" not in report.included_peers
         assert torch.equal(outs[0], outs[1])
+    run(main())
+
+
+def _stream_of(plan, part, sender, values, weight=1.0):
+    """The chunks an honest sender would send for its slice of `part`."""
+    offset, length = plan.parts[part]
+    spans = [(o, min(plan.chunk_elements, length - o)) for o in range(0, length, plan.chunk_elements)]
+    chunks = [chunk_message(plan, part, sender, weight, o, values[offset + o: offset + o + n]) for o, n in spans]
+    chunks[-1].last = True
+    return chunks
+
+
+def test_results_stream_back_while_senders_still_send_and_a_sender_dying_mid_stream_counts_only_in_its_chunks():
+    """A hand-driven sender sends chunk 0, waits for result chunk 0 (which only a pipelined
+    reducer can return at that point), then dies. Chunk 0 of every part averages all three
+    senders; the rest averages the two that finished; nobody waits for the timeout."""
+    async def main():
+        peers = await start_peers(2)
+        ghost = Member("peer-ghost", "", client_mode=True)
+        numel, chunk = 8192, 1024
+        plan = make_plan("test-run", 1, 0, [p.member for p in peers] + [ghost], numel, 64, chunk, FP32)
+        values = [torch.randn(numel) for _ in range(3)]
+        outs = [torch.empty(numel) for _ in range(2)]
+        first_result_before_rest = []
+
+        async def ghost_sender(peer):
+            part = plan.index_of(peer.member.peer_id)
+            stream = _stream_of(plan, part, "peer-ghost", values[2])
+            outgoing: asyncio.Queue = asyncio.Queue()
+            outgoing.put_nowait(stream[0])
+
+            async def requests():
+                while True:
+                    yield await outgoing.get()
+
+            async with grpc.aio.insecure_channel(peer.member.grpc_addr) as channel:
+                call = pb_grpc.AveragingStub(channel).Reduce(requests(), timeout=10)
+                reply = await call.read()
+                first_result_before_rest.append(reply.offset == 0 and reply.length == chunk)
+                call.cancel()  # dies with 7 of 8 chunks unsent
+
+        started = asyncio.get_running_loop().time()
+        try:
+            *reports, _, _ = await asyncio.gather(
+                *(butterfly_allreduce(plan, p.member.peer_id, v, 1.0, o, p.registry, p.channels, timeout=8.0)
+                  for p, v, o in zip(peers, values, outs)),
+                *(ghost_sender(p) for p in peers))
+        finally:
+            await stop_peers(peers)
+        assert first_result_before_rest == [True, True]
+        assert asyncio.get_running_loop().time() - started < 4.0  # not the 0.8 x 8 s deadline
+        expected = exact_mean(values[:2], [1.0, 1.0])
+        for offset, length in plan.parts:
+            if length == 0:
+                continue
+            head = slice(offset, offset + chunk)
+            torch.testing.assert_close(outs[0][head], exact_mean([v[head] for v in values], [1.0] * 3))
+            rest = slice(offset + chunk, offset + length)
+            torch.testing.assert_close(outs[0][rest], expected[rest])
+        assert torch.equal(outs[0], outs[1])
+        for report in reports:
+            assert report.included_peers == ["peer00", "peer01"]
+            assert not report.failed_parts
+    run(main())
+
+
+def test_error_feedback_bounds_the_error_of_many_rounds():
+    """Averaging the same buffers round after round: with error feedback the running sum of
+    results stays within one round's error of the exact sum; without it the error grows."""
+    async def main():
+        peers = await start_peers(3)
+        gen = torch.Generator().manual_seed(11)
+        values = [torch.randn(20_000, generator=gen) for _ in range(3)]
+        exact = exact_mean(values, [1.0] * 3)
+        residuals = [torch.zeros(20_000) for _ in range(3)]
+        errors = {}
+        try:
+            for feedback in (False, True):
+                total = torch.zeros(20_000)
+                for r in range(30):
+                    plan = make_plan("test-run", r, 0, [p.member for p in peers], 20_000, 256, 4096, INT8)
+                    outs = [torch.empty(20_000) for _ in range(3)]
+                    await asyncio.gather(*(
+                        butterfly_allreduce(plan, p.member.peer_id, v, 1.0, o, p.registry, p.channels, 10.0,
+                                            residual=res if feedback else None)
+                        for p, v, o, res in zip(peers, values, outs, residuals)))
+                    total += outs[0]
+                errors[feedback] = rel(total / 30, exact)
+        finally:
+            await stop_peers(peers)
+        assert errors[True] < 0.5 * errors[False], errors
     run(main())

@@ -6,7 +6,8 @@ import torch
 from dtnode.ops.outer_optimizer import NesterovOuterOptimizer
 from dtnode.ops.partition import plan_parts
 from dtnode.ops.quantization import (
-    NonFiniteError, QuantizedBlocks, dequantize, dequantize_accumulate, quantize, relative_l2_error,
+    NonFiniteError, QuantizedBlocks, dequantize, dequantize_accumulate, quantize, quantize_with_feedback,
+    relative_l2_error,
 )
 
 
@@ -104,3 +105,46 @@ def test_parts_cover_the_buffer_exactly(total, shares, align):
 def test_parts_follow_bandwidth():
     parts = plan_parts(1 << 20, [1, 3], align=256)
     assert math.isclose(parts[1][1] / parts[0][1], 3, rel_tol=0.01)
+
+
+def test_error_feedback_keeps_the_accumulated_error_of_one_round():
+    """Rounding to nearest is biased for a fixed input: without feedback the error of the
+    running sum grows with every round; with feedback it stays that of one quantization."""
+    x = torch.randn(4096, generator=torch.Generator().manual_seed(3))
+    residual = torch.zeros_like(x)
+    plain_sum, fed_sum = torch.zeros_like(x), torch.zeros_like(x)
+    errors_plain, errors_fed = [], []
+    for rounds in range(1, 51):
+        plain_sum += dequantize(quantize(x, 64))
+        fed_sum += dequantize(quantize_with_feedback(x, residual, 64))
+        errors_plain.append(float((plain_sum - rounds * x).norm()))
+        errors_fed.append(float((fed_sum - rounds * x).norm()))
+    one_round = errors_plain[0]
+    assert errors_plain[-1] > 40 * one_round  # grows linearly
+    assert max(errors_fed) <= 1.01 * one_round  # bounded by a single round's error
+    assert torch.equal(x, torch.randn(4096, generator=torch.Generator().manual_seed(3)))  # input untouched
+
+
+def test_error_feedback_rejects_a_mismatched_residual():
+    with pytest.raises(ValueError):
+        quantize_with_feedback(torch.zeros(10), torch.zeros(11))
+
+
+def test_fused_kernels_are_bit_identical_to_the_eager_path():
+    from dtnode.ops import quantization
+    cases = [torch.randn(n, generator=torch.Generator().manual_seed(n)) * 10 ** (n % 5) for n in (1, 255, 256, 300, 70_001)]
+    cases.append(torch.zeros(1024))
+    cases.append(torch.full((1000,), 3.25))
+    eager = [(quantize(x, 64), quantize(x, 256)) for x in cases]
+    assert quantization.use_fused_kernels(True)
+    try:
+        for x, reference in zip(cases, eager):
+            for q_ref, block in zip(reference, (64, 256)):
+                q = quantize(x, block)
+                assert torch.equal(q.codes, q_ref.codes) and torch.equal(q.scales, q_ref.scales)
+                assert torch.equal(dequantize(q), dequantize(q_ref))
+        with pytest.raises(NonFiniteError):
+            quantize(torch.tensor([1.0, float("inf")] * 256), 256)
+    finally:
+        quantization.use_fused_kernels(False)
+    assert not quantization.fused_kernels_active()

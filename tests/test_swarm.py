@@ -6,17 +6,13 @@ import subprocess
 import sys
 import time
 
-import pytest
 import torch
-
 from dtnode.daemon.checkpoint import Layout, checkpoint_path, read_checkpoint
 from dtnode.daemon.model import build_model, config_hash
 from dtnode.ops.flat import FlatParameters, sha256_of
-from nodes import NodeProcess
-from safetensors.torch import load_file
+from nodes import FAST, NodeProcess
+from nodes import theta as checkpoint_theta
 
-FAST = ["--model", "tiny", "--inner-steps", "15", "--batch-size", "8", "--seq-len", "32", "--keep-checkpoints", "100",
-        "--matchmaking-window", "10", "--peer-ttl", "4", "--heartbeat-interval", "1"]
 STATUS_FIELDS = {"peer_id", "run_id", "state", "outer_step", "inner_step", "loss", "tokens_per_s", "uptime_s",
                  "params_sha256", "http_url", "last_round"}
 LAST_ROUND_FIELDS = {"group_size", "included_peers", "duration_s", "allreduce_s", "bytes_sent", "bytes_received"}
@@ -25,16 +21,7 @@ RECORD_FIELDS = {"peer_id", "grpc_addr", "http_addr", "outer_step", "checkpoint_
 
 
 def theta(node: NodeProcess, step: int) -> torch.Tensor:
-    tensors = load_file(str(checkpoint_path(node.state_dir, step)))
-    return torch.cat([t.reshape(-1) for name, t in sorted(tensors.items()) if name.startswith("theta_g/")])
-
-
-@pytest.fixture
-def cleanup():
-    nodes: list[NodeProcess] = []
-    yield nodes
-    for node in nodes:
-        node.kill()
+    return checkpoint_theta(node.state_dir, step)
 
 
 def test_three_joined_processes_train_in_consensus(tmp_path, cleanup):
@@ -63,7 +50,7 @@ def test_three_joined_processes_train_in_consensus(tmp_path, cleanup):
     assert "stopped at outer step" in first.output
 
     for node in (first, *others):
-        rounds = re.findall(r"round (\d+) \| group (\d+)/", node.output)
+        rounds = re.findall(r"round (\d+) \| groups (\d+)/", node.output)
         assert [int(r) for r, _ in rounds[:4]] == [0, 1, 2, 3], node.output
         assert all(int(size) == 3 for _, size in rounds[:4]), node.output
     for step in range(1, 5):
@@ -98,7 +85,7 @@ def test_local_swarm_trains_and_stops_on_ctrl_c(tmp_path):
     assert proc.returncode == 0, output
     for n in ("node0", "node1", "node2"):
         mine = [l for l in output.splitlines() if l.lstrip().startswith(n)]
-        rounds = [l for l in mine if re.search(r"round \d+ \| group 3/3", l)]
+        rounds = [l for l in mine if re.search(r"round \d+ \| groups 3/3", l)]
         assert len(rounds) >= 4, output
         losses = [float(re.search(r"\| loss (\d+\.\d+)", l).group(1)) for l in rounds]
         assert losses[-1] < losses[0]
@@ -110,7 +97,7 @@ def test_late_joiner_downloads_state_and_trains_in_step(tmp_path, cleanup):
     cleanup.append(a)
     b = NodeProcess.join("b", tmp_path, *FAST, "--min-peers", "2", "--peer", a.join_address)
     cleanup.append(b)
-    b.wait_for_line(r"round 2 \| group 2/", timeout=90)
+    b.wait_for_line(r"round 2 \| groups 2/", timeout=90)
     c = NodeProcess.join("c", tmp_path, *FAST, "--peer", a.join_address, "--max-rounds", "3")
     cleanup.append(c)
     synced = int(c.wait_for_line(r"in sync at outer step (\d+)", timeout=60).group(1))
@@ -119,7 +106,7 @@ def test_late_joiner_downloads_state_and_trains_in_step(tmp_path, cleanup):
     # the joiner's state equals the donor's checkpoint, bit for bit
     assert torch.equal(theta(c, synced), theta(a, synced))
     # and it then averaged with the others
-    sizes = [int(g) for g in re.findall(r"round \d+ \| group (\d+)/", c.output)]
+    sizes = [int(g) for g in re.findall(r"round \d+ \| groups (\d+)/", c.output)]
     assert 3 in sizes, c.output
     for node in (a, b):
         node.stop()
@@ -137,4 +124,4 @@ def test_restart_resumes_from_its_checkpoint(tmp_path):
     saved = read_checkpoint(checkpoint_path(first.state_dir, 3), Layout(tuple(flat.names), tuple(flat.shapes)),
                             "dtnode-demo", config_hash(description))
     assert sha256_of(saved.theta_g).startswith(resumed)  # resumed parameters are bit-identical to the saved ones
-    assert re.search(r"round 3 \| group 1/", again.output), again.output
+    assert re.search(r"round 3 \| groups 1/", again.output), again.output

@@ -1,0 +1,73 @@
+"""Deadlines that follow what the node has measured, within configured bounds.
+
+Fixed timeouts are what users of decentralized averaging complain about most: too long and
+a dead peer stalls everyone, too short and slow links break every group. The matchmaking
+window follows how late the last member of recent complete groups arrived; the all-reduce
+deadline follows the transfer rate of recent all-reduces, scaled to the size of the next
+one. Both start at their upper bound (nothing measured yet) and never leave their bounds.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+
+@dataclass
+class AdaptiveDeadlines:
+    window_min: float
+    window_max: float
+    timeout_min: float
+    timeout_max: float
+    margin: float = 3.0  # multiple of the measured figure a deadline allows
+    history: int = 16
+    _arrival_lags: deque = field(default_factory=deque)
+    _rates: deque = field(default_factory=deque)  # payload bytes per second of recent all-reduces
+
+    def observe_matchmaking(self, last_arrival_lag: float, complete: bool) -> None:
+        """Seconds between this node's registration and the arrival of its group's last member.
+
+        Only complete groups say how late members arrive; a group closed by the window says
+        only that someone never came.
+        """
+        if complete and last_arrival_lag >= 0:
+            self._push(self._arrival_lags, last_arrival_lag)
+
+    def observe_allreduce(self, payload_bytes: int, seconds: float, ok: bool) -> None:
+        if ok and payload_bytes > 0 and seconds > 0:
+            self._push(self._rates, payload_bytes / seconds)
+
+    def _push(self, queue: deque, value: float) -> None:
+        queue.append(value)
+        while len(queue) > self.history:
+            queue.popleft()
+
+    @property
+    def matchmaking_window(self) -> float:
+        if not self._arrival_lags:
+            return self.window_max
+        return _clamp(self.margin * max(self._arrival_lags) + 0.5, self.window_min, self.window_max)
+
+    def allreduce_timeout(self, expected_bytes: int) -> float:
+        """Deadline for an all-reduce expected to move `expected_bytes` of payload."""
+        if not self._rates:
+            return self.timeout_max
+        slowest = min(self._rates)
+        return _clamp(self.margin * expected_bytes / slowest + 1.0, self.timeout_min, self.timeout_max)
+
+    def snapshot(self, expected_bytes: int) -> dict[str, float]:
+        return {"matchmaking_window_s": round(self.matchmaking_window, 3),
+                "allreduce_timeout_s": round(self.allreduce_timeout(expected_bytes), 3),
+                "samples": len(self._arrival_lags) + len(self._rates)}
+
+
+def _clamp(value: float, low: float, high: float) -> float:
+    return min(max(value, low), high)
+
+
+def expected_payload_bytes(numel: int, group_size: int, int8: bool, block_size: int) -> int:
+    """Payload a member sends plus receives in one butterfly all-reduce of `numel` values."""
+    if group_size <= 1:
+        return 0
+    per_value = 1 + 4 / block_size if int8 else 4
+    return int(2 * numel * per_value * (group_size - 1) / group_size)

@@ -1,0 +1,85 @@
+"""What every member of an averaging group agrees on: members, parts and chunking.
+
+The plan is a pure function of the sorted member list and a few settings, so members
+derive the same plan without a leader; its `group_id` (a hash over all of it) travels in
+every chunk, and a chunk naming another plan is rejected.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+
+from dtnode.ops.partition import plan_parts
+from dtnode.proto import averaging_pb2 as pb
+
+INT8 = pb.CODEC_INT8_BLOCK
+FP32 = pb.CODEC_FP32
+
+
+@dataclass(frozen=True)
+class Member:
+    peer_id: str
+    grpc_addr: str
+    client_mode: bool = False
+    bandwidth: float = 1.0
+
+
+@dataclass(frozen=True)
+class GroupPlan:
+    run_id: str
+    round: int
+    hop: int
+    members: tuple[Member, ...]
+    numel: int
+    block_size: int
+    chunk_elements: int
+    codec: int
+    parts: tuple[tuple[int, int], ...]
+    group_id: bytes = field(default=b"")
+
+    def index_of(self, peer_id: str) -> int:
+        for i, m in enumerate(self.members):
+            if m.peer_id == peer_id:
+                return i
+        raise KeyError(peer_id)
+
+    @property
+    def member_ids(self) -> list[str]:
+        return [m.peer_id for m in self.members]
+
+
+def make_plan(
+    run_id: str,
+    round: int,
+    hop: int,
+    members: list[Member],
+    numel: int,
+    block_size: int,
+    chunk_elements: int,
+    codec: int = INT8,
+) -> GroupPlan:
+    """Build the plan every member derives identically from the same member list.
+
+    Parts are proportional to advertised bandwidth (client-mode members get none) and
+    aligned to the quantization block so no block straddles two reducers.
+    """
+    ordered = tuple(sorted(members, key=lambda m: m.peer_id))
+    if len({m.peer_id for m in ordered}) != len(ordered):
+        raise ValueError("duplicate peer ids in group")
+    if chunk_elements < block_size or chunk_elements % block_size:
+        raise ValueError("chunk_elements must be a positive multiple of block_size")
+    shares = [0.0 if m.client_mode else max(m.bandwidth, 1e-9) for m in ordered]
+    parts = tuple(plan_parts(numel, shares, align=block_size))
+    digest = hashlib.sha256()
+    for item in (run_id, round, hop, numel, block_size, chunk_elements, codec, *[m.peer_id for m in ordered]):
+        digest.update(str(item).encode() + b"\0")
+    for offset, length in parts:
+        digest.update(f"{offset}:{length};".encode())
+    return GroupPlan(run_id, round, hop, ordered, numel, block_size, chunk_elements, codec, parts, digest.digest())
+
+
+def chunk_spans(plan: GroupPlan, part: int) -> list[tuple[int, int]]:
+    """(offset, length) of each chunk of a part, relative to the part; shared by both sides."""
+    length = plan.parts[part][1]
+    return [(off, min(plan.chunk_elements, length - off)) for off in range(0, length, plan.chunk_elements)]

@@ -1,0 +1,307 @@
+"""Reducer side of the butterfly: one fp32 accumulator per part, finished chunk by chunk.
+
+Memory stays bounded: a reducer holds its fp32 accumulator, the int8 result it returns and,
+per sender stream, the chunk being folded; it never keeps a copy of any sender's part.
+Chunk k of the result is final as soon as every sender still in the group has delivered
+chunk k (or has failed), and it streams back to every sender at once, so sending, reducing
+and returning overlap across the whole part instead of running one after the other.
+
+A sender that fails mid-stream therefore counts in the chunks it delivered in full and not
+in the rest: each chunk is the weighted mean of the senders that delivered it, which is the
+price of not holding every sender's part for a rollback. Every member still receives the
+same bytes for every chunk.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from collections.abc import AsyncIterator, Callable
+
+import grpc
+import torch
+
+from dtnode.ops.quantization import QuantizedBlocks, dequantize_accumulate, num_blocks, quantize
+from dtnode.proto import averaging_pb2 as pb
+from dtnode.proto import averaging_pb2_grpc as pb_grpc
+
+from .plan import FP32, GroupPlan, chunk_spans
+from .wire import MAX_WEIGHT, ChunkError, Payload, chunk_message, decode_chunk, numel_of, payload_bytes, slice_payload
+
+log = logging.getLogger(__name__)
+
+# Tensor work on chunks smaller than this stays on the event loop: a thread hop costs more.
+THREAD_THRESHOLD = 1 << 16
+
+
+async def maybe_thread(fn: Callable, *args, size: int):
+    if size >= THREAD_THRESHOLD:
+        return await asyncio.to_thread(fn, *args)
+    return fn(*args)
+
+
+class PartReduction:
+    """One part of one group round: accumulator, per-chunk weights, and who delivered what."""
+
+    def __init__(self, plan: GroupPlan, own_id: str, own_values: torch.Tensor, own_weight: float, deadline: float):
+        self.plan = plan
+        self.part = plan.index_of(own_id)
+        self.offset, self.length = plan.parts[self.part]
+        self.spans = chunk_spans(plan, self.part)
+        self.own_id = own_id
+        self.deadline = deadline
+        self.accumulator = own_values.to(torch.float32) * own_weight
+        self.own_weight = float(own_weight)
+        self.chunk_weight = [self.own_weight] * len(self.spans)
+        self.expected = {m.peer_id for m in plan.members} - {own_id}
+        self.weights: dict[str, float] = {}
+        self.progress: dict[str, int] = {}  # chunks folded in, per sender
+        self.committed: list[str] = []
+        self.failed: set[str] = set()
+        self.finalized = 0  # chunks of the result that are final
+        if plan.codec == FP32:
+            self.result: Payload = self.accumulator
+        else:
+            self.result = QuantizedBlocks(torch.empty(self.length, dtype=torch.int8),
+                                          torch.empty(num_blocks(self.length, plan.block_size)), plan.block_size)
+        self.bytes_received = 0
+        self.bytes_sent = 0  # result chunks streamed back to senders
+        self.open_streams = 0
+        self.streams_closed = asyncio.Event()
+        self.streams_closed.set()
+        self._chunk_locks = [asyncio.Lock() for _ in self.spans]
+        self._advance_lock = asyncio.Lock()
+        self._changed = asyncio.Condition()
+        self._watchdog: asyncio.Task | None = None
+
+    @property
+    def settled(self) -> bool:
+        return self.finalized == len(self.spans)
+
+    def start(self) -> None:
+        """Arm the deadline: senders that have not finished by then are dropped."""
+        if self._watchdog is None and not self.settled:
+            self._watchdog = asyncio.ensure_future(self._expire_at_deadline())
+        if not self.expected:
+            asyncio.ensure_future(self._advance())
+
+    def stop(self) -> None:
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+
+    async def _expire_at_deadline(self) -> None:
+        await asyncio.sleep(max(self.deadline - time.monotonic(), 0))
+        late = sorted(self.expected - self.failed - set(self.committed))
+        if late:
+            log.warning("round %s hop %s part %s: no complete stream from %s by the deadline",
+                        self.plan.round, self.plan.hop, self.part, late)
+            for sender in late:
+                await self.fail(sender)
+
+    def begin(self, sender: str, weight: float) -> None:
+        if sender not in self.expected:
+            raise ChunkError(f"sender {sender} is not a member of this group")
+        if sender in self.progress or sender in self.failed:
+            raise ChunkError(f"sender {sender} already streamed this part")
+        if not (math.isfinite(weight) and 0 < weight <= MAX_WEIGHT):
+            raise ChunkError(f"weight {weight} out of range")
+        if time.monotonic() > self.deadline:
+            raise ChunkError("the reduction's deadline has passed")
+        self.weights[sender] = weight
+        self.progress[sender] = 0
+
+    async def add(self, sender: str, index: int, payload: Payload) -> None:
+        """Fold chunk `index` of a sender into the accumulator (chunks arrive in order)."""
+        offset, _ = self.spans[index]
+        async with self._chunk_locks[index]:
+            if sender in self.failed:
+                raise ChunkError("the reduction's deadline has passed")
+            await maybe_thread(self._fold, offset, payload, self.weights[sender], size=numel_of(payload))
+            # A folded chunk counts even if the sender was dropped meanwhile: it is in the sum.
+            self.chunk_weight[index] += self.weights[sender]
+            self.progress[sender] = index + 1
+        if sender in self.failed:
+            raise ChunkError("the reduction's deadline has passed")
+        if index + 1 == len(self.spans):
+            self.committed.append(sender)
+        await self._advance()
+
+    def _fold(self, offset: int, payload: Payload, weight: float) -> None:
+        target = self.accumulator[offset : offset + numel_of(payload)]
+        if isinstance(payload, QuantizedBlocks):
+            dequantize_accumulate(payload, target, weight)
+        else:
+            target.add_(payload, alpha=weight)
+
+    async def fail(self, sender: str) -> None:
+        """Drop a sender from every chunk it has not delivered in full."""
+        if sender not in self.expected or sender in self.failed or sender in self.committed:
+            return
+        self.failed.add(sender)
+        if self.progress.get(sender, 0):
+            log.info("round %s part %s: sender %s counted in %d of %d chunks", self.plan.round, self.part, sender,
+                     self.progress[sender], len(self.spans))
+        await self._advance()
+
+    def _ready(self, index: int) -> bool:
+        return all(s in self.failed or self.progress.get(s, 0) > index for s in self.expected)
+
+    async def _advance(self) -> None:
+        async with self._advance_lock:
+            while not self.settled and self._ready(self.finalized):
+                index = self.finalized
+                offset, length = self.spans[index]
+                async with self._chunk_locks[index]:  # a fold in flight completes first
+                    await maybe_thread(self._finish_chunk, offset, length, self.chunk_weight[index], size=length)
+                    self.finalized += 1
+                async with self._changed:
+                    self._changed.notify_all()
+        if self.settled:
+            self.stop()
+
+    def _finish_chunk(self, offset: int, length: int, weight: float) -> None:
+        mean = self.accumulator[offset : offset + length].div_(weight)
+        if isinstance(self.result, QuantizedBlocks):
+            quantize(mean, self.plan.block_size, out=slice_payload(self.result, offset, length, self.plan.block_size))
+
+    async def wait_chunk(self, index: int) -> Payload:
+        async with self._changed:
+            await self._changed.wait_for(lambda: self.finalized > index)
+        offset, length = self.spans[index]
+        return slice_payload(self.result, offset, length, self.plan.block_size)
+
+    @property
+    def included(self) -> list[str]:
+        """Senders counted in every chunk, this reducer included."""
+        return sorted([self.own_id, *self.committed])
+
+    @property
+    def total_weight(self) -> float:
+        return self.own_weight + sum(self.weights[s] for s in self.committed)
+
+
+class ReductionRegistry:
+    """The reductions this node currently serves, keyed by what a chunk names."""
+
+    def __init__(self) -> None:
+        self._reductions: dict[tuple, PartReduction] = {}
+        self._changed = asyncio.Condition()
+
+    @staticmethod
+    def key(run_id: str, round: int, hop: int, group_id: bytes, part: int) -> tuple:
+        return (run_id, round, hop, bytes(group_id), part)
+
+    async def register(self, reduction: PartReduction) -> None:
+        plan = reduction.plan
+        reduction.start()
+        async with self._changed:
+            self._reductions[self.key(plan.run_id, plan.round, plan.hop, plan.group_id, reduction.part)] = reduction
+            self._changed.notify_all()
+
+    def unregister(self, reduction: PartReduction) -> None:
+        plan = reduction.plan
+        reduction.stop()
+        self._reductions.pop(self.key(plan.run_id, plan.round, plan.hop, plan.group_id, reduction.part), None)
+
+    async def lookup(self, key: tuple, wait: float) -> PartReduction | None:
+        """A sender may reach us before we formed the same group: wait for it, boundedly."""
+        async with self._changed:
+            try:
+                await asyncio.wait_for(self._changed.wait_for(lambda: key in self._reductions), wait)
+            except asyncio.TimeoutError:
+                return None
+            return self._reductions[key]
+
+
+def _same_stream(chunk: pb.PartChunk, first: pb.PartChunk) -> bool:
+    return (chunk.sender, chunk.weight, chunk.group_id, chunk.round, chunk.hop, chunk.part, chunk.run_id) == \
+        (first.sender, first.weight, first.group_id, first.round, first.hop, first.part, first.run_id)
+
+
+class AveragingService(pb_grpc.AveragingServicer):
+    """Validates and folds each sender's stream while streaming final result chunks back."""
+
+    def __init__(self, registry: ReductionRegistry, run_id: str, registration_wait: float = 5.0):
+        self.registry = registry
+        self.run_id = run_id
+        self.registration_wait = registration_wait
+
+    async def Reduce(self, request_iterator: AsyncIterator[pb.PartChunk], context: grpc.aio.ServicerContext):
+        requests = aiter(request_iterator)
+        try:
+            first = await anext(requests)
+        except StopAsyncIteration:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "empty stream")
+        if first.run_id != self.run_id:
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, f"run {first.run_id!r} is not this node's run")
+        key = ReductionRegistry.key(first.run_id, first.round, first.hop, first.group_id, first.part)
+        reduction = await self.registry.lookup(key, self.registration_wait)
+        if reduction is None:
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"no reduction for round {first.round} hop {first.hop} part {first.part} in this group",
+            )
+        sender = first.sender
+        try:
+            reduction.begin(sender, first.weight)
+        except ChunkError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        reader = asyncio.ensure_future(self._consume(reduction, sender, first, requests))
+        reduction.open_streams += 1
+        reduction.streams_closed.clear()
+        try:
+            for index, (offset, _) in enumerate(reduction.spans):
+                waiter = asyncio.ensure_future(reduction.wait_chunk(index))
+                if not reader.done():
+                    await asyncio.wait({waiter, reader}, return_when=asyncio.FIRST_COMPLETED)
+                if reader.done() and reader.exception() is not None:
+                    waiter.cancel()
+                    error = reader.exception()
+                    log.warning("rejected stream from %s: %s", sender, error)
+                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
+                payload = await waiter
+                msg = chunk_message(reduction.plan, reduction.part, reduction.own_id, 0.0, offset, payload)
+                if index == len(reduction.spans) - 1:
+                    msg.last = True
+                    msg.included.extend(reduction.included)
+                    msg.total_weight = reduction.total_weight
+                yield msg
+                reduction.bytes_sent += payload_bytes(msg)
+        finally:
+            reduction.open_streams -= 1
+            if not reduction.open_streams:
+                reduction.streams_closed.set()
+            if not reader.done():
+                reader.cancel()
+                await reduction.fail(sender)
+
+    async def _consume(self, reduction: PartReduction, sender: str, first: pb.PartChunk,
+                       requests: AsyncIterator[pb.PartChunk]) -> None:
+        """Read, validate and fold the sender's chunks; any violation drops the sender."""
+        received = 0
+        try:
+            chunk = first
+            for index, (offset, _) in enumerate(reduction.spans):
+                if not _same_stream(chunk, first):
+                    raise ChunkError("chunk identity changed mid-stream")
+                payload = decode_chunk(chunk, reduction.plan, reduction.length, offset)
+                if chunk.length != reduction.spans[index][1]:
+                    raise ChunkError(f"chunk {index} has {chunk.length} values, expected {reduction.spans[index][1]}")
+                reduction.bytes_received += payload_bytes(chunk)
+                await reduction.add(sender, index, payload)
+                received += chunk.length
+                if index == len(reduction.spans) - 1:
+                    if not chunk.last:
+                        raise ChunkError("the part's last chunk is not marked last")
+                    return
+                if chunk.last:
+                    raise ChunkError(f"stream ended after {received} of {reduction.length} elements")
+                chunk = await anext(requests)
+        except StopAsyncIteration:
+            await reduction.fail(sender)
+            raise ChunkError("stream ended without a last chunk") from None
+        except BaseException:
+            await reduction.fail(sender)
+            raise

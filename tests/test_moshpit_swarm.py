@@ -1,0 +1,77 @@
+"""Moshpit averaging between real node processes: a 3x3 grid in consensus, and a stalled peer."""
+
+import re
+import signal
+import time
+
+from nodes import FAST, NodeProcess, theta
+
+GRID = [*FAST, "--target-group-size", "3", "--allreduce-timeout", "10", "--matchmaking-window", "6"]
+
+
+def _start(tmp_path, cleanup, n: int, *extra: str) -> list[NodeProcess]:
+    first = NodeProcess.join("n0", tmp_path, *GRID, "--min-peers", str(n), *extra)
+    cleanup.append(first)
+    address = first.join_address
+    nodes = [first]
+    for i in range(1, n):
+        node = NodeProcess.join(f"n{i}", tmp_path, *GRID, "--min-peers", str(n), "--peer", address, *extra)
+        cleanup.append(node)
+        nodes.append(node)
+    return nodes
+
+
+def _relative_spread(nodes: list[NodeProcess], step: int) -> float:
+    """Largest distance of a node's θ_g from node 0's, relative to the step's update."""
+    reference, before = theta(nodes[0].state_dir, step), theta(nodes[0].state_dir, step - 1)
+    update = float((reference - before).norm())
+    return max(float((theta(n.state_dir, step) - reference).norm()) for n in nodes[1:]) / update
+
+
+def test_nine_nodes_on_a_3x3_grid_stay_in_consensus(tmp_path, cleanup):
+    """Two hops of groups of three: every node holds the global mean of Δ after each step,
+    so all nine θ_g agree within the int8 error though no group ever held more than three."""
+    nodes = _start(tmp_path, cleanup, 9, "--max-rounds", "3")
+    for node in nodes:
+        assert node.wait(240) == 0, node.output
+    for node in nodes:
+        rounds = re.findall(r"round (\d+) \| groups (\d+)/\d+ (\d+)/\d+ \|", node.output)
+        assert [r for r, _, _ in rounds] == ["0", "1", "2"], node.output
+        assert all(a == "3" and b == "3" for _, a, b in rounds), node.output  # two hops, full groups
+    for step in (2, 3):
+        # int8 error of the mean Δ is ~1% of it; a node that averaged with a group only
+        # (not the whole swarm) would be off by tens of percent of the update
+        assert _relative_spread(nodes, step) < 0.05
+    losses = [float(x) for x in re.findall(r"\| eval (\d+\.\d+)", nodes[0].output)]
+    assert losses[-1] < losses[0]
+
+
+def test_a_stalled_peer_costs_the_others_one_bounded_round_and_catches_up(tmp_path, cleanup):
+    """SIGSTOP one of six nodes while it is matchmaking: the others finish that outer step
+    within the window plus the all-reduce timeout per hop; after SIGCONT the stalled node
+    catches up (resync or the next step) and averages with the others again."""
+    nodes = _start(tmp_path, cleanup, 6, "--max-rounds", "12")
+    stalled, others = nodes[-1], nodes[:-1]
+    stalled.wait_for_line(r"round 1 \|", timeout=180)
+    deadline = time.monotonic() + 60
+    while stalled.get("/status")["state"] != "averaging":
+        assert time.monotonic() < deadline, stalled.output
+        time.sleep(0.01)
+    step = stalled.get("/status")["outer_step"]
+    stalled.stop(signal.SIGSTOP)
+    stopped_at = time.monotonic()
+    try:
+        for node in others:
+            node.wait_for_line(rf"round {step} \|", timeout=60)
+        elapsed = time.monotonic() - stopped_at
+        assert elapsed < 2 * (6 + 10) + 5, elapsed  # d hops x (window + all-reduce timeout), + slack
+        time.sleep(max(0.0, 8 - elapsed))  # well past its heartbeats' expiry
+    finally:
+        stalled.stop(signal.SIGCONT)
+    for node in nodes:
+        assert node.wait(240) == 0, node.output
+    after = stalled.output.split(f"round {step} |", 1)[-1]
+    # it came back in step with the swarm: a download, or groups with others in later steps
+    assert "in sync at outer step" in after or re.search(r"groups [23]/", after), stalled.output
+    later = re.findall(r"round (\d+) \| groups (\d+)/", after)
+    assert any(int(size) > 1 for _, size in later), stalled.output
