@@ -30,7 +30,7 @@ from dtnode.proto import averaging_pb2_grpc as pb_grpc
 
 from .plan import INT8, GroupPlan, chunk_spans
 from .reducer import PartReduction, ReductionRegistry, maybe_thread
-from .wire import MAX_WEIGHT, ChunkError, Payload, chunk_message, decode_chunk, payload_bytes
+from .wire import MAX_WEIGHT, ChunkError, Payload, chunk_message, decode_chunk, payload_size
 
 log = logging.getLogger(__name__)
 
@@ -176,7 +176,7 @@ async def butterfly_allreduce(
         mine = values[offset : offset + length]
         mine_residual = residual[offset : offset + length] if residual is not None else None
         spans = chunk_spans(plan, part)
-        queue: asyncio.Queue[pb.PartChunk] = asyncio.Queue(maxsize=in_flight)
+        queue: asyncio.Queue[tuple[pb.PartChunk, int]] = asyncio.Queue(maxsize=in_flight)
 
         async def produce() -> None:
             for i, (off, n) in enumerate(spans):
@@ -184,12 +184,12 @@ async def butterfly_allreduce(
                 payload = await maybe_thread(_encode, plan, mine[off : off + n], chunk_residual, size=n)
                 msg = chunk_message(plan, part, own_id, weight, off, payload)
                 msg.last = i == len(spans) - 1
-                await queue.put(msg)
+                await queue.put((msg, payload_size(payload)))
 
         async def requests() -> AsyncIterator[pb.PartChunk]:
             for _ in spans:
-                msg = await queue.get()
-                report.bytes_sent += payload_bytes(msg)
+                msg, size = await queue.get()
+                report.bytes_sent += size
                 yield msg
 
         producer = asyncio.ensure_future(produce())
@@ -203,7 +203,7 @@ async def butterfly_allreduce(
                         or msg.part != part or msg.sender != reducer.peer_id:
                     raise ChunkError("result chunk names another round, group, part or reducer")
                 payload = decode_chunk(msg, plan, length, received)
-                report.bytes_received += payload_bytes(msg)
+                report.bytes_received += payload_size(payload)
                 await maybe_thread(_decode_into, payload, target[received : received + msg.length], size=msg.length)
                 received += msg.length
                 if msg.last:

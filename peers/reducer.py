@@ -28,7 +28,9 @@ from dtnode.proto import averaging_pb2 as pb
 from dtnode.proto import averaging_pb2_grpc as pb_grpc
 
 from .plan import FP32, GroupPlan, chunk_spans
-from .wire import MAX_WEIGHT, ChunkError, Payload, chunk_message, decode_chunk, numel_of, payload_bytes, slice_payload
+from .wire import (
+    MAX_WEIGHT, ChunkError, Payload, chunk_message, decode_chunk, numel_of, payload_size, slice_payload,
+)
 
 log = logging.getLogger(__name__)
 
@@ -268,7 +270,7 @@ class AveragingService(pb_grpc.AveragingServicer):
                     msg.included.extend(reduction.included)
                     msg.total_weight = reduction.total_weight
                 yield msg
-                reduction.bytes_sent += payload_bytes(msg)
+                reduction.bytes_sent += payload_size(payload)
         finally:
             reduction.open_streams -= 1
             if not reduction.open_streams:
@@ -289,7 +291,7 @@ class AveragingService(pb_grpc.AveragingServicer):
                 payload = decode_chunk(chunk, reduction.plan, reduction.length, offset)
                 if chunk.length != reduction.spans[index][1]:
                     raise ChunkError(f"chunk {index} has {chunk.length} values, expected {reduction.spans[index][1]}")
-                reduction.bytes_received += payload_bytes(chunk)
+                reduction.bytes_received += payload_size(payload)
                 await reduction.add(sender, index, payload)
                 received += chunk.length
                 if index == len(reduction.spans) - 1:

@@ -33,10 +33,6 @@ def numel_of(payload: Payload) -> int:
     return payload.numel if isinstance(payload, QuantizedBlocks) else payload.numel()
 
 
-def payload_bytes(chunk: pb.PartChunk) -> int:
-    return len(chunk.values) + len(chunk.scales)
-
-
 def _frombuffer(data: bytes, dtype: torch.dtype) -> torch.Tensor:
     """Zero-copy read-only view of message bytes (never written to)."""
     if not data:
@@ -47,7 +43,12 @@ def _frombuffer(data: bytes, dtype: torch.dtype) -> torch.Tensor:
 
 
 def decode_chunk(chunk: pb.PartChunk, plan: GroupPlan, part_length: int, expected_offset: int) -> Payload:
-    """Validate a chunk's payload against the plan; return int8 blocks or fp32 values."""
+    """Validate a chunk's payload against the plan; return int8 blocks or fp32 values.
+
+    Every int8 code (including -128) decodes to a finite value within 128/127 of its
+    block's scale, so codes need no check beyond their count; scales must be finite and
+    non-negative, fp32 values finite.
+    """
     n = chunk.length
     if chunk.offset != expected_offset:
         raise ChunkError(f"chunk offset {chunk.offset}, expected {expected_offset}")
@@ -55,24 +56,30 @@ def decode_chunk(chunk: pb.PartChunk, plan: GroupPlan, part_length: int, expecte
         raise ChunkError(f"chunk length {n} at offset {chunk.offset} does not fit part of {part_length}")
     if chunk.codec != plan.codec:
         raise ChunkError(f"codec {chunk.codec}, plan uses {plan.codec}")
+    values = chunk.values  # each access of a bytes field copies it: read once
     if plan.codec == FP32:
-        if len(chunk.values) != 4 * n or chunk.scales:
+        if len(values) != 4 * n or len(chunk.scales):
             raise ChunkError("fp32 chunk has the wrong byte count")
-        values = _frombuffer(chunk.values, torch.float32)
-        if not bool(torch.isfinite(values).all()):
+        decoded = _frombuffer(values, torch.float32)
+        if not bool(torch.isfinite(decoded).all()):
             raise ChunkError("non-finite values")
-        return values
+        return decoded
     if chunk.block_size != plan.block_size:
         raise ChunkError(f"block size {chunk.block_size}, plan uses {plan.block_size}")
-    if len(chunk.values) != n or len(chunk.scales) != 4 * num_blocks(n, plan.block_size):
+    scale_bytes = chunk.scales
+    if len(values) != n or len(scale_bytes) != 4 * num_blocks(n, plan.block_size):
         raise ChunkError("int8 chunk has the wrong byte count")
-    codes = _frombuffer(chunk.values, torch.int8)
-    scales = _frombuffer(chunk.scales, torch.float32)
+    scales = _frombuffer(scale_bytes, torch.float32)
     if not bool(torch.isfinite(scales).all()) or bool((scales < 0).any()):
         raise ChunkError("non-finite or negative scales")
-    if bool((codes == -128).any()):
-        raise ChunkError("int8 code -128 is outside the symmetric range")
-    return QuantizedBlocks(codes, scales, plan.block_size)
+    return QuantizedBlocks(_frombuffer(values, torch.int8), scales, plan.block_size)
+
+
+def payload_size(payload: Payload) -> int:
+    """Wire bytes of a decoded payload (without copying the message's bytes again)."""
+    if isinstance(payload, QuantizedBlocks):
+        return payload.codes.numel() + 4 * payload.scales.numel()
+    return 4 * payload.numel()
 
 
 def chunk_message(plan: GroupPlan, part: int, sender: str, weight: float, offset: int, payload: Payload) -> pb.PartChunk:
