@@ -1,7 +1,13 @@
 """Checkpoints: one safetensors file per outer step, written atomically, read defensively.
 
-A checkpoint holds θ_g (one tensor per parameter), the outer momentum, and metadata (run id,
-outer step, model description and hash, dtnode version) in the safetensors header. It is
+A checkpoint is two files. `ckpt-N` holds what the swarm shares: θ_g (one tensor per
+parameter), the outer momentum and metadata (run id, outer step, model description and
+hash, dtnode version); members of a group leave a round with identical θ_g and momentum,
+so their `ckpt-N` files are byte-identical and a joiner can fetch ranges of one file from
+several of them. `local-N` holds what is this node's own: the inner AdamW moments (flat, in
+parameter order), the data stream's generator state and the inner step counts; only a
+restart of the same node reads it (a joiner starts its own inner state fresh, with warmup).
+`local-N` is written first and `ckpt-N` last, so a whole `ckpt-N` means the step is whole. It is
 written by streaming the flat buffers straight into the file while hashing them (no second
 copy of the model in memory), to a temp file that is fsynced and renamed, so a kill -9 at
 any moment leaves the previous checkpoint whole. Reading never unpickles: safetensors only,
@@ -26,8 +32,12 @@ from dtnode import __version__
 
 log = logging.getLogger(__name__)
 
-FORMAT = "dtnode-checkpoint-v1"
+FORMAT = "dtnode-checkpoint-v2"
+INNER = ("inner/exp_avg", "inner/exp_avg_sq")
+GENERATOR = "data/generator_state"
+GENERATOR_LIMIT = 1 << 16  # bytes; a CPU torch.Generator state is about 5 kB
 _NAME = re.compile(r"^ckpt-(\d{8,})\.safetensors$")
+LOCAL_FORMAT = "dtnode-local-state-v1"
 HEADER_LIMIT = 16 << 20  # bytes of JSON header we are willing to parse
 
 
@@ -70,6 +80,10 @@ def checkpoint_path(directory: Path, step: int) -> Path:
     return directory / f"ckpt-{step:08d}.safetensors"
 
 
+def local_state_path(directory: Path, step: int) -> Path:
+    return directory / f"local-{step:08d}.safetensors"
+
+
 def list_checkpoints(directory: Path) -> list[tuple[int, Path]]:
     """(step, path) of every checkpoint file in the directory, newest first."""
     if not directory.is_dir():
@@ -78,35 +92,45 @@ def list_checkpoints(directory: Path) -> list[tuple[int, Path]]:
     return sorted(found, reverse=True)
 
 
-def _header(layout: Layout, metadata: dict[str, str]) -> bytes:
+@dataclass
+class LocalState:
+    """This node's own place in training: inner optimizer moments and data position (CPU)."""
+
+    exp_avg: torch.Tensor
+    exp_avg_sq: torch.Tensor
+    generator_state: torch.Tensor  # uint8
+    inner_step: int
+    adam_steps: int
+    batches_drawn: int
+
+
+@dataclass
+class TrainingState:
+    theta_g: torch.Tensor
+    momentum: torch.Tensor
+    local: LocalState | None = None
+
+
+def _entries(tensors: list[tuple[str, str, list[int], int]], metadata: dict[str, str]) -> bytes:
     entries: dict[str, object] = {"__metadata__": metadata}
     offset = 0
-    for name, shape in zip(layout.names, layout.shapes):
-        size = 4 * _prod(shape)
-        entries[f"theta_g/{name}"] = {"dtype": "F32", "shape": list(shape), "data_offsets": [offset, offset + size]}
-        offset += size
-    entries["outer_momentum"] = {"dtype": "F32", "shape": [layout.numel], "data_offsets": [offset, offset + 4 * layout.numel]}
+    for name, dtype, shape, nbytes in tensors:
+        entries[name] = {"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
     raw = json.dumps(entries, separators=(",", ":")).encode()
     return raw + b" " * (-len(raw) % 8)
 
 
-def write_checkpoint(directory: Path, step: int, layout: Layout, theta_g: torch.Tensor, momentum: torch.Tensor,
-                     metadata: dict[str, str]) -> CheckpointInfo:
-    """Atomically write one checkpoint (blocking: call from a worker thread)."""
-    if theta_g.numel() != layout.numel or momentum.numel() != layout.numel:
-        raise ValueError("buffers do not match the layout")
-    directory.mkdir(parents=True, exist_ok=True)
-    meta = {"format": FORMAT, "outer_step": str(step), "dtnode_version": __version__, **metadata}
-    header = _header(layout, meta)
-    final = checkpoint_path(directory, step)
-    tmp = directory / f".{final.name}.tmp-{os.getpid()}"
+def _write_atomic(final: Path, header: bytes, buffers: list[torch.Tensor]) -> tuple[str, int]:
+    """temp file, fsync, rename, fsync the directory; returns (sha256, size)."""
+    tmp = final.parent / f".{final.name}.tmp-{os.getpid()}"
     digest = hashlib.sha256()
     size = 0
+    pieces = [struct.pack("<Q", len(header)), header]
+    pieces += [memoryview(t.detach().cpu().contiguous().numpy()).cast("B") for t in buffers]
     try:
         with open(tmp, "wb") as f:
-            for piece in (struct.pack("<Q", len(header)), header,
-                          memoryview(theta_g.detach().cpu().contiguous().numpy()).cast("B"),
-                          memoryview(momentum.detach().cpu().contiguous().numpy()).cast("B")):
+            for piece in pieces:
                 f.write(piece)
                 digest.update(piece)
                 size += len(piece)
@@ -116,23 +140,58 @@ def write_checkpoint(directory: Path, step: int, layout: Layout, theta_g: torch.
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    dir_fd = os.open(directory, os.O_RDONLY)
+    dir_fd = os.open(final.parent, os.O_RDONLY)
     try:
         os.fsync(dir_fd)
     finally:
         os.close(dir_fd)
-    return CheckpointInfo(step, final, digest.hexdigest(), size)
+    return digest.hexdigest(), size
+
+
+def write_checkpoint(directory: Path, step: int, layout: Layout, state: TrainingState,
+                     metadata: dict[str, str]) -> CheckpointInfo:
+    """Atomically write one checkpoint, local state first (blocking: call from a worker thread)."""
+    if state.theta_g.numel() != layout.numel or state.momentum.numel() != layout.numel:
+        raise ValueError("buffers do not match the layout")
+    directory.mkdir(parents=True, exist_ok=True)
+    if state.local is not None:
+        local = state.local
+        if local.exp_avg.numel() != layout.numel or local.exp_avg_sq.numel() != layout.numel:
+            raise ValueError("inner optimizer state does not match the layout")
+        generator = local.generator_state.to(torch.uint8).contiguous()
+        if generator.numel() > GENERATOR_LIMIT:
+            raise ValueError("generator state is implausibly large")
+        local_meta = {"format": LOCAL_FORMAT, "run_id": metadata.get("run_id", ""),
+                      "model_hash": metadata.get("model_hash", ""), "outer_step": str(step),
+                      "inner_step": str(local.inner_step), "adam_steps": str(local.adam_steps),
+                      "data_batches_drawn": str(local.batches_drawn)}
+        n = 4 * layout.numel
+        header = _entries([(INNER[0], "F32", [layout.numel], n), (INNER[1], "F32", [layout.numel], n),
+                           (GENERATOR, "U8", [generator.numel()], generator.numel())], local_meta)
+        _write_atomic(local_state_path(directory, step), header, [local.exp_avg, local.exp_avg_sq, generator])
+    meta = {"format": FORMAT, "outer_step": str(step), "dtnode_version": __version__, **metadata}
+    tensors = [(f"theta_g/{name}", "F32", list(shape), 4 * _prod(shape)) for name, shape in zip(layout.names, layout.shapes)]
+    tensors.append(("outer_momentum", "F32", [layout.numel], 4 * layout.numel))
+    final = checkpoint_path(directory, step)
+    sha256, size = _write_atomic(final, _entries(tensors, meta), [state.theta_g, state.momentum])
+    return CheckpointInfo(step, final, sha256, size)
 
 
 def prune_checkpoints(directory: Path, keep: int) -> set[int]:
     """Delete all but the newest `keep` checkpoints and torn temp files; return the kept steps."""
     found = list_checkpoints(directory)
-    for _, path in found[keep:]:
+    for step, path in found[keep:]:
         path.unlink(missing_ok=True)
-    for stale in directory.glob(".ckpt-*.tmp-*"):  # torn writes of a killed process
+        local_state_path(directory, step).unlink(missing_ok=True)
+    kept = {step for step, _ in found[:keep]}
+    for local in directory.glob("local-*.safetensors"):  # orphans of steps whose ckpt never landed
+        digits = local.name[6:-12]
+        if digits.isdigit() and int(digits) not in kept and (not found or int(digits) < found[0][0]):
+            local.unlink(missing_ok=True)
+    for stale in list(directory.glob(".ckpt-*.tmp-*")) + list(directory.glob(".local-*.tmp-*")):  # killed writers
         if not _pid_alive(stale.name.rsplit("-", 1)[-1]):
             stale.unlink(missing_ok=True)
-    return {step for step, _ in found[:keep]}
+    return kept
 
 
 def _pid_alive(pid: str) -> bool:
@@ -156,31 +215,41 @@ def file_sha256(path: Path) -> str:
 @dataclass
 class LoadedCheckpoint:
     step: int
-    theta_g: torch.Tensor
-    momentum: torch.Tensor
+    state: TrainingState
     metadata: dict[str, str]
 
+    @property
+    def theta_g(self) -> torch.Tensor:
+        return self.state.theta_g
 
-def read_checkpoint(path: Path, layout: Layout, run_id: str, model_hash: str) -> LoadedCheckpoint:
-    """Load and validate a checkpoint from any source (our own disk or a peer's download)."""
+    @property
+    def momentum(self) -> torch.Tensor:
+        return self.state.momentum
+
+
+def _open_checked(path: Path, bound: int):
     try:
         size = path.stat().st_size
     except OSError as e:
         raise CheckpointError(f"cannot read {path.name}: {e}") from None
-    if size > layout.file_size_bound():
+    if size > bound:
         raise CheckpointError(f"{path.name} is {size} bytes, more than this model's checkpoint can be")
     with open(path, "rb") as f:
         head = f.read(8)
     if len(head) < 8 or struct.unpack("<Q", head)[0] > min(HEADER_LIMIT, size - 8):
         raise CheckpointError(f"{path.name} has a torn or oversized header")
+    return safe_open(str(path), framework="pt")
+
+
+def read_checkpoint(path: Path, layout: Layout, run_id: str, model_hash: str) -> LoadedCheckpoint:
+    """Load and validate a checkpoint from any source (our own disk or a peer's download)."""
     try:
-        with safe_open(str(path), framework="pt") as f:
+        with _open_checked(path, layout.file_size_bound()) as f:
             meta = f.metadata() or {}
-            keys = set(f.keys())
             expected = {f"theta_g/{n}" for n in layout.names} | {"outer_momentum"}
-            if keys != expected:
+            if set(f.keys()) != expected:
                 raise CheckpointError(f"{path.name}: tensor names differ from this model's")
-            _check_metadata(path, meta, run_id, model_hash)
+            _check_metadata(path, meta, run_id, model_hash, FORMAT)
             theta = torch.empty(layout.numel, dtype=torch.float32)
             offset = 0
             for name, shape in zip(layout.names, layout.shapes):
@@ -192,17 +261,49 @@ def read_checkpoint(path: Path, layout: Layout, run_id: str, model_hash: str) ->
         raise
     except Exception as e:  # safetensors raises its own errors for malformed files
         raise CheckpointError(f"{path.name} is not a valid safetensors file: {e}") from None
-    return LoadedCheckpoint(int(meta["outer_step"]), theta, momentum, meta)
+    return LoadedCheckpoint(int(meta["outer_step"]), TrainingState(theta, momentum), meta)
 
 
-def _check_metadata(path: Path, meta: dict[str, str], run_id: str, model_hash: str) -> None:
-    if meta.get("format") != FORMAT:
+def read_local_state(directory: Path, step: int, layout: Layout, run_id: str, model_hash: str) -> LocalState:
+    """This node's own inner state saved with checkpoint `step` (raises CheckpointError)."""
+    path = local_state_path(directory, step)
+    try:
+        with _open_checked(path, 2 * 4 * layout.numel + GENERATOR_LIMIT + HEADER_LIMIT + 8) as f:
+            meta = f.metadata() or {}
+            if set(f.keys()) != {*INNER, GENERATOR}:
+                raise CheckpointError(f"{path.name}: tensor names differ from a local state's")
+            _check_metadata(path, meta, run_id, model_hash, LOCAL_FORMAT)
+            if meta["outer_step"] != str(step):
+                raise CheckpointError(f"{path.name} names outer step {meta['outer_step']}")
+            exp_avg, exp_avg_sq = (_checked(f, key, (layout.numel,)) for key in INNER)
+            if bool((exp_avg_sq < 0).any()):
+                raise CheckpointError(f"{path.name}: negative second moments")
+            generator = f.get_slice(GENERATOR)
+            if generator.get_dtype() != "U8" or len(generator.get_shape()) != 1 \
+                    or generator.get_shape()[0] > GENERATOR_LIMIT:
+                raise CheckpointError(f"{path.name}: malformed generator state")
+            generator_state = f.get_tensor(GENERATOR)
+    except CheckpointError:
+        raise
+    except Exception as e:
+        raise CheckpointError(f"{path.name} is not a valid safetensors file: {e}") from None
+    counts = []
+    for key in ("inner_step", "adam_steps", "data_batches_drawn"):
+        raw = str(meta.get(key, ""))
+        if not raw.isdigit() or len(raw) > 18:
+            raise CheckpointError(f"{path.name}: {key} is not a non-negative integer")
+        counts.append(int(raw))
+    return LocalState(exp_avg, exp_avg_sq, generator_state, *counts)
+
+
+def _check_metadata(path: Path, meta: dict[str, str], run_id: str, model_hash: str, fmt: str) -> None:
+    if meta.get("format") != fmt:
         raise CheckpointError(f"{path.name}: unknown format {meta.get('format')!r}")
     if meta.get("run_id") != run_id:
         raise CheckpointError(f"{path.name} belongs to run {meta.get('run_id')!r}, not {run_id!r}")
     if meta.get("model_hash") != model_hash:
         raise CheckpointError(f"{path.name} is for another model configuration ({meta.get('model_hash')})")
-    if not str(meta.get("outer_step", "")).isdigit():
+    if not str(meta.get("outer_step", "")).isdigit() or len(str(meta.get("outer_step"))) > 18:
         raise CheckpointError(f"{path.name}: outer_step is not a non-negative integer")
 
 

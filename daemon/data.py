@@ -90,6 +90,15 @@ class DataStream:
         self.batches_drawn += 1
         return self.source.sample(self.batch_size, self.seq_len + 1, self.gen)
 
+    def position(self) -> tuple[torch.Tensor, int]:
+        """Where this stream is: its generator state and the batches drawn so far."""
+        return self.gen.get_state(), self.batches_drawn
+
+    def seek(self, generator_state: torch.Tensor, batches_drawn: int) -> None:
+        """Continue exactly where a saved position left off (this peer's own stream only)."""
+        self.gen.set_state(generator_state.to(torch.uint8).contiguous())
+        self.batches_drawn = batches_drawn
+
     @property
     def loss_floor(self) -> float | None:
         return self.source.entropy_rate

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import json
 import logging
 import math
 import signal
@@ -34,8 +35,8 @@ from dtnode.peers.membership import JoinError, Membership, PeerRecord, public_ma
 from dtnode.peers.server import start_grpc_server
 
 from .checkpoint import (
-    CheckpointError, CheckpointInfo, Layout, file_sha256, list_checkpoints, prune_checkpoints, read_checkpoint,
-    write_checkpoint,
+    CheckpointError, CheckpointInfo, Layout, LoadedCheckpoint, LocalState, TrainingState, file_sha256,
+    list_checkpoints, prune_checkpoints, read_checkpoint, read_local_state, write_checkpoint,
 )
 from .data import DataStream, open_source, stable_seed
 from .model import build_model, config_hash
@@ -136,10 +137,31 @@ class Node:
             except CheckpointError as e:
                 log.warning("skipping checkpoint %s: %s", path.name, e)
                 continue
-            self.replica.load(loaded.theta_g, loaded.momentum, loaded.step)
+            try:
+                local = read_local_state(self.state_dir, step, self.layout, self.settings.run_id, self.model_hash)
+            except CheckpointError as e:
+                log.warning("no usable inner state for step %d (%s): inner optimizer starts fresh", step, e)
+                local = None
+            self._install(loaded, local)
             self.checkpoints[step] = CheckpointInfo(step, path, file_sha256(path), path.stat().st_size)
             log.info("resumed from %s (outer step %d, params %s)", path.name, step, self.replica.params_sha256()[:12])
             return
+
+    def _install(self, loaded: LoadedCheckpoint, local: LocalState | None = None) -> None:
+        """Load a checkpoint into the replica (on the training thread), with this node's own
+        inner state and data position when resuming; a donor's checkpoint brings θ_g and the
+        outer momentum only, and the inner AdamW starts fresh (with its warmup)."""
+        self.replica.load(loaded.theta_g, loaded.momentum, loaded.step)
+        if local is None:
+            self.trainer.load_inner_state(torch.empty(0), torch.empty(0), 0)
+            self.trainer.inner_step = 0
+            return
+        self.trainer.load_inner_state(local.exp_avg, local.exp_avg_sq, local.adam_steps)
+        self.trainer.inner_step = local.inner_step
+        try:
+            self.trainer.stream.seek(local.generator_state, local.batches_drawn)
+        except (RuntimeError, ValueError) as e:  # a generator state from another torch build
+            log.warning("could not restore the data position (%s); continuing from a fresh one", e)
 
     def _announce_host(self) -> str:
         s = self.settings
@@ -296,8 +318,7 @@ class Node:
         if loaded is None:
             log.warning("no peer could serve a checkpoint; continuing from outer step %d", own)
             return False
-        await asyncio.get_running_loop().run_in_executor(
-            self.train_thread, self.replica.load, loaded.theta_g, loaded.momentum, loaded.step)
+        await asyncio.get_running_loop().run_in_executor(self.train_thread, self._install, loaded, None)
         if self._pending_write is not None:
             await asyncio.gather(self._pending_write, return_exceptions=True)
         self._pending_write = asyncio.ensure_future(self._write_checkpoint())
@@ -451,14 +472,19 @@ class Node:
         loop = asyncio.get_running_loop()
         step = self.replica.outer_step
 
-        def snapshot() -> tuple[torch.Tensor, torch.Tensor]:
-            return self.replica.theta_g.detach().to("cpu", copy=True), self.replica.outer.momentum_buffer.to("cpu", copy=True)
+        def snapshot() -> TrainingState:
+            exp_avg, exp_avg_sq, adam_steps = self.trainer.inner_state()
+            generator, batches = self.trainer.stream.position()
+            local = LocalState(exp_avg, exp_avg_sq, generator, self.trainer.inner_step, adam_steps, batches)
+            return TrainingState(self.replica.theta_g.detach().to("cpu", copy=True),
+                                 self.replica.outer.momentum_buffer.to("cpu", copy=True), local)
 
-        theta, momentum = await loop.run_in_executor(self.train_thread, snapshot)
-        metadata = {"run_id": self.settings.run_id, "model_hash": self.model_hash, "model": self.settings.model}
+        state = await loop.run_in_executor(self.train_thread, snapshot)
+        metadata = {"run_id": self.settings.run_id, "model_hash": self.model_hash, "model": self.settings.model,
+                    "model_config": json.dumps(self.model_description, sort_keys=True)}
         try:
             info = await loop.run_in_executor(self.io_thread, write_checkpoint, self.state_dir, step, self.layout,
-                                              theta, momentum, metadata)
+                                              state, metadata)
         except OSError as e:
             log.error("could not write checkpoint %d: %s", step, e)
             return

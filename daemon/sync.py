@@ -1,18 +1,31 @@
-"""Catching up with the swarm: download the newest checkpoint from a peer's sidecar.
+"""Catching up with the swarm: download the newest checkpoint from peers' sidecars.
 
-The donor is whichever live member announces the highest checkpoint step for our model.
-The URL is built from the donor's announced HTTP address and a step number, never taken
-from the donor's reply; the file is streamed to disk with a size cap, its sha256 checked
-against both the donor's metadata and its DHT record, and then validated like any
-checkpoint. Any failure moves on to the next donor.
+Donors are the live members that announce a checkpoint newer than ours for our model. Each
+is asked for its checkpoint metadata (which also measures its latency); donors that serve
+the same file (same step, sha256 and size: members of one group leave a round with the
+same state) are used together, each fetching byte ranges of the file in parallel, so many
+joiners do not all choke one donor and a donor that leaves mid-transfer only costs its
+unfinished ranges. Completed ranges are remembered beside the partial file, so an
+interrupted download resumes with Range requests instead of starting over.
+
+Nothing a donor sends is trusted: URLs are built from the donor's announced HTTP address
+and a validated integer step, never from its reply; a file larger than this model's bound
+is refused before a byte is fetched; every range must come back as exactly the bytes asked
+for; the whole file must match the sha256 of the metadata (and of the donor's DHT record);
+and the checkpoint is then validated like any other (names, shapes, dtypes, finiteness,
+run id, model hash). Any failure moves on to the next donor group.
 """
 
 from __future__ import annotations
 
 import asyncio
 import hashlib
+import json
 import logging
+import os
+import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import aiohttp
@@ -23,67 +36,278 @@ from .checkpoint import CheckpointError, Layout, LoadedCheckpoint, read_checkpoi
 
 log = logging.getLogger(__name__)
 
+PIECE_BYTES = 4 << 20  # one Range request
+PER_DONOR = 2  # concurrent range requests per donor
+MAX_BUSY_RETRIES = 20  # 503s (donor busy serving others) before a donor is given up
+
 
 class DownloadError(RuntimeError):
     pass
 
 
-async def download_checkpoint(session: aiohttp.ClientSession, donor: PeerRecord, dest: Path, layout: Layout,
-                              timeout: float) -> Path:
+@dataclass(frozen=True)
+class Offer:
+    """What one donor says it serves, and how fast it answered."""
+
+    donor: PeerRecord
+    base: str
+    step: int
+    sha256: str
+    size: int
+    latency: float
+
+
+async def probe(session: aiohttp.ClientSession, donor: PeerRecord, layout: Layout, timeout: float) -> Offer:
     base = donor.http_addr.rstrip("/")
     if not base.startswith(("http://", "https://")):
         raise DownloadError(f"peer {donor.peer_id} announces no usable HTTP address")
-    client_timeout = aiohttp.ClientTimeout(total=timeout, sock_read=min(timeout, 30))
-    async with session.get(f"{base}/checkpoint", timeout=client_timeout) as resp:
+    started = time.monotonic()
+    async with session.get(f"{base}/checkpoint", timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
         if resp.status != 200:
             raise DownloadError(f"{base}/checkpoint answered {resp.status}")
-        meta = await resp.json(content_type=None)
-    step, sha256 = meta.get("outer_step"), meta.get("sha256")
-    if not isinstance(step, int) or step < 0 or not isinstance(sha256, str) or len(sha256) != 64:
+        raw = await resp.content.read(1 << 16)
+    latency = time.monotonic() - started
+    try:
+        meta = json.loads(raw)
+    except ValueError:
+        raise DownloadError(f"{base}/checkpoint returned malformed metadata") from None
+    step, sha256, size = meta.get("outer_step"), meta.get("sha256"), meta.get("size_bytes")
+    if not isinstance(step, int) or step < 0 or not isinstance(sha256, str) or len(sha256) != 64 \
+            or not isinstance(size, int) or size <= 0:
         raise DownloadError(f"{base}/checkpoint returned malformed metadata")
     if step == donor.checkpoint_step and sha256 != donor.checkpoint_sha256:
         raise DownloadError("checkpoint hash differs from the donor's DHT record")
-    limit = layout.file_size_bound()
-    digest = hashlib.sha256()
-    size = 0
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    started = time.monotonic()
-    async with session.get(f"{base}/checkpoint/{step}", timeout=client_timeout) as resp:
-        if resp.status != 200:
-            raise DownloadError(f"checkpoint download answered {resp.status}")
-        if resp.content_length is not None and resp.content_length > limit:
-            raise DownloadError(f"checkpoint of {resp.content_length} bytes exceeds this model's bound {limit}")
-        with open(dest, "wb") as f:
-            async for block in resp.content.iter_chunked(1 << 20):
-                size += len(block)
-                if size > limit:
-                    raise DownloadError(f"checkpoint exceeds this model's bound of {limit} bytes")
+    if size > layout.file_size_bound():
+        raise DownloadError(f"checkpoint of {size} bytes exceeds this model's bound of {layout.file_size_bound()}")
+    return Offer(donor, base, step, sha256.lower(), size, latency)
+
+
+class Progress:
+    """A rich progress bar on a terminal, a log line every few seconds otherwise."""
+
+    def __init__(self, total: int, label: str, interval: float = 2.0):
+        self.total = total
+        self.done = 0
+        self.label = label
+        self.interval = interval
+        self._last_log = time.monotonic()
+        self._bar = None
+        if sys.stderr.isatty():
+            from rich.progress import BarColumn, DownloadColumn, Progress as RichProgress, TransferSpeedColumn
+
+            self._bar = RichProgress("[progress.description]{task.description}", BarColumn(), DownloadColumn(),
+                                     TransferSpeedColumn(), transient=True)
+            self._task = self._bar.add_task(label, total=total)
+            self._bar.start()
+
+    def advance(self, n: int) -> None:
+        self.done += n
+        if self._bar is not None:
+            self._bar.update(self._task, completed=self.done)
+        elif time.monotonic() - self._last_log >= self.interval:
+            self._last_log = time.monotonic()
+            log.info("%s: %.1f of %.1f MB (%.0f%%)", self.label, self.done / 1e6, self.total / 1e6,
+                     100 * self.done / max(self.total, 1))
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.stop()
+
+
+class PartialDownload:
+    """A file being assembled from ranges, with the list of finished pieces beside it."""
+
+    def __init__(self, scratch: Path, sha256: str, size: int):
+        self.path = scratch / f".download-{sha256[:16]}.partial"
+        self.ledger = scratch / f".download-{sha256[:16]}.json"
+        self.size = size
+        self.pieces = [(start, min(PIECE_BYTES, size - start)) for start in range(0, size, PIECE_BYTES)]
+        self.finished: set[int] = set()
+        scratch.mkdir(parents=True, exist_ok=True)
+        try:
+            saved = json.loads(self.ledger.read_text())
+            if saved.get("size") == size and self.path.stat().st_size == size:
+                self.finished = {i for i in saved.get("pieces", []) if isinstance(i, int) and 0 <= i < len(self.pieces)}
+        except (OSError, ValueError, AttributeError):
+            self.finished = set()
+        if not self.finished:
+            with open(self.path, "wb") as f:
+                f.truncate(size)
+        self.fd = os.open(self.path, os.O_RDWR)
+
+    def write(self, offset: int, data: bytes) -> None:
+        os.pwrite(self.fd, data, offset)
+
+    def finish_piece(self, index: int) -> None:
+        self.finished.add(index)
+        tmp = self.ledger.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"size": self.size, "pieces": sorted(self.finished)}))
+        os.replace(tmp, self.ledger)
+
+    def sha256(self) -> str:
+        os.fsync(self.fd)
+        digest = hashlib.sha256()
+        with open(self.path, "rb") as f:
+            while block := f.read(1 << 20):
                 digest.update(block)
-                await asyncio.to_thread(f.write, block)
-    if digest.hexdigest() != sha256:
+        return digest.hexdigest()
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+    def discard(self) -> None:
+        self.path.unlink(missing_ok=True)
+        self.ledger.unlink(missing_ok=True)
+
+
+async def _fetch_piece(session: aiohttp.ClientSession, offer: Offer, start: int, length: int,
+                       partial: PartialDownload, progress: Progress, timeout: float) -> None:
+    headers = {"Range": f"bytes={start}-{start + length - 1}"}
+    client_timeout = aiohttp.ClientTimeout(total=timeout, sock_read=min(timeout, 30))
+    async with session.get(f"{offer.base}/checkpoint/{offer.step}", headers=headers, timeout=client_timeout) as resp:
+        if resp.status == 503:
+            raise _Busy(float(resp.headers.get("Retry-After", "1") or 1))
+        if resp.status != 206 and not (resp.status == 200 and start == 0 and length == offer.size):
+            raise DownloadError(f"range request answered {resp.status}")
+        received = 0
+        async for block in resp.content.iter_chunked(1 << 20):
+            if received + len(block) > length:
+                raise DownloadError("donor sent more bytes than the range asked for")
+            await asyncio.to_thread(partial.write, start + received, block)
+            received += len(block)
+            progress.advance(len(block))
+        if received != length:
+            progress.advance(-received)
+            raise DownloadError(f"range ended after {received} of {length} bytes")
+
+
+class _Busy(Exception):
+    def __init__(self, retry_after: float):
+        super().__init__(f"donor busy, retry after {retry_after}s")
+        self.retry_after = min(max(retry_after, 0.1), 5.0)
+
+
+async def download_parallel(session: aiohttp.ClientSession, offers: list[Offer], scratch: Path,
+                            timeout: float) -> Path:
+    """Assemble one checkpoint file from ranges served by every donor in `offers` (same file)."""
+    first = offers[0]
+    partial = PartialDownload(scratch, first.sha256, first.size)
+    todo: asyncio.Queue[int] = asyncio.Queue()
+    for index in range(len(partial.pieces)):
+        if index not in partial.finished:
+            todo.put_nowait(index)
+    resumed = sum(partial.pieces[i][1] for i in partial.finished)
+    if resumed:
+        log.info("resuming a download of checkpoint %d: %.1f of %.1f MB already here", first.step, resumed / 1e6,
+                 first.size / 1e6)
+    progress = Progress(first.size, f"checkpoint {first.step} from {len(offers)} peer(s)")
+    progress.advance(resumed)
+    failures: dict[str, str] = {}
+    in_flight: set[int] = set()
+    started = time.monotonic()
+
+    async def worker(offer: Offer) -> None:
+        busy = 0
+        while offer.donor.peer_id not in failures and len(partial.finished) < len(partial.pieces):
+            try:
+                index = todo.get_nowait()
+            except asyncio.QueueEmpty:  # ranges in flight elsewhere may still come back
+                if all(o.donor.peer_id in failures for o in offers if o is not offer):
+                    if todo.empty() and not in_flight:
+                        return
+                await asyncio.sleep(0.02)
+                continue
+            in_flight.add(index)
+            start, length = partial.pieces[index]
+            try:
+                await _fetch_piece(session, offer, start, length, partial, progress, timeout)
+                partial.finish_piece(index)
+                in_flight.discard(index)
+            except _Busy as e:
+                in_flight.discard(index)
+                todo.put_nowait(index)
+                busy += 1
+                if busy > MAX_BUSY_RETRIES:
+                    failures[offer.donor.peer_id] = "busy"
+                    return
+                await asyncio.sleep(e.retry_after)
+            except (DownloadError, aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+                in_flight.discard(index)
+                todo.put_nowait(index)  # another donor takes this range
+                failures[offer.donor.peer_id] = str(e) or type(e).__name__
+                log.warning("donor %s failed (%s); its ranges go to the others", offer.donor.peer_id[-8:],
+                            failures[offer.donor.peer_id])
+                return
+
+    try:
+        await asyncio.gather(*(worker(o) for o in offers for _ in range(PER_DONOR)))
+        if len(partial.finished) < len(partial.pieces):
+            raise DownloadError(f"every donor failed: {failures}")
+        digest = await asyncio.to_thread(partial.sha256)
+    finally:
+        progress.close()
+        partial.close()
+    if digest != first.sha256:
+        partial.discard()
         raise DownloadError("sha256 of the downloaded checkpoint does not match its metadata")
-    log.info("downloaded checkpoint %s from %s: %.1f MB in %.2fs", step, donor.peer_id[-8:], size / 1e6,
-             time.monotonic() - started)
+    dest = scratch / f".download-{first.sha256[:16]}.safetensors"
+    os.replace(partial.path, dest)
+    partial.ledger.unlink(missing_ok=True)
+    log.info("downloaded checkpoint %d from %d peer(s): %.1f MB in %.2fs", first.step, len(offers) - len(failures),
+             first.size / 1e6, time.monotonic() - started)
     return dest
+
+
+def _groups(offers: list[Offer]) -> list[list[Offer]]:
+    """Donors serving the same file together; newest step first, then most donors, then fastest."""
+    by_file: dict[tuple[int, str, int], list[Offer]] = {}
+    for offer in offers:
+        by_file.setdefault((offer.step, offer.sha256, offer.size), []).append(offer)
+    groups = [sorted(g, key=lambda o: o.latency) for g in by_file.values()]
+    return sorted(groups, key=lambda g: (-g[0].step, -len(g), g[0].latency))
 
 
 async def fetch_from_swarm(members: dict[str, PeerRecord], own_id: str, own_step: int, model_hash: str, run_id: str,
                            layout: Layout, scratch: Path, timeout: float) -> LoadedCheckpoint | None:
-    """The newest checkpoint ahead of `own_step` that any member serves, or None."""
-    donors = sorted(
-        (m for m in members.values()
-         if m.peer_id != own_id and m.model_hash == model_hash and m.checkpoint_step > own_step and m.http_addr),
-        key=lambda m: -m.checkpoint_step,
-    )
+    """The newest checkpoint ahead of `own_step` that members serve, or None."""
+    donors = [m for m in members.values()
+              if m.peer_id != own_id and m.model_hash == model_hash and m.checkpoint_step > own_step and m.http_addr]
+    if not donors:
+        return None
+    scratch.mkdir(parents=True, exist_ok=True)
     async with aiohttp.ClientSession() as session:
-        for donor in donors:
-            dest = scratch / f".download-{donor.peer_id[-12:]}.safetensors"
-            try:
-                path = await download_checkpoint(session, donor, dest, layout, timeout)
-                return await asyncio.to_thread(read_checkpoint, path, layout, run_id, model_hash)
-            except (DownloadError, CheckpointError, aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError) as e:
-                log.warning("could not sync from %s (%s): %s; trying the next peer", donor.peer_id[-8:],
-                            donor.http_addr, e)
-            finally:
-                dest.unlink(missing_ok=True)
+        probes = await asyncio.gather(*(probe(session, d, layout, min(timeout, 10.0)) for d in donors),
+                                      return_exceptions=True)
+        offers = []
+        for donor, result in zip(donors, probes):
+            if isinstance(result, Offer):
+                if result.step > own_step:
+                    offers.append(result)
+            else:
+                log.warning("peer %s (%s) offers no usable checkpoint: %s", donor.peer_id[-8:], donor.http_addr,
+                            result)
+        wanted = {o.sha256[:16] for o in offers}
+        for stale in scratch.glob(".download-*"):  # partial files nobody offers any more
+            if stale.name.split("-", 1)[1].split(".", 1)[0] not in wanted:
+                stale.unlink(missing_ok=True)
+        for group in _groups(offers):
+            # several donors first; if the assembled file is bad, each donor alone (to skip the liar)
+            attempts = [group] + ([[o] for o in group] if len(group) > 1 else [])
+            for attempt in attempts:
+                path = None
+                try:
+                    path = await download_parallel(session, attempt, scratch, timeout)
+                    loaded = await asyncio.to_thread(read_checkpoint, path, layout, run_id, model_hash)
+                    for leftover in scratch.glob(".download-*"):
+                        leftover.unlink(missing_ok=True)
+                    return loaded
+                except (DownloadError, CheckpointError, aiohttp.ClientError, asyncio.TimeoutError, OSError,
+                        ValueError) as e:
+                    names = ", ".join(f"{o.donor.peer_id[-8:]} ({o.base})" for o in attempt)
+                    log.warning("could not sync from %s: %s; trying the next peer", names, e)
+                    if isinstance(e, CheckpointError):
+                        break  # the file itself is unusable: no donor of this group can help
+                finally:
+                    if path is not None:
+                        path.unlink(missing_ok=True)
     return None

@@ -94,6 +94,41 @@ class Trainer:
             self.last_loss = mean
         return InnerResult(done, tokens, mean, time.monotonic() - started)
 
+    def _ordered_parameters(self) -> list[torch.nn.Parameter]:
+        return [p for _, p in self.model.named_parameters()]  # the flat buffer's order
+
+    @torch.no_grad()
+    def inner_state(self) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """AdamW's moments flattened in parameter order (CPU copies), and its step count."""
+        exp_avg = torch.zeros(self.flat.numel)
+        exp_avg_sq = torch.zeros(self.flat.numel)
+        steps, offset = 0, 0
+        for p in self._ordered_parameters():
+            n = p.numel()
+            state = self.optimizer.state.get(p)
+            if state and "exp_avg" in state:
+                exp_avg[offset : offset + n] = state["exp_avg"].reshape(-1).float().cpu()
+                exp_avg_sq[offset : offset + n] = state["exp_avg_sq"].reshape(-1).float().cpu()
+                steps = int(state["step"])
+            offset += n
+        return exp_avg, exp_avg_sq, steps
+
+    @torch.no_grad()
+    def load_inner_state(self, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, steps: int) -> None:
+        """Install AdamW moments (a resumed node's own, or a donor's as a warm start)."""
+        if steps <= 0:
+            self.optimizer.state.clear()
+            return
+        offset = 0
+        for p in self._ordered_parameters():
+            n = p.numel()
+            self.optimizer.state[p] = {
+                "step": torch.tensor(float(steps), dtype=torch.float32),
+                "exp_avg": exp_avg[offset : offset + n].view_as(p).to(p.device, copy=True),
+                "exp_avg_sq": exp_avg_sq[offset : offset + n].view_as(p).to(p.device, copy=True),
+            }
+            offset += n
+
     @torch.no_grad()
     def eval_loss(self) -> float:
         """Loss on the swarm-wide eval batch: comparable across peers."""

@@ -3,17 +3,23 @@ import torch
 from safetensors.torch import load_file
 
 from dtnode.daemon.checkpoint import (
-    CheckpointError, Layout, list_checkpoints, prune_checkpoints, read_checkpoint, write_checkpoint, file_sha256,
+    CheckpointError, Layout, LocalState, TrainingState, file_sha256, list_checkpoints, prune_checkpoints,
+    read_checkpoint, read_local_state, write_checkpoint,
 )
 
 LAYOUT = Layout(("a.weight", "b.bias"), ((3, 4), (5,)))
 
 
+def _state(theta=None, momentum=None):
+    local = LocalState(torch.randn(LAYOUT.numel), torch.rand(LAYOUT.numel), torch.Generator().get_state(), 40, 40, 41)
+    return TrainingState(theta if theta is not None else torch.randn(LAYOUT.numel),
+                         momentum if momentum is not None else torch.randn(LAYOUT.numel), local)
+
+
 def _write(tmp_path, step=1, run_id="run", model_hash="h"):
-    theta = torch.randn(LAYOUT.numel)
-    momentum = torch.randn(LAYOUT.numel)
-    info = write_checkpoint(tmp_path, step, LAYOUT, theta, momentum, {"run_id": run_id, "model_hash": model_hash})
-    return info, theta, momentum
+    state = _state()
+    info = write_checkpoint(tmp_path, step, LAYOUT, state, {"run_id": run_id, "model_hash": model_hash})
+    return info, state.theta_g, state.momentum
 
 
 def test_round_trip_is_bit_identical_and_standard_safetensors(tmp_path):
@@ -23,6 +29,11 @@ def test_round_trip_is_bit_identical_and_standard_safetensors(tmp_path):
     assert loaded.step == 7 and torch.equal(loaded.theta_g, theta) and torch.equal(loaded.momentum, momentum)
     plain = load_file(str(info.path))  # readable by the safetensors library itself
     assert torch.equal(plain["theta_g/a.weight"], theta[:12].view(3, 4))
+    local = read_local_state(tmp_path, 7, LAYOUT, "run", "h")
+    assert (local.inner_step, local.adam_steps, local.batches_drawn) == (40, 40, 41)
+    assert torch.equal(local.generator_state, torch.Generator().get_state())
+    assert loaded.metadata["dtnode_version"]
+    assert set(plain) == {"theta_g/a.weight", "theta_g/b.bias", "outer_momentum"}  # the shared file only
 
 
 @pytest.mark.parametrize("damage", ["truncate", "garbage_header", "empty"])
@@ -51,7 +62,7 @@ def test_foreign_run_model_and_shape_are_refused(tmp_path):
 def test_non_finite_values_are_refused(tmp_path):
     theta = torch.randn(LAYOUT.numel)
     theta[3] = float("nan")
-    info = write_checkpoint(tmp_path, 1, LAYOUT, theta, torch.zeros(LAYOUT.numel), {"run_id": "run", "model_hash": "h"})
+    info = write_checkpoint(tmp_path, 1, LAYOUT, _state(theta), {"run_id": "run", "model_hash": "h"})
     with pytest.raises(CheckpointError, match="non-finite"):
         read_checkpoint(info.path, LAYOUT, "run", "h")
 
@@ -62,4 +73,39 @@ def test_prune_keeps_newest(tmp_path):
     (tmp_path / ".ckpt-00000009.safetensors.tmp-999999999").write_bytes(b"torn")
     prune_checkpoints(tmp_path, keep=2)
     assert [s for s, _ in list_checkpoints(tmp_path)] == [4, 3]
+    assert not list(tmp_path.glob(".ckpt-*"))
+
+
+WRITER = """
+import sys, torch
+from pathlib import Path
+from dtnode.daemon.checkpoint import Layout, TrainingState, write_checkpoint
+n = 96_000_000
+layout = Layout(("w",), ((n,),))
+state = TrainingState(torch.ones(n), torch.ones(n))
+write_checkpoint(Path(sys.argv[1]), 2, layout, state, {"run_id": "run", "model_hash": "h"})
+"""
+
+
+def test_kill_9_during_a_write_leaves_the_previous_checkpoint_whole(tmp_path):
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    big = Layout(("w",), ((96_000_000,),))
+    state = TrainingState(torch.zeros(big.numel), torch.zeros(big.numel))
+    first = write_checkpoint(tmp_path, 1, big, state, {"run_id": "run", "model_hash": "h"})
+    del state
+    writer = subprocess.Popen([sys.executable, "-c", WRITER, str(tmp_path)])
+    deadline = time.monotonic() + 60
+    while not any(p.stat().st_size > 1 << 20 for p in tmp_path.glob(".ckpt-00000002*")):
+        assert writer.poll() is None and time.monotonic() < deadline, "the writer finished before it could be killed"
+        time.sleep(0.005)
+    writer.send_signal(signal.SIGKILL)
+    writer.wait()
+    assert [s for s, _ in list_checkpoints(tmp_path)] == [1]  # the torn write never got a checkpoint's name
+    assert file_sha256(first.path) == first.sha256
+    assert read_checkpoint(first.path, big, "run", "h").step == 1
+    prune_checkpoints(tmp_path, keep=3)  # the dead writer's temp file is swept
     assert not list(tmp_path.glob(".ckpt-*"))

@@ -116,8 +116,12 @@ def test_late_joiner_downloads_state_and_trains_in_step(tmp_path, cleanup):
 def test_restart_resumes_from_its_checkpoint(tmp_path):
     first = NodeProcess.join("solo", tmp_path, *FAST, "--max-rounds", "3")
     assert first.wait(60) == 0, first.output
+    # a kill -9 mid-write of step 4 would leave a torn file; here also under the final name
+    good = checkpoint_path(first.state_dir, 3).read_bytes()
+    checkpoint_path(first.state_dir, 4).write_bytes(good[: len(good) // 2])
     again = NodeProcess.join("solo", tmp_path, *FAST, "--max-rounds", "1")
     assert again.wait(60) == 0, again.output
+    assert re.search(r"skipping checkpoint ckpt-00000004\.safetensors", again.output), again.output
     resumed = again.wait_for_line(r"resumed from ckpt-00000003\.safetensors \(outer step 3, params (\w+)\)").group(1)
     model, description = build_model("tiny", seed=0)
     flat = FlatParameters(model.named_parameters())

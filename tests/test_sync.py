@@ -1,0 +1,261 @@
+"""Late-joiner downloads against real HTTP servers: honest sidecars and hostile donors.
+
+Honest donors are the node's own `Sidecar` serving real checkpoint files; hostile donors are
+small aiohttp servers that lie in the ways a peer on the internet could. The joiner's code
+under test is `fetch_from_swarm`, unchanged.
+"""
+
+import asyncio
+import json
+import logging
+
+import pytest
+import torch
+from aiohttp import web
+from prometheus_client import CollectorRegistry
+
+from dtnode.daemon.checkpoint import (
+    CheckpointInfo, Layout, TrainingState, file_sha256, read_checkpoint, write_checkpoint,
+)
+from dtnode.daemon.sidecar import Sidecar
+from dtnode.daemon.sync import PIECE_BYTES, fetch_from_swarm
+from dtnode.peers.membership import PeerRecord
+
+LAYOUT = Layout(("w", "b"), ((5_500_000,), (10,)))  # ~44 MB files: eleven 4 MB ranges
+RUN, MODEL = "sync-run", "model-hash"
+
+
+class FileView:
+    """What a Sidecar needs from a node, backed by checkpoint files on disk."""
+
+    def __init__(self, infos: list[CheckpointInfo]):
+        self.metrics_registry = CollectorRegistry()
+        self.infos = {i.step: i for i in infos}
+
+    def status(self):
+        return {"state": "training"}
+
+    async def peer_records(self):
+        return []
+
+    def checkpoint(self, step=None):
+        if step is None:
+            return self.infos[max(self.infos)] if self.infos else None
+        return self.infos.get(step)
+
+
+def _checkpoint(directory, step, run_id=RUN, layout=LAYOUT, seed=0) -> tuple[CheckpointInfo, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    theta = torch.randn(layout.numel, generator=gen)
+    info = write_checkpoint(directory, step, layout, TrainingState(theta, torch.zeros(layout.numel)),
+                            {"run_id": run_id, "model_hash": MODEL})
+    return info, theta
+
+
+def _record(name, url, info: CheckpointInfo) -> PeerRecord:
+    return PeerRecord(peer_id=f"peer-{name}", http_addr=url, state="training", outer_step=info.step,
+                      checkpoint_step=info.step, checkpoint_sha256=info.sha256, model_hash=MODEL)
+
+
+async def _serve(app: web.Application) -> tuple[web.AppRunner, str]:
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    return runner, f"http://127.0.0.1:{runner.addresses[0][1]}"
+
+
+def _liar(info: CheckpointInfo, body: bytes, sha256: str | None = None, requests: list | None = None,
+          vanish: bool = False) -> web.Application:
+    """A donor announcing `info` but serving `body` (honouring Range like a real server)."""
+    async def meta(request):
+        return web.json_response({"outer_step": info.step, "sha256": sha256 or info.sha256,
+                                  "size_bytes": info.size_bytes, "url": ""})
+
+    async def data(request):
+        if requests is not None:
+            requests.append(request.headers.get("Range"))
+        if vanish:  # starts its range, then drops the connection
+            response = web.StreamResponse(status=206, headers={"Content-Length": str(PIECE_BYTES)})
+            await response.prepare(request)
+            await response.write(b"\0" * 1000)
+            request.transport.close()
+            raise ConnectionResetError("donor left")
+        start, end = 0, len(body) - 1
+        if rng := request.headers.get("Range"):
+            a, b = rng.removeprefix("bytes=").split("-")
+            start, end = int(a), int(b)
+        return web.Response(status=206, body=body[start: end + 1])
+
+    app = web.Application()
+    app.add_routes([web.get("/checkpoint", meta), web.get("/checkpoint/{step}", data)])
+    return app
+
+
+async def _honest(tmp_path, name, info) -> tuple[Sidecar, str]:
+    sidecar = Sidecar(FileView([info]))
+    port = await sidecar.start("127.0.0.1", 0)
+    return sidecar, f"http://127.0.0.1:{port}"
+
+
+def test_hostile_donors_are_refused_and_the_joiner_ends_on_the_honest_checkpoint(tmp_path, caplog):
+    """Four donors announce newer checkpoints than the honest one and each lies differently:
+    corrupt bytes (bad hash), a truncated range, a file of another run, a wrong-shaped
+    tensor. The joiner refuses each, falls back, and loads the honest donor's state."""
+    async def main():
+        honest_info, honest_theta = _checkpoint(tmp_path / "honest", 5)
+        good_13, _ = _checkpoint(tmp_path / "c13", 13, seed=13)
+        corrupt = bytearray(good_13.path.read_bytes())
+        corrupt[-100] ^= 0xFF
+        good_12, _ = _checkpoint(tmp_path / "c12", 12, seed=12)
+        truncated = good_12.path.read_bytes()[:-4096]
+        foreign, _ = _checkpoint(tmp_path / "c11", 11, run_id="another-run")
+        wrong_shape, _ = _checkpoint(tmp_path / "c10", 10, layout=Layout(("w", "b"), ((10,), (5_500_000,))))
+        servers, records = [], []
+        for name, info, body in [("corrupt", good_13, bytes(corrupt)), ("truncated", good_12, truncated),
+                                 ("foreign", foreign, foreign.path.read_bytes()),
+                                 ("shape", wrong_shape, wrong_shape.path.read_bytes())]:
+            runner, url = await _serve(_liar(info, body))
+            servers.append(runner)
+            records.append(_record(name, url, info))
+        sidecar, url = await _honest(tmp_path, "honest", honest_info)
+        records.append(_record("honest", url, honest_info))
+        try:
+            with caplog.at_level(logging.WARNING):
+                loaded = await fetch_from_swarm({r.peer_id: r for r in records}, "me", 0, MODEL, RUN, LAYOUT,
+                                                tmp_path / "joiner", timeout=20)
+        finally:
+            await sidecar.stop()
+            for runner in servers:
+                await runner.cleanup()
+        assert loaded is not None and loaded.step == 5
+        assert torch.equal(loaded.theta_g, honest_theta)
+        text = caplog.text
+        assert "sha256 of the downloaded checkpoint does not match" in text
+        assert "range ended after" in text
+        assert "belongs to run 'another-run'" in text
+        assert "expected F32" in text or "tensor names differ" in text
+        assert not list((tmp_path / "joiner").glob(".download-*"))  # nothing left behind
+    asyncio.run(main())
+
+
+def test_ranges_come_from_every_donor_of_the_same_file_and_a_donor_leaving_costs_only_its_ranges(tmp_path):
+    async def main():
+        info, theta = _checkpoint(tmp_path / "src", 7)
+        body = info.path.read_bytes()
+        seen: dict[str, list] = {"a": [], "b": []}
+        runners, records = [], []
+        for name in ("a", "b"):
+            runner, url = await _serve(_liar(info, body, requests=seen[name]))
+            runners.append(runner)
+            records.append(_record(name, url, info))
+
+        flaky = _liar(info, body, vanish=True)
+        runner, url = await _serve(flaky)
+        runners.append(runner)
+        records.append(_record("c-flaky", url, info))
+        try:
+            loaded = await fetch_from_swarm({r.peer_id: r for r in records}, "me", 0, MODEL, RUN, LAYOUT,
+                                            tmp_path / "joiner", timeout=20)
+        finally:
+            for r in runners:
+                await r.cleanup()
+        assert loaded is not None and torch.equal(loaded.theta_g, theta)
+        assert seen["a"] and seen["b"]  # both healthy donors served ranges
+        assert all(r and r.startswith("bytes=") for r in seen["a"] + seen["b"])
+        pieces = -(-info.size_bytes // PIECE_BYTES)
+        assert len(seen["a"]) + len(seen["b"]) == pieces  # the flaky donor's range was fetched once more, elsewhere
+    asyncio.run(main())
+
+
+def test_an_interrupted_download_resumes_with_range_requests(tmp_path):
+    async def main():
+        info, theta = _checkpoint(tmp_path / "src", 9)
+        body = info.path.read_bytes()
+        scratch = tmp_path / "joiner"
+        served: list = []
+        runner, url = await _serve(_liar(info, body, requests=served))
+        record = _record("a", url, info)
+        # a previous attempt got the first range, then the process died
+        scratch.mkdir()
+        partial = scratch / f".download-{info.sha256[:16]}.partial"
+        partial.write_bytes(body[:PIECE_BYTES] + b"\0" * (len(body) - PIECE_BYTES))
+        (scratch / f".download-{info.sha256[:16]}.json").write_text(json.dumps({"size": len(body), "pieces": [0]}))
+        try:
+            loaded = await fetch_from_swarm({record.peer_id: record}, "me", 0, MODEL, RUN, LAYOUT, scratch, timeout=20)
+        finally:
+            await runner.cleanup()
+        assert loaded is not None and torch.equal(loaded.theta_g, theta)
+        assert f"bytes=0-{PIECE_BYTES - 1}" not in served and len(served) == -(-len(body) // PIECE_BYTES) - 1
+    asyncio.run(main())
+
+
+def test_a_checkpoint_larger_than_the_model_allows_is_refused_before_download(tmp_path, caplog):
+    async def main():
+        info, _ = _checkpoint(tmp_path / "src", 3)
+        served: list = []
+        huge = CheckpointInfo(3, info.path, info.sha256, LAYOUT.file_size_bound() + 1)
+        runner, url = await _serve(_liar(huge, info.path.read_bytes(), requests=served))
+        record = _record("big", url, info)
+        try:
+            with caplog.at_level(logging.WARNING):
+                loaded = await fetch_from_swarm({record.peer_id: record}, "me", 0, MODEL, RUN, LAYOUT,
+                                                tmp_path / "joiner", timeout=10)
+        finally:
+            await runner.cleanup()
+        assert loaded is None and not served and "exceeds this model's bound" in caplog.text
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("path,status", [
+    ("/checkpoint/..%2F..%2Fetc%2Fpasswd", {400, 404}), ("/checkpoint/-1", {400}), ("/checkpoint/1.5", {400}),
+    ("/checkpoint/abc", {400}), ("/checkpoint/99999999999999999999999", {400}), ("/checkpoint/%00", {400, 404}),
+    ("/checkpoint/12345", {404}), ("/checkpoint/%D9%A3", {400}),
+])
+def test_sidecar_refuses_hostile_paths_and_keeps_serving(tmp_path, path, status):
+    import aiohttp
+
+    async def main():
+        info, _ = _checkpoint(tmp_path / "src", 3)
+        sidecar = Sidecar(FileView([info]))
+        port = await sidecar.start("127.0.0.1", 0)
+        base = f"http://127.0.0.1:{port}"
+        try:
+            async with aiohttp.ClientSession() as session:
+                async with session.get(base + path) as resp:
+                    assert resp.status in status
+                async with session.get(f"{base}/healthz") as resp:
+                    assert resp.status == 200
+        finally:
+            await sidecar.stop()
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("header,status", [
+    ("bytes=abc", 416), ("bytes=999999999-", 416), ("bytes=5-2", 416), ("lines=0-10", 416), ("bytes=0-9", 206),
+])
+def test_sidecar_answers_bogus_ranges_with_4xx_and_keeps_serving(tmp_path, header, status):
+    import aiohttp
+
+    async def main():
+        info, _ = _checkpoint(tmp_path / "src", 3)
+        sidecar = Sidecar(FileView([info]))
+        port = await sidecar.start("127.0.0.1", 0)
+        base = f"http://127.0.0.1:{port}"
+        try:
+            async with aiohttp.ClientSession() as session:
+                async with session.get(f"{base}/checkpoint/3", headers={"Range": header}) as resp:
+                    assert resp.status == status, await resp.text()
+                    if status == 206:
+                        assert await resp.read() == info.path.read_bytes()[:10]
+                async with session.get(f"{base}/checkpoint/3") as resp:
+                    assert resp.status == 200 and file_sha256(info.path) == info.sha256
+                    assert len(await resp.read()) == info.size_bytes
+        finally:
+            await sidecar.stop()
+    asyncio.run(main())
+
+
+def test_checkpoints_are_standard_for_read_checkpoint(tmp_path):
+    info, theta = _checkpoint(tmp_path, 1)
+    assert torch.equal(read_checkpoint(info.path, LAYOUT, RUN, MODEL).theta_g, theta)
