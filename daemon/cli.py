@@ -19,6 +19,8 @@ from .settings import ENV_PREFIX, NodeSettings, SettingsError, flag, load_settin
 
 EXIT_USAGE = 2
 EXIT_JOIN = 3
+# Secrets: read from the environment or a file, never from argv (visible in `ps`).
+ENV_ONLY = {"swarm_key"}
 # Options that `dtnode local` sets per node itself.
 LOCAL_MANAGED = {"peers", "state_dir", "host", "announce_host", "dht_port", "grpc_port", "http_port", "min_peers"}
 
@@ -30,7 +32,7 @@ def _is_bool(annotation: Any) -> bool:
 def add_node_options(parser: argparse.ArgumentParser, skip: set[str] = frozenset()) -> None:
     group = parser.add_argument_group("node options")
     for name, field in NodeSettings.model_fields.items():
-        if name in skip:
+        if name in skip or name in ENV_ONLY:
             continue
         default = field.get_default(call_default_factory=True)
         shown = "none" if default in (None, []) else default

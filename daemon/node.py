@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from hivemind.dht.crypto import RSASignatureValidator
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from dtnode import __version__
@@ -31,7 +32,8 @@ from dtnode.peers.plan import FP32, INT8, Member, make_plan
 from dtnode.peers.reducer import AveragingService, ReductionRegistry
 from dtnode.peers.wire import max_message_bytes
 from dtnode.peers.matchmaking import Matchmaker
-from dtnode.peers.membership import JoinError, Membership, PeerRecord, public_maddrs, start_dht
+from dtnode.peers.auth import ENV_KEY, AuthError, SwarmAuth, load_swarm_key
+from dtnode.peers.membership import JoinError, Membership, PeerRecord, load_record_key, public_maddrs, start_dht
 from dtnode.peers.server import start_grpc_server
 
 from .checkpoint import (
@@ -84,6 +86,7 @@ class Node:
         self.deadlines = AdaptiveDeadlines(settings.matchmaking_window_min, settings.matchmaking_window,
                                            settings.allreduce_timeout_min, settings.allreduce_timeout)
         self.residual: torch.Tensor | None = None  # error feedback, when enabled
+        self.auth: SwarmAuth | None = None
         self.peer_id = ""
         self.grpc_addr = ""
         self.http_addr = ""
@@ -231,9 +234,21 @@ class Node:
             loop.add_signal_handler(sig, self.request_stop)
         s = self.settings
         self.state_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            key = load_swarm_key(str(s.swarm_key_file) if s.swarm_key_file else None,
+                                 {ENV_KEY: s.swarm_key.get_secret_value()} if s.swarm_key else {})
+        except AuthError as e:
+            raise SettingsError("--swarm-key-file", str(e)) from None
+        validator = RSASignatureValidator(await asyncio.to_thread(load_record_key, self.state_dir / "record.key"))
         self.dht = await start_dht(s.peers, s.host, s.dht_port, s.announce_host, s.join_timeout,
-                                   identity_path=str(self.state_dir / "identity.key"))
+                                   identity_path=str(self.state_dir / "identity.key"), validator=validator)
+        self.validator = validator
         self.peer_id = str(self.dht.peer_id)
+        if key is None:
+            log.warning("no swarm key (--swarm-key-file or DTNODE_SWARM_KEY): this swarm is open, anyone who can "
+                        "reach it may join its groups and download its checkpoints")
+        else:
+            self.auth = SwarmAuth(key, self.peer_id)
         self.heartbeat_task: asyncio.Task | None = None
         self.grpc_server = None
         self.sidecar = Sidecar(self)
@@ -280,18 +295,20 @@ class Node:
         announce = self._announce_host()
         self.registry = ReductionRegistry()
         if not s.client_mode:
-            service = AveragingService(self.registry, s.run_id, registration_wait=min(5.0, s.matchmaking_window))
+            service = AveragingService(self.registry, s.run_id, registration_wait=min(5.0, s.matchmaking_window),
+                                       auth=self.auth)
             self.grpc_server, grpc_port = await start_grpc_server(service, s.host, s.grpc_port,
                                                                   max_message_bytes(s.chunk_elements))
             self.grpc_addr = f"{announce}:{grpc_port}"
+        self.sidecar.auth = self.auth
         try:
             http_port = await self.sidecar.start(s.host, s.http_port)
         except OSError as e:
             raise SettingsError("--http-port", f"cannot listen on {s.host}:{s.http_port}: {e.strerror or e}") from None
         self.http_addr = f"http://{announce}:{http_port}"
-        self.membership = Membership(self.dht, s.run_id, s.peer_ttl, s.heartbeat_interval)
+        self.membership = Membership(self.dht, s.run_id, s.peer_ttl, s.heartbeat_interval, self.validator, self.auth)
         self.matchmaker = Matchmaker(self.dht, s.run_id, Member(self.peer_id, self.grpc_addr, s.client_mode,
-                                                                 s.bandwidth_mbps))
+                                                                 s.bandwidth_mbps), auth=self.auth)
         await self.membership.announce(self.record())
         self.heartbeat_task = asyncio.create_task(self.membership.heartbeat(self.record, self.stop_requested))
         maddr = public_maddrs(self.dht, s.announce_host)[0]
@@ -313,7 +330,7 @@ class Node:
         previous_state, self.state = self.state, "syncing"
         log.info("swarm is at outer step %d, this node at %d: downloading a checkpoint", newest, own)
         loaded = await fetch_from_swarm(view, self.peer_id, own, self.model_hash, self.settings.run_id, self.layout,
-                                        self.state_dir, self.settings.join_timeout)
+                                        self.state_dir, self.settings.join_timeout, self.auth)
         self.state = previous_state
         if loaded is None:
             log.warning("no peer could serve a checkpoint; continuing from outer step %d", own)
@@ -379,7 +396,11 @@ class Node:
         delta = await loop.run_in_executor(self.train_thread, self.replica.pseudo_gradient)
         self.state = "averaging"
         await self.membership.announce(self.record())
-        mean, hops, weight = await self._average(round_no, delta, float(inner.tokens))
+        resync = bool(s.consensus_every) and round_no % s.consensus_every == s.consensus_every - 1
+        theta = await loop.run_in_executor(self.train_thread, self.replica.theta_cpu) if resync else None
+        mean, hops, weight = await self._average(round_no, delta, float(inner.tokens), theta)
+        if theta is not None:
+            await loop.run_in_executor(self.train_thread, self.replica.replace_theta, theta)
         await loop.run_in_executor(self.train_thread, self.replica.apply_outer_step, mean)
         self.eval_loss = await loop.run_in_executor(self.train_thread, self.trainer.eval_loss)
         self.rounds_done += 1
@@ -407,12 +428,14 @@ class Node:
                  self.last_round["allreduce_s"], _human_bytes(self.last_round["bytes_sent"]), self.tokens_per_s,
                  self.replica.params_sha256()[:12])
 
-    async def _average(self, round_no: int, delta: torch.Tensor, weight: float) -> tuple[torch.Tensor, list[dict], float]:
+    async def _average(self, round_no: int, delta: torch.Tensor, weight: float,
+                       theta: torch.Tensor | None = None) -> tuple[torch.Tensor, list[dict], float]:
         """Moshpit averaging of Δ over d hops; returns the buffer holding the mean, per-hop facts, the weight.
 
         Each hop averages the running (weighted mean, weight) pair within one grid cell, so
         tokens-processed weighting survives the hops. Δ and the replica's second staging
-        buffer take turns as input and output.
+        buffer take turns as input and output. With `theta` (a consensus re-sync step), each
+        hop's group also averages θ_g in fp32, in place, with equal weights.
         """
         s = self.settings
         population = await self._round_population(round_no)
@@ -420,6 +443,8 @@ class Node:
         coords = coordinates(sorted(population), round_no, side, dims, salt=s.run_id)
         cells = {k: hop_groups(coords, k) for k in range(dims)}
         current, spare = delta, self.replica.mean_cpu
+        theta_spare = torch.empty_like(theta) if theta is not None else None
+        theta_weight = 1.0
         hops = []
         for hop in range(dims):
             cell = hop_key(coords[self.peer_id], hop)
@@ -442,7 +467,8 @@ class Node:
                                  s.chunk_elements, INT8 if int8 else FP32)
                 report = await butterfly_allreduce(
                     plan, self.peer_id, current, weight, spare, self.registry, self.channels, timeout,
-                    in_flight=s.in_flight_chunks, residual=self.residual if hop == 0 else None)
+                    in_flight=s.in_flight_chunks, residual=self.residual if hop == 0 else None, auth=self.auth,
+                    trim_fraction=s.trim_fraction if s.aggregation == "trimmed-mean" else None)
                 moved = report.bytes_sent + report.bytes_received
                 self.deadlines.observe_allreduce(moved, report.seconds, not report.failed_parts)
                 weight = report.weight_after(weight)
@@ -455,6 +481,17 @@ class Node:
                 self.m_recv.inc(report.bytes_received)
                 self.m_failed.inc(len(report.failed_parts))
                 self.m_allreduce.observe(report.seconds)
+                if theta is not None:
+                    theta_plan = make_plan(s.run_id, round_no, hop + dims, group.members, self.replica.numel,
+                                           s.quant_block_size, s.chunk_elements, FP32)
+                    sync = await butterfly_allreduce(
+                        theta_plan, self.peer_id, theta, theta_weight, theta_spare, self.registry, self.channels,
+                        self.deadlines.allreduce_timeout(4 * expected), in_flight=s.in_flight_chunks, auth=self.auth)
+                    theta_weight = sync.weight_after(theta_weight)
+                    theta.copy_(theta_spare)
+                    fact.update(theta_resync_s=round(sync.seconds, 4),
+                                bytes_sent=fact["bytes_sent"] + sync.bytes_sent,
+                                bytes_received=fact["bytes_received"] + sync.bytes_received)
             hops.append(fact)
         return current, hops, weight
 

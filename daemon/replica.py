@@ -50,6 +50,18 @@ class Replica:
         self._sha256 = sha256_of(self.theta_g)
 
     @torch.no_grad()
+    def theta_cpu(self) -> torch.Tensor:
+        """A CPU copy of θ_g for averaging it with peers."""
+        return self.theta_g.detach().to("cpu", dtype=torch.float32, copy=True)
+
+    @torch.no_grad()
+    def replace_theta(self, theta_cpu: torch.Tensor) -> None:
+        """Adopt the swarm's averaged θ_g (consensus re-sync), before this step's outer update."""
+        self.theta_g.copy_(theta_cpu)
+        self.trainer.parameters_flat.copy_(self.theta_g)
+        self._sha256 = sha256_of(self.theta_g)
+
+    @torch.no_grad()
     def load(self, theta_g: torch.Tensor, momentum: torch.Tensor, outer_step: int) -> None:
         self.theta_g.copy_(theta_g)
         self.outer.load_state_dict({"outer_momentum": momentum})

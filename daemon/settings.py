@@ -13,7 +13,7 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
-from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
@@ -53,6 +53,11 @@ class NodeSettings(BaseSettings):
     grpc_port: int = Field(7701, ge=0, le=65535, description="TCP port of the averaging gRPC server; 0 picks a free one.")
     http_port: int = Field(7702, ge=0, le=65535, description="TCP port of the HTTP sidecar; 0 picks a free one.")
     client_mode: bool = Field(False, description="Behind NAT: open only outbound streams and reduce no part.")
+    swarm_key_file: Path | None = Field(None, description="File holding the swarm's secret key (at least 16 "
+                                                          "bytes, e.g. `openssl rand -hex 32`): only holders "
+                                                          "may average with this node or download its state.")
+    swarm_key: SecretStr | None = Field(None, description="The swarm key itself; set it through the environment "
+                                                          "(DTNODE_SWARM_KEY), never on a command line.")
     join_timeout: float = Field(30.0, gt=0, le=3600, description="Seconds to reach the DHT and the initial "
                                                                  "peers before giving up with an error.")
     min_peers: int = Field(1, ge=1, le=10_000, description="Wait (up to --join-timeout) until this many "
@@ -94,6 +99,16 @@ class NodeSettings(BaseSettings):
                                                                       "transfer rates.")
     allreduce_timeout_min: float = Field(3.0, gt=0, le=3600, description="Lower bound of the adaptive all-reduce "
                                                                          "deadline, in seconds.")
+    consensus_every: int = Field(25, ge=0, le=1_000_000, description="Every this many outer steps, also average "
+                                                                     "θ_g itself (fp32) over the step's groups, so "
+                                                                     "int8 differences between groups cannot "
+                                                                     "accumulate; 0 disables.")
+    aggregation: str = Field("mean", pattern=r"^(mean|trimmed-mean)$", description="How this node reduces its "
+                                                                                   "part: mean (token-weighted) "
+                                                                                   "or trimmed-mean (robust to a "
+                                                                                   "minority of hostile peers).")
+    trim_fraction: float = Field(0.2, ge=0, lt=0.5, description="With --aggregation trimmed-mean: fraction of "
+                                                                 "values dropped at each end, per coordinate.")
     error_feedback: bool = Field(False, description="Carry the int8 quantization residual of this node's "
                                                     "pseudo-gradient into the next round.")
     in_flight_chunks: int = Field(4, ge=1, le=64, description="Encoded chunks a stream may hold ahead of the "

@@ -14,9 +14,12 @@ from typing import Any, Protocol
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
+from dtnode.peers.auth import HTTP_HEADER, AuthError, SwarmAuth
+
 from .checkpoint import CheckpointInfo
 
 MAX_STEP = 1 << 62
+PROTECTED = ("/checkpoint", "/peers")
 
 
 class NodeView(Protocol):
@@ -32,10 +35,11 @@ class NodeView(Protocol):
 
 
 class Sidecar:
-    def __init__(self, node: NodeView, max_downloads: int = 4):
+    def __init__(self, node: NodeView, max_downloads: int = 4, auth: SwarmAuth | None = None):
         self.node = node
+        self.auth = auth
         self.downloads = asyncio.Semaphore(max_downloads)
-        self.app = web.Application()
+        self.app = web.Application(middlewares=[self._require_key])
         self.app.add_routes([
             web.get("/healthz", self.healthz),
             web.get("/status", self.status),
@@ -47,6 +51,16 @@ class Sidecar:
         ])
         self.runner: web.AppRunner | None = None
         self.port = 0
+
+    @web.middleware
+    async def _require_key(self, request: web.Request, handler):
+        """With a swarm key, state and membership are for key holders; health and metrics stay open."""
+        if self.auth is not None and request.path.startswith(PROTECTED):
+            try:
+                self.auth.verify("http", request.path, request.headers.get(HTTP_HEADER))
+            except AuthError as e:
+                raise web.HTTPUnauthorized(text=f"swarm key required: {e}") from None
+        return await handler(request)
 
     async def start(self, host: str, port: int) -> int:
         self.runner = web.AppRunner(self.app, access_log=None, handle_signals=False)

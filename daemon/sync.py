@@ -30,6 +30,7 @@ from pathlib import Path
 
 import aiohttp
 
+from dtnode.peers.auth import HTTP_HEADER, SwarmAuth
 from dtnode.peers.membership import PeerRecord
 
 from .checkpoint import CheckpointError, Layout, LoadedCheckpoint, read_checkpoint
@@ -57,12 +58,18 @@ class Offer:
     latency: float
 
 
-async def probe(session: aiohttp.ClientSession, donor: PeerRecord, layout: Layout, timeout: float) -> Offer:
+def _headers(auth: SwarmAuth | None, path: str) -> dict[str, str]:
+    return {HTTP_HEADER: auth.issue("http", path)} if auth is not None else {}
+
+
+async def probe(session: aiohttp.ClientSession, donor: PeerRecord, layout: Layout, timeout: float,
+                auth: SwarmAuth | None = None) -> Offer:
     base = donor.http_addr.rstrip("/")
     if not base.startswith(("http://", "https://")):
         raise DownloadError(f"peer {donor.peer_id} announces no usable HTTP address")
     started = time.monotonic()
-    async with session.get(f"{base}/checkpoint", timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
+    async with session.get(f"{base}/checkpoint", timeout=aiohttp.ClientTimeout(total=timeout),
+                           headers=_headers(auth, "/checkpoint")) as resp:
         if resp.status != 200:
             raise DownloadError(f"{base}/checkpoint answered {resp.status}")
         raw = await resp.content.read(1 << 16)
@@ -161,8 +168,9 @@ class PartialDownload:
 
 
 async def _fetch_piece(session: aiohttp.ClientSession, offer: Offer, start: int, length: int,
-                       partial: PartialDownload, progress: Progress, timeout: float) -> None:
-    headers = {"Range": f"bytes={start}-{start + length - 1}"}
+                       partial: PartialDownload, progress: Progress, timeout: float,
+                       auth: SwarmAuth | None = None) -> None:
+    headers = {"Range": f"bytes={start}-{start + length - 1}", **_headers(auth, f"/checkpoint/{offer.step}")}
     client_timeout = aiohttp.ClientTimeout(total=timeout, sock_read=min(timeout, 30))
     async with session.get(f"{offer.base}/checkpoint/{offer.step}", headers=headers, timeout=client_timeout) as resp:
         if resp.status == 503:
@@ -188,7 +196,7 @@ class _Busy(Exception):
 
 
 async def download_parallel(session: aiohttp.ClientSession, offers: list[Offer], scratch: Path,
-                            timeout: float) -> Path:
+                            timeout: float, auth: SwarmAuth | None = None) -> Path:
     """Assemble one checkpoint file from ranges served by every donor in `offers` (same file)."""
     first = offers[0]
     partial = PartialDownload(scratch, first.sha256, first.size)
@@ -220,7 +228,7 @@ async def download_parallel(session: aiohttp.ClientSession, offers: list[Offer],
             in_flight.add(index)
             start, length = partial.pieces[index]
             try:
-                await _fetch_piece(session, offer, start, length, partial, progress, timeout)
+                await _fetch_piece(session, offer, start, length, partial, progress, timeout, auth)
                 partial.finish_piece(index)
                 in_flight.discard(index)
             except _Busy as e:
@@ -268,7 +276,8 @@ def _groups(offers: list[Offer]) -> list[list[Offer]]:
 
 
 async def fetch_from_swarm(members: dict[str, PeerRecord], own_id: str, own_step: int, model_hash: str, run_id: str,
-                           layout: Layout, scratch: Path, timeout: float) -> LoadedCheckpoint | None:
+                           layout: Layout, scratch: Path, timeout: float,
+                           auth: SwarmAuth | None = None) -> LoadedCheckpoint | None:
     """The newest checkpoint ahead of `own_step` that members serve, or None."""
     donors = [m for m in members.values()
               if m.peer_id != own_id and m.model_hash == model_hash and m.checkpoint_step > own_step and m.http_addr]
@@ -276,7 +285,7 @@ async def fetch_from_swarm(members: dict[str, PeerRecord], own_id: str, own_step
         return None
     scratch.mkdir(parents=True, exist_ok=True)
     async with aiohttp.ClientSession() as session:
-        probes = await asyncio.gather(*(probe(session, d, layout, min(timeout, 10.0)) for d in donors),
+        probes = await asyncio.gather(*(probe(session, d, layout, min(timeout, 10.0), auth) for d in donors),
                                       return_exceptions=True)
         offers = []
         for donor, result in zip(donors, probes):
@@ -296,7 +305,7 @@ async def fetch_from_swarm(members: dict[str, PeerRecord], own_id: str, own_step
             for attempt in attempts:
                 path = None
                 try:
-                    path = await download_parallel(session, attempt, scratch, timeout)
+                    path = await download_parallel(session, attempt, scratch, timeout, auth)
                     loaded = await asyncio.to_thread(read_checkpoint, path, layout, run_id, model_hash)
                     for leftover in scratch.glob(".download-*"):
                         leftover.unlink(missing_ok=True)

@@ -28,6 +28,7 @@ from dtnode.ops.quantization import QuantizedBlocks, dequantize, quantize, quant
 from dtnode.proto import averaging_pb2 as pb
 from dtnode.proto import averaging_pb2_grpc as pb_grpc
 
+from .auth import GRPC_METADATA, SwarmAuth, stream_subject
 from .plan import INT8, GroupPlan, chunk_spans
 from .reducer import PartReduction, ReductionRegistry, maybe_thread
 from .wire import MAX_WEIGHT, ChunkError, Payload, chunk_message, decode_chunk, payload_size
@@ -107,6 +108,15 @@ def _encode(plan: GroupPlan, values: torch.Tensor, residual: torch.Tensor | None
     return quantize(values, plan.block_size)
 
 
+# In robust mode a member refuses a part whose averaged result is this many times larger (L2)
+# than its own values there: a hostile reducer can then move that part by a bounded amount only.
+RESULT_NORM_LIMIT = 4.0
+
+
+def _implausible(result: torch.Tensor, own: torch.Tensor) -> bool:
+    return float(result.norm()) > RESULT_NORM_LIMIT * max(float(own.norm()), 1e-30)
+
+
 def _decode_into(payload: Payload, target: torch.Tensor) -> None:
     if isinstance(payload, QuantizedBlocks):
         dequantize(payload, out=target)
@@ -125,10 +135,14 @@ async def butterfly_allreduce(
     timeout: float,
     in_flight: int = 4,
     residual: torch.Tensor | None = None,
+    auth: SwarmAuth | None = None,
+    trim_fraction: float | None = None,
 ) -> AllReduceReport:
     """Average `values` (flat fp32, CPU) across the plan's members into `out`.
 
-    Parts whose reducer fails keep this member's own values in `out`. With `residual`
+    Parts whose reducer fails keep this member's own values in `out`. With `trim_fraction`,
+    the part this member reduces is a coordinate-wise trimmed mean (robust to a minority of
+    hostile senders; see ops/robust.py) instead of the weighted mean. With `residual`
     (error feedback), what int8 could not carry of this member's parts is added to the next
     call's values instead of being lost; the residual of parts that stay exact is spent.
     """
@@ -152,7 +166,8 @@ async def butterfly_allreduce(
         if residual is not None:  # own part is averaged exactly: spend its residual now
             own = own + residual[offset : offset + length]
             residual[offset : offset + length].zero_()
-        reduction = await maybe_thread(PartReduction, plan, own_id, own, weight, reducer_deadline, size=length)
+        reduction = await maybe_thread(PartReduction, plan, own_id, own, weight, reducer_deadline, trim_fraction,
+                                       size=length)
         await registry.register(reduction)
         target = out[offset : offset + length]
         try:
@@ -197,7 +212,11 @@ async def butterfly_allreduce(
         received = 0
         try:
             remaining = timeout - (time.monotonic() - started)
-            call = channels.stub(reducer.grpc_addr).Reduce(requests(), timeout=max(remaining, 0.1))
+            metadata = None
+            if auth is not None:
+                tag = auth.issue("grpc", stream_subject(plan.run_id, plan.round, plan.hop, plan.group_id, part))
+                metadata = ((GRPC_METADATA, tag),)
+            call = channels.stub(reducer.grpc_addr).Reduce(requests(), timeout=max(remaining, 0.1), metadata=metadata)
             async for msg in call:
                 if msg.round != plan.round or msg.hop != plan.hop or msg.group_id != plan.group_id \
                         or msg.part != part or msg.sender != reducer.peer_id:
@@ -214,6 +233,8 @@ async def butterfly_allreduce(
                         raise ChunkError(f"reducer's included list {included} is not valid for us")
                     if not (math.isfinite(msg.total_weight) and 0 < msg.total_weight <= MAX_WEIGHT * len(plan.members)):
                         raise ChunkError(f"reducer's total weight {msg.total_weight} is out of range")
+                    if trim_fraction is not None and await maybe_thread(_implausible, target, mine, size=length):
+                        raise ChunkError(f"result norm is more than {RESULT_NORM_LIMIT}x our own for this part")
                     return PartOutcome(part, reducer.peer_id, True, included, msg.total_weight, length)
             raise ChunkError("result stream ended without a last chunk")
         except (grpc.aio.AioRpcError, ChunkError, asyncio.TimeoutError) as e:

@@ -29,6 +29,7 @@ import hivemind
 from hivemind.utils import get_dht_time
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from .auth import AuthError, SwarmAuth
 from .plan import Member
 
 log = logging.getLogger(__name__)
@@ -40,7 +41,10 @@ class Registration(BaseModel):
     grpc_addr: str = Field("", max_length=256)
     client_mode: bool = False
     bandwidth_mbps: float = Field(1000.0, gt=0, le=1e9)
+    auth: str = Field("", max_length=512)
 
+
+MAX_REGISTRANTS = 4096  # per group key: a flood of fake registrations stays bounded
 
 @dataclass
 class FormedGroup:
@@ -60,11 +64,22 @@ def split_groups(peer_ids: list[str], target_size: int) -> list[list[str]]:
 
 
 class Matchmaker:
-    def __init__(self, dht: hivemind.DHT, run_id: str, own: Member, poll_interval: float = 0.15):
+    def __init__(self, dht: hivemind.DHT, run_id: str, own: Member, poll_interval: float = 0.15,
+                 auth: SwarmAuth | None = None):
         self.dht = dht
         self.run_id = run_id
         self.own = own
         self.poll_interval = poll_interval
+        self.auth = auth
+
+    def _authentic(self, purpose: str, subject: str, tag: str, peer_id: str) -> bool:
+        if self.auth is None:
+            return True
+        try:
+            self.auth.verify(purpose, subject, tag, peer_id=peer_id, single_use=False, max_age=None)
+            return True
+        except AuthError:
+            return False
 
     def group_key(self, round: int, hop: int, cell: str = "all") -> str:
         return f"{self.run_id}.group.{round}.{hop}.{cell}"
@@ -73,13 +88,15 @@ class Matchmaker:
         found = await self.dht.get(key, latest=True, return_future=True)
         entries = found.value if found is not None and isinstance(found.value, dict) else {}
         members = {}
-        for peer_id, item in entries.items():
+        for peer_id, item in list(entries.items())[:MAX_REGISTRANTS]:
             try:
                 reg = Registration.model_validate(item.value)
             except (ValidationError, AttributeError, TypeError):
                 continue
             if not isinstance(peer_id, str) or len(peer_id) > 128 or (not reg.client_mode and not reg.grpc_addr):
                 continue
+            if not self._authentic("register", f"{key}|{reg.grpc_addr}|{reg.client_mode}", reg.auth, peer_id):
+                continue  # without the swarm key nobody joins our groups
             members[peer_id] = Member(peer_id, reg.grpc_addr, reg.client_mode, reg.bandwidth_mbps)
         return members
 
@@ -87,11 +104,13 @@ class Matchmaker:
         found = await self.dht.get(key + ".closed", latest=True, return_future=True)
         entries = found.value if found is not None and isinstance(found.value, dict) else {}
         lists = {}
-        for peer_id, item in entries.items():
+        for peer_id, item in list(entries.items())[:MAX_REGISTRANTS]:
             value = getattr(item, "value", None)
-            if isinstance(peer_id, str) and isinstance(value, (list, tuple)) and len(value) <= 4096 \
-                    and all(isinstance(v, str) and len(v) <= 128 for v in value):
-                lists[peer_id] = tuple(value)
+            members = value.get("members") if isinstance(value, dict) else None
+            if isinstance(peer_id, str) and isinstance(members, (list, tuple)) and len(members) <= 4096 \
+                    and all(isinstance(v, str) and len(v) <= 128 for v in members) \
+                    and self._authentic("closed", f"{key}|{','.join(members)}", str(value.get("auth", "")), peer_id):
+                lists[peer_id] = tuple(members)
         return lists
 
     async def form_group(self, round: int, hop: int, expected: Callable[[], Awaitable[set[str]]], window: float,
@@ -103,8 +122,9 @@ class Matchmaker:
         """
         started = time.monotonic()
         key = self.group_key(round, hop, cell)
+        tag = self.auth.issue("register", f"{key}|{self.own.grpc_addr}|{self.own.client_mode}") if self.auth else ""
         value = Registration(grpc_addr=self.own.grpc_addr, client_mode=self.own.client_mode,
-                             bandwidth_mbps=self.own.bandwidth).model_dump()
+                             bandwidth_mbps=self.own.bandwidth, auth=tag).model_dump()
         await self.dht.store(key, subkey=self.own.peer_id, value=value,
                              expiration_time=get_dht_time() + window + 60, return_future=True)
         deadline = started + window
@@ -140,7 +160,8 @@ class Matchmaker:
 
     async def _confirm(self, key: str, mine: tuple[str, ...], members: list[Member], timeout: float) -> list[Member]:
         """Second phase: proceed only if no member of the group closed with another list."""
-        await self.dht.store(key + ".closed", subkey=self.own.peer_id, value=list(mine),
+        tag = self.auth.issue("closed", f"{key}|{','.join(mine)}") if self.auth else ""
+        await self.dht.store(key + ".closed", subkey=self.own.peer_id, value={"members": list(mine), "auth": tag},
                              expiration_time=get_dht_time() + 120, return_future=True)
         deadline = time.monotonic() + timeout
         while True:

@@ -1,9 +1,14 @@
 """Swarm membership over hivemind's DHT.
 
-Each node keeps one record under `{run_id}.peers`, subkey its peer id, refreshed by a
-heartbeat and expiring `ttl` seconds after the last one: a crashed node drops out by
-itself. Records read back are untrusted input and validated field by field; a malformed
-record is skipped, never allowed to break the reader.
+Each node keeps one record under `{run_id}.peers`, subkey its peer id followed by its RSA
+public key, refreshed by a heartbeat and expiring `ttl` seconds after the last one: a
+crashed node drops out by itself. The DHT runs hivemind's RSA signature validator, so a
+subkey that names a public key can only be written with that key's signature: nobody can
+overwrite another peer's record. A reader also remembers the first key it saw for each
+peer id and ignores records that claim the id under another key; with a swarm key, each
+record also carries a tag only key holders can make. Records read back are untrusted input
+and validated field by field; a malformed record is skipped, never allowed to break the
+reader.
 """
 
 from __future__ import annotations
@@ -11,12 +16,19 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import logging
+import os
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import hivemind
+from cryptography.hazmat.primitives import serialization
+from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.utils import get_dht_time
+from hivemind.utils.crypto import RSAPrivateKey
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from .auth import AuthError, SwarmAuth
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +55,10 @@ class PeerRecord(BaseModel):
     client_mode: bool = False
     model_hash: str = Field("", max_length=64)
     version: str = Field("", max_length=32)
+    auth: str = Field("", max_length=512)
+
+    def auth_subject(self) -> str:
+        return f"record|{self.peer_id}|{self.grpc_addr}|{self.http_addr}|{self.client_mode}"
 
 
 def _maddr(host: str, port: int) -> str:
@@ -50,8 +66,25 @@ def _maddr(host: str, port: int) -> str:
     return f"/{proto}/{host}/tcp/{port}"
 
 
+def load_record_key(path: Path) -> RSAPrivateKey:
+    """This node's RSA key for signing its DHT records, created on first start (mode 0600)."""
+    key = RSAPrivateKey.__new__(RSAPrivateKey)
+    if path.exists():
+        key._private_key = serialization.load_der_private_key(path.read_bytes(), password=None)
+        return key
+    fresh = RSAPrivateKey()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(fresh.to_bytes())
+    os.replace(tmp, path)
+    return fresh
+
+
 async def start_dht(initial_peers: list[str], host: str, port: int, announce_host: str | None,
-                    timeout: float, identity_path: str | None = None) -> hivemind.DHT:
+                    timeout: float, identity_path: str | None = None,
+                    validator: RSASignatureValidator | None = None) -> hivemind.DHT:
     """Start hivemind's DHT process and reach the initial peers, or raise JoinError in bounded time."""
     for addr in initial_peers:
         if not addr.startswith("/") or "/p2p/" not in addr:
@@ -60,6 +93,8 @@ async def start_dht(initial_peers: list[str], host: str, port: int, announce_hos
                         startup_timeout=timeout, await_ready=True)
     if identity_path:
         kwargs["identity_path"] = identity_path  # a restarted node keeps its peer id
+    if validator is not None:
+        kwargs["record_validators"] = [validator]
     if announce_host and port:
         kwargs["announce_maddrs"] = [_maddr(announce_host, port)]
     try:
@@ -103,17 +138,45 @@ def public_maddrs(dht: hivemind.DHT, announce_host: str | None) -> list[str]:
 class Membership:
     """This node's record in the DHT, and the swarm as the DHT shows it."""
 
-    def __init__(self, dht: hivemind.DHT, run_id: str, ttl: float, interval: float):
+    def __init__(self, dht: hivemind.DHT, run_id: str, ttl: float, interval: float,
+                 validator: RSASignatureValidator | None = None, auth: SwarmAuth | None = None):
         self.dht = dht
         self.key = f"{run_id}.peers"
         self.ttl = ttl
         self.interval = interval
         self.peer_id = str(dht.peer_id)
+        self.auth = auth
+        owner = validator.local_public_key if validator is not None else b""
+        self.subkey = self.peer_id.encode() + owner
+        self._owners: dict[str, bytes] = {}
         self._last_view: dict[str, PeerRecord] = {}
 
     async def announce(self, record: PeerRecord) -> bool:
-        return bool(await self.dht.store(self.key, subkey=self.peer_id, value=record.model_dump(),
+        if self.auth is not None:
+            record = record.model_copy(update={"auth": self.auth.issue("record", record.auth_subject())})
+        return bool(await self.dht.store(self.key, subkey=self.subkey, value=record.model_dump(),
                                          expiration_time=get_dht_time() + self.ttl, return_future=True))
+
+    def _accept(self, subkey: object, record: PeerRecord) -> bool:
+        """Filed under its own peer id, under the key first seen for that id, tagged when keyed."""
+        if isinstance(subkey, str):
+            subkey = subkey.encode()
+        if not isinstance(subkey, bytes) or not subkey.startswith(record.peer_id.encode()):
+            return False
+        owner = subkey[len(record.peer_id.encode()):]
+        if owner and not owner.startswith(b"[owner:"):
+            return False
+        known = self._owners.setdefault(record.peer_id, owner)
+        if known != owner:
+            log.debug("ignoring a record for %s under another owner key", record.peer_id)
+            return False
+        if self.auth is not None:
+            try:
+                self.auth.verify("record", record.auth_subject(), record.auth, peer_id=record.peer_id,
+                                 single_use=False, max_age=None)
+            except AuthError:
+                return False
+        return True
 
     async def heartbeat(self, make_record: Callable[[], PeerRecord], stopped: asyncio.Event) -> None:
         """Re-announce until `stopped`; then let the record expire on its own."""
@@ -145,8 +208,8 @@ class Membership:
             except (ValidationError, AttributeError, TypeError):
                 log.debug("skipping malformed membership record under %r", subkey)
                 continue
-            if record.peer_id != subkey:
-                continue  # a record must describe the peer it is filed under
+            if not self._accept(subkey, record):
+                continue  # a record must describe the peer it is filed under, signed by it
             view[record.peer_id] = record
         self._last_view = view
         return view

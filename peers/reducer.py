@@ -23,10 +23,12 @@ from collections.abc import AsyncIterator, Callable
 import grpc
 import torch
 
-from dtnode.ops.quantization import QuantizedBlocks, dequantize_accumulate, num_blocks, quantize
+from dtnode.ops.quantization import QuantizedBlocks, dequantize, dequantize_accumulate, num_blocks, quantize
+from dtnode.ops.robust import trim_count, trimmed_mean
 from dtnode.proto import averaging_pb2 as pb
 from dtnode.proto import averaging_pb2_grpc as pb_grpc
 
+from .auth import GRPC_METADATA, AuthError, SwarmAuth, stream_subject
 from .plan import FP32, GroupPlan, chunk_spans
 from .wire import (
     MAX_WEIGHT, ChunkError, Payload, chunk_message, decode_chunk, numel_of, payload_size, slice_payload,
@@ -47,14 +49,22 @@ async def maybe_thread(fn: Callable, *args, size: int):
 class PartReduction:
     """One part of one group round: accumulator, per-chunk weights, and who delivered what."""
 
-    def __init__(self, plan: GroupPlan, own_id: str, own_values: torch.Tensor, own_weight: float, deadline: float):
+    def __init__(self, plan: GroupPlan, own_id: str, own_values: torch.Tensor, own_weight: float, deadline: float,
+                 trim_fraction: float | None = None):
         self.plan = plan
         self.part = plan.index_of(own_id)
         self.offset, self.length = plan.parts[self.part]
         self.spans = chunk_spans(plan, self.part)
         self.own_id = own_id
         self.deadline = deadline
-        self.accumulator = own_values.to(torch.float32) * own_weight
+        # Robust mode keeps each sender's decoded chunk until the chunk is final (a few chunks
+        # per sender at most, see `add`) and takes a trimmed mean instead of the weighted sum.
+        self.trim_fraction = trim_fraction
+        self.pending: dict[int, list[torch.Tensor]] = {}
+        if trim_fraction is None:
+            self.accumulator = own_values.to(torch.float32) * own_weight
+        else:
+            self.accumulator = own_values.to(torch.float32, copy=True)
         self.own_weight = float(own_weight)
         self.chunk_weight = [self.own_weight] * len(self.spans)
         self.expected = {m.peer_id for m in plan.members} - {own_id}
@@ -117,10 +127,13 @@ class PartReduction:
     async def add(self, sender: str, index: int, payload: Payload) -> None:
         """Fold chunk `index` of a sender into the accumulator (chunks arrive in order)."""
         offset, _ = self.spans[index]
+        if self.trim_fraction is not None:  # bounded buffering: a sender runs at most 4 chunks ahead
+            async with self._changed:
+                await self._changed.wait_for(lambda: index < self.finalized + 4 or sender in self.failed)
         async with self._chunk_locks[index]:
             if sender in self.failed:
                 raise ChunkError("the reduction's deadline has passed")
-            await maybe_thread(self._fold, offset, payload, self.weights[sender], size=numel_of(payload))
+            await maybe_thread(self._fold, index, offset, payload, self.weights[sender], size=numel_of(payload))
             # A folded chunk counts even if the sender was dropped meanwhile: it is in the sum.
             self.chunk_weight[index] += self.weights[sender]
             self.progress[sender] = index + 1
@@ -130,7 +143,11 @@ class PartReduction:
             self.committed.append(sender)
         await self._advance()
 
-    def _fold(self, offset: int, payload: Payload, weight: float) -> None:
+    def _fold(self, index: int, offset: int, payload: Payload, weight: float) -> None:
+        if self.trim_fraction is not None:
+            decoded = dequantize(payload) if isinstance(payload, QuantizedBlocks) else payload.clone()
+            self.pending.setdefault(index, []).append(decoded)
+            return
         target = self.accumulator[offset : offset + numel_of(payload)]
         if isinstance(payload, QuantizedBlocks):
             dequantize_accumulate(payload, target, weight)
@@ -156,15 +173,21 @@ class PartReduction:
                 index = self.finalized
                 offset, length = self.spans[index]
                 async with self._chunk_locks[index]:  # a fold in flight completes first
-                    await maybe_thread(self._finish_chunk, offset, length, self.chunk_weight[index], size=length)
+                    await maybe_thread(self._finish_chunk, index, offset, length, self.chunk_weight[index],
+                                       size=length)
                     self.finalized += 1
                 async with self._changed:
                     self._changed.notify_all()
         if self.settled:
             self.stop()
 
-    def _finish_chunk(self, offset: int, length: int, weight: float) -> None:
-        mean = self.accumulator[offset : offset + length].div_(weight)
+    def _finish_chunk(self, index: int, offset: int, length: int, weight: float) -> None:
+        mean = self.accumulator[offset : offset + length]
+        if self.trim_fraction is None:
+            mean.div_(weight)
+        else:
+            stacked = torch.stack([mean, *self.pending.pop(index, [])])
+            trimmed_mean(stacked, trim_count(stacked.shape[0], self.trim_fraction), out=mean)
         if isinstance(self.result, QuantizedBlocks):
             quantize(mean, self.plan.block_size, out=slice_payload(self.result, offset, length, self.plan.block_size))
 
@@ -217,6 +240,11 @@ class ReductionRegistry:
             return self._reductions[key]
 
 
+def _remote_host(peer: str) -> str:
+    """'ipv4:1.2.3.4:5678' -> 'ipv4:1.2.3.4' (ports change per connection; hosts do not)."""
+    return peer.rsplit(":", 1)[0] if peer and peer.count(":") >= 2 else peer or "?"
+
+
 def _same_stream(chunk: pb.PartChunk, first: pb.PartChunk) -> bool:
     return (chunk.sender, chunk.weight, chunk.group_id, chunk.round, chunk.hop, chunk.part, chunk.run_id) == \
         (first.sender, first.weight, first.group_id, first.round, first.hop, first.part, first.run_id)
@@ -225,12 +253,29 @@ def _same_stream(chunk: pb.PartChunk, first: pb.PartChunk) -> bool:
 class AveragingService(pb_grpc.AveragingServicer):
     """Validates and folds each sender's stream while streaming final result chunks back."""
 
-    def __init__(self, registry: ReductionRegistry, run_id: str, registration_wait: float = 5.0):
+    def __init__(self, registry: ReductionRegistry, run_id: str, registration_wait: float = 5.0,
+                 auth: SwarmAuth | None = None, max_streams_per_peer: int = 16):
         self.registry = registry
         self.run_id = run_id
         self.registration_wait = registration_wait
+        self.auth = auth
+        self.max_streams_per_peer = max_streams_per_peer
+        self._open: dict[str, int] = {}  # streams per remote host: a flood from one host stays bounded
 
     async def Reduce(self, request_iterator: AsyncIterator[pb.PartChunk], context: grpc.aio.ServicerContext):
+        host = _remote_host(context.peer())
+        if self._open.get(host, 0) >= self.max_streams_per_peer:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "too many concurrent streams from this peer")
+        self._open[host] = self._open.get(host, 0) + 1
+        try:
+            async for msg in self._reduce(request_iterator, context):
+                yield msg
+        finally:
+            self._open[host] -= 1
+            if not self._open[host]:
+                del self._open[host]
+
+    async def _reduce(self, request_iterator: AsyncIterator[pb.PartChunk], context: grpc.aio.ServicerContext):
         requests = aiter(request_iterator)
         try:
             first = await anext(requests)
@@ -238,6 +283,13 @@ class AveragingService(pb_grpc.AveragingServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "empty stream")
         if first.run_id != self.run_id:
             await context.abort(grpc.StatusCode.PERMISSION_DENIED, f"run {first.run_id!r} is not this node's run")
+        if self.auth is not None:
+            tag = dict(context.invocation_metadata() or ()).get(GRPC_METADATA)
+            subject = stream_subject(first.run_id, first.round, first.hop, first.group_id, first.part)
+            try:
+                self.auth.verify("grpc", subject, tag if isinstance(tag, str) else None, peer_id=first.sender)
+            except AuthError as e:
+                await context.abort(grpc.StatusCode.UNAUTHENTICATED, str(e))
         key = ReductionRegistry.key(first.run_id, first.round, first.hop, first.group_id, first.part)
         reduction = await self.registry.lookup(key, self.registration_wait)
         if reduction is None:

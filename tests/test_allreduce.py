@@ -261,3 +261,35 @@ def test_error_feedback_bounds_the_error_of_many_rounds():
             await stop_peers(peers)
         assert errors[True] < 0.5 * errors[False], errors
     run(main())
+
+
+def test_robust_mode_bounds_a_hostile_peer_scaling_its_pseudo_gradient_by_1e6():
+    """5 peers, one hostile: it sends Δ x 1e6 and, as a reducer, returns the plain mean (it
+    does not trim). Honest reducers trim; honest members refuse a result far larger than
+    their own values. Every coordinate an honest peer applies stays within the honest range."""
+    async def main():
+        peers = await start_peers(5)
+        gen = torch.Generator().manual_seed(5)
+        honest = [torch.randn(40_000, generator=gen) for _ in range(4)]
+        hostile_values = honest[0] * 1e6
+        plan = make_plan("test-run", 0, 0, [p.member for p in peers], 40_000, 256, 4096, INT8)
+        outs = [torch.empty(40_000) for _ in range(5)]
+        values = [*honest, hostile_values]
+        trims = [0.2, 0.2, 0.2, 0.2, None]
+        try:
+            reports = await asyncio.gather(*(
+                butterfly_allreduce(plan, p.member.peer_id, v, 1.0, o, p.registry, p.channels, 10.0, trim_fraction=t)
+                for p, v, o, t in zip(peers, values, outs, trims)))
+        finally:
+            await stop_peers(peers)
+        stacked = torch.stack(honest)
+        low, high = stacked.min(0).values, stacked.max(0).values
+        slack = 0.02 * stacked.abs().max()  # int8 coding of the result
+        for out, report in zip(outs[:4], reports[:4]):
+            assert bool(((out >= low - slack) & (out <= high + slack)).all())
+            assert [p.reducer for p in report.failed_parts] == ["peer04"]  # the hostile reducer's answer refused
+        honest_mean = stacked.mean(0)
+        plain = exact_mean(values, [1.0] * 5)
+        # the plain mean would move honest peers by ~1e5 times the honest mean's size; robust mode by ~1
+        assert rel(plain, honest_mean) > 1e4 and max(rel(out, honest_mean) for out in outs[:4]) < 2.0
+    run(main())

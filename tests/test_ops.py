@@ -148,3 +148,19 @@ def test_fused_kernels_are_bit_identical_to_the_eager_path():
     finally:
         quantization.use_fused_kernels(False)
     assert not quantization.fused_kernels_active()
+
+
+def test_trimmed_mean_keeps_every_coordinate_within_the_honest_range():
+    from dtnode.ops.robust import trim_count, trimmed_mean
+    honest = torch.randn(4, 10_000)
+    hostile = honest[0:1] * 1e6
+    result = trimmed_mean(torch.cat([honest, hostile]), trim_count(5, 0.2))
+    low, high = honest.min(0).values, honest.max(0).values
+    assert bool(((result >= low) & (result <= high)).all())
+    # stated bound: no farther from the honest mean, per coordinate, than the farthest honest peer
+    mean = honest.mean(0)
+    assert bool(((result - mean).abs() <= (honest - mean).abs().max(0).values + 1e-6).all())
+    assert float((torch.cat([honest, hostile]).mean(0) - mean).norm()) > 1e4 * float((result - mean).norm())
+    assert trim_count(5, 0.2) == 1 and trim_count(2, 0.4) == 0 and trim_count(1, 0.0) == 0
+    with pytest.raises(ValueError):
+        trimmed_mean(torch.tensor([[1.0], [float("nan")]]), 0)

@@ -1,0 +1,34 @@
+"""Robust aggregation: a coordinate-wise trimmed mean.
+
+Chosen over CenteredClip because its guarantee needs no tuning and no iterations: with at
+most `trim` hostile values per coordinate, every coordinate of the result lies between the
+smallest and the largest honest value of that coordinate, however large the hostile values
+are. So with 1 of 5 peers hostile and trim = 1, the result is never farther from the honest
+mean, coordinate by coordinate, than the honest peer farthest from it. It is computed one
+chunk at a time with a sort over the (small) group dimension, so it streams like the plain
+mean. The price: it ignores token weights, and with no attacker it is slightly noisier
+than the mean (it drops 2·trim of n honest values per coordinate).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def trim_count(contributors: int, fraction: float) -> int:
+    """Values dropped at each end per coordinate: floor(fraction·n), keeping at least one."""
+    if contributors < 1 or not 0 <= fraction < 0.5:
+        raise ValueError("need at least one contributor and 0 <= fraction < 0.5")
+    return min(int(contributors * fraction), (contributors - 1) // 2)
+
+
+def trimmed_mean(stacked: torch.Tensor, trim: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Mean over dim 0 of `stacked` (contributors, values) after dropping the `trim` smallest
+    and `trim` largest value of every coordinate."""
+    n = stacked.shape[0]
+    if trim < 0 or n - 2 * trim < 1:
+        raise ValueError(f"cannot trim {trim} from each end of {n} values")
+    if not bool(torch.isfinite(stacked).all()):
+        raise ValueError("non-finite values")
+    kept = stacked.sort(dim=0).values[trim : n - trim] if trim else stacked
+    return torch.mean(kept, dim=0, out=out) if out is not None else kept.mean(dim=0)

@@ -1,0 +1,81 @@
+"""A closed swarm between real processes, and a flood that must not starve a node."""
+
+import asyncio
+import re
+import time
+
+import grpc
+
+from nodes import FAST, NodeProcess
+from dtnode.proto import averaging_pb2 as pb
+from dtnode.proto import averaging_pb2_grpc as pb_grpc
+
+KEY = {"DTNODE_SWARM_KEY": "a closed swarm's shared secret"}
+
+
+def test_a_node_without_the_key_neither_joins_groups_nor_downloads_state(tmp_path, cleanup):
+    a = NodeProcess.join("a", tmp_path, *FAST, "--min-peers", "2", env=KEY)
+    cleanup.append(a)
+    b = NodeProcess.join("b", tmp_path, *FAST, "--min-peers", "2", "--peer", a.join_address, env=KEY)
+    cleanup.append(b)
+    b.wait_for_line(r"round 1 \| groups 2/", timeout=90)
+    intruder = NodeProcess.join("intruder", tmp_path, *FAST, "--peer", a.join_address, "--max-rounds", "3")
+    cleanup.append(intruder)
+    assert intruder.wait(90) == 0, intruder.output
+    assert "this swarm is open" in intruder.output and "this swarm is open" not in a.output
+    assert "offers no usable checkpoint" in intruder.output and "401" in intruder.output
+    assert "in sync at outer step" not in intruder.output
+    assert re.findall(r"round \d+ \| groups (\d+)/", intruder.output) == ["1", "1", "1"], intruder.output
+    later = a.output.split("round 1 |", 1)[1]
+    assert all(size == "2" for size in re.findall(r"round \d+ \| groups (\d+)/", later)), a.output
+    for node in (a, b):
+        node.stop()
+        assert node.wait(30) == 0, node.output
+
+
+def test_a_flood_of_streams_and_requests_does_not_starve_training_or_status(tmp_path, cleanup):
+    node = NodeProcess.join("target", tmp_path, *FAST)
+    cleanup.append(node)
+    node.wait_for_line(r"round 1 \|", timeout=90)
+    grpc_addr = node.get("/status")["grpc_addr"]
+    rounds_before = node.get("/status")["outer_step"]
+
+    async def flood() -> dict:
+        codes: dict = {}
+
+        async def one_stream(channel, i):
+            msg = pb.PartChunk(run_id="dtnode-demo", round=10**6 + i, sender=f"flood{i}", weight=1.0, length=1,
+                               values=b"\0" * 1024)
+            call = pb_grpc.AveragingStub(channel).Reduce(iter([msg]), timeout=20)
+            try:
+                async for _ in call:
+                    pass
+            except grpc.aio.AioRpcError as e:
+                codes[e.code()] = codes.get(e.code(), 0) + 1
+
+        async def one_request(session):
+            try:
+                async with session.get(node.http_url + "/peers") as resp:
+                    await resp.read()
+            except Exception:
+                pass
+
+        import aiohttp
+        async with grpc.aio.insecure_channel(grpc_addr) as channel, aiohttp.ClientSession() as session:
+            await asyncio.gather(*(one_stream(channel, i) for i in range(300)),
+                                 *(one_request(session) for _ in range(300)))
+        return codes
+
+    started = time.monotonic()
+    codes = asyncio.run(flood())
+    assert sum(codes.values()) == 300, codes  # every bogus stream was refused
+    # at most 16 streams from one host are admitted at a time; the rest are refused at once
+    assert codes.get(grpc.StatusCode.FAILED_PRECONDITION, 0) <= 32 and \
+        codes.get(grpc.StatusCode.RESOURCE_EXHAUSTED, 0) >= 100, codes
+    status = node.get("/status")  # still answering
+    assert status["state"] in ("training", "averaging")
+    deadline = time.monotonic() + 60
+    while node.get("/status")["outer_step"] < rounds_before + 3:
+        assert time.monotonic() < deadline, node.output  # training went on through and after the flood
+        time.sleep(0.2)
+    assert time.monotonic() - started < 120
