@@ -87,6 +87,8 @@ class Node:
                                            settings.allreduce_timeout_min, settings.allreduce_timeout)
         self.residual: torch.Tensor | None = None  # error feedback, when enabled
         self.auth: SwarmAuth | None = None
+        self._needs_resync = False  # set by a failed hop or a download; cleared by a clean round
+        self.phase = "starting"  # inner, matchmaking, allreduce, outer: where the round is (chaos tests key on it)
         self.peer_id = ""
         self.grpc_addr = ""
         self.http_addr = ""
@@ -192,7 +194,7 @@ class Node:
     def status(self) -> dict[str, Any]:
         loss = self.trainer.last_loss if hasattr(self, "trainer") else math.nan
         return {
-            "peer_id": self.peer_id, "run_id": self.settings.run_id, "state": self.state,
+            "peer_id": self.peer_id, "run_id": self.settings.run_id, "state": self.state, "phase": self.phase,
             "outer_step": self.replica.outer_step if hasattr(self, "replica") else 0,
             "inner_step": self.trainer.inner_step if hasattr(self, "trainer") else 0,
             "loss": None if math.isnan(loss) else loss, "eval_loss": self.eval_loss,
@@ -340,6 +342,7 @@ class Node:
             await asyncio.gather(self._pending_write, return_exceptions=True)
         self._pending_write = asyncio.ensure_future(self._write_checkpoint())
         await self._pending_write
+        self._needs_resync = True  # the donor's θ_g may differ slightly from its neighbours'
         log.info("in sync at outer step %d (params %s)", loaded.step, self.replica.params_sha256()[:12])
         await self.membership.announce(self.record())
         return True
@@ -387,7 +390,7 @@ class Node:
         round_started = time.monotonic()
         await self._sync_with_swarm()  # a node left behind (stalled, or a solo round) catches up first
         round_no = self.replica.outer_step
-        self.state = "training"
+        self.state, self.phase = "training", "inner"
         inner = await loop.run_in_executor(self.train_thread, self.trainer.run, s.inner_steps, self.stop_flag)
         if inner.steps < s.inner_steps and self.stop_requested.is_set():
             log.info("round %d abandoned after %d of %d inner steps", round_no, inner.steps, s.inner_steps)
@@ -396,18 +399,19 @@ class Node:
         delta = await loop.run_in_executor(self.train_thread, self.replica.pseudo_gradient)
         self.state = "averaging"
         await self.membership.announce(self.record())
-        resync = bool(s.consensus_every) and round_no % s.consensus_every == s.consensus_every - 1
-        theta = await loop.run_in_executor(self.train_thread, self.replica.theta_cpu) if resync else None
-        mean, hops, weight = await self._average(round_no, delta, float(inner.tokens), theta)
+        scheduled = bool(s.consensus_every) and round_no % s.consensus_every == s.consensus_every - 1
+        mean, hops, weight, theta = await self._average(round_no, delta, float(inner.tokens),
+                                                        self._needs_resync or scheduled)
         if theta is not None:
-            await loop.run_in_executor(self.train_thread, self.replica.replace_theta, theta)
+            await loop.run_in_executor(self.train_thread, self.replica.adopt_consensus_state, theta)
+        self.phase = "outer"
         await loop.run_in_executor(self.train_thread, self.replica.apply_outer_step, mean)
         self.eval_loss = await loop.run_in_executor(self.train_thread, self.trainer.eval_loss)
         self.rounds_done += 1
         if self._pending_write is not None:
             await asyncio.gather(self._pending_write, return_exceptions=True)
         self._pending_write = asyncio.ensure_future(self._write_checkpoint())
-        self.state = "training"
+        self.state, self.phase = "training", "inner"
         duration = time.monotonic() - round_started
         first = hops[0]
         self.last_round = {
@@ -429,13 +433,19 @@ class Node:
                  self.replica.params_sha256()[:12])
 
     async def _average(self, round_no: int, delta: torch.Tensor, weight: float,
-                       theta: torch.Tensor | None = None) -> tuple[torch.Tensor, list[dict], float]:
+                       resync: bool) -> tuple[torch.Tensor, list[dict], float, torch.Tensor | None]:
         """Moshpit averaging of Δ over d hops; returns the buffer holding the mean, per-hop facts, the weight.
 
         Each hop averages the running (weighted mean, weight) pair within one grid cell, so
         tokens-processed weighting survives the hops. Δ and the replica's second staging
-        buffer take turns as input and output. With `theta` (a consensus re-sync step), each
-        hop's group also averages θ_g in fp32, in place, with equal weights.
+        buffer take turns as input and output.
+
+        Consensus re-sync: a node that wants θ_g re-synced (on schedule, or because a part or
+        hop of its last round failed, or it just downloaded a checkpoint) says so in its
+        registration; a group in which any member asked also averages θ_g and the outer
+        momentum in fp32 that hop,
+        and its members ask again in the next hops, so the re-sync spreads over the grid like
+        the mean of Δ does. Returns the averaged θ_g when one happened (else None).
         """
         s = self.settings
         population = await self._round_population(round_no)
@@ -443,16 +453,21 @@ class Node:
         coords = coordinates(sorted(population), round_no, side, dims, salt=s.run_id)
         cells = {k: hop_groups(coords, k) for k in range(dims)}
         current, spare = delta, self.replica.mean_cpu
-        theta_spare = torch.empty_like(theta) if theta is not None else None
+        loop = asyncio.get_running_loop()
+        theta: torch.Tensor | None = None
+        theta_spare: torch.Tensor | None = None
         theta_weight = 1.0
+        clean = True  # every hop had its expected group and no failed part
         hops = []
         for hop in range(dims):
             cell = hop_key(coords[self.peer_id], hop)
             cell_members = cells[hop][cell]
             window = self.deadlines.matchmaking_window
+            self.phase = "matchmaking"
             group = await self.matchmaker.form_group(
                 round_no, hop, lambda m=cell_members: self._alive(m, round_no), window, s.target_group_size,
-                confirm_timeout=min(3.0, window), cell=f"d{dims}.{cell}")
+                confirm_timeout=min(3.0, window), cell=f"d{dims}.{cell}", resync=resync or theta is not None)
+            clean &= len(group.members) >= len(cell_members)
             self.deadlines.observe_matchmaking(group.last_arrival_lag, group.complete)
             fact = {"hop": hop, "group_key": group.key, "group_size": len(group.members),
                     "registrants": group.registrants, "expected": len(cell_members),
@@ -465,6 +480,7 @@ class Node:
                 timeout = self.deadlines.allreduce_timeout(expected)
                 plan = make_plan(s.run_id, round_no, hop, group.members, self.replica.numel, s.quant_block_size,
                                  s.chunk_elements, INT8 if int8 else FP32)
+                self.phase = "allreduce"
                 report = await butterfly_allreduce(
                     plan, self.peer_id, current, weight, spare, self.registry, self.channels, timeout,
                     in_flight=s.in_flight_chunks, residual=self.residual if hop == 0 else None, auth=self.auth,
@@ -481,19 +497,26 @@ class Node:
                 self.m_recv.inc(report.bytes_received)
                 self.m_failed.inc(len(report.failed_parts))
                 self.m_allreduce.observe(report.seconds)
-                if theta is not None:
-                    theta_plan = make_plan(s.run_id, round_no, hop + dims, group.members, self.replica.numel,
+                clean &= not report.failed_parts
+                if group.resync:
+                    if theta is None:
+                        theta = await loop.run_in_executor(self.train_thread, self.replica.consensus_state)
+                        theta_spare = torch.empty_like(theta)
+                    theta_plan = make_plan(s.run_id, round_no, hop + dims, group.members, theta.numel(),
                                            s.quant_block_size, s.chunk_elements, FP32)
                     sync = await butterfly_allreduce(
                         theta_plan, self.peer_id, theta, theta_weight, theta_spare, self.registry, self.channels,
-                        self.deadlines.allreduce_timeout(4 * expected), in_flight=s.in_flight_chunks, auth=self.auth)
+                        self.deadlines.allreduce_timeout(8 * expected), in_flight=s.in_flight_chunks, auth=self.auth)
                     theta_weight = sync.weight_after(theta_weight)
                     theta.copy_(theta_spare)
+                    clean &= not sync.failed_parts
                     fact.update(theta_resync_s=round(sync.seconds, 4),
                                 bytes_sent=fact["bytes_sent"] + sync.bytes_sent,
                                 bytes_received=fact["bytes_received"] + sync.bytes_received)
             hops.append(fact)
-        return current, hops, weight
+        # a wanted re-sync that found nobody to sync with is still wanted next round
+        self._needs_resync = not clean or (resync and theta is None)
+        return current, hops, weight, theta
 
     def _observe(self, hops: list[dict], duration: float, loss: float) -> None:
         self.m_outer.set(self.replica.outer_step)

@@ -50,14 +50,20 @@ class Replica:
         self._sha256 = sha256_of(self.theta_g)
 
     @torch.no_grad()
-    def theta_cpu(self) -> torch.Tensor:
-        """A CPU copy of θ_g for averaging it with peers."""
-        return self.theta_g.detach().to("cpu", dtype=torch.float32, copy=True)
+    def consensus_state(self) -> torch.Tensor:
+        """θ_g and the outer momentum, one CPU buffer, for averaging them with peers.
+
+        Both drift apart when members of a group applied different values (a failed part):
+        θ_g alone would be pulled apart again by the next outer steps' momentum.
+        """
+        return torch.cat([self.theta_g.detach().to("cpu", torch.float32), self.outer.momentum_buffer.to("cpu")])
 
     @torch.no_grad()
-    def replace_theta(self, theta_cpu: torch.Tensor) -> None:
-        """Adopt the swarm's averaged θ_g (consensus re-sync), before this step's outer update."""
-        self.theta_g.copy_(theta_cpu)
+    def adopt_consensus_state(self, state_cpu: torch.Tensor) -> None:
+        """Take the swarm's averaged θ_g and momentum (before this step's outer update)."""
+        n = self.numel
+        self.theta_g.copy_(state_cpu[:n])
+        self.outer.momentum_buffer.copy_(state_cpu[n:])
         self.trainer.parameters_flat.copy_(self.theta_g)
         self._sha256 = sha256_of(self.theta_g)
 

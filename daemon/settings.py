@@ -100,7 +100,8 @@ class NodeSettings(BaseSettings):
     allreduce_timeout_min: float = Field(3.0, gt=0, le=3600, description="Lower bound of the adaptive all-reduce "
                                                                          "deadline, in seconds.")
     consensus_every: int = Field(25, ge=0, le=1_000_000, description="Every this many outer steps, also average "
-                                                                     "θ_g itself (fp32) over the step's groups, so "
+                                                                     "θ_g and the outer momentum (fp32) over the "
+                                                                     "step's groups, so "
                                                                      "int8 differences between groups cannot "
                                                                      "accumulate; 0 disables.")
     aggregation: str = Field("mean", pattern=r"^(mean|trimmed-mean)$", description="How this node reduces its "

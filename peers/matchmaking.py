@@ -41,6 +41,7 @@ class Registration(BaseModel):
     grpc_addr: str = Field("", max_length=256)
     client_mode: bool = False
     bandwidth_mbps: float = Field(1000.0, gt=0, le=1e9)
+    resync: bool = False  # asks the group to also average θ_g this hop (after a failure, a join)
     auth: str = Field("", max_length=512)
 
 
@@ -54,6 +55,7 @@ class FormedGroup:
     seconds: float
     complete: bool = False  # every expected member registered before the window ended
     last_arrival_lag: float = 0.0  # seconds from our registration to the last registrant's
+    resync: bool = False  # some member asked the group to average θ_g too (all members see the same)
 
 
 def split_groups(peer_ids: list[str], target_size: int) -> list[list[str]]:
@@ -85,6 +87,9 @@ class Matchmaker:
         return f"{self.run_id}.group.{round}.{hop}.{cell}"
 
     async def _registrants(self, key: str) -> dict[str, Member]:
+        return {p: m for p, (m, _) in (await self._registrations(key)).items()}
+
+    async def _registrations(self, key: str) -> dict[str, tuple[Member, bool]]:
         found = await self.dht.get(key, latest=True, return_future=True)
         entries = found.value if found is not None and isinstance(found.value, dict) else {}
         members = {}
@@ -97,7 +102,7 @@ class Matchmaker:
                 continue
             if not self._authentic("register", f"{key}|{reg.grpc_addr}|{reg.client_mode}", reg.auth, peer_id):
                 continue  # without the swarm key nobody joins our groups
-            members[peer_id] = Member(peer_id, reg.grpc_addr, reg.client_mode, reg.bandwidth_mbps)
+            members[peer_id] = (Member(peer_id, reg.grpc_addr, reg.client_mode, reg.bandwidth_mbps), reg.resync)
         return members
 
     async def _closed_lists(self, key: str) -> dict[str, tuple[str, ...]]:
@@ -114,7 +119,8 @@ class Matchmaker:
         return lists
 
     async def form_group(self, round: int, hop: int, expected: Callable[[], Awaitable[set[str]]], window: float,
-                         target_size: int, confirm_timeout: float = 3.0, cell: str = "all") -> FormedGroup:
+                         target_size: int, confirm_timeout: float = 3.0, cell: str = "all",
+                         resync: bool = False) -> FormedGroup:
         """Register for (round, hop, grid cell) and return this peer's group once it closes.
 
         `expected` names the peers this one should meet there; the group closes as soon as
@@ -124,18 +130,21 @@ class Matchmaker:
         key = self.group_key(round, hop, cell)
         tag = self.auth.issue("register", f"{key}|{self.own.grpc_addr}|{self.own.client_mode}") if self.auth else ""
         value = Registration(grpc_addr=self.own.grpc_addr, client_mode=self.own.client_mode,
-                             bandwidth_mbps=self.own.bandwidth, auth=tag).model_dump()
+                             bandwidth_mbps=self.own.bandwidth, resync=resync, auth=tag).model_dump()
         await self.dht.store(key, subkey=self.own.peer_id, value=value,
                              expiration_time=get_dht_time() + window + 60, return_future=True)
         deadline = started + window
         registrants: dict[str, Member] = {self.own.peer_id: self.own}
+        flags: dict[str, bool] = {self.own.peer_id: resync}
         me = self.own.peer_id
         last_arrival = started
         complete = False
         while True:
             try:
                 closed = await self._closed_lists(key)
-                found = {p: m for p, m in (await self._registrants(key)).items()
+                registrations = await self._registrations(key)
+                flags = {p: flag for p, (_, flag) in registrations.items()} | {me: resync}
+                found = {p: m for p, (m, _) in registrations.items()
                          if p not in closed or me in closed[p]} | {me: self.own}
                 if set(found) - set(registrants):
                     last_arrival = time.monotonic()
@@ -155,8 +164,9 @@ class Matchmaker:
             members = await self._confirm(key, mine, members, confirm_timeout)
         if all(m.client_mode for m in members):
             members = [self.own]  # nobody can reduce: average alone
+        wanted_resync = any(flags.get(m.peer_id, False) for m in members)
         return FormedGroup(key, members, len(registrants), time.monotonic() - started, complete,
-                           last_arrival - started)
+                           last_arrival - started, wanted_resync)
 
     async def _confirm(self, key: str, mine: tuple[str, ...], members: list[Member], timeout: float) -> list[Member]:
         """Second phase: proceed only if no member of the group closed with another list."""

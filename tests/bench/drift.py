@@ -1,6 +1,7 @@
 """Consensus drift: how far apart do the θ_g of a moshpit swarm get over many outer steps?
 
     .venv/bin/python -m tests.bench.drift                    # 6 nodes, M=3 (d=2), 60 steps
+    .venv/bin/python -m tests.bench.drift --consensus-every 0  # no θ_g re-sync: watch it grow
     .venv/bin/python -m tests.bench.drift --nodes 9 --steps 80 --error-feedback
 
 Runs real node processes on loopback (tiny preset) and reads every node's checkpoint of
@@ -29,9 +30,11 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--group-size", type=int, default=3)
     parser.add_argument("--error-feedback", action="store_true")
+    parser.add_argument("--consensus-every", type=int, default=25, help="θ_g re-sync period (0: never)")
     args = parser.parse_args()
     extra = ["--target-group-size", str(args.group_size), "--max-rounds", str(args.steps),
-             "--keep-checkpoints", str(args.steps + 5), "--min-peers", str(args.nodes)]
+             "--keep-checkpoints", str(args.steps + 5), "--min-peers", str(args.nodes),
+             "--consensus-every", str(args.consensus_every)]
     if args.error_feedback:
         extra.append("--error-feedback")
     with tempfile.TemporaryDirectory() as tmp:
@@ -46,7 +49,7 @@ def main() -> None:
             for node in nodes:
                 node.kill()
         print(f"{args.nodes} nodes, target group size {args.group_size}, {args.steps} outer steps, "
-              f"error feedback {'on' if args.error_feedback else 'off'}")
+              f"error feedback {'on' if args.error_feedback else 'off'}, θ_g re-sync every {args.consensus_every or '-'}")
         print(f"{'step':>5} {'max |θ_i - mean| / |θ|':>24} {'/ |mean update|':>16} {'solo hops':>10}")
         rows = []
         previous = None
@@ -65,7 +68,8 @@ def main() -> None:
             rows.append((step, spread / float(mean.norm()), spread / update if update == update else float("nan")))
         solo = sum(len([1 for line in n.lines if "| groups 1/" in line]) for n in nodes)
         for step, rel_theta, rel_update in rows:
-            if step <= 3 or step % 10 == 0 or step == args.steps:
+            if step <= 3 or step % 10 == 0 or step == args.steps or (
+                    args.consensus_every and step % args.consensus_every in (0, 1)):
                 print(f"{step:>5} {rel_theta:24.2e} {rel_update:16.3f}")
         late = [r[1] for r in rows[len(rows) // 2:]]
         early = [r[1] for r in rows[1: len(rows) // 2]]

@@ -1,0 +1,263 @@
+"""Chaos harness: real node processes on loopback, faults injected at a named (node, round,
+phase), and the swarm's promises checked after each one.
+
+A fault is keyed by the victim's `/status` phase (inner, matchmaking, allreduce, outer) at a
+given outer step, or by a checkpoint temp file appearing in its state dir; the harness
+polls, strikes, and records what it saw at that moment, so a report can say the injection
+actually fired (the victim was in that phase and had not finished that round).
+
+Checks after each trial (what ARCHITECTURE.md promises):
+- no survivor's round took longer than its inner steps plus d x (window + all-reduce timeout);
+- no NaN or Inf in any θ_g any node wrote;
+- survivors' θ_g agree within the int8 error after the next full mixing;
+- the eval loss kept falling;
+- every checkpoint on disk is whole (loadable), none lost.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import signal
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from dtnode.daemon.checkpoint import list_checkpoints
+from nodes import FAST, NodeProcess, theta
+
+WINDOW, TIMEOUT = 6.0, 8.0
+# A 10 MB model: its all-reduce and checkpoint writes last long enough to be struck mid-way.
+FLAGS = [*FAST, "--model", "tests.bench.models:mlp_10mb", "--inner-steps", "10", "--matchmaking-window", str(WINDOW), "--allreduce-timeout", str(TIMEOUT),
+         "--peer-ttl", "3", "--heartbeat-interval", "1", "--max-lag", "0"]
+
+
+def _status(node: NodeProcess, timeout: float = 2.0) -> dict | None:
+    try:
+        with urllib.request.urlopen(node.http_url + "/status", timeout=timeout) as resp:
+            return json.load(resp)
+    except (OSError, ValueError):
+        return None
+
+
+@dataclass
+class Trial:
+    scenario: str
+    passed: bool = False
+    fired: str = ""
+    worst_round_s: float = 0.0
+    notes: list[str] = field(default_factory=list)
+    victims: set[str] = field(default_factory=set)  # their own stalled rounds do not count
+
+
+class Swarm:
+    def __init__(self, tmp: Path, n: int, extra: list[str] | None = None):
+        self.tmp = tmp
+        self.extra = extra or []
+        self.nodes: list[NodeProcess] = []
+        self.gone: list[NodeProcess] = []
+        first = self.start("n0", "--min-peers", str(n))
+        self.address = first.join_address
+        for i in range(1, n):
+            self.start(f"n{i}", "--min-peers", str(n), "--peer", self.address)
+
+    def start(self, name: str, *args: str) -> NodeProcess:
+        node = NodeProcess.join(name, self.tmp, *FLAGS, *self.extra, *args)
+        self.nodes.append(node)
+        return node
+
+    def restart(self, victim: NodeProcess) -> NodeProcess:
+        self.nodes.remove(victim)
+        Path(str(victim.state_dir) + ".before-restart.log").write_text(victim.output)
+        return self.start(victim.name, "--peer", self.address)
+
+    def wait_round(self, node: NodeProcess, step: int, timeout: float = 120) -> None:
+        """Until the node has finished round `step` or a later one (a resync may skip rounds)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            done = [int(n) for line in list(node.lines) if (m := re.search(r"round (\d+) \|", line))
+                    for n in m.groups()]
+            if done and max(done) >= step:
+                return
+            if node.proc.poll() is not None:
+                break
+            time.sleep(0.1)
+        raise AssertionError(f"{node.name} did not finish round {step}; output:\n{node.output}")
+
+    def strike_at_phase(self, victim: NodeProcess, step: int, phase: str, sig: int, timeout: float = 120) -> str:
+        """Send `sig` when the victim is in `phase` of outer step `step`; returns what fired."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            status = _status(victim)
+            if status and status.get("outer_step") == step and status.get("phase") == phase:
+                victim.proc.send_signal(sig)
+                return f"{phase} of step {step}"
+            if status and status.get("outer_step", 0) > step:
+                step = status["outer_step"]  # missed it: take the next round's
+            time.sleep(0.003)
+        raise AssertionError(f"{victim.name} never reached {phase} of step {step}")
+
+    def strike_during_checkpoint_write(self, victim: NodeProcess, sig: int, timeout: float = 120) -> str:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            temps = list(victim.state_dir.glob(".ckpt-*.tmp-*")) + list(victim.state_dir.glob(".local-*.tmp-*"))
+            if temps:
+                victim.proc.send_signal(sig)
+                return f"write of {temps[0].name}"
+            time.sleep(0.0005)
+        raise AssertionError(f"{victim.name} wrote no checkpoint in {timeout}s")
+
+    def kill(self, victim: NodeProcess) -> None:
+        victim.kill()
+        self.nodes.remove(victim)
+        self.gone.append(victim)
+
+    def stop_all(self, timeout: float = 60) -> None:
+        for node in self.nodes:
+            node.stop()
+        for node in self.nodes:
+            node.wait(timeout)
+
+    def kill_all(self) -> None:
+        for node in self.nodes + self.gone:
+            node.kill()
+            Path(str(node.state_dir) + ".log").write_text(node.output)  # for post-mortems
+
+
+def round_durations(node: NodeProcess) -> list[float]:
+    """Seconds between consecutive round lines of a node's log (HH:MM:SS resolution)."""
+    stamps = []
+    for line in node.lines:
+        if m := re.match(r"\s*(\d\d):(\d\d):(\d\d) INFO\s+dtnode: round \d+ \|", line):
+            h, mi, se = map(int, m.groups())
+            stamps.append(h * 3600 + mi * 60 + se)
+    return [b - a for a, b in zip(stamps, stamps[1:])]
+
+
+def check(swarm: Swarm, trial: Trial, dims: int = 1) -> Trial:
+    """The promises, over every node still running at the end (and the files of all)."""
+    bound = 20 + dims * (WINDOW + TIMEOUT) + 2  # inner steps on a busy 2-core box, plus the deadlines
+    for node in swarm.nodes:
+        if node.name in trial.victims:
+            continue
+        durations = round_durations(node)
+        if durations:
+            trial.worst_round_s = max(trial.worst_round_s, max(durations))
+    if trial.worst_round_s > bound:
+        trial.notes.append(f"a round took {trial.worst_round_s:.0f}s > {bound:.0f}s")
+    for node in swarm.nodes + swarm.gone:
+        for step, _ in list_checkpoints(node.state_dir):
+            try:
+                values = theta(node.state_dir, step)
+            except Exception as e:  # a torn file under a final name would land here
+                trial.notes.append(f"{node.name}: checkpoint {step} unreadable ({e})")
+                continue
+            if not bool(torch.isfinite(values).all()):
+                trial.notes.append(f"{node.name}: non-finite θ_g at step {step}")
+    common = set.intersection(*({s for s, _ in list_checkpoints(n.state_dir)} for n in swarm.nodes))
+    if len(common) >= 2:
+        last, before = max(common), max(common - {max(common)})
+        reference = theta(swarm.nodes[0].state_dir, last)
+        update = float((reference - theta(swarm.nodes[0].state_dir, before)).norm())
+        spread = max(float((theta(n.state_dir, last) - reference).norm()) for n in swarm.nodes)
+        if update > 0 and spread / update > 0.05:
+            trial.notes.append(f"θ_g spread {spread / update:.3f} of an update at step {last}")
+    else:
+        trial.notes.append("survivors share no two checkpoint steps")
+    for node in swarm.nodes:
+        evals = [float(x) for x in re.findall(r"\| eval (\d+\.\d+)", node.output)]
+        if len(evals) >= 2 and not evals[-1] < evals[0]:
+            trial.notes.append(f"{node.name}: eval loss did not fall ({evals[0]:.3f} -> {evals[-1]:.3f})")
+        if any(math.isnan(x) for x in evals):
+            trial.notes.append(f"{node.name}: NaN loss")
+    trial.passed = not trial.notes
+    return trial
+
+
+# ---- scenarios: each runs one trial in `tmp` and returns it, checked ----------------------
+
+def kill9_at(phase: str):
+    def scenario(tmp: Path) -> Trial:
+        trial = Trial(f"kill -9 during {phase}")
+        swarm = Swarm(tmp, 4)
+        try:
+            victim = swarm.nodes[-1]
+            swarm.wait_round(victim, 1)
+            trial.fired = swarm.strike_at_phase(victim, 2, phase, signal.SIGKILL)
+            swarm.kill(victim)
+            for node in swarm.nodes:
+                swarm.wait_round(node, 5)
+            swarm.stop_all()
+            return check(swarm, trial)
+        finally:
+            swarm.kill_all()
+    return scenario
+
+
+def kill9_during_checkpoint_write(tmp: Path) -> Trial:
+    """Struck while a temp file of its checkpoint is being written; it restarts from its state dir."""
+    trial = Trial("kill -9 during a checkpoint write, restart")
+    swarm = Swarm(tmp, 3)
+    try:
+        victim = swarm.nodes[-1]
+        swarm.wait_round(victim, 1)
+        trial.fired = swarm.strike_during_checkpoint_write(victim, signal.SIGKILL)
+        victim.proc.wait()
+        back = swarm.restart(victim)
+        resumed = back.wait_for_line(r"resumed from ckpt-(\d+)", timeout=60).group(1)
+        trial.fired += f"; resumed at step {int(resumed)}"
+        for node in swarm.nodes:
+            swarm.wait_round(node, int(resumed) + 3)
+        swarm.stop_all()
+        return check(swarm, trial)
+    finally:
+        swarm.kill_all()
+
+
+def sigstop_past_the_timeout(tmp: Path) -> Trial:
+    trial = Trial("SIGSTOP past the timeout, SIGCONT")
+    swarm = Swarm(tmp, 4)
+    try:
+        victim = swarm.nodes[-1]
+        swarm.wait_round(victim, 1)
+        trial.fired = swarm.strike_at_phase(victim, 2, "matchmaking", signal.SIGSTOP)
+        trial.victims.add(victim.name)
+        time.sleep(WINDOW + TIMEOUT + 2)
+        victim.proc.send_signal(signal.SIGCONT)
+        swarm.wait_round(victim, 3)  # it finished its stalled round, caught up, and trained on
+        step = max(s["outer_step"] for s in (_status(n) for n in swarm.nodes) if s)
+        for node in swarm.nodes:  # then a few full mixings with everyone
+            swarm.wait_round(node, step + 3)
+        swarm.stop_all()
+        return check(swarm, trial)
+    finally:
+        swarm.kill_all()
+
+
+def late_joiner_during_a_round(tmp: Path) -> Trial:
+    trial = Trial("late joiner during a round")
+    swarm = Swarm(tmp, 3)
+    try:
+        swarm.wait_round(swarm.nodes[0], 2)
+        joiner = swarm.start("late", "--peer", swarm.address)
+        synced = int(joiner.wait_for_line(r"in sync at outer step (\d+)", timeout=60).group(1))
+        trial.fired = f"joined and synced at step {synced}"
+        for node in swarm.nodes:
+            swarm.wait_round(node, synced + 3)
+        swarm.stop_all()
+        return check(swarm, trial)
+    finally:
+        swarm.kill_all()
+
+
+SCENARIOS = {
+    "kill9-matchmaking": kill9_at("matchmaking"),
+    "kill9-allreduce": kill9_at("allreduce"),
+    "kill9-checkpoint-write": kill9_during_checkpoint_write,
+    "sigstop": sigstop_past_the_timeout,
+    "late-joiner": late_joiner_during_a_round,
+}
