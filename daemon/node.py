@@ -243,7 +243,7 @@ class Node:
             raise SettingsError("--swarm-key-file", str(e)) from None
         validator = RSASignatureValidator(await asyncio.to_thread(load_record_key, self.state_dir / "record.key"))
         self.dht = await start_dht(s.peers, s.host, s.dht_port, s.announce_host, s.join_timeout,
-                                   identity_path=str(self.state_dir / "identity.key"), validator=validator)
+                                   identity_path=str((self.state_dir / "identity.key").resolve()), validator=validator)
         self.validator = validator
         self.peer_id = str(self.dht.peer_id)
         if key is None:

@@ -229,7 +229,7 @@ async def download_parallel(session: aiohttp.ClientSession, offers: list[Offer],
             start, length = partial.pieces[index]
             try:
                 await _fetch_piece(session, offer, start, length, partial, progress, timeout, auth)
-                partial.finish_piece(index)
+                await asyncio.to_thread(partial.finish_piece, index)
                 in_flight.discard(index)
             except _Busy as e:
                 in_flight.discard(index)

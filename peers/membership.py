@@ -14,9 +14,11 @@ reader.
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import ipaddress
 import logging
 import os
+import signal
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -82,6 +84,46 @@ def load_record_key(path: Path) -> RSAPrivateKey:
     return fresh
 
 
+def _die_with_parent() -> None:
+    """In a forked child (hivemind's DHT process): get SIGKILL when the node dies, even by kill -9.
+
+    Without it the DHT process and its p2pd outlive a crashed node, keep its identity alive
+    in the swarm, and make its restart fail with "identity already taken".
+    """
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return  # not Linux: nothing to do
+    if os.getppid() == 1:  # the parent died before the line above ran
+        os._exit(1)
+
+
+_HOOKED = False
+
+
+def _reap_orphaned_daemons(identity_path: str) -> int:
+    """Kill p2pd daemons that a crashed node left behind with our identity (Linux /proc)."""
+    killed = 0
+    marker = f"-id={identity_path}".encode()
+    for entry in Path("/proc").glob("[0-9]*"):
+        try:
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        if not argv or not argv[0].endswith(b"p2pd") or marker not in argv:
+            continue
+        parent = int(stat.rsplit(")", 1)[1].split()[1])
+        if parent == 1:  # orphaned: its node is gone
+            try:
+                os.kill(int(entry.name), signal.SIGKILL)
+                killed += 1
+            except OSError:
+                pass
+    return killed
+
+
 async def start_dht(initial_peers: list[str], host: str, port: int, announce_host: str | None,
                     timeout: float, identity_path: str | None = None,
                     validator: RSASignatureValidator | None = None) -> hivemind.DHT:
@@ -91,8 +133,15 @@ async def start_dht(initial_peers: list[str], host: str, port: int, announce_hos
             raise JoinError(f"--peer {addr!r} is not a multiaddr like /ip4/1.2.3.4/tcp/7700/p2p/12D3Koo...")
     kwargs: dict = dict(start=True, initial_peers=initial_peers, host_maddrs=[_maddr(host, port)],
                         startup_timeout=timeout, await_ready=True)
+    global _HOOKED
+    if not _HOOKED:
+        os.register_at_fork(after_in_child=_die_with_parent)
+        _HOOKED = True
     if identity_path:
         kwargs["identity_path"] = identity_path  # a restarted node keeps its peer id
+        if await asyncio.to_thread(_reap_orphaned_daemons, os.path.abspath(identity_path)):
+            log.warning("stopped the DHT daemon a crashed run of this node left behind")
+            await asyncio.sleep(1.0)  # let the swarm notice it is gone
     if validator is not None:
         kwargs["record_validators"] = [validator]
     if announce_host and port:

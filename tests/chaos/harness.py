@@ -210,8 +210,10 @@ def kill9_during_checkpoint_write(tmp: Path) -> Trial:
         back = swarm.restart(victim)
         resumed = back.wait_for_line(r"resumed from ckpt-(\d+)", timeout=60).group(1)
         trial.fired += f"; resumed at step {int(resumed)}"
-        for node in swarm.nodes:
-            swarm.wait_round(node, int(resumed) + 3)
+        swarm.wait_round(back, int(resumed) + 1)  # it caught up (a resync when behind) and trained on
+        step = max(s["outer_step"] for s in (_status(n) for n in swarm.nodes) if s)
+        for node in swarm.nodes:  # then a few full mixings with everyone
+            swarm.wait_round(node, step + 3)
         swarm.stop_all()
         return check(swarm, trial)
     finally:
