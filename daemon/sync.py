@@ -146,8 +146,9 @@ class PartialDownload:
         os.pwrite(self.fd, data, offset)
 
     def finish_piece(self, index: int) -> None:
+        """Record a finished piece (called from worker threads: one temp file per piece)."""
         self.finished.add(index)
-        tmp = self.ledger.with_suffix(".tmp")
+        tmp = self.ledger.with_name(f"{self.ledger.name}.{index}.tmp")
         tmp.write_text(json.dumps({"size": self.size, "pieces": sorted(self.finished)}))
         os.replace(tmp, self.ledger)
 

@@ -69,9 +69,10 @@ def test_a_flood_of_streams_and_requests_does_not_starve_training_or_status(tmp_
     started = time.monotonic()
     codes = asyncio.run(flood())
     assert sum(codes.values()) == 300, codes  # every bogus stream was refused
-    # at most 16 streams from one host are admitted at a time; the rest are refused at once
-    assert codes.get(grpc.StatusCode.FAILED_PRECONDITION, 0) <= 32 and \
-        codes.get(grpc.StatusCode.RESOURCE_EXHAUSTED, 0) >= 100, codes
+    # at most 16 streams from one host are admitted at a time (they wait for a reduction that
+    # never comes); the rest are refused at once, or never leave the client's own queue
+    assert codes.get(grpc.StatusCode.FAILED_PRECONDITION, 0) <= 32, codes
+    assert codes.get(grpc.StatusCode.RESOURCE_EXHAUSTED, 0) >= 16, codes
     status = node.get("/status")  # still answering
     assert status["state"] in ("training", "averaging")
     deadline = time.monotonic() + 60
