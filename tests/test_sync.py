@@ -207,6 +207,14 @@ def test_a_checkpoint_larger_than_the_model_allows_is_refused_before_download(tm
     asyncio.run(main())
 
 
+async def _sidecar_with_checkpoint(tmp_path) -> tuple[CheckpointInfo, Sidecar, str]:
+    """A real sidecar serving one checkpoint (step 3), and its base URL."""
+    info, _ = _checkpoint(tmp_path / "src", 3)
+    sidecar = Sidecar(FileView([info]))
+    port = await sidecar.start("127.0.0.1", 0)
+    return info, sidecar, f"http://127.0.0.1:{port}"
+
+
 @pytest.mark.parametrize("path,status", [
     ("/checkpoint/..%2F..%2Fetc%2Fpasswd", {400, 404}), ("/checkpoint/-1", {400}), ("/checkpoint/1.5", {400}),
     ("/checkpoint/abc", {400}), ("/checkpoint/99999999999999999999999", {400}), ("/checkpoint/%00", {400, 404}),
@@ -216,10 +224,7 @@ def test_sidecar_refuses_hostile_paths_and_keeps_serving(tmp_path, path, status)
     import aiohttp
 
     async def main():
-        info, _ = _checkpoint(tmp_path / "src", 3)
-        sidecar = Sidecar(FileView([info]))
-        port = await sidecar.start("127.0.0.1", 0)
-        base = f"http://127.0.0.1:{port}"
+        info, sidecar, base = await _sidecar_with_checkpoint(tmp_path)
         try:
             async with aiohttp.ClientSession() as session:
                 async with session.get(base + path) as resp:
@@ -238,10 +243,7 @@ def test_sidecar_answers_bogus_ranges_with_4xx_and_keeps_serving(tmp_path, heade
     import aiohttp
 
     async def main():
-        info, _ = _checkpoint(tmp_path / "src", 3)
-        sidecar = Sidecar(FileView([info]))
-        port = await sidecar.start("127.0.0.1", 0)
-        base = f"http://127.0.0.1:{port}"
+        info, sidecar, base = await _sidecar_with_checkpoint(tmp_path)
         try:
             async with aiohttp.ClientSession() as session:
                 async with session.get(f"{base}/checkpoint/3", headers={"Range": header}) as resp:

@@ -88,6 +88,13 @@ class Swarm:
             time.sleep(0.1)
         raise AssertionError(f"{node.name} did not finish round {step}; output:\n{node.output}")
 
+    def settle(self, victim: NodeProcess, step: int) -> None:
+        """The victim finished round `step` (caught up and trained on), then everyone mixed fully a few times."""
+        self.wait_round(victim, step)
+        newest = max(s["outer_step"] for s in (_status(n) for n in self.nodes) if s)
+        for node in self.nodes:
+            self.wait_round(node, newest + 3)
+
     def strike_at_phase(self, victim: NodeProcess, step: int, phase: str, sig: int, timeout: float = 120) -> str:
         """Send `sig` when the victim is in `phase` of outer step `step`; returns what fired."""
         deadline = time.monotonic() + timeout
@@ -210,10 +217,7 @@ def kill9_during_checkpoint_write(tmp: Path) -> Trial:
         back = swarm.restart(victim)
         resumed = back.wait_for_line(r"resumed from ckpt-(\d+)", timeout=60).group(1)
         trial.fired += f"; resumed at step {int(resumed)}"
-        swarm.wait_round(back, int(resumed) + 1)  # it caught up (a resync when behind) and trained on
-        step = max(s["outer_step"] for s in (_status(n) for n in swarm.nodes) if s)
-        for node in swarm.nodes:  # then a few full mixings with everyone
-            swarm.wait_round(node, step + 3)
+        swarm.settle(back, int(resumed) + 1)
         swarm.stop_all()
         return check(swarm, trial)
     finally:
@@ -230,10 +234,7 @@ def sigstop_past_the_timeout(tmp: Path) -> Trial:
         trial.victims.add(victim.name)
         time.sleep(WINDOW + TIMEOUT + 2)
         victim.proc.send_signal(signal.SIGCONT)
-        swarm.wait_round(victim, 3)  # it finished its stalled round, caught up, and trained on
-        step = max(s["outer_step"] for s in (_status(n) for n in swarm.nodes) if s)
-        for node in swarm.nodes:  # then a few full mixings with everyone
-            swarm.wait_round(node, step + 3)
+        swarm.settle(victim, 3)
         swarm.stop_all()
         return check(swarm, trial)
     finally:
