@@ -65,6 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("--url", default=None, help="the node's sidecar URL (default: http://127.0.0.1:<DTNODE_HTTP_PORT "
                                                     "or 7702>)")
     status.add_argument("--json", action="store_true", help="print the raw JSON instead of tables")
+    status.add_argument("--swarm-key-file", default=None, help="the swarm key, to list a closed swarm's peers "
+                                                               "(default: DTNODE_SWARM_KEY if set)")
     return parser
 
 
@@ -107,8 +109,15 @@ def cmd_local(args: argparse.Namespace) -> int:
 def cmd_status(args: argparse.Namespace) -> int:
     from .status_cmd import show_status
 
+    from dtnode.peers.auth import AuthError, SwarmAuth, load_swarm_key
+
     url = args.url or f"http://127.0.0.1:{os.environ.get(ENV_PREFIX + 'HTTP_PORT', '7702')}"
-    return show_status(url, as_json=args.json)
+    try:
+        key = load_swarm_key(args.swarm_key_file)
+    except AuthError as e:
+        print(f"dtnode: error: --swarm-key-file: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    return show_status(url, as_json=args.json, auth=SwarmAuth(key, "dtnode-status") if key else None)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -10,17 +10,29 @@ import urllib.request
 from rich.console import Console
 from rich.table import Table
 
+from dtnode.peers.auth import HTTP_HEADER, SwarmAuth
 
-def _get(url: str) -> object:
-    with urllib.request.urlopen(url, timeout=5) as resp:
+
+def _get(base: str, path: str, auth: SwarmAuth | None = None) -> object:
+    headers = {HTTP_HEADER: auth.issue("http", path)} if auth is not None else {}
+    with urllib.request.urlopen(urllib.request.Request(base + path, headers=headers), timeout=5) as resp:
         return json.load(resp)
 
 
-def show_status(url: str, as_json: bool = False) -> int:
+def show_status(url: str, as_json: bool = False, auth: SwarmAuth | None = None) -> int:
     base = url.rstrip("/")
     try:
-        status = _get(base + "/status")
-        peers = _get(base + "/peers")
+        status = _get(base, "/status")
+    except (urllib.error.URLError, OSError, ValueError) as e:
+        print(f"dtnode: error: no node answers at {base}: {getattr(e, 'reason', e)}", file=sys.stderr)
+        return 1
+    try:
+        peers: list | None = _get(base, "/peers", auth)
+    except urllib.error.HTTPError as e:
+        if e.code != 401:
+            print(f"dtnode: error: {base}/peers answered {e.code}", file=sys.stderr)
+            return 1
+        peers = None  # a closed swarm, and we hold no key: show the node alone
     except (urllib.error.URLError, OSError, ValueError) as e:
         print(f"dtnode: error: no node answers at {base}: {getattr(e, 'reason', e)}", file=sys.stderr)
         return 1
@@ -36,12 +48,17 @@ def show_status(url: str, as_json: bool = False) -> int:
         ("eval loss", _fmt(status.get("eval_loss"))), ("loss floor", _fmt(status.get("loss_floor"))),
         ("tokens/s", f"{status['tokens_per_s']:.0f}"), ("uptime", f"{status['uptime_s']:.0f}s"),
         ("params sha256", status["params_sha256"][:16]), ("http", status["http_url"]),
-        ("last round", f"group {last.get('group_size', '-')}, {last.get('duration_s', '-')}s, "
-                       f"all-reduce {last.get('allreduce_s', '-')}s, sent {last.get('bytes_sent', '-')} B"),
+        ("last round", f"groups {' '.join(str(h['group_size']) for h in last.get('hops', [])) or '-'}, "
+                       f"{last.get('duration_s', '-')}s, all-reduce {last.get('allreduce_s', '-')}s, "
+                       f"sent {last.get('bytes_sent', '-')} B"),
     ]
     for key, value in rows:
         node.add_row(key, str(value))
     console.print(node)
+    if peers is None:
+        console.print("swarm: this node's swarm is closed; pass --swarm-key-file (or set DTNODE_SWARM_KEY) "
+                      "to list its peers")
+        return 0
     swarm = Table(title=f"swarm: {len(peers)} peers")
     for col in ("peer", "state", "outer step", "checkpoint", "tokens/s", "device", "mode", "http"):
         swarm.add_column(col)

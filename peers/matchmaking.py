@@ -86,9 +86,6 @@ class Matchmaker:
     def group_key(self, round: int, hop: int, cell: str = "all") -> str:
         return f"{self.run_id}.group.{round}.{hop}.{cell}"
 
-    async def _registrants(self, key: str) -> dict[str, Member]:
-        return {p: m for p, (m, _) in (await self._registrations(key)).items()}
-
     async def _registrations(self, key: str) -> dict[str, tuple[Member, bool]]:
         found = await self.dht.get(key, latest=True, return_future=True)
         entries = found.value if found is not None and isinstance(found.value, dict) else {}

@@ -1,7 +1,11 @@
 """A closed swarm between real processes, and a flood that must not starve a node."""
 
 import asyncio
+import json
+import os
 import re
+import subprocess
+import sys
 import time
 
 import grpc
@@ -28,6 +32,14 @@ def test_a_node_without_the_key_neither_joins_groups_nor_downloads_state(tmp_pat
     assert re.findall(r"round \d+ \| groups (\d+)/", intruder.output) == ["1", "1", "1"], intruder.output
     later = a.output.split("round 1 |", 1)[1]
     assert all(size == "2" for size in re.findall(r"round \d+ \| groups (\d+)/", later)), a.output
+    # an operator without the key sees the node but not the closed swarm; with it, the peers
+    env = {k: v for k, v in os.environ.items() if k != "DTNODE_SWARM_KEY"}
+    table = subprocess.run([sys.executable, "-m", "dtnode", "status", "--url", a.http_url], capture_output=True,
+                           text=True, timeout=30, env=env)
+    assert table.returncode == 0 and "swarm is closed" in table.stdout, table.stdout + table.stderr
+    table = subprocess.run([sys.executable, "-m", "dtnode", "status", "--url", a.http_url, "--json"],
+                           capture_output=True, text=True, timeout=30, env={**env, **KEY})
+    assert table.returncode == 0 and len(json.loads(table.stdout)["peers"]) == 2, table.stdout
     for node in (a, b):
         node.stop()
         assert node.wait(30) == 0, node.output

@@ -22,6 +22,7 @@ import re
 import signal
 import time
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -187,80 +188,65 @@ def check(swarm: Swarm, trial: Trial, dims: int = 1) -> Trial:
 
 # ---- scenarios: each runs one trial in `tmp` and returns it, checked ----------------------
 
-def kill9_at(phase: str):
-    def scenario(tmp: Path) -> Trial:
-        trial = Trial(f"kill -9 during {phase}")
-        swarm = Swarm(tmp, 4)
-        try:
-            victim = swarm.nodes[-1]
-            swarm.wait_round(victim, 1)
-            trial.fired = swarm.strike_at_phase(victim, 2, phase, signal.SIGKILL)
-            swarm.kill(victim)
-            for node in swarm.nodes:
-                swarm.wait_round(node, 5)
-            swarm.stop_all()
-            return check(swarm, trial)
-        finally:
-            swarm.kill_all()
-    return scenario
-
-
-def kill9_during_checkpoint_write(tmp: Path) -> Trial:
-    """Struck while a temp file of its checkpoint is being written; it restarts from its state dir."""
-    trial = Trial("kill -9 during a checkpoint write, restart")
-    swarm = Swarm(tmp, 3)
+def run_trial(tmp: Path, scenario: str, nodes: int, inject: Callable[[Swarm, Trial], None]) -> Trial:
+    """Start a swarm, let `inject` strike and wait out its aftermath, stop cleanly, check."""
+    trial = Trial(scenario)
+    swarm = Swarm(tmp, nodes)
     try:
-        victim = swarm.nodes[-1]
-        swarm.wait_round(victim, 1)
-        trial.fired = swarm.strike_during_checkpoint_write(victim, signal.SIGKILL)
-        victim.proc.wait()
-        back = swarm.restart(victim)
-        resumed = back.wait_for_line(r"resumed from ckpt-(\d+)", timeout=60).group(1)
-        trial.fired += f"; resumed at step {int(resumed)}"
-        swarm.settle(back, int(resumed) + 1)
+        inject(swarm, trial)
         swarm.stop_all()
         return check(swarm, trial)
     finally:
         swarm.kill_all()
 
 
-def sigstop_past_the_timeout(tmp: Path) -> Trial:
-    trial = Trial("SIGSTOP past the timeout, SIGCONT")
-    swarm = Swarm(tmp, 4)
-    try:
+def kill9_at(phase: str) -> Callable[[Path], Trial]:
+    def inject(swarm: Swarm, trial: Trial) -> None:
         victim = swarm.nodes[-1]
         swarm.wait_round(victim, 1)
-        trial.fired = swarm.strike_at_phase(victim, 2, "matchmaking", signal.SIGSTOP)
-        trial.victims.add(victim.name)
-        time.sleep(WINDOW + TIMEOUT + 2)
-        victim.proc.send_signal(signal.SIGCONT)
-        swarm.settle(victim, 3)
-        swarm.stop_all()
-        return check(swarm, trial)
-    finally:
-        swarm.kill_all()
-
-
-def late_joiner_during_a_round(tmp: Path) -> Trial:
-    trial = Trial("late joiner during a round")
-    swarm = Swarm(tmp, 3)
-    try:
-        swarm.wait_round(swarm.nodes[0], 2)
-        joiner = swarm.start("late", "--peer", swarm.address)
-        synced = int(joiner.wait_for_line(r"in sync at outer step (\d+)", timeout=60).group(1))
-        trial.fired = f"joined and synced at step {synced}"
+        trial.fired = swarm.strike_at_phase(victim, 2, phase, signal.SIGKILL)
+        swarm.kill(victim)
         for node in swarm.nodes:
-            swarm.wait_round(node, synced + 3)
-        swarm.stop_all()
-        return check(swarm, trial)
-    finally:
-        swarm.kill_all()
+            swarm.wait_round(node, 5)
+    return lambda tmp: run_trial(tmp, f"kill -9 during {phase}", 4, inject)
+
+
+def _checkpoint_write_then_restart(swarm: Swarm, trial: Trial) -> None:
+    """Struck while a temp file of its checkpoint is being written; it restarts from its state dir."""
+    victim = swarm.nodes[-1]
+    swarm.wait_round(victim, 1)
+    trial.fired = swarm.strike_during_checkpoint_write(victim, signal.SIGKILL)
+    victim.proc.wait()
+    back = swarm.restart(victim)
+    resumed = int(back.wait_for_line(r"resumed from ckpt-(\d+)", timeout=60).group(1))
+    trial.fired += f"; resumed at step {resumed}"
+    swarm.settle(back, resumed + 1)
+
+
+def _sigstop_past_the_timeout(swarm: Swarm, trial: Trial) -> None:
+    victim = swarm.nodes[-1]
+    swarm.wait_round(victim, 1)
+    trial.fired = swarm.strike_at_phase(victim, 2, "matchmaking", signal.SIGSTOP)
+    trial.victims.add(victim.name)
+    time.sleep(WINDOW + TIMEOUT + 2)
+    victim.proc.send_signal(signal.SIGCONT)
+    swarm.settle(victim, 3)
+
+
+def _late_joiner(swarm: Swarm, trial: Trial) -> None:
+    swarm.wait_round(swarm.nodes[0], 2)
+    joiner = swarm.start("late", "--peer", swarm.address)
+    synced = int(joiner.wait_for_line(r"in sync at outer step (\d+)", timeout=60).group(1))
+    trial.fired = f"joined and synced at step {synced}"
+    for node in swarm.nodes:
+        swarm.wait_round(node, synced + 3)
 
 
 SCENARIOS = {
     "kill9-matchmaking": kill9_at("matchmaking"),
     "kill9-allreduce": kill9_at("allreduce"),
-    "kill9-checkpoint-write": kill9_during_checkpoint_write,
-    "sigstop": sigstop_past_the_timeout,
-    "late-joiner": late_joiner_during_a_round,
+    "kill9-checkpoint-write": lambda tmp: run_trial(tmp, "kill -9 during a checkpoint write, restart", 3,
+                                                    _checkpoint_write_then_restart),
+    "sigstop": lambda tmp: run_trial(tmp, "SIGSTOP past the timeout, SIGCONT", 4, _sigstop_past_the_timeout),
+    "late-joiner": lambda tmp: run_trial(tmp, "late joiner during a round", 3, _late_joiner),
 }
