@@ -21,6 +21,7 @@ import json
 import logging
 import os
 import re
+import shutil
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -175,6 +176,28 @@ def write_checkpoint(directory: Path, step: int, layout: Layout, state: Training
     final = checkpoint_path(directory, step)
     sha256, size = _write_atomic(final, _entries(tensors, meta), [state.theta_g, state.momentum])
     return CheckpointInfo(step, final, sha256, size)
+
+
+ABANDONED_DIR = "abandoned"
+
+
+def set_aside_checkpoints_after(directory: Path, step: int) -> list[int]:
+    """Move the checkpoints newer than `step` (a branch the swarm did not follow) into
+    `abandoned/`, replacing what an earlier branch left there: never resumed from or served,
+    kept for whoever wants to look. Returns the steps moved."""
+    later = [(s, path) for s, path in list_checkpoints(directory) if s > step]
+    if not later:
+        return []
+    aside = directory / ABANDONED_DIR
+    if aside.exists():
+        shutil.rmtree(aside)
+    aside.mkdir()
+    for s, path in later:
+        path.rename(aside / path.name)
+        local = local_state_path(directory, s)
+        if local.exists():
+            local.rename(aside / local.name)
+    return sorted(s for s, _ in later)
 
 
 def prune_checkpoints(directory: Path, keep: int) -> set[int]:

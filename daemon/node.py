@@ -38,14 +38,15 @@ from dtnode.peers.server import start_grpc_server
 
 from .checkpoint import (
     CheckpointError, CheckpointInfo, Layout, LoadedCheckpoint, LocalState, TrainingState, file_sha256,
-    list_checkpoints, prune_checkpoints, read_checkpoint, read_local_state, write_checkpoint,
+    ABANDONED_DIR, list_checkpoints, prune_checkpoints, read_checkpoint, read_local_state,
+    set_aside_checkpoints_after, write_checkpoint,
 )
 from .data import DataStream, open_source, stable_seed
 from .model import build_model, config_hash
 from .replica import Replica
 from .settings import NodeSettings, SettingsError
 from .sidecar import Sidecar
-from .sync import fetch_from_swarm
+from .sync import fetch_from_swarm, swarm_step
 from .trainer import Trainer
 
 log = logging.getLogger("dtnode")
@@ -308,7 +309,8 @@ class Node:
         except OSError as e:
             raise SettingsError("--http-port", f"cannot listen on {s.host}:{s.http_port}: {e.strerror or e}") from None
         self.http_addr = f"http://{announce}:{http_port}"
-        self.membership = Membership(self.dht, s.run_id, s.peer_ttl, s.heartbeat_interval, self.validator, self.auth)
+        self.membership = Membership(self.dht, s.run_id, s.peer_ttl, s.heartbeat_interval, self.validator, self.auth,
+                                     initial_peers=s.peers)
         self.matchmaker = Matchmaker(self.dht, s.run_id, Member(self.peer_id, self.grpc_addr, s.client_mode,
                                                                  s.bandwidth_mbps), auth=self.auth)
         await self.membership.announce(self.record())
@@ -322,17 +324,31 @@ class Node:
         print(f"To add a peer to this swarm, run on another host:\n  {self.join_command}", flush=True)
 
     async def _sync_with_swarm(self) -> bool:
-        """Download the swarm's newest state if it is more than --max-lag outer steps ahead of ours."""
+        """Download the swarm's state when this node is off the step most of the swarm is at:
+        more than --max-lag outer steps behind it, or ahead of it by more than a round plus
+        --max-lag (solo rounds while cut off: a branch the swarm never saw, given up here).
+
+        The swarm's step is the upper median of the other peers' checkpoint steps, not their
+        maximum: one node that raced ahead alone must not pull everyone onto its branch."""
         view = await self.membership.members()
         own = self.replica.outer_step
-        newest = max((m.checkpoint_step for m in view.values()
-                      if m.model_hash == self.model_hash and m.peer_id != self.peer_id), default=-1)
-        if newest <= own + self.settings.max_lag:
+        steps = sorted(m.checkpoint_step for m in view.values()
+                       if m.model_hash == self.model_hash and m.peer_id != self.peer_id and m.checkpoint_step >= 0)
+        if not steps:
+            return False
+        target = swarm_step(steps)
+        lag = self.settings.max_lag
+        if target > own + lag:
+            log.info("swarm is at outer step %d, this node at %d: downloading a checkpoint", target, own)
+        elif own > target + 1 + lag:
+            log.warning("this node is at outer step %d, ahead of the swarm at %d (rounds it made while cut off): "
+                        "giving them up for the swarm's state", own, target)
+        else:
             return False
         previous_state, self.state = self.state, "syncing"
-        log.info("swarm is at outer step %d, this node at %d: downloading a checkpoint", newest, own)
-        loaded = await fetch_from_swarm(view, self.peer_id, own, self.model_hash, self.settings.run_id, self.layout,
-                                        self.state_dir, self.settings.join_timeout, self.auth)
+        loaded = await fetch_from_swarm(view, self.peer_id, range(target, target + 2), self.model_hash,
+                                        self.settings.run_id, self.layout, self.state_dir,
+                                        self.settings.join_timeout, self.auth)
         self.state = previous_state
         if loaded is None:
             log.warning("no peer could serve a checkpoint; continuing from outer step %d", own)
@@ -340,6 +356,11 @@ class Node:
         await asyncio.get_running_loop().run_in_executor(self.train_thread, self._install, loaded, None)
         if self._pending_write is not None:
             await asyncio.gather(self._pending_write, return_exceptions=True)
+        if loaded.step < own:
+            moved = await asyncio.get_running_loop().run_in_executor(
+                self.io_thread, set_aside_checkpoints_after, self.state_dir, loaded.step)
+            self.checkpoints = {st: i for st, i in self.checkpoints.items() if st <= loaded.step}
+            log.info("moved this node's checkpoints of steps %s to %s", moved, self.state_dir / ABANDONED_DIR)
         self._pending_write = asyncio.ensure_future(self._write_checkpoint())
         await self._pending_write
         self._needs_resync = True  # the donor's θ_g may differ slightly from its neighbours'

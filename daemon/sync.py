@@ -276,12 +276,24 @@ def _groups(offers: list[Offer]) -> list[list[Offer]]:
     return sorted(groups, key=lambda g: (-g[0].step, -len(g), g[0].latency))
 
 
-async def fetch_from_swarm(members: dict[str, PeerRecord], own_id: str, own_step: int, model_hash: str, run_id: str,
+def swarm_step(steps: list[int]) -> int:
+    """The step most of the swarm is at: the upper median of the peers' checkpoint steps.
+
+    A median, so a minority at odd steps (a node that made solo rounds while cut off, or
+    one announcing a huge step) cannot move it; the upper one, so a swarm split evenly
+    between two steps (lockstep peers finishing a round) follows the newer."""
+    if not steps:
+        raise ValueError("no steps")
+    ordered = sorted(steps)
+    return ordered[len(ordered) // 2]
+
+
+async def fetch_from_swarm(members: dict[str, PeerRecord], own_id: str, steps: range, model_hash: str, run_id: str,
                            layout: Layout, scratch: Path, timeout: float,
                            auth: SwarmAuth | None = None) -> LoadedCheckpoint | None:
-    """The newest checkpoint ahead of `own_step` that members serve, or None."""
+    """The newest checkpoint with its step in `steps` that members serve, or None."""
     donors = [m for m in members.values()
-              if m.peer_id != own_id and m.model_hash == model_hash and m.checkpoint_step > own_step and m.http_addr]
+              if m.peer_id != own_id and m.model_hash == model_hash and m.checkpoint_step in steps and m.http_addr]
     if not donors:
         return None
     scratch.mkdir(parents=True, exist_ok=True)
@@ -291,7 +303,7 @@ async def fetch_from_swarm(members: dict[str, PeerRecord], own_id: str, own_step
         offers = []
         for donor, result in zip(donors, probes):
             if isinstance(result, Offer):
-                if result.step > own_step:
+                if result.step in steps:
                     offers.append(result)
             else:
                 log.warning("peer %s (%s) offers no usable checkpoint: %s", donor.peer_id[-8:], donor.http_addr,

@@ -28,6 +28,7 @@ from dtnode.ops.quantization import QuantizedBlocks, dequantize, quantize, quant
 from dtnode.proto import averaging_pb2 as pb
 from dtnode.proto import averaging_pb2_grpc as pb_grpc
 
+from . import failpoints
 from .auth import GRPC_METADATA, SwarmAuth, stream_subject
 from .plan import INT8, GroupPlan, chunk_spans
 from .reducer import PartReduction, ReductionRegistry, maybe_thread
@@ -204,6 +205,8 @@ async def butterfly_allreduce(
         async def requests() -> AsyncIterator[pb.PartChunk]:
             for _ in spans:
                 msg, size = await queue.get()
+                if report.bytes_sent:
+                    failpoints.reach("sending", plan.round)
                 report.bytes_sent += size
                 yield msg
 

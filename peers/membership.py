@@ -9,6 +9,12 @@ peer id and ignores records that claim the id under another key; with a swarm ke
 record also carries a tag only key holders can make. Records read back are untrusted input
 and validated field by field; a malformed record is skipped, never allowed to break the
 reader.
+
+A lookup that misses a record (a replica holding it is unreachable for a moment) does not
+make the peer vanish: each record counts until its own expiry, so a flaky DHT read can not
+make a node believe it is alone and race ahead with solo rounds. A node whose DHT routing
+table empties (its link went down, every neighbour was evicted) reconnects to its initial
+peers and to the peers it saw recently, so a healed partition heals the DHT too.
 """
 
 from __future__ import annotations
@@ -21,11 +27,14 @@ import os
 import signal
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import hivemind
 from cryptography.hazmat.primitives import serialization
 from hivemind.dht.crypto import RSASignatureValidator
+from hivemind.p2p import PeerID
+from hivemind.utils.multiaddr import Multiaddr
 from hivemind.utils import get_dht_time
 from hivemind.utils.crypto import RSAPrivateKey
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -33,6 +42,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from .auth import AuthError, SwarmAuth
 
 log = logging.getLogger(__name__)
+
+REMEMBER_PEERS_S = 600.0  # how long a peer seen once is worth a reconnection attempt
 
 
 class JoinError(RuntimeError):
@@ -184,12 +195,41 @@ def public_maddrs(dht: hivemind.DHT, announce_host: str | None) -> list[str]:
     return ranked
 
 
+async def _neighbour_count(_dht: hivemind.DHT, node: hivemind.DHTNode) -> int:
+    """Runs in the DHT process: how many peers its routing table holds."""
+    return len(node.protocol.routing_table.uid_to_peer_id)
+
+
+async def _reconnect(initial: list[str], recent: list[str], _dht: hivemind.DHT, node: hivemind.DHTNode) -> int:
+    """Runs in the DHT process: dial the initial multiaddrs, ping every peer (a ping that is
+    answered puts the peer back in the routing table, and us in its). Returns the answers."""
+    targets = set()
+    for addr in initial:
+        try:
+            maddr = Multiaddr(addr)
+            peer = PeerID.from_base58(maddr["p2p"])
+            await asyncio.wait_for(node.p2p._client.connect(peer, [maddr.decapsulate(Multiaddr(f"/p2p/{peer}"))]),
+                                   node.protocol.wait_timeout)
+            targets.add(peer)
+        except Exception:  # unreachable still; the next heartbeat tries again
+            continue
+    for peer in recent:
+        try:
+            targets.add(PeerID.from_base58(peer))
+        except Exception:
+            continue
+    answers = await asyncio.gather(*(node.protocol.call_ping(p) for p in targets), return_exceptions=True)
+    return sum(1 for a in answers if a is not None and not isinstance(a, BaseException))
+
+
 class Membership:
     """This node's record in the DHT, and the swarm as the DHT shows it."""
 
     def __init__(self, dht: hivemind.DHT, run_id: str, ttl: float, interval: float,
-                 validator: RSASignatureValidator | None = None, auth: SwarmAuth | None = None):
+                 validator: RSASignatureValidator | None = None, auth: SwarmAuth | None = None,
+                 initial_peers: list[str] | None = None):
         self.dht = dht
+        self.initial_peers = list(initial_peers or [])
         self.key = f"{run_id}.peers"
         self.ttl = ttl
         self.interval = interval
@@ -198,7 +238,9 @@ class Membership:
         owner = validator.local_public_key if validator is not None else b""
         self.subkey = self.peer_id.encode() + owner
         self._owners: dict[str, bytes] = {}
-        self._last_view: dict[str, PeerRecord] = {}
+        self._records: dict[str, tuple[float, PeerRecord]] = {}  # peer id -> (its expiry, the record)
+        self._seen: dict[str, float] = {}  # peer id -> when its record was last read (monotonic)
+        self._isolated = False
 
     async def announce(self, record: PeerRecord) -> bool:
         if self.auth is not None:
@@ -235,33 +277,54 @@ class Membership:
             except Exception as e:  # a missed beat is retried; ttl covers a couple of misses
                 log.warning("heartbeat failed: %s", e)
             try:
+                await self.reconnect_if_isolated()
+            except Exception as e:
+                log.warning("DHT reconnection failed: %s", e)
+            try:
                 await asyncio.wait_for(stopped.wait(), self.interval)
             except asyncio.TimeoutError:
                 pass
 
+    async def reconnect_if_isolated(self) -> None:
+        """With no DHT neighbour left, dial the initial peers and the peers seen recently."""
+        if await self.dht.run_coroutine(_neighbour_count, return_future=True) > 0:
+            if self._isolated:
+                log.info("DHT reconnected")
+                self._isolated = False
+            return
+        cutoff = time.monotonic() - REMEMBER_PEERS_S
+        known = [p for p, seen in self._seen.items() if seen > cutoff and p != self.peer_id]
+        if not known and not self.initial_peers:
+            return  # the first node of a swarm, still alone: nothing to reconnect to
+        if not self._isolated:
+            log.warning("lost every DHT neighbour; reconnecting to %d initial and %d recent peers",
+                        len(self.initial_peers), len(known))
+            self._isolated = True
+        await self.dht.run_coroutine(partial(_reconnect, self.initial_peers, known), return_future=True)
+
     async def members(self) -> dict[str, PeerRecord]:
-        """Live, well-formed records by peer id (this node's own included)."""
+        """Live, well-formed records by peer id (this node's own included), each until its expiry."""
         try:
             found = await self.dht.get(self.key, latest=True, return_future=True)
         except Exception as e:
-            log.warning("membership lookup failed: %s; using the last view", e)
-            return dict(self._last_view)
-        view: dict[str, PeerRecord] = {}
+            log.warning("membership lookup failed: %s; using the records read before", e)
+            found = None
         now = get_dht_time()
         entries = found.value if found is not None and isinstance(found.value, dict) else {}
         for subkey, item in entries.items():
             try:
-                if item.expiration_time < now:
-                    continue
+                expiry = float(item.expiration_time)
                 record = PeerRecord.model_validate(item.value)
-            except (ValidationError, AttributeError, TypeError):
+            except (ValidationError, AttributeError, TypeError, ValueError):
                 log.debug("skipping malformed membership record under %r", subkey)
                 continue
-            if not self._accept(subkey, record):
+            if expiry < now or not self._accept(subkey, record):
                 continue  # a record must describe the peer it is filed under, signed by it
-            view[record.peer_id] = record
-        self._last_view = view
-        return view
+            if expiry >= self._records.get(record.peer_id, (0.0, None))[0]:
+                self._records[record.peer_id] = (expiry, record)
+            self._seen[record.peer_id] = time.monotonic()
+        self._records = {p: (e, r) for p, (e, r) in self._records.items() if e >= now}
+        return {p: r for p, (_, r) in self._records.items()}
 
     async def wait_for(self, count: int, timeout: float, poll: float = 0.5) -> dict[str, PeerRecord]:
         deadline = time.monotonic() + timeout

@@ -28,6 +28,7 @@ from dtnode.ops.robust import trim_count, trimmed_mean
 from dtnode.proto import averaging_pb2 as pb
 from dtnode.proto import averaging_pb2_grpc as pb_grpc
 
+from . import failpoints
 from .auth import GRPC_METADATA, AuthError, SwarmAuth, stream_subject
 from .plan import FP32, GroupPlan, chunk_spans
 from .wire import (
@@ -115,7 +116,10 @@ class PartReduction:
     def begin(self, sender: str, weight: float) -> None:
         if sender not in self.expected:
             raise ChunkError(f"sender {sender} is not a member of this group")
-        if sender in self.progress or sender in self.failed:
+        if sender in self.failed:
+            raise ChunkError(f"sender {sender} was dropped from this part (it came after the deadline, or its "
+                             f"earlier stream failed)")
+        if sender in self.progress:
             raise ChunkError(f"sender {sender} already streamed this part")
         if not (math.isfinite(weight) and 0 < weight <= MAX_WEIGHT):
             raise ChunkError(f"weight {weight} out of range")
@@ -137,6 +141,7 @@ class PartReduction:
             # A folded chunk counts even if the sender was dropped meanwhile: it is in the sum.
             self.chunk_weight[index] += self.weights[sender]
             self.progress[sender] = index + 1
+        failpoints.reach("reducing", self.plan.round)
         if sender in self.failed:
             raise ChunkError("the reduction's deadline has passed")
         if index + 1 == len(self.spans):

@@ -13,7 +13,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-LOOPBACK = ["--host", "127.0.0.1", "--dht-port", "0", "--grpc-port", "0", "--http-port", "0"]
+PORTS = ["--dht-port", "0", "--grpc-port", "0", "--http-port", "0"]
 # Small and quick: the tiny preset, short rounds, short timeouts, eager int8 kernels.
 FAST = ["--model", "tiny", "--inner-steps", "15", "--batch-size", "8", "--seq-len", "32", "--keep-checkpoints", "100",
         "--matchmaking-window", "10", "--peer-ttl", "4", "--heartbeat-interval", "1", "--no-fused-kernels"]
@@ -31,12 +31,14 @@ def theta(state_dir: Path, step: int):
 
 
 class NodeProcess:
-    def __init__(self, name: str, args: list[str], state_dir: Path, env: dict | None = None):
+    def __init__(self, name: str, args: list[str], state_dir: Path, env: dict | None = None,
+                 prefix: list[str] | None = None):
         self.name = name
         self.state_dir = state_dir
         self.lines: list[str] = []
+        # `prefix` wraps the command, e.g. `ip netns exec NS` (which execs it: signals reach the node).
         self.proc = subprocess.Popen(
-            [sys.executable, "-u", "-m", "dtnode", *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            [*(prefix or []), sys.executable, "-u", "-m", "dtnode", *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
             text=True, env={**os.environ, "GRPC_VERBOSITY": "ERROR", **(env or {})},
         )
         self._reader = threading.Thread(target=self._read, daemon=True)
@@ -47,9 +49,10 @@ class NodeProcess:
             self.lines.append(line.rstrip())
 
     @classmethod
-    def join(cls, name: str, tmp: Path, *extra: str, env: dict | None = None) -> "NodeProcess":
+    def join(cls, name: str, tmp: Path, *extra: str, env: dict | None = None, host: str = "127.0.0.1",
+             prefix: list[str] | None = None) -> "NodeProcess":
         state_dir = tmp / name
-        return cls(name, ["join", *LOOPBACK, "--state-dir", str(state_dir), *extra], state_dir, env)
+        return cls(name, ["join", "--host", host, *PORTS, "--state-dir", str(state_dir), *extra], state_dir, env, prefix)
 
     def wait_for_line(self, pattern: str, timeout: float = 60) -> re.Match:
         regex = re.compile(pattern)

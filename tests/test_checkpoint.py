@@ -3,8 +3,9 @@ import torch
 from safetensors.torch import load_file
 
 from dtnode.daemon.checkpoint import (
-    CheckpointError, Layout, LocalState, TrainingState, file_sha256, list_checkpoints, prune_checkpoints,
-    read_checkpoint, read_local_state, write_checkpoint,
+    ABANDONED_DIR, CheckpointError, Layout, LocalState, TrainingState, file_sha256, list_checkpoints,
+    local_state_path, prune_checkpoints, read_checkpoint, read_local_state, set_aside_checkpoints_after,
+    write_checkpoint,
 )
 
 LAYOUT = Layout(("a.weight", "b.bias"), ((3, 4), (5,)))
@@ -74,6 +75,20 @@ def test_prune_keeps_newest(tmp_path):
     prune_checkpoints(tmp_path, keep=2)
     assert [s for s, _ in list_checkpoints(tmp_path)] == [4, 3]
     assert not list(tmp_path.glob(".ckpt-*"))
+
+
+def test_a_given_up_branch_is_set_aside_not_deleted_and_replaces_an_older_one(tmp_path):
+    for step in range(6):
+        _write(tmp_path, step=step)
+    assert set_aside_checkpoints_after(tmp_path, 5) == []
+    assert set_aside_checkpoints_after(tmp_path, 3) == [4, 5]
+    assert [s for s, _ in list_checkpoints(tmp_path)] == [3, 2, 1, 0]
+    aside = tmp_path / ABANDONED_DIR
+    assert sorted(p.name for p in aside.iterdir()) == sorted(
+        [f"ckpt-{s:08d}.safetensors" for s in (4, 5)] + [local_state_path(tmp_path, s).name for s in (4, 5)])
+    assert set_aside_checkpoints_after(tmp_path, 1) == [2, 3]  # a later branch replaces the earlier one
+    assert sorted(p.name for p in aside.glob("ckpt-*")) == [f"ckpt-{s:08d}.safetensors" for s in (2, 3)]
+    assert [s for s, _ in list_checkpoints(tmp_path)] == [1, 0]
 
 
 WRITER = """

@@ -18,7 +18,7 @@ from dtnode.daemon.checkpoint import (
     CheckpointInfo, Layout, TrainingState, file_sha256, read_checkpoint, write_checkpoint,
 )
 from dtnode.daemon.sidecar import Sidecar
-from dtnode.daemon.sync import PIECE_BYTES, fetch_from_swarm
+from dtnode.daemon.sync import PIECE_BYTES, fetch_from_swarm, swarm_step
 from dtnode.peers.membership import PeerRecord
 
 LAYOUT = Layout(("w", "b"), ((5_500_000,), (10,)))  # ~44 MB files: eleven 4 MB ranges
@@ -122,7 +122,7 @@ def test_hostile_donors_are_refused_and_the_joiner_ends_on_the_honest_checkpoint
         records.append(_record("honest", url, honest_info))
         try:
             with caplog.at_level(logging.WARNING):
-                loaded = await fetch_from_swarm({r.peer_id: r for r in records}, "me", 0, MODEL, RUN, LAYOUT,
+                loaded = await fetch_from_swarm({r.peer_id: r for r in records}, "me", range(1, 10**9), MODEL, RUN, LAYOUT,
                                                 tmp_path / "joiner", timeout=20)
         finally:
             await sidecar.stop()
@@ -155,7 +155,7 @@ def test_ranges_come_from_every_donor_of_the_same_file_and_a_donor_leaving_costs
         runners.append(runner)
         records.append(_record("c-flaky", url, info))
         try:
-            loaded = await fetch_from_swarm({r.peer_id: r for r in records}, "me", 0, MODEL, RUN, LAYOUT,
+            loaded = await fetch_from_swarm({r.peer_id: r for r in records}, "me", range(1, 10**9), MODEL, RUN, LAYOUT,
                                             tmp_path / "joiner", timeout=20)
         finally:
             for r in runners:
@@ -182,7 +182,7 @@ def test_an_interrupted_download_resumes_with_range_requests(tmp_path):
         partial.write_bytes(body[:PIECE_BYTES] + b"\0" * (len(body) - PIECE_BYTES))
         (scratch / f".download-{info.sha256[:16]}.json").write_text(json.dumps({"size": len(body), "pieces": [0]}))
         try:
-            loaded = await fetch_from_swarm({record.peer_id: record}, "me", 0, MODEL, RUN, LAYOUT, scratch, timeout=20)
+            loaded = await fetch_from_swarm({record.peer_id: record}, "me", range(1, 10**9), MODEL, RUN, LAYOUT, scratch, timeout=20)
         finally:
             await runner.cleanup()
         assert loaded is not None and torch.equal(loaded.theta_g, theta)
@@ -199,7 +199,7 @@ def test_a_checkpoint_larger_than_the_model_allows_is_refused_before_download(tm
         record = _record("big", url, info)
         try:
             with caplog.at_level(logging.WARNING):
-                loaded = await fetch_from_swarm({record.peer_id: record}, "me", 0, MODEL, RUN, LAYOUT,
+                loaded = await fetch_from_swarm({record.peer_id: record}, "me", range(1, 10**9), MODEL, RUN, LAYOUT,
                                                 tmp_path / "joiner", timeout=10)
         finally:
             await runner.cleanup()
@@ -261,3 +261,33 @@ def test_sidecar_answers_bogus_ranges_with_4xx_and_keeps_serving(tmp_path, heade
 def test_checkpoints_are_standard_for_read_checkpoint(tmp_path):
     info, theta = _checkpoint(tmp_path, 1)
     assert torch.equal(read_checkpoint(info.path, LAYOUT, RUN, MODEL).theta_g, theta)
+
+
+def test_the_swarm_step_is_the_majority_so_a_runaway_node_pulls_nobody_onto_its_branch(tmp_path):
+    """Three honest donors at step 12 and one that made solo rounds up to 21 while cut off:
+    the swarm's step is 12, and a node syncing to it downloads step 12, not the runaway's."""
+    assert swarm_step([12, 12, 12, 21]) == 12
+    assert swarm_step([0, 10, 10, 10]) == 10  # a late joiner does not drag it down
+    assert swarm_step([11, 12]) == 12  # peers finishing a round in lockstep: the newer step
+    assert swarm_step([7]) == 7
+    with pytest.raises(ValueError):
+        swarm_step([])
+
+    async def main():
+        honest, theta = _checkpoint(tmp_path / "honest", 12, seed=1)
+        runaway, _ = _checkpoint(tmp_path / "runaway", 21, seed=2)
+        sidecars, records = [], []
+        for name, info in (("a", honest), ("b", honest), ("c", honest), ("runaway", runaway)):
+            sidecar, url = await _honest(tmp_path, name, info)
+            sidecars.append(sidecar)
+            records.append(_record(name, url, info))
+        try:
+            view = {r.peer_id: r for r in records}
+            target = swarm_step([r.checkpoint_step for r in records])
+            loaded = await fetch_from_swarm(view, "me", range(target, target + 2), MODEL, RUN, LAYOUT,
+                                            tmp_path / "joiner", timeout=20)
+        finally:
+            for sidecar in sidecars:
+                await sidecar.stop()
+        assert loaded is not None and loaded.step == 12 and torch.equal(loaded.theta_g, theta)
+    asyncio.run(main())

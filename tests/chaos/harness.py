@@ -4,7 +4,11 @@ phase), and the swarm's promises checked after each one.
 A fault is keyed by the victim's `/status` phase (inner, matchmaking, allreduce, outer) at a
 given outer step, or by a checkpoint temp file appearing in its state dir; the harness
 polls, strikes, and records what it saw at that moment, so a report can say the injection
-actually fired (the victim was in that phase and had not finished that round).
+actually fired (the victim was in that phase and had not finished that round). Faults too
+quick to hit by polling (dying between a sender's chunks, or with results owed) use a
+failpoint armed in the victim's environment (peers/failpoints.py), which logs as it fires.
+Network faults put the victim in its own network namespace behind one veth link
+(chaos/netns.py) and cut or throttle that link.
 
 Checks after each trial (what ARCHITECTURE.md promises):
 - no survivor's round took longer than its inner steps plus d x (window + all-reduce timeout);
@@ -29,7 +33,10 @@ from pathlib import Path
 import torch
 
 from dtnode.daemon.checkpoint import list_checkpoints
+from dtnode.peers.failpoints import ENV as FAILPOINT_ENV
 from nodes import FAST, NodeProcess, theta
+
+from chaos.netns import IsolatedHost
 
 WINDOW, TIMEOUT = 6.0, 8.0
 # A 10 MB model: its all-reduce and checkpoint writes last long enough to be struck mid-way.
@@ -56,18 +63,34 @@ class Trial:
 
 
 class Swarm:
-    def __init__(self, tmp: Path, n: int, extra: list[str] | None = None):
+    """N nodes; with `isolate_last`, the last one runs in its own network namespace behind
+    `self.link` (a veth pair the harness can cut or throttle) and the rest bind the host end."""
+
+    def __init__(self, tmp: Path, n: int, extra: list[str] | None = None, isolate_last: bool = False,
+                 last_env: dict | None = None):
         self.tmp = tmp
         self.extra = extra or []
         self.nodes: list[NodeProcess] = []
         self.gone: list[NodeProcess] = []
-        first = self.start("n0", "--min-peers", str(n))
-        self.address = first.join_address
-        for i in range(1, n):
-            self.start(f"n{i}", "--min-peers", str(n), "--peer", self.address)
+        self.link = IsolatedHost() if isolate_last else None
+        self.host = self.link.host_ip if self.link else "127.0.0.1"
+        try:
+            first = self.start("n0", "--min-peers", str(n))
+            self.address = first.join_address
+            for i in range(1, n):
+                last = i == n - 1
+                self.start(f"n{i}", "--min-peers", str(n), "--peer", self.address,
+                           isolated=last and self.link is not None, env=last_env if last else None)
+        except BaseException:
+            self.kill_all()
+            raise
 
-    def start(self, name: str, *args: str) -> NodeProcess:
-        node = NodeProcess.join(name, self.tmp, *FLAGS, *self.extra, *args)
+    def start(self, name: str, *args: str, isolated: bool = False, env: dict | None = None) -> NodeProcess:
+        if isolated:
+            node = NodeProcess.join(name, self.tmp, *FLAGS, *self.extra, *args, host=self.link.inner_ip,
+                                    prefix=self.link.prefix, env=env)
+        else:
+            node = NodeProcess.join(name, self.tmp, *FLAGS, *self.extra, *args, host=self.host, env=env)
         self.nodes.append(node)
         return node
 
@@ -80,9 +103,7 @@ class Swarm:
         """Until the node has finished round `step` or a later one (a resync may skip rounds)."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            done = [int(n) for line in list(node.lines) if (m := re.search(r"round (\d+) \|", line))
-                    for n in m.groups()]
-            if done and max(done) >= step:
+            if finished_round(node) >= step:
                 return
             if node.proc.poll() is not None:
                 break
@@ -96,13 +117,17 @@ class Swarm:
         for node in self.nodes:
             self.wait_round(node, newest + 3)
 
-    def strike_at_phase(self, victim: NodeProcess, step: int, phase: str, sig: int, timeout: float = 120) -> str:
-        """Send `sig` when the victim is in `phase` of outer step `step`; returns what fired."""
+    def strike_at_phase(self, victim: NodeProcess, step: int, phase: str, sig: int | None = None,
+                        action: Callable[[], None] | None = None, timeout: float = 120) -> str:
+        """Send `sig` (or run `action`) when the victim is in `phase` of outer step `step`; returns what fired."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             status = _status(victim)
             if status and status.get("outer_step") == step and status.get("phase") == phase:
-                victim.proc.send_signal(sig)
+                if action is not None:
+                    action()
+                else:
+                    victim.proc.send_signal(sig)
                 return f"{phase} of step {step}"
             if status and status.get("outer_step", 0) > step:
                 step = status["outer_step"]  # missed it: take the next round's
@@ -134,6 +159,17 @@ class Swarm:
         for node in self.nodes + self.gone:
             node.kill()
             Path(str(node.state_dir) + ".log").write_text(node.output)  # for post-mortems
+        if self.link is not None:
+            self.link.close()
+
+
+def round_lines(node: NodeProcess) -> list[tuple[int, str]]:
+    """(round, its log line) for every round the node finished."""
+    return [(int(m.group(1)), line) for line in list(node.lines) if (m := re.search(r"round (\d+) \|", line))]
+
+
+def finished_round(node: NodeProcess) -> int:
+    return max((n for n, _ in round_lines(node)), default=-1)
 
 
 def round_durations(node: NodeProcess) -> list[float]:
@@ -188,10 +224,11 @@ def check(swarm: Swarm, trial: Trial, dims: int = 1) -> Trial:
 
 # ---- scenarios: each runs one trial in `tmp` and returns it, checked ----------------------
 
-def run_trial(tmp: Path, scenario: str, nodes: int, inject: Callable[[Swarm, Trial], None]) -> Trial:
+def run_trial(tmp: Path, scenario: str, nodes: int, inject: Callable[[Swarm, Trial], None],
+              isolate_last: bool = False, last_env: dict | None = None) -> Trial:
     """Start a swarm, let `inject` strike and wait out its aftermath, stop cleanly, check."""
     trial = Trial(scenario)
-    swarm = Swarm(tmp, nodes)
+    swarm = Swarm(tmp, nodes, isolate_last=isolate_last, last_env=last_env)
     try:
         inject(swarm, trial)
         swarm.stop_all()
@@ -209,6 +246,49 @@ def kill9_at(phase: str) -> Callable[[Path], Trial]:
         for node in swarm.nodes:
             swarm.wait_round(node, 5)
     return lambda tmp: run_trial(tmp, f"kill -9 during {phase}", 4, inject)
+
+
+def kill9_at_failpoint(point: str) -> Callable[[Path], Trial]:
+    """The victim SIGKILLs itself at a failpoint inside the data plane (see peers/failpoints.py):
+    mid-send (some reducers have its chunks, others not) or mid-reduce (it owes results)."""
+    def inject(swarm: Swarm, trial: Trial) -> None:
+        victim = swarm.nodes[-1]
+        reached = victim.wait_for_line(rf"failpoint {point}@(\d+) reached", timeout=120)
+        victim.proc.wait()
+        trial.fired = f"{point} in round {reached.group(1)} (failpoint)"
+        swarm.kill(victim)
+        for node in swarm.nodes:
+            swarm.wait_round(node, 5)
+    return lambda tmp: run_trial(tmp, f"kill -9 while {point}", 4, inject, last_env={FAILPOINT_ENV: f"{point}@2"})
+
+
+CUT_S = WINDOW + TIMEOUT + 4  # past the victim's membership TTL: the others must drop it, then take it back
+SLOW_MBIT = 8
+
+
+def _network_cut(swarm: Swarm, trial: Trial) -> None:
+    """The victim's only link goes dark mid-all-reduce (packets vanish, no RST), then comes back."""
+    victim, link = swarm.nodes[-1], swarm.link
+    swarm.wait_round(victim, 1)
+    trial.fired = "link cut in " + swarm.strike_at_phase(victim, 2, "allreduce", action=link.cut)
+    trial.victims.add(victim.name)
+    time.sleep(CUT_S)
+    link.restore()
+    trial.fired += f", restored {CUT_S:.0f}s later at its round {finished_round(victim)}"
+    swarm.settle(victim, finished_round(victim) + 2)
+
+
+def _slow_link(swarm: Swarm, trial: Trial) -> None:
+    """The victim's link drops to SLOW_MBIT in both directions for four rounds; its rounds count."""
+    victim, link = swarm.nodes[-1], swarm.link
+    swarm.wait_round(victim, 1)
+    fired = swarm.strike_at_phase(victim, 2, "matchmaking", action=lambda: link.throttle(SLOW_MBIT))
+    first = finished_round(victim) + 1
+    swarm.wait_round(victim, first + 3)
+    link.unthrottle()
+    groups = [re.search(r"groups (\S+)", line).group(1) for n, line in round_lines(victim) if n >= first]
+    trial.fired = f"{SLOW_MBIT} Mbit/s from {fired}; its groups while slow: {' '.join(groups[:4])}"
+    swarm.settle(victim, finished_round(victim) + 1)
 
 
 def _checkpoint_write_then_restart(swarm: Swarm, trial: Trial) -> None:
@@ -245,8 +325,15 @@ def _late_joiner(swarm: Swarm, trial: Trial) -> None:
 SCENARIOS = {
     "kill9-matchmaking": kill9_at("matchmaking"),
     "kill9-allreduce": kill9_at("allreduce"),
+    "kill9-sending": kill9_at_failpoint("sending"),
+    "kill9-reducing": kill9_at_failpoint("reducing"),
     "kill9-checkpoint-write": lambda tmp: run_trial(tmp, "kill -9 during a checkpoint write, restart", 3,
                                                     _checkpoint_write_then_restart),
     "sigstop": lambda tmp: run_trial(tmp, "SIGSTOP past the timeout, SIGCONT", 4, _sigstop_past_the_timeout),
     "late-joiner": lambda tmp: run_trial(tmp, "late joiner during a round", 3, _late_joiner),
+    "network-cut": lambda tmp: run_trial(tmp, "network cut mid-all-reduce, restored", 4, _network_cut,
+                                         isolate_last=True),
+    "slow-link": lambda tmp: run_trial(tmp, f"slow link ({SLOW_MBIT} Mbit/s) for 4 rounds", 4, _slow_link,
+                                       isolate_last=True),
 }
+NETWORK_SCENARIOS = {"network-cut", "slow-link"}  # need root and iproute2 (chaos/netns.py)

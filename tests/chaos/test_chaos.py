@@ -3,14 +3,21 @@ trials per scenario, runs with `-m chaos_full` or `python -m tests.chaos.runner`
 
 import pytest
 
-from chaos.harness import SCENARIOS
+from chaos import netns
+from chaos.harness import NETWORK_SCENARIOS, SCENARIOS
 
-SHORT = ["kill9-allreduce", "sigstop", "kill9-checkpoint-write"]
+SHORT = ["kill9-allreduce", "sigstop", "kill9-checkpoint-write", "network-cut"]
+
+
+def _run(tmp_path, name):
+    if name in NETWORK_SCENARIOS and (why := netns.available()):
+        pytest.skip(f"{name} needs its own network namespace: {why}")
+    return SCENARIOS[name](tmp_path)
 
 
 @pytest.mark.parametrize("name", SHORT)
 def test_short_chaos_set(tmp_path, name):
-    trial = SCENARIOS[name](tmp_path)
+    trial = _run(tmp_path, name)
     assert trial.fired, trial
     assert trial.passed, trial.notes
 
@@ -19,5 +26,5 @@ def test_short_chaos_set(tmp_path, name):
 @pytest.mark.parametrize("name", sorted(SCENARIOS))
 @pytest.mark.parametrize("trial", range(20))
 def test_full_chaos_set(tmp_path, name, trial):
-    result = SCENARIOS[name](tmp_path)
+    result = _run(tmp_path, name)
     assert result.fired and result.passed, result.notes
