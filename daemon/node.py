@@ -400,6 +400,11 @@ class Node:
                 if p.outer_step in (round - 1, round) and p.model_hash == self.model_hash
                 and p.state in ("training", "averaging")} | {self.peer_id}
 
+    async def _admissible(self) -> set[str]:
+        """Peers a group may include: those with a live, signed membership record for this model."""
+        view = await self.membership.members()
+        return {p.peer_id for p in view.values() if p.model_hash == self.model_hash and p.state != "stopped"}
+
     async def _alive(self, peers: list[str], round: int) -> set[str]:
         view = await self.membership.members()
         return {p for p in peers if p in view and view[p].state in ("training", "averaging")
@@ -487,7 +492,8 @@ class Node:
             self.phase = "matchmaking"
             group = await self.matchmaker.form_group(
                 round_no, hop, lambda m=cell_members: self._alive(m, round_no), window, s.target_group_size,
-                confirm_timeout=min(3.0, window), cell=f"d{dims}.{cell}", resync=resync or theta is not None)
+                confirm_timeout=min(3.0, window), cell=f"d{dims}.{cell}", resync=resync or theta is not None,
+                admitted=self._admissible)
             clean &= len(group.members) >= len(cell_members)
             self.deadlines.observe_matchmaking(group.last_arrival_lag, group.complete)
             fact = {"hop": hop, "group_key": group.key, "group_size": len(group.members),

@@ -117,11 +117,15 @@ class Matchmaker:
 
     async def form_group(self, round: int, hop: int, expected: Callable[[], Awaitable[set[str]]], window: float,
                          target_size: int, confirm_timeout: float = 3.0, cell: str = "all",
-                         resync: bool = False) -> FormedGroup:
+                         resync: bool = False,
+                         admitted: Callable[[], Awaitable[set[str]]] | None = None) -> FormedGroup:
         """Register for (round, hop, grid cell) and return this peer's group once it closes.
 
         `expected` names the peers this one should meet there; the group closes as soon as
-        they have all registered, or when the window ends.
+        they have all registered, or when the window ends. `admitted`, when given, names
+        every peer that may be grouped with this one at all (the swarm's signed membership):
+        anyone can write a registration under any id, so without it a flood of made-up
+        registrants would each get a part of the all-reduce and fail it.
         """
         started = time.monotonic()
         key = self.group_key(round, hop, cell)
@@ -141,8 +145,9 @@ class Matchmaker:
                 closed = await self._closed_lists(key)
                 registrations = await self._registrations(key)
                 flags = {p: flag for p, (_, flag) in registrations.items()} | {me: resync}
+                allowed = await admitted() if admitted is not None else None
                 found = {p: m for p, (m, _) in registrations.items()
-                         if p not in closed or me in closed[p]} | {me: self.own}
+                         if (p not in closed or me in closed[p]) and (allowed is None or p in allowed)} | {me: self.own}
                 if set(found) - set(registrants):
                     last_arrival = time.monotonic()
                 registrants = found

@@ -44,6 +44,7 @@ from .auth import AuthError, SwarmAuth
 log = logging.getLogger(__name__)
 
 REMEMBER_PEERS_S = 600.0  # how long a peer seen once is worth a reconnection attempt
+VIEW_REUSE_S = 0.1  # matchmaking asks for the view twice per poll: one DHT read serves both
 
 
 class JoinError(RuntimeError):
@@ -241,10 +242,12 @@ class Membership:
         self._records: dict[str, tuple[float, PeerRecord]] = {}  # peer id -> (its expiry, the record)
         self._seen: dict[str, float] = {}  # peer id -> when its record was last read (monotonic)
         self._isolated = False
+        self._read_at = -1.0  # monotonic time of the last DHT read: polls within VIEW_REUSE_S share it
 
     async def announce(self, record: PeerRecord) -> bool:
         if self.auth is not None:
             record = record.model_copy(update={"auth": self.auth.issue("record", record.auth_subject())})
+        self._read_at = -1.0  # the next read sees this write
         return bool(await self.dht.store(self.key, subkey=self.subkey, value=record.model_dump(),
                                          expiration_time=get_dht_time() + self.ttl, return_future=True))
 
@@ -304,6 +307,10 @@ class Membership:
 
     async def members(self) -> dict[str, PeerRecord]:
         """Live, well-formed records by peer id (this node's own included), each until its expiry."""
+        if time.monotonic() - self._read_at < VIEW_REUSE_S:
+            now = get_dht_time()
+            return {p: r for p, (e, r) in self._records.items() if e >= now}
+        self._read_at = time.monotonic()
         try:
             found = await self.dht.get(self.key, latest=True, return_future=True)
         except Exception as e:

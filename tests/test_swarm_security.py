@@ -92,3 +92,41 @@ def test_a_flood_of_streams_and_requests_does_not_starve_training_or_status(tmp_
         assert time.monotonic() < deadline, node.output  # training went on through and after the flood
         time.sleep(0.2)
     assert time.monotonic() - started < 120
+
+
+def test_a_flood_of_made_up_registrants_joins_no_group(tmp_path, cleanup):
+    """Anyone can write a registration under any id in an open swarm. A flooder writes 150
+    made-up registrants (pointing at a dead port) into each group key of the next rounds; the
+    two real nodes keep grouping with each other only: a made-up registrant has no signed
+    membership record, so it is never admitted (else each would get a part and fail it)."""
+    import hivemind
+    from hivemind.utils import get_dht_time
+
+    from dtnode.peers.matchmaking import Registration
+
+    a = NodeProcess.join("a", tmp_path, *FAST, "--min-peers", "2", "--inner-steps", "30")
+    cleanup.append(a)
+    b = NodeProcess.join("b", tmp_path, *FAST, "--min-peers", "2", "--inner-steps", "30", "--peer", a.join_address)
+    cleanup.append(b)
+    b.wait_for_line(r"round 0 \| groups 2/2", timeout=90)
+    key = a.get("/status")["last_round"]["group_key"]
+    run, _, step, rest = key.split(".", 3)
+    first = int(step) + 2
+    flooder = hivemind.DHT(start=True, initial_peers=[a.join_address], host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    try:
+        value = Registration(grpc_addr="127.0.0.1:9").model_dump()
+        futures = [flooder.store(f"{run}.group.{r}.{rest}", subkey=f"Qmfake{r}x{i}", value=value,
+                                 expiration_time=get_dht_time() + 300, return_future=True)
+                   for r in range(first, first + 4) for i in range(150)]
+        for future in futures:
+            future.result(timeout=60)
+        for node in (a, b):
+            node.wait_for_line(rf"round {first + 3} \|", timeout=120)
+    finally:
+        flooder.shutdown()
+    for node in (a, b):
+        rounds = dict(re.findall(r"round (\d+) \| groups (\S+)", node.output))
+        flooded = [rounds[str(r)] for r in range(first, first + 4)]
+        # the group is the two real nodes; the registrants counted include the made-up ones read
+        assert all(g.split("/")[0] == "2" for g in flooded), (flooded, node.output)
+        assert "127.0.0.1:9" not in node.output, node.output  # no part was ever sent to a made-up member

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import shutil
+import signal
 import sys
 import tempfile
 import time
@@ -51,6 +52,7 @@ def main() -> None:
     parser.add_argument("--keep-logs", type=Path, default=Path(tempfile.gettempdir()) / "dtnode-chaos",
                         help="where the node logs of failed trials are copied")
     args = parser.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind: nodes killed, namespaces deleted
     results = run(args.scenarios.split(","), args.trials, args.keep_logs)
     print(f"\n{'scenario':<42} {'trials':>6} {'passed':>6} {'worst round':>11}  notes")
     failed = False
