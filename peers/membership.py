@@ -331,6 +331,8 @@ class Membership:
                 self._records[record.peer_id] = (expiry, record)
             self._seen[record.peer_id] = time.monotonic()
         self._records = {p: (e, r) for p, (e, r) in self._records.items() if e >= now}
+        cutoff = time.monotonic() - REMEMBER_PEERS_S
+        self._seen = {p: seen for p, seen in self._seen.items() if seen > cutoff}
         return {p: r for p, (_, r) in self._records.items()}
 
     async def wait_for(self, count: int, timeout: float, poll: float = 0.5) -> dict[str, PeerRecord]:
