@@ -332,8 +332,8 @@ class Node:
         maximum: one node that raced ahead alone must not pull everyone onto its branch."""
         view = await self.membership.members()
         own = self.replica.outer_step
-        steps = sorted(m.checkpoint_step for m in view.values()
-                       if m.model_hash == self.model_hash and m.peer_id != self.peer_id and m.checkpoint_step >= 0)
+        steps = [m.checkpoint_step for m in view.values()
+                 if m.model_hash == self.model_hash and m.peer_id != self.peer_id and m.checkpoint_step >= 0]
         if not steps:
             return False
         target = swarm_step(steps)

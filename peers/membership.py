@@ -34,9 +34,9 @@ import hivemind
 from cryptography.hazmat.primitives import serialization
 from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.p2p import PeerID
-from hivemind.utils.multiaddr import Multiaddr
 from hivemind.utils import get_dht_time
 from hivemind.utils.crypto import RSAPrivateKey
+from hivemind.utils.multiaddr import Multiaddr
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from .auth import AuthError, SwarmAuth
@@ -295,8 +295,7 @@ class Membership:
                 log.info("DHT reconnected")
                 self._isolated = False
             return
-        cutoff = time.monotonic() - REMEMBER_PEERS_S
-        known = [p for p, seen in self._seen.items() if seen > cutoff and p != self.peer_id]
+        known = [p for p in self._seen if p != self.peer_id]  # members() forgets the long unseen
         if not known and not self.initial_peers:
             return  # the first node of a swarm, still alone: nothing to reconnect to
         if not self._isolated:
@@ -308,8 +307,7 @@ class Membership:
     async def members(self) -> dict[str, PeerRecord]:
         """Live, well-formed records by peer id (this node's own included), each until its expiry."""
         if time.monotonic() - self._read_at < VIEW_REUSE_S:
-            now = get_dht_time()
-            return {p: r for p, (e, r) in self._records.items() if e >= now}
+            return self._live(get_dht_time())
         self._read_at = time.monotonic()
         try:
             found = await self.dht.get(self.key, latest=True, return_future=True)
@@ -333,7 +331,10 @@ class Membership:
         self._records = {p: (e, r) for p, (e, r) in self._records.items() if e >= now}
         cutoff = time.monotonic() - REMEMBER_PEERS_S
         self._seen = {p: seen for p, seen in self._seen.items() if seen > cutoff}
-        return {p: r for p, (_, r) in self._records.items()}
+        return self._live(now)
+
+    def _live(self, now: float) -> dict[str, PeerRecord]:
+        return {p: r for p, (e, r) in self._records.items() if e >= now}
 
     async def wait_for(self, count: int, timeout: float, poll: float = 0.5) -> dict[str, PeerRecord]:
         deadline = time.monotonic() + timeout

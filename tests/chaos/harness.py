@@ -117,17 +117,17 @@ class Swarm:
         for node in self.nodes:
             self.wait_round(node, newest + 3)
 
-    def strike_at_phase(self, victim: NodeProcess, step: int, phase: str, sig: int | None = None,
-                        action: Callable[[], None] | None = None, timeout: float = 120) -> str:
-        """Send `sig` (or run `action`) when the victim is in `phase` of outer step `step`; returns what fired."""
+    def strike_at_phase(self, victim: NodeProcess, step: int, phase: str, action: Callable[[], None] | int,
+                        timeout: float = 120) -> str:
+        """Run `action` (or send that signal) when the victim is in `phase` of outer step `step`; returns what fired."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             status = _status(victim)
             if status and status.get("outer_step") == step and status.get("phase") == phase:
-                if action is not None:
+                if callable(action):
                     action()
                 else:
-                    victim.proc.send_signal(sig)
+                    victim.proc.send_signal(action)
                 return f"{phase} of step {step}"
             if status and status.get("outer_step", 0) > step:
                 step = status["outer_step"]  # missed it: take the next round's
@@ -270,7 +270,7 @@ def _network_cut(swarm: Swarm, trial: Trial) -> None:
     """The victim's only link goes dark mid-all-reduce (packets vanish, no RST), then comes back."""
     victim, link = swarm.nodes[-1], swarm.link
     swarm.wait_round(victim, 1)
-    trial.fired = "link cut in " + swarm.strike_at_phase(victim, 2, "allreduce", action=link.cut)
+    trial.fired = "link cut in " + swarm.strike_at_phase(victim, 2, "allreduce", link.cut)
     trial.victims.add(victim.name)
     time.sleep(CUT_S)
     link.restore()
@@ -282,7 +282,7 @@ def _slow_link(swarm: Swarm, trial: Trial) -> None:
     """The victim's link drops to SLOW_MBIT in both directions for four rounds; its rounds count."""
     victim, link = swarm.nodes[-1], swarm.link
     swarm.wait_round(victim, 1)
-    fired = swarm.strike_at_phase(victim, 2, "matchmaking", action=lambda: link.throttle(SLOW_MBIT))
+    fired = swarm.strike_at_phase(victim, 2, "matchmaking", lambda: link.throttle(SLOW_MBIT))
     first = finished_round(victim) + 1
     swarm.wait_round(victim, first + 3)
     link.unthrottle()
