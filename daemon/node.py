@@ -24,11 +24,16 @@ from hivemind.dht.crypto import RSASignatureValidator
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from dtnode import __version__
+from hivemind.utils import get_dht_time
+
+from dtnode.ops.flat import sha256_of
 from dtnode.ops.quantization import fused_kernels_active, use_fused_kernels
-from dtnode.peers.butterfly import ChannelPool, butterfly_allreduce
+from dtnode.peers.averager import AveragingConfig, AveragingResult, HopReport, MoshpitAverager
+from dtnode.peers import failpoints
+from dtnode.peers.butterfly import ChannelPool
 from dtnode.peers.deadlines import AdaptiveDeadlines, expected_payload_bytes
-from dtnode.peers.grid import coordinates, grid_shape, hop_groups, hop_key
-from dtnode.peers.plan import FP32, INT8, Member, make_plan
+from dtnode.peers.pacing import SwarmProgress, swarm_progress
+from dtnode.peers.plan import Member
 from dtnode.peers.reducer import AveragingService, ReductionRegistry
 from dtnode.peers.wire import max_message_bytes
 from dtnode.peers.matchmaking import Matchmaker
@@ -47,9 +52,12 @@ from .replica import Replica
 from .settings import NodeSettings, SettingsError
 from .sidecar import Sidecar
 from .sync import fetch_from_swarm, swarm_step
-from .trainer import Trainer
+from .trainer import InnerResult, Trainer
 
 log = logging.getLogger("dtnode")
+
+PACER_POLL_S = 0.2  # how often a training node re-reads the swarm's progress
+MAX_ROUND_FACTOR = 100  # a paced round takes at most this many times H steps on one peer
 
 
 def resolve_device(name: str) -> torch.device:
@@ -84,6 +92,11 @@ class Node:
         self.train_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="train")
         self.io_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="checkpoint")
         self._pending_write: asyncio.Future | None = None
+        self._hash_task: asyncio.Future | None = None
+        self.theta_lock = threading.Lock()  # θ_g and momentum change (training thread) or are copied (I/O)
+        self._round_end_at = math.inf  # monotonic time the pacer expects the swarm's round to end
+        self.round_progress: SwarmProgress | None = None
+        self.round_failures = 0
         self.deadlines = AdaptiveDeadlines(settings.matchmaking_window_min, settings.matchmaking_window,
                                            settings.allreduce_timeout_min, settings.allreduce_timeout)
         self.residual: torch.Tensor | None = None  # error feedback, when enabled
@@ -123,6 +136,12 @@ class Node:
                                  buckets=(0.5, 1, 2, 5, 10, 30, 60, 120, 300, 600, 1800))
         self.m_allreduce = Histogram("dtnode_allreduce_seconds", "Wall time of the data plane", registry=r,
                                      buckets=(0.01, 0.05, 0.1, 0.5, 1, 2, 5, 10, 30, 60))
+        self.m_round_failures = Counter("dtnode_round_failures", "Rounds ended by an exception, by its type",
+                                        ["reason"], registry=r)
+        self.m_catchups = Counter("dtnode_catchups", "Downloads of the swarm's state to catch up", registry=r)
+        self.m_partial_rounds = Counter("dtnode_partial_rounds",
+                                        "Rounds in which a group lacked an expected member or a part failed",
+                                        registry=r)
 
     def _start_training_state(self) -> None:
         s = self.settings
@@ -149,15 +168,19 @@ class Node:
                 log.warning("no usable inner state for step %d (%s): inner optimizer starts fresh", step, e)
                 local = None
             self._install(loaded, local)
+            self.replica.set_params_sha256(sha256_of(self.replica.host_theta()))
             self.checkpoints[step] = CheckpointInfo(step, path, file_sha256(path), path.stat().st_size)
             log.info("resumed from %s (outer step %d, params %s)", path.name, step, self.replica.params_sha256()[:12])
             return
 
-    def _install(self, loaded: LoadedCheckpoint, local: LocalState | None = None) -> None:
+    def _install(self, loaded: LoadedCheckpoint, local: LocalState | None = None, keep_inner: bool = False) -> None:
         """Load a checkpoint into the replica (on the training thread), with this node's own
         inner state and data position when resuming; a donor's checkpoint brings θ_g and the
         outer momentum only, and the inner AdamW starts fresh (with its warmup)."""
-        self.replica.load(loaded.theta_g, loaded.momentum, loaded.step)
+        with self.theta_lock:
+            self.replica.load(loaded.theta_g, loaded.momentum, loaded.step)
+        if keep_inner:
+            return
         if local is None:
             self.trainer.load_inner_state(torch.empty(0), torch.empty(0), 0)
             self.trainer.inner_step = 0
@@ -187,10 +210,19 @@ class Node:
         return PeerRecord(
             peer_id=self.peer_id, grpc_addr=self.grpc_addr, http_addr=self.http_addr, state=self.state,
             outer_step=self.replica.outer_step, checkpoint_step=newest.step if newest else -1,
-            checkpoint_sha256=newest.sha256 if newest else "", tokens_per_s=self.tokens_per_s,
-            bandwidth_mbps=self.settings.bandwidth_mbps, device=str(self.device), client_mode=self.settings.client_mode,
+            checkpoint_sha256=newest.sha256 if newest else "", tokens_per_s=self._live_rate(),
+            round_tokens=self.trainer.round_tokens if hasattr(self, "trainer") else 0,
+            tokens_per_step=self.trainer.tokens_per_step if hasattr(self, "trainer") else 0,
+            progress_at=get_dht_time(), bandwidth_mbps=self.settings.bandwidth_mbps, device=str(self.device), client_mode=self.settings.client_mode,
             model_hash=self.model_hash, version=__version__,
         )
+
+    def _live_rate(self) -> float:
+        """Tokens per second this round so far (the last round's before a step is done)."""
+        trainer = getattr(self, "trainer", None)
+        if trainer is not None and trainer.round_tokens and trainer.round_seconds > 0:
+            return trainer.round_tokens / trainer.round_seconds
+        return self.tokens_per_s
 
     def status(self) -> dict[str, Any]:
         loss = self.trainer.last_loss if hasattr(self, "trainer") else math.nan
@@ -206,6 +238,10 @@ class Node:
             "model": self.settings.model, "model_hash": self.model_hash, "device": str(self.device),
             "client_mode": self.settings.client_mode, "version": __version__, "last_round": self.last_round,
             "deadlines": self.deadlines.snapshot(self._expected_bytes()), "fused_kernels": fused_kernels_active(),
+            "pacing": self.settings.pacing, "round_failures": self.round_failures,
+            "round_progress": None if self.round_progress is None else {
+                "target_tokens": self.round_progress.target, "swarm_tokens": round(self.round_progress.done),
+                "peers": self.round_progress.peers, "own_tokens": self.trainer.round_tokens},
         }
 
     def _expected_bytes(self) -> int:
@@ -278,7 +314,7 @@ class Node:
                 if s.max_rounds is not None and self.rounds_done >= s.max_rounds:
                     log.info("finished %d rounds (--max-rounds)", self.rounds_done)
                     break
-                await self.run_round()
+                await self._guarded_round()
             return 0
         finally:
             await self._shutdown()
@@ -313,6 +349,11 @@ class Node:
                                      initial_peers=s.peers)
         self.matchmaker = Matchmaker(self.dht, s.run_id, Member(self.peer_id, self.grpc_addr, s.client_mode,
                                                                  s.bandwidth_mbps), auth=self.auth)
+        config = AveragingConfig(s.run_id, self.model_hash, s.target_group_size, s.grid_dims, s.compression == "int8",
+                                 s.quant_block_size, s.chunk_elements, s.in_flight_chunks,
+                                 s.trim_fraction if s.aggregation == "trimmed-mean" else None)
+        self.averager = MoshpitAverager(config, self.peer_id, self.membership.members, self.matchmaker, self.registry,
+                                        self.channels, self.deadlines, self.auth, on_phase=self._set_phase)
         await self.membership.announce(self.record())
         self.heartbeat_task = asyncio.create_task(self.membership.heartbeat(self.record, self.stop_requested))
         maddr = public_maddrs(self.dht, s.announce_host)[0]
@@ -323,17 +364,22 @@ class Node:
               f"{self.grpc_addr or 'client mode'}", flush=True)
         print(f"To add a peer to this swarm, run on another host:\n  {self.join_command}", flush=True)
 
+    def _set_phase(self, phase: str) -> None:
+        self.phase = phase
+
     async def _sync_with_swarm(self) -> bool:
         """Download the swarm's state when this node is off the step most of the swarm is at:
         more than --max-lag outer steps behind it, or ahead of it by more than a round plus
         --max-lag (solo rounds while cut off: a branch the swarm never saw, given up here).
 
-        The swarm's step is the upper median of the other peers' checkpoint steps, not their
-        maximum: one node that raced ahead alone must not pull everyone onto its branch."""
+        The swarm's step is the upper median of the other peers' outer steps, not their
+        maximum: one node that raced ahead alone must not pull everyone onto its branch. A
+        node that was training keeps its inner AdamW state and data position through the
+        download (no warmup restart): a slow peer that fell behind is not punished for it."""
         view = await self.membership.members()
         own = self.replica.outer_step
-        steps = [m.checkpoint_step for m in view.values()
-                 if m.model_hash == self.model_hash and m.peer_id != self.peer_id and m.checkpoint_step >= 0]
+        steps = [m.outer_step for m in view.values() if m.model_hash == self.model_hash
+                 and m.peer_id != self.peer_id and m.state in ("training", "averaging")]
         if not steps:
             return False
         target = swarm_step(steps)
@@ -353,7 +399,10 @@ class Node:
         if loaded is None:
             log.warning("no peer could serve a checkpoint; continuing from outer step %d", own)
             return False
-        await asyncio.get_running_loop().run_in_executor(self.train_thread, self._install, loaded, None)
+        keep_inner = self.trainer.inner_step > 0
+        await asyncio.get_running_loop().run_in_executor(self.train_thread, self._install, loaded, None, keep_inner)
+        await self._rehash()
+        self.m_catchups.inc()
         if self._pending_write is not None:
             await asyncio.gather(self._pending_write, return_exceptions=True)
         if loaded.step < own:
@@ -364,7 +413,8 @@ class Node:
         self._pending_write = asyncio.ensure_future(self._write_checkpoint())
         await self._pending_write
         self._needs_resync = True  # the donor's θ_g may differ slightly from its neighbours'
-        log.info("in sync at outer step %d (params %s)", loaded.step, self.replica.params_sha256()[:12])
+        log.info("in sync at outer step %d (params %s)%s", loaded.step, self.replica.params_sha256()[:12],
+                 "; inner optimizer state kept" if keep_inner else "")
         await self.membership.announce(self.record())
         return True
 
@@ -393,180 +443,208 @@ class Node:
         log.info("stopped at outer step %d", self.replica.outer_step if hasattr(self, "replica") else 0)
 
     # ---- one outer round ------------------------------------------------------------------
-    async def _round_population(self, round: int) -> set[str]:
-        """Peers that take part in `round`: live, same model, at this step or finishing the one before."""
-        view = await self.membership.members()
-        return {p.peer_id for p in view.values()
-                if p.outer_step in (round - 1, round) and p.model_hash == self.model_hash
-                and p.state in ("training", "averaging")} | {self.peer_id}
+    async def _guarded_round(self) -> None:
+        """One round behind an error boundary: no exception inside a round ends the node.
 
-    async def _admissible(self) -> set[str]:
-        """Peers a group may include: those with a live, signed membership record for this model."""
-        view = await self.membership.members()
-        return {p.peer_id for p in view.values() if p.model_hash == self.model_hash and p.state != "stopped"}
+        θ_g only changes in whole steps (outer step, adoption of a re-sync, a download), so
+        a round that fails leaves θ_g as it was; θ_l keeps its inner progress, which the
+        next round's Δ carries. The failure is logged with its cause, counted by type, and
+        the next groups are asked to re-sync θ_g.
+        """
+        try:
+            await self.run_round()
+        except (asyncio.CancelledError, KeyboardInterrupt):
+            raise
+        except Exception as e:
+            reason = type(e).__name__
+            self.round_failures += 1
+            self.m_round_failures.labels(reason=reason).inc()
+            log.error("round %d failed (%s: %s); continuing from outer step %d with a re-sync",
+                      self.replica.outer_step, reason, e, self.replica.outer_step, exc_info=e)
+            self._needs_resync = True
+            self.state, self.phase = "training", "inner"
+            if isinstance(e, FloatingPointError):  # θ_l (and its optimizer state) are unusable
+                await asyncio.get_running_loop().run_in_executor(self.train_thread, self._reset_local)
+            await self._wait_or_stop(asyncio.sleep(1.0))  # a fault that repeats must not spin
 
-    async def _alive(self, peers: list[str], round: int) -> set[str]:
-        view = await self.membership.members()
-        return {p for p in peers if p in view and view[p].state in ("training", "averaging")
-                and view[p].outer_step in (round - 1, round)} | {self.peer_id}
+    def _reset_local(self) -> None:
+        self.replica.reset_local()
+        self.trainer.load_inner_state(torch.empty(0), torch.empty(0), 0)
+
+    async def _inner_steps(self, round_no: int) -> InnerResult:
+        """Inner steps until the swarm's round ends (--pacing swarm) or for exactly H steps."""
+        s = self.settings
+        loop = asyncio.get_running_loop()
+        deadline = time.monotonic() + s.round_seconds if s.round_seconds else None
+        if s.pacing == "fixed":
+            return await loop.run_in_executor(self.train_thread, self.trainer.run, s.inner_steps, self.stop_flag,
+                                              deadline)
+        self._round_end_at = math.inf
+
+        def keep_going(step_seconds: float) -> bool:
+            # start a step only if it ends no later than half a step past the swarm's round end
+            return time.monotonic() + 0.5 * step_seconds <= self._round_end_at
+
+        pacer = asyncio.ensure_future(self._pace(round_no))
+        try:
+            return await loop.run_in_executor(self.train_thread, self.trainer.run, MAX_ROUND_FACTOR * s.inner_steps,
+                                              self.stop_flag, deadline, keep_going)
+        finally:
+            pacer.cancel()
+            await asyncio.gather(pacer, return_exceptions=True)
+
+    async def _pace(self, round_no: int) -> None:
+        """Follow the swarm's progress in this round and move the round's expected end."""
+        s = self.settings
+        while True:
+            try:
+                view = await self.membership.members()
+                progress = swarm_progress(view.values(), self.record(), round_no, s.inner_steps, s.round_tokens,
+                                          get_dht_time())
+                self.round_progress = progress
+                self._round_end_at = time.monotonic() + progress.seconds_left()
+            except Exception as e:  # a failed read keeps the last estimate; the next poll retries
+                log.warning("reading the swarm's progress failed: %s", e)
+            await asyncio.sleep(PACER_POLL_S)
 
     async def run_round(self) -> None:
         s = self.settings
         loop = asyncio.get_running_loop()
         round_started = time.monotonic()
-        await self._sync_with_swarm()  # a node left behind (stalled, or a solo round) catches up first
+        await self._sync_with_swarm()  # a node left far behind (stalled, partitioned) catches up first
         round_no = self.replica.outer_step
         self.state, self.phase = "training", "inner"
-        inner = await loop.run_in_executor(self.train_thread, self.trainer.run, s.inner_steps, self.stop_flag)
-        if inner.steps < s.inner_steps and self.stop_requested.is_set():
-            log.info("round %d abandoned after %d of %d inner steps", round_no, inner.steps, s.inner_steps)
+        inner = await self._inner_steps(round_no)
+        if self.stop_requested.is_set():
+            log.info("round %d abandoned after %d inner steps", round_no, inner.steps)
             return
-        self.tokens_per_s = inner.tokens / inner.seconds if inner.seconds > 0 else 0.0
+        self.tokens_per_s = inner.tokens / inner.seconds if inner.seconds > 0 else self.tokens_per_s
+        failpoints.reach("round-error", round_no)
         delta = await loop.run_in_executor(self.train_thread, self.replica.pseudo_gradient)
         self.state = "averaging"
         await self.membership.announce(self.record())
         scheduled = bool(s.consensus_every) and round_no % s.consensus_every == s.consensus_every - 1
-        mean, hops, weight, theta = await self._average(round_no, delta, float(inner.tokens),
-                                                        self._needs_resync or scheduled)
-        if theta is not None:
-            await loop.run_in_executor(self.train_thread, self.replica.adopt_consensus_state, theta)
+        resync = self._needs_resync or scheduled
+        # a peer that took no step still averages (its θ_g stays in step), with a negligible weight
+        result = await self.averager.average(
+            round_no, delta, self.replica.mean_cpu, float(max(inner.tokens, 1)), resync,
+            lambda: loop.run_in_executor(self.train_thread, self.replica.consensus_state), self.residual)
+        # a wanted re-sync that found nobody to sync with is still wanted next round
+        self._needs_resync = not result.clean or (resync and result.theta is None)
+        if not result.clean:
+            self.m_partial_rounds.inc()
         self.phase = "outer"
-        await loop.run_in_executor(self.train_thread, self.replica.apply_outer_step, mean)
+        if self._hash_task is not None:  # the hash of the previous θ_g reads it: let it finish
+            await asyncio.gather(self._hash_task, return_exceptions=True)
+        await loop.run_in_executor(self.train_thread, self._apply, result)
+        self.trainer.round_tokens = 0
+        self._hash_task = asyncio.ensure_future(self._rehash())
         self.eval_loss = await loop.run_in_executor(self.train_thread, self.trainer.eval_loss)
         self.rounds_done += 1
+        if self.replica.outer_step % s.checkpoint_every == 0:
+            await self._schedule_checkpoint()
+        self.state, self.phase = "training", "inner"
+        self._report(round_no, inner, result, time.monotonic() - round_started)
+        await self.membership.announce(self.record())
+
+    def _apply(self, result: AveragingResult) -> None:
+        """On the training thread: adopt a re-synced θ_g if any, then the outer step."""
+        with self.theta_lock:
+            if result.theta is not None:
+                self.replica.adopt_consensus_state(result.theta)
+            self.replica.apply_outer_step(result.mean)
+
+    async def _rehash(self) -> None:
+        """params_sha256 of the new θ_g: one device-to-host copy on the training thread, the
+        hash on the I/O thread (θ_g does not change before the next outer step awaits this)."""
+        loop = asyncio.get_running_loop()
+        host = await loop.run_in_executor(self.train_thread, self.replica.host_theta)
+        self.replica.set_params_sha256(await loop.run_in_executor(self.io_thread, sha256_of, host))
+
+    def _report(self, round_no: int, inner: InnerResult, result: AveragingResult, duration: float) -> None:
+        hops: list[HopReport] = result.hops
+        first = hops[0]
+        self.last_round = {
+            "outer_step": round_no, "group_size": first.group_size, "group_key": first.group_key,
+            "included_peers": first.included_peers, "matchmaking_s": round(sum(h.matchmaking_s for h in hops), 4),
+            "duration_s": round(duration, 4), "allreduce_s": round(sum(h.allreduce_s for h in hops), 4),
+            "bytes_sent": sum(h.bytes_sent for h in hops), "bytes_received": sum(h.bytes_received for h in hops),
+            "failed_parts": [p for h in hops for p in h.failed_parts], "weight_after": result.weight,
+            "full": all(h.complete for h in hops), "hops": [h.as_dict() for h in hops], "inner_steps": inner.steps,
+            "tokens": inner.tokens, "inner_s": round(inner.seconds, 4), "loss": inner.mean_loss,
+            "eval_loss": self.eval_loss,
+        }
+        self.m_outer.set(self.replica.outer_step)
+        self.m_inner.set(self.trainer.inner_step)
+        self.m_loss.set(inner.mean_loss)
+        self.m_eval.set(self.eval_loss if self.eval_loss is not None else math.nan)
+        self.m_tps.set(self.tokens_per_s)
+        self.m_group.set(first.group_size)
+        self.m_round.observe(duration)
+        for h in hops:
+            self.m_sent.inc(h.bytes_sent)
+            self.m_recv.inc(h.bytes_received)
+            self.m_failed.inc(len(h.failed_parts))
+            if h.allreduce_s:
+                self.m_allreduce.observe(h.allreduce_s)
+        floor = self.source.entropy_rate
+        groups = " ".join(f"{h.group_size}/{h.expected}" + (f"+{h.extra_groups}" if h.extra_groups else "")
+                          for h in hops)
+        loss = "-" if math.isnan(inner.mean_loss) else f"{inner.mean_loss:.4f}"
+        line = (f"round {round_no} | groups {groups} | {inner.steps} steps {inner.tokens} tok | loss "
+                f"{loss} | eval {self.eval_loss:.4f}{f' (floor {floor:.3f})' if floor else ''} | "
+                f"allreduce {self.last_round['allreduce_s']:.3f}s ({_human_bytes(self.last_round['bytes_sent'])} "
+                f"sent) | {self.tokens_per_s:.0f} tok/s | params ")
+        # the line names θ_g's hash, computed off the training thread: log it once the hash is in
+        task = self._hash_task
+        if task is None or task.done():
+            log.info("%s%s", line, self.replica.params_sha256()[:12])
+        else:
+            task.add_done_callback(lambda _: log.info("%s%s", line, self.replica.params_sha256()[:12]))
+
+    async def _schedule_checkpoint(self) -> None:
+        """Write this step's checkpoint in the background (one write at a time)."""
         if self._pending_write is not None:
             await asyncio.gather(self._pending_write, return_exceptions=True)
         self._pending_write = asyncio.ensure_future(self._write_checkpoint())
-        self.state, self.phase = "training", "inner"
-        duration = time.monotonic() - round_started
-        first = hops[0]
-        self.last_round = {
-            "outer_step": round_no, "group_size": first["group_size"], "group_key": first["group_key"],
-            "included_peers": first["included_peers"], "matchmaking_s": round(sum(h["matchmaking_s"] for h in hops), 4),
-            "duration_s": round(duration, 4), "allreduce_s": round(sum(h["allreduce_s"] for h in hops), 4),
-            "bytes_sent": sum(h["bytes_sent"] for h in hops), "bytes_received": sum(h["bytes_received"] for h in hops),
-            "failed_parts": [p for h in hops for p in h["failed_parts"]], "weight_after": weight,
-            "hops": hops, "inner_steps": inner.steps, "tokens": inner.tokens, "inner_s": round(inner.seconds, 4),
-            "loss": inner.mean_loss, "eval_loss": self.eval_loss,
-        }
-        self._observe(hops, duration=duration, loss=inner.mean_loss)
-        await self.membership.announce(self.record())
-        floor = self.source.entropy_rate
-        groups = " ".join(f"{h['group_size']}/{h['registrants']}" for h in hops)
-        log.info("round %d | groups %s | loss %.4f | eval %.4f%s | allreduce %.3fs (%s sent) | %.0f tok/s | params %s",
-                 round_no, groups, inner.mean_loss, self.eval_loss, f" (floor {floor:.3f})" if floor else "",
-                 self.last_round["allreduce_s"], _human_bytes(self.last_round["bytes_sent"]), self.tokens_per_s,
-                 self.replica.params_sha256()[:12])
 
-    async def _average(self, round_no: int, delta: torch.Tensor, weight: float,
-                       resync: bool) -> tuple[torch.Tensor, list[dict], float, torch.Tensor | None]:
-        """Moshpit averaging of Δ over d hops; returns the buffer holding the mean, per-hop facts, the weight.
+    async def current_checkpoint(self) -> CheckpointInfo | None:
+        """The checkpoint of the current outer step, written now if the cadence skipped it.
 
-        Each hop averages the running (weighted mean, weight) pair within one grid cell, so
-        tokens-processed weighting survives the hops. Δ and the replica's second staging
-        buffer take turns as input and output.
-
-        Consensus re-sync: a node that wants θ_g re-synced (on schedule, or because a part or
-        hop of its last round failed, or it just downloaded a checkpoint) says so in its
-        registration; a group in which any member asked also averages θ_g and the outer
-        momentum in fp32 that hop,
-        and its members ask again in the next hops, so the re-sync spreads over the grid like
-        the mean of Δ does. Returns the averaged θ_g when one happened (else None).
+        A peer catching up needs the swarm's current θ_g, not the last one the cadence kept;
+        θ_g and the momentum do not change during inner steps, so they are copied (under the
+        lock the outer step takes) without waiting for the training thread.
         """
-        s = self.settings
-        population = await self._round_population(round_no)
-        side, dims = grid_shape(len(population), s.target_group_size, s.grid_dims)
-        coords = coordinates(sorted(population), round_no, side, dims, salt=s.run_id)
-        cells = {k: hop_groups(coords, k) for k in range(dims)}
-        current, spare = delta, self.replica.mean_cpu
-        loop = asyncio.get_running_loop()
-        theta: torch.Tensor | None = None
-        theta_spare: torch.Tensor | None = None
-        theta_weight = 1.0
-        clean = True  # every hop had its expected group and no failed part
-        hops = []
-        for hop in range(dims):
-            cell = hop_key(coords[self.peer_id], hop)
-            cell_members = cells[hop][cell]
-            window = self.deadlines.matchmaking_window
-            self.phase = "matchmaking"
-            group = await self.matchmaker.form_group(
-                round_no, hop, lambda m=cell_members: self._alive(m, round_no), window, s.target_group_size,
-                confirm_timeout=min(3.0, window), cell=f"d{dims}.{cell}", resync=resync or theta is not None,
-                admitted=self._admissible)
-            clean &= len(group.members) >= len(cell_members)
-            self.deadlines.observe_matchmaking(group.last_arrival_lag, group.complete)
-            fact = {"hop": hop, "group_key": group.key, "group_size": len(group.members),
-                    "registrants": group.registrants, "expected": len(cell_members),
-                    "matchmaking_s": round(group.seconds, 4), "window_s": round(window, 3),
-                    "included_peers": [self.peer_id], "allreduce_s": 0.0, "timeout_s": 0.0,
-                    "bytes_sent": 0, "bytes_received": 0, "failed_parts": []}
-            if len(group.members) > 1:
-                int8 = s.compression == "int8"
-                expected = expected_payload_bytes(self.replica.numel, len(group.members), int8, s.quant_block_size)
-                timeout = self.deadlines.allreduce_timeout(expected)
-                plan = make_plan(s.run_id, round_no, hop, group.members, self.replica.numel, s.quant_block_size,
-                                 s.chunk_elements, INT8 if int8 else FP32)
-                self.phase = "allreduce"
-                report = await butterfly_allreduce(
-                    plan, self.peer_id, current, weight, spare, self.registry, self.channels, timeout,
-                    in_flight=s.in_flight_chunks, residual=self.residual if hop == 0 else None, auth=self.auth,
-                    trim_fraction=s.trim_fraction if s.aggregation == "trimmed-mean" else None)
-                moved = report.bytes_sent + report.bytes_received
-                self.deadlines.observe_allreduce(moved, report.seconds, not report.failed_parts)
-                weight = report.weight_after(weight)
-                current, spare = spare, current
-                fact.update(included_peers=report.included_peers, allreduce_s=round(report.seconds, 4),
-                            timeout_s=round(timeout, 3), bytes_sent=report.bytes_sent,
-                            bytes_received=report.bytes_received,
-                            failed_parts=[p.reducer for p in report.failed_parts])
-                self.m_sent.inc(report.bytes_sent)
-                self.m_recv.inc(report.bytes_received)
-                self.m_failed.inc(len(report.failed_parts))
-                self.m_allreduce.observe(report.seconds)
-                clean &= not report.failed_parts
-                if group.resync:
-                    if theta is None:
-                        theta = await loop.run_in_executor(self.train_thread, self.replica.consensus_state)
-                        theta_spare = torch.empty_like(theta)
-                    theta_plan = make_plan(s.run_id, round_no, hop + dims, group.members, theta.numel(),
-                                           s.quant_block_size, s.chunk_elements, FP32)
-                    sync = await butterfly_allreduce(
-                        theta_plan, self.peer_id, theta, theta_weight, theta_spare, self.registry, self.channels,
-                        self.deadlines.allreduce_timeout(8 * expected), in_flight=s.in_flight_chunks, auth=self.auth)
-                    theta_weight = sync.weight_after(theta_weight)
-                    theta.copy_(theta_spare)
-                    clean &= not sync.failed_parts
-                    fact.update(theta_resync_s=round(sync.seconds, 4),
-                                bytes_sent=fact["bytes_sent"] + sync.bytes_sent,
-                                bytes_received=fact["bytes_received"] + sync.bytes_received)
-            hops.append(fact)
-        # a wanted re-sync that found nobody to sync with is still wanted next round
-        self._needs_resync = not clean or (resync and theta is None)
-        return current, hops, weight, theta
+        newest = self.checkpoint()
+        step = self.replica.outer_step if hasattr(self, "replica") else 0
+        if step == 0 or (newest is not None and newest.step >= step) or self.state not in ("training", "averaging"):
+            return newest
+        for _ in range(2):  # a write already under way may be of an older step
+            if self._pending_write is None or self._pending_write.done():
+                self._pending_write = asyncio.ensure_future(self._write_checkpoint(local=False))
+            await asyncio.wait_for(asyncio.shield(self._pending_write), 60)
+            newest = self.checkpoint()
+            if newest is not None and newest.step >= step:
+                break
+        return newest
 
-    def _observe(self, hops: list[dict], duration: float, loss: float) -> None:
-        self.m_outer.set(self.replica.outer_step)
-        self.m_inner.set(self.trainer.inner_step)
-        self.m_loss.set(loss)
-        self.m_eval.set(self.eval_loss if self.eval_loss is not None else math.nan)
-        self.m_tps.set(self.tokens_per_s)
-        self.m_group.set(hops[0]["group_size"])
-        self.m_round.observe(duration)
-
-    async def _write_checkpoint(self) -> None:
-        """Snapshot θ_g and momentum (the only work on the training thread), write on the I/O thread."""
-        loop = asyncio.get_running_loop()
-        step = self.replica.outer_step
-
-        def snapshot() -> TrainingState:
+    def _snapshot(self, local: bool) -> tuple[int, TrainingState]:
+        """θ_g and momentum (and with `local`, this node's inner state: training thread only)."""
+        with self.theta_lock:
+            step = self.replica.outer_step
+            theta = self.replica.theta_g.detach().to("cpu", copy=True)
+            momentum = self.replica.outer.momentum_buffer.to("cpu", copy=True)
+        own = None
+        if local:
             exp_avg, exp_avg_sq, adam_steps = self.trainer.inner_state()
             generator, batches = self.trainer.stream.position()
-            local = LocalState(exp_avg, exp_avg_sq, generator, self.trainer.inner_step, adam_steps, batches)
-            return TrainingState(self.replica.theta_g.detach().to("cpu", copy=True),
-                                 self.replica.outer.momentum_buffer.to("cpu", copy=True), local)
+            own = LocalState(exp_avg, exp_avg_sq, generator, self.trainer.inner_step, adam_steps, batches)
+        return step, TrainingState(theta, momentum, own)
 
-        state = await loop.run_in_executor(self.train_thread, snapshot)
+    async def _write_checkpoint(self, local: bool = True) -> None:
+        """Snapshot (the only work on the training thread, or none without `local`), write on the I/O thread."""
+        loop = asyncio.get_running_loop()
+        step, state = await loop.run_in_executor(self.train_thread if local else self.io_thread, self._snapshot, local)
         metadata = {"run_id": self.settings.run_id, "model_hash": self.model_hash, "model": self.settings.model,
                     "model_config": json.dumps(self.model_description, sort_keys=True)}
         try:

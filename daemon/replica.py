@@ -26,6 +26,7 @@ class Replica:
         self.delta_cpu = torch.empty(local.numel(), dtype=torch.float32, pin_memory=pin)
         self.mean_cpu = torch.empty(local.numel(), dtype=torch.float32, pin_memory=pin)
         self._delta_device = torch.empty_like(local)
+        self._host_theta = torch.empty(local.numel(), dtype=local.dtype, pin_memory=pin) if pin else None
         self._sha256 = sha256_of(self.theta_g)
 
     @property
@@ -47,7 +48,7 @@ class Replica:
         self.outer.step(self.theta_g, self._delta_device)
         self.trainer.parameters_flat.copy_(self.theta_g)
         self.outer_step += 1
-        self._sha256 = sha256_of(self.theta_g)
+        self._sha256 = ""
 
     @torch.no_grad()
     def consensus_state(self) -> torch.Tensor:
@@ -65,7 +66,7 @@ class Replica:
         self.theta_g.copy_(state_cpu[:n])
         self.outer.momentum_buffer.copy_(state_cpu[n:])
         self.trainer.parameters_flat.copy_(self.theta_g)
-        self._sha256 = sha256_of(self.theta_g)
+        self._sha256 = ""
 
     @torch.no_grad()
     def load(self, theta_g: torch.Tensor, momentum: torch.Tensor, outer_step: int) -> None:
@@ -73,8 +74,27 @@ class Replica:
         self.outer.load_state_dict({"outer_momentum": momentum})
         self.trainer.parameters_flat.copy_(self.theta_g)
         self.outer_step = outer_step
-        self._sha256 = sha256_of(self.theta_g)
+        self._sha256 = ""
+
+    @torch.no_grad()
+    def reset_local(self) -> None:
+        """θ_l ← θ_g: after a round that left θ_l unusable (a non-finite loss)."""
+        self.trainer.parameters_flat.copy_(self.theta_g)
+
+    @torch.no_grad()
+    def host_theta(self) -> torch.Tensor:
+        """θ_g on the host for hashing: θ_g itself on a CPU, else one copy into a pinned buffer.
+
+        Runs on the training thread; the hash itself runs elsewhere, before θ_g next changes.
+        """
+        if self._host_theta is None:
+            return self.theta_g
+        self._host_theta.copy_(self.theta_g)
+        return self._host_theta
+
+    def set_params_sha256(self, digest: str) -> None:
+        self._sha256 = digest
 
     def params_sha256(self) -> str:
-        """Hash of θ_g, computed where θ_g changes (on the training thread), so readers never hash."""
+        """Hash of θ_g as of the last outer step ("" while it is being computed)."""
         return self._sha256

@@ -75,7 +75,21 @@ class NodeSettings(BaseSettings):
     batch_size: int = Field(16, ge=1, le=65536, description="Sequences per inner step.")
     seq_len: int | None = Field(None, ge=2, le=65536, description="Tokens per sequence (default: the model's context).")
     # DiLoCo
-    inner_steps: int = Field(20, ge=1, le=1_000_000, description="H: inner AdamW steps between outer steps.")
+    inner_steps: int = Field(20, ge=1, le=1_000_000, description="H: the size of a round in inner steps of an "
+                                                                "average peer (with --pacing fixed: exactly H "
+                                                                "steps on every peer).")
+    pacing: str = Field("swarm", pattern=r"^(swarm|fixed)$", description="swarm: a round ends when the swarm "
+                                                                        "has processed its tokens (every peer "
+                                                                        "trains until then, weighted by its "
+                                                                        "tokens); fixed: every peer takes "
+                                                                        "exactly H steps.")
+    round_tokens: int | None = Field(None, ge=1, description="With --pacing swarm: tokens the whole swarm "
+                                                             "processes per round (default: H steps of every "
+                                                             "live peer).")
+    round_seconds: float | None = Field(None, gt=0, le=86400, description="Time budget of a round's inner "
+                                                                          "steps, in seconds: the round ends "
+                                                                          "then even if its tokens are not "
+                                                                          "reached.")
     inner_lr: float = Field(1e-3, gt=0, le=1, description="Peak learning rate of the inner AdamW.")
     inner_weight_decay: float = Field(0.1, ge=0, le=1, description="Weight decay of the inner AdamW.")
     warmup_steps: int = Field(50, ge=0, description="Linear warmup of the inner learning rate, in inner steps.")
@@ -124,9 +138,14 @@ class NodeSettings(BaseSettings):
                                                                             "int8 (blockwise) or none (fp32).")
     bandwidth_mbps: float = Field(1000.0, gt=0, description="This node's bandwidth in Mbit/s, used to size "
                                                             "the part it reduces.")
-    max_lag: int = Field(0, ge=0, le=1_000_000, description="Download the swarm's newest checkpoint when it is "
-                                                            "more than this many outer steps ahead of this node.")
+    max_lag: int = Field(2, ge=0, le=1_000_000, description="Download the swarm's state when it is more than "
+                                                            "this many outer steps ahead of this node (a node "
+                                                            "less behind steps alone and is re-synced by its "
+                                                            "next groups, keeping its inner optimizer).")
     # Checkpoints
+    checkpoint_every: int = Field(10, ge=1, le=1_000_000, description="Write a checkpoint every this many outer "
+                                                                      "steps (and on stop; a peer that needs the "
+                                                                      "current step gets one written on demand).")
     keep_checkpoints: int = Field(3, ge=1, le=1000, description="Newest checkpoints kept in the state dir.")
     # Logging
     log_level: str = Field("INFO", pattern=r"^(DEBUG|INFO|WARNING|ERROR)$",

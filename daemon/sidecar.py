@@ -33,6 +33,18 @@ class NodeView(Protocol):
 
     def checkpoint(self, step: int | None = None) -> CheckpointInfo | None: ...
 
+    async def current_checkpoint(self) -> CheckpointInfo | None: ...
+
+
+class _HeldFileResponse(web.FileResponse):
+    """A file response the handler sends itself (to hold a download slot while it streams):
+    aiohttp prepares a returned response once more, which must then do nothing."""
+
+    async def prepare(self, request: web.BaseRequest):
+        if self.prepared:
+            return self._payload_writer
+        return await super().prepare(request)
+
 
 class Sidecar:
     def __init__(self, node: NodeView, max_downloads: int = 4, auth: SwarmAuth | None = None):
@@ -88,7 +100,10 @@ class Sidecar:
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def checkpoint_meta(self, request: web.Request) -> web.Response:
-        info = self.node.checkpoint()
+        try:
+            info = await self.node.current_checkpoint()
+        except asyncio.TimeoutError:
+            raise web.HTTPServiceUnavailable(text="writing the current checkpoint", headers={"Retry-After": "2"})
         if info is None:
             raise web.HTTPNotFound(text="no checkpoint yet")
         return web.json_response({
@@ -107,7 +122,7 @@ class Sidecar:
         if self.downloads.locked():
             raise web.HTTPServiceUnavailable(text="too many downloads in progress", headers={"Retry-After": "2"})
         async with self.downloads:
-            response = web.FileResponse(info.path, chunk_size=1 << 20, headers={
+            response = _HeldFileResponse(info.path, chunk_size=1 << 20, headers={
                 "X-Checkpoint-Sha256": info.sha256, "X-Checkpoint-Step": str(info.step),
                 "Content-Type": "application/octet-stream",
             })

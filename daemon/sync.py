@@ -293,7 +293,7 @@ async def fetch_from_swarm(members: dict[str, PeerRecord], own_id: str, steps: r
                            auth: SwarmAuth | None = None) -> LoadedCheckpoint | None:
     """The newest checkpoint with its step in `steps` that members serve, or None."""
     donors = [m for m in members.values()
-              if m.peer_id != own_id and m.model_hash == model_hash and m.checkpoint_step in steps and m.http_addr]
+              if m.peer_id != own_id and m.model_hash == model_hash and (m.checkpoint_step in steps or m.outer_step in steps) and m.http_addr]
     if not donors:
         return None
     scratch.mkdir(parents=True, exist_ok=True)

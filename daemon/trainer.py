@@ -2,16 +2,24 @@
 
 The trainer owns the model and the inner optimizer; each replica keeps its own AdamW state
 (DiLoCo: syncing it would triple the traffic for no gain). It runs a bounded number of
-steps per call and checks a stop flag between steps, so a shutdown never waits for a whole
-round of compute.
+steps per call and, between steps, checks a stop flag and asks the round's pacer whether
+another step still fits before the swarm's round ends, so a shutdown never waits for a
+whole round of compute and a slow peer never makes the swarm wait for a step it could not
+finish in time. The tokens of a step not taken stay in the data stream for the next round.
+
+`DTNODE_TEST_SLOW_INNER=F` (a test hook read from the environment only, like the
+failpoints) makes every inner step of this process take F times as long, so tests and
+benchmarks can build swarms of uneven peers on one host.
 """
 
 from __future__ import annotations
 
 import math
+import os
 import threading
 import time
 from contextlib import nullcontext
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -48,6 +56,11 @@ class Trainer:
         )
         self.inner_step = 0
         self.last_loss = math.nan
+        self.round_tokens = 0  # tokens of the current call to run(), read live by the pacer
+        self.round_seconds = 0.0  # wall time of the current call's steps so far
+        self.step_seconds = 0.0  # wall time of the last inner step
+        self.tokens_per_step = stream.batch_size * stream.seq_len
+        self.slowdown = _slowdown_from_env()
         self.autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext())
 
     @property
@@ -66,14 +79,20 @@ class Trainer:
             logits = self.model(batch[:, :-1])
         return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
 
-    def run(self, steps: int, stop: threading.Event, deadline: float | None = None) -> InnerResult:
-        """Up to `steps` AdamW steps; ends early on `stop` or past the monotonic `deadline`."""
+    def run(self, steps: int, stop: threading.Event, deadline: float | None = None,
+            keep_going: Callable[[float], bool] | None = None) -> InnerResult:
+        """Up to `steps` AdamW steps; ends early on `stop`, past the monotonic `deadline`, or
+        when `keep_going(expected seconds of the next step)` says the step no longer fits."""
         self.model.train()
         started = time.monotonic()
         done, tokens, loss_sum = 0, 0, 0.0
+        self.round_tokens, self.round_seconds = 0, 0.0
         for _ in range(steps):
             if stop.is_set() or (deadline is not None and time.monotonic() > deadline):
                 break
+            if keep_going is not None and not keep_going(self.step_seconds):
+                break
+            step_started = time.monotonic()
             batch = self.stream.next_batch()
             self._set_lr()
             loss = self._loss(batch)
@@ -85,9 +104,14 @@ class Trainer:
             loss_value = loss.detach().item()
             if not math.isfinite(loss_value):
                 raise FloatingPointError(f"inner loss became {loss_value} at inner step {self.inner_step}")
+            if self.slowdown > 1:
+                stop.wait((self.slowdown - 1) * (time.monotonic() - step_started))
             self.inner_step += 1
             done += 1
             tokens += batch[:, 1:].numel()
+            self.round_tokens = tokens
+            self.round_seconds = time.monotonic() - started
+            self.step_seconds = time.monotonic() - step_started
             loss_sum += loss_value
         mean = loss_sum / done if done else math.nan
         if done:
@@ -134,3 +158,16 @@ class Trainer:
         """Loss on the swarm-wide eval batch: comparable across peers."""
         self.model.eval()
         return float(self._loss(self.stream.eval_batch))
+
+
+def _slowdown_from_env() -> float:
+    raw = os.environ.get("DTNODE_TEST_SLOW_INNER", "")
+    if not raw:
+        return 1.0
+    try:
+        factor = float(raw)
+    except ValueError:
+        raise ValueError(f"DTNODE_TEST_SLOW_INNER={raw!r} is not a number") from None
+    if not (math.isfinite(factor) and factor >= 1):
+        raise ValueError(f"DTNODE_TEST_SLOW_INNER={raw!r} must be a number >= 1")
+    return factor

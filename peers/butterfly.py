@@ -204,7 +204,12 @@ async def butterfly_allreduce(
 
         async def requests() -> AsyncIterator[pb.PartChunk]:
             for _ in spans:
-                msg, size = await queue.get()
+                getter = asyncio.ensure_future(queue.get())
+                await asyncio.wait({getter, producer}, return_when=asyncio.FIRST_COMPLETED)
+                if not getter.done():  # the producer failed: end the stream now, not at the deadline
+                    getter.cancel()
+                    return
+                msg, size = getter.result()
                 if report.bytes_sent:
                     failpoints.reach("sending", plan.round)
                 report.bytes_sent += size
@@ -246,6 +251,10 @@ async def butterfly_allreduce(
                 mine_residual.zero_()  # those values were applied exactly
             detail = e.details() if isinstance(e, grpc.aio.AioRpcError) else str(e)
             code = e.code().name if isinstance(e, grpc.aio.AioRpcError) else type(e).__name__
+            if producer.done() and not producer.cancelled() and producer.exception() is not None:
+                cause = producer.exception()
+                log.error("round %s hop %s: encoding part %s failed", plan.round, plan.hop, part, exc_info=cause)
+                code, detail = "ENCODING_FAILED", repr(cause)
             log.warning("round %s hop %s: part %s from reducer %s failed (%s: %s); keeping own values",
                         plan.round, plan.hop, part, reducer.peer_id, code, detail)
             return PartOutcome(part, reducer.peer_id, False, [], 0.0, length, f"{code}: {detail}")

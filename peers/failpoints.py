@@ -10,7 +10,8 @@ and SIGKILLs itself: no cleanup runs, exactly as after kill -9 from outside.
 
 Points: `sending` (this member handed a remote reducer at least one chunk and is about to
 send another), `reducing` (this member's reducer folded a remote sender's chunk and owes
-results).
+results). One point raises instead of killing: `round-error` (an exception in the round,
+after its inner steps), to show that the node's per-round error boundary holds.
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ import signal
 import sys
 
 ENV = "DTNODE_TEST_FAILPOINT"
-POINTS = ("sending", "reducing")
+POINTS = ("sending", "reducing", "round-error")
+RAISING = ("round-error",)
 
 
 def _parse(spec: str | None) -> tuple[str, int] | None:
@@ -32,11 +34,17 @@ def _parse(spec: str | None) -> tuple[str, int] | None:
     return name, int(round_)
 
 
+class FailpointError(RuntimeError):
+    """Raised by a raising failpoint: an injected fault, not a bug."""
+
+
 _armed = _parse(os.environ.get(ENV))
 
 
 def reach(name: str, round_: int) -> None:
     """Die here if the failpoint `name` is armed for this round."""
     if _armed is not None and _armed == (name, round_):
+        if name in RAISING:
+            raise FailpointError(f"failpoint {name}@{round_} reached")
         print(f"failpoint {name}@{round_} reached: killing this process", file=sys.stderr, flush=True)
         os.kill(os.getpid(), signal.SIGKILL)

@@ -2,20 +2,32 @@
 
 Peers sit on a d-dimensional grid [0, M)^d. In hop k a peer averages with the peers that
 share every coordinate but the k-th, carrying a (weighted mean, weight) pair from hop to
-hop. On a full grid (N = M^d peers) every peer holds the exact global mean after d hops
-(Ryabinin et al., 2021); with gaps or failures, the mean of what its groups could reach.
+hop (Ryabinin et al., 2021).
 
-Coordinates here come from each peer's rank in an order reshuffled every outer step (a
-hash of the step and the peer id), written in base M. Every peer that sees the same
-membership derives the same grid without talking to anyone, the grid is as full as the
-swarm allows from the first step, and the reshuffle mixes peers differently each step so a
-gap (N < M^d) or a dead peer never isolates the same peers twice. Pure functions, no I/O.
+Placement must survive views that differ. A peer's starting coordinates are a hash of its
+own id and the outer step (like hivemind's locally derived group keys), never its rank in a
+membership view: a peer missing from one node's view moves only its own cell, and every
+other peer's cell is the same in every view.
+
+Hashed cells are uneven (a cell may hold 1 or 5 peers), which alone would leave the mean
+inexact after d hops. So from hop 1 on, the coordinate of the dimension just averaged is
+replaced by a *class* taken from the peer's rank in the group it has just left, a list
+every member of that group agreed on, so no view enters here either. Each group hands out
+all M classes among its members: a member of a small group stands for it in several
+classes (it joins several groups of the next hop, its result taken from the first), and
+two members of a group larger than M that share a class split its weight. Every group of
+the next hop then holds exactly one share of every previous group of its slab, so with d = 2
+every peer holds the exact token-weighted global mean after two hops, whatever the cell
+sizes were. (With d >= 3, a member's extra classes are not carried further, so the mean is
+exact over each slab and close to the global one.) Pure functions, no I/O.
 """
 
 from __future__ import annotations
 
 import hashlib
 import math
+from collections.abc import Iterable
+from dataclasses import dataclass
 
 
 def grid_shape(num_peers: int, group_size: int, dims: int = 0) -> tuple[int, int]:
@@ -30,24 +42,10 @@ def grid_shape(num_peers: int, group_size: int, dims: int = 0) -> tuple[int, int
     return side, math.ceil(math.log(num_peers) / math.log(side) - 1e-9)
 
 
-def shuffle_order(peer_ids: list[str], outer_step: int, salt: str = "") -> list[str]:
-    """The step's order of peers: deterministic, different every step."""
-    def rank_key(peer_id: str) -> bytes:
-        return hashlib.sha256(f"{salt}:{outer_step}:{peer_id}".encode()).digest()
-    return sorted(set(peer_ids), key=rank_key)
-
-
-def coordinates(peer_ids: list[str], outer_step: int, side: int, dims: int, salt: str = "") -> dict[str, tuple[int, ...]]:
-    """Each peer's grid coordinates for this outer step: its rank in base `side`.
-
-    Ranks beyond side^dims (a swarm larger than the grid) wrap around, so groups then grow
-    past `side` and are split by the matchmaker like any oversized group.
-    """
-    order = shuffle_order(peer_ids, outer_step, salt)
-    coords = {}
-    for rank, peer_id in enumerate(order):
-        coords[peer_id] = tuple((rank // side**k) % side for k in range(dims))
-    return coords
+def coordinates(peer_id: str, outer_step: int, side: int, dims: int, salt: str = "") -> tuple[int, ...]:
+    """A peer's starting cell for this outer step: a function of its own id and the step only."""
+    digest = hashlib.sha256(f"{salt}:{outer_step}:{peer_id}".encode()).digest()
+    return tuple(int.from_bytes(digest[4 * k : 4 * k + 4], "big") % side for k in range(dims))
 
 
 def hop_key(coords: tuple[int, ...], hop: int) -> str:
@@ -56,9 +54,77 @@ def hop_key(coords: tuple[int, ...], hop: int) -> str:
     return "-".join(str(c) for c in rest) or "all"
 
 
-def hop_groups(coords: dict[str, tuple[int, ...]], hop: int) -> dict[str, list[str]]:
-    """Who shares each group key in a hop (what a peer expects to meet there)."""
-    groups: dict[str, list[str]] = {}
-    for peer_id, c in coords.items():
-        groups.setdefault(hop_key(c, hop), []).append(peer_id)
-    return {key: sorted(members) for key, members in groups.items()}
+def classes_of(rank: int, group_size: int, side: int) -> list[tuple[int, float]]:
+    """The classes (and weight shares) the member at `rank` of a group stands for in the next hop.
+
+    Together the members of a group cover each class 0..side-1 with total share 1.
+    """
+    if not 0 <= rank < group_size:
+        raise ValueError("rank out of range")
+    if group_size >= side:
+        cls = rank % side
+        holders = len(range(cls, group_size, side))
+        return [(cls, 1.0 / holders)]
+    return [(cls, 1.0) for cls in range(rank, side, group_size)]
+
+
+@dataclass(frozen=True)
+class Slot:
+    """One group a peer joins in a hop: its key, the share of its weight it brings, and
+    whether the result of this group is the one it carries on (its primary slot)."""
+
+    key: str
+    share: float
+    primary: bool
+    coords: tuple[int, ...]  # the coordinates this slot stands at (primary: carried to the next hop)
+
+
+def first_slot(coords: tuple[int, ...]) -> Slot:
+    return Slot(hop_key(coords, 0), 1.0, True, coords)
+
+
+def next_slots(coords: tuple[int, ...], hop: int, group: list[str], own_id: str, side: int) -> list[Slot]:
+    """This peer's slots in `hop` (>= 1), from the agreed member list of its group in hop - 1."""
+    ordered = sorted(group)
+    slots = []
+    for cls, share in classes_of(ordered.index(own_id), len(ordered), side):
+        moved = coords[: hop - 1] + (cls,) + coords[hop:]
+        slots.append(Slot(hop_key(moved, hop), share, not slots, moved))
+    return slots
+
+
+def split_groups(peer_ids: Iterable[str], target_size: int) -> list[list[str]]:
+    """Balanced, deterministic split of an id list into groups of at most target_size."""
+    ordered = sorted(peer_ids)
+    count = max(1, math.ceil(len(ordered) / max(target_size, 1)))
+    return [ordered[len(ordered) * g // count : len(ordered) * (g + 1) // count] for g in range(count)]
+
+
+def expected_groups(population: Iterable[str], outer_step: int, side: int, dims: int, target_size: int,
+                    salt: str = "") -> list[dict[str, set[str]]]:
+    """Per hop, who this population puts under each group key, if every group forms as planned.
+
+    A node uses it to know whom to wait for; the groups that really form decide the next
+    hop's slots, so a wrong expectation costs at most waiting until the window ends.
+    """
+    peers = sorted(set(population))
+    coords = {p: coordinates(p, outer_step, side, dims, salt) for p in peers}
+    hops: list[dict[str, set[str]]] = []
+    slots = {p: [first_slot(coords[p])] for p in peers}
+    for hop in range(dims):
+        by_key: dict[str, set[str]] = {}
+        for p, own in slots.items():
+            for slot in own:
+                by_key.setdefault(slot.key, set()).add(p)
+        hops.append(by_key)
+        if hop + 1 == dims:
+            break
+        groups: dict[str, list[str]] = {}  # primary group of each peer
+        for key, members in by_key.items():
+            parts = split_groups(members, target_size) if hop == 0 else [sorted(members)]
+            for part in parts:
+                for p in part:
+                    if slots[p][0].key == key:
+                        groups[p] = part
+        slots = {p: next_slots(slots[p][0].coords, hop + 1, groups[p], p, side) for p in peers}
+    return hops

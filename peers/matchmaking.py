@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -30,6 +29,7 @@ from hivemind.utils import get_dht_time
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from .auth import AuthError, SwarmAuth
+from .grid import split_groups
 from .plan import Member
 
 log = logging.getLogger(__name__)
@@ -56,13 +56,6 @@ class FormedGroup:
     complete: bool = False  # every expected member registered before the window ended
     last_arrival_lag: float = 0.0  # seconds from our registration to the last registrant's
     resync: bool = False  # some member asked the group to average θ_g too (all members see the same)
-
-
-def split_groups(peer_ids: list[str], target_size: int) -> list[list[str]]:
-    """Balanced, deterministic split of a sorted id list into groups of at most target_size."""
-    ordered = sorted(peer_ids)
-    count = max(1, math.ceil(len(ordered) / target_size))
-    return [ordered[len(ordered) * g // count : len(ordered) * (g + 1) // count] for g in range(count)]
 
 
 class Matchmaker:

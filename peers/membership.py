@@ -64,6 +64,9 @@ class PeerRecord(BaseModel):
     checkpoint_step: int = Field(-1, ge=-1, le=1 << 62)
     checkpoint_sha256: str = Field("", max_length=64)
     tokens_per_s: float = Field(0.0, ge=0, le=1e15)
+    round_tokens: int = Field(0, ge=0, le=1 << 62)  # tokens processed so far in round `outer_step`
+    tokens_per_step: int = Field(0, ge=0, le=1 << 40)  # batch x sequence: sizes the swarm's round
+    progress_at: float = Field(0.0, ge=0, le=1e12)  # DHT time at which round_tokens was counted
     bandwidth_mbps: float = Field(1000.0, gt=0, le=1e9)
     device: str = Field("cpu", max_length=32)
     client_mode: bool = False

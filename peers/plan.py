@@ -58,11 +58,13 @@ def make_plan(
     block_size: int,
     chunk_elements: int,
     codec: int = INT8,
+    key: str = "",
 ) -> GroupPlan:
     """Build the plan every member derives identically from the same member list.
 
     Parts are proportional to advertised bandwidth (client-mode members get none) and
-    aligned to the quantization block so no block straddles two reducers.
+    aligned to the quantization block so no block straddles two reducers. `key` (the
+    group's matchmaking key) keeps two groups of one hop with the same members apart.
     """
     ordered = tuple(sorted(members, key=lambda m: m.peer_id))
     if len({m.peer_id for m in ordered}) != len(ordered):
@@ -72,7 +74,7 @@ def make_plan(
     shares = [0.0 if m.client_mode else max(m.bandwidth, 1e-9) for m in ordered]
     parts = tuple(plan_parts(numel, shares, align=block_size))
     digest = hashlib.sha256()
-    for item in (run_id, round, hop, numel, block_size, chunk_elements, codec, *[m.peer_id for m in ordered]):
+    for item in (run_id, round, hop, key, numel, block_size, chunk_elements, codec, *[m.peer_id for m in ordered]):
         digest.update(str(item).encode() + b"\0")
     for offset, length in parts:
         digest.update(f"{offset}:{length};".encode())

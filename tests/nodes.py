@@ -15,7 +15,7 @@ from pathlib import Path
 
 PORTS = ["--dht-port", "0", "--grpc-port", "0", "--http-port", "0"]
 # Small and quick: the tiny preset, short rounds, short timeouts, eager int8 kernels.
-FAST = ["--model", "tiny", "--inner-steps", "15", "--batch-size", "8", "--seq-len", "32", "--keep-checkpoints", "100",
+FAST = ["--model", "tiny", "--inner-steps", "15", "--batch-size", "8", "--seq-len", "32", "--keep-checkpoints", "100", "--checkpoint-every", "1",
         "--matchmaking-window", "10", "--peer-ttl", "4", "--heartbeat-interval", "1", "--no-fused-kernels"]
 
 

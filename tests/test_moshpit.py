@@ -2,6 +2,7 @@
 
 import asyncio
 import time
+from collections import Counter
 
 import hivemind
 from hivemind.utils import get_dht_time
@@ -9,7 +10,9 @@ import pytest
 import torch
 
 from dtnode.peers.deadlines import AdaptiveDeadlines, expected_payload_bytes
-from dtnode.peers.grid import coordinates, grid_shape, hop_groups, hop_key
+from dtnode.peers.grid import (
+    classes_of, coordinates, expected_groups, first_slot, grid_shape, hop_key, next_slots, split_groups,
+)
 from dtnode.peers.matchmaking import Matchmaker
 from dtnode.peers.plan import Member
 
@@ -19,33 +22,73 @@ def test_grid_shape(n, m, d):
     assert grid_shape(n, m) == (m, d)
 
 
-@pytest.mark.parametrize("n,m", [(9, 3), (16, 2), (64, 4), (27, 3), (12, 4), (6, 3)])
-def test_full_grid_reaches_the_exact_weighted_mean_in_d_hops(n, m):
-    """Averaging the (mean, weight) pair hop by hop gives every peer the exact weighted mean."""
-    side, dims = grid_shape(n, m)
-    ids = [f"p{i}" for i in range(n)]
-    coords = coordinates(ids, 7, side, dims)
-    values = {p: torch.randn(32, dtype=torch.float64) for p in ids}
-    weights = {p: float(i + 1) for i, p in enumerate(ids)}
-    exact = sum(weights[p] * values[p] for p in ids) / sum(weights.values())
+def _average_over_grid(ids: list[str], step: int, side: int, dims: int, target: int, values: dict, weights: dict):
+    """Run the grid's hops as the averager does, every group forming exactly as planned."""
+    coords = {p: coordinates(p, step, side, dims) for p in ids}
+    slots = {p: [first_slot(coords[p])] for p in ids}
     for hop in range(dims):
-        for members in hop_groups(coords, hop).values():
-            assert len(members) <= side
-            total = sum(weights[p] for p in members)
-            mean = sum(weights[p] * values[p] for p in members) / total
-            for p in members:
-                values[p], weights[p] = mean.clone(), total
-    if n == side ** dims or n % side == 0:  # full rows: exact
+        by_key: dict[str, list[tuple[str, float]]] = {}
+        for p, own in slots.items():
+            for slot in own:
+                by_key.setdefault(slot.key, []).append((p, slot.share))
+        results, groups = {}, {}
+        for key, joined in by_key.items():
+            share = dict(joined)
+            for group in (split_groups(share, target) if hop == 0 else [sorted(share)]):
+                total = sum(weights[p] * share[p] for p in group)
+                mean = sum(weights[p] * share[p] * values[p] for p in group) / total
+                for p in group:
+                    if slots[p][0].key == key:  # the primary slot's result is carried on
+                        results[p], groups[p] = (mean, total), group
+        for p in ids:
+            values[p], weights[p] = results[p]
+        if hop + 1 < dims:
+            slots = {p: next_slots(slots[p][0].coords, hop + 1, groups[p], p, side) for p in ids}
+
+
+@pytest.mark.parametrize("n,m", [(9, 3), (12, 4), (6, 3), (16, 4), (5, 4), (4, 4), (30, 16)])
+def test_uneven_hashed_cells_still_give_the_exact_weighted_mean_in_two_hops(n, m):
+    """Hashed cells fill unevenly (1 to 5 peers), yet every peer ends with the exact token-
+    weighted global mean: classes taken from ranks in agreed groups cover every group once."""
+    side, dims = grid_shape(n, m)
+    assert dims <= 2
+    ids = [f"p{i}" for i in range(n)]
+    uneven = 0
+    for step in range(40):
+        cells = Counter(coordinates(p, step, side, dims)[1:] for p in ids)
+        uneven += len(set(cells.values())) > 1
+        values = {p: torch.randn(16, dtype=torch.float64) for p in ids}
+        weights = {p: float(i % 5 + 1) for i, p in enumerate(ids)}
+        exact = sum(weights[p] * values[p] for p in ids) / sum(weights.values())
+        _average_over_grid(ids, step, side, dims, m, values, weights)
         for p in ids:
             torch.testing.assert_close(values[p], exact)
+    assert dims == 1 or uneven > 0  # the test did meet uneven cells
 
 
-def test_coordinates_agree_between_peers_and_reshuffle_every_step():
-    ids = [f"p{i}" for i in range(9)]
-    assert coordinates(ids, 3, 3, 2) == coordinates(list(reversed(ids)), 3, 3, 2)
-    assert coordinates(ids, 3, 3, 2) != coordinates(ids, 4, 3, 2)
-    assert sorted(coordinates(ids, 3, 3, 2).values()) == [(a, b) for b in range(3) for a in range(3)][:9] or \
-        len(set(coordinates(ids, 3, 3, 2).values())) == 9
+def test_classes_cover_every_class_once_per_group():
+    for size in range(1, 9):
+        for side in (2, 3, 4):
+            cover = Counter()
+            for rank in range(size):
+                for cls, share in classes_of(rank, size, side):
+                    cover[cls] += share
+            assert dict(cover) == pytest.approx({c: 1.0 for c in range(side)})
+
+
+def test_a_peer_missing_from_a_view_moves_only_its_own_cell():
+    """Placement is a function of a peer's own id and the step: one view missing a peer
+    expects the same cells as the full view for everyone else, hop 0 and hop 1 alike."""
+    ids = [f"p{i}" for i in range(12)]
+    full = expected_groups(ids, 5, 4, 2, 4)
+    for missing in ids:
+        skewed = expected_groups([p for p in ids if p != missing], 5, 4, 2, 4)
+        own_cell = next(k for k, members in full[0].items() if missing in members)
+        for key, members in full[0].items():
+            assert skewed[0].get(key, set()) == members - {missing}, (missing, key)
+            assert key == own_cell or missing not in members
+    assert coordinates("p1", 3, 3, 2) != coordinates("p1", 4, 3, 2) or coordinates("p1", 5, 3, 2) != \
+        coordinates("p1", 3, 3, 2)  # cells reshuffle with the step
     assert hop_key((1, 2), 0) == "2" and hop_key((1, 2), 1) == "1" and hop_key((5,), 0) == "all"
 
 

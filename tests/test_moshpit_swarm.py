@@ -35,9 +35,10 @@ def test_nine_nodes_on_a_3x3_grid_stay_in_consensus(tmp_path, cleanup):
     for node in nodes:
         assert node.wait(240) == 0, node.output
     for node in nodes:
-        rounds = re.findall(r"round (\d+) \| groups (\d+)/\d+ (\d+)/\d+ \|", node.output)
-        assert [r for r, _, _ in rounds] == ["0", "1", "2"], node.output
-        assert all(a == "3" and b == "3" for _, a, b in rounds), node.output  # two hops, full groups
+        rounds = re.findall(r"round (\d+) \| groups (\d+)/(\d+)\S* (\d+)/(\d+)\S* \|", node.output)
+        assert [r[0] for r in rounds] == ["0", "1", "2"], node.output
+        # two hops, every group held every member it expected (cells are hashed: sizes vary)
+        assert all(a == b and c == d for _, a, b, c, d in rounds), node.output
     for step in (2, 3):
         # int8 error of the mean Δ is ~1% of it; a node that averaged with a group only
         # (not the whole swarm) would be off by tens of percent of the update

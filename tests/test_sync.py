@@ -43,6 +43,9 @@ class FileView:
             return self.infos[max(self.infos)] if self.infos else None
         return self.infos.get(step)
 
+    async def current_checkpoint(self):
+        return self.checkpoint()
+
 
 def _checkpoint(directory, step, run_id=RUN, layout=LAYOUT, seed=0) -> tuple[CheckpointInfo, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)

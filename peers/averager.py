@@ -1,0 +1,232 @@
+"""Moshpit averaging of one outer step's pseudo-gradient: d hops of group all-reduces.
+
+One `MoshpitAverager` per node; `average()` runs one outer step's hops and returns the
+mean with a typed report per hop. Each hop carries the running (weighted mean, weight)
+pair, so tokens-processed weighting survives the hops. In each hop the peer joins the
+groups of its slots (see `grid.py`): its primary slot's result is what it carries on; the
+other slots make it stand for its previous group in classes nobody else of that group
+covers, which is what keeps the mean exact however unevenly the hashed cells filled.
+
+Consensus re-sync: a node that wants θ_g re-synced (on schedule, after a failed part or
+hop, after a download) says so in its registration; a group in which any member asked also
+averages θ_g and the outer momentum in fp32 that hop, and its members ask again in the next
+hops, so the re-sync spreads over the grid like the mean of Δ does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from .butterfly import AllReduceReport, ChannelPool, butterfly_allreduce
+from .deadlines import AdaptiveDeadlines, expected_payload_bytes
+from .grid import Slot, coordinates, expected_groups, first_slot, grid_shape, next_slots, split_groups
+from .matchmaking import FormedGroup, Matchmaker
+from .membership import PeerRecord
+from .plan import FP32, INT8, make_plan
+from .reducer import ReductionRegistry
+from .auth import SwarmAuth
+
+log = logging.getLogger(__name__)
+
+UNKNOWN = "?"  # an expectation that can never be met: wait for the window
+
+
+@dataclass(frozen=True)
+class AveragingConfig:
+    run_id: str
+    model_hash: str
+    target_group_size: int
+    grid_dims: int = 0
+    int8: bool = True
+    block_size: int = 256
+    chunk_elements: int = 1 << 20
+    in_flight: int = 4
+    trim_fraction: float | None = None
+
+
+@dataclass
+class HopReport:
+    """What one hop did, as this node saw it (its primary group; extra groups summed)."""
+
+    hop: int
+    group_key: str
+    group_size: int
+    expected: int
+    registrants: int
+    complete: bool
+    included_peers: list[str]
+    matchmaking_s: float
+    window_s: float
+    allreduce_s: float = 0.0
+    timeout_s: float = 0.0
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    failed_parts: list[str] = field(default_factory=list)
+    extra_groups: int = 0
+    theta_resync_s: float | None = None
+
+    @property
+    def clean(self) -> bool:
+        return self.complete and not self.failed_parts
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class AveragingResult:
+    mean: torch.Tensor  # the buffer holding the averaged Δ
+    weight: float  # the tokens the mean stands for
+    hops: list[HopReport]
+    theta: torch.Tensor | None  # averaged θ_g and momentum, when a re-sync happened
+
+    @property
+    def clean(self) -> bool:
+        return all(h.clean for h in self.hops)
+
+
+class MoshpitAverager:
+    def __init__(self, config: AveragingConfig, peer_id: str, view: Callable[[], Awaitable[dict[str, PeerRecord]]],
+                 matchmaker: Matchmaker, registry: ReductionRegistry, channels: ChannelPool,
+                 deadlines: AdaptiveDeadlines, auth: SwarmAuth | None = None,
+                 on_phase: Callable[[str], None] = lambda phase: None):
+        self.config = config
+        self.peer_id = peer_id
+        self.view = view
+        self.matchmaker = matchmaker
+        self.registry = registry
+        self.channels = channels
+        self.deadlines = deadlines
+        self.auth = auth
+        self.on_phase = on_phase
+        self._scratch: list[torch.Tensor] = []
+
+    # ---- who takes part -----------------------------------------------------------------
+    async def population(self, round_no: int) -> set[str]:
+        """Peers of `round_no`: live, same model, at this step or finishing the one before."""
+        view = await self.view()
+        return {p.peer_id for p in view.values() if p.outer_step in (round_no - 1, round_no) and p.model_hash == self.config.model_hash
+                and p.state in ("training", "averaging")} | {self.peer_id}
+
+    async def admissible(self) -> set[str]:
+        """Peers a group may include: those with a live, signed membership record for this model."""
+        view = await self.view()
+        return {p.peer_id for p in view.values() if p.model_hash == self.config.model_hash and p.state != "stopped"}
+
+    async def _alive(self, peers: set[str], round_no: int) -> set[str]:
+        if UNKNOWN in peers:
+            return peers
+        return (peers & await self.population(round_no)) | {self.peer_id}
+
+    # ---- one outer step --------------------------------------------------------------------
+    async def average(self, round_no: int, delta: torch.Tensor, spare: torch.Tensor, weight: float, resync: bool,
+                      consensus_state: Callable[[], Awaitable[torch.Tensor]],
+                      residual: torch.Tensor | None = None) -> AveragingResult:
+        """Average Δ (`delta`, which `spare` and scratch buffers take turns with) over the grid."""
+        c = self.config
+        population = await self.population(round_no)
+        side, dims = grid_shape(len(population), c.target_group_size, c.grid_dims)
+        expected = expected_groups(population, round_no, side, dims, c.target_group_size, salt=c.run_id)
+        slots = [first_slot(coordinates(self.peer_id, round_no, side, dims, c.run_id))]
+        current = delta
+        theta: torch.Tensor | None = None
+        theta_weight = 1.0
+        hops: list[HopReport] = []
+        for hop in range(dims):
+            window = self.deadlines.matchmaking_window
+            self.on_phase("matchmaking")
+            asked = resync or theta is not None
+            groups = await asyncio.gather(*(
+                self._form(round_no, hop, dims, slot, expected[hop], window, asked, c.target_group_size if hop == 0 else 0)
+                for slot in slots))
+            primary = groups[0]
+            report = HopReport(hop, primary.key, len(primary.members),
+                               self._expected_size(expected[hop], slots[0].key, hop), primary.registrants,
+                               all(g.complete for g in groups), [self.peer_id], round(primary.seconds, 4),
+                               round(window, 3), extra_groups=len(groups) - 1)
+            self.deadlines.observe_matchmaking(primary.last_arrival_lag, primary.complete)
+            if any(len(g.members) > 1 and g.resync for g in groups) and theta is None:
+                theta = await consensus_state()
+            outputs = [spare] + [self._scratch_buffer(i, current) for i in range(len(groups) - 1)]
+            theta_outputs = [torch.empty_like(theta) if theta is not None and g.resync and len(g.members) > 1 else None
+                             for g in groups]
+            self.on_phase("allreduce")
+            results = await asyncio.gather(*(
+                self._reduce(round_no, hop, hop + dims, group, slot, current, weight, out, theta,
+                             theta_weight, theta_out, residual if hop == 0 and slot.primary else None, report)
+                for group, slot, out, theta_out in zip(groups, slots, outputs, theta_outputs)))
+            first = results[0]
+            if first is not None:
+                weight = first.weight_after(weight)
+                current, spare = spare, current
+                report.included_peers = first.included_peers
+            if theta is not None and theta_outputs[0] is not None:
+                theta_weight = theta_weight * len(primary.members)
+                theta.copy_(theta_outputs[0])
+            hops.append(report)
+            if hop + 1 < dims:
+                slots = next_slots(slots[0].coords, hop + 1, [m.peer_id for m in primary.members], self.peer_id, side)
+        return AveragingResult(current, weight, hops, theta)
+
+    def _expected_size(self, expected: dict[str, set[str]], key: str, hop: int) -> int:
+        """Members this node expected in its primary group (hop 0 splits an oversized cell)."""
+        wanted = expected.get(key)
+        if wanted is None:
+            return 0
+        if hop > 0:
+            return len(wanted)
+        return len(next(g for g in split_groups(wanted | {self.peer_id}, self.config.target_group_size)
+                        if self.peer_id in g))
+
+    def _scratch_buffer(self, index: int, like: torch.Tensor) -> torch.Tensor:
+        while len(self._scratch) <= index:
+            self._scratch.append(torch.empty_like(like))
+        if self._scratch[index].numel() != like.numel():
+            self._scratch[index] = torch.empty_like(like)
+        return self._scratch[index]
+
+    async def _form(self, round_no: int, hop: int, dims: int, slot: Slot, expected: dict[str, set[str]],
+                    window: float, resync: bool, target_size: int) -> FormedGroup:
+        wanted = expected.get(slot.key, {UNKNOWN})
+        return await self.matchmaker.form_group(
+            round_no, hop, lambda: self._alive(wanted, round_no), window, target_size or 1 << 16,
+            confirm_timeout=min(3.0, window), cell=f"d{dims}.{slot.key}", resync=resync, admitted=self.admissible)
+
+    async def _reduce(self, round_no: int, hop: int, theta_hop: int, group: FormedGroup, slot: Slot, values: torch.Tensor,
+                      weight: float, out: torch.Tensor, theta: torch.Tensor | None, theta_weight: float,
+                      theta_out: torch.Tensor | None, residual: torch.Tensor | None,
+                      report: HopReport) -> AllReduceReport | None:
+        """All-reduce Δ (and θ_g when the group re-syncs) in one group; counts into `report`."""
+        if len(group.members) <= 1:
+            return None
+        c = self.config
+        expected = expected_payload_bytes(values.numel(), len(group.members), c.int8, c.block_size)
+        timeout = self.deadlines.allreduce_timeout(expected)
+        plan = make_plan(c.run_id, round_no, hop, group.members, values.numel(), c.block_size, c.chunk_elements,
+                         INT8 if c.int8 else FP32, key=group.key)
+        result = await butterfly_allreduce(
+            plan, self.peer_id, values, weight * slot.share, out, self.registry, self.channels, timeout,
+            in_flight=c.in_flight, residual=residual, auth=self.auth, trim_fraction=c.trim_fraction)
+        self.deadlines.observe_allreduce(result.bytes_sent + result.bytes_received, result.seconds,
+                                         not result.failed_parts)
+        report.allreduce_s = round(max(report.allreduce_s, result.seconds), 4)
+        report.timeout_s = round(timeout, 3)
+        report.bytes_sent += result.bytes_sent
+        report.bytes_received += result.bytes_received
+        report.failed_parts += [p.reducer for p in result.failed_parts]
+        if theta is not None and theta_out is not None:
+            theta_plan = make_plan(c.run_id, round_no, theta_hop, group.members, theta.numel(), c.block_size,
+                                   c.chunk_elements, FP32, key=group.key)
+            sync = await butterfly_allreduce(
+                theta_plan, self.peer_id, theta, theta_weight * slot.share, theta_out, self.registry, self.channels,
+                self.deadlines.allreduce_timeout(8 * expected), in_flight=c.in_flight, auth=self.auth)
+            report.theta_resync_s = round(sync.seconds, 4)
+            report.bytes_sent += sync.bytes_sent
+            report.bytes_received += sync.bytes_received
+            report.failed_parts += [p.reducer for p in sync.failed_parts]
+        return result

@@ -1,0 +1,87 @@
+"""When does the swarm's round end? Progress-paced rounds (hivemind's target batch size).
+
+Every peer publishes, in its membership record, how many tokens it has processed in the
+current round, when it counted them, and how fast it goes. Every peer reads all records and
+extrapolates each one to now, so all of them see the same swarm total within a heartbeat's
+staleness and reach matchmaking together. The round ends when that total reaches the
+round's target: `--round-tokens`, or H steps of an average peer (H times the sum of the
+live peers' tokens per step). A fast peer takes more steps and a slow one fewer; each
+contributes Δ weighted by the tokens it processed, so nobody waits for the slowest and
+nobody is left out. Records are extrapolated at most `max_extrapolation` seconds past their
+count, so a peer that stopped reporting (paused, crashed) cannot end a round on its own.
+Pure functions, no I/O.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Protocol
+
+
+class Progress(Protocol):
+    """The fields of a membership record that pacing reads."""
+
+    peer_id: str
+    state: str
+    outer_step: int
+    round_tokens: int
+    tokens_per_step: int
+    tokens_per_s: float
+    progress_at: float
+
+
+ACTIVE = ("training", "averaging")
+
+
+@dataclass(frozen=True)
+class SwarmProgress:
+    target: int  # tokens the swarm processes this round
+    done: float  # tokens processed so far, extrapolated to now
+    rate: float  # tokens per second of the peers still training
+    peers: int  # peers counted
+
+    @property
+    def reached(self) -> bool:
+        return self.done >= self.target
+
+    def seconds_left(self) -> float:
+        """Estimated seconds until the target is reached (inf while nobody reports a rate)."""
+        if self.reached:
+            return 0.0
+        return (self.target - self.done) / self.rate if self.rate > 0 else math.inf
+
+
+def round_target(records: Iterable[Progress], round: int, inner_steps: int, round_tokens: int | None) -> int:
+    """The round's token target: absolute, or H steps of every live peer of the round.
+
+    Peers still finishing the previous round count too: they are about to join this one,
+    and a round sized without them would end before they could take part.
+    """
+    if round_tokens:
+        return round_tokens
+    per_step = sum(max(r.tokens_per_step, 0) for r in records
+                   if r.outer_step in (round - 1, round) and r.state in ACTIVE)
+    return max(inner_steps * per_step, 1)
+
+
+def swarm_progress(records: Iterable[Progress], own: Progress, round: int, inner_steps: int,
+                   round_tokens: int | None, now: float, max_extrapolation: float = 10.0) -> SwarmProgress:
+    """The swarm's progress in `round` as this peer sees it now (`now` in DHT time).
+
+    `own` is this peer's live progress, which replaces its (older) published record.
+    """
+    records = [r for r in records if r.peer_id != own.peer_id] + [own]
+    members = {r.peer_id: r for r in records if r.outer_step == round and r.state in ACTIVE}
+    done, rate = 0.0, 0.0
+    for r in members.values():
+        tokens = float(max(r.round_tokens, 0))
+        if r.state == "training" and r is not own:
+            elapsed = min(max(now - r.progress_at, 0.0), max_extrapolation)
+            tokens += max(r.tokens_per_s, 0.0) * elapsed
+        if r.state == "training":
+            rate += max(r.tokens_per_s, 0.0)
+        done += tokens
+    target = round_target(records, round, inner_steps, round_tokens)
+    return SwarmProgress(target, done, rate, len(members))

@@ -1,0 +1,45 @@
+"""Swarm-paced rounds: when the round ends, as every peer computes it from the DHT records."""
+
+import math
+
+import pytest
+
+from dtnode.peers.membership import PeerRecord
+from dtnode.peers.pacing import round_target, swarm_progress
+
+
+def _peer(name: str, step: int = 4, tokens: int = 0, rate: float = 0.0, at: float = 100.0, per_step: int = 100,
+          state: str = "training") -> PeerRecord:
+    return PeerRecord(peer_id=name, outer_step=step, round_tokens=tokens, tokens_per_s=rate, progress_at=at,
+                      tokens_per_step=per_step, state=state)
+
+
+def test_target_is_h_steps_of_every_live_peer_including_those_finishing_the_last_round():
+    peers = [_peer("a"), _peer("b", per_step=400), _peer("c", step=3, state="averaging"),
+             _peer("old", step=1), _peer("gone", state="stopped")]
+    assert round_target(peers, 4, inner_steps=10, round_tokens=None) == 10 * (100 + 400 + 100)
+    assert round_target(peers, 4, inner_steps=10, round_tokens=12345) == 12345
+
+
+def test_progress_extrapolates_each_peer_from_its_last_report_and_caps_stale_ones():
+    own = _peer("me", tokens=200, rate=100.0, at=110.0)
+    fast = _peer("fast", tokens=300, rate=400.0, at=108.0)  # 2 s old: +800
+    done = _peer("done", tokens=500, rate=400.0, at=100.0, state="averaging")  # finished: no extrapolation
+    paused = _peer("paused", tokens=100, rate=100.0, at=50.0)  # 60 s stale: capped at 10 s
+    p = swarm_progress([fast, done, paused, _peer("me", tokens=0)], own, 4, 10, None, now=110.0)
+    assert p.done == pytest.approx(200 + (300 + 800) + 500 + (100 + 1000))
+    assert p.rate == pytest.approx(100 + 400 + 100)
+    assert p.target == 10 * 4 * 100 and p.peers == 4
+    assert not p.reached and p.seconds_left() == pytest.approx((4000 - p.done) / 600)
+
+
+def test_a_slow_peer_does_not_hold_the_round_and_a_lone_peer_takes_h_steps():
+    # three peers at 1000 tok/s and one at 250 tok/s, 100 tokens a step each, H = 20: the
+    # round is 8000 tokens; after 2.5 s the fast ones have 7500 and the slow one 625
+    fast = [_peer(f"f{i}", tokens=2500, rate=1000.0, at=10.0) for i in range(3)]
+    slow = _peer("slow", tokens=625, rate=250.0, at=10.0)
+    p = swarm_progress(fast, slow, 4, 20, None, now=10.0)
+    assert p.reached and p.seconds_left() == 0.0
+    alone = swarm_progress([], _peer("me", tokens=1900, rate=100.0), 4, 20, None, now=100.0)
+    assert alone.target == 2000 and not alone.reached
+    assert swarm_progress([], _peer("me", tokens=0), 4, 20, None, now=0.0).seconds_left() == math.inf

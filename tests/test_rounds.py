@@ -1,0 +1,80 @@
+"""Rounds that hold: uneven peers paced by the swarm, the per-round error boundary, and a
+catch-up that keeps the inner optimizer. Real node processes on loopback."""
+
+import re
+import threading
+
+import torch
+
+from dtnode.daemon.checkpoint import LoadedCheckpoint, TrainingState
+from dtnode.daemon.node import Node
+from dtnode.daemon.settings import NodeSettings
+
+from nodes import FAST, NodeProcess
+
+ROUND = re.compile(r"round (\d+) \| groups (\d+)/(\d+)\S* \| (\d+) steps (\d+) tok .*params (\w+)")
+
+
+def _swarm(tmp_path, cleanup, envs: list[dict], *extra: str) -> list[NodeProcess]:
+    args = [*FAST, "--min-peers", str(len(envs)), "--join-timeout", "90", *extra]
+    nodes = [NodeProcess.join("n0", tmp_path, *args, env=envs[0])]
+    cleanup.append(nodes[0])
+    for i, env in enumerate(envs[1:], start=1):
+        nodes.append(NodeProcess.join(f"n{i}", tmp_path, *args, "--peer", nodes[0].join_address, env=env))
+        cleanup.append(nodes[-1])
+    return nodes
+
+
+def test_a_slower_peer_is_neither_waited_for_nor_left_out(tmp_path, cleanup):
+    """Three peers, one 4x slower: every round ends for all of them together, in one full
+    group, with one θ_g; the slow peer contributes about a quarter of a fast peer's tokens."""
+    nodes = _swarm(tmp_path, cleanup, [{}, {}, {"DTNODE_TEST_SLOW_INNER": "4"}], "--max-rounds", "5",
+                   "--inner-steps", "20")
+    for node in nodes:
+        assert node.wait(240) == 0, node.output
+    rounds = {n.name: {int(m[0]): m for m in ROUND.findall(n.output)} for n in nodes}
+    for r in range(1, 5):  # round 0 starts with each node's first, compile-heavy step
+        lines = [rounds[n.name][r] for n in nodes]
+        assert all(size == expected == "3" for _, size, expected, *_ in lines), lines
+        assert len({params for *_, params in lines}) == 1, lines
+    tokens = {n.name: sum(int(rounds[n.name][r][4]) for r in range(1, 5)) for n in nodes}
+    fast = (tokens["n0"] + tokens["n1"]) / 2
+    assert 0.1 < tokens["n2"] / fast < 0.5, tokens
+    for node in nodes:
+        assert "Traceback" not in node.output, node.output
+
+
+def test_an_exception_inside_a_round_does_not_end_the_node(tmp_path, cleanup):
+    """An exception injected after round 1's inner steps: the node logs it with its cause,
+    counts it, and goes on; its peer averages alone that round; both finish, back in step."""
+    a, b = _swarm(tmp_path, cleanup, [{}, {"DTNODE_TEST_FAILPOINT": "round-error@1"}], "--max-rounds", "5")
+    b.wait_for_line(r"round 1 failed \(FailpointError: failpoint round-error@1 reached\)", timeout=120)
+    for node in (a, b):
+        assert node.wait(240) == 0, node.output
+    b_rounds = [int(m[0]) for m in ROUND.findall(b.output)]
+    assert b_rounds == [0, 1, 2, 3] or b_rounds == [0, 1, 2, 3, 4], b.output  # round 1 redone after the fault
+    last_a = {int(m[0]): m for m in ROUND.findall(a.output)}
+    last_b = {int(m[0]): m for m in ROUND.findall(b.output)}
+    final = max(set(last_a) & set(last_b))
+    assert last_a[final][5] == last_b[final][5], (a.output, b.output)  # back in consensus
+    assert "Traceback" not in a.output, a.output
+
+
+def test_a_catch_up_keeps_the_inner_optimizer_of_a_training_node(tmp_path):
+    """A node that was training and downloads the swarm's θ_g keeps its AdamW moments, step
+    count and data position (no warmup restart); a fresh joiner starts them fresh."""
+    node = Node(NodeSettings(state_dir=tmp_path, model="tiny", batch_size=4, seq_len=16, fused_kernels=False))
+    node._start_training_state()
+    node.trainer.run(5, threading.Event())
+    moments = node.trainer.inner_state()
+    position = node.trainer.stream.position()
+    theta = torch.randn(node.replica.numel)
+    loaded = LoadedCheckpoint(7, TrainingState(theta, torch.zeros_like(theta)), {})
+    node._install(loaded, None, keep_inner=True)
+    kept = node.trainer.inner_state()
+    assert node.replica.outer_step == 7 and torch.equal(node.replica.theta_g, theta)
+    assert torch.equal(node.trainer.parameters_flat, theta)
+    assert kept[2] == moments[2] == 5 and torch.equal(kept[0], moments[0]) and torch.equal(kept[1], moments[1])
+    assert node.trainer.inner_step == 5 and node.trainer.stream.position()[1] == position[1]
+    node._install(loaded, None, keep_inner=False)
+    assert node.trainer.inner_state()[2] == 0 and node.trainer.inner_step == 0
