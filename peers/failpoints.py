@@ -42,9 +42,11 @@ _armed = _parse(os.environ.get(ENV))
 
 
 def reach(name: str, round_: int) -> None:
-    """Die here if the failpoint `name` is armed for this round."""
+    """Die here (or raise, for a raising point) if the failpoint `name` is armed for this round."""
+    global _armed
     if _armed is not None and _armed == (name, round_):
-        if name in RAISING:
+        if name in RAISING:  # once: the retried round must go through
+            _armed = None
             raise FailpointError(f"failpoint {name}@{round_} reached")
         print(f"failpoint {name}@{round_} reached: killing this process", file=sys.stderr, flush=True)
         os.kill(os.getpid(), signal.SIGKILL)
