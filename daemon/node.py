@@ -87,7 +87,8 @@ class Node:
         self.checkpoints: dict[int, CheckpointInfo] = {}
         self.last_round: dict[str, Any] = {}
         self.rounds_done = 0
-        self.tokens_per_s = 0.0
+        self.tokens_per_s = 0.0  # of the last round
+        self.rate_estimate = 0.0  # what the record announces before this round's own rate is known
         self.eval_loss: float | None = None
         self.train_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="train")
         self.io_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="checkpoint")
@@ -218,11 +219,13 @@ class Node:
         )
 
     def _live_rate(self) -> float:
-        """Tokens per second this round so far (the last round's before a step is done)."""
+        """Tokens per second this round so far, once two steps are in; before that a cautious
+        estimate from earlier rounds. Other peers extrapolate our progress with it, and an
+        overestimate would make them stop early and leave the round's work to us."""
         trainer = getattr(self, "trainer", None)
-        if trainer is not None and trainer.round_tokens and trainer.round_seconds > 0:
+        if trainer is not None and trainer.round_tokens >= 2 * trainer.tokens_per_step and trainer.round_seconds > 0:
             return trainer.round_tokens / trainer.round_seconds
-        return self.tokens_per_s
+        return self.rate_estimate
 
     def status(self) -> dict[str, Any]:
         loss = self.trainer.last_loss if hasattr(self, "trainer") else math.nan
@@ -499,8 +502,9 @@ class Node:
         while True:
             try:
                 view = await self.membership.members()
+                # a record is extrapolated for two heartbeats at most: past that its peer is not reporting
                 progress = swarm_progress(view.values(), self.record(), round_no, s.inner_steps, s.round_tokens,
-                                          get_dht_time())
+                                          get_dht_time(), max_extrapolation=2 * s.heartbeat_interval)
                 self.round_progress = progress
                 self._round_end_at = time.monotonic() + progress.seconds_left()
             except Exception as e:  # a failed read keeps the last estimate; the next poll retries
@@ -518,7 +522,11 @@ class Node:
         if self.stop_requested.is_set():
             log.info("round %d abandoned after %d inner steps", round_no, inner.steps)
             return
-        self.tokens_per_s = inner.tokens / inner.seconds if inner.seconds > 0 else self.tokens_per_s
+        if inner.seconds > 0 and inner.tokens:
+            self.tokens_per_s = inner.tokens / inner.seconds
+            # the smaller of the last round and a running mean: one round with the machine to itself is no rule
+            self.rate_estimate = min(self.tokens_per_s, 0.5 * (self.rate_estimate + self.tokens_per_s)) \
+                if self.rate_estimate else self.tokens_per_s
         failpoints.reach("round-error", round_no)
         delta = await loop.run_in_executor(self.train_thread, self.replica.pseudo_gradient)
         self.state = "averaging"
@@ -537,7 +545,6 @@ class Node:
         if self._hash_task is not None:  # the hash of the previous θ_g reads it: let it finish
             await asyncio.gather(self._hash_task, return_exceptions=True)
         await loop.run_in_executor(self.train_thread, self._apply, result)
-        self.trainer.round_tokens = 0
         self._hash_task = asyncio.ensure_future(self._rehash())
         self.eval_loss = await loop.run_in_executor(self.train_thread, self.trainer.eval_loss)
         self.rounds_done += 1
@@ -549,6 +556,9 @@ class Node:
 
     def _apply(self, result: AveragingResult) -> None:
         """On the training thread: adopt a re-synced θ_g if any, then the outer step."""
+        # this round's count goes first: a record must never show the next step with this
+        # round's tokens, which every peer would add to the next round's progress
+        self.trainer.round_tokens, self.trainer.round_seconds = 0, 0.0
         with self.theta_lock:
             if result.theta is not None:
                 self.replica.adopt_consensus_state(result.theta)

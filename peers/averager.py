@@ -24,16 +24,14 @@ import torch
 
 from .butterfly import AllReduceReport, ChannelPool, butterfly_allreduce
 from .deadlines import AdaptiveDeadlines, expected_payload_bytes
-from .grid import Slot, coordinates, expected_groups, first_slot, grid_shape, next_slots, split_groups
-from .matchmaking import FormedGroup, Matchmaker
+from .grid import Slot, cells, classes_of, coordinates, feeder_keys, first_slot, grid_shape, next_slots, split_groups
+from .matchmaking import UNKNOWN, FormedGroup, Matchmaker
 from .membership import PeerRecord
 from .plan import FP32, INT8, make_plan
 from .reducer import ReductionRegistry
 from .auth import SwarmAuth
 
 log = logging.getLogger(__name__)
-
-UNKNOWN = "?"  # an expectation that can never be met: wait for the window
 
 
 @dataclass(frozen=True)
@@ -131,57 +129,75 @@ class MoshpitAverager:
         c = self.config
         population = await self.population(round_no)
         side, dims = grid_shape(len(population), c.target_group_size, c.grid_dims)
-        expected = expected_groups(population, round_no, side, dims, c.target_group_size, salt=c.run_id)
+        hop0_cells = cells(population, round_no, side, dims, salt=c.run_id)
         slots = [first_slot(coordinates(self.peer_id, round_no, side, dims, c.run_id))]
         current = delta
         theta: torch.Tensor | None = None
         theta_weight = 1.0
         hops: list[HopReport] = []
+        theta_fetch = asyncio.Lock()
+
+        async def fetch_theta() -> torch.Tensor:
+            nonlocal theta
+            async with theta_fetch:
+                if theta is None:
+                    theta = await consensus_state()
+            return theta
+
         for hop in range(dims):
-            window = self.deadlines.matchmaking_window
+            # hop 0 waits for peers a view names, which may be gone: an adaptive window. Later
+            # hops wait only for members of groups that formed, who are surely on their way
+            # (in the previous hop's all-reduce): the full window.
+            window = self.deadlines.matchmaking_window if hop == 0 else self.deadlines.window_max
             self.on_phase("matchmaking")
             asked = resync or theta is not None
-            groups = await asyncio.gather(*(
-                self._form(round_no, hop, dims, slot, expected[hop], window, asked, c.target_group_size if hop == 0 else 0)
-                for slot in slots))
-            primary = groups[0]
-            report = HopReport(hop, primary.key, len(primary.members),
-                               self._expected_size(expected[hop], slots[0].key, hop), primary.registrants,
-                               all(g.complete for g in groups), [self.peer_id], round(primary.seconds, 4),
-                               round(window, 3), extra_groups=len(groups) - 1)
-            self.deadlines.observe_matchmaking(primary.last_arrival_lag, primary.complete)
-            if any(len(g.members) > 1 and g.resync for g in groups) and theta is None:
-                theta = await consensus_state()
-            outputs = [spare] + [self._scratch_buffer(i, current) for i in range(len(groups) - 1)]
-            theta_outputs = [torch.empty_like(theta) if theta is not None and g.resync and len(g.members) > 1 else None
-                             for g in groups]
-            self.on_phase("allreduce")
-            results = await asyncio.gather(*(
-                self._reduce(round_no, hop, hop + dims, group, slot, current, weight, out, theta,
-                             theta_weight, theta_out, residual if hop == 0 and slot.primary else None, report)
-                for group, slot, out, theta_out in zip(groups, slots, outputs, theta_outputs)))
-            first = results[0]
+            outputs = [spare] + [self._scratch_buffer(i, current) for i in range(len(slots) - 1)]
+
+            async def run_slot(slot: Slot, out: torch.Tensor, report: HopReport
+                               ) -> tuple[FormedGroup, AllReduceReport | None, torch.Tensor | None]:
+                """Form this slot's group and all-reduce in it at once: a member of several
+                groups must not keep one waiting while another is still forming."""
+                group = await self._form(round_no, hop, dims, side, slot, hop0_cells, window, asked)
+                if slot.primary:
+                    self.on_phase("allreduce")
+                theta_in = theta_out = None
+                if group.resync and len(group.members) > 1:
+                    theta_in = await fetch_theta()
+                    theta_out = torch.empty_like(theta_in)
+                result = await self._reduce(round_no, hop, hop + dims, group, slot, current, weight, out, theta_in,
+                                            theta_weight, theta_out, residual if hop == 0 and slot.primary else None,
+                                            report)
+                return group, result, theta_out
+
+            report = HopReport(hop, slots[0].key, 1, 0, 0, False, [self.peer_id], 0.0, round(window, 3),
+                               extra_groups=len(slots) - 1)
+            done = await asyncio.gather(*(run_slot(slot, out, report) for slot, out in zip(slots, outputs)))
+            groups = [group for group, _, _ in done]
+            primary, first, theta_primary = done[0]
+            report.group_key, report.group_size, report.registrants = primary.key, len(primary.members), primary.registrants
+            report.expected = self._hop0_size(hop0_cells, slots[0].key) if hop == 0 else primary.expected
+            report.complete, report.matchmaking_s = all(g.complete for g in groups), round(primary.seconds, 4)
+            log.debug("round %d hop %d: %s", round_no, hop, "; ".join(
+                f"{g.key.rsplit('.', 1)[-1]} {[m.peer_id[-6:] for m in g.members]} expected {g.expected} "
+                f"in {g.seconds:.2f}s" for g in groups))
+            if hop == 0:  # the adaptive window is hop 0's; later hops wait on formed groups
+                self.deadlines.observe_matchmaking(primary.last_arrival_lag, primary.complete)
             if first is not None:
                 weight = first.weight_after(weight)
                 current, spare = spare, current
                 report.included_peers = first.included_peers
-            if theta is not None and theta_outputs[0] is not None:
+            if theta is not None and theta_primary is not None:
                 theta_weight = theta_weight * len(primary.members)
-                theta.copy_(theta_outputs[0])
+                theta.copy_(theta_primary)
             hops.append(report)
             if hop + 1 < dims:
                 slots = next_slots(slots[0].coords, hop + 1, [m.peer_id for m in primary.members], self.peer_id, side)
         return AveragingResult(current, weight, hops, theta)
 
-    def _expected_size(self, expected: dict[str, set[str]], key: str, hop: int) -> int:
-        """Members this node expected in its primary group (hop 0 splits an oversized cell)."""
-        wanted = expected.get(key)
-        if wanted is None:
-            return 0
-        if hop > 0:
-            return len(wanted)
-        return len(next(g for g in split_groups(wanted | {self.peer_id}, self.config.target_group_size)
-                        if self.peer_id in g))
+    def _hop0_size(self, hop0_cells: dict[str, set[str]], key: str) -> int:
+        """Members this node expected in its hop-0 group (an oversized cell is split)."""
+        wanted = hop0_cells.get(key, set()) | {self.peer_id}
+        return len(next(g for g in split_groups(wanted, self.config.target_group_size) if self.peer_id in g))
 
     def _scratch_buffer(self, index: int, like: torch.Tensor) -> torch.Tensor:
         while len(self._scratch) <= index:
@@ -190,12 +206,46 @@ class MoshpitAverager:
             self._scratch[index] = torch.empty_like(like)
         return self._scratch[index]
 
-    async def _form(self, round_no: int, hop: int, dims: int, slot: Slot, expected: dict[str, set[str]],
-                    window: float, resync: bool, target_size: int) -> FormedGroup:
-        wanted = expected.get(slot.key, {UNKNOWN})
+    async def _form(self, round_no: int, hop: int, dims: int, side: int, slot: Slot, hop0_cells: dict[str, set[str]],
+                    window: float, resync: bool) -> FormedGroup:
+        if hop == 0:
+            wanted = hop0_cells.get(slot.key, {UNKNOWN})
+
+            async def expected() -> set[str]:
+                return await self._alive(wanted, round_no)
+        else:
+            async def expected() -> set[str]:
+                return await self._from_feeders(round_no, hop, dims, side, slot, hop0_cells)
         return await self.matchmaker.form_group(
-            round_no, hop, lambda: self._alive(wanted, round_no), window, target_size or 1 << 16,
-            confirm_timeout=min(3.0, window), cell=f"d{dims}.{slot.key}", resync=resync, admitted=self.admissible)
+            round_no, hop, expected, window, self.config.target_group_size if hop == 0 else 1 << 16,
+            cell=f"d{dims}.{slot.key}", resync=resync, admitted=self.admissible)
+
+    async def _from_feeders(self, round_no: int, hop: int, dims: int, side: int, slot: Slot,
+                            hop0_cells: dict[str, set[str]]) -> set[str]:
+        """Whom this slot waits for: the members of class coords[hop-1] of the groups that
+        really formed in the previous hop of its slab (read from their `formed` records).
+
+        A registrant of a feeder cell that has not formed yet is on its way (UNKNOWN until it
+        has); so may be a peer hop 0 expected there that has not registered, until some group
+        of its cell has formed without it.
+        """
+        cls = slot.coords[hop - 1]
+        wanted: set[str] = set()
+        keys = feeder_keys(slot.coords, hop, side)
+        full_keys = [self.matchmaker.group_key(round_no, hop - 1, f"d{dims}.{key}") for key in keys]
+        found = await asyncio.gather(*(self.matchmaker.registered(k) for k in full_keys),
+                                     *(self.matchmaker.formed(k) for k in full_keys))
+        for key, registered, formed in zip(keys, found[:side], found[side:]):
+            for peer in registered | set(formed):
+                group = formed.get(peer)
+                if group is None:
+                    wanted.add(UNKNOWN)
+                elif any(c == cls for c, _ in classes_of(sorted(group).index(peer), len(group), side)):
+                    wanted.add(peer)
+            if hop == 1 and not formed:
+                missing = (hop0_cells.get(key, set()) & await self.population(round_no)) - registered
+                wanted |= {UNKNOWN} if missing else set()
+        return wanted
 
     async def _reduce(self, round_no: int, hop: int, theta_hop: int, group: FormedGroup, slot: Slot, values: torch.Tensor,
                       weight: float, out: torch.Tensor, theta: torch.Tensor | None, theta_weight: float,

@@ -100,31 +100,23 @@ def split_groups(peer_ids: Iterable[str], target_size: int) -> list[list[str]]:
     return [ordered[len(ordered) * g // count : len(ordered) * (g + 1) // count] for g in range(count)]
 
 
-def expected_groups(population: Iterable[str], outer_step: int, side: int, dims: int, target_size: int,
-                    salt: str = "") -> list[dict[str, set[str]]]:
-    """Per hop, who this population puts under each group key, if every group forms as planned.
+def cells(population: Iterable[str], outer_step: int, side: int, dims: int, salt: str = "") -> dict[str, set[str]]:
+    """Who this population puts under each hop-0 group key: whom a node waits for in hop 0.
 
-    A node uses it to know whom to wait for; the groups that really form decide the next
-    hop's slots, so a wrong expectation costs at most waiting until the window ends.
+    Later hops wait for the groups that really formed (see `feeder_keys`), not for a
+    simulation from a view: views differ, and the groups that form decide the next slots.
     """
-    peers = sorted(set(population))
-    coords = {p: coordinates(p, outer_step, side, dims, salt) for p in peers}
-    hops: list[dict[str, set[str]]] = []
-    slots = {p: [first_slot(coords[p])] for p in peers}
-    for hop in range(dims):
-        by_key: dict[str, set[str]] = {}
-        for p, own in slots.items():
-            for slot in own:
-                by_key.setdefault(slot.key, set()).add(p)
-        hops.append(by_key)
-        if hop + 1 == dims:
-            break
-        groups: dict[str, list[str]] = {}  # primary group of each peer
-        for key, members in by_key.items():
-            parts = split_groups(members, target_size) if hop == 0 else [sorted(members)]
-            for part in parts:
-                for p in part:
-                    if slots[p][0].key == key:
-                        groups[p] = part
-        slots = {p: next_slots(slots[p][0].coords, hop + 1, groups[p], p, side) for p in peers}
-    return hops
+    by_key: dict[str, set[str]] = {}
+    for p in set(population):
+        by_key.setdefault(hop_key(coordinates(p, outer_step, side, dims, salt), 0), set()).add(p)
+    return by_key
+
+
+def feeder_keys(coords: tuple[int, ...], hop: int, side: int) -> list[str]:
+    """Keys of the groups of hop `hop`-1 whose members of class coords[hop-1] meet in this slot.
+
+    They are the groups of the slab: every value of dimension `hop`, the rest as in `coords`.
+    """
+    if hop < 1:
+        raise ValueError("hop 0 has no feeders")
+    return [hop_key(coords[:hop] + (v,) + coords[hop + 1 :], hop - 1) for v in range(side)]

@@ -1,19 +1,24 @@
-"""Group formation through the DHT, without a leader.
+"""Group formation through the DHT: the earliest registrant closes the group.
 
 Every peer that reaches hop k of round r registers under the key
 `{run_id}.group.{r}.{k}.{cell}` (the cell is its moshpit grid coordinates without dimension
-k, see `grid.py`) and polls it. The group closes when every peer it expects there has
-registered, when it reaches the target size, or when the matchmaking window ends. Every member then derives the
-same groups from the same sorted registrant list (split into balanced groups when over
-the target size).
+k, see `grid.py`) and polls it. Views differ (a membership record or a registration reaches
+one peer before another), so members do not each decide when the group is whole: the
+earliest registrant not yet in a group (its leader) does. It closes when every peer it
+expects there has registered, or when its window ends, and publishes the member list
+(its part of a balanced split when the registrants outnumber the target size). The others
+adopt the first list that names them. A peer that registered after a list closed without
+it finds that list's members taken and forms a group with whoever is left; a leader still
+silent after the close-by time its registration announced is left out by the followers,
+which close in its stead.
 
-Views can still differ (a registration that reached one member before it closed and another
-after), so closing has a second phase: each member publishes the member list it closed with
-and waits, briefly, for the lists of its group. A latecomer ignores registrants that already
-closed without it; a member that sees a list different from its own averages alone for this
-hop. A divergent view therefore costs its members one hop of averaging, never a stall until
-the all-reduce timeout and never a corrupted average (reducers also reject chunks whose
-group id differs from theirs).
+Two lists can still be published at once (a leader that had not yet seen an earlier
+registrant, or two followers taking over together). So every member waits a short settle
+time, re-reads the lists, and keeps the earliest-published list naming it, less any member
+whose own earliest list is another one. Everyone reads the same lists and so computes the
+same group, and a member that has settled never sees an earlier list appear later (up to
+clock skew); one that did would cost one all-reduce, as reducers reject chunks whose
+group id differs from theirs.
 """
 
 from __future__ import annotations
@@ -42,10 +47,27 @@ class Registration(BaseModel):
     client_mode: bool = False
     bandwidth_mbps: float = Field(1000.0, gt=0, le=1e9)
     resync: bool = False  # asks the group to also average θ_g this hop (after a failure, a join)
+    registered_at: float = Field(0.0, ge=0, le=1e11)  # DHT time; the earliest registrant leads the group
+    closes_by: float = Field(0.0, ge=0, le=1e11)  # DHT time by which it closes the group if it leads
     auth: str = Field("", max_length=512)
+
+    def subject(self, key: str) -> str:
+        """What the swarm-key tag of this registration signs."""
+        return f"{key}|{self.grpc_addr}|{self.client_mode}|{self.registered_at!r}|{self.closes_by!r}"
+
+
+@dataclass(frozen=True)
+class ClosedList:
+    members: tuple[str, ...]
+    published_at: float  # DHT time: the earliest list naming a peer is its group
 
 
 MAX_REGISTRANTS = 4096  # per group key: a flood of fake registrations stays bounded
+UNKNOWN = "?"  # an expectation that can never be met: wait for the window
+LEADER_GRACE_S = 2.0  # past its announced close-by time, a leader busy with DHT reads is not yet silent
+
+Registrants = dict[str, tuple[Member, Registration]]
+
 
 @dataclass
 class FormedGroup:
@@ -56,16 +78,18 @@ class FormedGroup:
     complete: bool = False  # every expected member registered before the window ended
     last_arrival_lag: float = 0.0  # seconds from our registration to the last registrant's
     resync: bool = False  # some member asked the group to average θ_g too (all members see the same)
+    expected: int = 0  # members it waited for when it closed
 
 
 class Matchmaker:
     def __init__(self, dht: hivemind.DHT, run_id: str, own: Member, poll_interval: float = 0.15,
-                 auth: SwarmAuth | None = None):
+                 auth: SwarmAuth | None = None, settle_s: float = 0.5):
         self.dht = dht
         self.run_id = run_id
         self.own = own
         self.poll_interval = poll_interval
         self.auth = auth
+        self.settle_s = settle_s  # how long a closed list waits for lists closed at the same time
 
     def _authentic(self, purpose: str, subject: str, tag: str, peer_id: str) -> bool:
         if self.auth is None:
@@ -79,7 +103,7 @@ class Matchmaker:
     def group_key(self, round: int, hop: int, cell: str = "all") -> str:
         return f"{self.run_id}.group.{round}.{hop}.{cell}"
 
-    async def _registrations(self, key: str) -> dict[str, tuple[Member, bool]]:
+    async def _registrations(self, key: str) -> Registrants:
         found = await self.dht.get(key, latest=True, return_future=True)
         entries = found.value if found is not None and isinstance(found.value, dict) else {}
         members = {}
@@ -90,97 +114,168 @@ class Matchmaker:
                 continue
             if not isinstance(peer_id, str) or len(peer_id) > 128 or (not reg.client_mode and not reg.grpc_addr):
                 continue
-            if not self._authentic("register", f"{key}|{reg.grpc_addr}|{reg.client_mode}", reg.auth, peer_id):
+            if not self._authentic("register", reg.subject(key), reg.auth, peer_id):
                 continue  # without the swarm key nobody joins our groups
-            members[peer_id] = (Member(peer_id, reg.grpc_addr, reg.client_mode, reg.bandwidth_mbps), reg.resync)
+            members[peer_id] = (Member(peer_id, reg.grpc_addr, reg.client_mode, reg.bandwidth_mbps), reg)
         return members
 
-    async def _closed_lists(self, key: str) -> dict[str, tuple[str, ...]]:
-        found = await self.dht.get(key + ".closed", latest=True, return_future=True)
+    async def registered(self, key: str) -> set[str]:
+        """Peers with a valid, authentic registration under `key`."""
+        return set(await self._registrations(key))
+
+    async def _member_lists(self, key: str, purpose: str) -> dict[str, ClosedList]:
+        found = await self.dht.get(f"{key}.{purpose}", latest=True, return_future=True)
         entries = found.value if found is not None and isinstance(found.value, dict) else {}
         lists = {}
         for peer_id, item in list(entries.items())[:MAX_REGISTRANTS]:
             value = getattr(item, "value", None)
-            members = value.get("members") if isinstance(value, dict) else None
-            if isinstance(peer_id, str) and isinstance(members, (list, tuple)) and len(members) <= 4096 \
-                    and all(isinstance(v, str) and len(v) <= 128 for v in members) \
-                    and self._authentic("closed", f"{key}|{','.join(members)}", str(value.get("auth", "")), peer_id):
-                lists[peer_id] = tuple(members)
+            if not isinstance(value, dict):
+                continue
+            members, at = value.get("members"), value.get("at")
+            if isinstance(peer_id, str) and isinstance(members, (list, tuple)) and len(members) <= MAX_REGISTRANTS \
+                    and peer_id in members and all(isinstance(v, str) and len(v) <= 128 for v in members) \
+                    and len(set(members)) == len(members) and isinstance(at, (int, float)) and 0 <= at <= 1e11 \
+                    and self._authentic(purpose, f"{key}|{','.join(members)}|{at!r}", str(value.get("auth", "")),
+                                        peer_id):
+                lists[peer_id] = ClosedList(tuple(members), float(at))
         return lists
 
+    async def formed(self, key: str) -> dict[str, tuple[str, ...]]:
+        """The group each registrant ended up in (alone counts): what the groups of the next
+        hop wait for."""
+        return {p: entry.members for p, entry in (await self._member_lists(key, "formed")).items()}
+
+    async def _publish(self, key: str, purpose: str, members: tuple[str, ...]) -> None:
+        at = round_time(get_dht_time())
+        tag = self.auth.issue(purpose, f"{key}|{','.join(members)}|{at!r}") if self.auth else ""
+        await self.dht.store(f"{key}.{purpose}", subkey=self.own.peer_id,
+                             value={"members": list(members), "at": at, "auth": tag},
+                             expiration_time=get_dht_time() + 120, return_future=True)
+
+    async def _read(self, key: str, admitted: Callable[[], Awaitable[set[str]]] | None,
+                    previous: Registrants) -> tuple[Registrants, dict[str, ClosedList]]:
+        """Registrants (admitted ones, this peer always) and the lists they closed."""
+        me = self.own.peer_id
+        found, lists = await asyncio.gather(self._registrations(key), self._member_lists(key, "closed"))
+        allowed = await admitted() if admitted is not None else None
+        registrants = {p: v for p, v in found.items() if allowed is None or p in allowed} | {me: previous[me]}
+        return registrants, {p: entry for p, entry in lists.items() if p in registrants}
+
     async def form_group(self, round: int, hop: int, expected: Callable[[], Awaitable[set[str]]], window: float,
-                         target_size: int, confirm_timeout: float = 3.0, cell: str = "all",
-                         resync: bool = False,
+                         target_size: int, cell: str = "all", resync: bool = False,
                          admitted: Callable[[], Awaitable[set[str]]] | None = None) -> FormedGroup:
         """Register for (round, hop, grid cell) and return this peer's group once it closes.
 
-        `expected` names the peers this one should meet there; the group closes as soon as
-        they have all registered, or when the window ends. `admitted`, when given, names
-        every peer that may be grouped with this one at all (the swarm's signed membership):
-        anyone can write a registration under any id, so without it a flood of made-up
-        registrants would each get a part of the all-reduce and fail it.
+        `expected` names the peers this one should meet there (as leader it closes as soon as
+        they have all registered, or when `window` ends); `admitted`, when given, names every
+        peer that may be grouped with this one at all (the swarm's signed membership): anyone
+        can write a registration under any id, so without it a flood of made-up registrants
+        would each get a part of the all-reduce and fail it.
         """
         started = time.monotonic()
         key = self.group_key(round, hop, cell)
-        tag = self.auth.issue("register", f"{key}|{self.own.grpc_addr}|{self.own.client_mode}") if self.auth else ""
-        value = Registration(grpc_addr=self.own.grpc_addr, client_mode=self.own.client_mode,
-                             bandwidth_mbps=self.own.bandwidth, resync=resync, auth=tag).model_dump()
-        await self.dht.store(key, subkey=self.own.peer_id, value=value,
-                             expiration_time=get_dht_time() + window + 60, return_future=True)
-        deadline = started + window
-        registrants: dict[str, Member] = {self.own.peer_id: self.own}
-        flags: dict[str, bool] = {self.own.peer_id: resync}
         me = self.own.peer_id
-        last_arrival = started
-        complete = False
+        now_dht = round_time(get_dht_time())
+        reg = Registration(grpc_addr=self.own.grpc_addr, client_mode=self.own.client_mode,
+                           bandwidth_mbps=self.own.bandwidth, resync=resync, registered_at=now_dht,
+                           closes_by=round_time(now_dht + window))
+        reg = reg.model_copy(update={"auth": self.auth.issue("register", reg.subject(key)) if self.auth else ""})
+        await self.dht.store(key, subkey=me, value=reg.model_dump(), expiration_time=get_dht_time() + window + 60,
+                             return_future=True)
+        deadline = started + window
+        registrants: Registrants = {me: (self.own, reg)}
+        closed: dict[str, ClosedList] = {}
+        wanted: set[str] = {UNKNOWN}
+        last_arrival, seen = started, {me}
         while True:
             try:
-                closed = await self._closed_lists(key)
-                registrations = await self._registrations(key)
-                flags = {p: flag for p, (_, flag) in registrations.items()} | {me: resync}
-                allowed = await admitted() if admitted is not None else None
-                found = {p: m for p, (m, _) in registrations.items()
-                         if (p not in closed or me in closed[p]) and (allowed is None or p in allowed)} | {me: self.own}
-                if set(found) - set(registrants):
-                    last_arrival = time.monotonic()
-                registrants = found
-                wanted = await expected()
+                registrants, closed = await self._read(key, admitted, registrants)
+                if group := _agreed_group(closed, me):
+                    break  # somebody closed a group naming us
+                taken = set().union(*(entry.members for entry in closed.values())) - {me}
+                candidates = sorted(set(registrants) - taken, key=lambda p: (registrants[p][1].registered_at, p))
+                wanted = await expected() - taken
             except Exception as e:
                 log.warning("matchmaking lookup failed: %s", e)
-                wanted = set(registrants) | {"?"}
-            complete = wanted <= set(registrants)
-            if complete or time.monotonic() >= deadline:
-                break
-            await asyncio.sleep(self.poll_interval)
-        groups = split_groups(list(registrants), target_size)
-        mine = tuple(next(g for g in groups if me in g))
-        members = [registrants[p] for p in mine]
-        if len(mine) > 1:
-            members = await self._confirm(key, mine, members, confirm_timeout)
+                candidates, wanted = [me], {UNKNOWN}
+            if set(candidates) - seen:
+                last_arrival, seen = time.monotonic(), seen | set(candidates)
+            leader = registrants[candidates[0]][1]
+            if candidates[0] == me and (wanted <= set(candidates) or time.monotonic() >= deadline):
+                group = _part_of(candidates, me, target_size)
+            elif candidates[0] != me and get_dht_time() > leader.closes_by + self.settle_s + LEADER_GRACE_S:
+                log.info("%s: leader %s did not close the group by its own deadline; closing without it", key,
+                         _short([candidates[0]]))
+                group = _part_of(candidates[1:], me, target_size)
+            else:
+                await asyncio.sleep(self.poll_interval)
+                continue
+            await self._publish(key, "closed", group)  # alone too: latecomers must not wait for us
+            break
+        if len(group) > 1:
+            group, registrants = await self._settle(key, group, admitted, registrants)
+        if unknown := set(group) - set(registrants):
+            log.warning("%s: the group names %s, whose registration this peer cannot read; averaging alone "
+                        "this hop", key, _short(unknown))
+            group = (me,)
+        members = [registrants[p][0] for p in group]
         if all(m.client_mode for m in members):
             members = [self.own]  # nobody can reduce: average alone
-        wanted_resync = any(flags.get(m.peer_id, False) for m in members)
+        taken_elsewhere = set().union(*(entry.members for entry in closed.values() if me not in entry.members))
+        complete = UNKNOWN not in wanted and wanted - taken_elsewhere <= {m.peer_id for m in members}
+        try:
+            await self._publish(key, "formed", tuple(sorted(m.peer_id for m in members)))
+        except Exception as e:  # the next hop then waits for this peer until its window ends
+            log.warning("could not publish the formed group: %s", e)
         return FormedGroup(key, members, len(registrants), time.monotonic() - started, complete,
-                           last_arrival - started, wanted_resync)
+                           last_arrival - started, any(registrants[m.peer_id][1].resync for m in members
+                                                       if m.peer_id in registrants),
+                           len(wanted - {UNKNOWN}))
 
-    async def _confirm(self, key: str, mine: tuple[str, ...], members: list[Member], timeout: float) -> list[Member]:
-        """Second phase: proceed only if no member of the group closed with another list."""
-        tag = self.auth.issue("closed", f"{key}|{','.join(mine)}") if self.auth else ""
-        await self.dht.store(key + ".closed", subkey=self.own.peer_id, value={"members": list(mine), "auth": tag},
-                             expiration_time=get_dht_time() + 120, return_future=True)
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                closed = await self._closed_lists(key)
-            except Exception as e:
-                log.warning("matchmaking confirmation failed: %s", e)
-                return [self.own]
-            if all(p in closed for p in mine) or time.monotonic() >= deadline:
-                break
-            await asyncio.sleep(self.poll_interval)
-        divergent = sorted(p for p in mine if p in closed and closed[p] != mine)
-        if divergent:
-            log.warning("%s: %s closed with another member list; averaging alone this hop", key, divergent)
-            return [self.own]
-        # A member that never confirmed (crashed) stays in: the all-reduce drops its parts.
-        return members
+    async def _settle(self, key: str, group: tuple[str, ...], admitted: Callable[[], Awaitable[set[str]]] | None,
+                      registrants: Registrants) -> tuple[tuple[str, ...], Registrants]:
+        """Wait out lists published at the same time as ours; keep the agreed earliest one."""
+        await asyncio.sleep(self.settle_s)
+        try:
+            registrants, closed = await self._read(key, admitted, registrants)
+        except Exception as e:
+            log.warning("matchmaking lookup failed while settling: %s; averaging alone this hop", e)
+            return (self.own.peer_id,), registrants
+        agreed = _agreed_group(closed, self.own.peer_id) or group
+        if agreed != group:
+            log.info("%s: another list closed at the same time as %s; the group is %s", key, _short(group),
+                     _short(agreed))
+        return agreed, registrants
+
+
+def round_time(t: float) -> float:
+    """DHT time to the millisecond: times compare equal after a JSON round trip."""
+    return round(t, 3)
+
+
+def _agreed_group(closed: dict[str, ClosedList], me: str) -> tuple[str, ...] | None:
+    """The earliest-published list naming `me`, less members whose own earliest list is another.
+
+    Every member that reads the same lists computes the same group.
+    """
+    ordered = sorted(closed, key=lambda p: (closed[p].published_at, p))
+
+    def first_for(peer: str) -> str | None:
+        return next((publisher for publisher in ordered if peer in closed[publisher].members), None)
+
+    publisher = first_for(me)
+    if publisher is None:
+        return None
+    return tuple(p for p in closed[publisher].members if first_for(p) == publisher)
+
+
+def _part_of(candidates: list[str], me: str, target_size: int) -> tuple[str, ...]:
+    """This peer's part of the balanced split of the candidates (itself alone if not among them)."""
+    if me not in candidates:
+        return (me,)
+    return tuple(next(g for g in split_groups(candidates, target_size) if me in g))
+
+
+def _short(peer_ids) -> list[str]:
+    """Peer ids cut to their last 6 characters, for log lines."""
+    return [p[-6:] for p in peer_ids]

@@ -1,6 +1,7 @@
 """Moshpit grid and matchmaking: exact mean on full grids, agreement without a leader."""
 
 import asyncio
+import itertools
 import time
 from collections import Counter
 
@@ -11,9 +12,9 @@ import torch
 
 from dtnode.peers.deadlines import AdaptiveDeadlines, expected_payload_bytes
 from dtnode.peers.grid import (
-    classes_of, coordinates, expected_groups, first_slot, grid_shape, hop_key, next_slots, split_groups,
+    cells, classes_of, coordinates, feeder_keys, first_slot, grid_shape, hop_key, next_slots, split_groups,
 )
-from dtnode.peers.matchmaking import Matchmaker
+from dtnode.peers.matchmaking import LEADER_GRACE_S, Matchmaker, Registration, round_time
 from dtnode.peers.plan import Member
 
 
@@ -78,18 +79,31 @@ def test_classes_cover_every_class_once_per_group():
 
 def test_a_peer_missing_from_a_view_moves_only_its_own_cell():
     """Placement is a function of a peer's own id and the step: one view missing a peer
-    expects the same cells as the full view for everyone else, hop 0 and hop 1 alike."""
+    expects the same cells as the full view for everyone else."""
     ids = [f"p{i}" for i in range(12)]
-    full = expected_groups(ids, 5, 4, 2, 4)
+    full = cells(ids, 5, 4, 2)
     for missing in ids:
-        skewed = expected_groups([p for p in ids if p != missing], 5, 4, 2, 4)
-        own_cell = next(k for k, members in full[0].items() if missing in members)
-        for key, members in full[0].items():
-            assert skewed[0].get(key, set()) == members - {missing}, (missing, key)
+        skewed = cells([p for p in ids if p != missing], 5, 4, 2)
+        own_cell = next(k for k, members in full.items() if missing in members)
+        for key, members in full.items():
+            assert skewed.get(key, set()) == members - {missing}, (missing, key)
             assert key == own_cell or missing not in members
     assert coordinates("p1", 3, 3, 2) != coordinates("p1", 4, 3, 2) or coordinates("p1", 5, 3, 2) != \
         coordinates("p1", 3, 3, 2)  # cells reshuffle with the step
     assert hop_key((1, 2), 0) == "2" and hop_key((1, 2), 1) == "1" and hop_key((5,), 0) == "all"
+
+
+def test_feeders_of_a_slot_are_the_previous_groups_of_its_slab():
+    """In hop k a slot meets, from every group of hop k-1 that differs from it in dimension k
+    only, the members of its class: the feeder keys are exactly those groups' keys."""
+    side, dims = 3, 3
+    for coords in itertools.product(range(side), repeat=dims):
+        for hop in range(1, dims):
+            key = hop_key(coords, hop)
+            feeders = set(feeder_keys(coords, hop, side))
+            slab = {hop_key(c, hop - 1) for c in itertools.product(range(side), repeat=dims)
+                    if hop_key(c, hop) == key and c[hop - 1] == coords[hop - 1]}
+            assert feeders == slab and len(feeders) == side
 
 
 def test_deadlines_follow_measurements_within_bounds():
@@ -136,34 +150,72 @@ def test_two_cells_form_their_own_groups(dht):
     asyncio.run(main())
 
 
-def test_a_member_with_a_divergent_view_costs_one_hop_never_a_corrupt_group(dht):
-    """c closes its group as [b, c] (it never saw a) while a and b expect [a, b, c]. Nobody
-    averages with a member that disagrees on the group (depending on timing a and b pair up
-    or each average alone), and nobody waits past the window plus the confirmation timeout."""
+async def _register(maker: Matchmaker, key: str, registered_at: float, window: float = 1.0) -> None:
+    """A registration written by hand, as a peer that then does something else would leave it."""
+    reg = Registration(grpc_addr=maker.own.grpc_addr, registered_at=registered_at, closes_by=registered_at + window)
+    await maker.dht.store(key, subkey=maker.own.peer_id, value=reg.model_dump(),
+                          expiration_time=get_dht_time() + 60, return_future=True)
+
+
+def test_a_latecomer_finds_its_group_closed_and_does_not_wait_the_window(dht):
     async def main():
-        makers = {p: Matchmaker(dht, "mm-diverge", _member(p), poll_interval=0.05) for p in "abc"}
+        makers = {p: Matchmaker(dht, "mm-late", _member(p), poll_interval=0.05) for p in "abc"}
 
         async def want():
             return {"a", "b", "c"}
 
-        async def divergent_c():
-            key = makers["c"].group_key(0, 0, "all")
-            await makers["c"].dht.store(key, subkey="c", value={"grpc_addr": _member("c").grpc_addr},
-                                        expiration_time=get_dht_time() + 60, return_future=True)
-            members = [_member("b"), _member("c")]
-            return await makers["c"]._confirm(key, ("b", "c"), members, timeout=3.0)
+        async def pair():
+            async def two():
+                return {"a", "b"}
+            return await asyncio.gather(*(makers[p].form_group(0, 0, two, window=10, target_size=3) for p in "ab"))
+
+        a, b = await pair()
+        started = time.monotonic()
+        c = await makers["c"].form_group(0, 0, want, window=10, target_size=3)
+        assert time.monotonic() - started < 3  # a and b are taken: nobody left to wait for
+        assert [m.peer_id for m in c.members] == ["c"] and c.complete
+        assert [m.peer_id for m in a.members] == [m.peer_id for m in b.members] == ["a", "b"]
+        formed = await makers["a"].formed(makers["a"].group_key(0, 0))
+        assert formed == {"a": ("a", "b"), "b": ("a", "b"), "c": ("c",)}
+    asyncio.run(main())
+
+
+def test_a_list_closed_by_an_earlier_registrant_wins_and_everyone_agrees(dht):
+    """c registered first and closed [b, c] without ever seeing a (its view lacked a), while a
+    and b expect all three. b joins c's list, a is left with nobody and averages alone: no
+    member averages with a group that differs from its own view of that group."""
+    async def main():
+        makers = {p: Matchmaker(dht, "mm-compete", _member(p), poll_interval=0.05) for p in "abc"}
+        key = makers["c"].group_key(0, 0)
+        await _register(makers["c"], key, round_time(get_dht_time()) - 1)
+        await _register(makers["b"], key, round_time(get_dht_time()) - 0.5)
+        await makers["c"]._publish(key, "closed", ("b", "c"))
+
+        async def want():
+            return {"a", "b", "c"}
 
         started = time.monotonic()
-        a, b, c = await asyncio.gather(
-            makers["a"].form_group(0, 0, want, window=5, target_size=3),
-            makers["b"].form_group(0, 0, want, window=5, target_size=3),
-            divergent_c())
-        assert time.monotonic() - started < 5 + 3 + 2
-        groups = {"a": [m.peer_id for m in a.members], "b": [m.peer_id for m in b.members],
-                  "c": [m.peer_id for m in c]}
-        assert groups["c"] == ["c"]  # its list disagrees with a's: it leaves the hop for itself
-        for p, members in groups.items():
-            assert "c" not in members or p == "c"
-            for q in members:  # whoever averages together agrees on the whole group
-                assert groups[q] == members, groups
+        a, b = await asyncio.gather(*(makers[p].form_group(0, 0, want, window=10, target_size=3) for p in "ab"))
+        assert time.monotonic() - started < 3
+        assert [m.peer_id for m in b.members] == ["b", "c"]
+        assert [m.peer_id for m in a.members] == ["a"]
+    asyncio.run(main())
+
+
+def test_a_silent_leader_is_left_out_after_the_window(dht):
+    """c registered first (it leads), announced it would close within 3 s, and then stalled.
+    a and b (whose own windows are shorter) wait for c's deadline, then close without it, on
+    one agreed list."""
+    async def main():
+        makers = {p: Matchmaker(dht, "mm-silent", _member(p), poll_interval=0.05, settle_s=0.3) for p in "abc"}
+        await _register(makers["c"], makers["c"].group_key(0, 0), round_time(get_dht_time()), window=3)
+
+        async def want():
+            return {"a", "b", "c"}
+
+        started = time.monotonic()
+        a, b = await asyncio.gather(*(makers[p].form_group(0, 0, want, window=1, target_size=3) for p in "ab"))
+        assert 3 < time.monotonic() - started < 3 + 0.3 + LEADER_GRACE_S + 2
+        assert [m.peer_id for m in a.members] == [m.peer_id for m in b.members] == ["a", "b"]
+        assert not a.complete and not b.complete
     asyncio.run(main())

@@ -31,14 +31,18 @@ def _relative_spread(nodes: list[NodeProcess], step: int) -> float:
 def test_nine_nodes_on_a_3x3_grid_stay_in_consensus(tmp_path, cleanup):
     """Two hops of groups of three: every node holds the global mean of Δ after each step,
     so all nine θ_g agree within the int8 error though no group ever held more than three."""
-    nodes = _start(tmp_path, cleanup, 9, "--max-rounds", "3")
+    nodes = _start(tmp_path, cleanup, 9, "--max-rounds", "3", "--log-level", "DEBUG")
     for node in nodes:
         assert node.wait(240) == 0, node.output
+    # every node's groups, hop by hop, and what went wrong: the whole swarm's story on failure
+    story = "\n".join(f"{node.name} {line}" for node in nodes for line in node.lines
+                      if re.search(r"round \d+ (hop|\|)|leader|another list|WARN|Traceback", line))
     for node in nodes:
         rounds = re.findall(r"round (\d+) \| groups (\d+)/(\d+)\S* (\d+)/(\d+)\S* \|", node.output)
-        assert [r[0] for r in rounds] == ["0", "1", "2"], node.output
+        assert [r[0] for r in rounds] == ["0", "1", "2"], story
         # two hops, every group held every member it expected (cells are hashed: sizes vary)
-        assert all(a == b and c == d for _, a, b, c, d in rounds), node.output
+        assert all(a == b and c == d for _, a, b, c, d in rounds), story
+        assert "Traceback" not in node.output, node.output
     for step in (2, 3):
         # int8 error of the mean Δ is ~1% of it; a node that averaged with a group only
         # (not the whole swarm) would be off by tens of percent of the update

@@ -15,11 +15,13 @@ Printed per scenario, over the rounds from --from-round on:
   full      fraction of rounds in which every peer took part and every group it joined held
             every member it expected (no hop cut short, no failed part)
   agree     fraction of rounds after which every peer's θ_g is within --tolerance of the
-            swarm's mean θ_g (relative L2; bitwise equality is only possible within a group)
+            swarm's mean θ_g (relative L2; bitwise equality is only possible within a group);
+            for the a scenarios (one group, no per-round checkpoints) equal θ_g hashes
   same-hash fraction of rounds after which all θ_g hashes are equal
   downloads catch-up downloads; given-up inner steps (abandoned rounds); tokens per peer;
   spread    final relative spread of θ_g; the unhandled exceptions in every node's log.
-Each node writes a checkpoint every round here (--checkpoint-every 1) so θ_g can be compared.
+Tiny nodes write a checkpoint every round (--checkpoint-every 1) so θ_g can be compared; every
+node writes one when it stops, for the final spread. `--device cuda` runs the a scenarios on a GPU.
 """
 
 from __future__ import annotations
@@ -40,8 +42,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from nodes import NodeProcess, theta  # noqa: E402
 
 ROUND_LINE = re.compile(r"round (\d+) \| groups ((?:\d+/\d+(?:\+\d+)? ?)+) \| (\d+) steps (\d+) tok .*params (\w+)")
-COMMON = ["--matchmaking-window", "15", "--join-timeout", "240", "--peer-ttl", "6", "--heartbeat-interval", "1", "--no-fused-kernels",
-          "--checkpoint-every", "1", "--keep-checkpoints", "100"]
+COMMON = ["--matchmaking-window", "15", "--join-timeout", "240", "--peer-ttl", "6", "--heartbeat-interval", "1",
+          "--no-fused-kernels", "--keep-checkpoints", "100"]
 TINY = ["--model", "tiny", "--batch-size", "8", "--seq-len", "32", "--inner-steps", "20"]
 SMALL = ["--model", "small", "--batch-size", "2", "--seq-len", "64", "--inner-steps", "4",
          "--allreduce-timeout", "120"]
@@ -61,14 +63,17 @@ class Scenario:
     group: int
     stagger: float = 0.0
     pause_victim: int | None = None
+    # tiny models write a checkpoint every round, so θ_g can be compared round by round; a
+    # `small` swarm is one group, whose members' θ_g are bitwise equal: hashes tell agreement
+    checkpoint_every_round: bool = True
 
 
 def scenarios() -> dict[str, Scenario]:
     return {
         "a-slow": Scenario("a-slow", "4 small, one 4x slower", [Peer(SMALL) for _ in range(3)] +
-                           [Peer(SMALL, {"DTNODE_TEST_SLOW_INNER": "4"})], group=4),
+                           [Peer(SMALL, {"DTNODE_TEST_SLOW_INNER": "4"})], group=4, checkpoint_every_round=False),
         "a-batch": Scenario("a-batch", "4 small, one 4x batch", [Peer(SMALL) for _ in range(3)] +
-                            [Peer([*SMALL, "--batch-size", "8"])], group=4),
+                            [Peer([*SMALL, "--batch-size", "8"])], group=4, checkpoint_every_round=False),
         "b": Scenario("b", "9 tiny, group 3, 2 s apart", [Peer(TINY) for _ in range(9)], group=3, stagger=2.0),
         "c": Scenario("c", "12 tiny, group 4", [Peer(TINY) for _ in range(12)], group=4),
         "d": Scenario("d", "4 tiny, one paused 3 s a round", [Peer([*TINY, "--batch-size", "32"]) for _ in range(4)],
@@ -101,9 +106,11 @@ def relative_spread(thetas: list[torch.Tensor]) -> float:
     return float((stacked - mean).norm(dim=1).max() / mean.norm())
 
 
-def run(scenario: Scenario, rounds: int, pacing: str, tmp: Path, from_round: int, tolerance: float) -> dict:
-    extra = [*COMMON, "--pacing", pacing, "--target-group-size", str(scenario.group), "--max-rounds", str(rounds),
-             "--min-peers", str(len(scenario.peers))]
+def run(scenario: Scenario, rounds: int, pacing: str, tmp: Path, from_round: int, tolerance: float,
+        device_args: list[str]) -> dict:
+    extra = [*COMMON, *device_args, "--pacing", pacing, "--target-group-size", str(scenario.group),
+             "--max-rounds", str(rounds), "--min-peers", str(len(scenario.peers)),
+             "--checkpoint-every", "1" if scenario.checkpoint_every_round else str(10 * rounds)]
     nodes: list[NodeProcess] = []
     stop = threading.Event()
     pauser = None
@@ -140,8 +147,11 @@ def run(scenario: Scenario, rounds: int, pacing: str, tmp: Path, from_round: int
         seen = per_round.get(r, {})
         if len(seen) == len(nodes) and all(f for f, _ in seen.values()):
             full += 1
-        if len(seen) == len(nodes) and len({h for _, h in seen.values()}) == 1:
-            same += 1
+        hashes_agree = len(seen) == len(nodes) and len({h for _, h in seen.values()}) == 1
+        same += hashes_agree
+        if not scenario.checkpoint_every_round:
+            agree += hashes_agree
+            continue
         try:
             if relative_spread([theta(n.state_dir, r + 1) for n in nodes]) <= tolerance:
                 agree += 1
@@ -173,13 +183,15 @@ def main() -> None:
     parser.add_argument("--pacing", default="swarm", choices=["swarm", "fixed"])
     parser.add_argument("--tolerance", type=float, default=1e-3, help="relative θ_g spread that counts as agreement")
     parser.add_argument("--keep", help="copy every node's log here")
+    parser.add_argument("--device", default="cpu", help="--device of every node (the a scenarios on a GPU host: cuda)")
     args = parser.parse_args()
     table = scenarios()
     results = []
     for name in args.scenarios.split(","):
         with tempfile.TemporaryDirectory() as tmp:
             started = time.monotonic()
-            result = run(table[name], args.rounds, args.pacing, Path(tmp), args.from_round, args.tolerance)
+            device = ["--device", args.device] if name.startswith("a") else []
+            result = run(table[name], args.rounds, args.pacing, Path(tmp), args.from_round, args.tolerance, device)
             result["seconds"] = time.monotonic() - started
             if args.keep:
                 dest = Path(args.keep) / f"{name}-{args.pacing}"
