@@ -502,9 +502,9 @@ class Node:
         while True:
             try:
                 view = await self.membership.members()
-                # a record is extrapolated for two heartbeats at most: past that its peer is not reporting
+                # records count as published, not extrapolated: see peers/pacing.py
                 progress = swarm_progress(view.values(), self.record(), round_no, s.inner_steps, s.round_tokens,
-                                          get_dht_time(), max_extrapolation=2 * s.heartbeat_interval)
+                                          get_dht_time(), max_extrapolation=0.0)
                 self.round_progress = progress
                 self._round_end_at = time.monotonic() + progress.seconds_left()
             except Exception as e:  # a failed read keeps the last estimate; the next poll retries

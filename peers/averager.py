@@ -175,7 +175,10 @@ class MoshpitAverager:
             groups = [group for group, _, _ in done]
             primary, first, theta_primary = done[0]
             report.group_key, report.group_size, report.registrants = primary.key, len(primary.members), primary.registrants
-            report.expected = self._hop0_size(hop0_cells, slots[0].key) if hop == 0 else primary.expected
+            # a group its closer found whole held everyone expected (cells split unevenly, so
+            # the size alone says little); otherwise what this node expected, to show the gap
+            report.expected = len(primary.members) if primary.complete else \
+                self._hop0_size(hop0_cells, slots[0].key) if hop == 0 else primary.expected
             report.complete, report.matchmaking_s = all(g.complete for g in groups), round(primary.seconds, 4)
             log.debug("round %d hop %d: %s", round_no, hop, "; ".join(
                 f"{g.key.rsplit('.', 1)[-1]} {[m.peer_id[-6:] for m in g.members]} expected {g.expected} "

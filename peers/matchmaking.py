@@ -60,6 +60,12 @@ class Registration(BaseModel):
 class ClosedList:
     members: tuple[str, ...]
     published_at: float  # DHT time: the earliest list naming a peer is its group
+    complete: bool = False  # its closer had every peer it expected (the window did not close it)
+    resync: bool = False  # some member asked to average θ_g too: decided once, by the closer, for all
+
+    def subject(self, key: str) -> str:
+        """What the swarm-key tag of this list signs."""
+        return f"{key}|{','.join(self.members)}|{self.published_at!r}|{self.complete}|{self.resync}"
 
 
 MAX_REGISTRANTS = 4096  # per group key: a flood of fake registrations stays bounded
@@ -75,7 +81,7 @@ class FormedGroup:
     members: list[Member]
     registrants: int
     seconds: float
-    complete: bool = False  # every expected member registered before the window ended
+    complete: bool = False  # its closer had every member it expected (the window did not close it)
     last_arrival_lag: float = 0.0  # seconds from our registration to the last registrant's
     resync: bool = False  # some member asked the group to average θ_g too (all members see the same)
     expected: int = 0  # members it waited for when it closed
@@ -132,12 +138,13 @@ class Matchmaker:
             if not isinstance(value, dict):
                 continue
             members, at = value.get("members"), value.get("at")
-            if isinstance(peer_id, str) and isinstance(members, (list, tuple)) and len(members) <= MAX_REGISTRANTS \
-                    and peer_id in members and all(isinstance(v, str) and len(v) <= 128 for v in members) \
-                    and len(set(members)) == len(members) and isinstance(at, (int, float)) and 0 <= at <= 1e11 \
-                    and self._authentic(purpose, f"{key}|{','.join(members)}|{at!r}", str(value.get("auth", "")),
-                                        peer_id):
-                lists[peer_id] = ClosedList(tuple(members), float(at))
+            if not (isinstance(peer_id, str) and isinstance(members, (list, tuple)) and len(members) <= MAX_REGISTRANTS
+                    and peer_id in members and all(isinstance(v, str) and len(v) <= 128 for v in members)
+                    and len(set(members)) == len(members) and isinstance(at, (int, float)) and 0 <= at <= 1e11):
+                continue
+            entry = ClosedList(tuple(members), float(at), value.get("complete") is True, value.get("resync") is True)
+            if self._authentic(purpose, entry.subject(key), str(value.get("auth", "")), peer_id):
+                lists[peer_id] = entry
         return lists
 
     async def formed(self, key: str) -> dict[str, tuple[str, ...]]:
@@ -145,11 +152,13 @@ class Matchmaker:
         hop wait for."""
         return {p: entry.members for p, entry in (await self._member_lists(key, "formed")).items()}
 
-    async def _publish(self, key: str, purpose: str, members: tuple[str, ...]) -> None:
-        at = round_time(get_dht_time())
-        tag = self.auth.issue(purpose, f"{key}|{','.join(members)}|{at!r}") if self.auth else ""
+    async def _publish(self, key: str, purpose: str, members: tuple[str, ...], complete: bool = False,
+                       resync: bool = False) -> None:
+        entry = ClosedList(members, round_time(get_dht_time()), complete, resync)
+        tag = self.auth.issue(purpose, entry.subject(key)) if self.auth else ""
         await self.dht.store(f"{key}.{purpose}", subkey=self.own.peer_id,
-                             value={"members": list(members), "at": at, "auth": tag},
+                             value={"members": list(members), "at": entry.published_at, "complete": complete,
+                                    "resync": resync, "auth": tag},
                              expiration_time=get_dht_time() + 120, return_future=True)
 
     async def _read(self, key: str, admitted: Callable[[], Awaitable[set[str]]] | None,
@@ -190,7 +199,8 @@ class Matchmaker:
         while True:
             try:
                 registrants, closed = await self._read(key, admitted, registrants)
-                if group := _agreed_group(closed, me):
+                if agreed := _agreed_group(closed, me):
+                    group, decided = agreed
                     break  # somebody closed a group naming us
                 taken = set().union(*(entry.members for entry in closed.values())) - {me}
                 candidates = sorted(set(registrants) - taken, key=lambda p: (registrants[p][1].registered_at, p))
@@ -206,14 +216,18 @@ class Matchmaker:
             elif candidates[0] != me and get_dht_time() > leader.closes_by + self.settle_s + LEADER_GRACE_S:
                 log.info("%s: leader %s did not close the group by its own deadline; closing without it", key,
                          _short([candidates[0]]))
-                group = _part_of(candidates[1:], me, target_size)
+                candidates = candidates[1:]
+                group = _part_of(candidates, me, target_size)
             else:
                 await asyncio.sleep(self.poll_interval)
                 continue
-            await self._publish(key, "closed", group)  # alone too: latecomers must not wait for us
+            decided = ClosedList(group, 0.0, complete=UNKNOWN not in wanted and wanted <= set(candidates),
+                                 resync=any(registrants[p][1].resync for p in group))
+            # published alone too: latecomers must not wait for us
+            await self._publish(key, "closed", group, decided.complete, decided.resync)
             break
         if len(group) > 1:
-            group, registrants = await self._settle(key, group, admitted, registrants)
+            group, decided, registrants = await self._settle(key, group, decided, admitted, registrants)
         if unknown := set(group) - set(registrants):
             log.warning("%s: the group names %s, whose registration this peer cannot read; averaging alone "
                         "this hop", key, _short(unknown))
@@ -221,31 +235,30 @@ class Matchmaker:
         members = [registrants[p][0] for p in group]
         if all(m.client_mode for m in members):
             members = [self.own]  # nobody can reduce: average alone
-        taken_elsewhere = set().union(*(entry.members for entry in closed.values() if me not in entry.members))
-        complete = UNKNOWN not in wanted and wanted - taken_elsewhere <= {m.peer_id for m in members}
+        # a list cut by the settling (a member went to an earlier list) is no longer whole
+        complete = decided.complete and len(members) == len(decided.members)
         try:
             await self._publish(key, "formed", tuple(sorted(m.peer_id for m in members)))
         except Exception as e:  # the next hop then waits for this peer until its window ends
             log.warning("could not publish the formed group: %s", e)
         return FormedGroup(key, members, len(registrants), time.monotonic() - started, complete,
-                           last_arrival - started, any(registrants[m.peer_id][1].resync for m in members
-                                                       if m.peer_id in registrants),
-                           len(wanted - {UNKNOWN}))
+                           last_arrival - started, decided.resync and len(members) > 1, len(wanted - {UNKNOWN}))
 
-    async def _settle(self, key: str, group: tuple[str, ...], admitted: Callable[[], Awaitable[set[str]]] | None,
-                      registrants: Registrants) -> tuple[tuple[str, ...], Registrants]:
+    async def _settle(self, key: str, group: tuple[str, ...], decided: ClosedList,
+                      admitted: Callable[[], Awaitable[set[str]]] | None, registrants: Registrants
+                      ) -> tuple[tuple[str, ...], ClosedList, Registrants]:
         """Wait out lists published at the same time as ours; keep the agreed earliest one."""
         await asyncio.sleep(self.settle_s)
         try:
             registrants, closed = await self._read(key, admitted, registrants)
         except Exception as e:
             log.warning("matchmaking lookup failed while settling: %s; averaging alone this hop", e)
-            return (self.own.peer_id,), registrants
-        agreed = _agreed_group(closed, self.own.peer_id) or group
+            return (self.own.peer_id,), ClosedList((self.own.peer_id,), 0.0), registrants
+        agreed, decided = _agreed_group(closed, self.own.peer_id) or (group, decided)
         if agreed != group:
             log.info("%s: another list closed at the same time as %s; the group is %s", key, _short(group),
                      _short(agreed))
-        return agreed, registrants
+        return agreed, decided, registrants
 
 
 def round_time(t: float) -> float:
@@ -253,8 +266,9 @@ def round_time(t: float) -> float:
     return round(t, 3)
 
 
-def _agreed_group(closed: dict[str, ClosedList], me: str) -> tuple[str, ...] | None:
-    """The earliest-published list naming `me`, less members whose own earliest list is another.
+def _agreed_group(closed: dict[str, ClosedList], me: str) -> tuple[tuple[str, ...], ClosedList] | None:
+    """The earliest-published list naming `me`, less members whose own earliest list is
+    another (and that list, whose flags hold for the group).
 
     Every member that reads the same lists computes the same group.
     """
@@ -266,7 +280,7 @@ def _agreed_group(closed: dict[str, ClosedList], me: str) -> tuple[str, ...] | N
     publisher = first_for(me)
     if publisher is None:
         return None
-    return tuple(p for p in closed[publisher].members if first_for(p) == publisher)
+    return tuple(p for p in closed[publisher].members if first_for(p) == publisher), closed[publisher]
 
 
 def _part_of(candidates: list[str], me: str, target_size: int) -> tuple[str, ...]:

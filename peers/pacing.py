@@ -1,15 +1,19 @@
 """When does the swarm's round end? Progress-paced rounds (hivemind's target batch size).
 
 Every peer publishes, in its membership record, how many tokens it has processed in the
-current round, when it counted them, and how fast it goes. Every peer reads all records and
-extrapolates each one to now, so all of them see the same swarm total within a heartbeat's
-staleness and reach matchmaking together. The round ends when that total reaches the
-round's target: `--round-tokens`, or H steps of an average peer (H times the sum of the
-live peers' tokens per step). A fast peer takes more steps and a slow one fewer; each
-contributes Δ weighted by the tokens it processed, so nobody waits for the slowest and
-nobody is left out. Records are extrapolated at most `max_extrapolation` seconds past their
-count, so a peer that stopped reporting (paused, crashed) cannot end a round on its own.
-Pure functions, no I/O.
+current round, when it counted them, and how fast it goes. Every peer reads all records, so
+all of them see the same swarm total within a heartbeat's staleness and reach matchmaking
+together. The round ends when that total reaches the round's target: `--round-tokens`, or H
+steps of an average peer (H times the sum of the live peers' tokens per step). A fast peer
+takes more steps and a slow one fewer; each contributes Δ weighted by the tokens it
+processed, so nobody waits for the slowest and nobody is left out.
+
+Records may be extrapolated (`max_extrapolation` seconds at most past their count, so a peer
+that stopped reporting cannot end a round on its own), but the node does not: a peer counts
+itself exactly and others by their records, so any over-estimate of the others makes every
+peer stop early except the one that sees its own count, which is then left to train the
+rest of the round alone while the swarm waits. Counting records as published errs the safe
+way: the round runs at most about a heartbeat long. Pure functions, no I/O.
 """
 
 from __future__ import annotations
@@ -67,7 +71,7 @@ def round_target(records: Iterable[Progress], round: int, inner_steps: int, roun
 
 
 def swarm_progress(records: Iterable[Progress], own: Progress, round: int, inner_steps: int,
-                   round_tokens: int | None, now: float, max_extrapolation: float = 10.0) -> SwarmProgress:
+                   round_tokens: int | None, now: float, max_extrapolation: float = 0.0) -> SwarmProgress:
     """The swarm's progress in `round` as this peer sees it now (`now` in DHT time).
 
     `own` is this peer's live progress, which replaces its (older) published record.

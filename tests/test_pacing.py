@@ -26,8 +26,11 @@ def test_progress_extrapolates_each_peer_from_its_last_report_and_caps_stale_one
     fast = _peer("fast", tokens=300, rate=400.0, at=108.0)  # 2 s old: +800
     done = _peer("done", tokens=500, rate=400.0, at=100.0, state="averaging")  # finished: no extrapolation
     paused = _peer("paused", tokens=100, rate=100.0, at=50.0)  # 60 s stale: capped at 10 s
-    p = swarm_progress([fast, done, paused, _peer("me", tokens=0)], own, 4, 10, None, now=110.0)
+    p = swarm_progress([fast, done, paused, _peer("me", tokens=0)], own, 4, 10, None, now=110.0,
+                       max_extrapolation=10.0)
     assert p.done == pytest.approx(200 + (300 + 800) + 500 + (100 + 1000))
+    as_published = swarm_progress([fast, done, paused], own, 4, 10, None, now=110.0)  # what a node uses
+    assert as_published.done == pytest.approx(200 + 300 + 500 + 100)
     assert p.rate == pytest.approx(100 + 400 + 100)
     assert p.target == 10 * 4 * 100 and p.peers == 4
     assert not p.reached and p.seconds_left() == pytest.approx((4000 - p.done) / 600)

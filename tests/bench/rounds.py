@@ -107,8 +107,8 @@ def relative_spread(thetas: list[torch.Tensor]) -> float:
 
 
 def run(scenario: Scenario, rounds: int, pacing: str, tmp: Path, from_round: int, tolerance: float,
-        device_args: list[str]) -> dict:
-    extra = [*COMMON, *device_args, "--pacing", pacing, "--target-group-size", str(scenario.group),
+        node_args: list[str]) -> dict:
+    extra = [*COMMON, *node_args, "--pacing", pacing, "--target-group-size", str(scenario.group),
              "--max-rounds", str(rounds), "--min-peers", str(len(scenario.peers)),
              "--checkpoint-every", "1" if scenario.checkpoint_every_round else str(10 * rounds)]
     nodes: list[NodeProcess] = []
@@ -184,14 +184,16 @@ def main() -> None:
     parser.add_argument("--tolerance", type=float, default=1e-3, help="relative θ_g spread that counts as agreement")
     parser.add_argument("--keep", help="copy every node's log here")
     parser.add_argument("--device", default="cpu", help="--device of every node (the a scenarios on a GPU host: cuda)")
+    parser.add_argument("--debug", action="store_true", help="nodes log at DEBUG (every hop's groups; use with --keep)")
     args = parser.parse_args()
     table = scenarios()
     results = []
     for name in args.scenarios.split(","):
         with tempfile.TemporaryDirectory() as tmp:
             started = time.monotonic()
-            device = ["--device", args.device] if name.startswith("a") else []
-            result = run(table[name], args.rounds, args.pacing, Path(tmp), args.from_round, args.tolerance, device)
+            node_args = ["--device", args.device] if name.startswith("a") else []
+            node_args += ["--log-level", "DEBUG"] if args.debug else []
+            result = run(table[name], args.rounds, args.pacing, Path(tmp), args.from_round, args.tolerance, node_args)
             result["seconds"] = time.monotonic() - started
             if args.keep:
                 dest = Path(args.keep) / f"{name}-{args.pacing}"
