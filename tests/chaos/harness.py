@@ -322,6 +322,28 @@ def _late_joiner(swarm: Swarm, trial: Trial) -> None:
         swarm.wait_round(node, synced + 3)
 
 
+def _slow_peer(swarm: Swarm, trial: Trial) -> None:
+    """The last node's inner steps take 4x as long all run (DTNODE_TEST_SLOW_INNER=4). With
+    rounds paced by the swarm it takes fewer steps, nobody waits for it, and it is in every
+    group: from round 1 on each of its rounds must show the whole swarm in its group, and its
+    tokens must stay below every other node's."""
+    slow = swarm.nodes[-1]
+    for node in swarm.nodes:
+        swarm.wait_round(node, 6)
+    size = len(swarm.nodes)
+    groups = [re.search(r"groups (\S+)", line).group(1) for n, line in round_lines(slow) if n >= 1]
+    trial.fired = f"4x slower inner steps; its groups: {' '.join(groups)}"
+    if any(g != f"{size}/{size}" for g in groups):
+        trial.notes.append(f"the slow node was not in a full group every round: {groups}")
+
+    def tokens(node: NodeProcess) -> int:
+        return sum(int(m) for m in re.findall(r"round (?:[1-9]\d*) \| .*? (\d+) tok \|", node.output))
+    slow_tokens, others = tokens(slow), [tokens(n) for n in swarm.nodes[:-1]]
+    trial.fired += f"; tokens from round 1: slow {slow_tokens}, others {others}"
+    if not slow_tokens < min(others):
+        trial.notes.append(f"the slow node processed {slow_tokens} tokens, not fewer than the others {others}")
+
+
 SCENARIOS = {
     "kill9-matchmaking": kill9_at("matchmaking"),
     "kill9-allreduce": kill9_at("allreduce"),
@@ -335,5 +357,7 @@ SCENARIOS = {
                                          isolate_last=True),
     "slow-link": lambda tmp: run_trial(tmp, f"slow link ({SLOW_MBIT} Mbit/s) for 4 rounds", 4, _slow_link,
                                        isolate_last=True),
+    "slow-peer": lambda tmp: run_trial(tmp, "one peer 4x slower all run", 4, _slow_peer,
+                                       last_env={"DTNODE_TEST_SLOW_INNER": "4"}),
 }
 NETWORK_SCENARIOS = {"network-cut", "slow-link"}  # need root and iproute2 (chaos/netns.py)
