@@ -220,8 +220,8 @@ class Node:
 
     def _live_rate(self) -> float:
         """Tokens per second this round so far, once two steps are in; before that a cautious
-        estimate from earlier rounds. Other peers extrapolate our progress with it, and an
-        overestimate would make them stop early and leave the round's work to us."""
+        estimate from earlier rounds. Every peer predicts the round's end from the swarm's
+        summed rate: an over-estimate would have them all expect it too soon."""
         trainer = getattr(self, "trainer", None)
         if trainer is not None and trainer.round_tokens >= 2 * trainer.tokens_per_step and trainer.round_seconds > 0:
             return trainer.round_tokens / trainer.round_seconds
