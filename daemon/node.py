@@ -522,6 +522,9 @@ class Node:
         if self.stop_requested.is_set():
             log.info("round %d abandoned after %d inner steps", round_no, inner.steps)
             return
+        if s.pacing == "swarm" and (p := self.round_progress) is not None:
+            log.debug("round %d ends after %d steps: swarm %.0f of %d tokens from %d peers, %.0f tok/s", round_no,
+                      inner.steps, p.done, p.target, p.peers, p.rate)
         if inner.seconds > 0 and inner.tokens:
             self.tokens_per_s = inner.tokens / inner.seconds
             # the smaller of the last round and a running mean: one round with the machine to itself is no rule

@@ -24,7 +24,7 @@ import torch
 
 from .butterfly import AllReduceReport, ChannelPool, butterfly_allreduce
 from .deadlines import AdaptiveDeadlines, expected_payload_bytes
-from .grid import Slot, cells, classes_of, coordinates, feeder_keys, first_slot, grid_shape, next_slots, split_groups
+from .grid import Slot, cells, classes_of, coordinates, first_slot, grid_shape, hop_key, next_slots, split_groups
 from .matchmaking import UNKNOWN, FormedGroup, Matchmaker
 from .membership import PeerRecord
 from .plan import FP32, INT8, make_plan
@@ -146,8 +146,8 @@ class MoshpitAverager:
 
         for hop in range(dims):
             # hop 0 waits for peers a view names, which may be gone: an adaptive window. Later
-            # hops wait only for members of groups that formed, who are surely on their way
-            # (in the previous hop's all-reduce): the full window.
+            # hops wait only for peers whose path through the groups that formed leads (or
+            # may still lead) here, who are on their way: the full window.
             window = self.deadlines.matchmaking_window if hop == 0 else self.deadlines.window_max
             self.on_phase("matchmaking")
             asked = resync or theta is not None
@@ -183,7 +183,7 @@ class MoshpitAverager:
             log.debug("round %d hop %d: %s", round_no, hop, "; ".join(
                 f"{g.key.rsplit('.', 1)[-1]} {[m.peer_id[-6:] for m in g.members]} expected {g.expected} "
                 f"in {g.seconds:.2f}s" for g in groups))
-            if hop == 0:  # the adaptive window is hop 0's; later hops wait on formed groups
+            if hop == 0:  # the adaptive window is hop 0's; later hops follow the formed groups
                 self.deadlines.observe_matchmaking(primary.last_arrival_lag, primary.complete)
             if first is not None:
                 weight = first.weight_after(weight)
@@ -217,37 +217,53 @@ class MoshpitAverager:
             async def expected() -> set[str]:
                 return await self._alive(wanted, round_no)
         else:
+            known: dict[str, dict[str, tuple[str, ...]]] = {}
+
             async def expected() -> set[str]:
-                return await self._from_feeders(round_no, hop, dims, side, slot, hop0_cells)
+                return await self._on_the_way(round_no, hop, dims, side, slot, known)
         return await self.matchmaker.form_group(
             round_no, hop, expected, window, self.config.target_group_size if hop == 0 else 1 << 16,
             cell=f"d{dims}.{slot.key}", resync=resync, admitted=self.admissible)
 
-    async def _from_feeders(self, round_no: int, hop: int, dims: int, side: int, slot: Slot,
-                            hop0_cells: dict[str, set[str]]) -> set[str]:
-        """Whom this slot waits for: the members of class coords[hop-1] of the groups that
-        really formed in the previous hop of its slab (read from their `formed` records).
+    async def _on_the_way(self, round_no: int, hop: int, dims: int, side: int, slot: Slot,
+                          known: dict[str, dict[str, tuple[str, ...]]]) -> set[str]:
+        """Whom a slot of hop >= 1 waits for: every peer of the round whose path through the
+        earlier hops leads here, or still may.
 
-        A registrant of a feeder cell that has not formed yet is on its way (UNKNOWN until it
-        has); so may be a peer hop 0 expected there that has not registered, until some group
-        of its cell has formed without it.
+        A peer's path is public: its hop-0 cell is a hash of its id, and each group it formed
+        (its `formed` record) fixes its classes, hence its next key. So each peer is traced
+        hop by hop until its path turns elsewhere (not waited for), reaches this slot
+        (waited for), or stops at a hop it has not formed yet: then it is on its way and may
+        come here, unless a group of its hop-0 cell formed without it (the window of hop 0
+        closed the door on it). A peer that has stopped or left the round drops out of the
+        population. `known` caches the formed records read so far (a record never changes).
         """
-        cls = slot.coords[hop - 1]
-        wanted: set[str] = set()
-        keys = feeder_keys(slot.coords, hop, side)
-        full_keys = [self.matchmaker.group_key(round_no, hop - 1, f"d{dims}.{key}") for key in keys]
-        found = await asyncio.gather(*(self.matchmaker.registered(k) for k in full_keys),
-                                     *(self.matchmaker.formed(k) for k in full_keys))
-        for key, registered, formed in zip(keys, found[:side], found[side:]):
-            for peer in registered | set(formed):
-                group = formed.get(peer)
-                if group is None:
-                    wanted.add(UNKNOWN)
-                elif any(c == cls for c, _ in classes_of(sorted(group).index(peer), len(group), side)):
-                    wanted.add(peer)
-            if hop == 1 and not formed:
-                missing = (hop0_cells.get(key, set()) & await self.population(round_no)) - registered
-                wanted |= {UNKNOWN} if missing else set()
+        population = await self.population(round_no)
+        paths = {p: coordinates(p, round_no, side, dims, self.config.run_id) for p in population}
+        paths = {p: path for p, path in paths.items() if path[hop + 1:] == slot.coords[hop + 1:]}
+        wanted = {self.peer_id}
+        for j in range(hop):
+            keys = {p: self.matchmaker.group_key(round_no, j, f"d{dims}.{hop_key(path, j)}") for p, path in paths.items()}
+            stale = sorted({key for p, key in keys.items() if p not in known.get(key, {})})
+            for key, records in zip(stale, await asyncio.gather(*(self.matchmaker.formed(k) for k in stale))):
+                known[key] = known.get(key, {}) | records
+            door_closed = sorted({key for p, key in keys.items() if j == 0 and p not in known[key] and known[key]})
+            registered = dict(zip(door_closed, await asyncio.gather(
+                *(self.matchmaker.registered(k) for k in door_closed))))
+            onward: dict[str, tuple[int, ...]] = {}
+            for p, path in paths.items():
+                members = known[keys[p]].get(p)
+                if members is None:  # not through hop j yet
+                    if keys[p] not in registered or p in registered[keys[p]]:
+                        wanted.add(p)
+                    continue
+                classes = [cls for cls, _ in classes_of(sorted(members).index(p), len(members), side)]
+                if j == hop - 1:  # its slots in this hop: one per class
+                    if slot.coords[j] in classes:
+                        wanted.add(p)
+                elif classes[0] == slot.coords[j]:  # it goes on from its first class only
+                    onward[p] = path[:j] + (classes[0],) + path[j + 1:]
+            paths = onward
         return wanted
 
     async def _reduce(self, round_no: int, hop: int, theta_hop: int, group: FormedGroup, slot: Slot, values: torch.Tensor,

@@ -103,20 +103,12 @@ def split_groups(peer_ids: Iterable[str], target_size: int) -> list[list[str]]:
 def cells(population: Iterable[str], outer_step: int, side: int, dims: int, salt: str = "") -> dict[str, set[str]]:
     """Who this population puts under each hop-0 group key: whom a node waits for in hop 0.
 
-    Later hops wait for the groups that really formed (see `feeder_keys`), not for a
-    simulation from a view: views differ, and the groups that form decide the next slots.
+    Later hops follow each peer's path through the groups that really formed (see
+    `MoshpitAverager._on_the_way`), not a simulation from a view: views differ, and the
+    groups that form decide the next slots.
     """
     by_key: dict[str, set[str]] = {}
     for p in set(population):
         by_key.setdefault(hop_key(coordinates(p, outer_step, side, dims, salt), 0), set()).add(p)
     return by_key
 
-
-def feeder_keys(coords: tuple[int, ...], hop: int, side: int) -> list[str]:
-    """Keys of the groups of hop `hop`-1 whose members of class coords[hop-1] meet in this slot.
-
-    They are the groups of the slab: every value of dimension `hop`, the rest as in `coords`.
-    """
-    if hop < 1:
-        raise ValueError("hop 0 has no feeders")
-    return [hop_key(coords[:hop] + (v,) + coords[hop + 1 :], hop - 1) for v in range(side)]

@@ -1,7 +1,6 @@
 """Moshpit grid and matchmaking: exact mean on full grids, agreement without a leader."""
 
 import asyncio
-import itertools
 from collections import Counter
 
 import hivemind
@@ -11,9 +10,12 @@ import torch
 
 from dtnode.peers.deadlines import AdaptiveDeadlines, expected_payload_bytes
 from dtnode.peers.grid import (
-    cells, classes_of, coordinates, feeder_keys, first_slot, grid_shape, hop_key, next_slots, split_groups,
+    cells, classes_of, coordinates, first_slot, grid_shape, hop_key, next_slots, split_groups,
 )
+from dtnode.peers.averager import AveragingConfig, MoshpitAverager
+from dtnode.peers.grid import Slot
 from dtnode.peers.matchmaking import Matchmaker, Registration, round_time
+from dtnode.peers.membership import PeerRecord
 from dtnode.peers.plan import Member
 
 
@@ -90,19 +92,6 @@ def test_a_peer_missing_from_a_view_moves_only_its_own_cell():
     assert coordinates("p1", 3, 3, 2) != coordinates("p1", 4, 3, 2) or coordinates("p1", 5, 3, 2) != \
         coordinates("p1", 3, 3, 2)  # cells reshuffle with the step
     assert hop_key((1, 2), 0) == "2" and hop_key((1, 2), 1) == "1" and hop_key((5,), 0) == "all"
-
-
-def test_feeders_of_a_slot_are_the_previous_groups_of_its_slab():
-    """In hop k a slot meets, from every group of hop k-1 that differs from it in dimension k
-    only, the members of its class: the feeder keys are exactly those groups' keys."""
-    side, dims = 3, 3
-    for coords in itertools.product(range(side), repeat=dims):
-        for hop in range(1, dims):
-            key = hop_key(coords, hop)
-            feeders = set(feeder_keys(coords, hop, side))
-            slab = {hop_key(c, hop - 1) for c in itertools.product(range(side), repeat=dims)
-                    if hop_key(c, hop) == key and c[hop - 1] == coords[hop - 1]}
-            assert feeders == slab and len(feeders) == side
 
 
 def test_deadlines_follow_measurements_within_bounds():
@@ -215,4 +204,68 @@ def test_a_leader_is_waited_for_until_its_own_deadline_then_left_out(dht):
             a, b = await forming
             assert [m.peer_id for m in a.members] == [m.peer_id for m in b.members] == ["a", "b"]
             assert not a.complete and not b.complete
+    asyncio.run(main())
+
+
+
+def test_a_later_hop_waits_for_exactly_the_peers_whose_path_leads_there(dht):
+    """M=2, d=3, 16 peers, hop 0 and hop 1 formed for real through the DHT. Every slot of hops 1
+    and 2 must wait for exactly the peers whose groups send them there, worked out here from the
+    grid rules: not for a member of a feeder group that goes on elsewhere (an extra class, or a
+    first class leading to another slab), not for a peer that stopped, not for one that hop 0
+    left out; but for one still forming hop 0 (late) and for one between hop 1 and hop 2 whose
+    path so far leads here (in transit)."""
+    async def main():
+        run_id, side, dims = "mm-trace", 2, 3
+        peers = [f"peer{i:02d}" for i in range(16)]
+        coords = {p: coordinates(p, 0, side, dims, run_id) for p in peers}
+        by_cell = cells(peers, 0, side, dims, run_id)
+        left_out = next(p for p in peers if len(by_cell[hop_key(coords[p], 0)]) >= 2)
+        late = next(p for p in peers if p != left_out and len(by_cell[hop_key(coords[p], 0)] - {left_out}) >= 2)
+        rest = [p for p in peers if p not in (left_out, late)]
+        in_transit, stopped = rest[0], rest[1]
+        makers = {p: Matchmaker(dht, run_id, _member(p), poll_interval=0.05, settle_s=0.2) for p in peers}
+
+        async def form(hop: int, slots: dict[str, list[Slot]]) -> dict[tuple[str, str], list[str]]:
+            """Every listed peer joins its slots' groups at once, as `average` does."""
+            at: dict[str, set[str]] = {}
+            for p, own in slots.items():
+                for slot in own:
+                    at.setdefault(slot.key, set()).add(p)
+
+            async def join(p: str, key: str) -> tuple[tuple[str, str], list[str]]:
+                async def want():
+                    return at[key]
+                group = await makers[p].form_group(0, hop, want, window=10, target_size=1 << 16, cell=f"d{dims}.{key}")
+                return (p, key), [m.peer_id for m in group.members]
+            return dict(await asyncio.gather(*(join(p, s.key) for p, own in slots.items() for s in own)))
+
+        hop0 = {p: [first_slot(coords[p])] for p in rest}
+        groups0 = await form(0, hop0)
+        # late registers after its cell closed without it: it will form alone and go on
+        await _register(makers[late], makers[late].group_key(0, 0, f"d{dims}.{hop_key(coords[late], 0)}"),
+                        round_time(get_dht_time()))
+        hop1 = {p: next_slots(coords[p], 1, groups0[p, hop0[p][0].key], p, side) for p in rest}
+        groups1 = await form(1, {p: s for p, s in hop1.items() if p != in_transit})
+        hop2 = {p: next_slots(hop1[p][0].coords, 2, groups1[p, hop1[p][0].key], p, side)
+                for p in rest if p != in_transit}
+
+        async def view():
+            return {p: PeerRecord(peer_id=p, state="stopped" if p == stopped else "averaging", model_hash="m")
+                    for p in peers}
+
+        def keys(slots: list[Slot]) -> set[str]:
+            return {s.key for s in slots}
+        for hop, slots_by_peer in ((1, hop1), (2, hop2)):
+            for owner, slots in slots_by_peer.items():
+                slot = slots[0]
+                truth = {p for p, own in slots_by_peer.items() if slot.key in keys(own)} | {late, owner}
+                if hop == 2 and hop1[in_transit][0].coords[0] == slot.coords[0]:
+                    truth.add(in_transit)
+                if hop == 1 and coords[late][2] != slot.coords[2]:
+                    truth.discard(late)
+                averager = MoshpitAverager(AveragingConfig(run_id, "m", side, dims), owner, view, makers[owner], None,
+                                           None, AdaptiveDeadlines(1.0, 10.0, 1.0, 10.0))
+                wanted = await averager._on_the_way(0, hop, dims, side, slot, {})
+                assert wanted == truth - ({stopped} - {owner}), (hop, owner, slot)
     asyncio.run(main())
