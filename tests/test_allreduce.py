@@ -210,16 +210,16 @@ def test_results_stream_back_while_senders_still_send_and_a_sender_dying_mid_str
                 first_result_before_rest.append(reply.offset == 0 and reply.length == chunk)
                 call.cancel()  # dies with 7 of 8 chunks unsent
 
-        started = asyncio.get_running_loop().time()
         try:
-            *reports, _, _ = await asyncio.gather(
-                *(butterfly_allreduce(plan, p.member.peer_id, v, 1.0, o, p.registry, p.channels, timeout=8.0)
+            # the deadline is 10 minutes: only a sender dropped as soon as its stream dies lets
+            # this finish before the hang guard
+            *reports, _, _ = await asyncio.wait_for(asyncio.gather(
+                *(butterfly_allreduce(plan, p.member.peer_id, v, 1.0, o, p.registry, p.channels, timeout=600.0)
                   for p, v, o in zip(peers, values, outs)),
-                *(ghost_sender(p) for p in peers))
+                *(ghost_sender(p) for p in peers)), 120)
         finally:
             await stop_peers(peers)
         assert first_result_before_rest == [True, True]
-        assert asyncio.get_running_loop().time() - started < 4.0  # not the 0.8 x 8 s deadline
         expected = exact_mean(values[:2], [1.0, 1.0])
         for offset, length in plan.parts:
             if length == 0:

@@ -78,7 +78,6 @@ def test_a_flood_of_streams_and_requests_does_not_starve_training_or_status(tmp_
                                  *(one_request(session) for _ in range(300)))
         return codes
 
-    started = time.monotonic()
     codes = asyncio.run(flood())
     assert sum(codes.values()) == 300, codes  # every bogus stream was refused
     # at most 16 streams from one host are admitted at a time (they wait for a reduction that
@@ -91,7 +90,6 @@ def test_a_flood_of_streams_and_requests_does_not_starve_training_or_status(tmp_
     while node.get("/status")["outer_step"] < rounds_before + 3:
         assert time.monotonic() < deadline, node.output  # training went on through and after the flood
         time.sleep(0.2)
-    assert time.monotonic() - started < 120
 
 
 def test_a_flood_of_made_up_registrants_joins_no_group(tmp_path, cleanup):

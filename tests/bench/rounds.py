@@ -10,6 +10,7 @@ Scenarios (real node processes on loopback):
   b        9 tiny peers, target group 3, started 2 s apart
   c        12 tiny peers, target group 4
   d        4 tiny peers, one paused (SIGSTOP) for 3 s during its inner steps in every round
+  e        5 tiny peers, target group 2 (three hops, cells of 0 to 3), started 2 s apart
 
 Printed per scenario, over the rounds from --from-round on:
   full      fraction of rounds in which every peer took part and every group it joined held
@@ -78,6 +79,7 @@ def scenarios() -> dict[str, Scenario]:
         "c": Scenario("c", "12 tiny, group 4", [Peer(TINY) for _ in range(12)], group=4),
         "d": Scenario("d", "4 tiny, one paused 3 s a round", [Peer([*TINY, "--batch-size", "32"]) for _ in range(4)],
                       group=4, pause_victim=3),
+        "e": Scenario("e", "5 tiny, group 2, 2 s apart", [Peer(TINY) for _ in range(5)], group=2, stagger=2.0),
     }
 
 
@@ -177,7 +179,7 @@ def run(scenario: Scenario, rounds: int, pacing: str, tmp: Path, from_round: int
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--scenarios", default="a-slow,a-batch,b,c,d")
+    parser.add_argument("--scenarios", default="a-slow,a-batch,b,c,d,e")
     parser.add_argument("--rounds", type=int, default=12)
     parser.add_argument("--from-round", type=int, default=3, help="first round counted (earlier ones warm up)")
     parser.add_argument("--pacing", default="swarm", choices=["swarm", "fixed"])
