@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
@@ -45,6 +45,18 @@ class AveragingConfig:
     chunk_elements: int = 1 << 20
     in_flight: int = 4
     trim_fraction: float | None = None
+
+
+MAX_CHAINS = 16  # classes one peer carries through a hop at most (each holds a model-sized buffer)
+
+
+@dataclass(frozen=True)
+class Chain:
+    """One group this peer joins in a hop, with the (mean, weight) pair it brings there."""
+
+    slot: Slot
+    values: torch.Tensor
+    weight: float
 
 
 @dataclass
@@ -130,8 +142,7 @@ class MoshpitAverager:
         population = await self.population(round_no)
         side, dims = grid_shape(len(population), c.target_group_size, c.grid_dims)
         hop0_cells = cells(population, round_no, side, dims, salt=c.run_id)
-        slots = [first_slot(coordinates(self.peer_id, round_no, side, dims, c.run_id))]
-        current = delta
+        chains = [Chain(first_slot(coordinates(self.peer_id, round_no, side, dims, c.run_id)), delta, weight)]
         theta: torch.Tensor | None = None
         theta_weight = 1.0
         hops: list[HopReport] = []
@@ -151,12 +162,13 @@ class MoshpitAverager:
             window = self.deadlines.matchmaking_window if hop == 0 else self.deadlines.window_max
             self.on_phase("matchmaking")
             asked = resync or theta is not None
-            outputs = [spare] + [self._scratch_buffer(i, current) for i in range(len(slots) - 1)]
+            outputs = self._outputs([chain.values for chain in chains], [delta, spare])
 
-            async def run_slot(slot: Slot, out: torch.Tensor, report: HopReport
+            async def run_slot(chain: Chain, out: torch.Tensor, report: HopReport
                                ) -> tuple[FormedGroup, AllReduceReport | None, torch.Tensor | None]:
-                """Form this slot's group and all-reduce in it at once: a member of several
+                """Form this chain's group and all-reduce in it at once: a member of several
                 groups must not keep one waiting while another is still forming."""
+                slot = chain.slot
                 group = await self._form(round_no, hop, dims, side, slot, hop0_cells, window, asked)
                 if slot.primary:
                     self.on_phase("allreduce")
@@ -164,21 +176,21 @@ class MoshpitAverager:
                 if group.resync and len(group.members) > 1:
                     theta_in = await fetch_theta()
                     theta_out = torch.empty_like(theta_in)
-                result = await self._reduce(round_no, hop, hop + dims, group, slot, current, weight, out, theta_in,
-                                            theta_weight, theta_out, residual if hop == 0 and slot.primary else None,
-                                            report)
+                result = await self._reduce(round_no, hop, hop + dims, group, slot, chain.values, chain.weight, out,
+                                            theta_in, theta_weight, theta_out,
+                                            residual if hop == 0 and slot.primary else None, report)
                 return group, result, theta_out
 
-            report = HopReport(hop, slots[0].key, 1, 0, 0, False, [self.peer_id], 0.0, round(window, 3),
-                               extra_groups=len(slots) - 1)
-            done = await asyncio.gather(*(run_slot(slot, out, report) for slot, out in zip(slots, outputs)))
+            report = HopReport(hop, chains[0].slot.key, 1, 0, 0, False, [self.peer_id], 0.0, round(window, 3),
+                               extra_groups=len(chains) - 1)
+            done = await asyncio.gather(*(run_slot(chain, out, report) for chain, out in zip(chains, outputs)))
             groups = [group for group, _, _ in done]
             primary, first, theta_primary = done[0]
             report.group_key, report.group_size, report.registrants = primary.key, len(primary.members), primary.registrants
             # a group its closer found whole held everyone expected (cells split unevenly, so
             # the size alone says little); otherwise what this node expected, to show the gap
             report.expected = len(primary.members) if primary.complete else \
-                self._hop0_size(hop0_cells, slots[0].key) if hop == 0 else primary.expected
+                self._hop0_size(hop0_cells, chains[0].slot.key) if hop == 0 else primary.expected
             report.complete, report.matchmaking_s = all(g.complete for g in groups), round(primary.seconds, 4)
             log.debug("round %d hop %d: %s", round_no, hop, "; ".join(
                 f"{g.key.rsplit('.', 1)[-1]} {[m.peer_id[-6:] for m in g.members]} expected {g.expected} "
@@ -186,16 +198,40 @@ class MoshpitAverager:
             if hop == 0:  # the adaptive window is hop 0's; later hops follow the formed groups
                 self.deadlines.observe_matchmaking(primary.last_arrival_lag, primary.complete)
             if first is not None:
-                weight = first.weight_after(weight)
-                current, spare = spare, current
                 report.included_peers = first.included_peers
             if theta is not None and theta_primary is not None:
                 theta_weight = theta_weight * len(primary.members)
                 theta.copy_(theta_primary)
             hops.append(report)
+            # every group's result goes on, in every class this peer stands for in it: a class
+            # left out would leave the groups of that class in the next hops without this slab
+            after = [Chain(chain.slot, out if result is not None else chain.values,
+                           result.weight_after(chain.weight) if result is not None else chain.weight)
+                     for chain, out, (_, result, _) in zip(chains, outputs, done)]
             if hop + 1 < dims:
-                slots = next_slots(slots[0].coords, hop + 1, [m.peer_id for m in primary.members], self.peer_id, side)
-        return AveragingResult(current, weight, hops, theta)
+                chains = [Chain(slot, chain.values, chain.weight) for chain, group in zip(after, groups)
+                          for slot in next_slots(chain.slot.coords, hop + 1, [m.peer_id for m in group.members],
+                                                 self.peer_id, side)]
+                chains = [replace(chain, slot=replace(chain.slot, primary=i == 0)) for i, chain in enumerate(chains)]
+                if len(chains) > MAX_CHAINS:
+                    log.debug("round %d: standing in %d classes of hop %d; carrying %d", round_no, len(chains),
+                              hop + 1, MAX_CHAINS)
+                    chains = chains[:MAX_CHAINS]
+            else:
+                chains = after
+        return AveragingResult(chains[0].values, chains[0].weight, hops, theta)
+
+    def _outputs(self, inputs: list[torch.Tensor], own: list[torch.Tensor]) -> list[torch.Tensor]:
+        """One output buffer per chain, none of them an input still being read this hop."""
+        busy = {id(t) for t in inputs}
+        free = [t for t in own if id(t) not in busy]
+        index = 0
+        while len(free) < len(inputs):
+            buffer = self._scratch_buffer(index, inputs[0])
+            index += 1
+            if id(buffer) not in busy:
+                free.append(buffer)
+        return free[:len(inputs)]
 
     def _hop0_size(self, hop0_cells: dict[str, set[str]], key: str) -> int:
         """Members this node expected in its hop-0 group (an oversized cell is split)."""
@@ -261,8 +297,8 @@ class MoshpitAverager:
                 if j == hop - 1:  # its slots in this hop: one per class
                     if slot.coords[j] in classes:
                         wanted.add(p)
-                elif classes[0] == slot.coords[j]:  # it goes on from its first class only
-                    onward[p] = path[:j] + (classes[0],) + path[j + 1:]
+                elif slot.coords[j] in classes:  # it goes on in every class it stands for
+                    onward[p] = path[:j] + (slot.coords[j],) + path[j + 1:]
             paths = onward
         return wanted
 

@@ -14,12 +14,11 @@ inexact after d hops. So from hop 1 on, the coordinate of the dimension just ave
 replaced by a *class* taken from the peer's rank in the group it has just left, a list
 every member of that group agreed on, so no view enters here either. Each group hands out
 all M classes among its members: a member of a small group stands for it in several
-classes (it joins several groups of the next hop, its result taken from the first), and
-two members of a group larger than M that share a class split its weight. Every group of
-the next hop then holds exactly one share of every previous group of its slab, so with d = 2
-every peer holds the exact token-weighted global mean after two hops, whatever the cell
-sizes were. (With d >= 3, a member's extra classes are not carried further, so the mean is
-exact over each slab and close to the global one.) Pure functions, no I/O.
+classes (it joins several groups of the next hop, and carries each of their results on,
+its own result taken from the first), and two members of a group larger than M that share
+a class split its weight. Every group of the next hop then holds exactly one share of every
+previous group of its slab, so after d hops every peer holds the exact token-weighted
+global mean, whatever the cell sizes were. Pure functions, no I/O.
 """
 
 from __future__ import annotations
@@ -71,12 +70,12 @@ def classes_of(rank: int, group_size: int, side: int) -> list[tuple[int, float]]
 @dataclass(frozen=True)
 class Slot:
     """One group a peer joins in a hop: its key, the share of its weight it brings, and
-    whether the result of this group is the one it carries on (its primary slot)."""
+    whether this group's result is the peer's own in the end (its primary slot)."""
 
     key: str
     share: float
     primary: bool
-    coords: tuple[int, ...]  # the coordinates this slot stands at (primary: carried to the next hop)
+    coords: tuple[int, ...]  # the coordinates this slot stands at (the next hop's slots derive from them)
 
 
 def first_slot(coords: tuple[int, ...]) -> Slot:
