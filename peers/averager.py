@@ -294,10 +294,11 @@ class MoshpitAverager:
                         wanted.add(p)
                     continue
                 classes = [cls for cls, _ in classes_of(sorted(members).index(p), len(members), side)]
-                if j == hop - 1:  # its slots in this hop: one per class
-                    if slot.coords[j] in classes:
-                        wanted.add(p)
-                elif slot.coords[j] in classes:  # it goes on in every class it stands for
+                if slot.coords[j] not in classes:  # it goes on in every class it stands for, none of them here
+                    continue
+                if j == hop - 1:
+                    wanted.add(p)
+                else:
                     onward[p] = path[:j] + (slot.coords[j],) + path[j + 1:]
             paths = onward
         return wanted
