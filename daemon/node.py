@@ -16,6 +16,7 @@ import signal
 import socket
 import threading
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -46,7 +47,8 @@ from .checkpoint import (
     ABANDONED_DIR, list_checkpoints, prune_checkpoints, read_checkpoint, read_local_state,
     set_aside_checkpoints_after, write_checkpoint,
 )
-from .data import DataStream, open_source, stable_seed
+from .data import DataStream, open_sources, stable_seed
+from .schedule import LearningRateSchedule
 from .model import build_model, config_hash
 from .replica import Replica
 from .settings import NodeSettings, SettingsError
@@ -87,6 +89,9 @@ class Node:
         self.checkpoints: dict[int, CheckpointInfo] = {}
         self.last_round: dict[str, Any] = {}
         self.rounds_done = 0
+        self.inner_seconds = 0.0  # wall time in inner steps since the first round began
+        self.first_round_at: float | None = None  # monotonic
+        self.last_round_end_at: float | None = None  # monotonic
         self.tokens_per_s = 0.0  # of the last round
         self.rate_estimate = 0.0  # what the record announces before this round's own rate is known
         self.eval_loss: float | None = None
@@ -94,6 +99,9 @@ class Node:
         self.io_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="checkpoint")
         self._pending_write: asyncio.Future | None = None
         self._hash_task: asyncio.Future | None = None
+        self._in_flight: asyncio.Future | None = None  # --overlap: the average of the last round's Δ
+        self._resync_asked = False  # whether the average in flight was asked to re-sync θ_g
+        self._training_round = 0  # --overlap: the round whose inner steps run (one past the outer step)
         self.theta_lock = threading.Lock()  # θ_g and momentum change (training thread) or are copied (I/O)
         self._round_end_at = math.inf  # monotonic time the pacer expects the swarm's round to end
         self.round_progress: SwarmProgress | None = None
@@ -118,7 +126,7 @@ class Node:
         model, self.model_description = build_model(s.model, seed)
         self.model_hash = config_hash(self.model_description)
         self.seq_len = min(s.seq_len or model.context_length, model.context_length)
-        self.source = open_source(s.run_id, s.seed, s.data)
+        self.sources = open_sources(s.run_id, s.seed, s.data, s.eval_data, s.eval_fraction, self.seq_len)
         self._model = model
 
     def _build_metrics(self) -> None:
@@ -127,8 +135,10 @@ class Node:
         self.m_outer = Gauge("dtnode_outer_step", "Completed outer steps", registry=r)
         self.m_inner = Gauge("dtnode_inner_step", "Inner steps taken by this node", registry=r)
         self.m_loss = Gauge("dtnode_loss", "Mean inner training loss of the last round", registry=r)
-        self.m_eval = Gauge("dtnode_eval_loss", "Loss on the swarm-wide eval batch", registry=r)
+        self.m_eval = Gauge("dtnode_eval_loss", "Loss of θ_g on the held-out eval set (the same on every peer)", registry=r)
         self.m_tps = Gauge("dtnode_tokens_per_second", "Training throughput of the last round", registry=r)
+        self.m_utilization = Gauge("dtnode_compute_utilization",
+                                   "Fraction of wall time since the first round spent in inner steps", registry=r)
         self.m_group = Gauge("dtnode_group_size", "Size of the last averaging group", registry=r)
         self.m_sent = Counter("dtnode_allreduce_sent_bytes", "Payload bytes sent by all-reduces", registry=r)
         self.m_recv = Counter("dtnode_allreduce_received_bytes", "Payload bytes received by all-reduces", registry=r)
@@ -146,9 +156,10 @@ class Node:
 
     def _start_training_state(self) -> None:
         s = self.settings
-        stream = DataStream(self.source, s.run_id, self.peer_id, s.batch_size, self.seq_len)
-        self.trainer = Trainer(self._model, stream, self.device, lr=s.inner_lr, weight_decay=s.inner_weight_decay,
-                               warmup_steps=s.warmup_steps, grad_clip=s.grad_clip)
+        stream = DataStream(self.sources, s.run_id, self.peer_id, s.batch_size, self.seq_len, s.eval_sequences)
+        schedule = LearningRateSchedule(s.inner_lr, s.warmup_steps, s.total_steps, s.lr_schedule, s.min_lr_ratio)
+        self.trainer = Trainer(self._model, stream, self.device, schedule=schedule,
+                               weight_decay=s.inner_weight_decay, grad_clip=s.grad_clip)
         self.replica = Replica(self.trainer, s.outer_lr, s.outer_momentum)
         flat = self.trainer.flat
         self.layout = Layout(tuple(flat.names), tuple(flat.shapes))
@@ -213,6 +224,7 @@ class Node:
             outer_step=self.replica.outer_step, checkpoint_step=newest.step if newest else -1,
             checkpoint_sha256=newest.sha256 if newest else "", tokens_per_s=self._live_rate(),
             round_tokens=self.trainer.round_tokens if hasattr(self, "trainer") else 0,
+            training_round=self._training_round if self.settings.overlap else -1,
             tokens_per_step=self.trainer.tokens_per_step if hasattr(self, "trainer") else 0,
             progress_at=get_dht_time(), bandwidth_mbps=self.settings.bandwidth_mbps, device=str(self.device), client_mode=self.settings.client_mode,
             model_hash=self.model_hash, version=__version__,
@@ -233,8 +245,10 @@ class Node:
             "peer_id": self.peer_id, "run_id": self.settings.run_id, "state": self.state, "phase": self.phase,
             "outer_step": self.replica.outer_step if hasattr(self, "replica") else 0,
             "inner_step": self.trainer.inner_step if hasattr(self, "trainer") else 0,
+            "inner_lr": self.trainer.lr if hasattr(self, "trainer") else None,
             "loss": None if math.isnan(loss) else loss, "eval_loss": self.eval_loss,
-            "loss_floor": self.source.entropy_rate, "tokens_per_s": self.tokens_per_s,
+            "loss_floor": self.sources.loss_floor, "tokens_per_s": self.tokens_per_s,
+            "compute_utilization": self.compute_utilization(),
             "uptime_s": time.time() - self.started_at,
             "params_sha256": self.replica.params_sha256() if hasattr(self, "replica") else "",
             "http_url": self.http_addr, "grpc_addr": self.grpc_addr, "join_command": self.join_command,
@@ -394,6 +408,8 @@ class Node:
                         "giving them up for the swarm's state", own, target)
         else:
             return False
+        if self._in_flight is not None:  # the download replaces the θ_g that average was for
+            await self._settle_in_flight(self.settings.matchmaking_window + self.settings.allreduce_timeout)
         previous_state, self.state = self.state, "syncing"
         loaded = await fetch_from_swarm(view, self.peer_id, range(target, target + 2), self.model_hash,
                                         self.settings.run_id, self.layout, self.state_dir,
@@ -424,6 +440,11 @@ class Node:
     async def _shutdown(self) -> None:
         self.stop_requested.set()
         self.stop_flag.set()
+        if self._in_flight is not None:  # still a member of its groups until the average is in
+            try:
+                await self._drain_in_flight()
+            except Exception as e:
+                log.error("could not apply the last round's average (%s: %s)", type(e).__name__, e)
         self.state = "stopped"
         if self._pending_write is not None:
             await asyncio.gather(self._pending_write, return_exceptions=True)
@@ -443,7 +464,11 @@ class Node:
         await asyncio.to_thread(self.dht.shutdown)
         self.train_thread.shutdown(wait=True, cancel_futures=True)
         self.io_thread.shutdown(wait=True)
-        log.info("stopped at outer step %d", self.replica.outer_step if hasattr(self, "replica") else 0)
+        # up to the end of the last round: a node that runs on has no final wait for its last average
+        utilization = self.compute_utilization(self.last_round_end_at) if self.last_round_end_at else None
+        log.info("stopped at outer step %d%s", self.replica.outer_step if hasattr(self, "replica") else 0,
+                 f"; {utilization:.1%} of the time from the first round's start to the last one's end was spent "
+                 f"in inner steps" if utilization is not None else "")
 
     # ---- one outer round ------------------------------------------------------------------
     async def _guarded_round(self) -> None:
@@ -477,11 +502,14 @@ class Node:
     async def _inner_steps(self, round_no: int) -> InnerResult:
         """Inner steps until the swarm's round ends (--pacing swarm) or for exactly H steps."""
         s = self.settings
+        if self.first_round_at is None:
+            self.first_round_at = time.monotonic()
         loop = asyncio.get_running_loop()
         deadline = time.monotonic() + s.round_seconds if s.round_seconds else None
+        schedule = {"position": round_no * s.inner_steps, "span": s.inner_steps}
         if s.pacing == "fixed":
-            return await loop.run_in_executor(self.train_thread, self.trainer.run, s.inner_steps, self.stop_flag,
-                                              deadline)
+            return await loop.run_in_executor(self.train_thread, partial(
+                self.trainer.run, s.inner_steps, self.stop_flag, deadline, **schedule))
         self._round_end_at = math.inf
 
         def keep_going(step_seconds: float) -> bool:
@@ -490,8 +518,8 @@ class Node:
 
         pacer = asyncio.ensure_future(self._pace(round_no))
         try:
-            return await loop.run_in_executor(self.train_thread, self.trainer.run, MAX_ROUND_FACTOR * s.inner_steps,
-                                              self.stop_flag, deadline, keep_going)
+            return await loop.run_in_executor(self.train_thread, partial(
+                self.trainer.run, MAX_ROUND_FACTOR * s.inner_steps, self.stop_flag, deadline, keep_going, **schedule))
         finally:
             pacer.cancel()
             await asyncio.gather(pacer, return_exceptions=True)
@@ -513,6 +541,8 @@ class Node:
 
     async def run_round(self) -> None:
         s = self.settings
+        if s.overlap:
+            return await self._run_overlapped_round()
         loop = asyncio.get_running_loop()
         round_started = time.monotonic()
         await self._sync_with_swarm()  # a node left far behind (stalled, partitioned) catches up first
@@ -522,14 +552,7 @@ class Node:
         if self.stop_requested.is_set():
             log.info("round %d abandoned after %d inner steps", round_no, inner.steps)
             return
-        if s.pacing == "swarm" and (p := self.round_progress) is not None:
-            log.debug("round %d ends after %d steps: swarm %.0f of %d tokens from %d peers, %.0f tok/s", round_no,
-                      inner.steps, p.done, p.target, p.peers, p.rate)
-        if inner.seconds > 0 and inner.tokens:
-            self.tokens_per_s = inner.tokens / inner.seconds
-            # the smaller of the last round and a running mean: one round with the machine to itself is no rule
-            self.rate_estimate = min(self.tokens_per_s, 0.5 * (self.rate_estimate + self.tokens_per_s)) \
-                if self.rate_estimate else self.tokens_per_s
+        self._observe_inner(round_no, inner)
         failpoints.reach("round-error", round_no)
         delta = await loop.run_in_executor(self.train_thread, self.replica.pseudo_gradient)
         self.state = "averaging"
@@ -557,6 +580,138 @@ class Node:
         self._report(round_no, inner, result, time.monotonic() - round_started)
         await self.membership.announce(self.record())
 
+    def compute_utilization(self, until: float | None = None) -> float | None:
+        """The fraction of wall time since the first round began (up to `until`, monotonic;
+        default now) spent in inner steps."""
+        if self.first_round_at is None:
+            return None
+        end = time.monotonic() if until is None else until
+        return min(1.0, self.inner_seconds / max(end - self.first_round_at, 1e-9))
+
+    def _observe_inner(self, round_no: int, inner: InnerResult) -> None:
+        self.inner_seconds += inner.seconds
+        if self.settings.pacing == "swarm" and (p := self.round_progress) is not None:
+            log.debug("round %d ends after %d steps: swarm %.0f of %d tokens from %d peers, %.0f tok/s", round_no,
+                      inner.steps, p.done, p.target, p.peers, p.rate)
+        if inner.seconds > 0 and inner.tokens:
+            self.tokens_per_s = inner.tokens / inner.seconds
+            # the smaller of the last round and a running mean: one round with the machine to itself is no rule
+            self.rate_estimate = min(self.tokens_per_s, 0.5 * (self.rate_estimate + self.tokens_per_s)) \
+                if self.rate_estimate else self.tokens_per_s
+
+    # ---- --overlap: the averaging of round t runs during the inner steps of round t+1 ------
+    async def _run_overlapped_round(self) -> None:
+        """Inner steps while the previous round's Δ is averaged; then that average's outer step
+        (one round late), and this round's Δ goes out to be averaged during the next round.
+
+        The trade-off (streaming / asynchronous DiLoCo's delayed outer step): the network's
+        time hides behind compute, while each round starts from a θ_g that lacks the last
+        round's average; the node's own part of it is kept in θ_l (Replica.delayed_outer_step).
+        """
+        s = self.settings
+        loop = asyncio.get_running_loop()
+        round_started = time.monotonic()
+        await self._sync_with_swarm()
+        round_no = self.replica.outer_step + (1 if self._in_flight is not None else 0)
+        self._training_round = round_no  # published: pacing counts this round's tokens under it
+        self.state, self.phase = "training", "inner"
+        inner = await self._inner_steps(round_no)
+        if self.stop_requested.is_set():
+            log.info("round %d abandoned after %d inner steps", round_no, inner.steps)
+            return
+        self._observe_inner(round_no, inner)
+        failpoints.reach("round-error", round_no)
+        previous = await self._settle_in_flight()
+        self.phase = "outer"
+        if self._hash_task is not None:
+            await asyncio.gather(self._hash_task, return_exceptions=True)
+        delta = await loop.run_in_executor(self.train_thread, self._apply_delayed, previous)
+        if previous is not None:
+            self._hash_task = asyncio.ensure_future(self._rehash())
+        scheduled = bool(s.consensus_every) and round_no % s.consensus_every == s.consensus_every - 1
+        resync = self._needs_resync or scheduled
+        self._resync_asked = resync
+        # θ_g does not change while the average runs (only its outer step, awaited first, writes
+        # it): the consensus state is read on the I/O thread, not behind this round's inner steps
+        self._in_flight = asyncio.ensure_future(self.averager.average(
+            round_no, delta, self.replica.mean_cpu, float(max(inner.tokens, 1)), resync,
+            lambda: loop.run_in_executor(self.io_thread, self.replica.consensus_state), self.residual))
+        self.rounds_done += 1
+        if previous is not None and self.replica.outer_step % s.checkpoint_every == 0:
+            await self._schedule_checkpoint()
+        self.state, self.phase = "training", "inner"
+        self._report(round_no, inner, previous, time.monotonic() - round_started)
+        self._training_round = round_no + 1  # peers count this node in the next round at once
+        await self.membership.announce(self.record())
+
+    async def _settle_in_flight(self, timeout: float | None = None) -> AveragingResult | None:
+        """The average in flight, once done; None when there is none or it failed (whose Δ
+        then goes out again inside the next one's)."""
+        task, self._in_flight = self._in_flight, None
+        if task is None:
+            return None
+        self.phase = "averaging"
+        await asyncio.wait({task}, timeout=timeout)  # a wait that ends never cancels the average itself
+        result: AveragingResult | None = None
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            log.error("averaging round %d did not end in %.0fs; given up", self.replica.outer_step, timeout)
+        elif task.cancelled():
+            pass
+        elif (e := task.exception()) is not None:
+            log.error("averaging round %d failed (%s: %s); its Δ goes out again with the next round's",
+                      self.replica.outer_step, type(e).__name__, e, exc_info=e)
+            self.m_round_failures.labels(reason=type(e).__name__).inc()
+        else:
+            result = task.result()
+        if result is None:
+            self._needs_resync = True
+            return None
+        self._needs_resync = not result.clean or (self._resync_asked and result.theta is None)
+        if not result.clean:
+            self.m_partial_rounds.inc()
+        return result
+
+    def _apply_delayed(self, result: AveragingResult | None) -> torch.Tensor:
+        """On the training thread: the delayed outer step, this round's Δ staged, θ_g evaluated."""
+        self.trainer.round_tokens, self.trainer.round_seconds = 0, 0.0
+        with self.theta_lock:
+            delta = self.replica.delayed_outer_step(None if result is None else result.mean,
+                                                    None if result is None else result.theta)
+        if result is not None:
+            self._evaluate_theta_g()
+        return delta
+
+    def _evaluate_theta_g(self) -> None:
+        self.replica.theta_g_into_model()
+        try:
+            self.eval_loss = self.trainer.eval_loss()
+        finally:
+            self.replica.restore_local()
+
+    async def _drain_in_flight(self) -> None:
+        """--overlap, on the way out: the last average's outer step, so the final θ_g (and its
+        checkpoint) holds every round this node took part in."""
+        if self._in_flight is None:
+            return
+        s = self.settings
+        result = await self._settle_in_flight(2 * (s.matchmaking_window + s.allreduce_timeout))
+        loop = asyncio.get_running_loop()
+
+        def settle() -> None:
+            with self.theta_lock:
+                self.replica.settle_in_flight(None if result is None else result.mean,
+                                              None if result is None else result.theta)
+            if result is not None:
+                self._evaluate_theta_g()
+
+        await loop.run_in_executor(self.train_thread, settle)
+        if result is not None:
+            await self._rehash()
+            log.info("applied the last round's average: outer step %d (params %s)", self.replica.outer_step,
+                     self.replica.params_sha256()[:12])
+
     def _apply(self, result: AveragingResult) -> None:
         """On the training thread: adopt a re-synced θ_g if any, then the outer step."""
         # this round's count goes first: a record must never show the next step with this
@@ -574,24 +729,29 @@ class Node:
         host = await loop.run_in_executor(self.train_thread, self.replica.host_theta)
         self.replica.set_params_sha256(await loop.run_in_executor(self.io_thread, sha256_of, host))
 
-    def _report(self, round_no: int, inner: InnerResult, result: AveragingResult, duration: float) -> None:
-        hops: list[HopReport] = result.hops
-        first = hops[0]
+    def _report(self, round_no: int, inner: InnerResult, result: AveragingResult | None, duration: float) -> None:
+        """The round line and record. With --overlap the groups, bytes and θ_g are those of the
+        previous round's average, applied at the end of this one (none after the first round)."""
+        hops: list[HopReport] = result.hops if result is not None else []
+        first = hops[0] if hops else HopReport(0, "", 1, 1, 0, True, [self.peer_id], 0.0, 0.0)
         self.last_round = {
             "outer_step": round_no, "group_size": first.group_size, "group_key": first.group_key,
             "included_peers": first.included_peers, "matchmaking_s": round(sum(h.matchmaking_s for h in hops), 4),
             "duration_s": round(duration, 4), "allreduce_s": round(sum(h.allreduce_s for h in hops), 4),
             "bytes_sent": sum(h.bytes_sent for h in hops), "bytes_received": sum(h.bytes_received for h in hops),
-            "failed_parts": [p for h in hops for p in h.failed_parts], "weight_after": result.weight,
+            "failed_parts": [p for h in hops for p in h.failed_parts],
+            "weight_after": result.weight if result is not None else 0.0,
             "full": all(h.complete for h in hops), "hops": [h.as_dict() for h in hops], "inner_steps": inner.steps,
             "tokens": inner.tokens, "inner_s": round(inner.seconds, 4), "loss": inner.mean_loss,
-            "eval_loss": self.eval_loss,
+            "eval_loss": self.eval_loss, "inner_lr": self.trainer.lr,
         }
         self.m_outer.set(self.replica.outer_step)
         self.m_inner.set(self.trainer.inner_step)
         self.m_loss.set(inner.mean_loss)
         self.m_eval.set(self.eval_loss if self.eval_loss is not None else math.nan)
         self.m_tps.set(self.tokens_per_s)
+        self.last_round_end_at = time.monotonic()
+        self.m_utilization.set(self.compute_utilization() or 0.0)
         self.m_group.set(first.group_size)
         self.m_round.observe(duration)
         for h in hops:
@@ -600,12 +760,13 @@ class Node:
             self.m_failed.inc(len(h.failed_parts))
             if h.allreduce_s:
                 self.m_allreduce.observe(h.allreduce_s)
-        floor = self.source.entropy_rate
+        floor = self.sources.loss_floor
         groups = " ".join(f"{h.group_size}/{h.expected}" + (f"+{h.extra_groups}" if h.extra_groups else "")
-                          for h in hops)
+                          for h in hops) or "-"
         loss = "-" if math.isnan(inner.mean_loss) else f"{inner.mean_loss:.4f}"
-        line = (f"round {round_no} | groups {groups} | {inner.steps} steps {inner.tokens} tok | loss "
-                f"{loss} | eval {self.eval_loss:.4f}{f' (floor {floor:.3f})' if floor else ''} | "
+        held_out = "-" if self.eval_loss is None else f"{self.eval_loss:.4f}"
+        line = (f"round {round_no} | groups {groups} | {inner.steps} steps {inner.tokens} tok | lr "
+                f"{self.trainer.lr:.3g} | loss {loss} | eval {held_out}{f' (floor {floor:.3f})' if floor else ''} | "
                 f"allreduce {self.last_round['allreduce_s']:.3f}s ({_human_bytes(self.last_round['bytes_sent'])} "
                 f"sent) | {self.tokens_per_s:.0f} tok/s | params ")
         # the line names θ_g's hash, computed off the training thread: log it once the hash is in

@@ -69,6 +69,14 @@ class NodeSettings(BaseSettings):
                                            "returning a torch.nn.Module.")
     data: Path | None = Field(None, description="UTF-8 text file to train on (byte-level tokens); default: "
                                                 "the built-in synthetic language seeded by the run id.")
+    eval_data: Path | None = Field(None, description="UTF-8 text file of held-out text for the eval loss "
+                                                     "(default: the last --eval-fraction of --data, which "
+                                                     "training then never reads).")
+    eval_fraction: float = Field(0.01, ge=0, lt=1, description="With --data and no --eval-data: the fraction "
+                                                                 "of the file, at its end, held out for the eval "
+                                                                 "loss (0: no eval loss).")
+    eval_sequences: int = Field(64, ge=0, le=1_000_000, description="Sequences in the eval set, the same on "
+                                                                     "every peer (0: no eval loss).")
     device: str = Field("auto", description="Torch device: auto, cpu, cuda, cuda:N or mps.")
     seed: int = Field(0, ge=0, description="Seed of the initial weights and the synthetic language "
                                            "(combined with the run id).")
@@ -92,11 +100,25 @@ class NodeSettings(BaseSettings):
                                                                           "reached.")
     inner_lr: float = Field(1e-3, gt=0, le=1, description="Peak learning rate of the inner AdamW.")
     inner_weight_decay: float = Field(0.1, ge=0, le=1, description="Weight decay of the inner AdamW.")
-    warmup_steps: int = Field(50, ge=0, description="Linear warmup of the inner learning rate, in inner steps.")
+    warmup_steps: int = Field(50, ge=0, description="Linear warmup of the inner learning rate, in inner steps "
+                                                    "(again for a joiner whose inner optimizer starts fresh).")
+    lr_schedule: str = Field("cosine", pattern=r"^(cosine|linear|constant)$",
+                             description="Decay of the inner learning rate after warmup, over --total-steps: "
+                                         "cosine, linear or constant.")
+    total_steps: int | None = Field(None, ge=1, description="Length of the learning-rate schedule in the swarm's "
+                                                            "inner steps (outer steps x H); the rate then stays "
+                                                            "at its floor. Default: no decay (a swarm that runs "
+                                                            "for ever has no end to decay toward).")
+    min_lr_ratio: float = Field(0.1, ge=0, le=1, description="The inner learning rate at the end of the "
+                                                              "schedule, as a fraction of --inner-lr.")
     grad_clip: float = Field(1.0, ge=0, description="Gradient norm clip of inner steps (0 disables).")
     outer_lr: float = Field(0.7, gt=0, le=10, description="Learning rate of the outer Nesterov SGD.")
     outer_momentum: float = Field(0.9, ge=0, lt=1, description="Momentum of the outer Nesterov SGD.")
-    max_rounds: int | None = Field(None, ge=1, description="Exit 0 after this many outer rounds (default: run forever).")
+    overlap: bool = Field(False, description="Train the next round while this round's Δ is averaged, and apply "
+                                             "the averaged update one round late (delayed outer step): the "
+                                             "network's time hides behind compute; set it on every peer.")
+    max_rounds: int | None = Field(None, ge=1, description="Exit 0 after this process has taken part in this many "
+                                                           "outer rounds (default: run forever).")
     # Averaging
     target_group_size: int = Field(16, ge=1, le=1024, description="Peers per averaging group; larger rounds "
                                                                   "split deterministically.")
@@ -167,7 +189,7 @@ class NodeSettings(BaseSettings):
             raise ValueError(f"unknown model {value!r}; use one of {', '.join(PRESETS)} or module:factory")
         return value
 
-    @field_validator("data")
+    @field_validator("data", "eval_data")
     @classmethod
     def _readable_data(cls, value: Path | None) -> Path | None:
         if value is not None and not (value.is_file() and os.access(value, os.R_OK)):
@@ -182,6 +204,10 @@ class NodeSettings(BaseSettings):
             raise ValueError("matchmaking_window_min: must not exceed --matchmaking-window")
         if self.allreduce_timeout_min > self.allreduce_timeout:
             raise ValueError("allreduce_timeout_min: must not exceed --allreduce-timeout")
+        if self.eval_data is not None and self.data is None:
+            raise ValueError("eval_data: needs --data (the synthetic language has its own eval set)")
+        if self.total_steps is not None and self.total_steps <= self.warmup_steps and self.lr_schedule != "constant":
+            raise ValueError("total_steps: must exceed --warmup-steps (the decay follows the warmup)")
         if self.peer_ttl <= self.heartbeat_interval:
             raise ValueError("peer_ttl: must be longer than --heartbeat-interval")
         return self

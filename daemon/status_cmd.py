@@ -44,7 +44,8 @@ def show_status(url: str, as_json: bool = False, auth: SwarmAuth | None = None) 
     last = status.get("last_round") or {}
     rows = [
         ("run", status["run_id"]), ("state", status["state"]), ("outer step", status["outer_step"]),
-        ("inner step", status["inner_step"]), ("loss", _fmt(status.get("loss"))),
+        ("inner step", status["inner_step"]), ("inner lr", _fmt(status.get("inner_lr"), ".3g")),
+        ("loss", _fmt(status.get("loss"))),
         ("eval loss", _fmt(status.get("eval_loss"))), ("loss floor", _fmt(status.get("loss_floor"))),
         ("tokens/s", f"{status['tokens_per_s']:.0f}"), ("uptime", f"{status['uptime_s']:.0f}s"),
         ("params sha256", status["params_sha256"][:16]), ("http", status["http_url"]),
@@ -69,5 +70,5 @@ def show_status(url: str, as_json: bool = False, auth: SwarmAuth | None = None) 
     return 0
 
 
-def _fmt(value: float | None) -> str:
-    return "-" if value is None else f"{value:.4f}"
+def _fmt(value: float | None, spec: str = ".4f") -> str:
+    return "-" if value is None else format(value, spec)

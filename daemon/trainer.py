@@ -28,6 +28,10 @@ import torch.nn.functional as F
 from dtnode.ops.flat import FlatParameters
 
 from .data import DataStream
+from .schedule import LearningRateSchedule
+
+
+EVAL_CHUNK = 64  # eval sequences per forward pass
 
 
 @dataclass
@@ -39,50 +43,47 @@ class InnerResult:
 
 
 class Trainer:
-    def __init__(self, model: torch.nn.Module, stream: DataStream, device: torch.device, *, lr: float,
-                 weight_decay: float, warmup_steps: int, grad_clip: float):
+    def __init__(self, model: torch.nn.Module, stream: DataStream, device: torch.device, *,
+                 schedule: LearningRateSchedule, weight_decay: float, grad_clip: float):
         self.device = device
         self.model = model.to(device)
         self.flat = FlatParameters(self.model.named_parameters())
         self.stream = stream
-        self.lr = lr
-        self.warmup_steps = warmup_steps
+        self.schedule = schedule
+        self.lr = schedule(0)  # the rate of the last step taken (or of the first)
         self.grad_clip = grad_clip
-        decay = [p for p in self.model.parameters() if p.dim() >= 2]
-        no_decay = [p for p in self.model.parameters() if p.dim() < 2]
-        self.optimizer = torch.optim.AdamW(
-            [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-            lr=lr, betas=(0.9, 0.95), foreach=device.type != "cpu" or None,
-        )
+        self.optimizer = inner_optimizer(self.model, self.lr, weight_decay)
         self.inner_step = 0
+        self.adam_steps = 0  # steps behind the AdamW moments: 0 after a fresh start, whatever inner_step says
         self.last_loss = math.nan
         self.round_tokens = 0  # tokens of the current call to run(), read live by the pacer
         self.round_seconds = 0.0  # wall time of the current call's steps so far
         self.step_seconds = 0.0  # wall time of the last inner step
         self.tokens_per_step = stream.batch_size * stream.seq_len
         self.slowdown = _slowdown_from_env()
-        self.autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext())
 
     @property
     def parameters_flat(self) -> torch.Tensor:
         """θ_l: every parameter lives in this one buffer."""
         return self.flat.buffer
 
-    def _set_lr(self) -> None:
-        scale = min(1.0, (self.inner_step + 1) / self.warmup_steps) if self.warmup_steps else 1.0
+    def _set_lr(self, position: int) -> None:
+        self.lr = self.schedule(position, self.adam_steps)
         for group in self.optimizer.param_groups:
-            group["lr"] = self.lr * scale
+            group["lr"] = self.lr
 
     def _loss(self, batch: torch.Tensor) -> torch.Tensor:
-        batch = batch.to(self.device, non_blocking=True)
-        with self.autocast:
-            logits = self.model(batch[:, :-1])
-        return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
+        return next_token_loss(self.model, batch, self.device)
 
     def run(self, steps: int, stop: threading.Event, deadline: float | None = None,
-            keep_going: Callable[[float], bool] | None = None) -> InnerResult:
+            keep_going: Callable[[float], bool] | None = None, *, position: int = 0,
+            span: int | None = None) -> InnerResult:
         """Up to `steps` AdamW steps; ends early on `stop`, past the monotonic `deadline`, or
-        when `keep_going(expected seconds of the next step)` says the step no longer fits."""
+        when `keep_going(expected seconds of the next step)` says the step no longer fits.
+
+        The learning rate of step i is the schedule's at `position + min(i, span - 1)`: the
+        swarm's position (see schedule.py), which a fast peer's extra steps do not advance."""
+        span = span or steps
         self.model.train()
         started = time.monotonic()
         done, tokens, loss_sum = 0, 0, 0.0
@@ -94,7 +95,7 @@ class Trainer:
                 break
             step_started = time.monotonic()
             batch = self.stream.next_batch()
-            self._set_lr()
+            self._set_lr(position + min(done, span - 1))
             loss = self._loss(batch)
             self.optimizer.zero_grad(set_to_none=True)
             loss.backward()
@@ -107,6 +108,7 @@ class Trainer:
             if self.slowdown > 1:
                 stop.wait((self.slowdown - 1) * (time.monotonic() - step_started))
             self.inner_step += 1
+            self.adam_steps += 1
             done += 1
             tokens += batch[:, 1:].numel()
             self.round_tokens = tokens
@@ -139,7 +141,8 @@ class Trainer:
 
     @torch.no_grad()
     def load_inner_state(self, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, steps: int) -> None:
-        """Install AdamW moments (a resumed node's own, or a donor's as a warm start)."""
+        """Install AdamW moments (a resumed node's own), or with steps 0 start them fresh."""
+        self.adam_steps = max(steps, 0)
         if steps <= 0:
             self.optimizer.state.clear()
             return
@@ -153,11 +156,44 @@ class Trainer:
             }
             offset += n
 
-    @torch.no_grad()
-    def eval_loss(self) -> float:
-        """Loss on the swarm-wide eval batch: comparable across peers."""
-        self.model.eval()
-        return float(self._loss(self.stream.eval_batch))
+    def eval_loss(self) -> float | None:
+        """Mean loss on the swarm-wide held-out eval set (comparable across peers); None without one."""
+        if self.stream.eval_set is None:
+            return None
+        return held_out_loss(self.model, self.stream.eval_set, self.device)
+
+
+def next_token_loss(model: torch.nn.Module, batch: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Mean cross-entropy of predicting batch[:, 1:] from batch[:, :-1] (bf16 autocast on CUDA)."""
+    batch = batch.to(device, non_blocking=True)
+    with torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext():
+        logits = model(batch[:, :-1])
+    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
+
+
+@torch.no_grad()
+def held_out_loss(model: torch.nn.Module, eval_set: torch.Tensor, device: torch.device) -> float:
+    """Mean loss over an eval set, in chunks; the node's eval loss and the benchmarks' alike."""
+    was_training = model.training
+    model.eval()
+    total, count = 0.0, 0
+    for chunk in eval_set.split(EVAL_CHUNK):
+        total += float(next_token_loss(model, chunk, device)) * len(chunk)
+        count += len(chunk)
+    model.train(was_training)
+    return total / count
+
+
+def inner_optimizer(model: torch.nn.Module, lr: float, weight_decay: float) -> torch.optim.AdamW:
+    """DiLoCo's inner AdamW (also the data-parallel baseline's optimizer in the convergence benchmark):
+    no decay on gains and biases, β2 = 0.95 as is usual for transformers."""
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    on_cpu = next(model.parameters()).device.type == "cpu"
+    return torch.optim.AdamW(
+        [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=lr, betas=(0.9, 0.95), foreach=not on_cpu or None,
+    )
 
 
 def _slowdown_from_env() -> float:

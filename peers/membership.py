@@ -64,7 +64,8 @@ class PeerRecord(BaseModel):
     checkpoint_step: int = Field(-1, ge=-1, le=1 << 62)
     checkpoint_sha256: str = Field("", max_length=64)
     tokens_per_s: float = Field(0.0, ge=0, le=1e15)
-    round_tokens: int = Field(0, ge=0, le=1 << 62)  # tokens processed so far in round `outer_step`
+    round_tokens: int = Field(0, ge=0, le=1 << 62)  # tokens processed so far in round `round_in_training`
+    training_round: int = Field(-1, ge=-1, le=1 << 62)  # the round of those tokens; -1: `outer_step`
     tokens_per_step: int = Field(0, ge=0, le=1 << 40)  # batch x sequence: sizes the swarm's round
     progress_at: float = Field(0.0, ge=0, le=1e12)  # DHT time at which round_tokens was counted
     bandwidth_mbps: float = Field(1000.0, gt=0, le=1e9)
@@ -73,6 +74,12 @@ class PeerRecord(BaseModel):
     model_hash: str = Field("", max_length=64)
     version: str = Field("", max_length=32)
     auth: str = Field("", max_length=512)
+
+    @property
+    def round_in_training(self) -> int:
+        """The round whose inner steps `round_tokens` counts: the outer step being built, or
+        with --overlap the one after it (the outer step comes a round late)."""
+        return self.training_round if self.training_round >= 0 else self.outer_step
 
     def auth_subject(self) -> str:
         return f"record|{self.peer_id}|{self.grpc_addr}|{self.http_addr}|{self.client_mode}"

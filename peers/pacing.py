@@ -29,7 +29,7 @@ class Progress(Protocol):
 
     peer_id: str
     state: str
-    outer_step: int
+    round_in_training: int
     round_tokens: int
     tokens_per_step: int
     tokens_per_s: float
@@ -66,7 +66,7 @@ def round_target(records: Iterable[Progress], round: int, inner_steps: int, roun
     if round_tokens:
         return round_tokens
     per_step = sum(max(r.tokens_per_step, 0) for r in records
-                   if r.outer_step in (round - 1, round) and r.state in ACTIVE)
+                   if r.round_in_training in (round - 1, round) and r.state in ACTIVE)
     return max(inner_steps * per_step, 1)
 
 
@@ -77,7 +77,7 @@ def swarm_progress(records: Iterable[Progress], own: Progress, round: int, inner
     `own` is this peer's live progress, which replaces its (older) published record.
     """
     records = [r for r in records if r.peer_id != own.peer_id] + [own]
-    members = {r.peer_id: r for r in records if r.outer_step == round and r.state in ACTIVE}
+    members = {r.peer_id: r for r in records if r.round_in_training == round and r.state in ACTIVE}
     done, rate = 0.0, 0.0
     for r in members.values():
         tokens = float(max(r.round_tokens, 0))

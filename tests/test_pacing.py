@@ -46,3 +46,14 @@ def test_a_slow_peer_does_not_hold_the_round_and_a_lone_peer_takes_h_steps():
     alone = swarm_progress([], _peer("me", tokens=1900, rate=100.0), 4, 20, None, now=100.0)
     assert alone.target == 2000 and not alone.reached
     assert swarm_progress([], _peer("me", tokens=0), 4, 20, None, now=0.0).seconds_left() == math.inf
+
+
+def test_overlapped_peers_are_counted_in_the_round_they_train_not_their_outer_step():
+    # --overlap: a peer at outer step 3 trains round 4 while its round-3 average is in flight
+    overlapped = PeerRecord(peer_id="o", outer_step=3, training_round=4, round_tokens=300, tokens_per_step=100,
+                            state="training")
+    plain = _peer("p", step=4, tokens=200)
+    assert overlapped.round_in_training == 4 and plain.round_in_training == 4
+    p = swarm_progress([overlapped], plain, 4, 10, None, now=100.0)
+    assert p.done == 500 and p.peers == 2 and p.target == 10 * 200
+    assert swarm_progress([overlapped], plain, 3, 10, None, now=100.0).peers == 0  # not in its outer step's round

@@ -9,6 +9,7 @@ import time
 import torch
 from dtnode.daemon.checkpoint import Layout, checkpoint_path, read_checkpoint
 from dtnode.daemon.model import build_model, config_hash
+from dtnode.daemon.schedule import LearningRateSchedule
 from dtnode.ops.flat import FlatParameters, sha256_of
 from nodes import FAST, NodeProcess
 from nodes import theta as checkpoint_theta
@@ -114,12 +115,13 @@ def test_late_joiner_downloads_state_and_trains_in_step(tmp_path, cleanup):
 
 
 def test_restart_resumes_from_its_checkpoint(tmp_path):
-    first = NodeProcess.join("solo", tmp_path, *FAST, "--max-rounds", "3")
+    schedule = ["--total-steps", "100", "--warmup-steps", "5", "--lr-schedule", "cosine", "--pacing", "fixed"]
+    first = NodeProcess.join("solo", tmp_path, *FAST, *schedule, "--max-rounds", "3")
     assert first.wait(60) == 0, first.output
     # a kill -9 mid-write of step 4 would leave a torn file; here also under the final name
     good = checkpoint_path(first.state_dir, 3).read_bytes()
     checkpoint_path(first.state_dir, 4).write_bytes(good[: len(good) // 2])
-    again = NodeProcess.join("solo", tmp_path, *FAST, "--max-rounds", "1")
+    again = NodeProcess.join("solo", tmp_path, *FAST, *schedule, "--max-rounds", "1")
     assert again.wait(60) == 0, again.output
     assert re.search(r"skipping checkpoint ckpt-00000004\.safetensors", again.output), again.output
     resumed = again.wait_for_line(r"resumed from ckpt-00000003\.safetensors \(outer step 3, params (\w+)\)").group(1)
@@ -129,3 +131,8 @@ def test_restart_resumes_from_its_checkpoint(tmp_path):
                             "dtnode-demo", config_hash(description))
     assert sha256_of(saved.theta_g).startswith(resumed)  # resumed parameters are bit-identical to the saved ones
     assert re.search(r"round 3 \| groups 1/", again.output), again.output
+    # the learning-rate schedule goes on from the swarm's position (outer step 3 x H=15), with
+    # the restored AdamW moments needing no second warmup: the round's last step is position 59
+    lr = LearningRateSchedule(1e-3, warmup_steps=5, total_steps=100)
+    assert re.search(rf"round 2 \| groups 1/1 \| 15 steps \d+ tok \| lr {lr(44):.3g} \|", first.output), first.output
+    assert re.search(rf"round 3 \| groups 1/1 \| 15 steps \d+ tok \| lr {lr(59):.3g} \|", again.output), again.output

@@ -3,8 +3,9 @@ import math
 import pytest
 import torch
 
-from dtnode.daemon.data import DataStream, MarkovLanguage, TextFile
+from dtnode.daemon.data import DataSources, DataStream, MarkovLanguage, TextFile, open_sources
 from dtnode.daemon.model import GPT, PRESETS, build_model, config_hash
+from dtnode.daemon.schedule import LearningRateSchedule
 from dtnode.daemon.settings import SettingsError, load_settings
 
 
@@ -19,10 +20,10 @@ def test_markov_floor_is_the_empirical_cross_entropy():
 
 def test_peers_draw_different_streams_but_share_the_eval_batch():
     lang = MarkovLanguage(seed=1)
-    a = DataStream(lang, "run", "peer-a", 4, 16)
-    b = DataStream(lang, "run", "peer-b", 4, 16)
+    a = DataStream(DataSources(lang, lang), "run", "peer-a", 4, 16)
+    b = DataStream(DataSources(lang, lang), "run", "peer-b", 4, 16)
     assert not torch.equal(a.next_batch(), b.next_batch())
-    assert torch.equal(a.eval_batch, b.eval_batch)
+    assert torch.equal(a.eval_set, b.eval_set) and a.eval_set.shape == (64, 17)
     assert a.next_batch().shape == (4, 17)
 
 
@@ -65,3 +66,70 @@ def test_custom_model_factory(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(tmp_path))
     model, description = build_model("mymodels:make", seed=0)
     assert description["factory"] == "mymodels:make" and model.context_length == 32
+
+
+def _two_alphabets(path, train_bytes: int, held_out_bytes: int) -> None:
+    """Lower-case text, then upper-case text: any window shows which part it came from."""
+    body = (b"the quick brown fox jumps over the lazy dog " * (train_bytes // 44 + 1))[:train_bytes]
+    tail = (b"PACK MY BOX WITH FIVE DOZEN LIQUOR JUGS " * (held_out_bytes // 40 + 1))[:held_out_bytes]
+    path.write_bytes(body + tail)
+
+
+def _bytes_of(t: torch.Tensor) -> set[int]:
+    return set(t.unique().tolist())
+
+
+UPPER, LOWER = set(b"ABCDEFGHIJKLMNOPQRSTUVWXYZ"), set(b"abcdefghijklmnopqrstuvwxyz")
+
+
+def test_eval_never_reads_training_data(tmp_path):
+    path = tmp_path / "corpus.txt"
+    _two_alphabets(path, 9_000, 1_000)
+    sources = open_sources("run", 0, path, None, eval_fraction=0.1, seq_len=32)
+    stream = DataStream(sources, "run", "peer-a", 64, 32)
+    drawn = set().union(*(_bytes_of(stream.next_batch()) for _ in range(300)))  # ~600k window bytes
+    assert drawn & LOWER and not drawn & UPPER  # training never reads the held-out tail...
+    assert _bytes_of(stream.eval_set) & UPPER and not _bytes_of(stream.eval_set) & LOWER  # ...eval reads only it
+    assert stream.eval_set.shape == (64, 33)
+    assert (len(sources.train), len(sources.eval)) == (9_000, 1_000)  # a boundary, not a gap
+
+    # a separate eval file: training reads all of --data, eval only the other file
+    train_only, held_out = tmp_path / "train.txt", tmp_path / "eval.txt"
+    train_only.write_bytes(b"abcdefgh" * 100)
+    held_out.write_bytes(b"ABCDEFGH" * 100)
+    sources = open_sources("run", 0, train_only, held_out, eval_fraction=0.1, seq_len=16)
+    assert len(sources.train) == 800
+    stream = DataStream(sources, "run", "peer-a", 8, 16)
+    assert not _bytes_of(stream.next_batch()) & UPPER and not _bytes_of(stream.eval_set) & LOWER
+
+
+def test_held_out_settings_fail_clearly(tmp_path):
+    path = tmp_path / "short.txt"
+    path.write_bytes(b"x" * 200)
+    with pytest.raises(SettingsError, match="--eval-fraction.*shorter than one sequence"):
+        open_sources("run", 0, path, None, eval_fraction=0.05, seq_len=64)
+    with pytest.raises(SettingsError, match="--eval-data.*training file itself"):
+        open_sources("run", 0, path, path, seq_len=8)
+    assert open_sources("run", 0, path, None, eval_fraction=0.0).eval is None  # no held-out text: no eval loss
+    with pytest.raises(SettingsError, match="--eval-data: needs --data"):
+        load_settings({"eval_data": str(path)})
+    with pytest.raises(SettingsError, match="--eval-data: cannot read"):
+        load_settings({"data": str(path), "eval_data": str(tmp_path / "missing.txt")})
+    with pytest.raises(SettingsError, match="--total-steps: must exceed --warmup-steps"):
+        load_settings({"total_steps": 10, "warmup_steps": 50})
+
+
+def test_learning_rate_schedule():
+    cosine = LearningRateSchedule(1e-3, warmup_steps=10, total_steps=110, shape="cosine", min_ratio=0.1)
+    assert cosine(0) == pytest.approx(1e-4) and cosine(9) == pytest.approx(1e-3)
+    assert cosine(60) == pytest.approx(0.55e-3)  # half way through the decay
+    assert cosine(110) == pytest.approx(1e-4) and cosine(10_000) == pytest.approx(1e-4)
+    assert all(cosine(i) >= cosine(i + 1) for i in range(9, 200))
+    linear = LearningRateSchedule(1e-3, 0, 100, "linear", 0.0)
+    assert linear(50) == pytest.approx(0.5e-3) and linear(100) == 0.0
+    assert LearningRateSchedule(1e-3, 10, None)(5000) == 1e-3  # no length: no decay
+    # a joiner whose AdamW starts fresh warms up again, to the swarm's decayed rate
+    assert cosine(60, own_steps=0) == pytest.approx(0.1 * cosine(60))
+    assert cosine(60, own_steps=9) == pytest.approx(cosine(60))
+    with pytest.raises(ValueError, match="unknown schedule"):
+        LearningRateSchedule(1e-3, shape="step")

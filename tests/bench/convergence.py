@@ -1,0 +1,366 @@
+"""Convergence: does dtnode train as well per token as synchronous data-parallel, for how much less traffic?
+
+    .venv/bin/python -m tests.bench.convergence                       # CPU size (about 30 min on 2 cores)
+    .venv/bin/python -m tests.bench.convergence --datasets text --runs dp,int8-h50
+    .venv/bin/python -m tests.bench.convergence --model small --batch-size 8 --seq-len 256 \\
+        --steps 3000 --device cuda --out bench-out                      # a GPU box
+
+The same model (seeded: identical initial weights), the same data and the same total tokens,
+trained by:
+  dp              synchronous data-parallel: W workers, DistributedDataParallel over gloo,
+                  gradients all-reduced every step (the baseline)
+  solo            one worker alone, W x the steps
+  dp-lrX, solo-lrX  the same with peak learning rate X (W x the batch may want a higher rate)
+  fp32-hH/int8-hH dtnode: W real node processes on loopback, one group, H inner steps per
+                  round (--pacing fixed), Δ sent in fp32 or int8
+  moshpit-int8-h50 dtnode with groups of 2 (two hops per round)
+  ...-olrX        (suffix) the dtnode run with --outer-lr X instead of --outer-lr
+  ...-overlap     (suffix) the dtnode run with --overlap: each outer step one round late
+Every run takes `--steps` inner steps per worker (solo: W x as many) with the same AdamW, the
+same warmup and the same cosine decay over the run (dtnode: --total-steps). Inner AdamW
+settings are dtnode's defaults; the outer step is dtnode's (Nesterov SGD, --outer-lr).
+
+Datasets: `text` is the source of Python's standard library on this host, split by file
+name (one file in 20 held out: the eval text shares no file with the training text);
+`synthetic` is dtnode's built-in Markov language (its eval set is a separate sample; its
+loss floor is printed). Each run's held-out loss is computed by the same function on the
+same eval set: dtnode's final θ_g is read from node 0's last checkpoint.
+
+Printed: final held-out loss, its ratio to dp's (and to the best dp-lrX run's), payload bytes
+sent per worker (dp: a ring all-reduce's 2(W-1)/W x 4 bytes x parameters per step, computed;
+dtnode: the all-reduce payload every node reports), wall time, and for dtnode the fraction of
+averages in which every group held every peer it expected (a busy host makes peers late to
+matchmaking; then the figures are not those of a healthy swarm). Written: loss against tokens for every run to
+OUT/convergence.png (matplotlib: `pip install -e '.[bench]'`) and the figures to
+OUT/convergence.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import re
+import socket
+import sys
+import sysconfig
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from nodes import NodeProcess  # noqa: E402
+
+from dtnode.daemon.data import DataSources, DataStream, MarkovLanguage, TextFile, stable_seed  # noqa: E402
+from dtnode.daemon.model import build_model  # noqa: E402
+from dtnode.daemon.schedule import LearningRateSchedule  # noqa: E402
+from dtnode.daemon.trainer import held_out_loss, inner_optimizer, next_token_loss  # noqa: E402
+
+RUN_ID = "convergence"
+ROUND_LINE = re.compile(r"round (\d+) \|.*\| eval (\d+\.\d+).*\((\d+(?:\.\d+)?) (B|kB|MB|GB|TB) sent\)")
+GROUPS = re.compile(r"round \d+ \| groups ([^|]+?) \|")
+UNITS = {"B": 1, "kB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12}
+RUN_NAME = re.compile(r"(moshpit-)?(fp32|int8)-h(\d+)(?:-olr(\d+(?:\.\d+)?))?(-overlap)?")
+DEFAULT_RUNS = "dp,solo,fp32-h10,fp32-h50,fp32-h100,int8-h10,int8-h50,int8-h100,int8-h50-overlap,moshpit-int8-h50"
+
+
+@dataclass
+class Config:
+    model: str
+    batch_size: int
+    seq_len: int
+    steps: int
+    workers: int
+    inner_lr: float
+    outer_lr: float
+    warmup_steps: int
+    eval_sequences: int
+    eval_points: int
+    device: str
+    seed: int = 0
+
+
+@dataclass
+class Result:
+    run: str
+    dataset: str
+    final_loss: float
+    bytes_per_worker: float
+    wall_s: float
+    tokens: int
+    curve: list[tuple[int, float]] = field(default_factory=list)
+    full_rounds: float | None = None  # dtnode: fraction of averages in which every group held every peer expected
+
+
+# ---- data -------------------------------------------------------------------------------
+def stdlib_text(workdir: Path) -> tuple[Path, Path]:
+    """train.txt and eval.txt from the standard library's .py files, split by file name."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    train, held_out = workdir / "train.txt", workdir / "eval.txt"
+    with train.open("wb") as t, held_out.open("wb") as e:
+        for path in sorted(root.rglob("*.py")):
+            name = str(path.relative_to(root))
+            if "site-packages" in name or "/test" in name or name.startswith("test"):
+                continue
+            bucket = hashlib.sha256(name.encode()).digest()[0] % 20
+            (e if bucket == 0 else t).write(path.read_bytes() + b"\n\n")
+    return train, held_out
+
+
+def sources_for(dataset: str, files: tuple[Path, Path] | None, seed: int) -> DataSources:
+    if dataset == "synthetic":  # what a node builds without --data
+        language = MarkovLanguage(stable_seed(RUN_ID, seed, "language"))
+        return DataSources(language, language)
+    return DataSources(TextFile(files[0]), TextFile(files[1]))
+
+
+# ---- synchronous baselines --------------------------------------------------------------
+def _worker(rank: int, world: int, cfg: Config, dataset: str, files, port: int, out: str) -> None:
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    device = torch.device(cfg.device)
+    if world > 1:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    model, _ = build_model(cfg.model, stable_seed(RUN_ID, cfg.seed, "init"))
+    model = model.to(device)
+    steps = cfg.steps * cfg.workers // world
+    sources = sources_for(dataset, files, cfg.seed)
+    stream = DataStream(sources, RUN_ID, f"sync-{world}-{rank}", cfg.batch_size, cfg.seq_len, cfg.eval_sequences)
+    optimizer = inner_optimizer(model, cfg.inner_lr, 0.1)
+    schedule = LearningRateSchedule(cfg.inner_lr, cfg.warmup_steps, steps, "cosine", 0.1)
+    trained = torch.nn.parallel.DistributedDataParallel(model) if world > 1 else model
+    tokens_per_step = world * cfg.batch_size * cfg.seq_len
+    eval_every = max(1, steps // cfg.eval_points)
+    curve = []
+    started = time.monotonic()
+    for step in range(steps):
+        for group in optimizer.param_groups:
+            group["lr"] = schedule(step)
+        loss = next_token_loss(trained, stream.next_batch(), device)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()  # DDP all-reduces the gradients here
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        if rank == 0 and ((step + 1) % eval_every == 0 or step + 1 == steps):
+            curve.append(((step + 1) * tokens_per_step, held_out_loss(model, stream.eval_set, device)))
+    wall = time.monotonic() - started
+    if rank == 0:
+        numel = sum(p.numel() for p in model.parameters())
+        sent = 2 * (world - 1) / world * 4 * numel * steps if world > 1 else 0.0
+        Path(out).write_text(json.dumps({"curve": curve, "wall_s": wall, "bytes": sent}))
+    if world > 1:
+        dist.destroy_process_group()
+
+
+def run_synchronous(name: str, world: int, cfg: Config, dataset: str, files, workdir: Path) -> Result:
+    out = workdir / f"{name}-{dataset}.json"
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_worker, args=(world, cfg, dataset, files, port, str(out)), nprocs=world, join=True)
+    data = json.loads(out.read_text())
+    curve = [tuple(p) for p in data["curve"]]
+    return Result(name, dataset, curve[-1][1], data["bytes"], data["wall_s"], curve[-1][0], curve)
+
+
+# ---- dtnode ------------------------------------------------------------------------------
+def run_dtnode(name: str, h: int, compression: str, group_size: int, outer_lr: float, overlap: bool, cfg: Config,
+               dataset: str, files, workdir: Path) -> Result:
+    rounds = cfg.steps // h
+    args = ["--run-id", RUN_ID, "--seed", str(cfg.seed), "--model", cfg.model, "--device", cfg.device,
+            "--batch-size", str(cfg.batch_size), "--seq-len", str(cfg.seq_len), "--inner-steps", str(h),
+            "--pacing", "fixed", "--max-rounds", str(rounds), "--total-steps", str(rounds * h),
+            "--warmup-steps", str(cfg.warmup_steps), "--inner-lr", str(cfg.inner_lr), "--outer-lr", str(outer_lr),
+            "--compression", compression, "--target-group-size", str(group_size), "--min-peers", str(cfg.workers),
+            "--eval-sequences", str(cfg.eval_sequences), "--checkpoint-every", "1000000", "--no-fused-kernels",
+            "--join-timeout", "120", "--allreduce-timeout", "120"]
+    if dataset == "text":
+        args += ["--data", str(files[0]), "--eval-data", str(files[1])]
+    if overlap:
+        args.append("--overlap")
+    threads = str(max(1, (os.cpu_count() or 1) // cfg.workers))
+    env = {"OMP_NUM_THREADS": threads}
+    base = workdir / f"{name}-{dataset}"
+    started = time.monotonic()
+    nodes = [NodeProcess.join("n0", base, *args, env=env)]
+    try:
+        address = nodes[0].wait_for_line(r"dtnode join --peer (\S+)", 600).group(1)  # a busy host starts slowly
+        nodes += [NodeProcess.join(f"n{i}", base, *args, "--peer", address, env=env) for i in range(1, cfg.workers)]
+        for node in nodes:
+            if node.wait(3600) != 0:
+                raise RuntimeError(f"{name}: {node.name} failed:\n{node.output[-4000:]}")
+    finally:
+        for node in nodes:
+            node.kill()
+    wall = time.monotonic() - started
+    for node in nodes:
+        if "Traceback" in node.output:
+            print(f"  warning: a traceback in {name}/{node.name}'s log", file=sys.stderr)
+    tokens_per_round = cfg.workers * h * cfg.batch_size * cfg.seq_len
+    curve, sent = [], []
+    averages = [groups.split() for node in nodes for groups in GROUPS.findall(node.output) if groups != "-"]
+    full = sum(all(a == b for a, b in (g.split("+")[0].split("/") for g in hops)) for hops in averages)
+    for node in nodes:
+        rows = [m.groups() for line in node.lines if (m := ROUND_LINE.search(line))]
+        sent.append(sum(float(value) * UNITS[unit] for _, _, value, unit in rows))
+        if node is nodes[0]:
+            # the eval of round r's line is θ_g after outer step r + 1 (with --overlap: r, a round late)
+            lag = 0 if overlap else 1
+            curve = [((int(r) + lag) * tokens_per_round, float(loss)) for r, loss, _, _ in rows]
+    final = final_loss_of(nodes[0].state_dir, cfg, dataset, files)
+    return Result(name, dataset, final, sum(sent) / len(sent), wall, rounds * tokens_per_round, curve,
+                  full / max(len(averages), 1))
+
+
+def final_loss_of(state_dir: Path, cfg: Config, dataset: str, files) -> float:
+    """The held-out loss of θ_g in the node's newest checkpoint, by the baselines' own function."""
+    from safetensors.torch import load_file
+
+    from dtnode.daemon.checkpoint import list_checkpoints
+
+    newest = list_checkpoints(state_dir)[0][1]
+    tensors = load_file(str(newest))
+    model, _ = build_model(cfg.model, 0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(tensors[f"theta_g/{name}"])
+    return loss_of(model, cfg, dataset, files)
+
+
+def loss_of(model: torch.nn.Module, cfg: Config, dataset: str, files) -> float:
+    device = torch.device(cfg.device)
+    stream = DataStream(sources_for(dataset, files, cfg.seed), RUN_ID, "eval", 1, cfg.seq_len, cfg.eval_sequences)
+    return held_out_loss(model.to(device), stream.eval_set, device)
+
+
+def run_one(name: str, cfg: Config, dataset: str, files, workdir: Path) -> Result:
+    if m := re.fullmatch(r"(dp|solo)(?:-lr(\d+(?:\.\d+)?(?:e-?\d+)?))?", name):
+        tuned = replace(cfg, inner_lr=float(m.group(2))) if m.group(2) else cfg
+        return run_synchronous(name, cfg.workers if m.group(1) == "dp" else 1, tuned, dataset, files, workdir)
+    m = RUN_NAME.fullmatch(name)
+    if not m:
+        raise SystemExit(f"unknown run {name!r}")
+    group = 2 if m.group(1) else cfg.workers
+    outer_lr = float(m.group(4)) if m.group(4) else cfg.outer_lr
+    return run_dtnode(name, int(m.group(3)), "none" if m.group(2) == "fp32" else "int8", group, outer_lr,
+                      bool(m.group(5)), cfg, dataset, files, workdir)
+
+
+# ---- report ------------------------------------------------------------------------------
+def _bytes(n: float) -> str:
+    for unit in ("B", "kB", "MB", "GB"):
+        if n < 1000:
+            return f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n:.1f} TB"
+
+
+def report(results: list[Result], cfg: Config, floors: dict[str, float | None]) -> None:
+    print(f"\nmodel {cfg.model}, {cfg.workers} workers x {cfg.steps} steps x {cfg.batch_size} x {cfg.seq_len} tokens "
+          f"(total {cfg.workers * cfg.steps * cfg.batch_size * cfg.seq_len / 1e6:.2f}M tokens per run)")
+    for dataset in dict.fromkeys(r.dataset for r in results):
+        rows = [r for r in results if r.dataset == dataset]
+        dp = next((r for r in rows if r.run == "dp"), None)
+        best = min((r for r in rows if r.run.startswith("dp")), key=lambda r: r.final_loss, default=None)
+        floor = floors.get(dataset)
+        print(f"\n{dataset}" + (f" (loss floor {floor:.4f})" if floor else "")
+              + (f"; best dp: {best.run}" if best is not None and best is not dp else ""))
+        print(f"  {'run':<22} {'held-out loss':>13} {'/ dp':>7} {'/ best dp':>9} {'sent per worker':>16} "
+              f"{'dp bytes /':>11} {'wall':>8} {'full rounds':>11}")
+        for r in rows:
+            ratio = f"{r.final_loss / dp.final_loss:.4f}" if dp else "-"
+            to_best = f"{r.final_loss / best.final_loss:.4f}" if best else "-"
+            less = f"{dp.bytes_per_worker / r.bytes_per_worker:.0f}x" if dp and r.bytes_per_worker else "-"
+            full = "-" if r.full_rounds is None else f"{r.full_rounds:.0%}"
+            print(f"  {r.run:<22} {r.final_loss:>13.4f} {ratio:>7} {to_best:>9} {_bytes(r.bytes_per_worker):>16} "
+                  f"{less:>11} {r.wall_s:>7.1f}s {full:>11}")
+
+
+def plot(results: list[Result], path: Path, floors: dict[str, float | None]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    datasets = list(dict.fromkeys(r.dataset for r in results))
+    fig, axes = plt.subplots(1, len(datasets), figsize=(7 * len(datasets), 5), squeeze=False)
+    for ax, dataset in zip(axes[0], datasets):
+        for r in (r for r in results if r.dataset == dataset):
+            xs, ys = zip(*r.curve)
+            style = {"dp": dict(color="black", lw=2), "solo": dict(color="gray", ls="--")}.get(r.run, {})
+            if r.run.startswith("dp-"):
+                style = dict(color="black", ls=":")
+            ax.plot([x / 1e6 for x in xs], ys, label=r.run, **style)
+        if floors.get(dataset):
+            ax.axhline(floors[dataset], color="red", ls=":", label="loss floor")
+        ax.set_title(f"held-out loss, {dataset}")
+        ax.set_xlabel("tokens (millions, all workers)")
+        ax.set_ylabel("cross-entropy (nats/token)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--datasets", default="text,synthetic")
+    parser.add_argument("--runs", default=DEFAULT_RUNS)
+    parser.add_argument("--model", default="tiny")
+    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--seq-len", type=int, default=64)
+    parser.add_argument("--steps", type=int, default=1000, help="inner steps per worker (a multiple of every H)")
+    parser.add_argument("--workers", type=int, default=4)
+    parser.add_argument("--inner-lr", type=float, default=1e-3)
+    parser.add_argument("--outer-lr", type=float, default=0.7)
+    parser.add_argument("--warmup-steps", type=int, default=50)
+    parser.add_argument("--eval-sequences", type=int, default=256)
+    parser.add_argument("--eval-points", type=int, default=20, help="evaluations along a synchronous run")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--out", type=Path, default=Path("bench-out"))
+    parser.add_argument("--include", type=Path, help="an earlier run's convergence.json (same config) whose "
+                                                     "results join this run's table and plot")
+    args = parser.parse_args()
+    cfg = Config(args.model, args.batch_size, args.seq_len, args.steps, args.workers, args.inner_lr, args.outer_lr,
+                 args.warmup_steps, args.eval_sequences, args.eval_points, args.device)
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise SystemExit("the convergence benchmark plots with matplotlib: pip install -e '.[bench]'") from None
+    args.out.mkdir(parents=True, exist_ok=True)
+    results: list[Result] = []
+    floors: dict[str, float | None] = {}
+    if args.include:
+        earlier = json.loads(args.include.read_text())
+        if earlier["config"] != asdict(cfg):
+            raise SystemExit(f"{args.include} was run with another configuration: {earlier['config']}")
+        results = [Result(**{**r, "curve": [tuple(p) for p in r["curve"]]}) for r in earlier["results"]]
+        floors = earlier.get("floors", {})
+    with tempfile.TemporaryDirectory() as tmp:
+        workdir = Path(tmp)
+        files = stdlib_text(workdir) if "text" in args.datasets.split(",") else None
+        if files:
+            print(f"text: {files[0].stat().st_size / 1e6:.1f} MB train, {files[1].stat().st_size / 1e6:.1f} MB held out")
+        for dataset in args.datasets.split(","):
+            floors[dataset] = sources_for(dataset, files, cfg.seed).loss_floor
+            initial = loss_of(build_model(cfg.model, stable_seed(RUN_ID, cfg.seed, "init"))[0], cfg, dataset, files)
+            for name in args.runs.split(","):
+                result = run_one(name, cfg, dataset, files, workdir)
+                result.curve.insert(0, (0, initial))
+                print(f"  {dataset:<9} {name:<22} held-out {result.final_loss:.4f}  sent {_bytes(result.bytes_per_worker)}"
+                      f"  {result.wall_s:.1f}s", flush=True)
+                results.append(result)
+    report(results, cfg, floors)
+    plot(results, args.out / "convergence.png", floors)
+    (args.out / "convergence.json").write_text(json.dumps({"config": asdict(cfg), "floors": floors,
+                                                            "results": [asdict(r) for r in results]}, indent=1))
+    print(f"\nwrote {args.out / 'convergence.png'} and {args.out / 'convergence.json'}")
+
+
+if __name__ == "__main__":
+    main()

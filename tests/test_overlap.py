@@ -1,0 +1,90 @@
+"""--overlap: the outer step one round late, with training going on while Δ is averaged."""
+
+import re
+import threading
+
+import torch
+
+from dtnode.daemon.data import DataSources, DataStream, MarkovLanguage
+from dtnode.daemon.model import build_model
+from dtnode.daemon.replica import Replica
+from dtnode.daemon.schedule import LearningRateSchedule
+from dtnode.daemon.trainer import Trainer
+from dtnode.ops.flat import sha256_of
+
+from nodes import FAST, NodeProcess, theta
+
+
+def _replica(peer: str) -> Replica:
+    model, _ = build_model("tiny", seed=1)
+    language = MarkovLanguage(seed=2)
+    stream = DataStream(DataSources(language, language), "run", peer, 4, 16)
+    trainer = Trainer(model, stream, torch.device("cpu"), schedule=LearningRateSchedule(1e-3), weight_decay=0.1,
+                      grad_clip=1.0)
+    return Replica(trainer, outer_lr=0.7, outer_momentum=0.9)
+
+
+def test_delayed_outer_step_keeps_own_progress_and_loses_no_delta():
+    a, b = _replica("a"), _replica("b")
+    stop = threading.Event()
+    sent = {}
+    # round 0: train, stage Δ_0 (nothing to apply yet)
+    for name, r in (("a", a), ("b", b)):
+        start = r.trainer.parameters_flat.clone()
+        r.trainer.run(3, stop)
+        sent[name] = r.delayed_outer_step(None, None).clone()
+        assert torch.equal(start, r.theta_g)
+        assert torch.equal(sent[name], start - r.trainer.parameters_flat)  # Δ_0 is round 0's progress...
+        assert torch.equal(r.trainer.parameters_flat, r.theta_g - sent[name])  # ...and θ_l is untouched
+        assert r.outer_step == 0
+    mean0 = (sent["a"] + sent["b"]) / 2
+    # round 1: train on, then apply the average of Δ_0 and stage Δ_1 = round 1's own progress
+    for name, r in (("a", a), ("b", b)):
+        before = r.trainer.parameters_flat.clone()
+        r.trainer.run(3, stop)
+        progress = before - r.trainer.parameters_flat
+        delta1 = r.delayed_outer_step(mean0.clone(), None).clone()
+        torch.testing.assert_close(delta1, progress, rtol=0, atol=1e-6)
+        # θ_l is the new θ_g with the progress made since: the swarm's update replaced this peer's part
+        torch.testing.assert_close(r.trainer.parameters_flat, r.theta_g - progress, rtol=0, atol=1e-6)
+        assert r.outer_step == 1
+        sent[name] = delta1
+    assert sha256_of(a.theta_g) == sha256_of(b.theta_g)  # same mean on the same θ_g: bit-identical
+    # round 2 on a: its average failed (None), so Δ_1 goes out again inside Δ_2, θ_g unchanged
+    before_theta, before_local = a.theta_g.clone(), a.trainer.parameters_flat.clone()
+    a.trainer.run(2, stop)
+    progress = before_local - a.trainer.parameters_flat
+    delta2 = a.delayed_outer_step(None, None)
+    assert torch.equal(a.theta_g, before_theta) and a.outer_step == 1
+    torch.testing.assert_close(delta2, sent["a"] + progress, rtol=0, atol=1e-6)
+    # evaluating θ_g and the reset after a non-finite loss keep the invariant θ_l = θ_g − Δ in flight
+    local = a.trainer.parameters_flat.clone()
+    a.theta_g_into_model()
+    assert torch.equal(a.trainer.parameters_flat, a.theta_g)
+    a.restore_local()
+    assert torch.equal(a.trainer.parameters_flat, local)
+    # the last average, on the way out: nothing stays in flight
+    a.settle_in_flight(delta2.clone(), None)
+    assert a.outer_step == 2 and not a.has_in_flight
+    torch.testing.assert_close(a.trainer.parameters_flat, a.theta_g, rtol=0, atol=1e-6)
+
+
+def test_overlapped_swarm_keeps_one_theta_and_learns(tmp_path, cleanup):
+    args = [*FAST, "--overlap", "--min-peers", "3", "--max-rounds", "5", "--join-timeout", "90"]
+    nodes = [NodeProcess.join("n0", tmp_path, *args)]
+    cleanup.append(nodes[0])
+    for name in ("n1", "n2"):
+        nodes.append(NodeProcess.join(name, tmp_path, *args, "--peer", nodes[0].join_address))
+        cleanup.append(nodes[-1])
+    for node in nodes:
+        assert node.wait(240) == 0, node.output
+        assert "Traceback" not in node.output, node.output
+        # round 0 has no average to apply yet; each later round applies the one before it
+        rounds = re.findall(r"round (\d+) \| groups (\S+) \|", node.output)
+        assert rounds[:5] == [("0", "-")] + [(str(r), "3/3") for r in range(1, 5)], node.output
+        assert "applied the last round's average: outer step 5" in node.output, node.output
+    for step in range(1, 6):  # one group: the same mean on the same θ_g, bit for bit
+        hashes = {sha256_of(theta(node.state_dir, step)) for node in nodes}
+        assert len(hashes) == 1, (step, hashes)
+    evals = [float(x) for x in re.findall(r"\| eval (\d+\.\d+)", nodes[0].output)]
+    assert len(evals) == 4 and evals[-1] < evals[0] - 0.2, nodes[0].output  # rounds 1-4 (round 0: no θ_g yet)
