@@ -545,15 +545,9 @@ class Node:
             return await self._run_overlapped_round()
         loop = asyncio.get_running_loop()
         round_started = time.monotonic()
-        await self._sync_with_swarm()  # a node left far behind (stalled, partitioned) catches up first
-        round_no = self.replica.outer_step
-        self.state, self.phase = "training", "inner"
-        inner = await self._inner_steps(round_no)
-        if self.stop_requested.is_set():
-            log.info("round %d abandoned after %d inner steps", round_no, inner.steps)
+        if (trained := await self._train_round()) is None:
             return
-        self._observe_inner(round_no, inner)
-        failpoints.reach("round-error", round_no)
+        round_no, inner = trained
         delta = await loop.run_in_executor(self.train_thread, self.replica.pseudo_gradient)
         self.state = "averaging"
         await self.membership.announce(self.record())
@@ -588,6 +582,22 @@ class Node:
         end = time.monotonic() if until is None else until
         return min(1.0, self.inner_seconds / max(end - self.first_round_at, 1e-9))
 
+    async def _train_round(self) -> tuple[int, InnerResult] | None:
+        """A round's inner steps, after a catch-up if the swarm left this node far behind (stalled,
+        partitioned); None when a stop ended them. The round is the outer step being built, one
+        past θ_g's while an average is in flight (--overlap)."""
+        await self._sync_with_swarm()
+        round_no = self.replica.outer_step + (1 if self._in_flight is not None else 0)
+        self._training_round = round_no  # published with --overlap: pacing counts this round's tokens under it
+        self.state, self.phase = "training", "inner"
+        inner = await self._inner_steps(round_no)
+        if self.stop_requested.is_set():
+            log.info("round %d abandoned after %d inner steps", round_no, inner.steps)
+            return None
+        self._observe_inner(round_no, inner)
+        failpoints.reach("round-error", round_no)
+        return round_no, inner
+
     def _observe_inner(self, round_no: int, inner: InnerResult) -> None:
         self.inner_seconds += inner.seconds
         if self.settings.pacing == "swarm" and (p := self.round_progress) is not None:
@@ -611,16 +621,9 @@ class Node:
         s = self.settings
         loop = asyncio.get_running_loop()
         round_started = time.monotonic()
-        await self._sync_with_swarm()
-        round_no = self.replica.outer_step + (1 if self._in_flight is not None else 0)
-        self._training_round = round_no  # published: pacing counts this round's tokens under it
-        self.state, self.phase = "training", "inner"
-        inner = await self._inner_steps(round_no)
-        if self.stop_requested.is_set():
-            log.info("round %d abandoned after %d inner steps", round_no, inner.steps)
+        if (trained := await self._train_round()) is None:
             return
-        self._observe_inner(round_no, inner)
-        failpoints.reach("round-error", round_no)
+        round_no, inner = trained
         previous = await self._settle_in_flight()
         self.phase = "outer"
         if self._hash_task is not None:

@@ -98,3 +98,19 @@ class NodeProcess:
         if self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait()
+
+
+def run_swarm(first: NodeProcess, others, timeout: float = 3600) -> list[NodeProcess]:
+    """Start `others(join address)` through the first node, wait until every node exits 0
+    (RuntimeError with its log otherwise), and kill whatever is left on the way out."""
+    nodes = [first]
+    try:
+        address = first.wait_for_line(r"dtnode join --peer (\S+)", 600).group(1)  # a busy host starts slowly
+        nodes += others(address)
+        for node in nodes:
+            if node.wait(timeout) != 0:
+                raise RuntimeError(f"{node.name} failed:\n{node.output[-4000:]}")
+    finally:
+        for node in nodes:
+            node.kill()
+    return nodes

@@ -55,7 +55,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from nodes import NodeProcess  # noqa: E402
+from nodes import NodeProcess, run_swarm  # noqa: E402
 
 from dtnode.daemon.data import DataSources, DataStream, MarkovLanguage, TextFile, stable_seed  # noqa: E402
 from dtnode.daemon.model import build_model  # noqa: E402
@@ -187,16 +187,8 @@ def run_dtnode(name: str, h: int, compression: str, group_size: int, outer_lr: f
     env = {"OMP_NUM_THREADS": threads}
     base = workdir / f"{name}-{dataset}"
     started = time.monotonic()
-    nodes = [NodeProcess.join("n0", base, *args, env=env)]
-    try:
-        address = nodes[0].wait_for_line(r"dtnode join --peer (\S+)", 600).group(1)  # a busy host starts slowly
-        nodes += [NodeProcess.join(f"n{i}", base, *args, "--peer", address, env=env) for i in range(1, cfg.workers)]
-        for node in nodes:
-            if node.wait(3600) != 0:
-                raise RuntimeError(f"{name}: {node.name} failed:\n{node.output[-4000:]}")
-    finally:
-        for node in nodes:
-            node.kill()
+    nodes = run_swarm(NodeProcess.join("n0", base, *args, env=env), lambda address: [
+        NodeProcess.join(f"n{i}", base, *args, "--peer", address, env=env) for i in range(1, cfg.workers)])
     wall = time.monotonic() - started
     for node in nodes:
         if "Traceback" in node.output:

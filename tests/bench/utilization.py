@@ -27,7 +27,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from chaos.netns import IsolatedHost, available  # noqa: E402
-from nodes import NodeProcess  # noqa: E402
+from nodes import NodeProcess, run_swarm  # noqa: E402
 
 STOP_LINE = re.compile(r"stopped at outer step (\d+); (\d+\.\d)% of the time")
 ROUND_LINE = re.compile(r"round (\d+) \|.*\((\d+(?:\.\d+)?) (B|kB|MB|GB) sent\)")
@@ -49,17 +49,9 @@ def run_mode(overlap: bool, args: argparse.Namespace, hosts: list[IsolatedHost],
     if overlap:
         flags.append("--overlap")
     base = tmp / ("overlap" if overlap else "baseline")
-    nodes = [NodeProcess.join("p0", base, *flags, host=hosts[0].inner_ip, prefix=hosts[0].prefix)]
-    try:
-        address = nodes[0].wait_for_line(r"dtnode join --peer (\S+)", 600).group(1)  # a busy host starts slowly
-        nodes += [NodeProcess.join(f"p{i}", base, *flags, "--peer", address, host=h.inner_ip, prefix=h.prefix)
-                  for i, h in enumerate(hosts[1:], start=1)]
-        for node in nodes:
-            if node.wait(3600) != 0:
-                raise RuntimeError(f"{node.name} failed:\n{node.output[-4000:]}")
-    finally:
-        for node in nodes:
-            node.kill()
+    nodes = run_swarm(NodeProcess.join("p0", base, *flags, host=hosts[0].inner_ip, prefix=hosts[0].prefix),
+                      lambda address: [NodeProcess.join(f"p{i}", base, *flags, "--peer", address, host=h.inner_ip,
+                                                        prefix=h.prefix) for i, h in enumerate(hosts[1:], start=1)])
     rows = []
     for node in nodes:
         if "Traceback" in node.output:
