@@ -47,7 +47,8 @@ def show_status(url: str, as_json: bool = False, auth: SwarmAuth | None = None) 
         ("inner step", status["inner_step"]), ("inner lr", _fmt(status.get("inner_lr"), ".3g")),
         ("loss", _fmt(status.get("loss"))),
         ("eval loss", _fmt(status.get("eval_loss"))), ("loss floor", _fmt(status.get("loss_floor"))),
-        ("tokens/s", f"{status['tokens_per_s']:.0f}"), ("uptime", f"{status['uptime_s']:.0f}s"),
+        ("tokens/s", f"{status['tokens_per_s']:.0f}"),
+        ("in inner steps", _fmt(status.get("compute_utilization"), ".1%")), ("uptime", f"{status['uptime_s']:.0f}s"),
         ("params sha256", status["params_sha256"][:16]), ("http", status["http_url"]),
         ("last round", f"groups {' '.join(str(h['group_size']) for h in last.get('hops', [])) or '-'}, "
                        f"{last.get('duration_s', '-')}s, all-reduce {last.get('allreduce_s', '-')}s, "
