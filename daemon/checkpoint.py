@@ -24,6 +24,7 @@ import re
 import shutil
 import struct
 from dataclasses import dataclass
+from collections.abc import Collection
 from pathlib import Path
 
 import torch
@@ -122,8 +123,8 @@ def _entries(tensors: list[tuple[str, str, list[int], int]], metadata: dict[str,
     return raw + b" " * (-len(raw) % 8)
 
 
-def _write_atomic(final: Path, header: bytes, buffers: list[torch.Tensor]) -> tuple[str, int]:
-    """temp file, fsync, rename, fsync the directory; returns (sha256, size)."""
+def _write_atomic(final: Path, header: bytes, buffers: list[torch.Tensor], durable: bool = True) -> tuple[str, int]:
+    """temp file, fsync, rename, fsync the directory (without `durable`: no fsync); returns (sha256, size)."""
     tmp = final.parent / f".{final.name}.tmp-{os.getpid()}"
     digest = hashlib.sha256()
     size = 0
@@ -136,11 +137,14 @@ def _write_atomic(final: Path, header: bytes, buffers: list[torch.Tensor]) -> tu
                 digest.update(piece)
                 size += len(piece)
             f.flush()
-            os.fsync(f.fileno())
+            if durable:
+                os.fsync(f.fileno())
         os.replace(tmp, final)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+    if not durable:
+        return digest.hexdigest(), size
     dir_fd = os.open(final.parent, os.O_RDONLY)
     try:
         os.fsync(dir_fd)
@@ -150,8 +154,11 @@ def _write_atomic(final: Path, header: bytes, buffers: list[torch.Tensor]) -> tu
 
 
 def write_checkpoint(directory: Path, step: int, layout: Layout, state: TrainingState,
-                     metadata: dict[str, str]) -> CheckpointInfo:
-    """Atomically write one checkpoint, local state first (blocking: call from a worker thread)."""
+                     metadata: dict[str, str], durable: bool = True) -> CheckpointInfo:
+    """Atomically write one checkpoint, local state first (blocking: call from a worker thread).
+
+    Without `durable` nothing is fsynced: for a file written on demand for a joiner, which a
+    power loss could only tear (resume skips torn files), seconds sooner."""
     if state.theta_g.numel() != layout.numel or state.momentum.numel() != layout.numel:
         raise ValueError("buffers do not match the layout")
     directory.mkdir(parents=True, exist_ok=True)
@@ -174,7 +181,7 @@ def write_checkpoint(directory: Path, step: int, layout: Layout, state: Training
     tensors = [(f"theta_g/{name}", "F32", list(shape), 4 * _prod(shape)) for name, shape in zip(layout.names, layout.shapes)]
     tensors.append(("outer_momentum", "F32", [layout.numel], 4 * layout.numel))
     final = checkpoint_path(directory, step)
-    sha256, size = _write_atomic(final, _entries(tensors, meta), [state.theta_g, state.momentum])
+    sha256, size = _write_atomic(final, _entries(tensors, meta), [state.theta_g, state.momentum], durable)
     return CheckpointInfo(step, final, sha256, size)
 
 
@@ -200,13 +207,16 @@ def set_aside_checkpoints_after(directory: Path, step: int) -> list[int]:
     return sorted(s for s, _ in later)
 
 
-def prune_checkpoints(directory: Path, keep: int) -> set[int]:
-    """Delete all but the newest `keep` checkpoints and torn temp files; return the kept steps."""
+def prune_checkpoints(directory: Path, keep: int, protect: Collection[int] = ()) -> set[int]:
+    """Delete all but the newest `keep` checkpoints (and those in `protect`: being served to
+    a joiner, whose later ranges still need the file) and torn temp files; return the kept steps."""
     found = list_checkpoints(directory)
     for step, path in found[keep:]:
+        if step in protect:
+            continue
         path.unlink(missing_ok=True)
         local_state_path(directory, step).unlink(missing_ok=True)
-    kept = {step for step, _ in found[:keep]}
+    kept = {step for step, _ in found[:keep]} | {step for step, _ in found if step in protect}
     for local in directory.glob("local-*.safetensors"):  # orphans of steps whose ckpt never landed
         digits = local.name[6:-12]
         if digits.isdigit() and int(digits) not in kept and (not found or int(digits) < found[0][0]):
@@ -240,6 +250,7 @@ class LoadedCheckpoint:
     step: int
     state: TrainingState
     metadata: dict[str, str]
+    file: CheckpointInfo | None = None  # where it now lies in the state dir, when it was kept there
 
     @property
     def theta_g(self) -> torch.Tensor:

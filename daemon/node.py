@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 from hivemind.dht.crypto import RSASignatureValidator
+from hivemind.p2p import P2P
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from dtnode import __version__
@@ -40,6 +41,7 @@ from dtnode.peers.wire import max_message_bytes
 from dtnode.peers.matchmaking import Matchmaker
 from dtnode.peers.auth import ENV_KEY, AuthError, SwarmAuth, load_swarm_key
 from dtnode.peers.membership import JoinError, Membership, PeerRecord, load_record_key, public_maddrs, start_dht
+from dtnode.peers.known_peers import FILE_NAME as KNOWN_PEERS_FILE, KnownPeers, own_peer_id, peer_of
 from dtnode.peers.server import start_grpc_server
 
 from .checkpoint import (
@@ -53,13 +55,16 @@ from .model import build_model, config_hash
 from .replica import Replica
 from .settings import NodeSettings, SettingsError
 from .sidecar import Sidecar
-from .sync import fetch_from_swarm, swarm_step
+from .sync import SwarmPosition, fetch_from_swarm, swarm_position
 from .trainer import InnerResult, Trainer
 
 log = logging.getLogger("dtnode")
 
 PACER_POLL_S = 0.2  # how often a training node re-reads the swarm's progress
 MAX_ROUND_FACTOR = 100  # a paced round takes at most this many times H steps on one peer
+DHT_PORT_FILE = "dht-port"  # the DHT port of the last run, reused when free (--dht-port 0)
+REMEMBER_PEERS_EVERY_S = 5.0
+MAX_SYNC_DOWNLOADS = 3  # downloads in a row while the swarm's round keeps closing under a joiner
 
 
 def resolve_device(name: str) -> torch.device:
@@ -112,6 +117,13 @@ class Node:
         self.auth: SwarmAuth | None = None
         self._needs_resync = False  # set by a failed hop or a download; cleared by a clean round
         self.phase = "starting"  # inner, matchmaking, allreduce, outer: where the round is (chaos tests key on it)
+        # What the record tells a joiner (daemon/sync.py): the round in progress, its phase in
+        # a joiner's terms (inner: still open; averaging, outer: closed), the θ_g step it starts from
+        self.round_no = -1
+        self.round_phase = ""
+        self.round_start_step = -1
+        self.dht_addrs: tuple[str, ...] = ()
+        self.joined_at: float | None = None  # monotonic: when a download put this node in step (for the log)
         self.peer_id = ""
         self.grpc_addr = ""
         self.http_addr = ""
@@ -225,6 +237,8 @@ class Node:
             checkpoint_sha256=newest.sha256 if newest else "", tokens_per_s=self._live_rate(),
             round_tokens=self.trainer.round_tokens if hasattr(self, "trainer") else 0,
             training_round=self._training_round if self.settings.overlap else -1,
+            round=self.round_no if self.round_phase else -1, phase=self.round_phase,
+            round_checkpoint=self.round_start_step if self.round_phase else -1, dht_addrs=self.dht_addrs,
             tokens_per_step=self.trainer.tokens_per_step if hasattr(self, "trainer") else 0,
             progress_at=get_dht_time(), bandwidth_mbps=self.settings.bandwidth_mbps, device=str(self.device), client_mode=self.settings.client_mode,
             model_hash=self.model_hash, version=__version__,
@@ -296,29 +310,42 @@ class Node:
         except AuthError as e:
             raise SettingsError("--swarm-key-file", str(e)) from None
         validator = RSASignatureValidator(await asyncio.to_thread(load_record_key, self.state_dir / "record.key"))
-        self.dht = await start_dht(s.peers, s.host, s.dht_port, s.announce_host, s.join_timeout,
-                                   identity_path=str((self.state_dir / "identity.key").resolve()), validator=validator)
+        identity = (self.state_dir / "identity.key").resolve()
+        self._fresh_identity = not identity.exists()
+        if self._fresh_identity:  # made here rather than by hivemind: the peer id is known before the DHT runs
+            await asyncio.to_thread(P2P.generate_identity, str(identity))
+        self.peer_id = await asyncio.to_thread(own_peer_id, identity) or ""
+        # the model's training state is built while the DHT starts (both take seconds for a joiner)
+        training_state = loop.run_in_executor(self.train_thread, self._start_training_state)
+        try:
+            self.dht, self.bootstrap = await self._start_dht(validator)
+        except BaseException:
+            await asyncio.gather(training_state, return_exceptions=True)
+            raise
         self.validator = validator
         self.peer_id = str(self.dht.peer_id)
+        self.dht_addrs = tuple(a for a in public_maddrs(self.dht, s.announce_host)
+                               if "/0.0.0.0/" not in a and "/::/" not in a)[:4]
+        await asyncio.to_thread(self._remember_dht_port)
         if key is None:
             log.warning("no swarm key (--swarm-key-file or DTNODE_SWARM_KEY): this swarm is open, anyone who can "
                         "reach it may join its groups and download its checkpoints")
         else:
             self.auth = SwarmAuth(key, self.peer_id)
         self.heartbeat_task: asyncio.Task | None = None
+        self.remember_task: asyncio.Task | None = None
         self.grpc_server = None
         self.sidecar = Sidecar(self)
         self.channels = ChannelPool(max_message_bytes(s.chunk_elements))
         try:
-            await loop.run_in_executor(self.train_thread, self._start_training_state)
+            await training_state
             if s.fused_kernels and s.compression == "int8":
                 # Compiling takes seconds of CPU: in the background, eager kernels meanwhile.
                 self._kernels_task = loop.run_in_executor(None, use_fused_kernels, True)
             await loop.run_in_executor(self.io_thread, self._resume_local)
             await self._start_services()
-            if s.peers:
-                self.state = "syncing"
-                await self._sync_with_swarm()
+            self.state = "syncing"
+            await self._sync_with_swarm(joining=True)
             self.state = "training"
             await self.membership.announce(self.record())
             if s.min_peers > 1:
@@ -335,6 +362,73 @@ class Node:
             return 0
         finally:
             await self._shutdown()
+
+    async def _start_dht(self, validator: RSASignatureValidator) -> tuple[Any, list[str]]:
+        """Join the DHT through --peer and the peers this node knew (state dir), never itself.
+
+        A restarted node whose --peer is down, or is its own old address (the swarm's first
+        node), still finds the swarm through any peer it saw before. The first node of a
+        swarm (no --peer other than itself) whose known peers are all gone starts alone and
+        keeps dialling them; a node given --peer that reaches nobody ends with the list it tried."""
+        s = self.settings
+        identity = (self.state_dir / "identity.key").resolve()
+        own = self.peer_id or None
+        self.known_peers = await asyncio.to_thread(KnownPeers(self.state_dir / KNOWN_PEERS_FILE).load)
+        named = [a for a in s.peers if own is None or peer_of(a) != own]
+        if len(named) < len(s.peers):
+            log.info("--peer %s is this node's own address: joining through the peers it knew instead",
+                     next(a for a in s.peers if a not in named))
+        known = [a for a in self.known_peers.addresses(exclude=own) if a not in named]
+        port = s.dht_port or await asyncio.to_thread(self._previous_dht_port)
+        start = partial(start_dht, host=s.host, port=port, announce_host=s.announce_host, timeout=s.join_timeout,
+                        identity_path=str(identity), validator=validator, fresh_identity=self._fresh_identity)
+        try:
+            return await start(named + known), named + known
+        except JoinError as e:
+            if not known:
+                raise
+            tried = f"{len(known)} peer(s) it knew ({', '.join(known[:3])}{', ...' if len(known) > 3 else ''})"
+            if named:
+                raise JoinError(f"could not join through --peer {', '.join(named)} nor the {tried}: {e}") from None
+            log.warning("none of the %s answered (%s); starting alone and dialling them until they do", tried, e)
+            return await start([]), known
+
+    def _previous_dht_port(self) -> int:
+        """The DHT port of this state dir's last run, if it is free: a restarted node keeps the
+        address its peers (and their --peer flags) know. 0 (any) otherwise."""
+        try:
+            port = int((self.state_dir / DHT_PORT_FILE).read_text().strip())
+        except (OSError, ValueError):
+            return 0
+        if not 0 < port < 65536:
+            return 0
+        with socket.socket(socket.AF_INET6 if ":" in self.settings.host else socket.AF_INET) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                probe.bind((self.settings.host, port))
+            except OSError:
+                return 0
+        return port
+
+    def _remember_dht_port(self) -> None:
+        for addr in self.dht_addrs:
+            parts = addr.split("/")
+            if "tcp" in parts and parts.index("tcp") + 1 < len(parts) and parts[parts.index("tcp") + 1].isdigit():
+                (self.state_dir / DHT_PORT_FILE).write_text(parts[parts.index("tcp") + 1])
+                return
+
+    async def _remember_peers(self) -> None:
+        """Keep the addresses of the peers seen, for the next start (every few heartbeats, and at stop)."""
+        while True:
+            try:
+                view = await self.membership.members()
+                self.known_peers.remember(view.values(), self.peer_id)
+                await asyncio.to_thread(self.known_peers.save)
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # a full disk must not stop training; the next pass retries
+                log.warning("could not save the known peers: %s", e)
+            await asyncio.sleep(REMEMBER_PEERS_EVERY_S)
 
     async def _wait_or_stop(self, coro):
         task = asyncio.ensure_future(coro)
@@ -363,7 +457,7 @@ class Node:
             raise SettingsError("--http-port", f"cannot listen on {s.host}:{s.http_port}: {e.strerror or e}") from None
         self.http_addr = f"http://{announce}:{http_port}"
         self.membership = Membership(self.dht, s.run_id, s.peer_ttl, s.heartbeat_interval, self.validator, self.auth,
-                                     initial_peers=s.peers)
+                                     initial_peers=self.bootstrap)
         self.matchmaker = Matchmaker(self.dht, s.run_id, Member(self.peer_id, self.grpc_addr, s.client_mode,
                                                                  s.bandwidth_mbps), auth=self.auth)
         config = AveragingConfig(s.run_id, self.model_hash, s.target_group_size, s.grid_dims, s.compression == "int8",
@@ -373,6 +467,7 @@ class Node:
                                         self.channels, self.deadlines, self.auth, on_phase=self._set_phase)
         await self.membership.announce(self.record())
         self.heartbeat_task = asyncio.create_task(self.membership.heartbeat(self.record, self.stop_requested))
+        self.remember_task = asyncio.create_task(self._remember_peers())
         maddr = public_maddrs(self.dht, s.announce_host)[0]
         extra = f" --run-id {s.run_id}" if s.run_id != "dtnode-demo" else ""
         extra += f" --model {s.model}" if s.model != "tiny" else ""
@@ -384,53 +479,96 @@ class Node:
     def _set_phase(self, phase: str) -> None:
         self.phase = phase
 
-    async def _sync_with_swarm(self) -> bool:
-        """Download the swarm's state when this node is off the step most of the swarm is at:
-        more than --max-lag outer steps behind it, or ahead of it by more than a round plus
-        --max-lag (solo rounds while cut off: a branch the swarm never saw, given up here).
+    async def _sync_with_swarm(self, joining: bool = False) -> bool:
+        """Put this node in the round the swarm is in, downloading the θ_g that round starts
+        from when this node's differs: it is behind the swarm's open round (by more than
+        --max-lag, or at all when `joining`: a node that just started), or ahead of it by more
+        than a round plus --max-lag (solo rounds while cut off: a branch the swarm never saw).
 
-        The swarm's step is the upper median of the other peers' outer steps, not their
-        maximum: one node that raced ahead alone must not pull everyone onto its branch. A
-        node that was training keeps its inner AdamW state and data position through the
-        download (no warmup restart): a slow peer that fell behind is not punished for it."""
-        view = await self.membership.members()
-        own = self.replica.outer_step
-        steps = [m.outer_step for m in view.values() if m.model_hash == self.model_hash
-                 and m.peer_id != self.peer_id and m.state in ("training", "averaging")]
-        if not steps:
-            return False
-        target = swarm_step(steps)
-        lag = self.settings.max_lag
-        if target > own + lag:
-            log.info("swarm is at outer step %d, this node at %d: downloading a checkpoint", target, own)
-        elif own > target + 1 + lag:
-            log.warning("this node is at outer step %d, ahead of the swarm at %d (rounds it made while cut off): "
-                        "giving them up for the swarm's state", own, target)
-        else:
-            return False
+        The open round comes from the peers' records (`swarm_position`): a round whose peers
+        already average it is closed, so a node arriving then waits for the next round's θ_g
+        instead of training a round nobody will average with it, and a round that closes
+        during the download sends it back for the next one. The swarm's round is the upper
+        median over the peers, not their maximum: one node that raced ahead alone must not
+        pull everyone onto its branch. A node that was training keeps its inner AdamW state
+        and data position through the download (no warmup restart)."""
+        lag = 0 if joining else self.settings.max_lag
+        deadline = time.monotonic() + self.settings.join_timeout
+        synced, downloads, waiting = False, 0, False
+        while not self.stop_requested.is_set():
+            view = await self.membership.members()
+            position = swarm_position(view.values(), self.peer_id, self.model_hash)
+            own = self.replica.outer_step
+            if position is None:
+                return synced
+            behind = position.start_step > own + lag
+            ahead = own > position.start_step + 1 + lag
+            if not behind and not ahead:
+                return synced
+            if not position.ready:  # its peers are still applying the outer step that opens it
+                if time.monotonic() > deadline:
+                    log.warning("the swarm's round %d did not open within %.0fs (--join-timeout); training from "
+                                "outer step %d meanwhile", position.round, self.settings.join_timeout, own)
+                    return synced
+                if not waiting:
+                    log.info("the swarm is closing round %d; waiting for the θ_g of step %d that opens round %d",
+                             position.round - 1, position.start_step, position.round)
+                    waiting = True
+                await self._wait_or_stop(asyncio.sleep(PACER_POLL_S))
+                continue
+            if downloads == MAX_SYNC_DOWNLOADS:
+                log.warning("the swarm's round moved on during %d downloads in a row; training from outer step %d",
+                            downloads, own)
+                return synced
+            downloads += 1
+            if ahead:
+                log.warning("this node is at outer step %d, ahead of the swarm at %d (rounds it made while cut off): "
+                            "giving them up for the swarm's state", own, position.start_step)
+            else:
+                log.info("the swarm is in round %d (from outer step %d), this node at outer step %d: downloading a "
+                         "checkpoint", position.round, position.start_step, own)
+            started = time.monotonic()
+            if await self._download(view, position.start_step, own):
+                synced, lag = True, 0  # in step now, unless the round closed meanwhile: the loop checks
+                self.joined_at = started
+            elif (await self._position_moved(position)) is False:
+                return synced
+        return synced
+
+    async def _position_moved(self, position: SwarmPosition) -> bool:
+        """Whether the swarm's open round has changed since `position` (a failed download is then retried)."""
+        now = swarm_position((await self.membership.members()).values(), self.peer_id, self.model_hash)
+        return now is not None and now.start_step != position.start_step
+
+    async def _download(self, view: dict[str, PeerRecord], step: int, own: int) -> bool:
+        """Fetch and install the swarm's checkpoint of `step` (or the next, if the swarm moved on)."""
         if self._in_flight is not None:  # the download replaces the θ_g that average was for
             await self._settle_in_flight(self.settings.matchmaking_window + self.settings.allreduce_timeout)
-        previous_state, self.state = self.state, "syncing"
-        loaded = await fetch_from_swarm(view, self.peer_id, range(target, target + 2), self.model_hash,
-                                        self.settings.run_id, self.layout, self.state_dir,
-                                        self.settings.join_timeout, self.auth)
-        self.state = previous_state
+        previous_state, self.state, self.round_phase = self.state, "syncing", ""
+        try:
+            loaded = await fetch_from_swarm(view, self.peer_id, range(step, step + 2), self.model_hash,
+                                            self.settings.run_id, self.layout, self.state_dir,
+                                            self.settings.join_timeout, self.auth, keep=True)
+        finally:
+            self.state = previous_state
         if loaded is None:
-            log.warning("no peer could serve a checkpoint; continuing from outer step %d", own)
+            log.warning("no peer could serve the checkpoint of step %d; continuing from outer step %d", step, own)
             return False
         keep_inner = self.trainer.inner_step > 0
-        await asyncio.get_running_loop().run_in_executor(self.train_thread, self._install, loaded, None, keep_inner)
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(self.train_thread, self._install, loaded, None, keep_inner)
         await self._rehash()
         self.m_catchups.inc()
         if self._pending_write is not None:
             await asyncio.gather(self._pending_write, return_exceptions=True)
         if loaded.step < own:
-            moved = await asyncio.get_running_loop().run_in_executor(
-                self.io_thread, set_aside_checkpoints_after, self.state_dir, loaded.step)
+            moved = await loop.run_in_executor(self.io_thread, set_aside_checkpoints_after, self.state_dir,
+                                               loaded.step)
             self.checkpoints = {st: i for st, i in self.checkpoints.items() if st <= loaded.step}
             log.info("moved this node's checkpoints of steps %s to %s", moved, self.state_dir / ABANDONED_DIR)
-        self._pending_write = asyncio.ensure_future(self._write_checkpoint())
-        await self._pending_write
+        if loaded.file is not None:  # the donors' file is this node's checkpoint of that step: no rewrite
+            self.checkpoints[loaded.step] = loaded.file
+            await self._prune()
         self._needs_resync = True  # the donor's θ_g may differ slightly from its neighbours'
         log.info("in sync at outer step %d (params %s)%s", loaded.step, self.replica.params_sha256()[:12],
                  "; inner optimizer state kept" if keep_inner else "")
@@ -451,6 +589,13 @@ class Node:
         if getattr(self, "replica", None) is not None and self.replica.outer_step not in self.checkpoints \
                 and self.replica.outer_step > 0:
             await self._write_checkpoint()
+        if self.remember_task is not None:
+            self.remember_task.cancel()
+            await asyncio.gather(self.remember_task, return_exceptions=True)
+            try:
+                self.known_peers.save()
+            except OSError as e:
+                log.warning("could not save the known peers: %s", e)
         if self.heartbeat_task is not None:
             await asyncio.gather(self.heartbeat_task, return_exceptions=True)
             try:  # tell peers at once, so no group waits for us; the record then expires
@@ -490,7 +635,7 @@ class Node:
             log.error("round %d failed (%s: %s); continuing from outer step %d with a re-sync",
                       self.replica.outer_step, reason, e, self.replica.outer_step, exc_info=e)
             self._needs_resync = True
-            self.state, self.phase = "training", "inner"
+            self._enter_round(self.replica.outer_step + (1 if self._in_flight is not None else 0))
             if isinstance(e, FloatingPointError):  # θ_l (and its optimizer state) are unusable
                 await asyncio.get_running_loop().run_in_executor(self.train_thread, self._reset_local)
             await self._wait_or_stop(asyncio.sleep(1.0))  # a fault that repeats must not spin
@@ -549,7 +694,7 @@ class Node:
             return
         round_no, inner = trained
         delta = await loop.run_in_executor(self.train_thread, self.replica.pseudo_gradient)
-        self.state = "averaging"
+        self.state, self.round_phase = "averaging", "averaging"  # the round is closed to joiners
         await self.membership.announce(self.record())
         scheduled = bool(s.consensus_every) and round_no % s.consensus_every == s.consensus_every - 1
         resync = self._needs_resync or scheduled
@@ -565,12 +710,15 @@ class Node:
         if self._hash_task is not None:  # the hash of the previous θ_g reads it: let it finish
             await asyncio.gather(self._hash_task, return_exceptions=True)
         await loop.run_in_executor(self.train_thread, self._apply, result)
+        self.round_phase = "outer"
+        await self.membership.announce(self.record())  # a joiner may download the new θ_g at once
         self._hash_task = asyncio.ensure_future(self._rehash())
+        await failpoints.pause("outer-phase", round_no)
         self.eval_loss = await loop.run_in_executor(self.train_thread, self.trainer.eval_loss)
         self.rounds_done += 1
         if self.replica.outer_step % s.checkpoint_every == 0:
             await self._schedule_checkpoint()
-        self.state, self.phase = "training", "inner"
+        self._enter_round(self.replica.outer_step)
         self._report(round_no, inner, result, time.monotonic() - round_started)
         await self.membership.announce(self.record())
 
@@ -589,7 +737,13 @@ class Node:
         await self._sync_with_swarm()
         round_no = self.replica.outer_step + (1 if self._in_flight is not None else 0)
         self._training_round = round_no  # published with --overlap: pacing counts this round's tokens under it
-        self.state, self.phase = "training", "inner"
+        self._enter_round(round_no)
+        if self.joined_at is not None:
+            position = swarm_position((await self.membership.members()).values(), self.peer_id, self.model_hash)
+            log.info("training round %d with the swarm (%s), %.1fs after the download began", round_no,
+                     "no other peer" if position is None else f"its open round is {position.round}, "
+                     f"{position.peers} other peer(s)", time.monotonic() - self.joined_at)
+            self.joined_at = None
         inner = await self._inner_steps(round_no)
         if self.stop_requested.is_set():
             log.info("round %d abandoned after %d inner steps", round_no, inner.steps)
@@ -597,6 +751,11 @@ class Node:
         self._observe_inner(round_no, inner)
         failpoints.reach("round-error", round_no)
         return round_no, inner
+
+    def _enter_round(self, round_no: int) -> None:
+        """Round `round_no` is open on this node: its inner steps start (or are about to)."""
+        self.round_no, self.round_start_step, self.round_phase = round_no, self.replica.outer_step, "inner"
+        self.state, self.phase = "training", "inner"
 
     def _observe_inner(self, round_no: int, inner: InnerResult) -> None:
         self.inner_seconds += inner.seconds
@@ -624,11 +783,13 @@ class Node:
         if (trained := await self._train_round()) is None:
             return
         round_no, inner = trained
+        self.round_phase = "averaging"
         previous = await self._settle_in_flight()
         self.phase = "outer"
         if self._hash_task is not None:
             await asyncio.gather(self._hash_task, return_exceptions=True)
         delta = await loop.run_in_executor(self.train_thread, self._apply_delayed, previous)
+        self.round_phase = "outer"
         if previous is not None:
             self._hash_task = asyncio.ensure_future(self._rehash())
         scheduled = bool(s.consensus_every) and round_no % s.consensus_every == s.consensus_every - 1
@@ -642,9 +803,9 @@ class Node:
         self.rounds_done += 1
         if previous is not None and self.replica.outer_step % s.checkpoint_every == 0:
             await self._schedule_checkpoint()
-        self.state, self.phase = "training", "inner"
-        self._report(round_no, inner, previous, time.monotonic() - round_started)
         self._training_round = round_no + 1  # peers count this node in the next round at once
+        self._enter_round(round_no + 1)
+        self._report(round_no, inner, previous, time.monotonic() - round_started)
         await self.membership.announce(self.record())
 
     async def _settle_in_flight(self, timeout: float | None = None) -> AveragingResult | None:
@@ -825,14 +986,20 @@ class Node:
         metadata = {"run_id": self.settings.run_id, "model_hash": self.model_hash, "model": self.settings.model,
                     "model_config": json.dumps(self.model_description, sort_keys=True)}
         try:
-            info = await loop.run_in_executor(self.io_thread, write_checkpoint, self.state_dir, step, self.layout,
-                                              state, metadata)
+            # on demand for a joiner (not `local`): the joiner waits for it, so no fsync
+            info = await loop.run_in_executor(self.io_thread, partial(
+                write_checkpoint, self.state_dir, step, self.layout, state, metadata, durable=local))
         except OSError as e:
             log.error("could not write checkpoint %d: %s", step, e)
             return
         self.checkpoints[step] = info
-        kept = await loop.run_in_executor(self.io_thread, prune_checkpoints, self.state_dir,
-                                          self.settings.keep_checkpoints)
+        await self._prune()
+
+    async def _prune(self) -> None:
+        """Keep the newest --keep-checkpoints, and any a joiner is still downloading."""
+        kept = await asyncio.get_running_loop().run_in_executor(
+            self.io_thread, prune_checkpoints, self.state_dir, self.settings.keep_checkpoints,
+            self.sidecar.steps_in_use())
         self.checkpoints = {s: i for s, i in self.checkpoints.items() if s in kept}
 
 

@@ -160,10 +160,11 @@ class NodeSettings(BaseSettings):
                                                                             "int8 (blockwise) or none (fp32).")
     bandwidth_mbps: float = Field(1000.0, gt=0, description="This node's bandwidth in Mbit/s, used to size "
                                                             "the part it reduces.")
-    max_lag: int = Field(2, ge=0, le=1_000_000, description="Download the swarm's state when it is more than "
-                                                            "this many outer steps ahead of this node (a node "
-                                                            "less behind steps alone and is re-synced by its "
-                                                            "next groups, keeping its inner optimizer).")
+    max_lag: int = Field(0, ge=0, le=1_000_000, description="Outer steps a node may trail the swarm's open "
+                                                            "round and still train its own round (alone) "
+                                                            "instead of downloading the swarm's state when "
+                                                            "the round starts; 0: download whenever behind. "
+                                                            "A node that joins or restarts always downloads.")
     # Checkpoints
     checkpoint_every: int = Field(10, ge=1, le=1_000_000, description="Write a checkpoint every this many outer "
                                                                       "steps (and on stop; a peer that needs the "

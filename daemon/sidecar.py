@@ -8,6 +8,7 @@ node in the middle of an all-reduce still answers at once.
 from __future__ import annotations
 
 import asyncio
+import time
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -19,6 +20,7 @@ from dtnode.peers.auth import HTTP_HEADER, AuthError, SwarmAuth
 from .checkpoint import CheckpointInfo
 
 MAX_STEP = 1 << 62
+SERVED_RECENTLY_S = 120.0  # a checkpoint asked for within this long is not pruned
 PROTECTED = ("/checkpoint", "/peers")
 
 
@@ -63,6 +65,14 @@ class Sidecar:
         ])
         self.runner: web.AppRunner | None = None
         self.port = 0
+        self._served: dict[int, float] = {}  # step -> when a range of it was last asked for (monotonic)
+
+    def steps_in_use(self, within: float = SERVED_RECENTLY_S) -> set[int]:
+        """Steps a joiner fetched ranges of lately: pruning keeps them, so a download that spans
+        this node's next checkpoints (a round boundary) still finds its file."""
+        cutoff = time.monotonic() - within
+        self._served = {step: at for step, at in self._served.items() if at > cutoff}
+        return set(self._served)
 
     @web.middleware
     async def _require_key(self, request: web.Request, handler):
@@ -117,6 +127,8 @@ class Sidecar:
         if not raw.isascii() or not raw.isdigit() or len(raw) > 19 or int(raw) > MAX_STEP:
             raise web.HTTPBadRequest(text="step must be a non-negative integer")
         info = self.node.checkpoint(int(raw))
+        if info is not None:
+            self._served[info.step] = time.monotonic()
         if info is None or not Path(info.path).is_file():
             raise web.HTTPNotFound(text=f"no checkpoint for step {int(raw)}")
         if self.downloads.locked():

@@ -62,10 +62,11 @@ def show_status(url: str, as_json: bool = False, auth: SwarmAuth | None = None) 
                       "to list its peers")
         return 0
     swarm = Table(title=f"swarm: {len(peers)} peers")
-    for col in ("peer", "state", "outer step", "checkpoint", "tokens/s", "device", "mode", "http"):
+    for col in ("peer", "state", "round", "outer step", "checkpoint", "tokens/s", "device", "mode", "http"):
         swarm.add_column(col)
     for p in peers:
-        swarm.add_row(p["peer_id"][-12:], p["state"], str(p["outer_step"]), str(p["checkpoint_step"]),
+        where = f"{p['round']} {p['phase']}" if p.get("round", -1) >= 0 and p.get("phase") else "-"
+        swarm.add_row(p["peer_id"][-12:], p["state"], where, str(p["outer_step"]), str(p["checkpoint_step"]),
                       f"{p['tokens_per_s']:.0f}", p["device"], "client" if p["client_mode"] else "full", p["http_addr"])
     console.print(swarm)
     return 0

@@ -33,7 +33,7 @@ import aiohttp
 from dtnode.peers.auth import HTTP_HEADER, SwarmAuth
 from dtnode.peers.membership import PeerRecord
 
-from .checkpoint import CheckpointError, Layout, LoadedCheckpoint, read_checkpoint
+from .checkpoint import CheckpointError, CheckpointInfo, Layout, LoadedCheckpoint, checkpoint_path, read_checkpoint
 
 log = logging.getLogger(__name__)
 
@@ -168,26 +168,65 @@ class PartialDownload:
         self.ledger.unlink(missing_ok=True)
 
 
+RESUMES_PER_PIECE = 3  # a donor that drops a connection mid-range is asked for the rest this many times
+
+
 async def _fetch_piece(session: aiohttp.ClientSession, offer: Offer, start: int, length: int,
                        partial: PartialDownload, progress: Progress, timeout: float,
                        auth: SwarmAuth | None = None) -> None:
+    """One range, written in place as it streams. A connection the donor drops (a restart of
+    its keep-alive socket, a busy moment) is resumed from the byte where it stopped; a donor
+    that keeps dropping it, or answers anything but the bytes asked for, has failed."""
+    received = 0
+    for attempt in range(RESUMES_PER_PIECE + 1):
+        try:
+            received += await _fetch_range(session, offer, start + received, length - received, partial, progress,
+                                           timeout, auth)
+            return
+        except _Dropped as e:
+            received += e.received
+            if attempt == RESUMES_PER_PIECE:
+                raise DownloadError(f"connection dropped {attempt + 1} times ({e.cause})") from None
+            log.info("donor %s dropped the connection at byte %d of checkpoint %d (%s); resuming from there",
+                     offer.donor.peer_id[-8:], start + received, offer.step, e.cause)
+            await asyncio.sleep(0.2 * (attempt + 1))
+
+
+class _Dropped(Exception):
+    """The connection broke after `received` good bytes of a range."""
+
+    def __init__(self, received: int, cause: str):
+        super().__init__(cause)
+        self.received = received
+        self.cause = cause
+
+
+async def _fetch_range(session: aiohttp.ClientSession, offer: Offer, start: int, length: int,
+                       partial: PartialDownload, progress: Progress, timeout: float,
+                       auth: SwarmAuth | None) -> int:
     headers = {"Range": f"bytes={start}-{start + length - 1}", **_headers(auth, f"/checkpoint/{offer.step}")}
     client_timeout = aiohttp.ClientTimeout(total=timeout, sock_read=min(timeout, 30))
-    async with session.get(f"{offer.base}/checkpoint/{offer.step}", headers=headers, timeout=client_timeout) as resp:
-        if resp.status == 503:
-            raise _Busy(float(resp.headers.get("Retry-After", "1") or 1))
-        if resp.status != 206 and not (resp.status == 200 and start == 0 and length == offer.size):
-            raise DownloadError(f"range request answered {resp.status}")
-        received = 0
-        async for block in resp.content.iter_chunked(1 << 20):
-            if received + len(block) > length:
-                raise DownloadError("donor sent more bytes than the range asked for")
-            await asyncio.to_thread(partial.write, start + received, block)
-            received += len(block)
-            progress.advance(len(block))
-        if received != length:
-            progress.advance(-received)
-            raise DownloadError(f"range ended after {received} of {length} bytes")
+    received = 0
+    try:
+        async with session.get(f"{offer.base}/checkpoint/{offer.step}", headers=headers,
+                               timeout=client_timeout) as resp:
+            if resp.status == 503:
+                raise _Busy(float(resp.headers.get("Retry-After", "1") or 1))
+            if resp.status != 206 and not (resp.status == 200 and start == 0 and length == offer.size):
+                raise DownloadError(f"range request answered {resp.status}")
+            async for block in resp.content.iter_chunked(1 << 20):
+                if received + len(block) > length:
+                    raise DownloadError("donor sent more bytes than the range asked for")
+                await asyncio.to_thread(partial.write, start + received, block)
+                received += len(block)
+                progress.advance(len(block))
+    except aiohttp.ClientConnectorError:
+        raise  # not a dropped transfer: the donor is not there
+    except (aiohttp.ServerDisconnectedError, aiohttp.ClientPayloadError, aiohttp.ClientOSError) as e:
+        raise _Dropped(received, type(e).__name__) from None
+    if received != length:
+        raise _Dropped(received, f"range ended after {received} of {length} bytes")
+    return received
 
 
 class _Busy(Exception):
@@ -288,10 +327,49 @@ def swarm_step(steps: list[int]) -> int:
     return ordered[len(ordered) // 2]
 
 
+@dataclass(frozen=True)
+class SwarmPosition:
+    """Where the swarm is, for a node about to train: the round it can still enter."""
+
+    round: int  # the swarm's open round: the one a node starting now trains with the others
+    start_step: int  # the outer step of the θ_g that round starts from (what a joiner downloads)
+    ready: bool  # whether a peer holds that θ_g already (it may still be applying it)
+    peers: int  # live peers counted
+
+
+def open_round(record: PeerRecord) -> int:
+    """The round a node starting now could train with this peer: its round while it is in
+    inner steps; the next one once it averages or applies (that round has closed)."""
+    if record.round < 0 or not record.phase:
+        return record.round_in_training
+    return record.round if record.phase == "inner" else record.round + 1
+
+
+def swarm_position(records, own_id: str, model_hash: str) -> SwarmPosition | None:
+    """The swarm's open round (the upper median over live peers of this model: see
+    `swarm_step`), or None when no other peer trains.
+
+    A round's start step is its number, or one less for a peer whose outer step comes a round
+    late (--overlap); the peers of the open round say which."""
+    live = [r for r in records if r.peer_id != own_id and r.model_hash == model_hash
+            and r.state in ("training", "averaging")]
+    if not live:
+        return None
+    target = swarm_step([open_round(r) for r in live])
+    lags = [r.round - r.round_checkpoint for r in live
+            if open_round(r) == target and r.phase == "inner" and 0 <= r.round_checkpoint <= r.round]
+    start = target - (max(set(lags), key=lags.count) if lags else 0)
+    ready = any(r.outer_step == start or r.checkpoint_step == start for r in live)
+    return SwarmPosition(target, start, ready, len(live))
+
+
 async def fetch_from_swarm(members: dict[str, PeerRecord], own_id: str, steps: range, model_hash: str, run_id: str,
                            layout: Layout, scratch: Path, timeout: float,
-                           auth: SwarmAuth | None = None) -> LoadedCheckpoint | None:
-    """The newest checkpoint with its step in `steps` that members serve, or None."""
+                           auth: SwarmAuth | None = None, keep: bool = False) -> LoadedCheckpoint | None:
+    """The newest checkpoint with its step in `steps` that members serve, or None.
+
+    With `keep`, the verified file becomes this node's own checkpoint of that step in
+    `scratch` (its state dir): the bytes its group serves, not written a second time."""
     donors = [m for m in members.values()
               if m.peer_id != own_id and m.model_hash == model_hash and (m.checkpoint_step in steps or m.outer_step in steps) and m.http_addr]
     if not donors:
@@ -320,6 +398,10 @@ async def fetch_from_swarm(members: dict[str, PeerRecord], own_id: str, steps: r
                 try:
                     path = await download_parallel(session, attempt, scratch, timeout, auth)
                     loaded = await asyncio.to_thread(read_checkpoint, path, layout, run_id, model_hash)
+                    if keep:
+                        final = checkpoint_path(scratch, loaded.step)
+                        await asyncio.to_thread(os.replace, path, final)
+                        loaded.file = CheckpointInfo(loaded.step, final, attempt[0].sha256, attempt[0].size)
                     for leftover in scratch.glob(".download-*"):
                         leftover.unlink(missing_ok=True)
                     return loaded

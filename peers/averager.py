@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass, field, replace
 
@@ -47,6 +48,7 @@ class AveragingConfig:
     trim_fraction: float | None = None
 
 
+STALENESS_S = 2.0  # how stale a peer's record of its progress may be (a heartbeat or so)
 MAX_CHAINS = 16  # classes one peer carries through a hop at most (each holds a model-sized buffer)
 
 
@@ -128,6 +130,24 @@ class MoshpitAverager:
         view = await self.view()
         return {p.peer_id for p in view.values() if p.model_hash == self.config.model_hash and p.state != "stopped"}
 
+    async def _last_step_of_others(self, round_no: int, peers: set[str]) -> float:
+        """How long hop 0 should keep its door open for peers still in their last inner step of
+        this round (up to the window's bound): a paced peer may start a step that ends half a
+        step after the round's end, and a slow or newly joined peer's step is long. Without
+        this, the adaptive window (learned from peers that arrive together) closes on it.
+        A peer whose rate is not known yet (a joiner before its second step) gets the bound."""
+        view = await self.view()
+        longest = 0.0
+        for peer in peers - {self.peer_id}:
+            record = view.get(peer)
+            if record is None or record.state != "training" or record.round_in_training != round_no:
+                continue
+            if record.tokens_per_s > 0 and record.tokens_per_step > 0:
+                longest = max(longest, record.tokens_per_step / record.tokens_per_s + STALENESS_S)
+            else:
+                longest = math.inf
+        return min(longest, self.deadlines.window_max)
+
     async def _alive(self, peers: set[str], round_no: int) -> set[str]:
         if UNKNOWN in peers:
             return peers
@@ -160,6 +180,9 @@ class MoshpitAverager:
             # hops wait only for peers whose path through the groups that formed leads (or
             # may still lead) here, who are on their way: the full window.
             window = self.deadlines.matchmaking_window if hop == 0 else self.deadlines.window_max
+            if hop == 0:
+                window = max(window, await self._last_step_of_others(
+                    round_no, set(hop0_cells.get(chains[0].slot.key, ()))))
             self.on_phase("matchmaking")
             asked = resync or theta is not None
             outputs = self._outputs([chain.values for chain in chains], [delta, spare])

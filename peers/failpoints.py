@@ -11,26 +11,35 @@ and SIGKILLs itself: no cleanup runs, exactly as after kill -9 from outside.
 Points: `sending` (this member handed a remote reducer at least one chunk and is about to
 send another), `reducing` (this member's reducer folded a remote sender's chunk and owes
 results). One point raises instead of killing: `round-error` (an exception in the round,
-after its inner steps), to show that the node's per-round error boundary holds.
+after its inner steps), to show that the node's per-round error boundary holds. One point
+pauses: `outer-phase` (`outer-phase@2:6` holds the node 6 s right after it applied round 2's
+outer step, without blocking its event loop), so a test can land a joiner in that phase.
 """
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import sys
 
 ENV = "DTNODE_TEST_FAILPOINT"
-POINTS = ("sending", "reducing", "round-error")
+POINTS = ("sending", "reducing", "round-error", "outer-phase")
 RAISING = ("round-error",)
+PAUSING = ("outer-phase",)
+DEFAULT_PAUSE_S = 5.0
 
 
 def _parse(spec: str | None) -> tuple[str, int] | None:
+    global _pause_s
     if not spec:
         return None
     name, _, round_ = spec.partition("@")
-    if name not in POINTS or not round_.isdigit():
-        raise ValueError(f"{ENV}={spec!r}: expected one of {', '.join(POINTS)} then @round, e.g. reducing@2")
+    round_, _, seconds = round_.partition(":")
+    if name not in POINTS or not round_.isdigit() or (seconds and (name not in PAUSING or not seconds.isdigit())):
+        raise ValueError(f"{ENV}={spec!r}: expected one of {', '.join(POINTS)} then @round (and :seconds for "
+                         f"{', '.join(PAUSING)}), e.g. reducing@2 or outer-phase@2:6")
+    _pause_s = float(seconds) if seconds else DEFAULT_PAUSE_S
     return name, int(round_)
 
 
@@ -38,6 +47,7 @@ class FailpointError(RuntimeError):
     """Raised by a raising failpoint: an injected fault, not a bug."""
 
 
+_pause_s = DEFAULT_PAUSE_S
 _armed = _parse(os.environ.get(ENV))
 
 
@@ -50,3 +60,10 @@ def reach(name: str, round_: int) -> None:
             raise FailpointError(f"failpoint {name}@{round_} reached")
         print(f"failpoint {name}@{round_} reached: killing this process", file=sys.stderr, flush=True)
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+async def pause(name: str, round_: int) -> None:
+    """Hold the caller (not the event loop) here if the pausing point `name` is armed for this round."""
+    if _armed is not None and _armed == (name, round_):
+        print(f"failpoint {name}@{round_} reached: pausing {_pause_s:.0f}s", file=sys.stderr, flush=True)
+        await asyncio.sleep(_pause_s)

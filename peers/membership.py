@@ -66,6 +66,11 @@ class PeerRecord(BaseModel):
     tokens_per_s: float = Field(0.0, ge=0, le=1e15)
     round_tokens: int = Field(0, ge=0, le=1 << 62)  # tokens processed so far in round `round_in_training`
     training_round: int = Field(-1, ge=-1, le=1 << 62)  # the round of those tokens; -1: `outer_step`
+    # Where this peer is, so a joiner knows which round it can still enter (daemon/sync.py):
+    round: int = Field(-1, ge=-1, le=1 << 62)  # the round in progress (trained, averaged or applied); -1: none
+    phase: str = Field("", max_length=16)  # "inner", "averaging" or "outer" while in a round
+    round_checkpoint: int = Field(-1, ge=-1, le=1 << 62)  # the step of the θ_g that round `round` starts from
+    dht_addrs: tuple[str, ...] = Field((), max_length=4)  # multiaddrs a restarted peer can bootstrap from
     tokens_per_step: int = Field(0, ge=0, le=1 << 40)  # batch x sequence: sizes the swarm's round
     progress_at: float = Field(0.0, ge=0, le=1e12)  # DHT time at which round_tokens was counted
     bandwidth_mbps: float = Field(1000.0, gt=0, le=1e9)
@@ -148,8 +153,10 @@ def _reap_orphaned_daemons(identity_path: str) -> int:
 
 async def start_dht(initial_peers: list[str], host: str, port: int, announce_host: str | None,
                     timeout: float, identity_path: str | None = None,
-                    validator: RSASignatureValidator | None = None) -> hivemind.DHT:
-    """Start hivemind's DHT process and reach the initial peers, or raise JoinError in bounded time."""
+                    validator: RSASignatureValidator | None = None, fresh_identity: bool = False) -> hivemind.DHT:
+    """Start hivemind's DHT process and reach the initial peers, or raise JoinError in bounded time.
+
+    With `fresh_identity` (just generated) hivemind's check that no live peer uses it is skipped."""
     for addr in initial_peers:
         if not addr.startswith("/") or "/p2p/" not in addr:
             raise JoinError(f"--peer {addr!r} is not a multiaddr like /ip4/1.2.3.4/tcp/7700/p2p/12D3Koo...")
@@ -161,6 +168,7 @@ async def start_dht(initial_peers: list[str], host: str, port: int, announce_hos
         _HOOKED = True
     if identity_path:
         kwargs["identity_path"] = identity_path  # a restarted node keeps its peer id
+        kwargs["check_if_identity_free"] = not fresh_identity
         if await asyncio.to_thread(_reap_orphaned_daemons, os.path.abspath(identity_path)):
             log.warning("stopped the DHT daemon a crashed run of this node left behind")
             await asyncio.sleep(1.0)  # let the swarm notice it is gone

@@ -36,6 +36,7 @@ class NodeProcess:
         self.name = name
         self.state_dir = state_dir
         self.lines: list[str] = []
+        self.times: list[float] = []  # time.monotonic() at which each line was read
         # `prefix` wraps the command, e.g. `ip netns exec NS` (which execs it: signals reach the node).
         self.proc = subprocess.Popen(
             [*(prefix or []), sys.executable, "-u", "-m", "dtnode", *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -46,6 +47,7 @@ class NodeProcess:
 
     def _read(self) -> None:
         for line in self.proc.stdout:
+            self.times.append(time.monotonic())
             self.lines.append(line.rstrip())
 
     @classmethod
@@ -55,14 +57,18 @@ class NodeProcess:
         return cls(name, ["join", "--host", host, *PORTS, "--state-dir", str(state_dir), *extra], state_dir, env, prefix)
 
     def wait_for_line(self, pattern: str, timeout: float = 60) -> re.Match:
+        return self.wait_for_line_at(pattern, timeout)[0]
+
+    def wait_for_line_at(self, pattern: str, timeout: float = 60, after: int = 0) -> tuple[re.Match, float, int]:
+        """The first line from index `after` on that matches, when it was read (monotonic), and its index."""
         regex = re.compile(pattern)
         deadline = time.monotonic() + timeout
-        seen = 0
+        seen = after
         while time.monotonic() < deadline:
-            for line in self.lines[seen:]:
-                if m := regex.search(line):
-                    return m
-            seen = 0
+            for index in range(seen, len(self.lines)):
+                if m := regex.search(self.lines[index]):
+                    return m, self.times[index], index
+            seen = max(seen, len(self.lines) - 1)  # the last line may have been read half-way
             if self.proc.poll() is not None and not self._reader.is_alive():
                 break
             time.sleep(0.05)

@@ -69,8 +69,10 @@ async def _serve(app: web.Application) -> tuple[web.AppRunner, str]:
 
 
 def _liar(info: CheckpointInfo, body: bytes, sha256: str | None = None, requests: list | None = None,
-          vanish: bool = False) -> web.Application:
-    """A donor announcing `info` but serving `body` (honouring Range like a real server)."""
+          vanish: bool = False, drop_once_at: int | None = None) -> web.Application:
+    """A donor announcing `info` but serving `body` (honouring Range like a real server);
+    with `drop_once_at`, the first range that spans that byte breaks there, once."""
+    dropped: list[int] = []
     async def meta(request):
         return web.json_response({"outer_step": info.step, "sha256": sha256 or info.sha256,
                                   "size_bytes": info.size_bytes, "url": ""})
@@ -88,6 +90,14 @@ def _liar(info: CheckpointInfo, body: bytes, sha256: str | None = None, requests
         if rng := request.headers.get("Range"):
             a, b = rng.removeprefix("bytes=").split("-")
             start, end = int(a), int(b)
+        if drop_once_at is not None and not dropped and start <= drop_once_at <= end:
+            dropped.append(start)
+            response = web.StreamResponse(status=206, headers={"Content-Length": str(end + 1 - start)})
+            await response.prepare(request)
+            await response.write(body[start:drop_once_at])
+            await response.drain()
+            request.transport.close()  # the donor's socket goes away mid-range
+            raise ConnectionResetError("connection dropped")
         return web.Response(status=206, body=body[start: end + 1])
 
     app = web.Application()
@@ -293,4 +303,34 @@ def test_the_swarm_step_is_the_majority_so_a_runaway_node_pulls_nobody_onto_its_
             for sidecar in sidecars:
                 await sidecar.stop()
         assert loaded is not None and loaded.step == 12 and torch.equal(loaded.theta_g, theta)
+    asyncio.run(main())
+
+
+def test_a_dropped_connection_resumes_from_the_byte_where_it_stopped(tmp_path, caplog):
+    """The only donor drops its connection in the middle of a range; the joiner asks it for
+    the rest of that range (from the byte it stopped at), not the whole range, and not a
+    different donor: the download completes and verifies."""
+    async def main():
+        info, theta = _checkpoint(tmp_path / "src", 4)
+        body = info.path.read_bytes()
+        served: list = []
+        cut = PIECE_BYTES + 123_456  # inside the second range
+        runner, url = await _serve(_liar(info, body, requests=served, drop_once_at=cut))
+        record = _record("a", url, info)
+        try:
+            with caplog.at_level(logging.INFO):
+                loaded = await fetch_from_swarm({record.peer_id: record}, "me", range(1, 10**9), MODEL, RUN, LAYOUT,
+                                                tmp_path / "joiner", timeout=20, keep=True)
+        finally:
+            await runner.cleanup()
+        assert loaded is not None and torch.equal(loaded.theta_g, theta)
+        resumed = [r for r in served if r and int(r.removeprefix("bytes=").split("-")[0]) not in
+                   range(0, len(body), PIECE_BYTES)]
+        assert len(resumed) == 1, served  # one request for the rest of the broken range
+        start = int(resumed[0].removeprefix("bytes=").split("-")[0])
+        assert PIECE_BYTES < start <= cut, served  # from where the bytes stopped (as far as they arrived)
+        assert "dropped the connection" in caplog.text
+        # kept as this node's own checkpoint of that step: the donor's bytes, no second write
+        assert loaded.file is not None and loaded.file.path.read_bytes() == body
+        assert loaded.file.path.name == info.path.name and loaded.file.sha256 == info.sha256
     asyncio.run(main())

@@ -2,12 +2,20 @@
 
     .venv/bin/python -m tests.bench.late_join               # 10 MB and 100 MB checkpoints
     .venv/bin/python -m tests.bench.late_join --models mlp_100mb --trials 3
+    .venv/bin/python -m tests.bench.late_join --in-rounds   # joiners at random moments of a running swarm
 
 A donor node trains a model of the given size on loopback; a joiner process is started
 with `--peer` and timed until it logs that it is in sync (its θ_g loaded from the donor's
 checkpoint, verified). Process start-up (Python, torch, the DHT) is included: that is what
 a user waits for. The reference is a raw aiohttp download of the same file from the same
 sidecar, in the same run.
+
+`--in-rounds`: two donors of the `small` preset train in rounds of about a minute (on a
+2-core CPU host), and joiners are started one at a time at random moments of a round
+(inner steps, averaging and the outer phase alike). For each it prints the donors' phase
+at the joiner's start, the seconds from start to its first inner step in step with the
+swarm (and the download's share), the seconds to its first round averaged with both
+donors, and whether any of its rounds was trained alone or any donor dropped a connection.
 """
 
 from __future__ import annotations
@@ -15,6 +23,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import random
+import re
 import statistics
 import sys
 import tempfile
@@ -79,11 +89,106 @@ def run(model: str, trials: int) -> dict:
             donor.kill()
 
 
+ROUND_LINE = re.compile(r"round (\d+) \| groups (\d+)/(\d+)")
+
+
+def _phase(node: NodeProcess) -> str:
+    try:
+        status = node.get("/status")
+    except OSError:
+        return "?"
+    return f"{status['phase']}@{status['outer_step']}"
+
+
+def _full_round(line: str) -> str | None:
+    m = ROUND_LINE.search(line)
+    return m.group(1) if m is not None and m.group(2) == m.group(3) == "3" else None
+
+
+def _s(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds:.1f}s"
+
+
+def run_in_rounds(model: str, trials: int, inner_steps: int, batch: int, seed: int, keep: Path) -> None:
+    """Joiners started at random moments of a running 2-donor swarm (see the module docstring)."""
+    keep.mkdir(parents=True, exist_ok=True)
+    flags = ["--model", model, "--inner-steps", str(inner_steps), "--batch-size", str(batch), "--no-fused-kernels",
+             "--join-timeout", "300", "--matchmaking-window", "30"]
+    rng = random.Random(seed)
+    with tempfile.TemporaryDirectory() as tmp:
+        donors = [NodeProcess.join("d0", Path(tmp), *flags, "--min-peers", "2")]
+        try:
+            donors.append(NodeProcess.join("d1", Path(tmp), *flags, "--min-peers", "2", "--peer",
+                                           donors[0].join_address))
+            _, first_end, index = donors[0].wait_for_line_at(r"round 0 \| groups", timeout=1200)
+            _, second_end, index = donors[0].wait_for_line_at(r"round 1 \| groups", timeout=1200, after=index + 1)
+            period = second_end - first_end
+            print(f"2 donors of {model}, H={inner_steps}, batch {batch}: a round takes {period:.0f}s here", flush=True)
+            print(f"{'trial':>5} {'at':>6} {'donors':>14} {'to in step':>11} {'download':>9} {'to averaged':>12} "
+                  f"{'round':>6} {'alone':>6} {'dropped':>8}  target", flush=True)
+            met = 0
+            for trial in range(trials):
+                _, end, index = donors[0].wait_for_line_at(ROUND_LINE.pattern, timeout=1200, after=index + 1)
+                offset = rng.uniform(0, period)
+                time.sleep(max(0.0, end + offset - time.monotonic()))
+                phase = _phase(donors[0])
+                started = time.monotonic()
+                joiner = NodeProcess.join(f"j{trial}", Path(tmp), *flags, "--peer", donors[0].join_address,
+                                          "--max-rounds", "1")
+                try:
+                    joiner.wait(900)
+                finally:
+                    joiner.kill()
+                    (keep / f"{joiner.name}.log").write_text(joiner.output)
+                out = joiner.output
+                entered = in_step = download = averaged_at = None
+                if (m := re.search(r"training round (\d+) with the swarm", out)) is not None:
+                    entered = int(m.group(1))
+                    in_step = next(t for t, line in zip(joiner.times, joiner.lines) if m.group(0) in line)
+                if (m := re.search(r"downloaded checkpoint \d+ .* in ([\d.]+)s", out)) is not None:
+                    download = float(m.group(1))
+                full = [(int(r), t) for t, line in zip(joiner.times, joiner.lines)
+                        if (r := _full_round(line)) is not None]
+                if full:
+                    averaged_at = full[0][1]
+                rounds = [(int(r), int(g)) for r, g, _ in ROUND_LINE.findall(out)]
+                alone = sum(1 for _, g in rounds if g == 1)
+                dropped = len(re.findall(r"dropped the connection|donor \S+ failed", out))
+                to_step = None if in_step is None else in_step - started
+                ok = (to_step is not None and download is not None and to_step <= 10 + download and full
+                      and full[0][0] == entered and not alone and not dropped and "Traceback" not in out)
+                met += bool(ok)
+                print(f"{trial:>5} {offset:5.0f}s {phase:>14} {_s(to_step):>11} {_s(download):>9} "
+                      f"{_s(averaged_at and averaged_at - started):>12} {entered if entered is not None else '-':>6} "
+                      f"{alone:>6} {dropped:>8}  {'met' if ok else 'MISSED'}", flush=True)
+            for donor in donors:
+                (keep / f"{donor.name}.log").write_text(donor.output)
+            tracebacks = [d.name for d in donors if "Traceback" in d.output]
+            print(f"{met}/{trials} trials met every target (in step within 10 s plus the download, in the very next "
+                  f"averaging, no round alone, no dropped connection); donor tracebacks: {tracebacks or 'none'}; "
+                  f"logs in {keep}")
+        finally:
+            for donor in donors:
+                donor.kill()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", default="mlp_10mb,mlp_100mb", help="factories in tests/bench/models.py")
-    parser.add_argument("--trials", type=int, default=3, help="joiners per model (median reported)")
+    parser.add_argument("--trials", type=int, default=3, help="joiners per model (median reported; with "
+                                                              "--in-rounds, 10 unless given)")
+    parser.add_argument("--in-rounds", action="store_true", help="joiners at random moments of a running swarm")
+    parser.add_argument("--model", default="small", help="--in-rounds: the donors' and joiners' model")
+    parser.add_argument("--inner-steps", type=int, default=6, help="--in-rounds: H")
+    parser.add_argument("--batch-size", type=int, default=8, help="--in-rounds: sequences per inner step")
+    parser.add_argument("--seed", type=int, default=0, help="--in-rounds: seed of the joiners' start moments")
+    parser.add_argument("--keep-logs", type=Path, default=Path(tempfile.gettempdir()) / "dtnode-late-join",
+                        help="--in-rounds: where every node's log is written")
     args = parser.parse_args()
+    if args.in_rounds:
+        trials = args.trials if "--trials" in sys.argv else 10
+        run_in_rounds(args.model, trials, args.inner_steps, args.batch_size, args.seed, args.keep_logs)
+        return
     print(f"{'checkpoint':>10} {'start to in sync':>17} {'of it, download':>16} {'raw HTTP GET':>13}")
     for model in args.models.split(","):
         r = run(model, args.trials)

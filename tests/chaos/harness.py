@@ -344,6 +344,80 @@ def _slow_peer(swarm: Swarm, trial: Trial) -> None:
         trial.notes.append(f"the slow node processed {slow_tokens} tokens, not fewer than the others {others}")
 
 
+def _wait_known_peers(node: NodeProcess, count: int, timeout: float = 60) -> None:
+    """Until the node has saved the addresses of `count` peers (every few seconds, see daemon/node.py)."""
+    path = node.state_dir / "known-peers.json"
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if len(json.loads(path.read_text())["peers"]) >= count:
+                return
+        except (OSError, ValueError, KeyError):
+            pass
+        time.sleep(0.2)
+    raise AssertionError(f"{node.name} saved no {count} known peers in {timeout:.0f}s")
+
+
+def _kill_and_restart(swarm: Swarm, trial: Trial, victim: NodeProcess, peer: str) -> NodeProcess:
+    """kill -9 `victim` mid-round and restart it on its state dir with `--peer peer`; it must be
+    in a group of the whole swarm within its first two rounds after the restart."""
+    swarm.wait_round(victim, finished_round(victim) + 1)
+    _wait_known_peers(victim, len(swarm.nodes) - 1)
+    victim.kill()
+    swarm.nodes.remove(victim)
+    Path(str(victim.state_dir) + f".before-restart-{len(swarm.gone)}.log").write_text(victim.output)
+    swarm.gone.append(victim)
+    back = swarm.start(victim.name, "--peer", peer)
+    size = len(swarm.nodes)
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline and back.proc.poll() is None and len(round_lines(back)) < 2:
+        time.sleep(0.2)
+    early = [g for _, g in round_lines_groups(back)[:2]]
+    if f"{size}/{size}" not in early:
+        trial.notes.append(f"{victim.name} restarted was in no full group within two rounds: {early}")
+    return back
+
+
+def round_lines_groups(node: NodeProcess) -> list[tuple[int, str]]:
+    return [(n, re.search(r"groups (\S+)", line).group(1)) for n, line in round_lines(node)]
+
+
+def _no_tracebacks(swarm: Swarm, trial: Trial) -> None:
+    for node in swarm.nodes + swarm.gone:
+        if "Traceback" in node.output:
+            trial.notes.append(f"{node.name}: a traceback in its log")
+
+
+def _restart_the_first_node(swarm: Swarm, trial: Trial) -> None:
+    """The node everyone joined through is killed and restarted with --peer naming its own
+    old address (its DHT port is reused, so that address is its new one too)."""
+    first = swarm.nodes[0]
+    swarm.wait_round(first, 1)
+    back = _kill_and_restart(swarm, trial, first, swarm.address)
+    if back.join_address != swarm.address:
+        trial.notes.append(f"the first node came back at {back.join_address}, not {swarm.address}")
+    trial.fired = f"killed the first node at its round {finished_round(first)}; back at round " \
+                  f"{min((n for n, _ in round_lines(back)), default=-1)}: {' '.join(g for _, g in round_lines_groups(back)[:2])}"
+    for node in swarm.nodes:
+        swarm.wait_round(node, finished_round(back) + 1)
+    _no_tracebacks(swarm, trial)
+
+
+def _restart_each_node(swarm: Swarm, trial: Trial) -> None:
+    """Each of the nodes in turn: kill -9 mid-round, restart on its state dir with the same
+    --peer as before (the first node's address, its own for the first node)."""
+    fired = []
+    for name in [n.name for n in swarm.nodes]:
+        victim = next(n for n in swarm.nodes if n.name == name)
+        back = _kill_and_restart(swarm, trial, victim, swarm.address)
+        fired.append(f"{name}: {' '.join(g for _, g in round_lines_groups(back)[:2])}")
+    trial.fired = "; ".join(fired)
+    newest = max(finished_round(n) for n in swarm.nodes)
+    for node in swarm.nodes:
+        swarm.wait_round(node, newest + 1)
+    _no_tracebacks(swarm, trial)
+
+
 SCENARIOS = {
     "kill9-matchmaking": kill9_at("matchmaking"),
     "kill9-allreduce": kill9_at("allreduce"),
@@ -359,5 +433,8 @@ SCENARIOS = {
                                        isolate_last=True),
     "slow-peer": lambda tmp: run_trial(tmp, "one peer 4x slower all run", 4, _slow_peer,
                                        last_env={"DTNODE_TEST_SLOW_INNER": "4"}),
+    "restart-first": lambda tmp: run_trial(tmp, "first node killed, back with its own --peer", 4,
+                                           _restart_the_first_node),
+    "restart-each": lambda tmp: run_trial(tmp, "each node killed and restarted in turn", 4, _restart_each_node),
 }
 NETWORK_SCENARIOS = {"network-cut", "slow-link"}  # need root and iproute2 (chaos/netns.py)

@@ -1,0 +1,138 @@
+"""Joining and rejoining: where a joiner enters the swarm, and how a restarted node finds it.
+
+The first tests are pure (records in, a decision out); the last start real node processes
+on loopback: a joiner arriving while the donors are in their outer phase, and the swarm's
+first node killed and restarted with `--peer` naming its own old address.
+"""
+
+import json
+import re
+import signal
+import time
+
+from dtnode.daemon.sync import open_round, swarm_position
+from dtnode.peers.known_peers import KnownPeers, peer_of
+from dtnode.peers.membership import PeerRecord
+
+from nodes import FAST, NodeProcess
+
+ROUND = re.compile(r"round (\d+) \| groups (\d+)/(\d+)")
+MODEL = "m"
+
+
+def _peer(name: str, outer_step: int, round_: int, phase: str, start: int | None = None, **extra) -> PeerRecord:
+    return PeerRecord(peer_id=name, state="averaging" if phase in ("averaging", "outer") else "training",
+                      outer_step=outer_step, round=round_, phase=phase,
+                      round_checkpoint=round_ if start is None else start, model_hash=MODEL, **extra)
+
+
+def test_a_round_being_averaged_or_applied_is_closed_to_a_joiner():
+    assert open_round(_peer("a", 4, 4, "inner")) == 4
+    assert open_round(_peer("a", 4, 4, "averaging")) == 5
+    assert open_round(_peer("a", 5, 4, "outer")) == 5  # applied: θ_g of step 5 opens round 5
+    assert open_round(PeerRecord(peer_id="old", outer_step=7, state="training")) == 7  # a record without phase
+
+
+def test_the_joiner_waits_while_the_swarm_applies_and_downloads_the_step_that_opens_the_round():
+    averaging = [_peer("a", 4, 4, "averaging"), _peer("b", 4, 4, "averaging")]
+    position = swarm_position(averaging, "me", MODEL)
+    assert (position.round, position.start_step, position.ready) == (5, 5, False)  # nobody holds θ_g(5) yet
+    applying = [_peer("a", 5, 4, "outer"), _peer("b", 4, 4, "averaging")]
+    position = swarm_position(applying, "me", MODEL)
+    assert (position.round, position.start_step, position.ready) == (5, 5, True)
+    training = [_peer("a", 5, 5, "inner"), _peer("b", 5, 5, "inner"), _peer("me", 0, 0, "inner")]
+    position = swarm_position(training, "me", MODEL)
+    assert (position.round, position.start_step, position.ready, position.peers) == (5, 5, True, 2)
+    # --overlap peers train round r from θ_g of step r-1 (their outer step comes a round late)
+    overlapped = [_peer("a", 4, 5, "inner", start=4), _peer("b", 4, 5, "inner", start=4)]
+    assert swarm_position(overlapped, "me", MODEL).start_step == 4
+    # a runaway minority and peers of another model move nothing
+    mixed = [_peer("a", 5, 5, "inner"), _peer("b", 5, 5, "inner"), _peer("c", 21, 21, "inner"),
+             PeerRecord(peer_id="x", outer_step=90, state="training", model_hash="other")]
+    assert swarm_position(mixed, "me", MODEL).round == 5
+    assert swarm_position([_peer("me", 3, 3, "inner")], "me", MODEL) is None
+
+
+def _addr(peer_id: str, port: int = 7000) -> str:
+    return f"/ip4/127.0.0.1/tcp/{port}/p2p/{peer_id}"
+
+
+def test_known_peers_are_bounded_aged_checked_and_never_include_this_node(tmp_path):
+    path = tmp_path / "known-peers.json"
+    known = KnownPeers(path, max_peers=3, max_age_s=100)
+    records = [PeerRecord(peer_id=f"P{i}", dht_addrs=(_addr(f"P{i}", 7000 + i),)) for i in range(5)]
+    records.append(PeerRecord(peer_id="liar", dht_addrs=(_addr("P0"), "not a multiaddr")))  # vouches for another
+    records.append(PeerRecord(peer_id="me", dht_addrs=(_addr("me"),)))
+    base = time.time() - 10
+    for i, record in enumerate(records):
+        known.remember([record], own_id="me", now=base + i)
+    known.save()
+    again = KnownPeers(path, max_peers=3, max_age_s=100).load()
+    assert set(again.peers) == {"P2", "P3", "P4"}  # the 3 seen last; the liar and this node not at all
+    assert again.addresses(exclude="P4") == [_addr("P3", 7003), _addr("P2", 7002)]
+    assert peer_of(_addr("P3")) == "P3" and peer_of("/ip4/1.2.3.4/tcp/1") is None
+    edited = json.loads(path.read_text())
+    edited["peers"]["P2"]["seen"] = time.time() - 1000  # seen too long ago
+    edited["peers"]["bad"] = {"addrs": [_addr("other")], "seen": time.time()}  # an address of someone else
+    path.write_text(json.dumps(edited))
+    assert set(KnownPeers(path, max_age_s=100).load().peers) == {"P3", "P4"}
+    path.write_text("{not json")
+    assert KnownPeers(path).load().peers == {}  # a torn file is ignored, never fatal
+
+
+def test_a_joiner_arriving_in_the_outer_phase_starts_with_the_next_round_not_a_closed_one(tmp_path, cleanup):
+    """Both donors hold their outer phase of round 2 for 8 s (a pausing failpoint, as a long
+    eval or checkpoint write would); a joiner started then takes θ_g of step 3 and trains
+    round 3 with them: its first round is averaged with both, and it never trains alone.
+    Rounds are long enough (H=300 of the tiny model) that the joiner cannot finish one alone
+    before the donors come back, as on any real model."""
+    args = [*FAST, "--inner-steps", "300", "--min-peers", "2", "--join-timeout", "90"]
+    pause = {"DTNODE_TEST_FAILPOINT": "outer-phase@2:8"}
+    a = NodeProcess.join("a", tmp_path, *args, env=pause)
+    cleanup.append(a)
+    b = NodeProcess.join("b", tmp_path, *args, "--peer", a.join_address, env=pause)
+    cleanup.append(b)
+    a.wait_for_line(r"failpoint outer-phase@2 reached", timeout=120)
+    c = NodeProcess.join("c", tmp_path, *args, "--peer", a.join_address, "--max-rounds", "2")
+    cleanup.append(c)
+    assert c.wait(120) == 0, c.output
+    assert "in sync at outer step 3" in c.output, c.output
+    rounds = [(int(r), int(g), int(e)) for r, g, e in ROUND.findall(c.output)]
+    assert rounds[0] == (3, 3, 3), c.output  # the round the swarm opened next, with both donors
+    assert all(g > 1 for _, g, _ in rounds), c.output  # no round alone
+    assert len(re.findall(r"downloaded checkpoint", c.output)) == 1, c.output
+    assert re.search(r"round 3 \| groups 3/3", a.output), a.output
+    for node in (a, b, c):
+        assert "Traceback" not in node.output, node.output
+
+
+def test_the_first_node_restarted_with_its_own_old_address_as_peer_finds_the_swarm(tmp_path, cleanup):
+    """kill -9 of the node everyone joined through; it restarts on its state dir with
+    --peer naming itself (as a script that started it that way would): it keeps its DHT
+    port, bootstraps from the peers it knew, and is back in a full group within two rounds."""
+    args = [*FAST, "--min-peers", "3", "--join-timeout", "60"]
+    first = NodeProcess.join("first", tmp_path, *args)
+    cleanup.append(first)
+    own_address = first.join_address
+    others = [NodeProcess.join(name, tmp_path, *args, "--peer", own_address) for name in ("b", "c")]
+    cleanup.extend(others)
+    first.wait_for_line(r"round 1 \| groups 3/3", timeout=120)
+    known = first.state_dir / "known-peers.json"
+    deadline = time.monotonic() + 30
+    while not (known.exists() and len(json.loads(known.read_text())["peers"]) == 2):  # saved every few seconds
+        assert time.monotonic() < deadline, first.output
+        time.sleep(0.5)
+    first.stop(signal.SIGKILL)
+    first.wait(10)
+    last = max(int(r) for r, _, _ in ROUND.findall(others[0].output))
+    again = NodeProcess.join("first", tmp_path, *args, "--peer", own_address)
+    cleanup.append(again)
+    assert again.join_address == own_address  # the same port and identity: others' --peer still reach it
+    again.wait_for_line(r"is this node's own address: joining through the peers it knew", timeout=30)
+    back = again.wait_for_line(r"round (\d+) \| groups 3/3", timeout=180)
+    first_round = min(int(r) for r, _, _ in ROUND.findall(again.output))
+    assert int(back.group(1)) <= first_round + 1, again.output  # a full group within two rounds
+    assert int(back.group(1)) <= last + 4, again.output
+    for node in [again, *others]:
+        assert "Traceback" not in node.output, node.output
+
