@@ -107,6 +107,7 @@ class Node:
         self._in_flight: asyncio.Future | None = None  # --overlap: the average of the last round's Δ
         self._resync_asked = False  # whether the average in flight was asked to re-sync θ_g
         self._training_round = 0  # --overlap: the round whose inner steps run (one past the outer step)
+        self._catch_up_round: int | None = None  # --overlap: a round entered from a download (see _catch_up)
         self.theta_lock = threading.Lock()  # θ_g and momentum change (training thread) or are copied (I/O)
         self._round_end_at = math.inf  # monotonic time the pacer expects the swarm's round to end
         self.round_progress: SwarmProgress | None = None
@@ -531,6 +532,8 @@ class Node:
             if await self._download(view, position.start_step, own):
                 synced, lag = True, 0  # in step now, unless the round closed meanwhile: the loop checks
                 self.joined_at = started
+                # --overlap peers train round r from θ_g of step r-1: this node trains round r too
+                self._catch_up_round = position.round if position.round == self.replica.outer_step + 1 else None
             elif (await self._position_moved(position)) is False:
                 return synced
         return synced
@@ -735,7 +738,8 @@ class Node:
         partitioned); None when a stop ended them. The round is the outer step being built, one
         past θ_g's while an average is in flight (--overlap)."""
         await self._sync_with_swarm()
-        round_no = self.replica.outer_step + (1 if self._in_flight is not None else 0)
+        ahead = self._in_flight is not None or self._catch_up_round == self.replica.outer_step + 1
+        round_no = self.replica.outer_step + (1 if ahead else 0)
         self._training_round = round_no  # published with --overlap: pacing counts this round's tokens under it
         self._enter_round(round_no)
         if self.joined_at is not None:
@@ -788,9 +792,15 @@ class Node:
         self.phase = "outer"
         if self._hash_task is not None:
             await asyncio.gather(self._hash_task, return_exceptions=True)
-        delta = await loop.run_in_executor(self.train_thread, self._apply_delayed, previous)
+        delta = None
+        if self._catch_up_round == round_no and previous is None:
+            self._catch_up_round = None
+            delta = await self._catch_up(round_no)
+        changed = delta is not None or previous is not None  # θ_g moved: a new hash
+        if delta is None:
+            delta = await loop.run_in_executor(self.train_thread, self._apply_delayed, previous)
         self.round_phase = "outer"
-        if previous is not None:
+        if changed:
             self._hash_task = asyncio.ensure_future(self._rehash())
         scheduled = bool(s.consensus_every) and round_no % s.consensus_every == s.consensus_every - 1
         resync = self._needs_resync or scheduled
@@ -836,6 +846,46 @@ class Node:
         if not result.clean:
             self.m_partial_rounds.inc()
         return result
+
+    async def _catch_up(self, round_no: int) -> torch.Tensor | None:
+        """--overlap, the first round after a download: this node entered round r from θ_g of
+        step r-1, as the swarm did, but took no part in the average of round r-1 that the
+        swarm applies now. So instead of an outer step of its own it takes the swarm's θ_g of
+        step r once a peer holds it (the delayed outer step, done by the swarm), and sends this
+        round's Δ out with theirs. None when no peer could serve it in time (the round then
+        goes on as after a failed average, and the next groups re-sync θ_g)."""
+        s = self.settings
+        deadline = time.monotonic() + s.matchmaking_window + s.allreduce_timeout
+        while not self.stop_requested.is_set() and time.monotonic() < deadline:
+            view = await self.membership.members()
+            if any(r.outer_step >= round_no and r.model_hash == self.model_hash for r in view.values()
+                   if r.peer_id != self.peer_id and r.state in ("training", "averaging")):
+                loaded = await fetch_from_swarm(view, self.peer_id, range(round_no, round_no + 1), self.model_hash,
+                                                s.run_id, self.layout, self.state_dir, s.join_timeout, self.auth,
+                                                keep=True)
+                if loaded is None:
+                    break
+                if loaded.file is not None:
+                    self.checkpoints[loaded.step] = loaded.file
+
+                def adopt() -> torch.Tensor:
+                    self.trainer.round_tokens, self.trainer.round_seconds = 0, 0.0
+                    with self.theta_lock:
+                        delta = self.replica.delayed_outer_step(None, torch.cat([loaded.theta_g, loaded.momentum]))
+                        self.replica.outer_step = loaded.step
+                    self._evaluate_theta_g()
+                    return delta
+
+                delta = await asyncio.get_running_loop().run_in_executor(self.train_thread, adopt)
+                self.m_catchups.inc()
+                log.info("took the swarm's θ_g of step %d for round %d (entered from a download)", loaded.step,
+                         round_no)
+                return delta
+            await self._wait_or_stop(asyncio.sleep(PACER_POLL_S))
+        log.warning("no peer served θ_g of step %d in time; round %d goes on as after a failed average",
+                    round_no, round_no)
+        self._needs_resync = True
+        return None
 
     def _apply_delayed(self, result: AveragingResult | None) -> torch.Tensor:
         """On the training thread: the delayed outer step, this round's Δ staged, θ_g evaluated."""

@@ -88,3 +88,31 @@ def test_overlapped_swarm_keeps_one_theta_and_learns(tmp_path, cleanup):
         assert len(hashes) == 1, (step, hashes)
     evals = [float(x) for x in re.findall(r"\| eval (\d+\.\d+)", nodes[0].output)]
     assert len(evals) == 4 and evals[-1] < evals[0] - 0.2, nodes[0].output  # rounds 1-4 (round 0: no θ_g yet)
+
+
+def test_a_joiner_of_an_overlapped_swarm_takes_its_delayed_step_from_the_swarm(tmp_path, cleanup):
+    """--overlap peers train round r from θ_g of step r-1 while round r-1 is averaged. A
+    joiner enters round r from that θ_g, takes the swarm's θ_g of step r (instead of an outer
+    step it had no part in) at the round's end, and from then on averages with the others and
+    holds their θ_g, bit for bit."""
+    args = [*FAST, "--overlap", "--inner-steps", "60", "--join-timeout", "90"]
+    a = NodeProcess.join("a", tmp_path, *args, "--min-peers", "2", "--max-rounds", "14")
+    cleanup.append(a)
+    b = NodeProcess.join("b", tmp_path, *args, "--min-peers", "2", "--max-rounds", "14", "--peer", a.join_address)
+    cleanup.append(b)
+    a.wait_for_line(r"round 2 \| groups", timeout=120)
+    c = NodeProcess.join("c", tmp_path, *args, "--max-rounds", "3", "--peer", a.join_address)
+    cleanup.append(c)
+    assert c.wait(120) == 0, c.output
+    entered = int(c.wait_for_line(r"training round (\d+) with the swarm").group(1))
+    took = c.wait_for_line(r"took the swarm's θ_g of step (\d+) for round (\d+)")
+    assert int(took.group(1)) == int(took.group(2)) == entered, c.output
+    rounds = re.findall(r"round (\d+) \| groups (\S+) \|", c.output)
+    assert rounds[0] == (str(entered), "-") and all(g == "3/3" for _, g in rounds[1:]), c.output
+    last = int(c.wait_for_line(r"applied the last round's average: outer step (\d+)").group(1))
+    for node in (a, b):
+        assert node.wait(240) == 0, node.output
+    assert sha256_of(theta(c.state_dir, last)) == sha256_of(theta(a.state_dir, last)) \
+        == sha256_of(theta(b.state_dir, last))
+    for node in (a, b, c):
+        assert "Traceback" not in node.output, node.output

@@ -142,7 +142,9 @@ def run_in_rounds(model: str, trials: int, inner_steps: int, batch: int, seed: i
                     (keep / f"{joiner.name}.log").write_text(joiner.output)
                 out = joiner.output
                 entered = in_step = download = averaged_at = None
-                if (m := re.search(r"training round (\d+) with the swarm", out)) is not None:
+                # (a node of a version before this line existed: the moment it said it was in sync)
+                if (m := re.search(r"training round (\d+) with the swarm", out)
+                        or re.search(r"in sync at outer step (\d+)", out)) is not None:
                     entered = int(m.group(1))
                     in_step = next(t for t, line in zip(joiner.times, joiner.lines) if m.group(0) in line)
                 if (m := re.search(r"downloaded checkpoint \d+ .* in ([\d.]+)s", out)) is not None:
