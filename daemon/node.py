@@ -64,6 +64,7 @@ PACER_POLL_S = 0.2  # how often a training node re-reads the swarm's progress
 MAX_ROUND_FACTOR = 100  # a paced round takes at most this many times H steps on one peer
 DHT_PORT_FILE = "dht-port"  # the DHT port of the last run, reused when free (--dht-port 0)
 REMEMBER_PEERS_EVERY_S = 5.0
+REDIAL_KNOWN_PEERS = 8  # known peers an isolated node redials each heartbeat (besides --peer)
 MAX_SYNC_DOWNLOADS = 3  # downloads in a row while the swarm's round keeps closing under a joiner
 
 
@@ -384,15 +385,23 @@ class Node:
         start = partial(start_dht, host=s.host, port=port, announce_host=s.announce_host, timeout=s.join_timeout,
                         identity_path=str(identity), validator=validator, fresh_identity=self._fresh_identity)
         try:
-            return await start(named + known), named + known
+            return await start(named + known), named + self._redial(own)
         except JoinError as e:
             if not known:
                 raise
-            tried = f"{len(known)} peer(s) it knew ({', '.join(known[:3])}{', ...' if len(known) > 3 else ''})"
+            tried = (f"{len({peer_of(a) for a in known})} peer(s) it knew ({', '.join(known[:3])}"
+                     f"{', ...' if len(known) > 3 else ''})")
             if named:
                 raise JoinError(f"could not join through --peer {', '.join(named)} nor the {tried}: {e}") from None
             log.warning("none of the %s answered (%s); starting alone and dialling them until they do", tried, e)
-            return await start([]), known
+            return await start([]), self._redial(own)
+
+    def _redial(self, own: str | None) -> list[str]:
+        """What an isolated node dials on each heartbeat besides --peer (one at a time, so few):
+        the first address of each of the peers it knew most recently."""
+        firsts = [addrs[0] for peer, (addrs, _) in sorted(self.known_peers.peers.items(), key=lambda i: -i[1][1])
+                  if peer != own]
+        return [a for a in firsts if a not in self.settings.peers][:REDIAL_KNOWN_PEERS]
 
     def _previous_dht_port(self) -> int:
         """The DHT port of this state dir's last run, if it is free: a restarted node keeps the

@@ -136,3 +136,34 @@ def test_the_first_node_restarted_with_its_own_old_address_as_peer_finds_the_swa
     for node in [again, *others]:
         assert "Traceback" not in node.output, node.output
 
+
+
+DEAD = "/ip4/127.0.0.1/tcp/1/p2p/12D3KooWHtocysUnWZKdxsM8xACZXMk7LHDHgwug2T9DkWuWw9kA"  # nobody listens
+GONE = "/ip4/127.0.0.1/tcp/2/p2p/12D3KooWGo1eDuKfRycwGfHdy2NS5KinGm3pDx5GSBa1bU7fVnGz"
+
+
+def _remembering(state_dir, addr: str) -> None:
+    state_dir.mkdir(parents=True, exist_ok=True)
+    (state_dir / "known-peers.json").write_text(json.dumps(
+        {"peers": {addr.rsplit("/", 1)[1]: {"addrs": [addr], "seen": time.time()}}}))
+
+
+def test_a_node_whose_peer_and_known_peers_are_all_gone_says_which_it_tried(tmp_path):
+    import subprocess
+    import sys
+
+    _remembering(tmp_path / "n", GONE)
+    result = subprocess.run([sys.executable, "-m", "dtnode", "join", "--peer", DEAD, "--host", "127.0.0.1",
+                             "--dht-port", "0", "--grpc-port", "0", "--http-port", "0", "--state-dir",
+                             str(tmp_path / "n"), "--join-timeout", "10"], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 3, result.stderr
+    assert DEAD in result.stderr and GONE in result.stderr and "1 peer(s) it knew" in result.stderr, result.stderr
+
+
+def test_the_first_node_whose_known_peers_are_gone_starts_alone(tmp_path, cleanup):
+    _remembering(tmp_path / "first", GONE)
+    node = NodeProcess.join("first", tmp_path, *FAST, "--max-rounds", "1")
+    cleanup.append(node)
+    assert node.wait(60) == 0, node.output
+    assert re.search(r"none of the 1 peer\(s\) it knew \(\S+\) answered", node.output) and GONE in node.output, node.output
+    assert re.search(r"round 0 \| groups 1/1", node.output), node.output

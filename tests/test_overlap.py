@@ -96,9 +96,9 @@ def test_a_joiner_of_an_overlapped_swarm_takes_its_delayed_step_from_the_swarm(t
     step it had no part in) at the round's end, and from then on averages with the others and
     holds their θ_g, bit for bit."""
     args = [*FAST, "--overlap", "--inner-steps", "60", "--join-timeout", "90"]
-    a = NodeProcess.join("a", tmp_path, *args, "--min-peers", "2", "--max-rounds", "14")
+    a = NodeProcess.join("a", tmp_path, *args, "--min-peers", "2")
     cleanup.append(a)
-    b = NodeProcess.join("b", tmp_path, *args, "--min-peers", "2", "--max-rounds", "14", "--peer", a.join_address)
+    b = NodeProcess.join("b", tmp_path, *args, "--min-peers", "2", "--peer", a.join_address)
     cleanup.append(b)
     a.wait_for_line(r"round 2 \| groups", timeout=120)
     c = NodeProcess.join("c", tmp_path, *args, "--max-rounds", "3", "--peer", a.join_address)
@@ -111,7 +111,9 @@ def test_a_joiner_of_an_overlapped_swarm_takes_its_delayed_step_from_the_swarm(t
     assert rounds[0] == (str(entered), "-") and all(g == "3/3" for _, g in rounds[1:]), c.output
     last = int(c.wait_for_line(r"applied the last round's average: outer step (\d+)").group(1))
     for node in (a, b):
-        assert node.wait(240) == 0, node.output
+        node.wait_for_line(rf"round {last} \| groups", timeout=60)  # has applied step `last`
+        node.stop()
+        assert node.wait(60) == 0, node.output
     assert sha256_of(theta(c.state_dir, last)) == sha256_of(theta(a.state_dir, last)) \
         == sha256_of(theta(b.state_dir, last))
     for node in (a, b, c):

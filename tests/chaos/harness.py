@@ -213,7 +213,9 @@ def check(swarm: Swarm, trial: Trial, dims: int = 1) -> Trial:
     else:
         trial.notes.append("survivors share no two checkpoint steps")
     for node in swarm.nodes:
-        evals = [float(x) for x in re.findall(r"\| eval (\d+\.\d+)", node.output)]
+        # a restarted node's history begins in the log of its process before the restart
+        history = "\n".join(n.output for n in swarm.gone if n.name == node.name) + "\n" + node.output
+        evals = [float(x) for x in re.findall(r"\| eval (\d+\.\d+)", history)]
         if len(evals) >= 2 and not evals[-1] < evals[0]:
             trial.notes.append(f"{node.name}: eval loss did not fall ({evals[0]:.3f} -> {evals[-1]:.3f})")
         if any(math.isnan(x) for x in evals):
