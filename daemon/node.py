@@ -12,6 +12,7 @@ import concurrent.futures
 import json
 import logging
 import math
+import re
 import signal
 import socket
 import threading
@@ -124,6 +125,7 @@ class Node:
         self.round_no = -1
         self.round_phase = ""
         self.round_start_step = -1
+        self._first_group_formed = False  # while not, a round being averaged still takes members (hop 0)
         self.dht_addrs: tuple[str, ...] = ()
         self.joined_at: float | None = None  # monotonic: when a download put this node in step (for the log)
         self.peer_id = ""
@@ -239,12 +241,19 @@ class Node:
             checkpoint_sha256=newest.sha256 if newest else "", tokens_per_s=self._live_rate(),
             round_tokens=self.trainer.round_tokens if hasattr(self, "trainer") else 0,
             training_round=self._training_round if self.settings.overlap else -1,
-            round=self.round_no if self.round_phase else -1, phase=self.round_phase,
+            round=self.round_no if self.round_phase else -1, phase=self._record_phase(),
             round_checkpoint=self.round_start_step if self.round_phase else -1, dht_addrs=self.dht_addrs,
             tokens_per_step=self.trainer.tokens_per_step if hasattr(self, "trainer") else 0,
             progress_at=get_dht_time(), bandwidth_mbps=self.settings.bandwidth_mbps, device=str(self.device), client_mode=self.settings.client_mode,
             model_hash=self.model_hash, version=__version__,
         )
+
+    def _record_phase(self) -> str:
+        """The round's phase in a joiner's terms: `inner` and `matchmaking` (hop 0 still forming:
+        its groups wait for a peer that trains this round) are open, `averaging` and `outer` closed."""
+        if self.round_phase == "averaging" and not self._first_group_formed and not self.settings.overlap:
+            return "matchmaking"
+        return self.round_phase
 
     def _live_rate(self) -> float:
         """Tokens per second this round so far, once two steps are in; before that a cautious
@@ -421,11 +430,9 @@ class Node:
         return port
 
     def _remember_dht_port(self) -> None:
-        for addr in self.dht_addrs:
-            parts = addr.split("/")
-            if "tcp" in parts and parts.index("tcp") + 1 < len(parts) and parts[parts.index("tcp") + 1].isdigit():
-                (self.state_dir / DHT_PORT_FILE).write_text(parts[parts.index("tcp") + 1])
-                return
+        ports = [m.group(1) for addr in self.dht_addrs if (m := re.search(r"/tcp/(\d+)", addr))]
+        if ports:
+            (self.state_dir / DHT_PORT_FILE).write_text(ports[0])
 
     async def _remember_peers(self) -> None:
         """Keep the addresses of the peers seen, for the next start (every few heartbeats, and at stop)."""
@@ -488,6 +495,8 @@ class Node:
 
     def _set_phase(self, phase: str) -> None:
         self.phase = phase
+        if phase == "allreduce":  # a group formed: the round is closed to newcomers
+            self._first_group_formed = True
 
     async def _sync_with_swarm(self, joining: bool = False) -> bool:
         """Put this node in the round the swarm is in, downloading the θ_g that round starts
@@ -521,8 +530,10 @@ class Node:
                                 "outer step %d meanwhile", position.round, self.settings.join_timeout, own)
                     return synced
                 if not waiting:
-                    log.info("the swarm is closing round %d; waiting for the θ_g of step %d that opens round %d",
-                             position.round - 1, position.start_step, position.round)
+                    log.info("the swarm is closing round %d; waiting for the θ_g of step %d that opens round %d "
+                             "(peers: %s)", position.round - 1, position.start_step, position.round,
+                             ", ".join(f"{r.peer_id[-6:]} {r.state} round {r.round} {r.phase or '-'} step {r.outer_step}"
+                                       for r in view.values() if r.peer_id != self.peer_id))
                     waiting = True
                 await self._wait_or_stop(asyncio.sleep(PACER_POLL_S))
                 continue
@@ -706,7 +717,7 @@ class Node:
             return
         round_no, inner = trained
         delta = await loop.run_in_executor(self.train_thread, self.replica.pseudo_gradient)
-        self.state, self.round_phase = "averaging", "averaging"  # the round is closed to joiners
+        self.state, self.round_phase, self._first_group_formed = "averaging", "averaging", False
         await self.membership.announce(self.record())
         scheduled = bool(s.consensus_every) and round_no % s.consensus_every == s.consensus_every - 1
         resync = self._needs_resync or scheduled

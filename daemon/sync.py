@@ -339,10 +339,11 @@ class SwarmPosition:
 
 def open_round(record: PeerRecord) -> int:
     """The round a node starting now could train with this peer: its round while it is in
-    inner steps; the next one once it averages or applies (that round has closed)."""
+    inner steps or still forming its first group (which waits for peers training that round);
+    the next one once a group formed or it applies the outer step (that round has closed)."""
     if record.round < 0 or not record.phase:
         return record.round_in_training
-    return record.round if record.phase == "inner" else record.round + 1
+    return record.round if record.phase in ("inner", "matchmaking") else record.round + 1
 
 
 def swarm_position(records, own_id: str, model_hash: str) -> SwarmPosition | None:

@@ -68,7 +68,7 @@ class PeerRecord(BaseModel):
     training_round: int = Field(-1, ge=-1, le=1 << 62)  # the round of those tokens; -1: `outer_step`
     # Where this peer is, so a joiner knows which round it can still enter (daemon/sync.py):
     round: int = Field(-1, ge=-1, le=1 << 62)  # the round in progress (trained, averaged or applied); -1: none
-    phase: str = Field("", max_length=16)  # "inner", "averaging" or "outer" while in a round
+    phase: str = Field("", max_length=16)  # "inner", "matchmaking" (open), "averaging", "outer" (closed)
     round_checkpoint: int = Field(-1, ge=-1, le=1 << 62)  # the step of the θ_g that round `round` starts from
     dht_addrs: tuple[str, ...] = Field((), max_length=4)  # multiaddrs a restarted peer can bootstrap from
     tokens_per_step: int = Field(0, ge=0, le=1 << 40)  # batch x sequence: sizes the swarm's round
@@ -355,9 +355,12 @@ class Membership:
         return {p: r for p, (e, r) in self._records.items() if e >= now}
 
     async def wait_for(self, count: int, timeout: float, poll: float = 0.5) -> dict[str, PeerRecord]:
+        """Until `count` peers are ready to train (not still starting or syncing), or `timeout`;
+        returns those ready. Counting one that is still downloading would start round 0
+        without it, and it would then enter the swarm a round later."""
         deadline = time.monotonic() + timeout
         while True:
-            view = await self.members()
+            view = {p: r for p, r in (await self.members()).items() if r.state in ("training", "averaging")}
             if len(view) >= count or time.monotonic() >= deadline:
                 return view
             await asyncio.sleep(poll)

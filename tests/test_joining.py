@@ -28,6 +28,7 @@ def _peer(name: str, outer_step: int, round_: int, phase: str, start: int | None
 
 def test_a_round_being_averaged_or_applied_is_closed_to_a_joiner():
     assert open_round(_peer("a", 4, 4, "inner")) == 4
+    assert open_round(_peer("a", 4, 4, "matchmaking")) == 4  # its first group still forms: it waits for us
     assert open_round(_peer("a", 4, 4, "averaging")) == 5
     assert open_round(_peer("a", 5, 4, "outer")) == 5  # applied: θ_g of step 5 opens round 5
     assert open_round(PeerRecord(peer_id="old", outer_step=7, state="training")) == 7  # a record without phase
