@@ -589,9 +589,7 @@ class Node:
                                                loaded.step)
             self.checkpoints = {st: i for st, i in self.checkpoints.items() if st <= loaded.step}
             log.info("moved this node's checkpoints of steps %s to %s", moved, self.state_dir / ABANDONED_DIR)
-        if loaded.file is not None:  # the donors' file is this node's checkpoint of that step: no rewrite
-            self.checkpoints[loaded.step] = loaded.file
-            await self._prune()
+        await self._keep_downloaded(loaded)
         self._needs_resync = True  # the donor's θ_g may differ slightly from its neighbours'
         log.info("in sync at outer step %d (params %s)%s", loaded.step, self.replica.params_sha256()[:12],
                  "; inner optimizer state kept" if keep_inner else "")
@@ -885,8 +883,7 @@ class Node:
                                                 keep=True)
                 if loaded is None:
                     break
-                if loaded.file is not None:
-                    self.checkpoints[loaded.step] = loaded.file
+                await self._keep_downloaded(loaded)
 
                 def adopt() -> torch.Tensor:
                     self.trainer.round_tokens, self.trainer.round_seconds = 0, 0.0
@@ -1064,6 +1061,12 @@ class Node:
             return
         self.checkpoints[step] = info
         await self._prune()
+
+    async def _keep_downloaded(self, loaded: LoadedCheckpoint) -> None:
+        """The donors' file is this node's checkpoint of that step: registered, never rewritten."""
+        if loaded.file is not None:
+            self.checkpoints[loaded.step] = loaded.file
+            await self._prune()
 
     async def _prune(self) -> None:
         """Keep the newest --keep-checkpoints, and any a joiner is still downloading."""

@@ -65,10 +65,11 @@ class NodeProcess:
         deadline = time.monotonic() + timeout
         seen = after
         while time.monotonic() < deadline:
-            for index in range(seen, len(self.lines)):
+            upto = len(self.lines)
+            for index in range(seen, upto):
                 if m := regex.search(self.lines[index]):
                     return m, self.times[index], index
-            seen = max(seen, len(self.lines) - 1)  # the last line may have been read half-way
+            seen = upto  # lines are appended whole: each is searched once
             if self.proc.poll() is not None and not self._reader.is_alive():
                 break
             time.sleep(0.05)
