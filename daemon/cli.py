@@ -8,6 +8,8 @@ what lets env vars and the TOML file fill in the rest.
 from __future__ import annotations
 
 import argparse
+import datetime
+import json
 import logging
 import os
 import sys
@@ -38,7 +40,7 @@ def add_node_options(parser: argparse.ArgumentParser, skip: set[str] = frozenset
         shown = "none" if default in (None, []) else default
         help_text = f"{field.description} (default: {shown}; env {ENV_PREFIX}{name.upper()})"
         if name == "peers":
-            group.add_argument("--peer", dest="peers", action="append", metavar="MULTIADDR",
+            group.add_argument("--peer", dest="peers", action="append", metavar="ADDRESS",
                                default=argparse.SUPPRESS, help=help_text)
         elif _is_bool(field.annotation):
             group.add_argument(flag(name), dest=name, action=argparse.BooleanOptionalAction,
@@ -60,6 +62,9 @@ def build_parser() -> argparse.ArgumentParser:
                                        "their logs prefixed by node. Ctrl-C stops them all.")
     local.add_argument("--nodes", type=int, default=3, help="number of node processes (default: 3)")
     local.add_argument("--base-dir", default="state/local", help="state dirs go to BASE_DIR/nodeI (default: state/local)")
+    local.add_argument("--http-port", type=int, default=7702,
+                       help="node I serves its status and dashboard on HTTP_PORT+I, on 127.0.0.1 (default: 7702; "
+                            "0: any free port)")
     add_node_options(local, skip=LOCAL_MANAGED)
     status = sub.add_parser("status", help="show a node and its swarm as a table")
     status.add_argument("--url", default=None, help="the node's sidecar URL (default: http://127.0.0.1:<DTNODE_HTTP_PORT "
@@ -74,15 +79,36 @@ def _node_values(args: argparse.Namespace) -> dict[str, Any]:
     return {k: v for k, v in vars(args).items() if k in NodeSettings.model_fields}
 
 
-def configure_logging(level: str) -> None:
-    logging.basicConfig(level=level, format="%(asctime)s %(levelname)-7s %(name)s: %(message)s", datefmt="%H:%M:%S")
+class JsonLogFormatter(logging.Formatter):
+    """One JSON object per line: what log collectors (Loki, Elasticsearch, journald) parse without rules."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        entry = {"time": datetime.datetime.fromtimestamp(record.created, datetime.timezone.utc).isoformat(
+                     timespec="milliseconds"),
+                 "level": record.levelname.lower(), "logger": record.name, "message": record.getMessage()}
+        if record.exc_info:
+            entry["traceback"] = self.formatException(record.exc_info)
+        return json.dumps(entry, ensure_ascii=False)
+
+
+def configure_logging(level: str, log_format: str = "human") -> None:
+    handler = logging.StreamHandler()
+    if log_format == "json":
+        handler.setFormatter(JsonLogFormatter())
+    else:
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)-7s %(name)s: %(message)s", "%H:%M:%S"))
+    logging.basicConfig(level=level, handlers=[handler])
+    import dtnode.peers  # noqa: F401  (before any hivemind import: see dtnode.peers)
+    from hivemind.utils.logging import use_hivemind_log_handler
+
+    use_hivemind_log_handler("nowhere")  # hivemind's lines go through this handler too, in the same format
     for noisy in ("hivemind", "aiohttp.access", "asyncio"):
         logging.getLogger(noisy).setLevel(max(logging.WARNING, logging.getLevelName(level)))
 
 
 def cmd_join(args: argparse.Namespace) -> int:
     settings = load_settings(_node_values(args))
-    configure_logging(settings.log_level)
+    configure_logging(settings.log_level, settings.log_format)
     import uvloop
 
     from dtnode.peers.membership import JoinError
@@ -101,9 +127,17 @@ def cmd_local(args: argparse.Namespace) -> int:
     load_settings(values)  # fail fast, before any process starts
     if args.nodes < 1 or args.nodes > 64:
         raise SettingsError("--nodes", "must be between 1 and 64")
+    if args.http_port and not 1024 <= args.http_port <= 65535 - args.nodes:
+        raise SettingsError("--http-port", f"must be 0 or 1024..{65535 - args.nodes}")
+    from dtnode.peers.server import port_in_use
+
     from .local import run_local
 
-    return run_local(args.nodes, args.base_dir, values)
+    for i in range(args.nodes if args.http_port else 0):
+        if port_in_use("127.0.0.1", args.http_port + i):
+            raise SettingsError("--http-port", f"port {args.http_port + i} (node{i}) on 127.0.0.1 is in use (another "
+                                               "dtnode local?); choose another base port, or 0 for any free ones")
+    return run_local(args.nodes, args.base_dir, values, args.http_port)
 
 
 def cmd_status(args: argparse.Namespace) -> int:

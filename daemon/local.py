@@ -39,9 +39,8 @@ async def _pump(name: str, index: int, stream: asyncio.StreamReader, on_line=Non
             on_line(text)
 
 
-async def _run(nodes: int, base_dir: str, values: dict[str, Any]) -> int:
-    common = _argv(values) + ["--host", "127.0.0.1", "--dht-port", "0", "--grpc-port", "0", "--http-port", "0",
-                              "--min-peers", str(nodes)]
+async def _run(nodes: int, base_dir: str, values: dict[str, Any], http_port: int) -> int:
+    common = _argv(values) + ["--host", "127.0.0.1", "--dht-port", "0", "--grpc-port", "0", "--min-peers", str(nodes)]
     procs: list[asyncio.subprocess.Process] = []
     pumps: list[asyncio.Task] = []
     joined = asyncio.get_running_loop().create_future()
@@ -63,7 +62,8 @@ async def _run(nodes: int, base_dir: str, values: dict[str, Any]) -> int:
     async def spawn(i: int, extra: list[str]) -> None:
         state_dir = Path(base_dir) / f"node{i}"
         proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-u", "-m", "dtnode", "join", *common, "--state-dir", str(state_dir), *extra,
+            sys.executable, "-u", "-m", "dtnode", "join", *common, "--state-dir", str(state_dir),
+            "--http-port", str(http_port + i if http_port else 0), *extra,
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, start_new_session=True,
         )
         procs.append(proc)
@@ -96,7 +96,7 @@ async def _run(nodes: int, base_dir: str, values: dict[str, Any]) -> int:
     return failed[0] if failed else 0
 
 
-def run_local(nodes: int, base_dir: str, values: dict[str, Any]) -> int:
+def run_local(nodes: int, base_dir: str, values: dict[str, Any], http_port: int = 0) -> int:
     import uvloop
 
-    return uvloop.run(_run(nodes, base_dir, values))
+    return uvloop.run(_run(nodes, base_dir, values, http_port))

@@ -8,6 +8,7 @@ so the loop stays free to serve peers, heartbeats and HTTP while the model train
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import json
 import logging
@@ -22,17 +23,16 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from hivemind.dht.crypto import RSASignatureValidator
-from hivemind.p2p import P2P
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from dtnode import __version__
+from dtnode.peers import failpoints  # first of the hivemind users: see dtnode.peers on what it imports
+from hivemind.dht.crypto import RSASignatureValidator
+from hivemind.p2p import P2P
 from hivemind.utils import get_dht_time
 
 from dtnode.ops.flat import sha256_of
 from dtnode.ops.quantization import fused_kernels_active, use_fused_kernels
 from dtnode.peers.averager import AveragingConfig, AveragingResult, HopReport, MoshpitAverager
-from dtnode.peers import failpoints
 from dtnode.peers.butterfly import ChannelPool
 from dtnode.peers.deadlines import AdaptiveDeadlines, expected_payload_bytes
 from dtnode.peers.pacing import SwarmProgress, swarm_progress
@@ -43,7 +43,8 @@ from dtnode.peers.matchmaking import Matchmaker
 from dtnode.peers.auth import ENV_KEY, AuthError, SwarmAuth, load_swarm_key
 from dtnode.peers.membership import JoinError, Membership, PeerRecord, load_record_key, public_maddrs, start_dht
 from dtnode.peers.known_peers import FILE_NAME as KNOWN_PEERS_FILE, KnownPeers, own_peer_id, peer_of
-from dtnode.peers.server import start_grpc_server
+from dtnode.peers.sidecar_address import SidecarAddressError, is_sidecar_address, resolve_peers
+from dtnode.peers.server import GrpcPortError, port_in_use, start_grpc_server
 
 from .checkpoint import (
     CheckpointError, CheckpointInfo, Layout, LoadedCheckpoint, LocalState, TrainingState, file_sha256,
@@ -52,6 +53,8 @@ from .checkpoint import (
 )
 from .data import DataStream, open_sources, stable_seed
 from .schedule import LearningRateSchedule
+from .history import FILE_NAME as HISTORY_FILE, RoundHistory
+from .metrics import NodeMetrics, failure_reason
 from .model import build_model, config_hash
 from .replica import Replica
 from .settings import NodeSettings, SettingsError
@@ -65,6 +68,7 @@ PACER_POLL_S = 0.2  # how often a training node re-reads the swarm's progress
 MAX_ROUND_FACTOR = 100  # a paced round takes at most this many times H steps on one peer
 DHT_PORT_FILE = "dht-port"  # the DHT port of the last run, reused when free (--dht-port 0)
 REMEMBER_PEERS_EVERY_S = 5.0
+MAX_PEERS_SEEN = 1 << 16
 REDIAL_KNOWN_PEERS = 8  # known peers an isolated node redials each heartbeat (besides --peer)
 MAX_SYNC_DOWNLOADS = 3  # downloads in a row while the swarm's round keeps closing under a joiner
 
@@ -132,6 +136,9 @@ class Node:
         self.grpc_addr = ""
         self.http_addr = ""
         self.join_command = ""
+        self.history = RoundHistory(self.state_dir / HISTORY_FILE)
+        self._recent_outcomes: collections.deque[str] = collections.deque(maxlen=5)
+        self._peers_seen: set[str] = set()  # ids, for the metric (bounded by the swarm's size)
         self._build_workload()
         self._build_metrics()
 
@@ -146,29 +153,9 @@ class Node:
         self._model = model
 
     def _build_metrics(self) -> None:
-        self.metrics_registry = CollectorRegistry()
-        r = self.metrics_registry
-        self.m_outer = Gauge("dtnode_outer_step", "Completed outer steps", registry=r)
-        self.m_inner = Gauge("dtnode_inner_step", "Inner steps taken by this node", registry=r)
-        self.m_loss = Gauge("dtnode_loss", "Mean inner training loss of the last round", registry=r)
-        self.m_eval = Gauge("dtnode_eval_loss", "Loss of θ_g on the held-out eval set (the same on every peer)", registry=r)
-        self.m_tps = Gauge("dtnode_tokens_per_second", "Training throughput of the last round", registry=r)
-        self.m_utilization = Gauge("dtnode_compute_utilization",
-                                   "Fraction of wall time since the first round spent in inner steps", registry=r)
-        self.m_group = Gauge("dtnode_group_size", "Size of the last averaging group", registry=r)
-        self.m_sent = Counter("dtnode_allreduce_sent_bytes", "Payload bytes sent by all-reduces", registry=r)
-        self.m_recv = Counter("dtnode_allreduce_received_bytes", "Payload bytes received by all-reduces", registry=r)
-        self.m_failed = Counter("dtnode_allreduce_failed_parts", "Parts whose reducer failed", registry=r)
-        self.m_round = Histogram("dtnode_round_seconds", "Wall time of an outer round", registry=r,
-                                 buckets=(0.5, 1, 2, 5, 10, 30, 60, 120, 300, 600, 1800))
-        self.m_allreduce = Histogram("dtnode_allreduce_seconds", "Wall time of the data plane", registry=r,
-                                     buckets=(0.01, 0.05, 0.1, 0.5, 1, 2, 5, 10, 30, 60))
-        self.m_round_failures = Counter("dtnode_round_failures", "Rounds ended by an exception, by its type",
-                                        ["reason"], registry=r)
-        self.m_catchups = Counter("dtnode_catchups", "Downloads of the swarm's state to catch up", registry=r)
-        self.m_partial_rounds = Counter("dtnode_partial_rounds",
-                                        "Rounds in which a group lacked an expected member or a part failed",
-                                        registry=r)
+        s = self.settings
+        self.metrics = NodeMetrics(__version__, s.run_id, s.model, str(self.device))
+        self.metrics_registry = self.metrics.registry
 
     def _start_training_state(self) -> None:
         s = self.settings
@@ -277,14 +264,30 @@ class Node:
             "uptime_s": time.time() - self.started_at,
             "params_sha256": self.replica.params_sha256() if hasattr(self, "replica") else "",
             "http_url": self.http_addr, "grpc_addr": self.grpc_addr, "join_command": self.join_command,
+            "dht_addrs": list(self.dht_addrs),
             "model": self.settings.model, "model_hash": self.model_hash, "device": str(self.device),
             "client_mode": self.settings.client_mode, "version": __version__, "last_round": self.last_round,
             "deadlines": self.deadlines.snapshot(self._expected_bytes()), "fused_kernels": fused_kernels_active(),
-            "pacing": self.settings.pacing, "round_failures": self.round_failures,
+            "pacing": self.settings.pacing, "round_failures": self.round_failures, **self._condition(),
             "round_progress": None if self.round_progress is None else {
                 "target_tokens": self.round_progress.target, "swarm_tokens": round(self.round_progress.done),
                 "peers": self.round_progress.peers, "own_tokens": self.trainer.round_tokens},
         }
+
+    def _condition(self) -> dict[str, str]:
+        """One word for the dashboard's banner and `dtnode status`, and a line saying why."""
+        recent = list(self._recent_outcomes)
+        if self.state in ("joining", "syncing"):
+            return {"condition": "catching up", "condition_detail": "downloading the swarm's state"}
+        if recent and (recent[-1] == "failed" or sum(o in ("failed", "partial") for o in recent) >= 3):
+            bad = sum(o in ("failed", "partial") for o in recent)
+            return {"condition": "failing", "condition_detail": f"{bad} of the last {len(recent)} rounds failed or "
+                                                                "were partial; see the node's log"}
+        if recent and recent[-1] == "alone":
+            return {"condition": "alone", "condition_detail": "no other peer averaged with this node last round"}
+        if not recent:
+            return {"condition": "starting", "condition_detail": "no round finished yet"}
+        return {"condition": "ok", "condition_detail": f"last round {recent[-1]}"}
 
     def _expected_bytes(self) -> int:
         if not hasattr(self, "replica"):
@@ -294,8 +297,12 @@ class Node:
                                       self.settings.quant_block_size)
 
     async def peer_records(self) -> list[dict[str, Any]]:
+        """The swarm's records, with what a reader wants from them: seconds since each was
+        last refreshed, and how many outer steps each is behind this node."""
         members = await self.membership.members()
-        return [r.model_dump() for r in sorted(members.values(), key=lambda r: r.peer_id)]
+        now, own = get_dht_time(), self.replica.outer_step if hasattr(self, "replica") else 0
+        return [r.model_dump() | {"last_seen_s": round(max(0.0, now - r.progress_at), 1), "lag": own - r.outer_step}
+                for r in sorted(members.values(), key=lambda r: r.peer_id)]
 
     def checkpoint(self, step: int | None = None) -> CheckpointInfo | None:
         if step is None:
@@ -350,14 +357,17 @@ class Node:
         self.channels = ChannelPool(max_message_bytes(s.chunk_elements))
         try:
             await training_state
-            if s.fused_kernels and s.compression == "int8":
-                # Compiling takes seconds of CPU: in the background, eager kernels meanwhile.
-                self._kernels_task = loop.run_in_executor(None, use_fused_kernels, True)
             await loop.run_in_executor(self.io_thread, self._resume_local)
+            await loop.run_in_executor(self.io_thread, self.history.load)
             await self._start_services()
             self.state = "syncing"
             await self._sync_with_swarm(joining=True)
             self.state = "training"
+            if s.fused_kernels and s.compression == "int8":
+                # Compiling takes seconds of CPU: in the background, eager kernels meanwhile; after
+                # the sync, so that a joiner's download does not compete with it (the first average
+                # is a round away)
+                self._kernels_task = loop.run_in_executor(None, use_fused_kernels, True)
             await self.membership.announce(self.record())
             if s.min_peers > 1:
                 log.info("waiting for %d peers (up to %.0fs)", s.min_peers, s.join_timeout)
@@ -385,10 +395,11 @@ class Node:
         identity = (self.state_dir / "identity.key").resolve()
         own = self.peer_id or None
         self.known_peers = await asyncio.to_thread(KnownPeers(self.state_dir / KNOWN_PEERS_FILE).load)
-        named = [a for a in s.peers if own is None or peer_of(a) != own]
-        if len(named) < len(s.peers):
+        given = await self._resolve_sidecar_peers()
+        named = [a for a in given if own is None or peer_of(a) != own]
+        if len(named) < len(given):
             log.info("--peer %s is this node's own address: joining through the peers it knew instead",
-                     next(a for a in s.peers if a not in named))
+                     next(a for a in given if a not in named))
         known = [a for a in self.known_peers.addresses(exclude=own) if a not in named]
         port = s.dht_port or await asyncio.to_thread(self._previous_dht_port)
         start = partial(start_dht, host=s.host, port=port, announce_host=s.announce_host, timeout=s.join_timeout,
@@ -404,6 +415,24 @@ class Node:
                 raise JoinError(f"could not join through --peer {', '.join(named)} nor the {tried}: {e}") from None
             log.warning("none of the %s answered (%s); starting alone and dialling them until they do", tried, e)
             return await start([]), self._redial(own)
+
+    async def _resolve_sidecar_peers(self) -> list[str]:
+        """--peer with each sidecar address (http://HOST:PORT) replaced by that node's multiaddrs.
+        A node that knew peers before goes on without a sidecar that does not answer."""
+        s = self.settings
+        if not any(is_sidecar_address(p) for p in s.peers):
+            return list(s.peers)
+        knows_peers = bool(self.known_peers.addresses(exclude=self.peer_id or None))
+        try:
+            resolved = await resolve_peers(s.peers, min(s.join_timeout, 10.0) if knows_peers else s.join_timeout)
+        except SidecarAddressError as e:
+            if not knows_peers:
+                raise JoinError(f"could not join through --peer: {e}") from None
+            log.warning("%s; joining through the peers this node knew", e)
+            return [p for p in s.peers if not is_sidecar_address(p)]
+        log.info("--peer %s: %s", ", ".join(p for p in s.peers if is_sidecar_address(p)),
+                 ", ".join(a for a in resolved if a not in s.peers))
+        return resolved
 
     def _redial(self, own: str | None) -> list[str]:
         """What an isolated node dials on each heartbeat besides --peer (one at a time, so few):
@@ -439,6 +468,11 @@ class Node:
         while True:
             try:
                 view = await self.membership.members()
+                if len(self._peers_seen) > MAX_PEERS_SEEN:  # an open swarm's churn: start counting again
+                    self._peers_seen.clear()
+                self._peers_seen.update(view)
+                self.metrics.peers_live.set(len(view | {self.peer_id: None}))
+                self.metrics.peers_seen.set(len(self._peers_seen | {self.peer_id}))
                 self.known_peers.remember(view.values(), self.peer_id)
                 await asyncio.to_thread(self.known_peers.save)
             except asyncio.CancelledError:
@@ -464,8 +498,11 @@ class Node:
         if not s.client_mode:
             service = AveragingService(self.registry, s.run_id, registration_wait=min(5.0, s.matchmaking_window),
                                        auth=self.auth)
-            self.grpc_server, grpc_port = await start_grpc_server(service, s.host, s.grpc_port,
-                                                                  max_message_bytes(s.chunk_elements))
+            try:
+                self.grpc_server, grpc_port = await start_grpc_server(service, s.host, s.grpc_port,
+                                                                      max_message_bytes(s.chunk_elements))
+            except GrpcPortError as e:  # taken since the check at start
+                raise SettingsError("--grpc-port", str(e)) from None
             self.grpc_addr = f"{announce}:{grpc_port}"
         self.sidecar.auth = self.auth
         try:
@@ -489,9 +526,12 @@ class Node:
         extra = f" --run-id {s.run_id}" if s.run_id != "dtnode-demo" else ""
         extra += f" --model {s.model}" if s.model != "tiny" else ""
         self.join_command = f"dtnode join --peer {maddr}{extra}"
-        print(f"dtnode node {self.peer_id} is up: status {self.http_addr}/status, gRPC "
-              f"{self.grpc_addr or 'client mode'}", flush=True)
-        print(f"To add a peer to this swarm, run on another host:\n  {self.join_command}", flush=True)
+        up = f"dtnode node {self.peer_id} is up: status {self.http_addr}/status, gRPC {self.grpc_addr or 'client mode'}"
+        if s.log_format == "json":  # every line a JSON object
+            log.info("%s; to add a peer to this swarm: %s", up, self.join_command)
+        else:
+            print(up, flush=True)
+            print(f"To add a peer to this swarm, run on another host:\n  {self.join_command}", flush=True)
 
     def _set_phase(self, phase: str) -> None:
         self.phase = phase
@@ -579,9 +619,10 @@ class Node:
             return False
         keep_inner = self.trainer.inner_step > 0
         loop = asyncio.get_running_loop()
+        if self._hash_task is not None:  # it reads the θ_g about to be replaced
+            await asyncio.gather(self._hash_task, return_exceptions=True)
         await loop.run_in_executor(self.train_thread, self._install, loaded, None, keep_inner)
-        await self._rehash()
-        self.m_catchups.inc()
+        self._hash_task = asyncio.ensure_future(self._rehash())  # for the record and logs: off the join's path
         if self._pending_write is not None:
             await asyncio.gather(self._pending_write, return_exceptions=True)
         if loaded.step < own:
@@ -591,8 +632,7 @@ class Node:
             log.info("moved this node's checkpoints of steps %s to %s", moved, self.state_dir / ABANDONED_DIR)
         await self._keep_downloaded(loaded)
         self._needs_resync = True  # the donor's θ_g may differ slightly from its neighbours'
-        log.info("in sync at outer step %d (params %s)%s", loaded.step, self.replica.params_sha256()[:12],
-                 "; inner optimizer state kept" if keep_inner else "")
+        log.info("in sync at outer step %d%s", loaded.step, "; inner optimizer state kept" if keep_inner else "")
         await self.membership.announce(self.record())
         return True
 
@@ -652,7 +692,9 @@ class Node:
         except Exception as e:
             reason = type(e).__name__
             self.round_failures += 1
-            self.m_round_failures.labels(reason=reason).inc()
+            self.metrics.round_failures.labels(reason=reason).inc()
+            self.metrics.rounds.labels(outcome="failed").inc()
+            self._recent_outcomes.append("failed")
             log.error("round %d failed (%s: %s); continuing from outer step %d with a re-sync",
                       self.replica.outer_step, reason, e, self.replica.outer_step, exc_info=e)
             self._needs_resync = True
@@ -725,8 +767,6 @@ class Node:
             lambda: loop.run_in_executor(self.train_thread, self.replica.consensus_state), self.residual)
         # a wanted re-sync that found nobody to sync with is still wanted next round
         self._needs_resync = not result.clean or (resync and result.theta is None)
-        if not result.clean:
-            self.m_partial_rounds.inc()
         self.phase = "outer"
         if self._hash_task is not None:  # the hash of the previous θ_g reads it: let it finish
             await asyncio.gather(self._hash_task, return_exceptions=True)
@@ -854,15 +894,13 @@ class Node:
         elif (e := task.exception()) is not None:
             log.error("averaging round %d failed (%s: %s); its Δ goes out again with the next round's",
                       self.replica.outer_step, type(e).__name__, e, exc_info=e)
-            self.m_round_failures.labels(reason=type(e).__name__).inc()
+            self.metrics.round_failures.labels(reason=type(e).__name__).inc()
         else:
             result = task.result()
         if result is None:
             self._needs_resync = True
             return None
         self._needs_resync = not result.clean or (self._resync_asked and result.theta is None)
-        if not result.clean:
-            self.m_partial_rounds.inc()
         return result
 
     async def _catch_up(self, round_no: int) -> torch.Tensor | None:
@@ -894,7 +932,6 @@ class Node:
                     return delta
 
                 delta = await asyncio.get_running_loop().run_in_executor(self.train_thread, adopt)
-                self.m_catchups.inc()
                 log.info("took the swarm's θ_g of step %d for round %d (entered from a download)", loaded.step,
                          round_no)
                 return delta
@@ -976,21 +1013,7 @@ class Node:
             "tokens": inner.tokens, "inner_s": round(inner.seconds, 4), "loss": inner.mean_loss,
             "eval_loss": self.eval_loss, "inner_lr": self.trainer.lr,
         }
-        self.m_outer.set(self.replica.outer_step)
-        self.m_inner.set(self.trainer.inner_step)
-        self.m_loss.set(inner.mean_loss)
-        self.m_eval.set(self.eval_loss if self.eval_loss is not None else math.nan)
-        self.m_tps.set(self.tokens_per_s)
-        self.last_round_end_at = time.monotonic()
-        self.m_utilization.set(self.compute_utilization() or 0.0)
-        self.m_group.set(first.group_size)
-        self.m_round.observe(duration)
-        for h in hops:
-            self.m_sent.inc(h.bytes_sent)
-            self.m_recv.inc(h.bytes_received)
-            self.m_failed.inc(len(h.failed_parts))
-            if h.allreduce_s:
-                self.m_allreduce.observe(h.allreduce_s)
+        self._observe_round(round_no, inner, hops, duration)
         floor = self.sources.loss_floor
         groups = " ".join(f"{h.group_size}/{h.expected}" + (f"+{h.extra_groups}" if h.extra_groups else "")
                           for h in hops) or "-"
@@ -1000,12 +1023,61 @@ class Node:
                 f"{self.trainer.lr:.3g} | loss {loss} | eval {held_out}{f' (floor {floor:.3f})' if floor else ''} | "
                 f"allreduce {self.last_round['allreduce_s']:.3f}s ({_human_bytes(self.last_round['bytes_sent'])} "
                 f"sent) | {self.tokens_per_s:.0f} tok/s | params ")
-        # the line names θ_g's hash, computed off the training thread: log it once the hash is in
+        self._log_naming_params(line, "")
+
+    def _observe_round(self, round_no: int, inner: InnerResult, hops: list[HopReport], duration: float) -> None:
+        """The round into the metrics and the history (written on the I/O thread)."""
+        m = self.metrics
+        matchmaking = sum(h.matchmaking_s for h in hops)
+        allreduce = sum(h.allreduce_s + (h.theta_resync_s or 0.0) for h in hops)
+        averaging = 0.0 if self.settings.overlap else matchmaking + allreduce  # overlapped: during inner steps
+        phases = {"inner": inner.seconds, "matchmaking": matchmaking, "allreduce": allreduce,
+                  "outer": max(0.0, duration - inner.seconds - averaging)}
+        reasons = [failure_reason(code) for h in hops for code in h.failure_codes]
+        reasons += ["incomplete_group" for h in hops if not h.complete and h.group_size > 1]
+        if not hops or all(h.group_size <= 1 for h in hops):
+            outcome = "alone"
+        else:
+            outcome = "full" if all(h.clean for h in hops) else "partial"
+        m.rounds.labels(outcome=outcome).inc()
+        self._recent_outcomes.append(outcome)
+        for reason in reasons:
+            m.hop_failures.labels(reason=reason).inc()
+        m.outer_step.set(self.replica.outer_step)
+        m.inner_step.set(self.trainer.inner_step)
+        m.loss.set(inner.mean_loss)
+        m.eval_loss.set(self.eval_loss if self.eval_loss is not None else math.nan)
+        m.tokens_per_second.set(self.tokens_per_s)
+        m.tokens.inc(inner.tokens)
+        m.compute_utilization.set(self.compute_utilization() or 0.0)
+        m.group_size.set(hops[0].group_size if hops else 1)
+        m.round_seconds.observe(duration)
+        m.last_round_at.set(time.time())
+        for phase, seconds in phases.items():
+            m.phase_seconds.labels(phase=phase).observe(seconds)
+        for h in hops:
+            m.allreduce_sent.inc(h.bytes_sent)
+            m.allreduce_received.inc(h.bytes_received)
+            if h.allreduce_s:
+                m.allreduce_seconds.observe(h.allreduce_s)
+        entry = {
+            "step": self.replica.outer_step, "round": round_no, "time": round(time.time(), 3),
+            "loss": inner.mean_loss, "eval_loss": self.eval_loss, "tokens": inner.tokens,
+            "tokens_total": self.history.tokens_total + inner.tokens, "tokens_per_s": round(self.tokens_per_s, 1),
+            "inner_steps": inner.steps, "lr": self.trainer.lr, "groups": [[h.group_size, h.expected] for h in hops],
+            "bytes_sent": sum(h.bytes_sent for h in hops), "bytes_received": sum(h.bytes_received for h in hops),
+            "phases_s": {k: round(v, 3) for k, v in phases.items()}, "duration_s": round(duration, 3),
+            "outcome": outcome, "reasons": sorted(set(reasons)), "params": self.replica.params_sha256()[:12],
+        }
+        asyncio.get_running_loop().run_in_executor(self.io_thread, self.history.persist, self.history.append(entry))
+
+    def _log_naming_params(self, before: str, after: str) -> None:
+        """Log a line that names θ_g's hash, once the hash (computed off the training thread) is in."""
         task = self._hash_task
         if task is None or task.done():
-            log.info("%s%s", line, self.replica.params_sha256()[:12])
+            log.info("%s%s%s", before, self.replica.params_sha256()[:12], after)
         else:
-            task.add_done_callback(lambda _: log.info("%s%s", line, self.replica.params_sha256()[:12]))
+            task.add_done_callback(lambda _: log.info("%s%s%s", before, self.replica.params_sha256()[:12], after))
 
     async def _schedule_checkpoint(self) -> None:
         """Write this step's checkpoint in the background (one write at a time)."""
@@ -1054,8 +1126,10 @@ class Node:
                     "model_config": json.dumps(self.model_description, sort_keys=True)}
         try:
             # on demand for a joiner (not `local`): the joiner waits for it, so no fsync
+            started = time.monotonic()
             info = await loop.run_in_executor(self.io_thread, partial(
                 write_checkpoint, self.state_dir, step, self.layout, state, metadata, durable=local))
+            self.metrics.checkpoint_write_seconds.observe(time.monotonic() - started)
         except OSError as e:
             log.error("could not write checkpoint %d: %s", step, e)
             return
@@ -1064,7 +1138,9 @@ class Node:
 
     async def _keep_downloaded(self, loaded: LoadedCheckpoint) -> None:
         """The donors' file is this node's checkpoint of that step: registered, never rewritten."""
+        self.metrics.catchups.inc()
         if loaded.file is not None:
+            self.metrics.checkpoint_downloaded.inc(loaded.file.size_bytes)
             self.checkpoints[loaded.step] = loaded.file
             await self._prune()
 
@@ -1084,7 +1160,25 @@ def _human_bytes(n: int) -> str:
     return f"{n:.1f} TB"
 
 
+def check_ports(s: NodeSettings) -> None:
+    """End at once, naming the option, when a port this node must listen on is taken."""
+    wanted = [("--dht-port", s.dht_port), ("--http-port", s.http_port)]
+    if not s.client_mode:
+        wanted.append(("--grpc-port", s.grpc_port))
+    seen: dict[int, str] = {}
+    for option, port in wanted:
+        if not port:
+            continue
+        if port in seen:
+            raise SettingsError(option, f"port {port} is also given to {seen[port]}; each needs its own")
+        seen[port] = option
+        if port_in_use(s.host, port):
+            raise SettingsError(option, f"port {port} on {s.host} is in use (another dtnode on this host? give "
+                                        f"each node its own ports, or 0 for any free one)")
+
+
 async def run_node(settings: NodeSettings) -> int:
+    check_ports(settings)
     node = Node(settings)
     return await node.run()
 

@@ -40,8 +40,10 @@ class NodeSettings(BaseSettings):
     run_id: str = Field("dtnode-demo", min_length=1, max_length=64, pattern=r"^[A-Za-z0-9._-]+$",
                         description="Name of the training run; only peers with the same run id train together.")
     peers: list[str] = Field(default_factory=list,
-                             description="Multiaddr of a swarm member to join through (repeatable). "
-                                         "Without it the node starts a new swarm.")
+                             description="A swarm member to join through (repeatable): its multiaddr "
+                                         "(/ip4/1.2.3.4/tcp/7700/p2p/Qm...), or its sidecar address "
+                                         "(http://node1:7702), whose /status names its multiaddrs. Without "
+                                         "it the node starts a new swarm.")
     config: Path | None = Field(None, description="TOML file with option values (keys as in this list, "
                                                   "with underscores).")
     state_dir: Path = Field(Path("state"), description="Directory for checkpoints and node identity.")
@@ -173,6 +175,21 @@ class NodeSettings(BaseSettings):
     # Logging
     log_level: str = Field("INFO", pattern=r"^(DEBUG|INFO|WARNING|ERROR)$",
                            description="Log level: DEBUG, INFO, WARNING or ERROR.")
+    log_format: str = Field("human", pattern=r"^(human|json)$",
+                            description="human: one readable line per event; json: one JSON object per line "
+                                        "(time, level, logger, message, and the traceback if any) for log "
+                                        "collectors.")
+
+    @field_validator("peers")
+    @classmethod
+    def _peer_addresses(cls, peers: list[str]) -> list[str]:
+        for peer in peers:
+            if peer.startswith(("http://", "https://")):
+                continue
+            if not peer.startswith("/") or "/p2p/" not in peer:
+                raise ValueError(f"{peer!r} is neither a multiaddr like /ip4/1.2.3.4/tcp/7700/p2p/Qm... nor a "
+                                 "sidecar address like http://node1:7702")
+        return peers
 
     @field_validator("device")
     @classmethod
@@ -265,4 +282,4 @@ def load_settings(cli_values: dict[str, Any]) -> NodeSettings:
             name = str(err["loc"][0])
         else:  # model-level checks start their message with the field they blame
             name, _, message = message.partition(": ")
-        raise SettingsError(flag(name), message) from None
+        raise SettingsError("--peer" if name == "peers" else flag(name), message) from None

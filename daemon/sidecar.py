@@ -1,4 +1,5 @@
-"""The HTTP sidecar: health, status, peers, metrics and checkpoints on one aiohttp server.
+"""The HTTP sidecar: health, status, history, peers, metrics, checkpoints and the dashboard
+on one aiohttp server.
 
 It runs on the node's event loop but never waits on training or averaging: every handler
 reads state the node has already published, and checkpoint files stream from disk, so a
@@ -8,6 +9,7 @@ node in the middle of an all-reduce still answers at once.
 from __future__ import annotations
 
 import asyncio
+import importlib.resources
 import time
 from pathlib import Path
 from typing import Any, Protocol
@@ -18,16 +20,21 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from dtnode.peers.auth import HTTP_HEADER, AuthError, SwarmAuth
 
 from .checkpoint import CheckpointInfo
+from .history import RoundHistory
+from .metrics import NodeMetrics
 
 MAX_STEP = 1 << 62
 SERVED_RECENTLY_S = 120.0  # a checkpoint asked for within this long is not pruned
 PROTECTED = ("/checkpoint", "/peers")
+HISTORY_PAGE = 5000  # rounds per /history answer
 
 
 class NodeView(Protocol):
     """What the sidecar needs from the node."""
 
     metrics_registry: CollectorRegistry
+    metrics: NodeMetrics
+    history: RoundHistory
 
     def status(self) -> dict[str, Any]: ...
 
@@ -61,9 +68,11 @@ class Sidecar:
             web.get("/metrics", self.metrics),
             web.get("/checkpoint", self.checkpoint_meta),
             web.get("/checkpoint/{step}", self.checkpoint_file),
+            web.get("/history", self.history),
             web.get("/", self.dashboard),
         ])
         self.runner: web.AppRunner | None = None
+        self._dashboard = importlib.resources.files(__package__).joinpath("dashboard.html").read_text("utf-8")
         self.port = 0
         self._served: dict[int, float] = {}  # step -> when a range of it was last asked for (monotonic)
 
@@ -139,36 +148,22 @@ class Sidecar:
                 "Content-Type": "application/octet-stream",
             })
             await response.prepare(request)  # sends the whole file while we hold the slot
+            self.node.metrics.checkpoint_served.inc(response.content_length or 0)
             return response
 
+    async def history(self, request: web.Request) -> web.Response:
+        """The rounds after outer step `since` (all by default), oldest first, a page at a time."""
+        try:
+            since = int(request.query.get("since", "-1"))
+            limit = int(request.query.get("limit", str(HISTORY_PAGE)))
+        except ValueError:
+            raise web.HTTPBadRequest(text="since and limit must be integers") from None
+        if not -1 <= since <= MAX_STEP or not 1 <= limit <= HISTORY_PAGE:
+            raise web.HTTPBadRequest(text=f"since must be -1..{MAX_STEP} and limit 1..{HISTORY_PAGE}")
+        rounds = self.node.history.since(since, limit)
+        return web.json_response({"rounds": rounds, "more": len(rounds) == limit})
+
     async def dashboard(self, request: web.Request) -> web.Response:
-        return web.Response(text=DASHBOARD_HTML, content_type="text/html")
+        return web.Response(text=self._dashboard, content_type="text/html")
 
 
-DASHBOARD_HTML = """<!doctype html>
-<html><head><meta charset="utf-8"><title>dtnode</title>
-<style>body{font:14px system-ui,sans-serif;margin:2em;max-width:70em}table{border-collapse:collapse}
-td,th{padding:.25em .8em;border-bottom:1px solid #ddd;text-align:left}code{font-size:12px}</style></head>
-<body><h1>dtnode <span id="run"></span></h1>
-<p id="me"></p><h2>Loss</h2><svg id="chart" width="640" height="200" style="border:1px solid #ccc"></svg>
-<h2>Peers</h2><table id="peers"></table>
-<script>
-const losses=[];
-async function tick(){
-  const s=await (await fetch('/status')).json(); const p=await (await fetch('/peers')).json();
-  document.getElementById('run').textContent='· '+s.run_id;
-  document.getElementById('me').innerHTML=`<b>${s.state}</b> · outer step ${s.outer_step} · inner step ${s.inner_step}`+
-    ` · loss ${s.loss?.toFixed?.(4)} · params <code>${s.params_sha256.slice(0,12)}</code>`;
-  if(s.loss!=null&&(losses.length==0||losses[losses.length-1][0]!=s.inner_step))losses.push([s.inner_step,s.loss]);
-  const svg=document.getElementById('chart'); if(losses.length>1){
-    const xs=losses.map(l=>l[0]),ys=losses.map(l=>l[1]),x0=Math.min(...xs),x1=Math.max(...xs),y0=Math.min(...ys),y1=Math.max(...ys);
-    const pts=losses.map(([x,y])=>`${(x-x0)/(x1-x0||1)*620+10},${190-(y-y0)/(y1-y0||1)*180}`).join(' ');
-    svg.innerHTML=`<polyline fill="none" stroke="#36c" stroke-width="2" points="${pts}"/>`;}
-  const rows=p.map(r=>`<tr><td><code>${r.peer_id.slice(-10)}</code></td><td>${r.state}</td><td>${r.outer_step}</td>`+
-    `<td>${r.tokens_per_s.toFixed(0)}</td><td>${r.device}</td><td>${r.client_mode?'client':''}</td></tr>`).join('');
-  document.getElementById('peers').innerHTML='<tr><th>peer</th><th>state</th><th>outer step</th><th>tokens/s</th>'+
-    '<th>device</th><th></th></tr>'+rows;
-}
-tick(); setInterval(tick, 2000);
-</script></body></html>
-"""

@@ -43,6 +43,7 @@ def show_status(url: str, as_json: bool = False, auth: SwarmAuth | None = None) 
     node = Table(title=f"node {status['peer_id']}", show_header=False)
     last = status.get("last_round") or {}
     rows = [
+        ("condition", f"{status['condition']}: {status['condition_detail']}" if "condition" in status else "-"),
         ("run", status["run_id"]), ("state", status["state"]), ("outer step", status["outer_step"]),
         ("inner step", status["inner_step"]), ("inner lr", _fmt(status.get("inner_lr"), ".3g")),
         ("loss", _fmt(status.get("loss"))),
@@ -62,12 +63,15 @@ def show_status(url: str, as_json: bool = False, auth: SwarmAuth | None = None) 
                       "to list its peers")
         return 0
     swarm = Table(title=f"swarm: {len(peers)} peers")
-    for col in ("peer", "state", "round", "outer step", "checkpoint", "tokens/s", "device", "mode", "http"):
+    for col in ("peer", "state", "round", "outer step", "lag", "checkpoint", "tokens/s", "last seen", "device", "mode",
+                "http"):
         swarm.add_column(col)
     for p in peers:
         where = f"{p['round']} {p['phase']}" if p.get("round", -1) >= 0 and p.get("phase") else "-"
-        swarm.add_row(p["peer_id"][-12:], p["state"], where, str(p["outer_step"]), str(p["checkpoint_step"]),
-                      f"{p['tokens_per_s']:.0f}", p["device"], "client" if p["client_mode"] else "full", p["http_addr"])
+        seen = f"{p['last_seen_s']:.0f}s" if "last_seen_s" in p else "-"
+        swarm.add_row(p["peer_id"][-12:], p["state"], where, str(p["outer_step"]), str(p.get("lag", "-")),
+                      str(p["checkpoint_step"]), f"{p['tokens_per_s']:.0f}", seen, p["device"],
+                      "client" if p["client_mode"] else "full", p["http_addr"])
     console.print(swarm)
     return 0
 

@@ -39,6 +39,7 @@ log = logging.getLogger(__name__)
 
 PIECE_BYTES = 4 << 20  # one Range request
 PER_DONOR = 2  # concurrent range requests per donor
+WRITE_BATCH_BYTES = 2 << 20  # bytes received before a write (a thread hop)
 MAX_BUSY_RETRIES = 20  # 503s (donor busy serving others) before a donor is given up
 
 
@@ -201,12 +202,21 @@ class _Dropped(Exception):
         self.cause = cause
 
 
+async def _write_batch(partial: PartialDownload, offset: int, batch: bytearray, progress: Progress) -> int:
+    if not batch:
+        return 0
+    await asyncio.to_thread(partial.write, offset, batch)
+    progress.advance(len(batch))
+    return len(batch)
+
+
 async def _fetch_range(session: aiohttp.ClientSession, offer: Offer, start: int, length: int,
                        partial: PartialDownload, progress: Progress, timeout: float,
                        auth: SwarmAuth | None) -> int:
     headers = {"Range": f"bytes={start}-{start + length - 1}", **_headers(auth, f"/checkpoint/{offer.step}")}
     client_timeout = aiohttp.ClientTimeout(total=timeout, sock_read=min(timeout, 30))
     received = 0
+    batch = bytearray()
     try:
         async with session.get(f"{offer.base}/checkpoint/{offer.step}", headers=headers,
                                timeout=client_timeout) as resp:
@@ -214,15 +224,21 @@ async def _fetch_range(session: aiohttp.ClientSession, offer: Offer, start: int,
                 raise _Busy(float(resp.headers.get("Retry-After", "1") or 1))
             if resp.status != 206 and not (resp.status == 200 and start == 0 and length == offer.size):
                 raise DownloadError(f"range request answered {resp.status}")
-            async for block in resp.content.iter_chunked(1 << 20):
-                if received + len(block) > length:
+            # socket reads come in small pieces: written in batches, each a hop to a thread that
+            # waits for the GIL when another thread holds it (a joiner's start-up imports do)
+            async for block in resp.content.iter_any():
+                if received + len(batch) + len(block) > length:
                     raise DownloadError("donor sent more bytes than the range asked for")
-                await asyncio.to_thread(partial.write, start + received, block)
-                received += len(block)
-                progress.advance(len(block))
+                batch += block
+                if len(batch) >= WRITE_BATCH_BYTES:
+                    received += await _write_batch(partial, start + received, batch, progress)
+                    batch = bytearray()
+            received += await _write_batch(partial, start + received, batch, progress)
+            batch = bytearray()
     except aiohttp.ClientConnectorError:
         raise  # not a dropped transfer: the donor is not there
     except (aiohttp.ServerDisconnectedError, aiohttp.ClientPayloadError, aiohttp.ClientOSError) as e:
+        received += await _write_batch(partial, start + received, batch, progress)  # the bytes that did arrive
         raise _Dropped(received, type(e).__name__) from None
     if received != length:
         raise _Dropped(received, f"range ended after {received} of {length} bytes")

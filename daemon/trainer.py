@@ -14,6 +14,7 @@ benchmarks can build swarms of uneven peers on one host.
 
 from __future__ import annotations
 
+import concurrent.futures
 import math
 import os
 import threading
@@ -52,7 +53,11 @@ class Trainer:
         self.schedule = schedule
         self.lr = schedule(0)  # the rate of the last step taken (or of the first)
         self.grad_clip = grad_clip
-        self.optimizer = inner_optimizer(self.model, self.lr, weight_decay)
+        # torch imports its compiler stack (seconds of CPU) at the first optimizer a process makes:
+        # built on a side thread, that overlaps a joiner's DHT start and download instead of delaying them
+        self._optimizer_built = concurrent.futures.Future()
+        threading.Thread(target=self._build_optimizer, args=(weight_decay,), name="inner-optimizer",
+                         daemon=True).start()
         self.inner_step = 0
         self.adam_steps = 0  # steps behind the AdamW moments: 0 after a fresh start, whatever inner_step says
         self.last_loss = math.nan
@@ -61,6 +66,16 @@ class Trainer:
         self.step_seconds = 0.0  # wall time of the last inner step
         self.tokens_per_step = stream.batch_size * stream.seq_len
         self.slowdown = _slowdown_from_env()
+
+    def _build_optimizer(self, weight_decay: float) -> None:
+        try:
+            self._optimizer_built.set_result(inner_optimizer(self.model, self.lr, weight_decay))
+        except BaseException as e:  # raised to whoever first needs the optimizer
+            self._optimizer_built.set_exception(e)
+
+    @property
+    def optimizer(self) -> torch.optim.AdamW:
+        return self._optimizer_built.result()
 
     @property
     def parameters_flat(self) -> torch.Tensor:

@@ -79,6 +79,7 @@ class HopReport:
     bytes_sent: int = 0
     bytes_received: int = 0
     failed_parts: list[str] = field(default_factory=list)
+    failure_codes: list[str] = field(default_factory=list)  # per failed part: its gRPC code or error type
     extra_groups: int = 0
     theta_resync_s: float | None = None
 
@@ -348,6 +349,7 @@ class MoshpitAverager:
         report.bytes_sent += result.bytes_sent
         report.bytes_received += result.bytes_received
         report.failed_parts += [p.reducer for p in result.failed_parts]
+        report.failure_codes += [p.error.split(":", 1)[0] for p in result.failed_parts]
         if theta is not None and theta_out is not None:
             theta_plan = make_plan(c.run_id, round_no, theta_hop, group.members, theta.numel(), c.block_size,
                                    c.chunk_elements, FP32, key=group.key)
@@ -358,4 +360,5 @@ class MoshpitAverager:
             report.bytes_sent += sync.bytes_sent
             report.bytes_received += sync.bytes_received
             report.failed_parts += [p.reducer for p in sync.failed_parts]
+            report.failure_codes += [p.error.split(":", 1)[0] for p in sync.failed_parts]
         return result

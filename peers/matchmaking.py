@@ -29,7 +29,7 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
-import hivemind
+from hivemind.dht import DHT
 from hivemind.utils import get_dht_time
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -88,7 +88,7 @@ class FormedGroup:
 
 
 class Matchmaker:
-    def __init__(self, dht: hivemind.DHT, run_id: str, own: Member, poll_interval: float = 0.15,
+    def __init__(self, dht: DHT, run_id: str, own: Member, poll_interval: float = 0.15,
                  auth: SwarmAuth | None = None, settle_s: float = 0.5):
         self.dht = dht
         self.run_id = run_id

@@ -30,7 +30,7 @@ from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 
-import hivemind
+from hivemind.dht import DHT, DHTNode
 from cryptography.hazmat.primitives import serialization
 from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.p2p import PeerID
@@ -90,9 +90,16 @@ class PeerRecord(BaseModel):
         return f"record|{self.peer_id}|{self.grpc_addr}|{self.http_addr}|{self.client_mode}"
 
 
+def _proto(host: str) -> str:
+    """The multiaddr protocol of a host: an IP literal, or a name to resolve (--announce-host node1)."""
+    try:
+        return "ip6" if ipaddress.ip_address(host).version == 6 else "ip4"
+    except ValueError:
+        return "dns"
+
+
 def _maddr(host: str, port: int) -> str:
-    proto = "ip6" if ":" in host else "ip4"
-    return f"/{proto}/{host}/tcp/{port}"
+    return f"/{_proto(host)}/{host}/tcp/{port}"
 
 
 def load_record_key(path: Path) -> RSAPrivateKey:
@@ -153,13 +160,13 @@ def _reap_orphaned_daemons(identity_path: str) -> int:
 
 async def start_dht(initial_peers: list[str], host: str, port: int, announce_host: str | None,
                     timeout: float, identity_path: str | None = None,
-                    validator: RSASignatureValidator | None = None, fresh_identity: bool = False) -> hivemind.DHT:
+                    validator: RSASignatureValidator | None = None, fresh_identity: bool = False) -> DHT:
     """Start hivemind's DHT process and reach the initial peers, or raise JoinError in bounded time.
 
     With `fresh_identity` (just generated) hivemind's check that no live peer uses it is skipped."""
     for addr in initial_peers:
         if not addr.startswith("/") or "/p2p/" not in addr:
-            raise JoinError(f"--peer {addr!r} is not a multiaddr like /ip4/1.2.3.4/tcp/7700/p2p/12D3Koo...")
+            raise JoinError(f"--peer {addr!r} is not a multiaddr like /ip4/1.2.3.4/tcp/7700/p2p/Qm...")
     kwargs: dict = dict(start=True, initial_peers=initial_peers, host_maddrs=[_maddr(host, port)],
                         startup_timeout=timeout, await_ready=True)
     global _HOOKED
@@ -177,7 +184,7 @@ async def start_dht(initial_peers: list[str], host: str, port: int, announce_hos
     if announce_host and port:
         kwargs["announce_maddrs"] = [_maddr(announce_host, port)]
     try:
-        return await asyncio.wait_for(asyncio.to_thread(hivemind.DHT, **kwargs), timeout + 5)
+        return await asyncio.wait_for(asyncio.to_thread(DHT, **kwargs), timeout + 5)
     except asyncio.TimeoutError:
         raise JoinError(f"no answer from the DHT or the initial peers within {timeout:.0f}s "
                         f"(--join-timeout); are {initial_peers} reachable?") from None
@@ -188,7 +195,7 @@ async def start_dht(initial_peers: list[str], host: str, port: int, announce_hos
         raise JoinError(f"could not start the DHT on {host}:{port}: {reason}") from None
 
 
-def public_maddrs(dht: hivemind.DHT, announce_host: str | None) -> list[str]:
+def public_maddrs(dht: DHT, announce_host: str | None) -> list[str]:
     """Multiaddrs others can dial, best first: the announced host, then non-loopback, then loopback."""
     addrs = [str(a) for a in dht.get_visible_maddrs()]
 
@@ -209,17 +216,17 @@ def public_maddrs(dht: hivemind.DHT, announce_host: str | None) -> list[str]:
     if announce_host and (not ranked or rank(ranked[0]) != 0) and ranked:
         # Port 0 was bound before we could announce: rewrite the best address onto the announced host.
         parts = ranked[0].split("/")
-        parts[1], parts[2] = ("ip6" if ":" in announce_host else "ip4"), announce_host
+        parts[1], parts[2] = _proto(announce_host), announce_host
         ranked.insert(0, "/".join(parts))
     return ranked
 
 
-async def _neighbour_count(_dht: hivemind.DHT, node: hivemind.DHTNode) -> int:
+async def _neighbour_count(_dht: DHT, node: DHTNode) -> int:
     """Runs in the DHT process: how many peers its routing table holds."""
     return len(node.protocol.routing_table.uid_to_peer_id)
 
 
-async def _reconnect(initial: list[str], recent: list[str], _dht: hivemind.DHT, node: hivemind.DHTNode) -> int:
+async def _reconnect(initial: list[str], recent: list[str], _dht: DHT, node: DHTNode) -> int:
     """Runs in the DHT process: dial the initial multiaddrs, ping every peer (a ping that is
     answered puts the peer back in the routing table, and us in its). Returns the answers."""
     targets = set()
@@ -244,7 +251,7 @@ async def _reconnect(initial: list[str], recent: list[str], _dht: hivemind.DHT, 
 class Membership:
     """This node's record in the DHT, and the swarm as the DHT shows it."""
 
-    def __init__(self, dht: hivemind.DHT, run_id: str, ttl: float, interval: float,
+    def __init__(self, dht: DHT, run_id: str, ttl: float, interval: float,
                  validator: RSASignatureValidator | None = None, auth: SwarmAuth | None = None,
                  initial_peers: list[str] | None = None):
         self.dht = dht

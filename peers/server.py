@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import errno
+import socket
+
 import grpc
 
 from dtnode.proto import averaging_pb2_grpc as pb_grpc
@@ -35,3 +38,17 @@ async def start_grpc_server(
         raise GrpcPortError(f"cannot bind gRPC port {host}:{port}")
     await server.start()
     return server, bound
+
+
+def port_in_use(host: str, port: int) -> bool:
+    """Whether another process listens on host:port (a bind without SO_REUSEPORT fails then,
+    even against a listener that set it). Checked before a node starts anything, so a clash
+    ends it at once with the option to change, not later with a daemon's opaque error."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a port in TIME_WAIT is free to listen on
+        try:
+            probe.bind((host, port))
+        except OSError as e:
+            return e.errno == errno.EADDRINUSE
+    return False

@@ -32,4 +32,134 @@ def test_dockerfile_and_compose_reference_real_commands():
     services = yaml.safe_load(compose)["services"]
     assert set(services) == {"node1", "node2", "node3"}
     for service in services.values():
-        assert service["command"][0] == "join" and "--run-id" in service["command"]
+        assert service["command"][0] == "join" and service["environment"]["DTNODE_RUN_ID"] == "compose-demo"
+
+
+# ---- every deploy file parses, and uses only options, settings and metrics that exist ----------
+
+import json
+import re
+import shlex
+
+import pytest
+
+from dtnode.daemon.cli import build_parser
+from dtnode.daemon.metrics import NodeMetrics
+
+JOIN_OPTIONS = {opt for action in build_parser()._subparsers._group_actions[0].choices["join"]._actions
+                for opt in action.option_strings}
+ENV_FIELDS = {"DTNODE_" + name.upper() for name in NodeSettings.model_fields}
+
+
+def _join_flags(argv: list[str]) -> list[str]:
+    assert argv and argv[0] == "join", argv
+    return [a.split("=", 1)[0] for a in argv[1:] if a.startswith("--")]
+
+
+def _dtnode_commands() -> dict[str, list[str]]:
+    """Every `dtnode join ...` command line in the deploy files, by where it is."""
+    out = {}
+    compose = yaml.safe_load((DEPLOY / "docker-compose.yml").read_text())
+    for name, service in compose["services"].items():
+        out[f"compose {name}"] = service["command"]
+    docs = list(yaml.safe_load_all((DEPLOY / "kubernetes" / "statefulset.yaml").read_text()))
+    sts = next(d for d in docs if d["kind"] == "StatefulSet")
+    script = sts["spec"]["template"]["spec"]["containers"][0]["args"][0]
+    for i, line in enumerate(re.findall(r"exec dtnode (join[^\n]*)", script)):
+        out[f"statefulset line {i}"] = shlex.split(line.replace('"$POD_IP"', "10.0.0.1"))
+    unit = configparser.ConfigParser(strict=False, interpolation=None)
+    unit.read(DEPLOY / "dtnode.service")
+    out["systemd"] = shlex.split(unit["Service"]["ExecStart"])[1:]
+    cmd = re.search(r"^CMD (\[.*\])$", (DEPLOY / "Dockerfile").read_text(), re.M).group(1)
+    out["Dockerfile"] = json.loads(cmd)
+    return out
+
+
+def test_every_option_the_deploy_files_use_exists():
+    commands = _dtnode_commands()
+    assert len(commands) >= 7
+    for where, argv in commands.items():
+        unknown = [f for f in _join_flags(argv) if f not in JOIN_OPTIONS]
+        assert not unknown, f"{where} uses options dtnode join does not have: {unknown}"
+
+
+def test_every_setting_the_deploy_files_set_through_the_environment_exists():
+    texts = {p.name: p.read_text() for p in DEPLOY.rglob("*") if p.is_file()}
+    used = {(name, v) for name, text in texts.items() for v in re.findall(r"\bDTNODE_[A-Z_]+\b", text)}
+    assert used
+    unknown = {(name, v) for name, v in used if v not in ENV_FIELDS}
+    assert not unknown, unknown
+
+
+def test_compose_joins_by_sidecar_address_with_no_peer_id():
+    text = (DEPLOY / "docker-compose.yml").read_text()
+    assert "/p2p/" not in text and "PEER_ID" not in text
+    services = yaml.safe_load(text)["services"]
+    assert "--peer" not in services["node1"]["command"]
+    for name in ("node2", "node3"):
+        command = services[name]["command"]
+        assert command[command.index("--peer") + 1] == "http://node1:7702"
+
+
+def test_dockerfile_is_cuda_non_root_with_a_state_volume_and_healthcheck():
+    text = (DEPLOY / "Dockerfile").read_text()
+    base = re.search(r"^FROM (\S+)", text, re.M).group(1)
+    assert base.startswith(("pytorch/pytorch:", "nvidia/cuda:")) and "cuda" in base
+    user = re.findall(r"^USER (\S+)", text, re.M)
+    assert user and user[-1] not in ("root", "0")
+    assert re.search(r"^VOLUME /var/lib/dtnode", text, re.M) and "/healthz" in text
+    assert 'ENTRYPOINT ["dtnode"]' in text
+
+
+def test_systemd_unit_restarts_and_is_sandboxed():
+    unit = configparser.ConfigParser(strict=False, interpolation=None)
+    unit.read(DEPLOY / "dtnode.service")
+    service = unit["Service"]
+    assert service["User"] == "dtnode" and service["Restart"] == "on-failure"
+    assert service["NoNewPrivileges"] == "yes" and service["ProtectSystem"] == "strict"
+    assert service["StateDirectory"] == "dtnode" and service["RestartPreventExitStatus"] == "2"
+
+
+def test_statefulset_requests_a_gpu_keeps_state_and_probes_the_sidecar():
+    docs = list(yaml.safe_load_all((DEPLOY / "kubernetes" / "statefulset.yaml").read_text()))
+    assert {d["kind"] for d in docs} == {"Service", "StatefulSet"}
+    sts = next(d for d in docs if d["kind"] == "StatefulSet")
+    container = sts["spec"]["template"]["spec"]["containers"][0]
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == 1
+    assert sts["spec"]["volumeClaimTemplates"][0]["metadata"]["name"] == "state"
+    for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
+        assert container[probe]["httpGet"]["path"] == "/healthz"
+    assert sts["spec"]["template"]["spec"]["securityContext"]["runAsNonRoot"] is True
+
+
+def _metric_names_in(text: str) -> set[str]:
+    return set(re.findall(r"\b((?:dtnode|process)_[a-z_]+)\b", text))
+
+
+@pytest.fixture(scope="module")
+def exported_names() -> set[str]:
+    """Sample names a node exports, labelled families included before their first sample."""
+    suffixes = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count"), "info": ("_info",)}
+    registry = NodeMetrics("0", "run", "tiny", "cpu").registry
+    return {sample.name for family in registry.collect() for sample in family.samples} | {
+        family.name + suffix for family in registry.collect() for suffix in suffixes.get(family.type, ("",))}
+
+
+def test_alert_rules_and_scrape_config_parse_and_name_real_metrics(exported_names):
+    config = yaml.safe_load((DEPLOY / "prometheus" / "prometheus.yml").read_text())
+    assert config["rule_files"] == ["alerts.yml"]
+    assert all(job["metrics_path"] == "/metrics" for job in config["scrape_configs"] if "metrics_path" in job)
+    rules = yaml.safe_load((DEPLOY / "prometheus" / "alerts.yml").read_text())["groups"][0]["rules"]
+    assert {r["alert"] for r in rules} >= {"DtnodeDown", "DtnodeNoProgress", "DtnodeRoundsFailing"}
+    for rule in rules:
+        unknown = _metric_names_in(rule["expr"]) - exported_names
+        assert not unknown, f"{rule['alert']} names metrics no node exports: {unknown}"
+
+
+def test_grafana_dashboard_parses_and_names_real_metrics(exported_names):
+    dashboard = json.loads((DEPLOY / "grafana" / "dtnode.json").read_text())
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
+    assert len(exprs) >= 10
+    for expr in exprs:
+        unknown = _metric_names_in(expr) - exported_names
+        assert not unknown, f"{expr} names metrics no node exports: {unknown}"

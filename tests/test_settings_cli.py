@@ -60,6 +60,7 @@ def dtnode(*args, timeout=60, env=None):
     (["join", "--device", "quantum"], "--device"),
     (["join", "--config", "/nonexistent.toml"], "--config"),
     (["local", "--nodes", "0"], "--nodes"),
+    (["join", "--peer", "not-a-multiaddr"], "--peer"),
 ])
 def test_cli_bad_input_exits_2_with_one_line(args, option):
     result = dtnode(*args)
@@ -83,7 +84,7 @@ def test_version_and_help():
 
 @pytest.mark.parametrize("peer", [
     "/ip4/127.0.0.1/tcp/1/p2p/12D3KooWHtocysUnWZKdxsM8xACZXMk7LHDHgwug2T9DkWuWw9kA",  # nobody listens
-    "not-a-multiaddr",
+    "http://127.0.0.1:1",  # a sidecar address nobody serves
 ])
 def test_unreachable_or_malformed_peer_fails_clearly(tmp_path, peer):
     """Exit status 3 and a message naming the peer, after --join-timeout at most (the

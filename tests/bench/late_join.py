@@ -14,8 +14,10 @@ sidecar, in the same run.
 2-core CPU host), and joiners are started one at a time at random moments of a round
 (inner steps, averaging and the outer phase alike). For each it prints the donors' phase
 at the joiner's start, the seconds from start to its first inner step in step with the
-swarm (and the download's share), the seconds to its first round averaged with both
-donors, and whether any of its rounds was trained alone or any donor dropped a connection.
+swarm, the download's share (`download`: the transfers, summed when a round closed during
+the first and the joiner fetched the next; `fetch`: from each "downloading" line to "in sync",
+which adds the donors writing the file on demand, verification and installation), the
+seconds to its first round averaged with both donors, and whether any of its rounds was trained alone or any donor dropped a connection.
 """
 
 from __future__ import annotations
@@ -105,6 +107,18 @@ def _full_round(line: str) -> str | None:
     return m.group(1) if m is not None and m.group(2) == m.group(3) == "3" else None
 
 
+def _fetch_seconds(joiner: NodeProcess) -> float | None:
+    """From each "downloading a checkpoint" line to its "in sync" line, summed: the transfer and
+    the donors writing the file on demand, verification and installation included."""
+    total, began = 0.0, None
+    for t, line in zip(joiner.times, joiner.lines):
+        if "downloading a checkpoint" in line:
+            began = t
+        elif "in sync at outer step" in line and began is not None:
+            total, began = total + t - began, None
+    return total or None
+
+
 def _s(seconds: float | None) -> str:
     return "-" if seconds is None else f"{seconds:.1f}s"
 
@@ -124,7 +138,7 @@ def run_in_rounds(model: str, trials: int, inner_steps: int, batch: int, seed: i
             _, second_end, index = donors[0].wait_for_line_at(r"round 1 \| groups", timeout=1200, after=index + 1)
             period = second_end - first_end
             print(f"2 donors of {model}, H={inner_steps}, batch {batch}: a round takes {period:.0f}s here", flush=True)
-            print(f"{'trial':>5} {'at':>6} {'donors':>14} {'to in step':>11} {'download':>9} {'to averaged':>12} "
+            print(f"{'trial':>5} {'at':>6} {'donors':>14} {'to in step':>11} {'download':>9} {'fetch':>7} {'to averaged':>12} "
                   f"{'round':>6} {'alone':>6} {'dropped':>8}  target", flush=True)
             met = 0
             for trial in range(trials):
@@ -147,8 +161,10 @@ def run_in_rounds(model: str, trials: int, inner_steps: int, batch: int, seed: i
                         or re.search(r"in sync at outer step (\d+)", out)) is not None:
                     entered = int(m.group(1))
                     in_step = next(t for t, line in zip(joiner.times, joiner.lines) if m.group(0) in line)
-                if (m := re.search(r"downloaded checkpoint \d+ .* in ([\d.]+)s", out)) is not None:
-                    download = float(m.group(1))
+                # every transfer counts (a round that closed during the first sends the joiner for the next)
+                transfers = [float(t) for t in re.findall(r"downloaded checkpoint \d+ .* in ([\d.]+)s", out)]
+                download = sum(transfers) if transfers else None
+                fetch = _fetch_seconds(joiner)
                 full = [(int(r), t) for t, line in zip(joiner.times, joiner.lines)
                         if (r := _full_round(line)) is not None]
                 if full:
@@ -160,7 +176,7 @@ def run_in_rounds(model: str, trials: int, inner_steps: int, batch: int, seed: i
                 ok = (to_step is not None and download is not None and to_step <= 10 + download and full
                       and full[0][0] == entered and not alone and not dropped and "Traceback" not in out)
                 met += bool(ok)
-                print(f"{trial:>5} {offset:5.0f}s {phase:>14} {_s(to_step):>11} {_s(download):>9} "
+                print(f"{trial:>5} {offset:5.0f}s {phase:>14} {_s(to_step):>11} {_s(download):>9} {_s(fetch):>7} "
                       f"{_s(averaged_at and averaged_at - started):>12} {entered if entered is not None else '-':>6} "
                       f"{alone:>6} {dropped:>8}  {'met' if ok else 'MISSED'}", flush=True)
             for donor in donors:

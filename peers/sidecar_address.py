@@ -1,0 +1,85 @@
+"""`--peer http://HOST:PORT`: join through a node's sidecar address instead of its multiaddr.
+
+A multiaddr carries the peer id, which compose files, scripts and StatefulSets cannot know
+before the first node has started. A sidecar address is known in advance (a service name
+and a port); the node's `/status` names the DHT addresses to dial. What it answers is
+untrusted: only a few well-formed multiaddrs are taken from it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import aiohttp
+
+MAX_ADDRESSES = 8
+MAX_STATUS_BYTES = 1 << 20
+RETRY_S = 2.0
+
+
+class SidecarAddressError(ValueError):
+    """A sidecar address that gave no usable multiaddr (unreachable, not a dtnode, malformed)."""
+
+
+def is_sidecar_address(peer: str) -> bool:
+    return peer.startswith(("http://", "https://"))
+
+
+def _valid(addr: object) -> bool:
+    return (isinstance(addr, str) and addr.startswith("/") and "/p2p/" in addr and "/tcp/" in addr
+            and len(addr) < 300 and addr.isascii() and " " not in addr)
+
+
+async def _resolve_one(session: aiohttp.ClientSession, url: str, timeout: float) -> list[str]:
+    """Ask until `timeout`: a node started beside its first peer (compose, a StatefulSet) may
+    find that peer's sidecar not listening yet."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while True:
+        try:
+            return await _ask(session, url, max(1.0, min(10.0, deadline - loop.time())))
+        except SidecarAddressError:
+            if loop.time() + RETRY_S >= deadline:
+                raise
+            await asyncio.sleep(RETRY_S)
+
+
+async def _ask(session: aiohttp.ClientSession, url: str, timeout: float) -> list[str]:
+    status_url = url.rstrip("/") + "/status"
+    try:
+        async with session.get(status_url, timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
+            if resp.status != 200:
+                raise SidecarAddressError(f"{status_url} answered HTTP {resp.status}")
+            status = json.loads(await resp.content.read(MAX_STATUS_BYTES))
+    except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+        raise SidecarAddressError(f"{status_url} is not reachable ({type(e).__name__}: {e})") from None
+    except ValueError:
+        raise SidecarAddressError(f"{status_url} did not answer a dtnode status") from None
+    addrs = status.get("dht_addrs") if isinstance(status, dict) else None
+    if not isinstance(addrs, list) or not (good := [a for a in addrs if _valid(a)][:MAX_ADDRESSES]):
+        raise SidecarAddressError(f"{status_url} names no DHT address (is it a dtnode sidecar that has started?)")
+    return good
+
+
+async def resolve_peers(peers: list[str], timeout: float) -> list[str]:
+    """--peer values with each sidecar address replaced by that node's multiaddrs. Raises
+    SidecarAddressError when every sidecar address given failed and no multiaddr was given."""
+    sidecars = [p for p in peers if is_sidecar_address(p)]
+    if not sidecars:
+        return list(peers)
+    out = [p for p in peers if not is_sidecar_address(p)]
+    errors = []
+    async with aiohttp.ClientSession() as session:
+        results = await asyncio.gather(*(_resolve_one(session, url, timeout) for url in sidecars),
+                                       return_exceptions=True)
+    for url, result in zip(sidecars, results):
+        if isinstance(result, SidecarAddressError):
+            errors.append(str(result))
+        elif isinstance(result, BaseException):
+            raise result
+        else:
+            out += [a for a in result if a not in out]
+    if not out:
+        raise SidecarAddressError("; ".join(errors))
+    return out

@@ -1,0 +1,243 @@
+"""What an operator sees: metrics, history, the dashboard, JSON logs, clear errors at start.
+
+One 2-node swarm serves every test of the module (real processes on loopback): node a starts
+it, node b joins through a's sidecar address (no peer id) after a's first round, so b
+downloads a's state and a serves it. The browser test drives a real headless Chromium.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import urllib.request
+from pathlib import Path
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from nodes import FAST, NodeProcess
+
+ROUNDS_TOGETHER = 2
+
+
+@pytest.fixture(scope="module")
+def swarm(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("operations")
+    a = NodeProcess.join("a", tmp, *FAST, "--run-id", "ops-test")
+    b = None
+    try:
+        a.wait_for_line(r"round 0 \|", timeout=120)
+        b = NodeProcess.join("b", tmp, *FAST, "--run-id", "ops-test", "--peer", a.http_url, "--log-format", "json")
+        index = -1
+        for _ in range(ROUNDS_TOGETHER):  # rounds averaged together, whole groups of two
+            _, _, index = b.wait_for_line_at(r"groups 2/2", timeout=120, after=index + 1)
+        a.wait_for_line(r"groups 2/2", timeout=60)
+        yield a, b
+    finally:
+        for node in (a, b):
+            if node is not None:
+                node.stop()
+        for node in (a, b):
+            if node is not None:
+                try:
+                    node.wait(60)
+                finally:
+                    node.kill()
+                    Path(str(node.state_dir) + ".log").write_text(node.output)
+
+
+def _families(node: NodeProcess) -> dict[str, dict[tuple, float]]:
+    with urllib.request.urlopen(node.http_url + "/metrics", timeout=5) as resp:
+        text = resp.read().decode()
+    out: dict[str, dict[tuple, float]] = {}
+    for family in text_string_to_metric_families(text):  # prometheus-client's own parser
+        for sample in family.samples:
+            out.setdefault(sample.name, {})[tuple(sorted(sample.labels.items()))] = sample.value
+    return out
+
+
+def _value(families, name: str, **labels) -> float:
+    return families[name][tuple(sorted(labels.items()))]
+
+
+def test_metrics_an_alert_can_use(swarm):
+    a, b = swarm
+    fa, fb = _families(a), _families(b)
+    for f in (fa, fb):
+        assert _value(f, "dtnode_rounds_total", outcome="full") >= ROUNDS_TOGETHER
+        for outcome in ("partial", "alone", "failed"):
+            assert (("outcome", outcome),) in f["dtnode_rounds_total"]  # present at zero for rate()
+        assert (("reason", "incomplete_group"),) in f["dtnode_hop_failures_total"]  # present at zero
+        assert _value(f, "dtnode_allreduce_sent_bytes_total") > 0
+        assert _value(f, "dtnode_allreduce_received_bytes_total") > 0
+        assert _value(f, "dtnode_round_phase_seconds_count", phase="inner") >= ROUNDS_TOGETHER
+        assert _value(f, "dtnode_round_phase_seconds_sum", phase="allreduce") > 0
+        assert _value(f, "dtnode_checkpoint_write_seconds_count") >= 1  # FAST writes every step
+        assert _value(f, "dtnode_last_round_timestamp_seconds") > 1.6e9
+        assert _value(f, "dtnode_peers_live") == 2 and _value(f, "dtnode_peers_seen") >= 2
+        assert _value(f, "process_resident_memory_bytes") > 50e6
+        assert _value(f, "dtnode_tokens_total") > 0 and _value(f, "dtnode_outer_step") >= ROUNDS_TOGETHER
+        assert any(dict(k).get("run_id") == "ops-test" for k in f["dtnode_build_info"])
+    # b joined by downloading a's checkpoint: a served it, b downloaded and counted a catch-up
+    assert _value(fa, "dtnode_checkpoint_served_bytes_total") > 0
+    assert _value(fb, "dtnode_checkpoint_downloaded_bytes_total") > 0
+    assert _value(fb, "dtnode_catchups_total") >= 1
+
+
+def test_history_covers_the_whole_run_and_pages(swarm):
+    a, _ = swarm
+    rounds = a.get("/history")["rounds"]
+    assert len(rounds) >= ROUNDS_TOGETHER + 1 and rounds[0]["step"] == 1  # from the first round on
+    assert [r["step"] for r in rounds] == sorted(r["step"] for r in rounds)
+    assert rounds[0]["outcome"] == "alone" and rounds[-1]["outcome"] == "full"
+    last = rounds[-1]
+    assert last["groups"] == [[2, 2]] and last["bytes_sent"] > 0 and last["tokens_total"] > last["tokens"] > 0
+    assert set(last["phases_s"]) == {"inner", "matchmaking", "allreduce", "outer"}
+    later = a.get(f"/history?since={rounds[0]['step']}&limit=1")
+    assert later["rounds"] == [rounds[1]] and later["more"] is True
+    for bad in ("since=x", "limit=0", "limit=999999"):
+        with pytest.raises(urllib.error.HTTPError) as e:
+            a.get(f"/history?{bad}")
+        assert e.value.code == 400
+    saved = [json.loads(line) for line in (a.state_dir / "history.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in saved][: len(rounds)] == [r["step"] for r in rounds]
+
+
+def test_status_and_peers_say_how_the_node_and_swarm_are(swarm):
+    a, b = swarm
+    status = a.get("/status")
+    assert status["condition"] == "ok" and status["dht_addrs"]
+    peers = a.get("/peers")
+    assert len(peers) == 2 and all("last_seen_s" in p and "lag" in p for p in peers)
+
+
+def test_json_logs_are_one_object_per_line(swarm):
+    _, b = swarm
+    entries = [json.loads(line) for line in b.lines if line.strip()]
+    assert entries and all({"time", "level", "logger", "message"} <= set(e) for e in entries)
+    assert any("--peer http://" in e["message"] and "/p2p/" in e["message"] for e in entries)  # resolved
+    assert any(e["message"].startswith("in sync at outer step") for e in entries)
+    assert not any("traceback" in e for e in entries)
+
+
+def _chromium() -> tuple[str, str] | None:
+    browser = shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
+    driver = shutil.which("chromedriver")
+    return (browser, driver) if browser and driver else None
+
+
+def test_dashboard_in_a_real_browser(swarm, tmp_path):
+    """Headless Chromium renders the dashboard of a running swarm: charts with points and axes,
+    the peers table with both nodes. CI installs Chromium (.ci/run) and sets
+    DTNODE_REQUIRE_BROWSER=1, so there a missing browser fails instead of skipping."""
+    found = _chromium()
+    if found is None:
+        if os.environ.get("DTNODE_REQUIRE_BROWSER") == "1":
+            pytest.fail("Chromium and chromedriver are required (apt-get install chromium chromium-driver)")
+        pytest.skip("no Chromium/chromedriver on this host (apt-get install chromium chromium-driver)")
+    selenium = pytest.importorskip("selenium")  # noqa: F841
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    a, b = swarm
+    options = webdriver.ChromeOptions()
+    options.binary_location = found[0]
+    for arg in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--window-size=1400,1800"):
+        options.add_argument(arg)
+    driver = webdriver.Chrome(service=Service(found[1]), options=options)
+    try:
+        driver.get(a.http_url + "/")
+        WebDriverWait(driver, 30).until(lambda d: d.execute_script(
+            "return document.querySelectorAll('#loss-step .point').length > 0"
+            " && document.querySelectorAll('#peers tr.peer').length == 2"))
+        counts = driver.execute_script("""return {
+            step: document.querySelectorAll('#loss-step .point').length,
+            tokens: document.querySelectorAll('#loss-tokens .point').length,
+            allreduce: document.querySelectorAll('#allreduce .point').length,
+            xlabels: [...document.querySelectorAll('svg .x-label')].map(e => e.textContent),
+            ylabels: [...document.querySelectorAll('svg .y-label')].map(e => e.textContent),
+            ticks: document.querySelectorAll('#loss-step .axis text').length,
+            peers: [...document.querySelectorAll('#peers tr.peer')].map(r => r.textContent),
+            health: document.getElementById('health').textContent,
+        }""")
+        assert counts["step"] >= ROUNDS_TOGETHER and counts["tokens"] >= ROUNDS_TOGETHER and counts["allreduce"] > 0
+        assert {"outer step", "tokens"} <= set(counts["xlabels"]) and "loss" in counts["ylabels"]
+        assert counts["ticks"] >= 6
+        peer_ids = {a.get("/status")["peer_id"][-10:], b.get("/status")["peer_id"][-10:]}
+        assert all(any(p in row for row in counts["peers"]) for p in peer_ids), counts["peers"]
+        assert "full rounds" in counts["health"]
+        shot = tmp_path / "dashboard.png"
+        driver.save_screenshot(str(shot))
+        assert shot.stat().st_size > 10_000
+        keep = os.environ.get("DTNODE_SCREENSHOT_DIR")
+        if keep:
+            Path(keep).mkdir(parents=True, exist_ok=True)
+            shutil.copy(shot, Path(keep) / "dashboard.png")
+    finally:
+        driver.quit()
+
+
+# ---- clear errors at start ------------------------------------------------------------------
+
+def _dtnode(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "dtnode", *args], capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.parametrize("option", ["--dht-port", "--grpc-port", "--http-port"])
+def test_a_port_in_use_ends_at_once_naming_the_option(tmp_path, option):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        ports = {"--dht-port": "0", "--grpc-port": "0", "--http-port": "0", option: str(port)}
+        result = _dtnode("join", "--host", "127.0.0.1", *[x for kv in ports.items() for x in kv],
+                         "--state-dir", str(tmp_path))
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"dtnode: error: {option}: port {port} "), result.stderr
+    assert "in use" in lines[0]
+
+
+def test_local_says_which_port_is_in_use(tmp_path):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = _dtnode("local", "--nodes", "2", "--http-port", str(port - 1), "--base-dir", str(tmp_path))
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip() == (f"dtnode: error: --http-port: port {port} (node1) on 127.0.0.1 is in use "
+                                     "(another dtnode local?); choose another base port, or 0 for any free ones")
+
+
+# ---- the round history's file -----------------------------------------------------------------
+
+def test_round_history_survives_a_torn_line_and_stays_bounded(tmp_path):
+    from dtnode.daemon.history import RoundHistory
+
+    path = tmp_path / "history.jsonl"
+    history = RoundHistory(path, limit=3)
+    for step in range(1, 8):
+        history.persist(history.append({"step": step, "loss": float("nan"), "tokens_total": 10 * step}))
+    assert len(path.read_text().splitlines()) <= 2 * 3 + 1  # rewritten to the newest 3 past twice that
+    with path.open("a") as f:
+        f.write('{"step": 8, "lo')  # a crash mid-line
+    again = RoundHistory(path, limit=3)
+    again.load()
+    assert [e["step"] for e in again.entries] == [5, 6, 7] and again.tokens_total == 70
+    assert again.entries[-1]["loss"] is None  # NaN is not JSON
+    assert [e["step"] for e in again.since(5, 10)] == [6, 7] and again.since(5, 1) == [again.entries[1]]
+
+
+def test_hivemind_loads_without_its_trainer_stack():
+    """dtnode imports hivemind's DHT only (see dtnode.peers): a second of start-up on a busy host."""
+    code = ("import sys, dtnode.daemon.node; "
+            "print(any(m.startswith(('hivemind.averaging', 'hivemind.moe', 'hivemind.optim', 'scipy')) "
+            "for m in sys.modules)); import hivemind; print(hivemind.DHT.__name__, hivemind.__version__)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["False", "DHT", "1.1.12"]
