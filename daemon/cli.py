@@ -115,6 +115,9 @@ def cmd_join(args: argparse.Namespace) -> int:
 
     from .node import run_node
 
+    # The event loop serves peers (streams, DHT, HTTP) while other threads run Python (torch's
+    # imports, checkpoint work): it waits for the GIL at most this long instead of 5 ms a time.
+    sys.setswitchinterval(0.001)
     try:
         return uvloop.run(run_node(settings))
     except JoinError as e:

@@ -801,6 +801,7 @@ class Node:
         self._training_round = round_no  # published with --overlap: pacing counts this round's tokens under it
         self._enter_round(round_no)
         if self.joined_at is not None:
+            await asyncio.wrap_future(self.trainer.build_optimizer_in_background())  # the first step needs it
             position = swarm_position((await self.membership.members()).values(), self.peer_id, self.model_hash)
             log.info("training round %d with the swarm (%s), %.1fs after the download began", round_no,
                      "no other peer" if position is None else f"its open round is {position.round}, "
@@ -1067,7 +1068,7 @@ class Node:
             "inner_steps": inner.steps, "lr": self.trainer.lr, "groups": [[h.group_size, h.expected] for h in hops],
             "bytes_sent": sum(h.bytes_sent for h in hops), "bytes_received": sum(h.bytes_received for h in hops),
             "phases_s": {k: round(v, 3) for k, v in phases.items()}, "duration_s": round(duration, 3),
-            "outcome": outcome, "reasons": sorted(set(reasons)), "params": self.replica.params_sha256()[:12],
+            "outcome": outcome, "reasons": sorted(set(reasons)),
         }
         asyncio.get_running_loop().run_in_executor(self.io_thread, self.history.persist, self.history.append(entry))
 

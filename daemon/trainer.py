@@ -53,11 +53,11 @@ class Trainer:
         self.schedule = schedule
         self.lr = schedule(0)  # the rate of the last step taken (or of the first)
         self.grad_clip = grad_clip
-        # torch imports its compiler stack (seconds of CPU) at the first optimizer a process makes:
-        # built on a side thread, that overlaps a joiner's DHT start and download instead of delaying them
-        self._optimizer_built = concurrent.futures.Future()
-        threading.Thread(target=self._build_optimizer, args=(weight_decay,), name="inner-optimizer",
-                         daemon=True).start()
+        self.weight_decay = weight_decay
+        self._optimizer_built: concurrent.futures.Future = concurrent.futures.Future()
+        self._optimizer_started = False
+        self._lock = threading.Lock()
+        self.build_optimizer_in_background()
         self.inner_step = 0
         self.adam_steps = 0  # steps behind the AdamW moments: 0 after a fresh start, whatever inner_step says
         self.last_loss = math.nan
@@ -67,15 +67,28 @@ class Trainer:
         self.tokens_per_step = stream.batch_size * stream.seq_len
         self.slowdown = _slowdown_from_env()
 
-    def _build_optimizer(self, weight_decay: float) -> None:
+    def build_optimizer_in_background(self) -> concurrent.futures.Future:
+        """Start making the AdamW optimizer on a side thread (once); its future.
+
+        torch imports its compiler stack (seconds of CPU) at the first optimizer a process
+        makes: made from the start, off the path of a joiner's DHT start and download. (Started
+        only when the download begins, it slows the transfer instead, and the joiner trains
+        about a second later: measured on a busy 2-core host.)"""
+        with self._lock:
+            if not self._optimizer_started:
+                self._optimizer_started = True
+                threading.Thread(target=self._build_optimizer, name="inner-optimizer", daemon=True).start()
+        return self._optimizer_built
+
+    def _build_optimizer(self) -> None:
         try:
-            self._optimizer_built.set_result(inner_optimizer(self.model, self.lr, weight_decay))
+            self._optimizer_built.set_result(inner_optimizer(self.model, self.lr, self.weight_decay))
         except BaseException as e:  # raised to whoever first needs the optimizer
             self._optimizer_built.set_exception(e)
 
     @property
     def optimizer(self) -> torch.optim.AdamW:
-        return self._optimizer_built.result()
+        return self.build_optimizer_in_background().result()
 
     @property
     def parameters_flat(self) -> torch.Tensor:
@@ -159,7 +172,8 @@ class Trainer:
         """Install AdamW moments (a resumed node's own), or with steps 0 start them fresh."""
         self.adam_steps = max(steps, 0)
         if steps <= 0:
-            self.optimizer.state.clear()
+            if self._optimizer_built.done():  # one still being made starts with no state anyway
+                self.optimizer.state.clear()
             return
         offset = 0
         for p in self._ordered_parameters():
