@@ -48,6 +48,9 @@ class NodeMetrics:
                                       ["reason"], registry=r)
         self.hop_failures = Counter("dtnode_hop_failures", "Failed parts and incomplete groups of averaging hops, "
                                                            "by reason", ["reason"], registry=r)
+        self.stream_retries = Counter("dtnode_stream_retries", "Streams to a reducer that broke before any result "
+                                                             "came back (a reset, or bytes altered on the path) "
+                                                             "and were sent again, by error", ["reason"], registry=r)
         self.allreduce_sent = Counter("dtnode_allreduce_sent_bytes", "Payload bytes sent by all-reduces", registry=r)
         self.allreduce_received = Counter("dtnode_allreduce_received_bytes", "Payload bytes received by all-reduces",
                                           registry=r)

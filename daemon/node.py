@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
+import contextlib
 import json
 import logging
 import math
@@ -20,7 +21,7 @@ import threading
 import time
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -44,10 +45,11 @@ from dtnode.peers.auth import ENV_KEY, AuthError, SwarmAuth, load_swarm_key
 from dtnode.peers.membership import JoinError, Membership, PeerRecord, load_record_key, public_maddrs, start_dht
 from dtnode.peers.known_peers import FILE_NAME as KNOWN_PEERS_FILE, KnownPeers, own_peer_id, peer_of
 from dtnode.peers.sidecar_address import SidecarAddressError, is_sidecar_address, resolve_peers
+from dtnode.peers.tls import NodeIdentity, TrustStore, encode_certificate
 from dtnode.peers.server import GrpcPortError, port_in_use, start_grpc_server
 
 from .checkpoint import (
-    CheckpointError, CheckpointInfo, Layout, LoadedCheckpoint, LocalState, TrainingState, file_sha256,
+    CheckpointError, CheckpointInfo, Layout, LoadedCheckpoint, LocalState, MemoryCheckpoint, TrainingState, file_sha256,
     ABANDONED_DIR, list_checkpoints, prune_checkpoints, read_checkpoint, read_local_state,
     set_aside_checkpoints_after, write_checkpoint,
 )
@@ -62,10 +64,14 @@ from .sidecar import Sidecar
 from .sync import SwarmPosition, fetch_from_swarm, swarm_position
 from .trainer import InnerResult, Trainer
 
+if TYPE_CHECKING:
+    from hivemind.utils.crypto import RSAPrivateKey
+
 log = logging.getLogger("dtnode")
 
 PACER_POLL_S = 0.2  # how often a training node re-reads the swarm's progress
 MAX_ROUND_FACTOR = 100  # a paced round takes at most this many times H steps on one peer
+TLS_CERT_FILE = "tls.crt"  # this node's data-plane certificate (PEM), derived from its record key
 DHT_PORT_FILE = "dht-port"  # the DHT port of the last run, reused when free (--dht-port 0)
 REMEMBER_PEERS_EVERY_S = 5.0
 MAX_PEERS_SEEN = 1 << 16
@@ -115,6 +121,8 @@ class Node:
         self._training_round = 0  # --overlap: the round whose inner steps run (one past the outer step)
         self._catch_up_round: int | None = None  # --overlap: a round entered from a download (see _catch_up)
         self.theta_lock = threading.Lock()  # θ_g and momentum change (training thread) or are copied (I/O)
+        self._theta_version = 0  # bumped at each change of θ_g or the momentum
+        self._memory: dict[int, MemoryCheckpoint] = {}  # steps served from memory (see current_checkpoint)
         self._round_end_at = math.inf  # monotonic time the pacer expects the swarm's round to end
         self.round_progress: SwarmProgress | None = None
         self.round_failures = 0
@@ -122,6 +130,7 @@ class Node:
                                            settings.allreduce_timeout_min, settings.allreduce_timeout)
         self.residual: torch.Tensor | None = None  # error feedback, when enabled
         self.auth: SwarmAuth | None = None
+        self.trust: TrustStore | None = None  # the data plane's TLS identities; None with --insecure-data-plane
         self._needs_resync = False  # set by a failed hop or a download; cleared by a clean round
         self.phase = "starting"  # inner, matchmaking, allreduce, outer: where the round is (chaos tests key on it)
         # What the record tells a joiner (daemon/sync.py): the round in progress, its phase in
@@ -192,7 +201,7 @@ class Node:
         """Load a checkpoint into the replica (on the training thread), with this node's own
         inner state and data position when resuming; a donor's checkpoint brings θ_g and the
         outer momentum only, and the inner AdamW starts fresh (with its warmup)."""
-        with self.theta_lock:
+        with self._theta_changing():
             self.replica.load(loaded.theta_g, loaded.momentum, loaded.step)
         if keep_inner:
             return
@@ -233,7 +242,17 @@ class Node:
             tokens_per_step=self.trainer.tokens_per_step if hasattr(self, "trainer") else 0,
             progress_at=get_dht_time(), bandwidth_mbps=self.settings.bandwidth_mbps, device=str(self.device), client_mode=self.settings.client_mode,
             model_hash=self.model_hash, version=__version__,
+            tls_cert=encode_certificate(self.trust.own.cert_der) if self.trust is not None else "",
         )
+
+    def _tls_identity(self, record_key: RSAPrivateKey) -> TrustStore:
+        """This node's TLS certificate, self-signed with its record key, kept in the state dir
+        (operators can compare its fingerprint with the one peers log)."""
+        identity = NodeIdentity.from_key(record_key._private_key, self.peer_id)
+        path = self.state_dir / TLS_CERT_FILE
+        if not path.exists() or path.read_bytes() != identity.cert_pem:
+            path.write_bytes(identity.cert_pem)
+        return TrustStore(identity, self.peer_id)
 
     def _record_phase(self) -> str:
         """The round's phase in a joiner's terms: `inner` and `matchmaking` (hop 0 still forming:
@@ -265,6 +284,7 @@ class Node:
             "params_sha256": self.replica.params_sha256() if hasattr(self, "replica") else "",
             "http_url": self.http_addr, "grpc_addr": self.grpc_addr, "join_command": self.join_command,
             "dht_addrs": list(self.dht_addrs),
+            "tls_fingerprint": self.trust.own.fingerprint if self.trust is not None else None,
             "model": self.settings.model, "model_hash": self.model_hash, "device": str(self.device),
             "client_mode": self.settings.client_mode, "version": __version__, "last_round": self.last_round,
             "deadlines": self.deadlines.snapshot(self._expected_bytes()), "fused_kernels": fused_kernels_active(),
@@ -327,7 +347,8 @@ class Node:
                                  {ENV_KEY: s.swarm_key.get_secret_value()} if s.swarm_key else {})
         except AuthError as e:
             raise SettingsError("--swarm-key-file", str(e)) from None
-        validator = RSASignatureValidator(await asyncio.to_thread(load_record_key, self.state_dir / "record.key"))
+        record_key = await asyncio.to_thread(load_record_key, self.state_dir / "record.key")
+        validator = RSASignatureValidator(record_key)
         identity = (self.state_dir / "identity.key").resolve()
         self._fresh_identity = not identity.exists()
         if self._fresh_identity:  # made here rather than by hivemind: the peer id is known before the DHT runs
@@ -350,11 +371,17 @@ class Node:
                         "reach it may join its groups and download its checkpoints")
         else:
             self.auth = SwarmAuth(key, self.peer_id)
+        if s.insecure_data_plane:
+            self.trust = None
+            log.warning("--insecure-data-plane: pseudo-gradients travel in plaintext; anyone on the path can read "
+                        "or alter them, and a swarm key holder can speak as another peer")
+        else:
+            self.trust = await asyncio.to_thread(self._tls_identity, record_key)
         self.heartbeat_task: asyncio.Task | None = None
         self.remember_task: asyncio.Task | None = None
         self.grpc_server = None
         self.sidecar = Sidecar(self)
-        self.channels = ChannelPool(max_message_bytes(s.chunk_elements))
+        self.channels = ChannelPool(max_message_bytes(s.chunk_elements), self.trust)
         try:
             await training_state
             await loop.run_in_executor(self.io_thread, self._resume_local)
@@ -497,10 +524,12 @@ class Node:
         self.registry = ReductionRegistry()
         if not s.client_mode:
             service = AveragingService(self.registry, s.run_id, registration_wait=min(5.0, s.matchmaking_window),
-                                       auth=self.auth)
+                                       auth=self.auth, trust=self.trust)
+            credentials = self.trust.server_credentials() if self.trust is not None else None
             try:
                 self.grpc_server, grpc_port = await start_grpc_server(service, s.host, s.grpc_port,
-                                                                      max_message_bytes(s.chunk_elements))
+                                                                      max_message_bytes(s.chunk_elements),
+                                                                      credentials=credentials)
             except GrpcPortError as e:  # taken since the check at start
                 raise SettingsError("--grpc-port", str(e)) from None
             self.grpc_addr = f"{announce}:{grpc_port}"
@@ -511,7 +540,7 @@ class Node:
             raise SettingsError("--http-port", f"cannot listen on {s.host}:{s.http_port}: {e.strerror or e}") from None
         self.http_addr = f"http://{announce}:{http_port}"
         self.membership = Membership(self.dht, s.run_id, s.peer_ttl, s.heartbeat_interval, self.validator, self.auth,
-                                     initial_peers=self.bootstrap)
+                                     initial_peers=self.bootstrap, trust=self.trust)
         self.matchmaker = Matchmaker(self.dht, s.run_id, Member(self.peer_id, self.grpc_addr, s.client_mode,
                                                                  s.bandwidth_mbps), auth=self.auth)
         config = AveragingConfig(s.run_id, self.model_hash, s.target_group_size, s.grid_dims, s.compression == "int8",
@@ -556,6 +585,8 @@ class Node:
         synced, downloads, waiting = False, 0, False
         while not self.stop_requested.is_set():
             view = await self.membership.members()
+            if joining:
+                self._check_data_plane(view)
             position = swarm_position(view.values(), self.peer_id, self.model_hash)
             own = self.replica.outer_step
             if position is None:
@@ -563,6 +594,8 @@ class Node:
             behind = position.start_step > own + lag
             ahead = own > position.start_step + 1 + lag
             if not behind and not ahead:
+                if synced:  # from where the swarm is now: the download may have brought a newer step than asked
+                    self._catch_up_round = position.round if position.round == own + 1 else None
                 return synced
             if not position.ready:  # its peers are still applying the outer step that opens it
                 if time.monotonic() > deadline:
@@ -598,6 +631,20 @@ class Node:
                 return synced
         return synced
 
+    def _check_data_plane(self, view: dict[str, PeerRecord]) -> None:
+        """Refuse to join a swarm whose peers average over the other kind of data plane: TLS and
+        plaintext peers cannot open streams to each other, so every round would lose them."""
+        tls = self.trust is not None
+        other = sorted(p for p, r in view.items()
+                       if p != self.peer_id and r.state != "stopped" and bool(r.tls_cert) != tls)
+        if other:
+            theirs, mine = ("plaintext", "TLS") if tls else ("TLS", "plaintext")
+            fix = "add --insecure-data-plane" if tls else "drop --insecure-data-plane"
+            who = f"peer {other[0]}" if len(other) == 1 else f"{len(other)} peers ({other[0]}, ...)"
+            verb = "averages" if len(other) == 1 else "average"
+            raise JoinError(f"{who} of this swarm {verb} over a {theirs} data plane and this node over {mine}: "
+                            f"every peer of a swarm must use the same ({fix} to join this one)")
+
     async def _position_moved(self, position: SwarmPosition) -> bool:
         """Whether the swarm's open round has changed since `position` (a failed download is then retried)."""
         now = swarm_position((await self.membership.members()).values(), self.peer_id, self.model_hash)
@@ -619,9 +666,11 @@ class Node:
             return False
         keep_inner = self.trainer.inner_step > 0
         loop = asyncio.get_running_loop()
+        installing = time.monotonic()
         if self._hash_task is not None:  # it reads the θ_g about to be replaced
             await asyncio.gather(self._hash_task, return_exceptions=True)
         await loop.run_in_executor(self.train_thread, self._install, loaded, None, keep_inner)
+        loaded.timings["installing"] = time.monotonic() - installing
         self._hash_task = asyncio.ensure_future(self._rehash())  # for the record and logs: off the join's path
         if self._pending_write is not None:
             await asyncio.gather(self._pending_write, return_exceptions=True)
@@ -632,7 +681,9 @@ class Node:
             log.info("moved this node's checkpoints of steps %s to %s", moved, self.state_dir / ABANDONED_DIR)
         await self._keep_downloaded(loaded)
         self._needs_resync = True  # the donor's θ_g may differ slightly from its neighbours'
-        log.info("in sync at outer step %d%s", loaded.step, "; inner optimizer state kept" if keep_inner else "")
+        stages = ", ".join(f"{stage} {seconds:.1f}s" for stage, seconds in loaded.timings.items())
+        log.info("in sync at outer step %d%s%s", loaded.step, f" ({stages})" if stages else "",
+                 "; inner optimizer state kept" if keep_inner else "")
         await self.membership.announce(self.record())
         return True
 
@@ -926,7 +977,7 @@ class Node:
 
                 def adopt() -> torch.Tensor:
                     self.trainer.round_tokens, self.trainer.round_seconds = 0, 0.0
-                    with self.theta_lock:
+                    with self._theta_changing():
                         delta = self.replica.delayed_outer_step(None, torch.cat([loaded.theta_g, loaded.momentum]))
                         self.replica.outer_step = loaded.step
                     self._evaluate_theta_g()
@@ -945,7 +996,7 @@ class Node:
     def _apply_delayed(self, result: AveragingResult | None) -> torch.Tensor:
         """On the training thread: the delayed outer step, this round's Δ staged, θ_g evaluated."""
         self.trainer.round_tokens, self.trainer.round_seconds = 0, 0.0
-        with self.theta_lock:
+        with self._theta_changing():
             delta = self.replica.delayed_outer_step(None if result is None else result.mean,
                                                     None if result is None else result.theta)
         if result is not None:
@@ -969,7 +1020,7 @@ class Node:
         loop = asyncio.get_running_loop()
 
         def settle() -> None:
-            with self.theta_lock:
+            with self._theta_changing():
                 self.replica.settle_in_flight(None if result is None else result.mean,
                                               None if result is None else result.theta)
             if result is not None:
@@ -986,17 +1037,62 @@ class Node:
         # this round's count goes first: a record must never show the next step with this
         # round's tokens, which every peer would add to the next round's progress
         self.trainer.round_tokens, self.trainer.round_seconds = 0, 0.0
-        with self.theta_lock:
+        with self._theta_changing():
             if result.theta is not None:
                 self.replica.adopt_consensus_state(result.theta)
             self.replica.apply_outer_step(result.mean)
 
     async def _rehash(self) -> None:
         """params_sha256 of the new θ_g: one device-to-host copy on the training thread, the
-        hash on the I/O thread (θ_g does not change before the next outer step awaits this)."""
+        hash on the I/O thread (θ_g does not change before the next outer step awaits this);
+        then the checkpoint of this step, ready to be served from memory."""
         loop = asyncio.get_running_loop()
         host = await loop.run_in_executor(self.train_thread, self.replica.host_theta)
         self.replica.set_params_sha256(await loop.run_in_executor(self.io_thread, sha256_of, host))
+        await self._prepare_memory_checkpoint()
+
+    async def _prepare_memory_checkpoint(self) -> None:
+        """Hash θ_g and the momentum as this step's checkpoint file would hold them, so that a
+        joiner's request is answered at once and served from the live tensors instead of
+        waiting for the file to be written (a second or more on a busy host). CPU state only:
+        on a GPU the checkpoint is written on demand, as a device copy would be made anyway."""
+        replica = self.replica
+        step, version = replica.outer_step, self._theta_version
+        if (step == 0 or step in self.checkpoints or step in self._memory
+                or replica.theta_g.device.type != "cpu" or replica.outer.momentum_buffer.device.type != "cpu"
+                or failpoints.active_since("wrong-checkpoint", step)):
+            return
+        memory = MemoryCheckpoint(step, self.layout, replica.theta_g, replica.outer.momentum_buffer,
+                                  self._checkpoint_metadata())
+        await asyncio.get_running_loop().run_in_executor(self.io_thread, memory.hash)
+        if self._theta_version != version:
+            return  # θ_g changed while it was hashed: the hash is of neither
+        in_use = self.sidecar.steps_in_use()
+        for old in [s for s in self._memory if s not in in_use]:
+            del self._memory[old]
+        self._memory[step] = memory
+
+    @contextlib.contextmanager
+    def _theta_changing(self):
+        """Hold the lock while θ_g or the momentum change. A checkpoint served from their memory
+        goes on from copies if a joiner asked for it lately, and is dropped otherwise."""
+        with self.theta_lock:
+            self._theta_version += 1
+            in_use = self.sidecar.steps_in_use() if hasattr(self, "sidecar") else set()
+            for step, memory in list(self._memory.items()):
+                if step in in_use:
+                    memory.detach()
+                else:
+                    self._memory.pop(step, None)
+            yield
+
+    def memory_checkpoint(self, step: int) -> MemoryCheckpoint | None:
+        memory = self._memory.get(step)
+        return memory if memory is not None and memory.sha256 else None
+
+    def _checkpoint_metadata(self) -> dict[str, str]:
+        return {"run_id": self.settings.run_id, "model_hash": self.model_hash, "model": self.settings.model,
+                "model_config": json.dumps(self.model_description, sort_keys=True)}
 
     def _report(self, round_no: int, inner: InnerResult, result: AveragingResult | None, duration: float) -> None:
         """The round line and record. With --overlap the groups, bytes and θ_g are those of the
@@ -1044,6 +1140,8 @@ class Node:
         self._recent_outcomes.append(outcome)
         for reason in reasons:
             m.hop_failures.labels(reason=reason).inc()
+        for code in (code for h in hops for code in h.retried_codes):
+            m.stream_retries.labels(reason=failure_reason(code)).inc()
         m.outer_step.set(self.replica.outer_step)
         m.inner_step.set(self.trainer.inner_step)
         m.loss.set(inner.mean_loss)
@@ -1097,6 +1195,8 @@ class Node:
         step = self.replica.outer_step if hasattr(self, "replica") else 0
         if step == 0 or (newest is not None and newest.step >= step) or self.state not in ("training", "averaging"):
             return newest
+        if (memory := self.memory_checkpoint(step)) is not None:
+            return memory.info
         for _ in range(2):  # a write already under way may be of an older step
             if self._pending_write is None or self._pending_write.done():
                 self._pending_write = asyncio.ensure_future(self._write_checkpoint(local=False))
@@ -1123,8 +1223,9 @@ class Node:
         """Snapshot (the only work on the training thread, or none without `local`), write on the I/O thread."""
         loop = asyncio.get_running_loop()
         step, state = await loop.run_in_executor(self.train_thread if local else self.io_thread, self._snapshot, local)
-        metadata = {"run_id": self.settings.run_id, "model_hash": self.model_hash, "model": self.settings.model,
-                    "model_config": json.dumps(self.model_description, sort_keys=True)}
+        if failpoints.active_since("wrong-checkpoint", step):  # a lying donor, for tests (its own θ_g is untouched)
+            state.theta_g.add_(1.0)
+        metadata = self._checkpoint_metadata()
         try:
             # on demand for a joiner (not `local`): the joiner waits for it, so no fsync
             started = time.monotonic()

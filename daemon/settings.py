@@ -60,6 +60,9 @@ class NodeSettings(BaseSettings):
                                                           "may average with this node or download its state.")
     swarm_key: SecretStr | None = Field(None, description="The swarm key itself; set it through the environment "
                                                           "(DTNODE_SWARM_KEY), never on a command line.")
+    insecure_data_plane: bool = Field(False, description="Average over plaintext gRPC instead of mutual TLS "
+                                                         "pinned to each peer's signed record; only on a "
+                                                         "trusted LAN, and on every peer of the swarm alike.")
     join_timeout: float = Field(30.0, gt=0, le=3600, description="Seconds to reach the DHT and the initial "
                                                                  "peers before giving up with an error.")
     min_peers: int = Field(1, ge=1, le=10_000, description="Wait (up to --join-timeout) until this many "

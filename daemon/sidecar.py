@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib.resources
+import logging
 import time
 from pathlib import Path
 from typing import Any, Protocol
@@ -19,11 +20,14 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 
 from dtnode.peers.auth import HTTP_HEADER, AuthError, SwarmAuth
 
-from .checkpoint import CheckpointInfo
+from .checkpoint import CheckpointInfo, MemoryCheckpoint
 from .history import RoundHistory
 from .metrics import NodeMetrics
 
+log = logging.getLogger(__name__)
+
 MAX_STEP = 1 << 62
+MEMORY_CHUNK = 1 << 20  # bytes of a checkpoint served from memory per write
 SERVED_RECENTLY_S = 120.0  # a checkpoint asked for within this long is not pruned
 PROTECTED = ("/checkpoint", "/peers")
 HISTORY_PAGE = 5000  # rounds per /history answer
@@ -41,6 +45,8 @@ class NodeView(Protocol):
     async def peer_records(self) -> list[dict[str, Any]]: ...
 
     def checkpoint(self, step: int | None = None) -> CheckpointInfo | None: ...
+
+    def memory_checkpoint(self, step: int) -> MemoryCheckpoint | None: ...
 
     async def current_checkpoint(self) -> CheckpointInfo | None: ...
 
@@ -74,14 +80,20 @@ class Sidecar:
         self.runner: web.AppRunner | None = None
         self._dashboard = importlib.resources.files(__package__).joinpath("dashboard.html").read_text("utf-8")
         self.port = 0
+        self._from_memory: set[int] = set()  # steps already logged as served from memory
         self._served: dict[int, float] = {}  # step -> when a range of it was last asked for (monotonic)
 
     def steps_in_use(self, within: float = SERVED_RECENTLY_S) -> set[int]:
-        """Steps a joiner fetched ranges of lately: pruning keeps them, so a download that spans
-        this node's next checkpoints (a round boundary) still finds its file."""
+        """Steps a joiner asked for or fetched ranges of lately: pruning keeps their files, and
+        an outer step keeps serving them from copies, so a download that spans this node's
+        round boundary still finds its bytes. (Read from the training thread too: no writes.)"""
         cutoff = time.monotonic() - within
-        self._served = {step: at for step, at in self._served.items() if at > cutoff}
-        return set(self._served)
+        return {step for step, at in list(self._served.items()) if at > cutoff}
+
+    def _mark_served(self, step: int) -> None:
+        cutoff = time.monotonic() - SERVED_RECENTLY_S
+        self._served = {s: at for s, at in self._served.items() if at > cutoff}
+        self._served[step] = time.monotonic()
 
     @web.middleware
     async def _require_key(self, request: web.Request, handler):
@@ -125,6 +137,7 @@ class Sidecar:
             raise web.HTTPServiceUnavailable(text="writing the current checkpoint", headers={"Retry-After": "2"})
         if info is None:
             raise web.HTTPNotFound(text="no checkpoint yet")
+        self._mark_served(info.step)  # a joiner's ranges follow: the step must outlive the next outer step
         return web.json_response({
             "outer_step": info.step, "sha256": info.sha256, "size_bytes": info.size_bytes,
             "url": str(request.url.with_path(f"/checkpoint/{info.step}").with_query(None)),
@@ -136,12 +149,17 @@ class Sidecar:
         if not raw.isascii() or not raw.isdigit() or len(raw) > 19 or int(raw) > MAX_STEP:
             raise web.HTTPBadRequest(text="step must be a non-negative integer")
         info = self.node.checkpoint(int(raw))
-        if info is not None:
-            self._served[info.step] = time.monotonic()
-        if info is None or not Path(info.path).is_file():
+        memory = self.node.memory_checkpoint(int(raw)) if info is None or not Path(info.path).is_file() else None
+        if info is None and memory is None:
+            raise web.HTTPNotFound(text=f"no checkpoint for step {int(raw)}")
+        self._mark_served(int(raw))
+        if memory is None and not Path(info.path).is_file():
             raise web.HTTPNotFound(text=f"no checkpoint for step {int(raw)}")
         if self.downloads.locked():
             raise web.HTTPServiceUnavailable(text="too many downloads in progress", headers={"Retry-After": "2"})
+        if memory is not None:
+            async with self.downloads:
+                return await self._serve_from_memory(request, memory)
         async with self.downloads:
             response = _HeldFileResponse(info.path, chunk_size=1 << 20, headers={
                 "X-Checkpoint-Sha256": info.sha256, "X-Checkpoint-Step": str(info.step),
@@ -150,6 +168,37 @@ class Sidecar:
             await response.prepare(request)  # sends the whole file while we hold the slot
             self.node.metrics.checkpoint_served.inc(response.content_length or 0)
             return response
+
+    async def _serve_from_memory(self, request: web.Request, memory: MemoryCheckpoint) -> web.StreamResponse:
+        """The file's bytes (a Range of them, as a file would answer) from θ_g in memory."""
+        try:
+            wanted = request.http_range
+        except ValueError:
+            raise web.HTTPRequestRangeNotSatisfiable(headers={"Content-Range": f"bytes */{memory.size}"}) from None
+        start, stop = wanted.start, wanted.stop
+        partial = start is not None or stop is not None
+        if start is None:  # a suffix (bytes=-N) or no range at all
+            start, stop = (memory.size - stop, memory.size) if stop is not None else (0, memory.size)
+        elif start < 0:
+            start, stop = memory.size + start, memory.size
+        stop = memory.size if stop is None else min(stop, memory.size)
+        if not 0 <= start < stop:
+            raise web.HTTPRequestRangeNotSatisfiable(headers={"Content-Range": f"bytes */{memory.size}"})
+        headers = {"X-Checkpoint-Sha256": memory.sha256, "X-Checkpoint-Step": str(memory.step),
+                   "Content-Type": "application/octet-stream", "Accept-Ranges": "bytes"}
+        if partial:
+            headers["Content-Range"] = f"bytes {start}-{stop - 1}/{memory.size}"
+        if memory.step not in self._from_memory:
+            self._from_memory.add(memory.step)
+            log.info("serving checkpoint %d from memory (no file of it is written)", memory.step)
+        response = web.StreamResponse(status=206 if partial else 200, headers=headers)
+        response.content_length = stop - start
+        await response.prepare(request)
+        for offset in range(start, stop, MEMORY_CHUNK):
+            await response.write(memory.read(offset, min(MEMORY_CHUNK, stop - offset)))
+        await response.write_eof()
+        self.node.metrics.checkpoint_served.inc(stop - start)
+        return response
 
     async def history(self, request: web.Request) -> web.Response:
         """The rounds after outer step `since` (all by default), oldest first, a page at a time."""

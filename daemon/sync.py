@@ -323,12 +323,28 @@ async def download_parallel(session: aiohttp.ClientSession, offers: list[Offer],
 
 
 def _groups(offers: list[Offer]) -> list[list[Offer]]:
-    """Donors serving the same file together; newest step first, then most donors, then fastest."""
+    """Donors serving the same file together, only the files the most donors serve (newest
+    step first, then fastest).
+
+    One vote per donor: a donor whose file no other donor vouches for, while another file has
+    more donors, is never used, so one lying donor cannot hand a joiner a model of its own,
+    not even by announcing a newer step than the rest. Ties stay eligible: groups of a moshpit
+    swarm legitimately hold different θ_g of one step, and at a round's end one donor may be a
+    step ahead of another; a joiner taking the older step then downloads again."""
     by_file: dict[tuple[int, str, int], list[Offer]] = {}
     for offer in offers:
         by_file.setdefault((offer.step, offer.sha256, offer.size), []).append(offer)
-    groups = [sorted(g, key=lambda o: o.latency) for g in by_file.values()]
-    return sorted(groups, key=lambda g: (-g[0].step, -len(g), g[0].latency))
+    most = max((len(g) for g in by_file.values()), default=0)
+    groups = []
+    for group in by_file.values():
+        if len(group) < most:
+            log.warning("skipping %s: %s a checkpoint of step %d (sha256 %s) that %d other peer(s) contradict",
+                        ", ".join(f"peer {o.donor.peer_id[-8:]} ({o.base})" for o in group),
+                        "they serve" if len(group) > 1 else "it serves", group[0].step, group[0].sha256[:12],
+                        most)
+            continue
+        groups.append(sorted(group, key=lambda o: o.latency))
+    return sorted(groups, key=lambda g: (-g[0].step, g[0].latency))
 
 
 def swarm_step(steps: list[int]) -> int:
@@ -392,6 +408,7 @@ async def fetch_from_swarm(members: dict[str, PeerRecord], own_id: str, steps: r
     if not donors:
         return None
     scratch.mkdir(parents=True, exist_ok=True)
+    started = time.monotonic()
     async with aiohttp.ClientSession() as session:
         probes = await asyncio.gather(*(probe(session, d, layout, min(timeout, 10.0), auth) for d in donors),
                                       return_exceptions=True)
@@ -413,8 +430,12 @@ async def fetch_from_swarm(members: dict[str, PeerRecord], own_id: str, steps: r
             for attempt in attempts:
                 path = None
                 try:
+                    asked = time.monotonic()
                     path = await download_parallel(session, attempt, scratch, timeout, auth)
+                    downloaded = time.monotonic()
                     loaded = await asyncio.to_thread(read_checkpoint, path, layout, run_id, model_hash)
+                    loaded.timings = {"asking": asked - started, "transfer": downloaded - asked,
+                                      "checking": time.monotonic() - downloaded}
                     if keep:
                         final = checkpoint_path(scratch, loaded.step)
                         await asyncio.to_thread(os.replace, path, final)

@@ -80,6 +80,7 @@ class HopReport:
     bytes_received: int = 0
     failed_parts: list[str] = field(default_factory=list)
     failure_codes: list[str] = field(default_factory=list)  # per failed part: its gRPC code or error type
+    retried_codes: list[str] = field(default_factory=list)  # per stream that broke and was sent again: its code
     extra_groups: int = 0
     theta_resync_s: float | None = None
 
@@ -350,6 +351,7 @@ class MoshpitAverager:
         report.bytes_received += result.bytes_received
         report.failed_parts += [p.reducer for p in result.failed_parts]
         report.failure_codes += [p.error.split(":", 1)[0] for p in result.failed_parts]
+        report.retried_codes += result.retried
         if theta is not None and theta_out is not None:
             theta_plan = make_plan(c.run_id, round_no, theta_hop, group.members, theta.numel(), c.block_size,
                                    c.chunk_elements, FP32, key=group.key)
@@ -361,4 +363,5 @@ class MoshpitAverager:
             report.bytes_received += sync.bytes_received
             report.failed_parts += [p.reducer for p in sync.failed_parts]
             report.failure_codes += [p.error.split(":", 1)[0] for p in sync.failed_parts]
+            report.retried_codes += sync.retried
         return result

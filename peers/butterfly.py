@@ -31,6 +31,7 @@ from dtnode.proto import averaging_pb2_grpc as pb_grpc
 from . import failpoints
 from .auth import GRPC_METADATA, SwarmAuth, stream_subject
 from .plan import INT8, GroupPlan, chunk_spans
+from .tls import TLS_NAME, TlsError, TrustStore
 from .reducer import PartReduction, ReductionRegistry, maybe_thread
 from .wire import MAX_WEIGHT, ChunkError, Payload, chunk_message, decode_chunk, payload_size
 
@@ -54,6 +55,7 @@ class AllReduceReport:
     bytes_sent: int = 0
     bytes_received: int = 0
     seconds: float = 0.0
+    retried: list[str] = field(default_factory=list)  # error codes of streams that broke and were sent again
 
     @property
     def included_peers(self) -> list[str]:
@@ -78,22 +80,34 @@ class AllReduceReport:
 
 
 class ChannelPool:
-    """One long-lived gRPC channel per peer address."""
+    """One long-lived gRPC channel per peer address (and, with TLS, per pinned certificate)."""
 
-    def __init__(self, max_message_bytes: int):
+    def __init__(self, max_message_bytes: int, trust: TrustStore | None = None):
         self.options = [
             ("grpc.max_send_message_length", max_message_bytes),
             ("grpc.max_receive_message_length", max_message_bytes),
             ("grpc.keepalive_time_ms", 10_000),
             ("grpc.keepalive_timeout_ms", 5_000),
         ]
-        self._channels: dict[str, grpc.aio.Channel] = {}
+        self.trust = trust
+        self._channels: dict[tuple[str, str], grpc.aio.Channel] = {}
 
-    def stub(self, address: str) -> pb_grpc.AveragingStub:
-        channel = self._channels.get(address)
+    def stub(self, address: str, peer_id: str) -> pb_grpc.AveragingStub:
+        """A stub for `peer_id` at `address`; with TLS it trusts only that peer's certificate
+        (TlsError if its record has not been read)."""
+        pin = ""
+        if self.trust is not None:
+            pin = self.trust.fingerprint_of(peer_id) or ""
+            if not pin:
+                raise TlsError(f"no TLS certificate known for peer {peer_id}")
+        channel = self._channels.get((address, pin))
         if channel is None:
-            channel = grpc.aio.insecure_channel(address, options=self.options)
-            self._channels[address] = channel
+            if self.trust is None:
+                channel = grpc.aio.insecure_channel(address, options=self.options)
+            else:
+                channel = grpc.aio.secure_channel(address, self.trust.channel_credentials(peer_id),
+                                                  options=self.options + [("grpc.ssl_target_name_override", TLS_NAME)])
+            self._channels[(address, pin)] = channel
         return pb_grpc.AveragingStub(channel)
 
     async def close(self) -> None:
@@ -107,6 +121,14 @@ def _encode(plan: GroupPlan, values: torch.Tensor, residual: torch.Tensor | None
     if residual is not None:
         return quantize_with_feedback(values, residual, plan.block_size)
     return quantize(values, plan.block_size)
+
+
+STREAM_ATTEMPTS = 2  # a stream that broke before any result came back is sent once more
+RETRIABLE = ("UNAVAILABLE", "INTERNAL")  # transport failures (gRPC core reports a refused TLS record as INTERNAL)
+
+
+class EncodingError(RuntimeError):
+    """Quantizing this member's values failed (its cause is chained): a bug, not the network."""
 
 
 # In robust mode a member refuses a part whose averaged result is this many times larger (L2)
@@ -191,6 +213,44 @@ async def butterfly_allreduce(
         offset, length = plan.parts[part]
         mine = values[offset : offset + length]
         mine_residual = residual[offset : offset + length] if residual is not None else None
+        # encoding spends the residual: a stream sent again must start from the same one
+        residual_before = mine_residual.clone() if mine_residual is not None else None
+        target = out[offset : offset + length]
+        for attempt in range(STREAM_ATTEMPTS):
+            received = [0]
+            try:
+                return await stream_part(part, reducer, mine, mine_residual, target, received)
+            except (grpc.aio.AioRpcError, ChunkError, TlsError, asyncio.TimeoutError, EncodingError) as e:
+                detail = e.details() if isinstance(e, grpc.aio.AioRpcError) else str(e)
+                code = e.code().name if isinstance(e, grpc.aio.AioRpcError) else type(e).__name__
+                if isinstance(e, EncodingError):
+                    log.error("round %s hop %s: encoding part %s failed", plan.round, plan.hop, part,
+                              exc_info=e.__cause__)
+                    code, detail = "ENCODING_FAILED", repr(e.__cause__)
+                remaining = timeout - (time.monotonic() - started)
+                if (attempt + 1 < STREAM_ATTEMPTS and code in RETRIABLE and not received[0]
+                        and remaining > timeout * 0.3):
+                    # the connection broke before any result came back (a reset, or bytes altered on
+                    # the path and refused by TLS): a reducer that never saw the stream would
+                    # otherwise wait for it until its deadline
+                    log.warning("round %s hop %s: stream of part %s to reducer %s broke (%s: %s); sending it again",
+                                plan.round, plan.hop, part, reducer.peer_id, code, detail)
+                    report.retried.append(code)
+                    if mine_residual is not None:
+                        mine_residual.copy_(residual_before)
+                    continue
+                target.copy_(mine)  # a failed reducer: keep our own values for its part
+                if mine_residual is not None:
+                    mine_residual.zero_()  # those values were applied exactly
+                log.warning("round %s hop %s: part %s from reducer %s failed (%s: %s); keeping own values",
+                            plan.round, plan.hop, part, reducer.peer_id, code, detail)
+                return PartOutcome(part, reducer.peer_id, False, [], 0.0, length, f"{code}: {detail}")
+        raise AssertionError("unreachable")
+
+    async def stream_part(part: int, reducer, mine: torch.Tensor, mine_residual: torch.Tensor | None,
+                          target: torch.Tensor, received: list[int]) -> PartOutcome:
+        """One stream of this member's slice of `part` to its reducer, and the averaged result back."""
+        length = mine.numel()
         spans = chunk_spans(plan, part)
         queue: asyncio.Queue[tuple[pb.PartChunk, int]] = asyncio.Queue(maxsize=in_flight)
 
@@ -216,26 +276,26 @@ async def butterfly_allreduce(
                 yield msg
 
         producer = asyncio.ensure_future(produce())
-        target = out[offset : offset + length]
-        received = 0
         try:
             remaining = timeout - (time.monotonic() - started)
             metadata = None
             if auth is not None:
                 tag = auth.issue("grpc", stream_subject(plan.run_id, plan.round, plan.hop, plan.group_id, part))
                 metadata = ((GRPC_METADATA, tag),)
-            call = channels.stub(reducer.grpc_addr).Reduce(requests(), timeout=max(remaining, 0.1), metadata=metadata)
+            call = channels.stub(reducer.grpc_addr, reducer.peer_id).Reduce(requests(), timeout=max(remaining, 0.1),
+                                                                           metadata=metadata)
             async for msg in call:
                 if msg.round != plan.round or msg.hop != plan.hop or msg.group_id != plan.group_id \
                         or msg.part != part or msg.sender != reducer.peer_id:
                     raise ChunkError("result chunk names another round, group, part or reducer")
-                payload = decode_chunk(msg, plan, length, received)
+                payload = decode_chunk(msg, plan, length, received[0])
                 report.bytes_received += payload_size(payload)
-                await maybe_thread(_decode_into, payload, target[received : received + msg.length], size=msg.length)
-                received += msg.length
+                await maybe_thread(_decode_into, payload, target[received[0] : received[0] + msg.length],
+                                   size=msg.length)
+                received[0] += msg.length
                 if msg.last:
-                    if received != length:
-                        raise ChunkError(f"result ended after {received} of {length} elements")
+                    if received[0] != length:
+                        raise ChunkError(f"result ended after {received[0]} of {length} elements")
                     included = list(msg.included)
                     if own_id not in included or not set(included) <= set(plan.member_ids):
                         raise ChunkError(f"reducer's included list {included} is not valid for us")
@@ -245,19 +305,10 @@ async def butterfly_allreduce(
                         raise ChunkError(f"result norm is more than {RESULT_NORM_LIMIT}x our own for this part")
                     return PartOutcome(part, reducer.peer_id, True, included, msg.total_weight, length)
             raise ChunkError("result stream ended without a last chunk")
-        except (grpc.aio.AioRpcError, ChunkError, asyncio.TimeoutError) as e:
-            target.copy_(mine)  # a failed reducer: keep our own values for its part
-            if mine_residual is not None:
-                mine_residual.zero_()  # those values were applied exactly
-            detail = e.details() if isinstance(e, grpc.aio.AioRpcError) else str(e)
-            code = e.code().name if isinstance(e, grpc.aio.AioRpcError) else type(e).__name__
+        except (grpc.aio.AioRpcError, ChunkError, TlsError, asyncio.TimeoutError):
             if producer.done() and not producer.cancelled() and producer.exception() is not None:
-                cause = producer.exception()
-                log.error("round %s hop %s: encoding part %s failed", plan.round, plan.hop, part, exc_info=cause)
-                code, detail = "ENCODING_FAILED", repr(cause)
-            log.warning("round %s hop %s: part %s from reducer %s failed (%s: %s); keeping own values",
-                        plan.round, plan.hop, part, reducer.peer_id, code, detail)
-            return PartOutcome(part, reducer.peer_id, False, [], 0.0, length, f"{code}: {detail}")
+                raise EncodingError() from producer.exception()
+            raise
         finally:
             producer.cancel()
             await asyncio.gather(producer, return_exceptions=True)

@@ -14,6 +14,9 @@ results). One point raises instead of killing: `round-error` (an exception in th
 after its inner steps), to show that the node's per-round error boundary holds. One point
 pauses: `outer-phase` (`outer-phase@2:6` holds the node 6 s right after it applied round 2's
 outer step, without blocking its event loop), so a test can land a joiner in that phase.
+One point makes the node lie from that round on: `wrong-checkpoint` (`wrong-checkpoint@1`
+writes every checkpoint of step 1 and later with θ_g shifted, hashed and announced as if
+right, while the node itself trains on), so a test can show joiners skip a lying donor.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ import signal
 import sys
 
 ENV = "DTNODE_TEST_FAILPOINT"
-POINTS = ("sending", "reducing", "round-error", "outer-phase")
+POINTS = ("sending", "reducing", "round-error", "outer-phase", "wrong-checkpoint")
 RAISING = ("round-error",)
 PAUSING = ("outer-phase",)
 DEFAULT_PAUSE_S = 5.0
@@ -60,6 +63,11 @@ def reach(name: str, round_: int) -> None:
             raise FailpointError(f"failpoint {name}@{round_} reached")
         print(f"failpoint {name}@{round_} reached: killing this process", file=sys.stderr, flush=True)
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def active_since(name: str, round_: int) -> bool:
+    """Whether the standing point `name` is armed for this round or an earlier one."""
+    return _armed is not None and _armed[0] == name and round_ >= _armed[1]
 
 
 async def pause(name: str, round_: int) -> None:

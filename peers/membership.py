@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import hashlib
 import ipaddress
 import logging
 import os
@@ -40,6 +41,7 @@ from hivemind.utils.multiaddr import Multiaddr
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from .auth import AuthError, SwarmAuth
+from .tls import MAX_CERT_CHARS, TrustStore
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +80,7 @@ class PeerRecord(BaseModel):
     client_mode: bool = False
     model_hash: str = Field("", max_length=64)
     version: str = Field("", max_length=32)
+    tls_cert: str = Field("", max_length=MAX_CERT_CHARS)  # base64 DER (peers/tls.py); empty: plaintext data plane
     auth: str = Field("", max_length=512)
 
     @property
@@ -87,7 +90,8 @@ class PeerRecord(BaseModel):
         return self.training_round if self.training_round >= 0 else self.outer_step
 
     def auth_subject(self) -> str:
-        return f"record|{self.peer_id}|{self.grpc_addr}|{self.http_addr}|{self.client_mode}"
+        cert = hashlib.sha256(self.tls_cert.encode()).hexdigest() if self.tls_cert else ""
+        return f"record|{self.peer_id}|{self.grpc_addr}|{self.http_addr}|{self.client_mode}|{cert}"
 
 
 def _proto(host: str) -> str:
@@ -253,8 +257,9 @@ class Membership:
 
     def __init__(self, dht: DHT, run_id: str, ttl: float, interval: float,
                  validator: RSASignatureValidator | None = None, auth: SwarmAuth | None = None,
-                 initial_peers: list[str] | None = None):
+                 initial_peers: list[str] | None = None, trust: TrustStore | None = None):
         self.dht = dht
+        self.trust = trust  # learns each peer's TLS certificate from its verified record
         self.initial_peers = list(initial_peers or [])
         self.key = f"{run_id}.peers"
         self.ttl = ttl
@@ -352,6 +357,8 @@ class Membership:
                 continue  # a record must describe the peer it is filed under, signed by it
             if expiry >= self._records.get(record.peer_id, (0.0, None))[0]:
                 self._records[record.peer_id] = (expiry, record)
+                if self.trust is not None and record.tls_cert:
+                    self.trust.learn(record.peer_id, record.tls_cert)
             self._seen[record.peer_id] = time.monotonic()
         self._records = {p: (e, r) for p, (e, r) in self._records.items() if e >= now}
         cutoff = time.monotonic() - REMEMBER_PEERS_S

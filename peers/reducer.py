@@ -30,6 +30,7 @@ from dtnode.proto import averaging_pb2_grpc as pb_grpc
 
 from . import failpoints
 from .auth import GRPC_METADATA, AuthError, SwarmAuth, stream_subject
+from .tls import TrustStore, client_fingerprint
 from .plan import FP32, GroupPlan, chunk_spans
 from .wire import (
     MAX_WEIGHT, ChunkError, Payload, chunk_message, decode_chunk, numel_of, payload_size, slice_payload,
@@ -259,8 +260,9 @@ class AveragingService(pb_grpc.AveragingServicer):
     """Validates and folds each sender's stream while streaming final result chunks back."""
 
     def __init__(self, registry: ReductionRegistry, run_id: str, registration_wait: float = 5.0,
-                 auth: SwarmAuth | None = None, max_streams_per_peer: int = 16):
+                 auth: SwarmAuth | None = None, max_streams_per_peer: int = 16, trust: TrustStore | None = None):
         self.registry = registry
+        self.trust = trust
         self.run_id = run_id
         self.registration_wait = registration_wait
         self.auth = auth
@@ -295,6 +297,14 @@ class AveragingService(pb_grpc.AveragingServicer):
                 self.auth.verify("grpc", subject, tag if isinstance(tag, str) else None, peer_id=first.sender)
             except AuthError as e:
                 await context.abort(grpc.StatusCode.UNAUTHENTICATED, str(e))
+        if self.trust is not None:  # the stream must come over the certificate of the peer it claims to be
+            expected, presented = self.trust.fingerprint_of(first.sender), client_fingerprint(context)
+            if expected is None or presented != expected:
+                log.warning("refused a stream claiming peer %s over %s", first.sender,
+                            "the certificate of peer " + (self.trust.peer_of(presented) or "?")
+                            if presented else "no certificate")
+                await context.abort(grpc.StatusCode.PERMISSION_DENIED,
+                                    f"this stream's TLS certificate is not the one peer {first.sender} announces")
         key = ReductionRegistry.key(first.run_id, first.round, first.hop, first.group_id, first.part)
         reduction = await self.registry.lookup(key, self.registration_wait)
         if reduction is None:

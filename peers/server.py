@@ -17,9 +17,10 @@ class GrpcPortError(OSError):
 
 
 async def start_grpc_server(
-    service: AveragingService, host: str, port: int, max_message_bytes: int, max_concurrent_streams: int = 64
+    service: AveragingService, host: str, port: int, max_message_bytes: int, max_concurrent_streams: int = 64,
+    credentials: grpc.ServerCredentials | None = None,
 ) -> tuple[grpc.aio.Server, int]:
-    """Start serving; returns the server and the bound port (useful when port is 0)."""
+    """Start serving (over TLS with `credentials`); returns the server and the bound port (useful when port is 0)."""
     server = grpc.aio.server(
         options=[
             ("grpc.max_send_message_length", max_message_bytes),
@@ -31,7 +32,8 @@ async def start_grpc_server(
     pb_grpc.add_AveragingServicer_to_server(service, server)
     bind_host = f"[{host}]" if ":" in host else host
     try:
-        bound = server.add_insecure_port(f"{bind_host}:{port}")
+        address = f"{bind_host}:{port}"
+        bound = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
     except RuntimeError as e:
         raise GrpcPortError(f"cannot bind gRPC port {host}:{port}: {e}") from e
     if bound == 0:

@@ -6,12 +6,14 @@ import asyncio
 from dataclasses import dataclass
 
 import torch
+from cryptography.hazmat.primitives.asymmetric import rsa
 
 from dtnode.peers.butterfly import AllReduceReport, ChannelPool, butterfly_allreduce
 from dtnode.peers.plan import INT8, Member, make_plan
 from dtnode.peers.reducer import AveragingService, ReductionRegistry
 from dtnode.peers.wire import max_message_bytes
 from dtnode.peers.server import start_grpc_server
+from dtnode.peers.tls import NodeIdentity, TrustStore, encode_certificate
 
 
 @dataclass
@@ -22,16 +24,29 @@ class Peer:
     channels: ChannelPool
 
 
+def tls_stores(peer_ids: list[str]) -> list[TrustStore]:
+    """One trust store per peer, each knowing every peer's certificate (as after reading their records)."""
+    stores = [TrustStore(NodeIdentity.from_key(rsa.generate_private_key(65537, 2048), p), p) for p in peer_ids]
+    for store in stores:
+        for peer_id, other in zip(peer_ids, stores):
+            store.learn(peer_id, encode_certificate(other.own.cert_der))
+    return stores
+
+
 async def start_peers(n: int, run_id: str = "test-run", client_mode: tuple[int, ...] = (),
-                      chunk_elements: int = 1 << 12, bandwidths: list[float] | None = None) -> list[Peer]:
+                      chunk_elements: int = 1 << 12, bandwidths: list[float] | None = None,
+                      tls: bool = False) -> list[Peer]:
     peers = []
-    for i in range(n):
+    ids = [f"peer{i:02d}" for i in range(n)]
+    stores: list[TrustStore | None] = tls_stores(ids) if tls else [None] * n
+    for i, (peer_id, trust) in enumerate(zip(ids, stores)):
         registry = ReductionRegistry()
-        service = AveragingService(registry, run_id, registration_wait=2.0)
-        server, port = await start_grpc_server(service, "127.0.0.1", 0, max_message_bytes(chunk_elements))
-        member = Member(f"peer{i:02d}", f"127.0.0.1:{port}", client_mode=i in client_mode,
+        service = AveragingService(registry, run_id, registration_wait=2.0, trust=trust)
+        server, port = await start_grpc_server(service, "127.0.0.1", 0, max_message_bytes(chunk_elements),
+                                               credentials=trust.server_credentials() if trust else None)
+        member = Member(peer_id, f"127.0.0.1:{port}", client_mode=i in client_mode,
                         bandwidth=bandwidths[i] if bandwidths else 1.0)
-        peers.append(Peer(member, registry, server, ChannelPool(max_message_bytes(chunk_elements))))
+        peers.append(Peer(member, registry, server, ChannelPool(max_message_bytes(chunk_elements), trust)))
     return peers
 
 

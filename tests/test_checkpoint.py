@@ -124,3 +124,24 @@ def test_kill_9_during_a_write_leaves_the_previous_checkpoint_whole(tmp_path):
     assert read_checkpoint(first.path, big, "run", "h").step == 1
     prune_checkpoints(tmp_path, keep=3)  # the dead writer's temp file is swept
     assert not list(tmp_path.glob(".ckpt-*"))
+
+
+def test_a_checkpoint_served_from_memory_is_the_file_byte_for_byte(tmp_path):
+    """Donors serving the current step from memory and donors serving its file are one file to
+    a joiner (same sha256, same bytes at every offset); after `detach` the bytes stay put while
+    the live tensors change."""
+    from dtnode.daemon.checkpoint import MemoryCheckpoint, TrainingState, write_checkpoint
+
+    layout = Layout(("a", "b"), ((3, 5), (7,)))
+    theta, momentum = torch.randn(layout.numel), torch.randn(layout.numel)
+    meta = {"run_id": "r", "model_hash": "h"}
+    info = write_checkpoint(tmp_path, 4, layout, TrainingState(theta.clone(), momentum.clone()), meta, durable=False)
+    memory = MemoryCheckpoint(4, layout, theta, momentum, meta)
+    assert memory.hash() == info.sha256 and memory.size == info.size_bytes
+    on_disk = info.path.read_bytes()
+    assert memory.read(0, memory.size) == on_disk
+    for offset, length in ((0, 8), (5, 100), (len(on_disk) - 10, 50), (60, 1)):
+        assert memory.read(offset, length) == on_disk[offset : offset + length]
+    memory.detach()
+    theta.add_(1.0)  # what the next outer step would do
+    assert memory.read(0, memory.size) == on_disk

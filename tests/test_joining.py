@@ -86,8 +86,9 @@ def test_a_joiner_arriving_in_the_outer_phase_starts_with_the_next_round_not_a_c
     eval or checkpoint write would); a joiner started then takes θ_g of step 3 and trains
     round 3 with them: its first round is averaged with both, and it never trains alone.
     Rounds are long enough (H=300 of the tiny model) that the joiner cannot finish one alone
-    before the donors come back, as on any real model."""
-    args = [*FAST, "--inner-steps", "300", "--min-peers", "2", "--join-timeout", "90"]
+    before the donors come back, as on any real model. The donors write no checkpoint files
+    (a cadence of 1000): step 3 is served from their memory, byte for byte."""
+    args = [*FAST, "--inner-steps", "300", "--min-peers", "2", "--join-timeout", "90", "--checkpoint-every", "1000"]
     pause = {"DTNODE_TEST_FAILPOINT": "outer-phase@2:8"}
     a = NodeProcess.join("a", tmp_path, *args, env=pause)
     cleanup.append(a)
@@ -103,6 +104,9 @@ def test_a_joiner_arriving_in_the_outer_phase_starts_with_the_next_round_not_a_c
     assert all(g > 1 for _, g, _ in rounds), c.output  # no round alone
     assert len(re.findall(r"downloaded checkpoint", c.output)) == 1, c.output
     assert re.search(r"round 3 \| groups 3/3", a.output), a.output
+    # from both donors' memory: the same bytes (the sha256 each announced) assembled from the two
+    assert re.search(r"serving checkpoint 3 from memory", a.output + b.output), a.output + b.output
+    assert re.search(r"downloaded checkpoint 3 from 2 peer", c.output), c.output
     for node in (a, b, c):
         assert "Traceback" not in node.output, node.output
 

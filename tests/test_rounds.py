@@ -29,7 +29,7 @@ def test_a_slower_peer_is_neither_waited_for_nor_left_out(tmp_path, cleanup):
     """Three peers, one 4x slower: every round ends for all of them together, in one full
     group, with one θ_g; the slow peer contributes about a quarter of a fast peer's tokens."""
     nodes = _swarm(tmp_path, cleanup, [{}, {}, {"DTNODE_TEST_SLOW_INNER": "4"}], "--max-rounds", "5",
-                   "--inner-steps", "20")
+                   "--inner-steps", "60")
     for node in nodes:
         assert node.wait(240) == 0, node.output
     rounds = {n.name: {int(m[0]): m for m in ROUND.findall(n.output)} for n in nodes}
@@ -37,7 +37,9 @@ def test_a_slower_peer_is_neither_waited_for_nor_left_out(tmp_path, cleanup):
         lines = [rounds[n.name][r] for n in nodes]
         assert all(size == expected == "3" for _, size, expected, *_ in lines), lines
         assert len({params for *_, params in lines}) == 1, lines
-    tokens = {n.name: sum(int(rounds[n.name][r][4]) for r in range(1, 5)) for n in nodes}
+    # from round 2: the slow peer's first steps after its first (lazy initialisations, at 4x)
+    # can outlast a round of the tiny model on a loaded host
+    tokens = {n.name: sum(int(rounds[n.name][r][4]) for r in range(2, 5)) for n in nodes}
     fast = (tokens["n0"] + tokens["n1"]) / 2
     assert 0.1 < tokens["n2"] / fast < 0.5, tokens
     for node in nodes:

@@ -12,11 +12,11 @@ import logging
 import pytest
 import torch
 from aiohttp import web
-from prometheus_client import CollectorRegistry
 
 from dtnode.daemon.checkpoint import (
-    CheckpointInfo, Layout, TrainingState, file_sha256, read_checkpoint, write_checkpoint,
+    CheckpointInfo, Layout, MemoryCheckpoint, TrainingState, file_sha256, read_checkpoint, write_checkpoint,
 )
+from dtnode.daemon.metrics import NodeMetrics
 from dtnode.daemon.sidecar import Sidecar
 from dtnode.daemon.sync import PIECE_BYTES, fetch_from_swarm, swarm_step
 from dtnode.peers.membership import PeerRecord
@@ -28,9 +28,11 @@ RUN, MODEL = "sync-run", "model-hash"
 class FileView:
     """What a Sidecar needs from a node, backed by checkpoint files on disk."""
 
-    def __init__(self, infos: list[CheckpointInfo]):
-        self.metrics_registry = CollectorRegistry()
+    def __init__(self, infos: list[CheckpointInfo], memories: list[MemoryCheckpoint] = ()):
+        self.metrics = NodeMetrics("test", RUN, "tiny", "cpu")
+        self.metrics_registry = self.metrics.registry
         self.infos = {i.step: i for i in infos}
+        self.memories = {m.step: m for m in memories}
 
     def status(self):
         return {"state": "training"}
@@ -43,7 +45,12 @@ class FileView:
             return self.infos[max(self.infos)] if self.infos else None
         return self.infos.get(step)
 
+    def memory_checkpoint(self, step):
+        return self.memories.get(step)
+
     async def current_checkpoint(self):
+        if self.memories:
+            return self.memories[max(self.memories)].info
         return self.checkpoint()
 
 
@@ -58,6 +65,15 @@ def _checkpoint(directory, step, run_id=RUN, layout=LAYOUT, seed=0) -> tuple[Che
 def _record(name, url, info: CheckpointInfo) -> PeerRecord:
     return PeerRecord(peer_id=f"peer-{name}", http_addr=url, state="training", outer_step=info.step,
                       checkpoint_step=info.step, checkpoint_sha256=info.sha256, model_hash=MODEL)
+
+
+def _in_memory(info: CheckpointInfo) -> MemoryCheckpoint:
+    """`info`'s step served from memory: its θ_g and momentum as a donor holds them."""
+    loaded = read_checkpoint(info.path, LAYOUT, RUN, MODEL)
+    memory = MemoryCheckpoint(info.step, LAYOUT, loaded.theta_g, loaded.momentum,
+                              {"run_id": loaded.metadata["run_id"], "model_hash": MODEL})  # as `_checkpoint` wrote
+    memory.hash()
+    return memory
 
 
 async def _serve(app: web.Application) -> tuple[web.AppRunner, str]:
@@ -220,10 +236,10 @@ def test_a_checkpoint_larger_than_the_model_allows_is_refused_before_download(tm
     asyncio.run(main())
 
 
-async def _sidecar_with_checkpoint(tmp_path) -> tuple[CheckpointInfo, Sidecar, str]:
-    """A real sidecar serving one checkpoint (step 3), and its base URL."""
+async def _sidecar_with_checkpoint(tmp_path, from_memory: bool = False) -> tuple[CheckpointInfo, Sidecar, str]:
+    """A real sidecar serving one checkpoint (step 3), from its file or from memory, and its base URL."""
     info, _ = _checkpoint(tmp_path / "src", 3)
-    sidecar = Sidecar(FileView([info]))
+    sidecar = Sidecar(FileView([], [_in_memory(info)]) if from_memory else FileView([info]))
     port = await sidecar.start("127.0.0.1", 0)
     return info, sidecar, f"http://127.0.0.1:{port}"
 
@@ -252,11 +268,12 @@ def test_sidecar_refuses_hostile_paths_and_keeps_serving(tmp_path, path, status)
 @pytest.mark.parametrize("header,status", [
     ("bytes=abc", 416), ("bytes=999999999-", 416), ("bytes=5-2", 416), ("lines=0-10", 416), ("bytes=0-9", 206),
 ])
-def test_sidecar_answers_bogus_ranges_with_4xx_and_keeps_serving(tmp_path, header, status):
+@pytest.mark.parametrize("from_memory", [False, True], ids=["file", "memory"])
+def test_sidecar_answers_bogus_ranges_with_4xx_and_keeps_serving(tmp_path, header, status, from_memory):
     import aiohttp
 
     async def main():
-        info, sidecar, base = await _sidecar_with_checkpoint(tmp_path)
+        info, sidecar, base = await _sidecar_with_checkpoint(tmp_path, from_memory)
         try:
             async with aiohttp.ClientSession() as session:
                 async with session.get(f"{base}/checkpoint/3", headers={"Range": header}) as resp:
@@ -333,4 +350,49 @@ def test_a_dropped_connection_resumes_from_the_byte_where_it_stopped(tmp_path, c
         # kept as this node's own checkpoint of that step: the donor's bytes, no second write
         assert loaded.file is not None and loaded.file.path.read_bytes() == body
         assert loaded.file.path.name == info.path.name and loaded.file.sha256 == info.sha256
+    asyncio.run(main())
+
+
+def test_a_donor_serving_from_memory_and_one_serving_the_file_are_one_file(tmp_path):
+    """The joiner takes ranges from both (same step, sha256 and size) and loads the θ_g."""
+    async def main():
+        info, theta = _checkpoint(tmp_path / "src", 7)
+        memory = _in_memory(info)
+        assert (memory.sha256, memory.size) == (info.sha256, info.size_bytes)
+        on_disk, in_memory = Sidecar(FileView([info])), Sidecar(FileView([], [memory]))
+        records = []
+        for name, sidecar in (("disk", on_disk), ("memory", in_memory)):
+            port = await sidecar.start("127.0.0.1", 0)
+            records.append(_record(name, f"http://127.0.0.1:{port}", info))
+        try:
+            loaded = await fetch_from_swarm({r.peer_id: r for r in records}, "me", range(1, 10**9), MODEL, RUN, LAYOUT,
+                                            tmp_path / "joiner", timeout=20)
+        finally:
+            for sidecar in (on_disk, in_memory):
+                await sidecar.stop()
+        assert loaded is not None and torch.equal(loaded.theta_g, theta)
+        assert in_memory.steps_in_use() == {7}  # ranges were served from memory too
+    asyncio.run(main())
+
+
+def test_a_donor_whose_checkpoint_the_others_contradict_is_skipped(tmp_path, caplog):
+    """Three donors of step 6: two serve one file, the third another, whole and consistent
+    (its metadata and record agree with it). The joiner never takes the third's."""
+    async def main():
+        honest, theta = _checkpoint(tmp_path / "honest", 6)
+        liar, _ = _checkpoint(tmp_path / "liar", 6, seed=66)
+        sidecars, records = [], []
+        for name, info in (("h1", honest), ("h2", honest), ("liar", liar)):
+            sidecar = Sidecar(FileView([info]))
+            sidecars.append(sidecar)
+            records.append(_record(name, f"http://127.0.0.1:{await sidecar.start('127.0.0.1', 0)}", info))
+        try:
+            with caplog.at_level(logging.WARNING):
+                loaded = await fetch_from_swarm({r.peer_id: r for r in records}, "me", range(1, 10**9), MODEL, RUN,
+                                                LAYOUT, tmp_path / "joiner", timeout=20)
+        finally:
+            for sidecar in sidecars:
+                await sidecar.stop()
+        assert loaded is not None and torch.equal(loaded.theta_g, theta)
+        assert "skipping peer eer-liar" in caplog.text  # ids are shown by their last 8 characters and "that 2 other peer(s) contradict" in caplog.text
     asyncio.run(main())

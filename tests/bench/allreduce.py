@@ -4,7 +4,8 @@
     .venv/bin/python -m tests.bench.allreduce --peers 4 --sizes-mb 100 --reps 5
 
 Every peer is its own process on loopback, all systems average the same per-peer buffers
-in the same run (ours-robust: int8 with the trimmed-mean reducer, to price robust mode).
+in the same run (ours-robust: int8 with the trimmed-mean reducer, to price robust mode;
+`-tls`: over mutual TLS pinned to each peer's certificate, as nodes run by default).
 Wall time is the slowest peer's, median over `--reps` runs, started
 together behind a gloo barrier; matchmaking is excluded for hivemind (its step is armed,
 then triggered when the group is formed) as it is for ours. Error is relative L2 against
@@ -27,7 +28,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-SYSTEMS = ("ours-int8", "ours-fp32", "ours-robust", "gloo", "hivemind")
+SYSTEMS = ("ours-int8", "ours-int8-tls", "ours-fp32", "ours-fp32-tls", "ours-robust", "gloo", "hivemind")
 
 
 def _barrier_time(t: float) -> float:
@@ -77,9 +78,9 @@ def _worker(rank: int, n: int, numel: int, reps: int, port: int, systems: tuple[
         del buf
         gc.collect()
 
-    for codec_name in ("int8", "fp32", "robust"):
-        if f"ours-{codec_name}" in systems:
-            row[f"ours-{codec_name}"] = asyncio.run(_ours(rank, n, values, exact, reps, store, codec_name))
+    for name in ("int8", "int8-tls", "fp32", "fp32-tls", "robust"):
+        if f"ours-{name}" in systems:
+            row[f"ours-{name}"] = asyncio.run(_ours(rank, n, values, exact, reps, store, name))
 
     if "hivemind" in systems:
         row["hivemind"] = _hivemind(rank, n, values, exact, reps, store)
@@ -100,15 +101,27 @@ async def _ours(rank, n, values, exact, reps, store, codec_name) -> dict:
     use_fused_kernels(True)
     chunk = 1 << 20
     registry = ReductionRegistry()
-    server, port = await start_grpc_server(AveragingService(registry, "bench"), "127.0.0.1", 0,
-                                           max_message_bytes(chunk))
+    trust = None
+    if codec_name.endswith("-tls"):  # mutual TLS pinned to each peer's certificate, as nodes run by default
+        from cryptography.hazmat.primitives.asymmetric import rsa
+
+        from dtnode.peers.tls import NodeIdentity, TrustStore, encode_certificate
+
+        trust = TrustStore(NodeIdentity.from_key(rsa.generate_private_key(65537, 2048), f"peer{rank}"), f"peer{rank}")
+        store.set(f"cert-{codec_name}-{rank}", encode_certificate(trust.own.cert_der))
+        for i in range(n):
+            trust.learn(f"peer{i}", store.get(f"cert-{codec_name}-{i}").decode())
+    server, port = await start_grpc_server(AveragingService(registry, "bench", trust=trust), "127.0.0.1", 0,
+                                           max_message_bytes(chunk),
+                                           credentials=trust.server_credentials() if trust else None)
     store.set(f"grpc-{codec_name}-{rank}", f"127.0.0.1:{port}")
     members = [Member(f"peer{i}", store.get(f"grpc-{codec_name}-{i}").decode()) for i in range(n)]
-    channels = ChannelPool(max_message_bytes(chunk))
+    channels = ChannelPool(max_message_bytes(chunk), trust)
     out = torch.empty_like(values)
     times, sent = [], []
     for r in range(reps + 1):  # the first run warms channels up and is not counted
-        plan = make_plan("bench", r, 0, members, values.numel(), 256, chunk, FP32 if codec_name == "fp32" else INT8)
+        plan = make_plan("bench", r, 0, members, values.numel(), 256, chunk,
+                         FP32 if codec_name.startswith("fp32") else INT8)
         dist.barrier()
         t = time.perf_counter()
         report = butterfly_allreduce(plan, f"peer{rank}", values, 1.0, out, registry, channels, timeout=300,
@@ -239,7 +252,7 @@ def main() -> None:
     args = parser.parse_args()
     systems = tuple(s for s in args.systems.split(",") if s)
     print(f"torch {torch.__version__}, {os.cpu_count()} CPUs, loopback; median of {args.reps} runs\n")
-    header = f"{'peers':>5} {'MB':>5} {'system':<10} {'wall s':>8} {'MB sent':>9} {'x gloo':>7} {'rel err':>9}"
+    header = f"{'peers':>5} {'MB':>5} {'system':<13} {'wall s':>8} {'MB sent':>9} {'x gloo':>7} {'rel err':>9}"
     print(header)
     print("-" * len(header))
     for n in (int(p) for p in args.peers.split(",")):
@@ -249,10 +262,14 @@ def main() -> None:
             for system in systems:
                 r = row[system]
                 ratio = f"{r['s'] / gloo:7.2f}" if gloo else "      -"
-                print(f"{n:>5} {size:>5} {system:<10} {r['s']:8.3f} {r['bytes'] / 1e6:9.1f} {ratio} {r['err']:9.2e}",
+                print(f"{n:>5} {size:>5} {system:<13} {r['s']:8.3f} {r['bytes'] / 1e6:9.1f} {ratio} {r['err']:9.2e}",
                       flush=True)
             if "hivemind" in row and "ours-int8" in row:
                 print(f"{'':>11} ours-int8 / hivemind: {row['ours-int8']['s'] / row['hivemind']['s']:.2f}", flush=True)
+            for codec in ("int8", "fp32"):
+                if f"ours-{codec}" in row and f"ours-{codec}-tls" in row:
+                    cost = row[f"ours-{codec}-tls"]["s"] / row[f"ours-{codec}"]["s"] - 1
+                    print(f"{'':>11} TLS costs ours-{codec} {cost:+.1%} of wall time", flush=True)
     print("\nint8 coding throughput, 100 MB fp32 buffer (GB/s of fp32 input)")
     rows = coding_throughput()
     memcpy = rows[0][1]

@@ -6,7 +6,7 @@ import pytest
 from chaos import netns
 from chaos.harness import NETWORK_SCENARIOS, SCENARIOS
 
-# Two more are in the default suite in other forms: SIGSTOP past the timeout as the 6-node moshpit
+# Two more are in the default suite in other forms: SIGSTOP past the timeout as the 4-node moshpit
 # swarm's stalled peer (test_moshpit_swarm), a kill -9 then restart on the state dir as the first
 # node's restart (test_joining) beside the torn-write test (test_checkpoint).
 SHORT = ["kill9-allreduce", "network-cut"]

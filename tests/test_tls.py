@@ -1,0 +1,172 @@
+"""Mutual TLS on the data plane, in one process: real gRPC servers and streams on loopback.
+
+What TLS must refuse is shown with the real parts: a client whose certificate no record
+names, a server that is not the peer the client pinned, a member's stream that claims
+another member's id, and a stream whose bytes a proxy on the path altered.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+from cryptography.hazmat.primitives.asymmetric import rsa
+
+from allreduce_harness import allreduce, start_peers, stop_peers, tls_stores
+from dtnode.peers.butterfly import ChannelPool, butterfly_allreduce
+from dtnode.peers.membership import PeerRecord
+from dtnode.peers.plan import INT8, make_plan
+from dtnode.peers.tls import NodeIdentity, TlsError, TrustStore, decode_certificate, encode_certificate, make_certificate
+from dtnode.peers.wire import max_message_bytes
+
+
+def test_the_certificate_is_a_function_of_the_key_and_fits_a_record():
+    key = rsa.generate_private_key(65537, 2048)
+    first, again = make_certificate(key, "peer-a"), make_certificate(key, "peer-a")
+    assert first == again  # a restarted node presents the same fingerprint
+    text = encode_certificate(first)
+    assert decode_certificate(text) == first
+    PeerRecord(peer_id="peer-a", tls_cert=text)  # within the record's bound
+    for bad in ("", "not base64!", encode_certificate(b"\x30\x03garbage"), "A" * 10_000):
+        with pytest.raises(TlsError):
+            decode_certificate(bad)
+
+
+def test_a_record_tag_covers_its_certificate():
+    plain = PeerRecord(peer_id="p", grpc_addr="h:1")
+    assert plain.auth_subject() != plain.model_copy(update={"tls_cert": "QUJD"}).auth_subject()
+
+
+def test_tls_all_reduce_gives_the_plaintext_result():
+    async def main():
+        values = [torch.randn(50_000, generator=torch.Generator().manual_seed(i)) for i in range(3)]
+        results = []
+        for tls in (False, True):
+            peers = await start_peers(3, tls=tls)
+            try:
+                outs, reports = await allreduce(peers, [v.clone() for v in values], [1.0, 1.0, 1.0])
+            finally:
+                await stop_peers(peers)
+            assert all(not r.failed_parts for r in reports), reports
+            results.append(outs)
+        for plain, secure in zip(*results):  # equal up to the order senders' chunks were folded in
+            assert torch.allclose(plain, secure, rtol=0, atol=1e-6)
+
+    asyncio.run(main())
+
+
+async def _one_part_to(target, sender_id: str, channels: ChannelPool, peers, numel: int = 4096):
+    """`sender_id` streams its part to `target`'s reducer through `channels`; the failed parts' errors."""
+    plan = make_plan("test-run", 0, 0, [p.member for p in peers], numel, 64, 1 << 12, INT8)
+    values = torch.ones(numel)
+    out = torch.empty_like(values)
+    target_index = plan.index_of(target.member.peer_id)
+    report = await butterfly_allreduce(plan, sender_id, values, 1.0, out, peers[target_index].registry, channels,
+                                       timeout=3.0)
+    return [p.error for p in report.failed_parts if p.reducer == target.member.peer_id]
+
+
+def test_a_member_cannot_speak_as_another_member():
+    async def main():
+        peers = await start_peers(3, tls=True)
+        try:
+            # peer02 (a member, known to every server) claims to be peer01 on its stream to peer00
+            errors = await _one_part_to(peers[0], "peer01", peers[2].channels, peers[:2])
+            assert errors and "PERMISSION_DENIED" in errors[0] and "peer01" in errors[0], errors
+        finally:
+            await stop_peers(peers)
+
+    asyncio.run(main())
+
+
+def test_a_client_whose_certificate_no_record_names_is_refused():
+    async def main():
+        peers = await start_peers(2, tls=True)
+        stranger = tls_stores(["peer01", "peer00"])[0]  # a fresh key claiming peer01's id
+        stranger.learn("peer00", encode_certificate(peers[0].channels.trust.own.cert_der))  # and pinning peer00
+        channels = ChannelPool(max_message_bytes(1 << 12), stranger)
+        try:
+            errors = await _one_part_to(peers[0], "peer01", channels, peers)
+            assert errors and "UNAVAILABLE" in errors[0], errors  # the handshake itself fails
+        finally:
+            await channels.close()
+            await stop_peers(peers)
+
+    asyncio.run(main())
+
+
+def test_a_server_that_is_not_the_pinned_peer_is_refused():
+    async def main():
+        peers = await start_peers(2, tls=True)
+        # peer01's pool believes peer00's certificate is a stranger's: the real peer00 cannot prove it
+        impostor = NodeIdentity.from_key(rsa.generate_private_key(65537, 2048), "peer00")
+        trust: TrustStore = peers[1].channels.trust
+        trust.learn("peer00", encode_certificate(impostor.cert_der))
+        try:
+            errors = await _one_part_to(peers[0], "peer01", peers[1].channels, peers)
+            assert errors and "UNAVAILABLE" in errors[0], errors
+        finally:
+            await stop_peers(peers)
+
+    asyncio.run(main())
+
+
+class FlippingProxy:
+    """A TCP proxy on the path that flips one byte of the client's stream past `offset`."""
+
+    def __init__(self, target_port: int, offset: int):
+        self.target_port, self.offset, self.flipped = target_port, offset, False
+
+    async def start(self) -> int:
+        self.server = await asyncio.start_server(self._handle, "127.0.0.1", 0)
+        return self.server.sockets[0].getsockname()[1]
+
+    async def _handle(self, reader, writer):
+        up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.target_port)
+
+        async def pipe(src, dst, flip: bool):
+            seen = 0
+            try:
+                while data := await src.read(1 << 16):
+                    if flip and not self.flipped and seen + len(data) > self.offset:
+                        data = bytearray(data)
+                        data[self.offset - seen] ^= 0x01
+                        self.flipped = True
+                    seen += len(data)
+                    dst.write(bytes(data))
+                    await dst.drain()
+            except (ConnectionError, OSError):
+                pass
+            finally:
+                dst.close()
+
+        await asyncio.gather(pipe(reader, up_writer, True), pipe(up_reader, writer, False))
+
+
+def test_one_flipped_byte_on_the_path_breaks_the_stream_and_it_is_sent_again():
+    async def main():
+        peers = await start_peers(2, tls=True)
+        port = int(peers[0].member.grpc_addr.rsplit(":", 1)[1])
+        proxy = FlippingProxy(port, offset=6_000)  # past the handshake, inside the first chunk
+        proxy_port = await proxy.start()
+        via_proxy = [peers[0].member.__class__(peers[0].member.peer_id, f"127.0.0.1:{proxy_port}"), peers[1].member]
+        plan = make_plan("test-run", 0, 0, via_proxy, 200_000, 64, 1 << 14, INT8)
+        values = [torch.full((200_000,), float(i)) for i in range(2)]
+        outs = [torch.empty(200_000) for _ in range(2)]
+        try:
+            reports = await asyncio.gather(*(
+                butterfly_allreduce(plan, p.member.peer_id, v, 1.0, o, p.registry, p.channels, timeout=5.0)
+                for p, v, o in zip(peers, values, outs)))
+        finally:
+            proxy.server.close()
+            await stop_peers(peers)
+        assert proxy.flipped
+        # gRPC core reports a TLS record that fails its MAC as INTERNAL (or the reset as UNAVAILABLE)
+        assert len(reports[1].retried) == 1 and reports[1].retried[0] in ("INTERNAL", "UNAVAILABLE"), reports[1]
+        assert not reports[0].failed_parts and not reports[1].failed_parts, reports
+        for out in outs:  # no altered byte reached anyone: both hold the exact mean
+            assert torch.allclose(out, torch.full_like(out, 0.5), atol=1e-2)
+        assert torch.equal(outs[0], outs[1])
+
+    asyncio.run(main())
