@@ -1195,6 +1195,8 @@ class Node:
         step = self.replica.outer_step if hasattr(self, "replica") else 0
         if step == 0 or (newest is not None and newest.step >= step) or self.state not in ("training", "averaging"):
             return newest
+        if self._hash_task is not None and not self._hash_task.done():  # the step's hash is under way
+            await asyncio.wait({asyncio.shield(self._hash_task)}, timeout=30)
         if (memory := self.memory_checkpoint(step)) is not None:
             return memory.info
         for _ in range(2):  # a write already under way may be of an older step
