@@ -15,7 +15,7 @@ from typing import Any
 
 from .settings import flag
 
-JOIN_LINE = re.compile(r"dtnode join --peer (\S+)")
+JOIN_LINE = re.compile(r"dtnode join --peer ([^\s\"]+)")  # plain or inside a JSON log line
 COLORS = ["36", "33", "35", "32", "34", "31"]
 
 

@@ -394,7 +394,7 @@ class Node:
                 # Compiling takes seconds of CPU: in the background, eager kernels meanwhile; after
                 # the sync, so that a joiner's download does not compete with it (the first average
                 # is a round away)
-                self._kernels_task = loop.run_in_executor(None, use_fused_kernels, True)
+                self._kernels_task = loop.run_in_executor(None, self._compile_kernels)
             await self.membership.announce(self.record())
             if s.min_peers > 1:
                 log.info("waiting for %d peers (up to %.0fs)", s.min_peers, s.join_timeout)
@@ -630,6 +630,14 @@ class Node:
             elif (await self._position_moved(position)) is False:
                 return synced
         return synced
+
+    def _compile_kernels(self) -> None:
+        """TorchInductor's int8 kernels, once the first inner step is done (see
+        Trainer.first_step_done); eager kernels until then."""
+        while not self.stop_flag.is_set():
+            if self.trainer.first_step_done.wait(0.5):
+                use_fused_kernels(True)
+                return
 
     def _check_data_plane(self, view: dict[str, PeerRecord]) -> None:
         """Refuse to join a swarm whose peers average over the other kind of data plane: TLS and

@@ -55,6 +55,10 @@ class Trainer:
         self.grad_clip = grad_clip
         self.weight_decay = weight_decay
         self._optimizer_built: concurrent.futures.Future = concurrent.futures.Future()
+        # set after the first AdamW step, whose lazy imports (torch._dynamo) must not run while
+        # another thread imports the same modules (TorchInductor compiling the int8 kernels):
+        # Python then hands one thread a partly initialised module
+        self.first_step_done = threading.Event()
         self._optimizer_started = False
         self._lock = threading.Lock()
         self.build_optimizer_in_background()
@@ -130,6 +134,7 @@ class Trainer:
             if self.grad_clip:
                 torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
             self.optimizer.step()
+            self.first_step_done.set()
             loss_value = loss.detach().item()
             if not math.isfinite(loss_value):
                 raise FloatingPointError(f"inner loss became {loss_value} at inner step {self.inner_step}")

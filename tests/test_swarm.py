@@ -66,7 +66,8 @@ def test_three_joined_processes_train_in_consensus(tmp_path, cleanup):
 
 def test_local_swarm_trains_and_stops_on_ctrl_c(tmp_path):
     proc = subprocess.Popen(
-        [sys.executable, "-u", "-m", "dtnode", "local", "--nodes", "3", "--base-dir", str(tmp_path), *FAST],
+        [sys.executable, "-u", "-m", "dtnode", "local", "--nodes", "3", "--base-dir", str(tmp_path), *FAST,
+         "--log-format", "json"],  # the others join through node0's address in a JSON line
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines: list[str] = []
     deadline = time.monotonic() + 120
@@ -84,6 +85,7 @@ def test_local_swarm_trains_and_stops_on_ctrl_c(tmp_path):
         proc.kill()
     output = "".join(lines)
     assert proc.returncode == 0, output
+    assert "Traceback" not in output and "failed" not in output, output
     for n in ("node0", "node1", "node2"):
         mine = [l for l in output.splitlines() if l.lstrip().startswith(n)]
         rounds = [l for l in mine if re.search(r"round \d+ \| groups 3/3", l)]
