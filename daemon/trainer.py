@@ -124,6 +124,8 @@ class Trainer:
             if stop.is_set() or (deadline is not None and time.monotonic() > deadline):
                 break
             if keep_going is not None and not keep_going(self.step_seconds):
+                if done == 0:  # no step this round: let a stale estimate recover, or this peer never steps again
+                    self.step_seconds /= 2
                 break
             step_started = time.monotonic()
             batch = self.stream.next_batch()
@@ -134,6 +136,7 @@ class Trainer:
             if self.grad_clip:
                 torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
             self.optimizer.step()
+            first = not self.first_step_done.is_set()
             self.first_step_done.set()
             loss_value = loss.detach().item()
             if not math.isfinite(loss_value):
@@ -146,7 +149,8 @@ class Trainer:
             tokens += batch[:, 1:].numel()
             self.round_tokens = tokens
             self.round_seconds = time.monotonic() - started
-            self.step_seconds = time.monotonic() - step_started
+            if not first:  # the process's first step carries one-off
+                self.step_seconds = time.monotonic() - step_started  # initialisation: no estimate
             loss_sum += loss_value
         mean = loss_sum / done if done else math.nan
         if done:

@@ -8,11 +8,13 @@ another member's id, and a stream whose bytes a proxy on the path altered.
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import pytest
 import torch
 from cryptography.hazmat.primitives.asymmetric import rsa
 
+from path_tampering import forward
 from allreduce_harness import allreduce, start_peers, stop_peers, tls_stores
 from dtnode.peers.butterfly import ChannelPool, butterfly_allreduce
 from dtnode.peers.membership import PeerRecord
@@ -113,10 +115,14 @@ def test_a_server_that_is_not_the_pinned_peer_is_refused():
 
 
 class FlippingProxy:
-    """A TCP proxy on the path that flips one byte of the client's stream past `offset`."""
+    """A TCP proxy on the path that flips one byte of the client's stream at `offset`."""
 
     def __init__(self, target_port: int, offset: int):
-        self.target_port, self.offset, self.flipped = target_port, offset, False
+        self.target_port, self.offset, self.flipped_event = target_port, offset, threading.Event()
+
+    @property
+    def flipped(self) -> bool:
+        return self.flipped_event.is_set()
 
     async def start(self) -> int:
         self.server = await asyncio.start_server(self._handle, "127.0.0.1", 0)
@@ -124,24 +130,7 @@ class FlippingProxy:
 
     async def _handle(self, reader, writer):
         up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.target_port)
-
-        async def pipe(src, dst, flip: bool):
-            seen = 0
-            try:
-                while data := await src.read(1 << 16):
-                    if flip and not self.flipped and seen + len(data) > self.offset:
-                        data = bytearray(data)
-                        data[self.offset - seen] ^= 0x01
-                        self.flipped = True
-                    seen += len(data)
-                    dst.write(bytes(data))
-                    await dst.drain()
-            except (ConnectionError, OSError):
-                pass
-            finally:
-                dst.close()
-
-        await asyncio.gather(pipe(reader, up_writer, True), pipe(up_reader, writer, False))
+        await asyncio.gather(forward(reader, up_writer, self.offset, self.flipped_event), forward(up_reader, writer))
 
 
 def test_one_flipped_byte_on_the_path_breaks_the_stream_and_it_is_sent_again():

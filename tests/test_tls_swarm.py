@@ -23,6 +23,7 @@ from cryptography.hazmat.primitives.asymmetric import rsa
 from prometheus_client.parser import text_string_to_metric_families
 
 from nodes import FAST, NodeProcess, theta
+from path_tampering import forward
 from dtnode.daemon.cli import EXIT_JOIN
 from dtnode.peers.auth import GRPC_METADATA, SwarmAuth, load_swarm_key, stream_subject
 from dtnode.peers.membership import load_record_key
@@ -65,23 +66,8 @@ class PathProxy:
             writer.close()
             return
 
-        async def pipe(src, dst, flip: bool) -> None:
-            seen = 0
-            try:
-                while data := await src.read(1 << 16):
-                    if flip and not self.flipped.is_set() and seen + len(data) > FLIP_AFTER:
-                        data = bytearray(data)
-                        data[FLIP_AFTER - seen] ^= 0x20
-                        self.flipped.set()
-                    seen += len(data)
-                    dst.write(bytes(data))
-                    await dst.drain()
-            except (ConnectionError, OSError):
-                pass
-            finally:
-                dst.close()
-
-        await asyncio.gather(pipe(reader, up_writer, port == self.flip_port), pipe(up_reader, writer, False))
+        await asyncio.gather(forward(reader, up_writer, FLIP_AFTER if port == self.flip_port else None, self.flipped),
+                             forward(up_reader, writer))
 
     def stop(self) -> None:
         async def close() -> None:
