@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass
 
+import grpc
 import torch
 from cryptography.hazmat.primitives.asymmetric import rsa
 
@@ -58,11 +59,25 @@ async def stop_peers(peers: list[Peer]) -> None:
 
 async def allreduce(peers: list[Peer], values: list[torch.Tensor], weights: list[float], *, run_id: str = "test-run",
                     round: int = 0, block_size: int = 64, chunk_elements: int = 1 << 12, codec: int = INT8,
-                    timeout: float = 10.0) -> tuple[list[torch.Tensor], list[AllReduceReport]]:
-    plan = make_plan(run_id, round, 0, [p.member for p in peers], values[0].numel(), block_size, chunk_elements, codec)
+                    timeout: float = 10.0, members: list[Member] | None = None,
+                    ) -> tuple[list[torch.Tensor], list[AllReduceReport]]:
+    """One all-reduce among `peers`; `members` overrides the plan's member list (addresses a
+    test reroutes, or a member that is not there)."""
+    plan = make_plan(run_id, round, 0, members or [p.member for p in peers], values[0].numel(), block_size,
+                     chunk_elements, codec)
     outs = [torch.empty_like(v) for v in values]
     reports = await asyncio.gather(*(
         butterfly_allreduce(plan, p.member.peer_id, v, w, o, p.registry, p.channels, timeout)
         for p, v, w, o in zip(peers, values, weights, outs)
     ))
     return outs, list(reports)
+
+
+async def stream_status(call) -> grpc.StatusCode:
+    """Read a Reduce call to its end; the status it ended with (OK if none was raised)."""
+    try:
+        async for _ in call:
+            pass
+    except grpc.aio.AioRpcError as e:
+        return e.code()
+    return grpc.StatusCode.OK

@@ -11,7 +11,7 @@ from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.utils import get_dht_time
 from hivemind.utils.crypto import RSAPrivateKey
 
-from allreduce_harness import Peer, stop_peers
+from allreduce_harness import Peer, stop_peers, stream_status
 from dtnode.peers.auth import GRPC_METADATA, HTTP_HEADER, AuthError, SwarmAuth, load_swarm_key
 from dtnode.peers.butterfly import ChannelPool, butterfly_allreduce
 from dtnode.peers.membership import Membership, PeerRecord
@@ -78,13 +78,8 @@ def test_keyed_group_averages_and_streams_without_a_valid_tag_are_refused():
             _, length = plan.parts[part]
             msg = chunk_message(plan, part, "peer1", 1.0, 0, values[1][:min(length, 4096)])
             async with grpc.aio.insecure_channel(peers[0].member.grpc_addr) as channel:
-                call = pb_grpc.AveragingStub(channel).Reduce(iter([msg]), metadata=((GRPC_METADATA, tag),) if tag else None)
-                try:
-                    async for _ in call:
-                        pass
-                except grpc.aio.AioRpcError as e:
-                    return e.code()
-            return grpc.StatusCode.OK
+                return await stream_status(pb_grpc.AveragingStub(channel).Reduce(
+                    iter([msg]), metadata=((GRPC_METADATA, tag),) if tag else None))
 
         try:
             codes = [await intruder(None), await intruder(SwarmAuth(OTHER, "peer1").issue("grpc", "anything"))]

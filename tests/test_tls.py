@@ -18,7 +18,7 @@ from path_tampering import forward
 from allreduce_harness import allreduce, start_peers, stop_peers, tls_stores
 from dtnode.peers.butterfly import ChannelPool, butterfly_allreduce
 from dtnode.peers.membership import PeerRecord
-from dtnode.peers.plan import INT8, make_plan
+from dtnode.peers.plan import INT8, Member, make_plan
 from dtnode.peers.tls import NodeIdentity, TlsError, TrustStore, decode_certificate, encode_certificate, make_certificate
 from dtnode.peers.wire import max_message_bytes
 
@@ -139,14 +139,11 @@ def test_one_flipped_byte_on_the_path_breaks_the_stream_and_it_is_sent_again():
         port = int(peers[0].member.grpc_addr.rsplit(":", 1)[1])
         proxy = FlippingProxy(port, offset=6_000)  # past the handshake, inside the first chunk
         proxy_port = await proxy.start()
-        via_proxy = [peers[0].member.__class__(peers[0].member.peer_id, f"127.0.0.1:{proxy_port}"), peers[1].member]
-        plan = make_plan("test-run", 0, 0, via_proxy, 200_000, 64, 1 << 14, INT8)
+        via_proxy = [Member(peers[0].member.peer_id, f"127.0.0.1:{proxy_port}"), peers[1].member]
         values = [torch.full((200_000,), float(i)) for i in range(2)]
-        outs = [torch.empty(200_000) for _ in range(2)]
         try:
-            reports = await asyncio.gather(*(
-                butterfly_allreduce(plan, p.member.peer_id, v, 1.0, o, p.registry, p.channels, timeout=5.0)
-                for p, v, o in zip(peers, values, outs)))
+            outs, reports = await allreduce(peers, values, [1.0, 1.0], chunk_elements=1 << 14, timeout=5.0,
+                                            members=via_proxy)
         finally:
             proxy.server.close()
             await stop_peers(peers)

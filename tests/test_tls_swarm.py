@@ -23,6 +23,7 @@ from cryptography.hazmat.primitives.asymmetric import rsa
 from prometheus_client.parser import text_string_to_metric_families
 
 from nodes import FAST, NodeProcess, theta
+from allreduce_harness import stream_status
 from path_tampering import forward
 from dtnode.daemon.cli import EXIT_JOIN
 from dtnode.peers.auth import GRPC_METADATA, SwarmAuth, load_swarm_key, stream_subject
@@ -153,13 +154,8 @@ def _stream(target: str, identity: NodeIdentity, server_cert: bytes, sender: str
             chunk = pb.PartChunk(run_id="tls-test", round=10**6, hop=0, group_id=group, part=0, sender=sender,
                                  weight=1.0, length=1, values=b"\0" * 4)
             tag = auth.issue("grpc", stream_subject("tls-test", 10**6, 0, group, 0))
-            call = pb_grpc.AveragingStub(channel).Reduce(iter([chunk]), timeout=20, metadata=((GRPC_METADATA, tag),))
-            try:
-                async for _ in call:
-                    pass
-            except grpc.aio.AioRpcError as e:
-                return e.code()
-            return grpc.StatusCode.OK
+            return await stream_status(pb_grpc.AveragingStub(channel).Reduce(
+                iter([chunk]), timeout=20, metadata=((GRPC_METADATA, tag),)))
 
     return asyncio.run(main())
 
