@@ -342,6 +342,20 @@ def _open_checked(path: Path, bound: int):
     return safe_open(str(path), framework="pt")
 
 
+def read_metadata(path: Path) -> dict[str, str]:
+    """A checkpoint's metadata header alone (to learn its model before checking its tensors)."""
+    try:
+        with _open_checked(path, path.stat().st_size) as f:
+            meta = f.metadata() or {}
+    except CheckpointError:
+        raise
+    except Exception as e:
+        raise CheckpointError(f"{path.name} is not a valid safetensors file: {e}") from None
+    if meta.get("format") != FORMAT:
+        raise CheckpointError(f"{path.name} is not a dtnode checkpoint (format {meta.get('format')!r})")
+    return meta
+
+
 def read_checkpoint(path: Path, layout: Layout, run_id: str, model_hash: str) -> LoadedCheckpoint:
     """Load and validate a checkpoint from any source (our own disk or a peer's download)."""
     try:

@@ -1,4 +1,4 @@
-"""The `dtnode` command: join, local, status.
+"""The `dtnode` command: join, local, status, export.
 
 Node options are generated from NodeSettings, so the flags, their help texts and the
 DTNODE_* variables can never drift apart. A flag is passed on only when given, which is
@@ -13,6 +13,7 @@ import json
 import logging
 import os
 import sys
+from pathlib import Path
 from typing import Any
 
 from dtnode import __version__
@@ -72,6 +73,19 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("--json", action="store_true", help="print the raw JSON instead of tables")
     status.add_argument("--swarm-key-file", default=None, help="the swarm key, to list a closed swarm's peers "
                                                                "(default: DTNODE_SWARM_KEY if set)")
+    export = sub.add_parser("export", help="write a checkpoint as a Hugging Face save_pretrained directory",
+                            description="Write θ_g of a checkpoint in a node's state dir as a directory that "
+                                        "transformers' AutoModelForCausalLM.from_pretrained and "
+                                        "AutoTokenizer.from_pretrained load.")
+    export.add_argument("--state-dir", required=True, type=Path, help="the node's state dir")
+    export.add_argument("--out", required=True, type=Path, help="the directory to write")
+    export.add_argument("--step", type=int, default=None, help="outer step to export (default: the newest)")
+    export.add_argument("--tokenizer", type=Path, default=None,
+                        help="the run's --tokenizer, to include it (default: byte-level runs get a byte "
+                             "tokenizer; others are exported without one)")
+    export.add_argument("--model", default=None,
+                        help="the run's --model hf:DIR, needed only for a model that started from weights "
+                             "and has frozen parameters")
     return parser
 
 
@@ -157,13 +171,28 @@ def cmd_status(args: argparse.Namespace) -> int:
     return show_status(url, as_json=args.json, auth=SwarmAuth(key, "dtnode-status") if key else None)
 
 
+def cmd_export(args: argparse.Namespace) -> int:
+    configure_logging("INFO")
+    from .checkpoint import CheckpointError
+    from .export import export_checkpoint
+    from .hf_model import HFModelError
+
+    try:
+        out = export_checkpoint(args.state_dir, args.out, args.step, args.tokenizer, args.model)
+    except (CheckpointError, HFModelError) as e:
+        print(f"dtnode: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    print(f"exported to {out}: AutoModelForCausalLM.from_pretrained({str(out)!r})")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
     os.environ.setdefault("HIVEMIND_LOGLEVEL", "WARNING")
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        return {"join": cmd_join, "local": cmd_local, "status": cmd_status}[args.command](args)
+        return {"join": cmd_join, "local": cmd_local, "status": cmd_status, "export": cmd_export}[args.command](args)
     except SettingsError as e:
         print(f"dtnode: error: {e}", file=sys.stderr)
         return EXIT_USAGE

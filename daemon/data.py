@@ -1,34 +1,31 @@
-"""Training data: a synthetic language with a known loss floor, or text files; and held-out text.
+"""Training data: a synthetic language with a known loss floor, or a token corpus (corpus.py); and held-out text.
 
 The synthetic language is a random first-order Markov chain over bytes, seeded by the run
 id: every token has a few possible successors with Dirichlet-drawn probabilities. Its
 entropy rate is the best achievable cross-entropy, so "loss falls toward the floor" is a
 check anyone can make. Every peer draws its own stream (seeded by its peer id).
 
-The eval loss must measure generalisation, so it never reads training data. A text file's
-eval set comes from `--eval-data`, or else from the file's last `--eval-fraction` bytes,
-which training never samples (a tail split, like most language-model recipes: the held-out
-part is contiguous text, not windows that overlap training ones). The eval set is the same
-fixed windows on every peer, so their losses are comparable; the synthetic language's eval
-set is a separate seeded sample of the chain.
+The eval loss must measure generalisation, so it never reads training data. Real data's
+eval set comes from `--eval-data`, or else from held-out documents of `--data` (of a single
+file: its last `--eval-fraction` of tokens), which training never reads; see corpus.py. The
+eval set is the same fixed windows on every peer, so their losses are comparable; the
+synthetic language's eval set is a separate seeded sample of the chain.
 """
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from .corpus import CorpusError, CorpusReader, TokenCorpus, open_corpus, stable_seed
 from .model import VOCAB_SIZE
 from .settings import SettingsError
+from .tokenizer import ByteTokenizer, Tokenizer
 
-
-def stable_seed(*parts: object) -> int:
-    digest = hashlib.sha256("\0".join(map(str, parts)).encode()).digest()
-    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+__all__ = ["DataSources", "DataStream", "MarkovLanguage", "check_token_ids", "open_sources", "stable_seed"]
 
 
 class MarkovLanguage:
@@ -68,41 +65,7 @@ class MarkovLanguage:
         return self.sample(count, length, torch.Generator().manual_seed(stable_seed(run_id, "eval")))
 
 
-class TextFile:
-    """Byte-level tokens of a UTF-8 text file (or a byte range of one), read through a memory map."""
-
-    entropy_rate = None
-
-    def __init__(self, path: Path, data: np.ndarray | None = None):
-        self.path = path
-        self.data = np.memmap(path, dtype=np.uint8, mode="r") if data is None else data
-        if len(self.data) < 2:
-            raise ValueError(f"{path} holds fewer than 2 bytes")
-
-    def __len__(self) -> int:
-        return len(self.data)
-
-    def held_out(self, fraction: float) -> tuple["TextFile", "TextFile"]:
-        """(training part, held-out tail): the last `fraction` of the bytes, never sampled for training."""
-        cut = len(self.data) - max(2, round(len(self.data) * fraction))
-        if cut < 2:
-            raise ValueError(f"{self.path} is too short to hold out {fraction:g} of it")
-        return TextFile(self.path, self.data[:cut]), TextFile(self.path, self.data[cut:])
-
-    def sample(self, batch: int, length: int, gen: torch.Generator) -> torch.Tensor:
-        length = min(length, len(self.data))
-        starts = torch.randint(0, len(self.data) - length + 1, (batch,), generator=gen).tolist()
-        return torch.from_numpy(np.stack([self.data[s : s + length] for s in starts]).astype(np.int64))
-
-    def eval_set(self, count: int, length: int, run_id: str) -> torch.Tensor:
-        """`count` windows spread evenly over the text (fewer when it is short): the same on every peer."""
-        length = min(length, len(self.data))
-        span = len(self.data) - length
-        starts = sorted({round(i * span / max(count - 1, 1)) for i in range(count)})
-        return torch.from_numpy(np.stack([self.data[s : s + length] for s in starts]).astype(np.int64))
-
-
-Source = MarkovLanguage | TextFile
+Source = MarkovLanguage | TokenCorpus
 
 
 @dataclass
@@ -118,40 +81,55 @@ class DataSources:
 
 
 def open_sources(run_id: str, seed: int, data: Path | None, eval_data: Path | None = None,
-                 eval_fraction: float = 0.0, seq_len: int = 2) -> DataSources:
-    """The node's data; a SettingsError names the option to change when the files cannot serve."""
+                 eval_fraction: float = 0.0, seq_len: int = 2, *, tokenizer: Tokenizer | None = None,
+                 text_field: str = "text", data_dtype: str = "auto", cache_dir: Path | None = None) -> DataSources:
+    """The node's data; a SettingsError names the option to change when the files cannot serve.
+
+    `cache_dir` holds token files made from text (the state dir's `data-cache`)."""
     if data is None:
         if eval_data is not None:
             raise SettingsError("--eval-data", "needs --data: the synthetic language has its own eval set")
         language = MarkovLanguage(stable_seed(run_id, seed, "language"))
         return DataSources(language, language)
+    tokenizer = tokenizer or ByteTokenizer()
+    cache_dir = cache_dir or data.parent / ".dtnode-token-cache"
+    if eval_data is not None and data.resolve() == eval_data.resolve():
+        raise SettingsError("--eval-data", f"{eval_data} is the training data itself")
+    fraction = 0.0 if eval_data is not None else eval_fraction
     try:
-        train = TextFile(data)
-    except ValueError as e:
-        raise SettingsError("--data", str(e)) from None
+        train, held_out = open_corpus(data, tokenizer, text_field, data_dtype, cache_dir, fraction)
+    except CorpusError as e:
+        raise SettingsError("--eval-fraction" if fraction and "too short to hold out" in str(e) else "--data",
+                            str(e)) from None
     if eval_data is not None:
         try:
-            held_out = TextFile(eval_data)
-        except ValueError as e:
+            held_out = open_corpus(eval_data, tokenizer, text_field, data_dtype, cache_dir)[0]
+        except CorpusError as e:
             raise SettingsError("--eval-data", str(e)) from None
-        if data.resolve() == eval_data.resolve():
-            raise SettingsError("--eval-data", f"{eval_data} is the training file itself")
-        return DataSources(train, held_out)
-    if eval_fraction == 0:
+    if held_out is None:
         return DataSources(train, None)
-    try:
-        train, held_out = train.held_out(eval_fraction)
-    except ValueError as e:
-        raise SettingsError("--eval-fraction", str(e)) from None
     if len(held_out) < seq_len + 1 or len(train) < seq_len + 1:
-        raise SettingsError("--eval-fraction", f"{data} split {len(train)}/{len(held_out)} bytes (train/held out) "
-                                               f"leaves a part shorter than one sequence ({seq_len + 1} bytes); "
-                                               f"change --eval-fraction or give --eval-data")
+        option = "--eval-data" if eval_data is not None else "--eval-fraction"
+        raise SettingsError(option, f"{data} split {len(train)}/{len(held_out)} tokens (train/held out) leaves a "
+                                    f"part shorter than one sequence ({seq_len + 1} tokens); change "
+                                    f"--eval-fraction or give --eval-data")
     return DataSources(train, held_out)
 
 
+def check_token_ids(corpus: TokenCorpus, vocab_size: int, option: str) -> None:
+    """Every id must index the model's embedding; a corpus of unknown origin (.bin) is scanned once."""
+    if corpus.id_bound is not None and corpus.id_bound <= vocab_size:
+        return
+    if (top := corpus.max_id()) >= vocab_size:
+        raise SettingsError(option, f"{corpus.name} holds token id {top}, outside the model's vocabulary of "
+                                    f"{vocab_size} (wrong --data-dtype, or data made for another tokenizer?)")
+
+
 class DataStream:
-    """This peer's endless stream of training batches, plus the swarm-wide eval set."""
+    """This peer's endless stream of training batches, plus the swarm-wide eval set.
+
+    The synthetic language is sampled (its own seeded chain per peer); a corpus is read in
+    order (CorpusReader), so the stream's position is the count of batches drawn."""
 
     def __init__(self, sources: DataSources, run_id: str, peer_id: str, batch_size: int, seq_len: int,
                  eval_sequences: int = 64):
@@ -159,13 +137,18 @@ class DataStream:
         self.batch_size = batch_size
         self.seq_len = seq_len
         self.gen = torch.Generator().manual_seed(stable_seed(run_id, "train", peer_id))
+        self.reader = (CorpusReader(self.source, seq_len + 1, run_id, peer_id)
+                       if isinstance(self.source, TokenCorpus) else None)
         self.eval_set = (sources.eval.eval_set(eval_sequences, seq_len + 1, run_id)
                          if sources.eval is not None and eval_sequences else None)
         self.batches_drawn = 0
 
     def next_batch(self) -> torch.Tensor:
         """[B, seq_len + 1] tokens: inputs are [:, :-1], targets [:, 1:]."""
+        first = self.batches_drawn * self.batch_size
         self.batches_drawn += 1
+        if self.reader is not None:
+            return self.reader.batch(first, self.batch_size)
         return self.source.sample(self.batch_size, self.seq_len + 1, self.gen)
 
     def position(self) -> tuple[torch.Tensor, int]:

@@ -1,9 +1,15 @@
 """The built-in workload's model: a small GPT-style decoder in plain torch.
 
 Presets span CI (`tiny`, ~0.1M parameters, trains in seconds on a CPU) to a GPU host
-(`base`, ~124M). A user model comes from `module:factory`: a callable returning an
-nn.Module that maps int64 tokens [B, T] to logits [B, T, vocab_size] and has the attributes
-`vocab_size` and `context_length`.
+(`base`, ~124M). The presets' architecture is GPT-2's (learned positions, pre-LayerNorm,
+exact GELU, tied embeddings), so `dtnode export` writes them as a `transformers` GPT-2 model.
+They stay plain torch rather than `transformers` models because importing `transformers`
+costs about 3 s of a joiner's start-up on a 2-core host and its Llama trains 3-10% slower
+here (measured against this model at the tiny and small sizes).
+
+Other models: `hf:PATH` builds a `transformers` causal LM from a local directory (see
+hf_model.py); `module:factory` calls a factory returning an nn.Module that maps int64 tokens
+[B, T] to logits [B, T, vocab_size] and has the attributes `vocab_size` and `context_length`.
 """
 
 from __future__ import annotations
@@ -13,12 +19,14 @@ import importlib
 import json
 import math
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 VOCAB_SIZE = 256  # byte-level tokens, for the synthetic language and text files alike
+HF_PREFIX = "hf:"
 
 
 @dataclass(frozen=True)
@@ -99,6 +107,10 @@ def build_model(spec: str, seed: int) -> tuple[nn.Module, dict]:
     if spec in PRESETS:
         model = GPT(PRESETS[spec])
         description = {"preset": spec, **asdict(PRESETS[spec])}
+    elif spec.startswith(HF_PREFIX):
+        from .hf_model import load_hf_model
+
+        model, description = load_hf_model(Path(spec[len(HF_PREFIX):]).expanduser())
     else:
         module_name, _, factory_name = spec.partition(":")
         factory = getattr(importlib.import_module(module_name), factory_name)
@@ -110,7 +122,33 @@ def build_model(spec: str, seed: int) -> tuple[nn.Module, dict]:
                 raise TypeError(f"{spec}: the model needs an integer attribute {attr!r}")
         description = {"factory": spec, "vocab_size": model.vocab_size, "context_length": model.context_length}
     description["parameters"] = [[n, list(p.shape)] for n, p in model.named_parameters()]
+    frozen = [n for n, p in model.named_parameters() if not p.requires_grad]
+    if frozen:
+        description["frozen"] = frozen
     return model, description
+
+
+def export_format(description: dict) -> str:
+    """What `dtnode export` writes for this model: a transformers architecture, or raw weights."""
+    if "preset" in description:
+        return "transformers:gpt2"
+    if "hf" in description:
+        return f"transformers:{description['hf'].get('model_type', 'unknown')}"
+    return "safetensors-state-dict"
+
+
+def model_from_description(description: dict, seed: int) -> nn.Module:
+    """Rebuild a model of a checkpoint's description (export): a preset or an hf: architecture,
+    initialised from `seed` as the swarm's was; a checkpoint's θ_g then overwrites what was trained."""
+    torch.manual_seed(seed)
+    if "preset" in description:
+        fields = {k: description[k] for k in GPTConfig.__dataclass_fields__}
+        return GPT(GPTConfig(**fields))
+    if "hf" in description:
+        from .hf_model import hf_model_from_description
+
+        return hf_model_from_description(description)
+    raise ValueError(f"a {description.get('factory', 'module:factory')} model cannot be rebuilt from its checkpoint")
 
 
 def config_hash(description: dict) -> str:

@@ -53,15 +53,18 @@ from .checkpoint import (
     ABANDONED_DIR, list_checkpoints, prune_checkpoints, read_checkpoint, read_local_state,
     set_aside_checkpoints_after, write_checkpoint,
 )
-from .data import DataStream, open_sources, stable_seed
+from .corpus import TokenCorpus
+from .data import DataStream, check_token_ids, open_sources, stable_seed
+from .hf_model import HFModelError
 from .schedule import LearningRateSchedule
 from .history import FILE_NAME as HISTORY_FILE, RoundHistory
 from .metrics import NodeMetrics, failure_reason
-from .model import build_model, config_hash
+from .model import HF_PREFIX, build_model, config_hash, export_format
 from .replica import Replica
 from .settings import NodeSettings, SettingsError
 from .sidecar import Sidecar
 from .sync import SwarmPosition, fetch_from_swarm, swarm_position
+from .tokenizer import check_vocabulary, load_tokenizer
 from .trainer import InnerResult, Trainer
 
 if TYPE_CHECKING:
@@ -71,6 +74,7 @@ log = logging.getLogger("dtnode")
 
 PACER_POLL_S = 0.2  # how often a training node re-reads the swarm's progress
 MAX_ROUND_FACTOR = 100  # a paced round takes at most this many times H steps on one peer
+TOKEN_CACHE_DIR = "data-cache"  # token files made from text data (corpus.py), reused across restarts
 TLS_CERT_FILE = "tls.crt"  # this node's data-plane certificate (PEM), derived from its record key
 DHT_PORT_FILE = "dht-port"  # the DHT port of the last run, reused when free (--dht-port 0)
 REMEMBER_PEERS_EVERY_S = 5.0
@@ -155,10 +159,25 @@ class Node:
     def _build_workload(self) -> None:
         s = self.settings
         seed = stable_seed(s.run_id, s.seed, "init")
-        model, self.model_description = build_model(s.model, seed)
+        try:
+            model, self.model_description = build_model(s.model, seed)
+        except HFModelError as e:
+            raise SettingsError("--model", str(e)) from None
+        tokenizer = load_tokenizer(s.tokenizer)
+        check_vocabulary(tokenizer, model.vocab_size)
+        if s.tokenizer is not None:  # peers that split text differently must not average
+            self.model_description["tokenizer"] = tokenizer.sha256
         self.model_hash = config_hash(self.model_description)
         self.seq_len = min(s.seq_len or model.context_length, model.context_length)
-        self.sources = open_sources(s.run_id, s.seed, s.data, s.eval_data, s.eval_fraction, self.seq_len)
+        self.sources = open_sources(s.run_id, s.seed, s.data, s.eval_data, s.eval_fraction, self.seq_len,
+                                    tokenizer=tokenizer, text_field=s.text_field, data_dtype=s.data_dtype,
+                                    cache_dir=self.state_dir / TOKEN_CACHE_DIR)
+        for source, option in ((self.sources.train, "--data"),
+                               (self.sources.eval, "--eval-data" if s.eval_data else "--data")):
+            if isinstance(source, TokenCorpus):
+                check_token_ids(source, model.vocab_size, option)
+        self.init_seed = seed
+        self.export_format = export_format(self.model_description)
         self._model = model
 
     def _build_metrics(self) -> None:
@@ -171,7 +190,7 @@ class Node:
         stream = DataStream(self.sources, s.run_id, self.peer_id, s.batch_size, self.seq_len, s.eval_sequences)
         schedule = LearningRateSchedule(s.inner_lr, s.warmup_steps, s.total_steps, s.lr_schedule, s.min_lr_ratio)
         self.trainer = Trainer(self._model, stream, self.device, schedule=schedule,
-                               weight_decay=s.inner_weight_decay, grad_clip=s.grad_clip)
+                               weight_decay=s.inner_weight_decay, grad_clip=s.grad_clip, compile=s.compile)
         self.replica = Replica(self.trainer, s.outer_lr, s.outer_momentum)
         flat = self.trainer.flat
         self.layout = Layout(tuple(flat.names), tuple(flat.shapes))
@@ -586,6 +605,7 @@ class Node:
         while not self.stop_requested.is_set():
             view = await self.membership.members()
             if joining:
+                self._check_model(view)
                 self._check_data_plane(view)
             position = swarm_position(view.values(), self.peer_id, self.model_hash)
             own = self.replica.outer_step
@@ -638,6 +658,17 @@ class Node:
             if self.trainer.first_step_done.wait(0.5):
                 use_fused_kernels(True)
                 return
+
+    def _check_model(self, view: dict[str, PeerRecord]) -> None:
+        """Refuse to join a swarm that trains another model (or another tokenizer): peers of
+        another config hash are never averaged with, so this node would train alone."""
+        hashes = collections.Counter(r.model_hash for p, r in view.items() if p != self.peer_id and r.state != "stopped")
+        if not hashes or self.model_hash in hashes:
+            return
+        theirs, count = hashes.most_common(1)[0]
+        raise JoinError(f"this swarm trains model config {theirs} ({count} peer(s)) and this node {self.model_hash}: "
+                        f"give the same --model, --tokenizer and model files as the swarm "
+                        f"(`curl <peer>/status` shows its model)")
 
     def _check_data_plane(self, view: dict[str, PeerRecord]) -> None:
         """Refuse to join a swarm whose peers average over the other kind of data plane: TLS and
@@ -1099,8 +1130,12 @@ class Node:
         return memory if memory is not None and memory.sha256 else None
 
     def _checkpoint_metadata(self) -> dict[str, str]:
-        return {"run_id": self.settings.run_id, "model_hash": self.model_hash, "model": self.settings.model,
-                "model_config": json.dumps(self.model_description, sort_keys=True)}
+        # the same bytes on every peer of a group (joiners fetch ranges of one file from several):
+        # no local path, so an hf: model is named by its kind and its config in model_config
+        model = "hf" if self.settings.model.startswith(HF_PREFIX) else self.settings.model
+        return {"run_id": self.settings.run_id, "model_hash": self.model_hash, "model": model,
+                "model_config": json.dumps(self.model_description, sort_keys=True),
+                "init_seed": str(self.init_seed), "export_format": self.export_format}
 
     def _report(self, round_no: int, inner: InnerResult, result: AveragingResult | None, duration: float) -> None:
         """The round line and record. With --overlap the groups, bytes and θ_g are those of the

@@ -70,19 +70,35 @@ class NodeSettings(BaseSettings):
     heartbeat_interval: float = Field(2.0, gt=0, le=60, description="Seconds between membership heartbeats.")
     peer_ttl: float = Field(6.0, gt=0, le=600, description="Seconds a membership record lives without a heartbeat.")
     # Model and data
-    model: str = Field("tiny", description="Model preset (tiny, small, base) or 'module:factory' "
-                                           "returning a torch.nn.Module.")
-    data: Path | None = Field(None, description="UTF-8 text file to train on (byte-level tokens); default: "
-                                                "the built-in synthetic language seeded by the run id.")
-    eval_data: Path | None = Field(None, description="UTF-8 text file of held-out text for the eval loss "
-                                                     "(default: the last --eval-fraction of --data, which "
-                                                     "training then never reads).")
+    model: str = Field("tiny", description="Model preset (tiny, small, base), 'hf:DIR' (a transformers causal "
+                                           "LM from a local directory with config.json, and safetensors "
+                                           "weights to start from them), or 'module:factory' returning a "
+                                           "torch.nn.Module.")
+    tokenizer: Path | None = Field(None, description="Local tokenizer (a tokenizer.json, or a directory saved by "
+                                                     "transformers/tokenizers) for text data; default: byte-level "
+                                                     "tokens.")
+    data: Path | None = Field(None, description="Training data: a UTF-8 text file or a directory of them, a "
+                                                ".jsonl or .parquet file (or a directory of them) read through "
+                                                "`datasets`, or a .bin file of token ids (nanoGPT/llm.c "
+                                                "style); default: the built-in synthetic language seeded by "
+                                                "the run id.")
+    text_field: str = Field("text", min_length=1, max_length=256, description="The field holding the text in "
+                                                                              ".jsonl and .parquet data.")
+    data_dtype: str = Field("auto", pattern=r"^(auto|uint16|uint32)$", description="Token id type of .bin data: "
+                                                                                   "uint16, uint32, or auto (the "
+                                                                                   "llm.c header's, else uint16).")
+    eval_data: Path | None = Field(None, description="Held-out data for the eval loss, in any --data format "
+                                                     "(default: the last --eval-fraction of --data by "
+                                                     "document, which training then never reads).")
     eval_fraction: float = Field(0.01, ge=0, lt=1, description="With --data and no --eval-data: the fraction "
-                                                                 "of the file, at its end, held out for the eval "
-                                                                 "loss (0: no eval loss).")
+                                                                 "of the documents (of a single text or .bin "
+                                                                 "file: of its tokens, at its end) held out for "
+                                                                 "the eval loss (0: no eval loss).")
     eval_sequences: int = Field(64, ge=0, le=1_000_000, description="Sequences in the eval set, the same on "
                                                                      "every peer (0: no eval loss).")
     device: str = Field("auto", description="Torch device: auto, cpu, cuda, cuda:N or mps.")
+    compile: bool = Field(False, description="Compile the model with torch.compile (faster inner steps on a "
+                                             "GPU after a compile of a minute or so).")
     seed: int = Field(0, ge=0, description="Seed of the initial weights and the synthetic language "
                                            "(combined with the run id).")
     batch_size: int = Field(16, ge=1, le=65536, description="Sequences per inner step.")
@@ -204,17 +220,22 @@ class NodeSettings(BaseSettings):
     @field_validator("model")
     @classmethod
     def _model_spec(cls, value: str) -> str:
-        from .model import PRESETS
+        from .model import HF_PREFIX, PRESETS
 
+        if value.startswith(HF_PREFIX):
+            directory = Path(value[len(HF_PREFIX):]).expanduser()
+            if not (directory / "config.json").is_file():
+                raise ValueError(f"{directory} is not a directory with a config.json (hf:DIR)")
+            return value
         if value not in PRESETS and not re.match(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$", value):
-            raise ValueError(f"unknown model {value!r}; use one of {', '.join(PRESETS)} or module:factory")
+            raise ValueError(f"unknown model {value!r}; use one of {', '.join(PRESETS)}, hf:DIR or module:factory")
         return value
 
-    @field_validator("data", "eval_data")
+    @field_validator("data", "eval_data", "tokenizer")
     @classmethod
     def _readable_data(cls, value: Path | None) -> Path | None:
-        if value is not None and not (value.is_file() and os.access(value, os.R_OK)):
-            raise ValueError(f"cannot read data file {value}")
+        if value is not None and not (value.exists() and os.access(value, os.R_OK)):
+            raise ValueError(f"cannot read {value}")
         return value
 
     @model_validator(mode="after")

@@ -39,6 +39,7 @@ class NodeView(Protocol):
     metrics_registry: CollectorRegistry
     metrics: NodeMetrics
     history: RoundHistory
+    export_format: str
 
     def status(self) -> dict[str, Any]: ...
 
@@ -141,6 +142,7 @@ class Sidecar:
         return web.json_response({
             "outer_step": info.step, "sha256": info.sha256, "size_bytes": info.size_bytes,
             "url": str(request.url.with_path(f"/checkpoint/{info.step}").with_query(None)),
+            "export_format": self.node.export_format,  # what `dtnode export` makes of it
         })
 
     async def checkpoint_file(self, request: web.Request) -> web.StreamResponse:

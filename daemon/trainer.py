@@ -45,10 +45,12 @@ class InnerResult:
 
 class Trainer:
     def __init__(self, model: torch.nn.Module, stream: DataStream, device: torch.device, *,
-                 schedule: LearningRateSchedule, weight_decay: float, grad_clip: float):
+                 schedule: LearningRateSchedule, weight_decay: float, grad_clip: float, compile: bool = False):
         self.device = device
         self.model = model.to(device)
-        self.flat = FlatParameters(self.model.named_parameters())
+        self.flat = FlatParameters(self.model.named_parameters(), learned_buffers(self.model))
+        # the compiled module shares the (already flattened) parameters; nothing re-points them after this
+        self.forward_model = torch.compile(self.model) if compile else self.model
         self.stream = stream
         self.schedule = schedule
         self.lr = schedule(0)  # the rate of the last step taken (or of the first)
@@ -105,7 +107,7 @@ class Trainer:
             group["lr"] = self.lr
 
     def _loss(self, batch: torch.Tensor) -> torch.Tensor:
-        return next_token_loss(self.model, batch, self.device)
+        return next_token_loss(self.forward_model, batch, self.device)
 
     def run(self, steps: int, stop: threading.Event, deadline: float | None = None,
             keep_going: Callable[[float], bool] | None = None, *, position: int = 0,
@@ -134,7 +136,7 @@ class Trainer:
             self.optimizer.zero_grad(set_to_none=True)
             loss.backward()
             if self.grad_clip:
-                torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
+                torch.nn.utils.clip_grad_norm_(self._ordered_parameters(), self.grad_clip)
             self.optimizer.step()
             first = not self.first_step_done.is_set()
             self.first_step_done.set()
@@ -158,11 +160,13 @@ class Trainer:
         return InnerResult(done, tokens, mean, time.monotonic() - started)
 
     def _ordered_parameters(self) -> list[torch.nn.Parameter]:
-        return [p for _, p in self.model.named_parameters()]  # the flat buffer's order
+        """The trainable parameters, in the flat buffer's order (frozen ones have no optimizer state)."""
+        return [p for _, p in self.model.named_parameters() if p.requires_grad]
 
     @torch.no_grad()
     def inner_state(self) -> tuple[torch.Tensor, torch.Tensor, int]:
-        """AdamW's moments flattened in parameter order (CPU copies), and its step count."""
+        """AdamW's moments flattened in parameter order (CPU copies; zeros over the learned
+        buffers at the flat buffer's end), and its step count."""
         exp_avg = torch.zeros(self.flat.numel)
         exp_avg_sq = torch.zeros(self.flat.numel)
         steps, offset = 0, 0
@@ -224,14 +228,32 @@ def held_out_loss(model: torch.nn.Module, eval_set: torch.Tensor, device: torch.
 
 def inner_optimizer(model: torch.nn.Module, lr: float, weight_decay: float) -> torch.optim.AdamW:
     """DiLoCo's inner AdamW (also the data-parallel baseline's optimizer in the convergence benchmark):
-    no decay on gains and biases, β2 = 0.95 as is usual for transformers."""
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.dim() < 2]
-    on_cpu = next(model.parameters()).device.type == "cpu"
+    no decay on gains and biases, β2 = 0.95 as is usual for transformers; trainable parameters
+    only; the fused CUDA kernel on a GPU."""
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    decay = [p for p in trainable if p.dim() >= 2]
+    no_decay = [p for p in trainable if p.dim() < 2]
+    on_cuda = trainable[0].device.type == "cuda"
+    kernel = {"fused": True} if on_cuda else {}
     return torch.optim.AdamW(
         [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=lr, betas=(0.9, 0.95), foreach=not on_cpu or None,
+        lr=lr, betas=(0.9, 0.95), **kernel,
     )
+
+
+def learned_buffers(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """Persistent floating-point buffers (a norm's running statistics): they ride in the flat
+    buffer, so they are averaged and checkpointed with θ. A constant one has Δ = 0 and stays
+    put; non-persistent buffers (rotary caches) are rebuilt from the config and left alone."""
+    found, seen = [], set()
+    for module_name, module in model.named_modules():
+        for name, buffer in module._buffers.items():
+            if (buffer is None or not buffer.is_floating_point() or name in module._non_persistent_buffers_set
+                    or id(buffer) in seen):
+                continue
+            seen.add(id(buffer))
+            found.append((f"{module_name}.{name}" if module_name else name, buffer))
+    return found
 
 
 def _slowdown_from_env() -> float:

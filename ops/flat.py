@@ -1,8 +1,13 @@
-"""One flat fp32 buffer behind all parameters of a model.
+"""One flat fp32 buffer behind all averaged tensors of a model.
 
 Packing the parameters into one contiguous buffer makes the pseudo-gradient a single
 subtraction and lets the network layer ship one buffer instead of one RPC per tensor.
 Parameters become views into the buffer, so the inner optimizer keeps working unchanged.
+
+The buffer holds the trainable parameters first (the region the inner optimizer's state
+covers, `parameters_numel`), then any learned buffers the caller adds (a norm's running
+statistics): those are averaged with the rest but have no optimizer state. Frozen
+parameters are not given: nothing changes them, so there is nothing to average.
 """
 
 from __future__ import annotations
@@ -16,10 +21,14 @@ import torch
 class FlatParameters:
     """Re-points every parameter's storage into one flat buffer (in a fixed order)."""
 
-    def __init__(self, named_parameters: Iterable[tuple[str, torch.nn.Parameter]]) -> None:
+    def __init__(self, named_parameters: Iterable[tuple[str, torch.nn.Parameter]],
+                 named_buffers: Iterable[tuple[str, torch.Tensor]] = ()) -> None:
         params = [(name, p) for name, p in named_parameters if p.requires_grad]
         if not params:
             raise ValueError("model has no trainable parameters")
+        self.parameters_numel = sum(p.numel() for _, p in params)
+        self.parameter_count = len(params)
+        params += [(name, b) for name, b in named_buffers]
         device = params[0][1].device
         self.names = [name for name, _ in params]
         self.shapes = [tuple(p.shape) for _, p in params]

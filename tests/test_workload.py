@@ -3,7 +3,8 @@ import math
 import pytest
 import torch
 
-from dtnode.daemon.data import DataSources, DataStream, MarkovLanguage, TextFile, open_sources
+from dtnode.daemon.corpus import CorpusReader, TokenCorpus
+from dtnode.daemon.data import DataSources, DataStream, MarkovLanguage, open_sources
 from dtnode.daemon.model import GPT, PRESETS, build_model, config_hash
 from dtnode.daemon.schedule import LearningRateSchedule
 from dtnode.daemon.settings import SettingsError, load_settings
@@ -30,7 +31,9 @@ def test_peers_draw_different_streams_but_share_the_eval_batch():
 def test_text_file_gives_byte_tokens(tmp_path):
     path = tmp_path / "corpus.txt"
     path.write_text("héllo wörld " * 100, encoding="utf-8")
-    batch = TextFile(path).sample(3, 10, torch.Generator().manual_seed(0))
+    train = open_sources("run", 0, path, None, eval_fraction=0.0).train
+    assert isinstance(train, TokenCorpus)
+    batch = CorpusReader(train, 10, "run", "peer").batch(0, 3)
     raw = path.read_bytes()
     assert batch.dtype == torch.int64 and batch.shape == (3, 10)
     for row in batch:
@@ -108,7 +111,7 @@ def test_held_out_settings_fail_clearly(tmp_path):
     path.write_bytes(b"x" * 200)
     with pytest.raises(SettingsError, match="--eval-fraction.*shorter than one sequence"):
         open_sources("run", 0, path, None, eval_fraction=0.05, seq_len=64)
-    with pytest.raises(SettingsError, match="--eval-data.*training file itself"):
+    with pytest.raises(SettingsError, match="--eval-data.*training data itself"):
         open_sources("run", 0, path, path, seq_len=8)
     assert open_sources("run", 0, path, None, eval_fraction=0.0).eval is None  # no held-out text: no eval loss
     with pytest.raises(SettingsError, match="--eval-data: needs --data"):

@@ -1,0 +1,293 @@
+"""Token corpora: every data source becomes one flat array of token ids, memory-mapped.
+
+Sources (`--data`, `--eval-data`):
+- a `.bin` of uint16/uint32 ids, nanoGPT style (no header; `--data-dtype`) or llm.c style
+  (a 256-int32 header: magic 20240520, version 1 = uint16, 2 = uint32, token count), used
+  in place;
+- one UTF-8 text file without `--tokenizer`: its bytes are the ids, used in place;
+- anything else (text with a tokenizer, a directory of text files, `.jsonl`/`.parquet` read
+  through `datasets` in streaming mode, `--text-field`) is tokenized once, document by
+  document, into a token file in the state dir (llm.c format), keyed by the sources' names,
+  sizes and times, the tokenizer and the split; later starts map that file.
+
+Held-out text never reaches training. With `--eval-data` it is another source. Otherwise a
+document is held out when the hash of its name (file, and row number) falls under
+`--eval-fraction`: the same documents on every peer, whole documents, never split. A single
+text or `.bin` file is one document, so its last `--eval-fraction` of tokens is held out.
+
+Reading order (CorpusReader): the corpus is cut into windows of one sequence; the run's seed
+fixes one permutation of them (affine, so it costs no memory for any corpus size), and each
+peer reads it in order from an offset derived from its peer id and the run. Peers read
+disjoint stretches of one shuffled epoch (each its arc up to the next peer's offset) and no
+window twice before the epoch is through; the position is one integer, kept in checkpoints.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .tokenizer import ByteTokenizer, Tokenizer
+
+log = logging.getLogger(__name__)
+
+LLMC_MAGIC = 20240520
+LLMC_HEADER_INTS = 256
+LLMC_VERSIONS = {1: np.uint16, 2: np.uint32}
+DATASET_SUFFIXES = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
+ENCODE_BATCH = 512  # documents per tokenizer call
+
+
+class CorpusError(ValueError):
+    """Data that cannot be read as tokens; the message names the file and what is wrong."""
+
+
+def stable_seed(*parts: object) -> int:
+    digest = hashlib.sha256("\0".join(map(str, parts)).encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+class TokenCorpus:
+    """A flat array of token ids (usually a memory map) with the eval windows drawn from it."""
+
+    entropy_rate = None  # real data has no known floor
+
+    def __init__(self, tokens: np.ndarray, name: str, id_bound: int | None = None):
+        if len(tokens) < 2:
+            raise CorpusError(f"{name} holds fewer than 2 tokens")
+        self.tokens = tokens
+        self.name = name
+        self.id_bound = id_bound  # every id is below this, when known by construction
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def max_id(self) -> int:
+        """The largest id (one pass in chunks: the array may be a memory map of gigabytes)."""
+        step = 1 << 24
+        return int(max(self.tokens[i : i + step].max() for i in range(0, len(self.tokens), step)))
+
+    def tail_split(self, fraction: float) -> tuple["TokenCorpus", "TokenCorpus"]:
+        """(training part, held-out tail): the last `fraction` of the tokens."""
+        cut = len(self.tokens) - max(2, round(len(self.tokens) * fraction))
+        if cut < 2:
+            raise CorpusError(f"{self.name} is too short to hold out {fraction:g} of it")
+        return (TokenCorpus(self.tokens[:cut], self.name, self.id_bound),
+                TokenCorpus(self.tokens[cut:], self.name, self.id_bound))
+
+    def window(self, start: int, length: int) -> np.ndarray:
+        return np.asarray(self.tokens[start : start + length], dtype=np.int64)
+
+    def eval_set(self, count: int, length: int, run_id: str) -> torch.Tensor:
+        """`count` windows spread evenly over the corpus (fewer when it is short): the same on every peer."""
+        length = min(length, len(self.tokens))
+        span = len(self.tokens) - length
+        starts = sorted({round(i * span / max(count - 1, 1)) for i in range(count)})
+        return torch.from_numpy(np.stack([self.window(s, length) for s in starts]))
+
+
+class CorpusReader:
+    """One peer's ordered walk over a corpus's windows (see the module docstring)."""
+
+    def __init__(self, corpus: TokenCorpus, length: int, run_id: str, peer_id: str):
+        self.corpus = corpus
+        self.length = min(length, len(corpus))
+        self.stride = max(self.length - 1, 1)  # a window's last token is the next one's first input
+        self.windows = max((len(corpus) - self.length) // self.stride + 1, 1)
+        n = self.windows
+        self.multiplier = _coprime_near(stable_seed(run_id, "window-order") % n, n) if n > 1 else 1
+        self.shift = stable_seed(run_id, "window-shift") % n
+        self.offset = stable_seed(run_id, peer_id, "window-offset") % n
+
+    def window_index(self, position: int) -> int:
+        """The corpus window this peer reads at `position` (0, 1, ... in its stream)."""
+        return (self.multiplier * ((self.offset + position) % self.windows) + self.shift) % self.windows
+
+    def batch(self, first_position: int, batch_size: int) -> torch.Tensor:
+        rows = [self.corpus.window(self.window_index(first_position + i) * self.stride, self.length)
+                for i in range(batch_size)]
+        return torch.from_numpy(np.stack(rows))
+
+
+def _coprime_near(start: int, n: int) -> int:
+    """The first multiplier from `start` up that is coprime with n (so i -> a*i mod n is a permutation)."""
+    a = max(start, 1)
+    while math.gcd(a, n) != 1:
+        a += 1
+    return a % n or 1
+
+
+# ---- opening sources ---------------------------------------------------------------------
+def read_bin(path: Path, dtype: str = "auto") -> TokenCorpus:
+    """A token file in place: llm.c's header when it has one, else raw ids of `dtype` (uint16 by default)."""
+    size = path.stat().st_size
+    header = np.fromfile(path, dtype=np.int32, count=3) if size >= 4 * LLMC_HEADER_INTS else np.zeros(3, np.int32)
+    if header[0] == LLMC_MAGIC:
+        version, count = int(header[1]), int(header[2])
+        if version not in LLMC_VERSIONS:
+            raise CorpusError(f"{path}: llm.c token file of unknown version {version}")
+        found = LLMC_VERSIONS[version]
+        if dtype != "auto" and np.dtype(dtype) != found:
+            raise CorpusError(f"{path}: its header says {np.dtype(found).name}, --data-dtype says {dtype}")
+        offset = 4 * LLMC_HEADER_INTS
+        if offset + count * np.dtype(found).itemsize > size:
+            raise CorpusError(f"{path}: its header promises {count} tokens, the file is shorter (torn?)")
+        return TokenCorpus(np.memmap(path, dtype=found, mode="r", offset=offset, shape=(count,)), str(path))
+    raw = np.dtype("uint16" if dtype == "auto" else dtype)
+    if size % raw.itemsize:
+        raise CorpusError(f"{path}: {size} bytes is not a whole number of {raw.name} ids (wrong --data-dtype?)")
+    return TokenCorpus(np.memmap(path, dtype=raw, mode="r"), str(path))
+
+
+def write_bin(path: Path, chunks: Iterator[np.ndarray], dtype: type) -> int:
+    """Write ids in llm.c's format, atomically (temp file, rename); returns the token count."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    count = 0
+    try:
+        with open(tmp, "wb") as f:
+            f.write(b"\0" * 4 * LLMC_HEADER_INTS)
+            for chunk in chunks:
+                f.write(chunk.astype(dtype).tobytes())
+                count += len(chunk)
+            header = np.zeros(LLMC_HEADER_INTS, dtype=np.int32)
+            header[:3] = (LLMC_MAGIC, 1 if dtype == np.uint16 else 2, count)
+            f.seek(0)
+            f.write(header.tobytes())
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return count
+
+
+def documents(path: Path, text_field: str) -> Iterator[tuple[str, str]]:
+    """(name, text) of every document under `path`, in a fixed order: text files whole, dataset rows one by one."""
+    files = sorted(p for p in path.rglob("*") if p.is_file() and not p.name.startswith(".")) if path.is_dir() else [path]
+    if not files:
+        raise CorpusError(f"{path} holds no files")
+    for file in files:
+        kind = DATASET_SUFFIXES.get(file.suffix.lower())
+        if kind is None:
+            if file.suffix.lower() == ".bin":
+                raise CorpusError(f"{file}: a .bin token file cannot be mixed into a directory of text; "
+                                  "give it as --data itself")
+            yield str(file.relative_to(path.parent)), file.read_text(encoding="utf-8", errors="replace")
+            continue
+        for row_no, text in enumerate(_dataset_rows(file, kind, text_field)):
+            yield f"{file.relative_to(path.parent)}#{row_no}", text
+
+
+def _dataset_rows(file: Path, kind: str, text_field: str) -> Iterator[str]:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # local files only: never ask a hub
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+    try:
+        import datasets
+    except ImportError:
+        raise CorpusError(f"{file}: .jsonl and .parquet data need the Hugging Face libraries: "
+                          "pip install 'dtnode[hf]'") from None
+    datasets.logging.set_verbosity_error()
+    datasets.disable_progress_bars()
+    try:
+        rows = datasets.load_dataset(kind, data_files=[str(file)], split="train", streaming=True)
+        for row in rows:
+            if text_field not in row:
+                raise CorpusError(f"{file}: rows have no field {text_field!r} (fields: {', '.join(sorted(row))}); "
+                                  "set --text-field")
+            text = row[text_field]
+            if not isinstance(text, str):
+                raise CorpusError(f"{file}: field {text_field!r} holds {type(text).__name__}, not text")
+            yield text
+    except CorpusError:
+        raise
+    except Exception as e:  # datasets/pyarrow raise many types for a malformed file
+        raise CorpusError(f"{file}: cannot read it as {kind}: {e}") from None
+
+
+def is_held_out(name: str, fraction: float) -> bool:
+    """Whether a document is in the held-out part: a hash of its name, the same on every peer."""
+    return fraction > 0 and stable_seed("held-out", name) < fraction * (1 << 63)
+
+
+def _source_key(path: Path, *parts: object) -> str:
+    """Identity of a source for the token cache: names, sizes and modification times, and `parts`."""
+    files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
+    listing = [(str(p.resolve()), p.stat().st_size, p.stat().st_mtime_ns) for p in files]
+    return hashlib.sha256(json.dumps([listing, *map(str, parts)]).encode()).hexdigest()[:24]
+
+
+def tokenize_source(path: Path, tokenizer: Tokenizer, text_field: str, cache_dir: Path,
+                    held_out_fraction: float = 0.0) -> tuple[TokenCorpus, TokenCorpus | None]:
+    """(training corpus, held-out corpus or None) of a text or dataset source, through the cache."""
+    key = _source_key(path, tokenizer.sha256, text_field, held_out_fraction)
+    train_path, eval_path = cache_dir / f"tokens-{key}-train.bin", cache_dir / f"tokens-{key}-eval.bin"
+    if not train_path.exists() or (held_out_fraction and not eval_path.exists()):
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        _tokenize_into(path, tokenizer, text_field, held_out_fraction, train_path, eval_path)
+    train = read_bin(train_path)
+    train.id_bound = tokenizer.vocab_size
+    held_out = None
+    if held_out_fraction:
+        try:
+            held_out = read_bin(eval_path)
+        except CorpusError:
+            raise CorpusError(f"{path} is too short to hold out {held_out_fraction:g} of its documents (none fell "
+                              "in the held-out part); raise --eval-fraction or give --eval-data") from None
+        held_out.id_bound = tokenizer.vocab_size
+    return train, held_out
+
+
+def _tokenize_into(path: Path, tokenizer: Tokenizer, text_field: str, fraction: float,
+                   train_path: Path, eval_path: Path) -> None:
+    dtype = np.uint16 if tokenizer.vocab_size <= 1 << 16 else np.uint32
+    parts: dict[bool, list[np.ndarray]] = {False: [], True: []}
+    docs = {False: 0, True: 0}
+    batch: list[tuple[str, str]] = []
+
+    def flush() -> None:
+        for (name, _), ids in zip(batch, tokenizer.encode_batch([text for _, text in batch])):
+            held = is_held_out(name, fraction)
+            parts[held].append(np.asarray(ids, dtype=np.int64))
+            docs[held] += 1
+        batch.clear()
+
+    log.info("tokenizing %s into the token cache (once)", path)
+    for document in documents(path, text_field):
+        batch.append(document)
+        if len(batch) >= ENCODE_BATCH:
+            flush()
+    flush()
+    # parts stay in memory until written: a corpus that needs streaming to disk is better
+    # given as a .bin made once by a script (see README)
+    if fraction:
+        write_bin(eval_path, iter(parts[True]), dtype)
+    write_bin(train_path, iter(parts[False]), dtype)
+    log.info("token cache of %s: %d training documents, %d held out", path, docs[False], docs[True])
+
+
+def open_corpus(path: Path, tokenizer: Tokenizer, text_field: str, data_dtype: str, cache_dir: Path,
+                held_out_fraction: float = 0.0) -> tuple[TokenCorpus, TokenCorpus | None]:
+    """(training corpus, held-out corpus or None when `held_out_fraction` is 0) of one source."""
+    single = path.is_file()
+    if single and path.suffix.lower() == ".bin":
+        corpus = read_bin(path, data_dtype)
+    elif single and path.suffix.lower() not in DATASET_SUFFIXES and isinstance(tokenizer, ByteTokenizer):
+        tokens = np.memmap(path, dtype=np.uint8, mode="r") if path.stat().st_size else np.zeros(0, np.uint8)
+        corpus = TokenCorpus(tokens, str(path), id_bound=256)
+    else:
+        one_document = single and path.suffix.lower() not in DATASET_SUFFIXES
+        train, held_out = tokenize_source(path, tokenizer, text_field, cache_dir,
+                                          0.0 if one_document else held_out_fraction)
+        if one_document and held_out_fraction:
+            return train.tail_split(held_out_fraction)
+        return train, held_out
+    return corpus.tail_split(held_out_fraction) if held_out_fraction else (corpus, None)
