@@ -163,6 +163,8 @@ class Node:
             model, self.model_description = build_model(s.model, seed)
         except HFModelError as e:
             raise SettingsError("--model", str(e)) from None
+        except (ImportError, AttributeError, TypeError) as e:  # a module:factory that cannot serve
+            raise SettingsError("--model", f"cannot build {s.model}: {e}") from None
         tokenizer = load_tokenizer(s.tokenizer)
         check_vocabulary(tokenizer, model.vocab_size)
         if s.tokenizer is not None:  # peers that split text differently must not average

@@ -1,0 +1,286 @@
+"""The Hugging Face workflow: a tokenizer trained here, data in jsonl/parquet/bin, a transformers
+model trained by a real 2-node swarm, exported and loaded with from_pretrained."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import sysconfig
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+tokenizers = pytest.importorskip("tokenizers")
+
+from dtnode.daemon.checkpoint import (  # noqa: E402
+    Layout, LocalState, TrainingState, checkpoint_path, read_checkpoint, read_local_state, write_checkpoint,
+)
+from dtnode.daemon.corpus import LLMC_MAGIC, write_bin  # noqa: E402
+from dtnode.daemon.data import DataStream, open_sources, stable_seed  # noqa: E402
+from dtnode.daemon.export import export_checkpoint  # noqa: E402
+from dtnode.daemon.model import build_model, config_hash, export_format  # noqa: E402
+from dtnode.daemon.replica import Replica  # noqa: E402
+from dtnode.daemon.schedule import LearningRateSchedule  # noqa: E402
+from dtnode.daemon.settings import SettingsError  # noqa: E402
+from dtnode.daemon.tokenizer import LocalTokenizer  # noqa: E402
+from dtnode.daemon.trainer import Trainer  # noqa: E402
+from dtnode.ops.flat import FlatParameters  # noqa: E402
+
+from nodes import FAST, NodeProcess  # noqa: E402
+
+
+def _stdlib_documents(count: int = 40) -> list[str]:
+    """Real text: modules of this Python's standard library, one document each."""
+    lib = Path(sysconfig.get_paths()["stdlib"])
+    files = sorted(p for p in lib.glob("*.py") if 2_000 < p.stat().st_size < 40_000)[:count]
+    return [p.read_text(encoding="utf-8", errors="replace") for p in files]
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory) -> dict[str, Path]:
+    """A BPE tokenizer trained on local text, a tiny Llama config sized to it, and the text as jsonl."""
+    root = tmp_path_factory.mktemp("hf")
+    docs = _stdlib_documents()
+    tokenizer = tokenizers.Tokenizer(tokenizers.models.BPE(unk_token="<unk>"))
+    tokenizer.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = tokenizers.decoders.ByteLevel()
+    trainer = tokenizers.trainers.BpeTrainer(vocab_size=400, special_tokens=["<unk>", "</s>"],
+                                             initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet())
+    tokenizer.train_from_iterator(docs, trainer)
+    tok_dir = root / "tokenizer"
+    tok_dir.mkdir()
+    tokenizer.save(str(tok_dir / "tokenizer.json"))
+    vocab = tokenizer.get_vocab_size()
+    model_dir = root / "llama"
+    transformers.LlamaConfig(vocab_size=vocab, hidden_size=48, intermediate_size=96, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                             tie_word_embeddings=True).save_pretrained(model_dir)
+    jsonl = root / "corpus.jsonl"
+    jsonl.write_text("".join(json.dumps({"text": d, "id": i}) + "\n" for i, d in enumerate(docs)))
+    return {"root": root, "tokenizer": tok_dir, "model": model_dir, "jsonl": jsonl, "docs": docs}
+
+
+def _parquet(path: Path, docs: list[str]) -> Path:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"body": docs}), path)
+    return path
+
+
+def _bin(path: Path, tokens: np.ndarray) -> Path:
+    write_bin(path, iter([tokens]), np.uint16)
+    return path
+
+
+@pytest.mark.parametrize("kind", ["jsonl", "parquet", "bin"])
+def test_sources_give_peers_disjoint_ordered_shards_and_the_position_survives_a_restart(workspace, tmp_path, kind):
+    tok = LocalTokenizer(workspace["tokenizer"])
+    field = "text"
+    if kind == "jsonl":
+        data = workspace["jsonl"]
+    elif kind == "parquet":
+        data, field = _parquet(tmp_path / "corpus.parquet", workspace["docs"]), "body"
+    else:
+        data = _bin(tmp_path / "corpus.bin", np.arange(60_000) % 400)
+        assert np.fromfile(data, np.int32, 1)[0] == LLMC_MAGIC  # llm.c's header, read back by its magic
+    sources = open_sources("run", 0, data, None, eval_fraction=0.0, seq_len=32, tokenizer=tok, text_field=field,
+                           cache_dir=tmp_path / "cache")
+    corpus = sources.train
+    a, b = (DataStream(sources, "run", peer, 4, 32) for peer in ("peer-a", "peer-b"))
+    drawn = {}
+    for name, stream in (("a", a), ("b", b)):
+        drawn[name] = [stream.next_batch() for _ in range(5)]
+        windows = [stream.reader.window_index(i) for i in range(20)]
+        for i, row in enumerate(torch.cat(drawn[name])):  # each row is the corpus window read at that position
+            assert torch.equal(row, torch.from_numpy(corpus.window(windows[i] * stream.reader.stride, 33)))
+        drawn[name + "-windows"] = set(windows)
+    assert not drawn["a-windows"] & drawn["b-windows"]  # disjoint shards
+    epoch = {a.reader.window_index(i) for i in range(a.reader.windows)}
+    assert len(epoch) == a.reader.windows  # one epoch reads every window once: no draws with replacement
+
+    # the position goes into the node's own checkpoint and comes back after a restart
+    layout = Layout(("w",), ((4,),))
+    generator, batches = a.position()
+    zeros = torch.zeros(4)
+    local = LocalState(zeros, zeros, generator, inner_step=5, adam_steps=5, batches_drawn=batches)
+    write_checkpoint(tmp_path / "state", 1, layout, TrainingState(zeros, zeros, local), {"run_id": "run", "model_hash": "m"})
+    restored = read_local_state(tmp_path / "state", 1, layout, "run", "m")
+    again = DataStream(open_sources("run", 0, data, None, eval_fraction=0.0, seq_len=32, tokenizer=tok,
+                                    text_field=field, cache_dir=tmp_path / "cache"), "run", "peer-a", 4, 32)
+    again.seek(restored.generator_state, restored.batches_drawn)
+    assert torch.equal(again.next_batch(), a.next_batch())
+
+
+def test_held_out_documents_are_never_trained_on(tmp_path):
+    corpus = tmp_path / "docs"
+    corpus.mkdir()
+    letters = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
+    for i, letter in enumerate(letters):  # each document one letter: a window shows its documents
+        (corpus / f"doc{i:02d}.txt").write_text(letter * 300)
+    sources = open_sources("run", 0, corpus, None, eval_fraction=0.3, seq_len=16, cache_dir=tmp_path / "cache")
+    stream = DataStream(sources, "run", "peer", 8, 16, eval_sequences=32)
+    trained = set()
+    for _ in range(stream.reader.windows // 8 + 1):  # a whole epoch
+        trained |= set(stream.next_batch().unique().tolist())
+    held = set(stream.eval_set.unique().tolist())
+    newline = ord("\n")
+    assert trained - {newline} and held - {newline}
+    assert not (trained & held) - {newline}  # no held-out document's byte reaches training
+    assert (trained | held) - {newline} == set(letters.encode())  # every document is in one part or the other
+    with pytest.raises(SettingsError, match="--eval-fraction"):
+        open_sources("run", 0, corpus, None, eval_fraction=0.001, seq_len=16, cache_dir=tmp_path / "cache2")
+    bad = tmp_path / "rows.jsonl"
+    bad.write_text('{"body": "x"}\n')
+    with pytest.raises(SettingsError, match="--data.*no field 'text'.*--text-field"):
+        open_sources("run", 0, bad, None, seq_len=16, cache_dir=tmp_path / "cache3")
+
+
+FROZEN_MODEL = """
+import torch
+class FrozenAndNormed(torch.nn.Module):
+    vocab_size = 256
+    context_length = 16
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(256, 16)
+        self.embed.weight.requires_grad_(False)
+        self.mix = torch.nn.Linear(16, 16)
+        self.norm = torch.nn.BatchNorm1d(16)
+        self.head = torch.nn.Linear(16, 256)
+    def forward(self, tokens):
+        x = self.mix(self.embed(tokens))
+        x = self.norm(x.transpose(1, 2)).transpose(1, 2)
+        return self.head(torch.relu(x))
+def make():
+    return FrozenAndNormed()
+"""
+
+
+def _trainer(seed_peer: str, data: Path) -> Trainer:
+    model, _ = build_model("frozen_models:make", seed=3)
+    stream = DataStream(open_sources("run", 0, data, None, seq_len=16), "run", seed_peer, 4, 16)
+    return Trainer(model, stream, torch.device("cpu"), schedule=LearningRateSchedule(1e-2), weight_decay=0.1,
+                   grad_clip=1.0)
+
+
+def test_frozen_parameters_and_buffers_train_and_resume_with_aligned_optimizer_state(tmp_path, monkeypatch):
+    (tmp_path / "frozen_models.py").write_text(FROZEN_MODEL)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    data = tmp_path / "text.txt"
+    data.write_text("the quick brown fox jumps over the lazy dog\n" * 200)
+    trainer = _trainer("a", data)
+    model = trainer.model
+    frozen_before = model.embed.weight.detach().clone()
+    assert "embed.weight" not in trainer.flat.names  # frozen: not averaged
+    assert {"norm.running_mean", "norm.running_var"} <= set(trainer.flat.names)  # learned buffers: averaged
+    trainer.run(4, threading.Event())
+    assert torch.equal(model.embed.weight, frozen_before) and model.embed.weight not in trainer.optimizer.state
+    views = trainer.flat.views(trainer.parameters_flat)
+    assert torch.equal(views["norm.running_mean"], model.norm.running_mean)  # the buffer lives in the flat buffer
+    assert not torch.equal(model.norm.running_mean, torch.zeros(16))  # ...and training moved it
+
+    replica = Replica(trainer, outer_lr=0.7, outer_momentum=0.9)
+    delta = replica.pseudo_gradient().clone()
+    replica.apply_outer_step(delta)  # a group of one applies its own Δ: θ_g (buffers too) takes the round
+    torch.testing.assert_close(replica.theta_g, trainer.parameters_flat)
+
+    exp_avg, exp_avg_sq, steps = trainer.inner_state()
+    layout = Layout(tuple(trainer.flat.names), tuple(trainer.flat.shapes))
+    gen, batches = trainer.stream.position()
+    local = LocalState(exp_avg, exp_avg_sq, gen, trainer.inner_step, trainer.adam_steps, batches)
+    write_checkpoint(tmp_path / "state", 1, layout,
+                     TrainingState(replica.theta_g, replica.outer.momentum_buffer, local), {"run_id": "run", "model_hash": "m"})
+    restored = read_local_state(tmp_path / "state", 1, layout, "run", "m")
+    loaded = read_checkpoint(checkpoint_path(tmp_path / "state", 1), layout, "run", "m")
+
+    resumed = _trainer("a", data)
+    Replica(resumed, 0.7, 0.9).load(loaded.theta_g, loaded.momentum, 1)
+    resumed.load_inner_state(restored.exp_avg, restored.exp_avg_sq, restored.adam_steps)
+    for (name, p), (_, q) in zip(trainer.model.named_parameters(), resumed.model.named_parameters()):
+        assert torch.equal(p, q), name
+        if p.requires_grad:  # each parameter gets its own moments back, not a neighbour's
+            assert torch.equal(trainer.optimizer.state[p]["exp_avg"], resumed.optimizer.state[q]["exp_avg"]), name
+            assert torch.equal(trainer.optimizer.state[p]["exp_avg_sq"], resumed.optimizer.state[q]["exp_avg_sq"]), name
+        else:
+            assert q not in resumed.optimizer.state
+    assert torch.equal(resumed.model.norm.running_var, trainer.model.norm.running_var)
+    resumed.run(2, threading.Event())  # and it trains on
+
+
+def test_a_preset_exports_as_gpt2_with_a_byte_tokenizer(tmp_path):
+    model, description = build_model("tiny", seed=11)
+    flat = FlatParameters(model.named_parameters())
+    flat.buffer.add_(torch.randn(flat.numel) * 0.01)  # "trained" weights, not the seeded init
+    layout = Layout(tuple(flat.names), tuple(flat.shapes))
+    meta = {"run_id": "run", "model_hash": config_hash(description), "model": "tiny",
+            "model_config": json.dumps(description, sort_keys=True), "init_seed": "11"}
+    write_checkpoint(tmp_path / "state", 7, layout, TrainingState(flat.buffer, torch.zeros(flat.numel)), meta)
+    out = export_checkpoint(tmp_path / "state", tmp_path / "out")
+    assert export_format(description) == "transformers:gpt2"
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(out)
+    text = "héllo, wörld"
+    ids = tokenizer(text)["input_ids"]
+    assert ids == list(text.encode())  # the byte-level run's ids are bytes
+    batch = torch.tensor([ids])
+    with torch.no_grad():
+        torch.testing.assert_close(hf(input_ids=batch).logits, model.eval()(batch), rtol=0, atol=1e-5)
+    assert json.loads((out / "dtnode_export.json").read_text())["outer_step"] == 7
+    with pytest.raises(SettingsError, match="--step.*no checkpoint of outer step 3"):
+        export_checkpoint(tmp_path / "state", tmp_path / "out2", step=3)
+
+
+def test_a_transformers_swarm_trains_exports_and_refuses_another_model(workspace, tmp_path):
+    common = [*FAST, "--model", f"hf:{workspace['model']}", "--tokenizer", str(workspace["tokenizer"]),
+              "--data", str(workspace["jsonl"]), "--eval-fraction", "0.1", "--max-rounds", "4",
+              "--inner-steps", "8", "--min-peers", "2"]
+    a = NodeProcess.join("a", tmp_path, *common, "--join-timeout", "90")
+    nodes = [a]
+    try:
+        address = a.join_address  # a waits for a second peer of its model (--min-peers 2)...
+        stranger = NodeProcess.join("c", tmp_path, "--model", "tiny", "--peer", address)  # ...not this one
+        nodes.append(stranger)
+        assert stranger.wait(120) == 3, stranger.output[-3000:]
+        assert "this swarm trains model config" in stranger.output and a.get("/status")["model_hash"] in stranger.output
+        b = NodeProcess.join("b", tmp_path, *common, "--peer", address)
+        nodes.append(b)
+        for node in (a, b):
+            assert node.wait(300) == 0, node.output[-3000:]
+    finally:
+        for node in nodes:
+            node.kill()
+    assert "groups 2/2" in a.output and "groups 2/2" in b.output, a.output
+    for node in (a, b):
+        assert "Traceback" not in node.output, node.output
+
+    out = tmp_path / "export"
+    done = subprocess.run([sys.executable, "-m", "dtnode", "export", "--state-dir", str(a.state_dir), "--out", str(out),
+                           "--tokenizer", str(workspace["tokenizer"])], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    info = json.loads((out / "dtnode_export.json").read_text())
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(out)
+    text = workspace["docs"][0][:200]
+    ids = tokenizer(text)["input_ids"]
+    assert ids == LocalTokenizer(workspace["tokenizer"])._tokenizer.encode(text, add_special_tokens=False).ids
+
+    # dtnode's own model with θ_g from the checkpoint, read as a node reads one
+    model, description = build_model(f"hf:{workspace['model']}", seed=0)
+    description["tokenizer"] = LocalTokenizer(workspace["tokenizer"]).sha256
+    flat = FlatParameters(model.named_parameters())
+    loaded = read_checkpoint(checkpoint_path(a.state_dir, info["outer_step"]), Layout(tuple(flat.names), tuple(flat.shapes)),
+                             "dtnode-demo", config_hash(description))
+    flat.buffer.copy_(loaded.theta_g)
+    batch = torch.tensor([ids[:64]])
+    with torch.no_grad():
+        ours = model.eval()(batch)
+        theirs = hf.eval()(input_ids=batch).logits
+    torch.testing.assert_close(theirs, ours, rtol=0, atol=1e-5)
+    init = build_model(f"hf:{workspace['model']}", seed=stable_seed("dtnode-demo", 0, "init"))[0]
+    assert info["outer_step"] >= 1 and not torch.equal(loaded.theta_g, FlatParameters(init.named_parameters()).buffer)
