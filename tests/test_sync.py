@@ -31,6 +31,7 @@ class FileView:
     def __init__(self, infos: list[CheckpointInfo], memories: list[MemoryCheckpoint] = ()):
         self.metrics = NodeMetrics("test", RUN, "tiny", "cpu")
         self.metrics_registry = self.metrics.registry
+        self.export_format = "transformers:gpt2"
         self.infos = {i.step: i for i in infos}
         self.memories = {m.step: m for m in memories}
 

@@ -50,6 +50,7 @@ import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -57,7 +58,8 @@ import torch.multiprocessing as mp
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from nodes import NodeProcess, run_swarm  # noqa: E402
 
-from dtnode.daemon.data import DataSources, DataStream, MarkovLanguage, TextFile, stable_seed  # noqa: E402
+from dtnode.daemon.corpus import TokenCorpus  # noqa: E402
+from dtnode.daemon.data import DataSources, DataStream, MarkovLanguage, stable_seed  # noqa: E402
 from dtnode.daemon.model import build_model  # noqa: E402
 from dtnode.daemon.schedule import LearningRateSchedule  # noqa: E402
 from dtnode.daemon.trainer import held_out_loss, inner_optimizer, next_token_loss  # noqa: E402
@@ -117,7 +119,8 @@ def sources_for(dataset: str, files: tuple[Path, Path] | None, seed: int) -> Dat
     if dataset == "synthetic":  # what a node builds without --data
         language = MarkovLanguage(stable_seed(RUN_ID, seed, "language"))
         return DataSources(language, language)
-    return DataSources(TextFile(files[0]), TextFile(files[1]))
+    train, held_out = (TokenCorpus(np.memmap(f, dtype=np.uint8, mode="r"), str(f), id_bound=256) for f in files)
+    return DataSources(train, held_out)
 
 
 # ---- synchronous baselines --------------------------------------------------------------
