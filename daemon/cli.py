@@ -84,8 +84,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="the run's --tokenizer, to include it (default: byte-level runs get a byte "
                              "tokenizer; others are exported without one)")
     export.add_argument("--model", default=None,
-                        help="the run's --model hf:DIR, needed only for a model that started from weights "
-                             "and has frozen parameters")
+                        help="the run's --model, needed only for a module:factory model, and for an hf:DIR "
+                             "model that started from weights and has frozen parameters")
     return parser
 
 

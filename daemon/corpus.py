@@ -147,27 +147,46 @@ def read_bin(path: Path, dtype: str = "auto") -> TokenCorpus:
     return TokenCorpus(np.memmap(path, dtype=raw, mode="r"), str(path))
 
 
+class TokenFileWriter:
+    """Appends ids to a token file in llm.c's format; `close` fills in the header and renames it
+    into place (a temp file until then, so a crash never leaves a torn cache behind)."""
+
+    def __init__(self, path: Path, dtype: type):
+        self.path, self.dtype, self.count = path, dtype, 0
+        self.tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+        self.file = open(self.tmp, "wb")
+        self.file.write(b"\0" * 4 * LLMC_HEADER_INTS)
+
+    def append(self, ids: np.ndarray) -> None:
+        self.file.write(np.asarray(ids).astype(self.dtype).tobytes())
+        self.count += len(ids)
+
+    def close(self) -> None:
+        header = np.zeros(LLMC_HEADER_INTS, dtype=np.int32)
+        header[:3] = (LLMC_MAGIC, 1 if self.dtype == np.uint16 else 2, self.count)
+        self.file.seek(0)
+        self.file.write(header.tobytes())
+        self.file.flush()
+        os.fsync(self.file.fileno())
+        self.file.close()
+        os.replace(self.tmp, self.path)
+
+    def abort(self) -> None:
+        self.file.close()
+        self.tmp.unlink(missing_ok=True)
+
+
 def write_bin(path: Path, chunks: Iterator[np.ndarray], dtype: type) -> int:
-    """Write ids in llm.c's format, atomically (temp file, rename); returns the token count."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    count = 0
+    """Write ids in llm.c's format, atomically; returns the token count."""
+    writer = TokenFileWriter(path, dtype)
     try:
-        with open(tmp, "wb") as f:
-            f.write(b"\0" * 4 * LLMC_HEADER_INTS)
-            for chunk in chunks:
-                f.write(chunk.astype(dtype).tobytes())
-                count += len(chunk)
-            header = np.zeros(LLMC_HEADER_INTS, dtype=np.int32)
-            header[:3] = (LLMC_MAGIC, 1 if dtype == np.uint16 else 2, count)
-            f.seek(0)
-            f.write(header.tobytes())
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        for chunk in chunks:
+            writer.append(chunk)
+        writer.close()
     except BaseException:
-        tmp.unlink(missing_ok=True)
+        writer.abort()
         raise
-    return count
+    return writer.count
 
 
 def documents(path: Path, text_field: str) -> Iterator[tuple[str, str]]:
@@ -248,29 +267,36 @@ def tokenize_source(path: Path, tokenizer: Tokenizer, text_field: str, cache_dir
 
 def _tokenize_into(path: Path, tokenizer: Tokenizer, text_field: str, fraction: float,
                    train_path: Path, eval_path: Path) -> None:
+    """One pass over the documents, streamed to disk (memory bounded by one batch of documents)."""
     dtype = np.uint16 if tokenizer.vocab_size <= 1 << 16 else np.uint32
-    parts: dict[bool, list[np.ndarray]] = {False: [], True: []}
+    writers = {False: TokenFileWriter(train_path, dtype)}
+    if fraction:
+        writers[True] = TokenFileWriter(eval_path, dtype)
     docs = {False: 0, True: 0}
     batch: list[tuple[str, str]] = []
 
     def flush() -> None:
         for (name, _), ids in zip(batch, tokenizer.encode_batch([text for _, text in batch])):
             held = is_held_out(name, fraction)
-            parts[held].append(np.asarray(ids, dtype=np.int64))
+            writers[held].append(np.asarray(ids, dtype=np.int64))
             docs[held] += 1
         batch.clear()
 
     log.info("tokenizing %s into the token cache (once)", path)
-    for document in documents(path, text_field):
-        batch.append(document)
-        if len(batch) >= ENCODE_BATCH:
-            flush()
-    flush()
-    # parts stay in memory until written: a corpus that needs streaming to disk is better
-    # given as a .bin made once by a script (see README)
-    if fraction:
-        write_bin(eval_path, iter(parts[True]), dtype)
-    write_bin(train_path, iter(parts[False]), dtype)
+    try:
+        for document in documents(path, text_field):
+            batch.append(document)
+            if len(batch) >= ENCODE_BATCH:
+                flush()
+        flush()
+        for writer in writers.values():  # the held-out file first: the training file's presence means whole
+            if writer is not writers[False]:
+                writer.close()
+        writers[False].close()
+    except BaseException:
+        for writer in writers.values():
+            writer.abort()
+        raise
     log.info("token cache of %s: %d training documents, %d held out", path, docs[False], docs[True])
 
 

@@ -2,7 +2,8 @@
 
 What a run produces should leave dtnode with no glue code: `AutoModelForCausalLM.from_pretrained(OUT)`
 and `AutoTokenizer.from_pretrained(OUT)` load it. The built-in presets are GPT-2's architecture
-(model.py) and are written as a GPT-2 model; `hf:` models are written as themselves. The tokenizer
+(model.py) and are written as a GPT-2 model; `hf:` models are written as themselves; a
+`module:factory` model (given again with `--model`) as its state dict in `model.safetensors`. The tokenizer
 is the run's `--tokenizer`, or for byte-level runs a byte-level tokenizer whose ids are the
 bytes, so the exported pair encodes text exactly as training did.
 
@@ -17,13 +18,14 @@ import logging
 from pathlib import Path
 
 import torch
+from safetensors.torch import save_model
 
 from dtnode.ops.flat import FlatParameters
 
 from .checkpoint import CheckpointError, Layout, file_sha256, list_checkpoints, read_checkpoint, read_metadata
 from .corpus import stable_seed
 from .hf_model import require_transformers
-from .model import GPT, build_model, config_hash, model_from_description
+from .model import GPT, build_model, config_hash, export_format, model_from_description
 from .settings import SettingsError
 from .tokenizer import LocalTokenizer
 from .trainer import learned_buffers
@@ -57,13 +59,12 @@ def export_checkpoint(state_dir: Path, out: Path, step: int | None = None, token
         gpt2_model(module, transformers).save_pretrained(out, safe_serialization=True)
     elif hasattr(module, "hf"):
         module.hf.save_pretrained(out, safe_serialization=True)
-    else:
-        raise SettingsError("--state-dir", f"{path.name} is of a module:factory model, which export cannot "
-                                           "write as a transformers model")
+    else:  # a module:factory model: its state dict, loadable with the factory's load_state_dict
+        save_model(module, str(out / "model.safetensors"))
     _save_tokenizer(out, tokenizer, description.get("tokenizer"), transformers)
     (out / EXPORT_INFO).write_text(json.dumps({
         "run_id": run_id, "outer_step": loaded.step, "checkpoint": path.name, "checkpoint_sha256": file_sha256(path),
-        "model_hash": model_hash, "format": "transformers:gpt2" if isinstance(module, GPT) else "transformers",
+        "model_hash": model_hash, "format": export_format(description),
     }, indent=2) + "\n")
     log.info("exported outer step %d of run %s to %s", loaded.step, run_id, out)
     return out
@@ -89,6 +90,9 @@ def _rebuild(description: dict, seed: int, model_spec: str | None) -> torch.nn.M
         if config_hash(built) != config_hash(ours):
             raise SettingsError("--model", f"{model_spec} is not the model of this checkpoint")
         return module
+    if "factory" in description:
+        raise SettingsError("--model", f"give the run's --model {description['factory']} to export its weights "
+                                       "(a factory model is rebuilt by calling it)")
     if description.get("weights") and description.get("frozen"):
         raise SettingsError("--model", "this model started from weights and has frozen parameters, which the "
                                        "checkpoint does not hold: give the run's --model hf:DIR")

@@ -40,6 +40,7 @@ def require_transformers() -> Any:
     except ImportError:
         raise HFModelError("hf: models need the Hugging Face libraries: pip install 'dtnode[hf]'") from None
     transformers.logging.set_verbosity_error()  # its warnings about unused weights go to our own checks
+    transformers.logging.disable_progress_bar()  # a node's log is one line per event
     return transformers
 
 

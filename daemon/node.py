@@ -575,6 +575,7 @@ class Node:
         maddr = public_maddrs(self.dht, s.announce_host)[0]
         extra = f" --run-id {s.run_id}" if s.run_id != "dtnode-demo" else ""
         extra += f" --model {s.model}" if s.model != "tiny" else ""
+        extra += f" --tokenizer {s.tokenizer}" if s.tokenizer is not None else ""  # every peer needs the same
         self.join_command = f"dtnode join --peer {maddr}{extra}"
         up = f"dtnode node {self.peer_id} is up: status {self.http_addr}/status, gRPC {self.grpc_addr or 'client mode'}"
         if s.log_format == "json":  # every line a JSON object
