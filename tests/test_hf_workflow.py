@@ -21,13 +21,13 @@ from dtnode.daemon.checkpoint import (  # noqa: E402
     Layout, LocalState, TrainingState, checkpoint_path, read_checkpoint, read_local_state, write_checkpoint,
 )
 from dtnode.daemon.corpus import LLMC_MAGIC, write_bin  # noqa: E402
-from dtnode.daemon.data import DataStream, open_sources, stable_seed  # noqa: E402
+from dtnode.daemon.data import DataStream, check_token_ids, open_sources, stable_seed  # noqa: E402
 from dtnode.daemon.export import export_checkpoint  # noqa: E402
 from dtnode.daemon.model import build_model, config_hash, export_format  # noqa: E402
 from dtnode.daemon.replica import Replica  # noqa: E402
 from dtnode.daemon.schedule import LearningRateSchedule  # noqa: E402
-from dtnode.daemon.settings import SettingsError  # noqa: E402
-from dtnode.daemon.tokenizer import LocalTokenizer  # noqa: E402
+from dtnode.daemon.settings import SettingsError, load_settings  # noqa: E402
+from dtnode.daemon.tokenizer import LocalTokenizer, check_vocabulary  # noqa: E402
 from dtnode.daemon.trainer import Trainer  # noqa: E402
 from dtnode.ops.flat import FlatParameters  # noqa: E402
 
@@ -284,3 +284,35 @@ def test_a_transformers_swarm_trains_exports_and_refuses_another_model(workspace
     torch.testing.assert_close(theirs, ours, rtol=0, atol=1e-5)
     init = build_model(f"hf:{workspace['model']}", seed=stable_seed("dtnode-demo", 0, "init"))[0]
     assert info["outer_step"] >= 1 and not torch.equal(loaded.theta_g, FlatParameters(init.named_parameters()).buffer)
+
+
+def test_hf_models_start_from_safetensors_weights_and_bad_inputs_fail_clearly(workspace, tmp_path):
+    config = transformers.AutoConfig.from_pretrained(workspace["model"])
+    trained = transformers.AutoModelForCausalLM.from_config(config)
+    with_weights = tmp_path / "with-weights"
+    trained.save_pretrained(with_weights, safe_serialization=True)
+    model, description = build_model(f"hf:{with_weights}", seed=123)
+    assert all(torch.equal(p, q) for p, q in zip(model.hf.parameters(), trained.parameters()))  # not the seed's init
+    assert description["weights"] and config_hash(description) != config_hash(build_model(f"hf:{workspace['model']}", 123)[1])
+
+    pickled = tmp_path / "pickled"
+    pickled.mkdir()
+    (pickled / "config.json").write_text((workspace["model"] / "config.json").read_text())
+    (pickled / "pytorch_model.bin").write_bytes(b"not read")
+    with pytest.raises(ValueError, match="pickled weights.*safetensors only"):
+        build_model(f"hf:{pickled}", seed=0)
+    with pytest.raises(SettingsError, match="--model.*no-such-dir is not a directory with a config.json"):
+        load_settings({"model": f"hf:{tmp_path / 'no-such-dir'}"})
+
+    with pytest.raises(SettingsError, match="--tokenizer.*400 ids do not fit the model's vocabulary of 256"):
+        check_vocabulary(LocalTokenizer(workspace["tokenizer"]), 256)
+    ids = _bin(tmp_path / "ids.bin", np.array([1, 2, 999, 3] * 50))
+    corpus = open_sources("run", 0, ids, None, seq_len=8).train
+    with pytest.raises(SettingsError, match="--data.*holds token id 999, outside the model's vocabulary of 400"):
+        check_token_ids(corpus, 400, "--data")
+    with pytest.raises(SettingsError, match="--data.*its header says uint16, --data-dtype says uint32"):
+        open_sources("run", 0, ids, None, seq_len=8, data_dtype="uint32")
+    raw = tmp_path / "raw.bin"  # nanoGPT style, no header
+    raw.write_bytes(np.arange(3, dtype=np.uint16).tobytes())
+    with pytest.raises(SettingsError, match="--data.*6 bytes is not a whole number of uint32 ids"):
+        open_sources("run", 0, raw, None, seq_len=2, data_dtype="uint32")
