@@ -246,10 +246,10 @@ def test_a_transformers_swarm_trains_exports_and_refuses_another_model(workspace
         address = a.join_address  # a waits for a second peer of its model (--min-peers 2)...
         stranger = NodeProcess.join("c", tmp_path, "--model", "tiny", "--peer", address)  # ...not this one
         nodes.append(stranger)
-        assert stranger.wait(120) == 3, stranger.output[-3000:]
-        assert "this swarm trains model config" in stranger.output and a.get("/status")["model_hash"] in stranger.output
         b = NodeProcess.join("b", tmp_path, *common, "--peer", address)
         nodes.append(b)
+        assert stranger.wait(120) == 3, stranger.output[-3000:]
+        assert "this swarm trains model config" in stranger.output and a.get("/status")["model_hash"] in stranger.output
         for node in (a, b):
             assert node.wait(300) == 0, node.output[-3000:]
     finally:

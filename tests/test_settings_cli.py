@@ -90,6 +90,6 @@ def test_unreachable_or_malformed_peer_fails_clearly(tmp_path, peer):
     """Exit status 3 and a message naming the peer, after --join-timeout at most (the
     subprocess timeout only guards against a hang)."""
     result = dtnode("join", "--peer", peer, "--host", "127.0.0.1", "--dht-port", "0", "--grpc-port", "0",
-                    "--http-port", "0", "--state-dir", str(tmp_path), "--join-timeout", "10", timeout=60)
+                    "--http-port", "0", "--state-dir", str(tmp_path), "--join-timeout", "4", timeout=60)
     assert result.returncode == 3, result.stderr
     assert "dtnode: error:" in result.stderr and peer in result.stderr
