@@ -189,9 +189,17 @@ def write_bin(path: Path, chunks: Iterator[np.ndarray], dtype: type) -> int:
     return writer.count
 
 
+def source_files(path: Path) -> list[Path]:
+    """The files of a source, in a fixed order: itself, or a directory's files outside hidden folders."""
+    if not path.is_dir():
+        return [path]
+    return sorted(p for p in path.rglob("*")
+                  if p.is_file() and not any(part.startswith(".") for part in p.relative_to(path).parts))
+
+
 def documents(path: Path, text_field: str) -> Iterator[tuple[str, str]]:
     """(name, text) of every document under `path`, in a fixed order: text files whole, dataset rows one by one."""
-    files = sorted(p for p in path.rglob("*") if p.is_file() and not p.name.startswith(".")) if path.is_dir() else [path]
+    files = source_files(path)
     if not files:
         raise CorpusError(f"{path} holds no files")
     for file in files:
@@ -239,8 +247,7 @@ def is_held_out(name: str, fraction: float) -> bool:
 
 def _source_key(path: Path, *parts: object) -> str:
     """Identity of a source for the token cache: names, sizes and modification times, and `parts`."""
-    files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
-    listing = [(str(p.resolve()), p.stat().st_size, p.stat().st_mtime_ns) for p in files]
+    listing = [(str(p.resolve()), p.stat().st_size, p.stat().st_mtime_ns) for p in source_files(path)]
     return hashlib.sha256(json.dumps([listing, *map(str, parts)]).encode()).hexdigest()[:24]
 
 
