@@ -81,11 +81,12 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--out", required=True, type=Path, help="the directory to write")
     export.add_argument("--step", type=int, default=None, help="outer step to export (default: the newest)")
     export.add_argument("--tokenizer", type=Path, default=None,
-                        help="the run's --tokenizer, to include it (default: byte-level runs get a byte "
-                             "tokenizer; others are exported without one)")
+                        help="the run's --tokenizer, to include it (default: the one the node noted in its "
+                             "state dir; byte-level runs get a byte tokenizer)")
     export.add_argument("--model", default=None,
                         help="the run's --model, needed only for a module:factory model, and for an hf:DIR "
-                             "model that started from weights and has frozen parameters")
+                             "model that started from weights and has frozen parameters (default: the one "
+                             "the node noted in its state dir)")
     return parser
 
 

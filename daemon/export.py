@@ -33,22 +33,45 @@ from .trainer import learned_buffers
 log = logging.getLogger(__name__)
 
 EXPORT_INFO = "dtnode_export.json"
+WORKLOAD_FILE = "workload.json"  # in the state dir: the run's --model and --tokenizer, local paths included
+
+
+def remember_workload(state_dir: Path, model: str, tokenizer: Path | None) -> None:
+    """Note this node's --model and --tokenizer beside its checkpoints, so that an export finds
+    them without being told (the shared checkpoint files must not carry local paths)."""
+    entry = {"model": model, "tokenizer": str(tokenizer.resolve()) if tokenizer is not None else None}
+    (state_dir / WORKLOAD_FILE).write_text(json.dumps(entry) + "\n")
+
+
+def _remembered(state_dir: Path) -> dict:
+    try:
+        entry = json.loads((state_dir / WORKLOAD_FILE).read_text())
+    except (OSError, ValueError):
+        return {}
+    return entry if isinstance(entry, dict) else {}
 
 
 def export_checkpoint(state_dir: Path, out: Path, step: int | None = None, tokenizer: Path | None = None,
                       model: str | None = None) -> Path:
     """Write the export of checkpoint `step` (default: the newest whole one) into `out`; returns it.
 
-    `model` (the run's `--model hf:DIR`) is needed only where the checkpoint cannot rebuild what
-    it does not hold: frozen parameters of a model that started from weights."""
+    `model` (the run's `--model`) is needed only where the checkpoint cannot rebuild what it does
+    not hold: a factory model, frozen parameters of a model that started from weights. Both it
+    and `tokenizer` default to what the node noted in its state dir (WORKLOAD_FILE)."""
     path = _pick_checkpoint(state_dir, step)
     meta = read_metadata(path)
+    remembered = _remembered(state_dir)
+    if tokenizer is None and isinstance(remembered.get("tokenizer"), str) and Path(remembered["tokenizer"]).exists():
+        tokenizer = Path(remembered["tokenizer"])
+        log.info("the run's tokenizer: %s", tokenizer)
     try:
         description = json.loads(meta["model_config"])
         model_hash, run_id = meta["model_hash"], meta["run_id"]
     except (KeyError, ValueError):
         raise CheckpointError(f"{path.name} lacks its model description (written by an older dtnode?)") from None
     seed = int(meta.get("init_seed") or stable_seed(run_id, 0, "init"))
+    if model is None and isinstance(remembered.get("model"), str) and _needs_model(description):
+        model = remembered["model"]
     module = _rebuild(description, seed, model)
     flat = FlatParameters(module.named_parameters(), learned_buffers(module))
     loaded = read_checkpoint(path, Layout(tuple(flat.names), tuple(flat.shapes)), run_id, model_hash)
@@ -81,6 +104,11 @@ def _pick_checkpoint(state_dir: Path, step: int | None) -> Path:
             return path
     raise SettingsError("--step", f"no checkpoint of outer step {step} in {state_dir} "
                                   f"(it holds {', '.join(str(s) for s, _ in found)})")
+
+
+def _needs_model(description: dict) -> bool:
+    """Whether the checkpoint alone cannot rebuild the model (see _rebuild)."""
+    return "factory" in description or bool(description.get("weights") and description.get("frozen"))
 
 
 def _rebuild(description: dict, seed: int, model_spec: str | None) -> torch.nn.Module:

@@ -55,6 +55,7 @@ from .checkpoint import (
 )
 from .corpus import TokenCorpus
 from .data import DataStream, check_token_ids, open_sources, stable_seed
+from .export import remember_workload
 from .hf_model import HFModelError
 from .schedule import LearningRateSchedule
 from .history import FILE_NAME as HISTORY_FILE, RoundHistory
@@ -387,6 +388,7 @@ class Node:
         self.dht_addrs = tuple(a for a in public_maddrs(self.dht, s.announce_host)
                                if "/0.0.0.0/" not in a and "/::/" not in a)[:4]
         await asyncio.to_thread(self._remember_dht_port)
+        await asyncio.to_thread(remember_workload, self.state_dir, s.model, s.tokenizer)  # for `dtnode export`
         if key is None:
             log.warning("no swarm key (--swarm-key-file or DTNODE_SWARM_KEY): this swarm is open, anyone who can "
                         "reach it may join its groups and download its checkpoints")

@@ -260,8 +260,9 @@ def test_a_transformers_swarm_trains_exports_and_refuses_another_model(workspace
         assert "Traceback" not in node.output, node.output
 
     out = tmp_path / "export"
-    done = subprocess.run([sys.executable, "-m", "dtnode", "export", "--state-dir", str(a.state_dir), "--out", str(out),
-                           "--tokenizer", str(workspace["tokenizer"])], capture_output=True, text=True, timeout=120)
+    # no --tokenizer: export takes the one the node noted in its state dir
+    done = subprocess.run([sys.executable, "-m", "dtnode", "export", "--state-dir", str(a.state_dir), "--out", str(out)],
+                          capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     info = json.loads((out / "dtnode_export.json").read_text())
     hf = transformers.AutoModelForCausalLM.from_pretrained(out)
