@@ -667,7 +667,8 @@ class Node:
     def _check_model(self, view: dict[str, PeerRecord]) -> None:
         """Refuse to join a swarm that trains another model (or another tokenizer): peers of
         another config hash are never averaged with, so this node would train alone."""
-        hashes = collections.Counter(r.model_hash for p, r in view.items() if p != self.peer_id and r.state != "stopped")
+        hashes = collections.Counter(r.model_hash for p, r in view.items()
+                                     if p != self.peer_id and r.state != "stopped")
         if not hashes or self.model_hash in hashes:
             return
         theirs, count = hashes.most_common(1)[0]

@@ -5,7 +5,7 @@ subtraction and lets the network layer ship one buffer instead of one RPC per te
 Parameters become views into the buffer, so the inner optimizer keeps working unchanged.
 
 The buffer holds the trainable parameters first (the region the inner optimizer's state
-covers, `parameters_numel`), then any learned buffers the caller adds (a norm's running
+covers), then any learned buffers the caller adds (a norm's running
 statistics): those are averaged with the rest but have no optimizer state. Frozen
 parameters are not given: nothing changes them, so there is nothing to average.
 """
@@ -26,8 +26,6 @@ class FlatParameters:
         params = [(name, p) for name, p in named_parameters if p.requires_grad]
         if not params:
             raise ValueError("model has no trainable parameters")
-        self.parameters_numel = sum(p.numel() for _, p in params)
-        self.parameter_count = len(params)
         params += [(name, b) for name, b in named_buffers]
         device = params[0][1].device
         self.names = [name for name, _ in params]
