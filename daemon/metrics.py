@@ -11,7 +11,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, ProcessCollector
 
 ROUND_OUTCOMES = ("full", "partial", "alone", "failed")
-PHASES = ("inner", "matchmaking", "allreduce", "outer")
+PHASES = ("inner", "matchmaking", "allreduce", "waiting", "eval", "outer")
 # how a part or hop fails: gRPC status codes seen by the client, and the data plane's own errors
 COMMON_FAILURES = ("deadline_exceeded", "unavailable", "chunkerror", "timeouterror", "incomplete_group")
 

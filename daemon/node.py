@@ -112,11 +112,13 @@ class Node:
         self.last_round: dict[str, Any] = {}
         self.rounds_done = 0
         self.inner_seconds = 0.0  # wall time in inner steps since the first round began
+        self._waited_s = 0.0  # --overlap: this round's wait for the previous round's average
         self.first_round_at: float | None = None  # monotonic
         self.last_round_end_at: float | None = None  # monotonic
         self.tokens_per_s = 0.0  # of the last round
         self.rate_estimate = 0.0  # what the record announces before this round's own rate is known
         self.eval_loss: float | None = None
+        self.eval_step: int | None = None  # the outer step whose θ_g eval_loss is of (--eval-every)
         self.train_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="train")
         self.io_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="checkpoint")
         self._pending_write: asyncio.Future | None = None
@@ -299,7 +301,7 @@ class Node:
             "outer_step": self.replica.outer_step if hasattr(self, "replica") else 0,
             "inner_step": self.trainer.inner_step if hasattr(self, "trainer") else 0,
             "inner_lr": self.trainer.lr if hasattr(self, "trainer") else None,
-            "loss": None if math.isnan(loss) else loss, "eval_loss": self.eval_loss,
+            "loss": None if math.isnan(loss) else loss, "eval_loss": self.eval_loss, "eval_step": self.eval_step,
             "loss_floor": self.sources.loss_floor, "tokens_per_s": self.tokens_per_s,
             "compute_utilization": self.compute_utilization(),
             "uptime_s": time.time() - self.started_at,
@@ -871,7 +873,8 @@ class Node:
         await self.membership.announce(self.record())  # a joiner may download the new θ_g at once
         self._hash_task = asyncio.ensure_future(self._rehash())
         await failpoints.pause("outer-phase", round_no)
-        self.eval_loss = await loop.run_in_executor(self.train_thread, self.trainer.eval_loss)
+        if self._eval_due():
+            await loop.run_in_executor(self.train_thread, self._evaluate_local)
         self.rounds_done += 1
         if self.replica.outer_step % s.checkpoint_every == 0:
             await self._schedule_checkpoint()
@@ -980,7 +983,9 @@ class Node:
         if task is None:
             return None
         self.phase = "averaging"
+        started = time.monotonic()
         await asyncio.wait({task}, timeout=timeout)  # a wait that ends never cancels the average itself
+        self._waited_s += time.monotonic() - started
         result: AveragingResult | None = None
         if not task.done():
             task.cancel()
@@ -1048,10 +1053,21 @@ class Node:
             self._evaluate_theta_g()
         return delta
 
-    def _evaluate_theta_g(self) -> None:
+    def _eval_due(self) -> bool:
+        every = self.settings.eval_every
+        return bool(every) and self.replica.outer_step % every == 0
+
+    def _evaluate_local(self) -> None:
+        """On the training thread, right after an outer step (θ_l = θ_g): the eval loss of θ_g."""
+        self.eval_loss, self.eval_step = self.trainer.eval_loss(), self.replica.outer_step
+
+    def _evaluate_theta_g(self, force: bool = False) -> None:
+        """The eval loss of θ_g while θ_l differs from it (--overlap): θ_g is swapped in for it."""
+        if not (force or self._eval_due()):
+            return
         self.replica.theta_g_into_model()
         try:
-            self.eval_loss = self.trainer.eval_loss()
+            self.eval_loss, self.eval_step = self.trainer.eval_loss(), self.replica.outer_step
         finally:
             self.replica.restore_local()
 
@@ -1069,7 +1085,7 @@ class Node:
                 self.replica.settle_in_flight(None if result is None else result.mean,
                                               None if result is None else result.theta)
             if result is not None:
-                self._evaluate_theta_g()
+                self._evaluate_theta_g(force=bool(self.settings.eval_every))
 
         await loop.run_in_executor(self.train_thread, settle)
         if result is not None:
@@ -1165,6 +1181,8 @@ class Node:
                           for h in hops) or "-"
         loss = "-" if math.isnan(inner.mean_loss) else f"{inner.mean_loss:.4f}"
         held_out = "-" if self.eval_loss is None else f"{self.eval_loss:.4f}"
+        if self.eval_loss is not None and self.eval_step != self.replica.outer_step:
+            held_out += f"@{self.eval_step}"  # --eval-every: the last eval, of an earlier θ_g
         line = (f"round {round_no} | groups {groups} | {inner.steps} steps {inner.tokens} tok | lr "
                 f"{self.trainer.lr:.3g} | loss {loss} | eval {held_out}{f' (floor {floor:.3f})' if floor else ''} | "
                 f"allreduce {self.last_round['allreduce_s']:.3f}s ({_human_bytes(self.last_round['bytes_sent'])} "
@@ -1176,9 +1194,12 @@ class Node:
         m = self.metrics
         matchmaking = sum(h.matchmaking_s for h in hops)
         allreduce = sum(h.allreduce_s + (h.theta_resync_s or 0.0) for h in hops)
-        averaging = 0.0 if self.settings.overlap else matchmaking + allreduce  # overlapped: during inner steps
+        # overlapped, the average runs during inner steps: only the wait for it blocks the round
+        averaging = self._waited_s if self.settings.overlap else matchmaking + allreduce
+        evaluating, self.trainer.eval_seconds, self._waited_s = self.trainer.eval_seconds, 0.0, 0.0
         phases = {"inner": inner.seconds, "matchmaking": matchmaking, "allreduce": allreduce,
-                  "outer": max(0.0, duration - inner.seconds - averaging)}
+                  "waiting": averaging if self.settings.overlap else 0.0, "eval": evaluating,
+                  "outer": max(0.0, duration - inner.seconds - averaging - evaluating)}
         reasons = [failure_reason(code) for h in hops for code in h.failure_codes]
         reasons += ["incomplete_group" for h in hops if not h.complete and h.group_size > 1]
         if not hops or all(h.group_size <= 1 for h in hops):
@@ -1197,6 +1218,7 @@ class Node:
         m.eval_loss.set(self.eval_loss if self.eval_loss is not None else math.nan)
         m.tokens_per_second.set(self.tokens_per_s)
         m.tokens.inc(inner.tokens)
+        self.last_round_end_at = time.monotonic()
         m.compute_utilization.set(self.compute_utilization() or 0.0)
         m.group_size.set(hops[0].group_size if hops else 1)
         m.round_seconds.observe(duration)
@@ -1210,7 +1232,8 @@ class Node:
                 m.allreduce_seconds.observe(h.allreduce_s)
         entry = {
             "step": self.replica.outer_step, "round": round_no, "time": round(time.time(), 3),
-            "loss": inner.mean_loss, "eval_loss": self.eval_loss, "tokens": inner.tokens,
+            "loss": inner.mean_loss, "tokens": inner.tokens,
+            "eval_loss": self.eval_loss if self.eval_step == self.replica.outer_step else None,
             "tokens_total": self.history.tokens_total + inner.tokens, "tokens_per_s": round(self.tokens_per_s, 1),
             "inner_steps": inner.steps, "lr": self.trainer.lr, "groups": [[h.group_size, h.expected] for h in hops],
             "bytes_sent": sum(h.bytes_sent for h in hops), "bytes_received": sum(h.bytes_received for h in hops),

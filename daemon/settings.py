@@ -96,6 +96,11 @@ class NodeSettings(BaseSettings):
                                                                  "the eval loss (0: no eval loss).")
     eval_sequences: int = Field(64, ge=0, le=1_000_000, description="Sequences in the eval set, the same on "
                                                                      "every peer (0: no eval loss).")
+    eval_every: int = Field(1, ge=0, le=1_000_000, description="Evaluate θ_g on the eval set every N outer "
+                                                               "steps (0: never). Each eval is a "
+                                                               "forward pass over --eval-sequences windows, "
+                                                               "time the round does not train: with short "
+                                                               "rounds, evaluate less often.")
     device: str = Field("auto", description="Torch device: auto, cpu, cuda, cuda:N or mps.")
     compile: bool = Field(False, description="Compile the model with torch.compile (faster inner steps on a "
                                              "GPU after a compile of a minute or so).")

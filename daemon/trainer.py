@@ -70,6 +70,7 @@ class Trainer:
         self.round_tokens = 0  # tokens of the current call to run(), read live by the pacer
         self.round_seconds = 0.0  # wall time of the current call's steps so far
         self.step_seconds = 0.0  # wall time of the last inner step
+        self.eval_seconds = 0.0  # wall time in eval_loss since the node last took it (a round's phase)
         self.tokens_per_step = stream.batch_size * stream.seq_len
         self.slowdown = _slowdown_from_env()
 
@@ -202,7 +203,11 @@ class Trainer:
         """Mean loss on the swarm-wide held-out eval set (comparable across peers); None without one."""
         if self.stream.eval_set is None:
             return None
-        return held_out_loss(self.model, self.stream.eval_set, self.device)
+        started = time.monotonic()
+        try:
+            return held_out_loss(self.model, self.stream.eval_set, self.device)
+        finally:
+            self.eval_seconds += time.monotonic() - started
 
 
 def next_token_loss(model: torch.nn.Module, batch: torch.Tensor, device: torch.device) -> torch.Tensor:

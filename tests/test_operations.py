@@ -96,7 +96,7 @@ def test_history_covers_the_whole_run_and_pages(swarm):
     assert rounds[0]["outcome"] == "alone" and rounds[-1]["outcome"] == "full"
     last = rounds[-1]
     assert last["groups"] == [[2, 2]] and last["bytes_sent"] > 0 and last["tokens_total"] > last["tokens"] > 0
-    assert set(last["phases_s"]) == {"inner", "matchmaking", "allreduce", "outer"}
+    assert set(last["phases_s"]) == {"inner", "matchmaking", "allreduce", "waiting", "eval", "outer"}
     later = a.get(f"/history?since={rounds[0]['step']}&limit=1")
     assert later["rounds"] == [rounds[1]] and later["more"] is True
     for bad in ("since=x", "limit=0", "limit=999999"):

@@ -1,5 +1,6 @@
 """Whole nodes as separate processes: DHT, gRPC, HTTP and training, all real, on loopback."""
 
+import json
 import re
 import signal
 import subprocess
@@ -48,7 +49,7 @@ def test_three_joined_processes_train_in_consensus(tmp_path, cleanup):
     assert table.returncode == 0 and status["peer_id"] in table.stdout and "swarm:" in table.stdout
     first.stop(signal.SIGTERM)
     assert first.wait(30) == 0, first.output
-    assert "stopped at outer step" in first.output
+    assert re.search(r"stopped at outer step \d+; \d+\.\d% of the time .* was spent in inner steps", first.output)
 
     for node in (first, *others):
         rounds = re.findall(r"round (\d+) \| groups (\d+)/", node.output)
@@ -118,8 +119,15 @@ def test_late_joiner_downloads_state_and_trains_in_step(tmp_path, cleanup):
 
 def test_restart_resumes_from_its_checkpoint(tmp_path):
     schedule = ["--total-steps", "100", "--warmup-steps", "5", "--lr-schedule", "cosine", "--pacing", "fixed"]
-    first = NodeProcess.join("solo", tmp_path, *FAST, *schedule, "--max-rounds", "3")
+    first = NodeProcess.join("solo", tmp_path, *FAST, *schedule, "--max-rounds", "3", "--eval-every", "2")
     assert first.wait(60) == 0, first.output
+    # --eval-every 2: only θ_g of step 2 is evaluated; a later round line shows that loss and its step
+    assert re.search(r"round 0 \|.*\| eval - \(floor", first.output), first.output
+    evaluated = re.search(r"round 1 \|.*\| eval (\d+\.\d+) \(floor", first.output).group(1)
+    assert re.search(rf"round 2 \|.*\| eval {evaluated}@2 \(floor", first.output), first.output
+    history = [json.loads(line) for line in (first.state_dir / "history.jsonl").read_text().splitlines()]
+    assert [h["eval_loss"] is not None for h in history] == [False, True, False]
+    assert all(h["phases_s"]["eval"] > 0 for h in history if h["eval_loss"] is not None)
     # a kill -9 mid-write of step 4 would leave a torn file; here also under the final name
     good = checkpoint_path(first.state_dir, 3).read_bytes()
     checkpoint_path(first.state_dir, 4).write_bytes(good[: len(good) // 2])
