@@ -14,6 +14,7 @@ trained by:
   fp32-hH/int8-hH dtnode: W real node processes on loopback, one group, H inner steps per
                   round (--pacing fixed), Δ sent in fp32 or int8
   moshpit-int8-h50 dtnode with groups of 2 (two hops per round)
+  ...-lrX         (suffix) the dtnode run with peak inner rate X instead of --inner-lr
   ...-olrX        (suffix) the dtnode run with --outer-lr X instead of --outer-lr
   ...-overlap     (suffix) the dtnode run with --overlap: each outer step one round late
 Every run takes `--steps` inner steps per worker (solo: W x as many) with the same AdamW, the
@@ -68,7 +69,8 @@ RUN_ID = "convergence"
 ROUND_LINE = re.compile(r"round (\d+) \|.*\| eval (\d+\.\d+).*\((\d+(?:\.\d+)?) (B|kB|MB|GB|TB) sent\)")
 GROUPS = re.compile(r"round \d+ \| groups ([^|]+?) \|")
 UNITS = {"B": 1, "kB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12}
-RUN_NAME = re.compile(r"(moshpit-)?(fp32|int8)-h(\d+)(?:-olr(\d+(?:\.\d+)?))?(-overlap)?")
+LR = r"\d+(?:\.\d+)?(?:e-?\d+)?"
+RUN_NAME = re.compile(rf"(moshpit-)?(fp32|int8)-h(\d+)(?:-lr({LR}))?(?:-olr({LR}))?(-overlap)?")
 DEFAULT_RUNS = "dp,solo,fp32-h10,fp32-h50,fp32-h100,int8-h10,int8-h50,int8-h100,int8-h50-overlap,moshpit-int8-h50"
 
 
@@ -234,16 +236,17 @@ def loss_of(model: torch.nn.Module, cfg: Config, dataset: str, files) -> float:
 
 
 def run_one(name: str, cfg: Config, dataset: str, files, workdir: Path) -> Result:
-    if m := re.fullmatch(r"(dp|solo)(?:-lr(\d+(?:\.\d+)?(?:e-?\d+)?))?", name):
+    if m := re.fullmatch(rf"(dp|solo)(?:-lr({LR}))?", name):
         tuned = replace(cfg, inner_lr=float(m.group(2))) if m.group(2) else cfg
         return run_synchronous(name, cfg.workers if m.group(1) == "dp" else 1, tuned, dataset, files, workdir)
     m = RUN_NAME.fullmatch(name)
     if not m:
         raise SystemExit(f"unknown run {name!r}")
     group = 2 if m.group(1) else cfg.workers
-    outer_lr = float(m.group(4)) if m.group(4) else cfg.outer_lr
+    tuned = replace(cfg, inner_lr=float(m.group(4))) if m.group(4) else cfg
+    outer_lr = float(m.group(5)) if m.group(5) else cfg.outer_lr
     return run_dtnode(name, int(m.group(3)), "none" if m.group(2) == "fp32" else "int8", group, outer_lr,
-                      bool(m.group(5)), cfg, dataset, files, workdir)
+                      bool(m.group(6)), tuned, dataset, files, workdir)
 
 
 # ---- report ------------------------------------------------------------------------------

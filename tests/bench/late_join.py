@@ -11,7 +11,8 @@ a user waits for. The reference is a raw aiohttp download of the same file from 
 sidecar, in the same run.
 
 `--in-rounds`: two donors of the `small` preset train in rounds of about a minute (on a
-2-core CPU host), and joiners are started one at a time at random moments of a round
+2-core CPU host: H=3, the donors sharing one core and each joiner on the other, as a joiner on
+its own box would be; `--shared-cpus` runs them all on every core), and joiners are started one at a time at random moments of a round
 (inner steps, averaging and the outer phase alike). For each it prints the donors' phase
 at the joiner's start, the seconds from start to its first inner step in step with the
 swarm, the download's share (`download`: the transfers, summed when a round closed during
@@ -25,8 +26,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import re
+import shutil
 import statistics
 import sys
 import tempfile
@@ -123,21 +126,36 @@ def _s(seconds: float | None) -> str:
     return "-" if seconds is None else f"{seconds:.1f}s"
 
 
-def run_in_rounds(model: str, trials: int, inner_steps: int, batch: int, seed: int, keep: Path) -> None:
+def _cpu_sets(separate: bool) -> tuple[list[str], list[str]]:
+    """Command prefixes for the donors and the joiners: with `separate`, the joiner gets CPUs of
+    its own (as a joiner on its own box has), the donors share the rest."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if not separate or len(cpus) < 2 or shutil.which("taskset") is None:
+        return [], []
+    half = len(cpus) // 2
+    return (["taskset", "-c", ",".join(map(str, cpus[:half]))], ["taskset", "-c", ",".join(map(str, cpus[half:]))])
+
+
+def run_in_rounds(model: str, trials: int, inner_steps: int, batch: int, seed: int, keep: Path,
+                  separate: bool) -> None:
     """Joiners started at random moments of a running 2-donor swarm (see the module docstring)."""
     keep.mkdir(parents=True, exist_ok=True)
+    donor_cpus, joiner_cpus = _cpu_sets(separate)
     flags = ["--model", model, "--inner-steps", str(inner_steps), "--batch-size", str(batch), "--no-fused-kernels",
              "--join-timeout", "300", "--matchmaking-window", "30"]
     rng = random.Random(seed)
     with tempfile.TemporaryDirectory() as tmp:
-        donors = [NodeProcess.join("d0", Path(tmp), *flags, "--min-peers", "2")]
+        donors = [NodeProcess.join("d0", Path(tmp), *flags, "--min-peers", "2", prefix=donor_cpus)]
         try:
             donors.append(NodeProcess.join("d1", Path(tmp), *flags, "--min-peers", "2", "--peer",
-                                           donors[0].join_address))
+                                           donors[0].join_address, prefix=donor_cpus))
             _, first_end, index = donors[0].wait_for_line_at(r"round 0 \| groups", timeout=1200)
             _, second_end, index = donors[0].wait_for_line_at(r"round 1 \| groups", timeout=1200, after=index + 1)
             period = second_end - first_end
-            print(f"2 donors of {model}, H={inner_steps}, batch {batch}: a round takes {period:.0f}s here", flush=True)
+            cpus = (f"donors on CPUs {donor_cpus[-1]}, each joiner on CPUs {joiner_cpus[-1]}" if donor_cpus
+                    else "donors and joiners sharing every CPU")
+            print(f"2 donors of {model}, H={inner_steps}, batch {batch}, {cpus}: a round takes {period:.0f}s here",
+                  flush=True)
             print(f"{'trial':>5} {'at':>6} {'donors':>14} {'to in step':>11} {'download':>9} {'fetch':>7} {'to averaged':>12} "
                   f"{'round':>6} {'alone':>6} {'dropped':>8}  target", flush=True)
             met = 0
@@ -148,7 +166,7 @@ def run_in_rounds(model: str, trials: int, inner_steps: int, batch: int, seed: i
                 phase = _phase(donors[0])
                 started = time.monotonic()
                 joiner = NodeProcess.join(f"j{trial}", Path(tmp), *flags, "--peer", donors[0].join_address,
-                                          "--max-rounds", "1")
+                                          "--max-rounds", "1", prefix=joiner_cpus)
                 try:
                     joiner.wait(900)
                 finally:
@@ -197,7 +215,9 @@ def main() -> None:
                                                               "--in-rounds, 10 unless given)")
     parser.add_argument("--in-rounds", action="store_true", help="joiners at random moments of a running swarm")
     parser.add_argument("--model", default="small", help="--in-rounds: the donors' and joiners' model")
-    parser.add_argument("--inner-steps", type=int, default=6, help="--in-rounds: H")
+    parser.add_argument("--inner-steps", type=int, default=3, help="--in-rounds: H")
+    parser.add_argument("--shared-cpus", action="store_true", help="--in-rounds: run the joiners on the donors' "
+                        "CPUs (by default a joiner gets half of this host's CPUs to itself, as on its own box)")
     parser.add_argument("--batch-size", type=int, default=8, help="--in-rounds: sequences per inner step")
     parser.add_argument("--seed", type=int, default=0, help="--in-rounds: seed of the joiners' start moments")
     parser.add_argument("--keep-logs", type=Path, default=Path(tempfile.gettempdir()) / "dtnode-late-join",
@@ -205,7 +225,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.in_rounds:
         trials = args.trials if "--trials" in sys.argv else 10
-        run_in_rounds(args.model, trials, args.inner_steps, args.batch_size, args.seed, args.keep_logs)
+        run_in_rounds(args.model, trials, args.inner_steps, args.batch_size, args.seed, args.keep_logs,
+                      not args.shared_cpus)
         return
     print(f"{'checkpoint':>10} {'start to in sync':>17} {'of it, download':>16} {'raw HTTP GET':>13}")
     for model in args.models.split(","):
