@@ -968,6 +968,8 @@ class Node:
         self._in_flight = asyncio.ensure_future(self.averager.average(
             round_no, delta, self.replica.mean_cpu, float(max(inner.tokens, 1)), resync,
             lambda: loop.run_in_executor(self.io_thread, self.replica.consensus_state), self.residual))
+        if previous is not None:  # the new θ_g's eval, once its hash and the next average are under way
+            await loop.run_in_executor(self.train_thread, self._evaluate_theta_g)
         self.rounds_done += 1
         if previous is not None and self.replica.outer_step % s.checkpoint_every == 0:
             await self._schedule_checkpoint()
@@ -1044,14 +1046,11 @@ class Node:
         return None
 
     def _apply_delayed(self, result: AveragingResult | None) -> torch.Tensor:
-        """On the training thread: the delayed outer step, this round's Δ staged, θ_g evaluated."""
+        """On the training thread: the delayed outer step, this round's Δ staged."""
         self.trainer.round_tokens, self.trainer.round_seconds = 0, 0.0
         with self._theta_changing():
-            delta = self.replica.delayed_outer_step(None if result is None else result.mean,
-                                                    None if result is None else result.theta)
-        if result is not None:
-            self._evaluate_theta_g()
-        return delta
+            return self.replica.delayed_outer_step(None if result is None else result.mean,
+                                                   None if result is None else result.theta)
 
     def _eval_due(self) -> bool:
         every = self.settings.eval_every
@@ -1106,9 +1105,13 @@ class Node:
     async def _rehash(self) -> None:
         """params_sha256 of the new θ_g: one device-to-host copy on the training thread, the
         hash on the I/O thread (θ_g does not change before the next outer step awaits this);
-        then the checkpoint of this step, ready to be served from memory."""
+        then the checkpoint of this step, ready to be served from memory. A joiner asking for
+        the step waits for this, so it runs beside the eval, not after it."""
         loop = asyncio.get_running_loop()
-        host = await loop.run_in_executor(self.train_thread, self.replica.host_theta)
+        if self.replica.theta_on_host:  # nothing to copy: no wait behind the training thread's eval
+            host = self.replica.host_theta()
+        else:
+            host = await loop.run_in_executor(self.train_thread, self.replica.host_theta)
         self.replica.set_params_sha256(await loop.run_in_executor(self.io_thread, sha256_of, host))
         await self._prepare_memory_checkpoint()
 

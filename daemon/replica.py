@@ -146,6 +146,11 @@ class Replica:
         self.reset_local()
 
     @torch.no_grad()
+    @property
+    def theta_on_host(self) -> bool:
+        """θ_g lives in host memory: hashing reads it in place, with no copy on the training thread."""
+        return self.theta_g.device.type == "cpu"
+
     def host_theta(self) -> torch.Tensor:
         """θ_g on the host for hashing: θ_g itself on a CPU, else one copy into a pinned buffer.
 

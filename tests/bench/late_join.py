@@ -160,7 +160,10 @@ def run_in_rounds(model: str, trials: int, inner_steps: int, batch: int, seed: i
                   f"{'round':>6} {'alone':>6} {'dropped':>8}  target", flush=True)
             met = 0
             for trial in range(trials):
-                _, end, index = donors[0].wait_for_line_at(ROUND_LINE.pattern, timeout=1200, after=index + 1)
+                # the next round end from now on (an older line would start the joiner at once, where
+                # the previous trial left the donors, and no longer at a random moment of a round)
+                _, end, index = donors[0].wait_for_line_at(ROUND_LINE.pattern, timeout=1200,
+                                                           after=len(donors[0].lines))
                 offset = rng.uniform(0, period)
                 time.sleep(max(0.0, end + offset - time.monotonic()))
                 phase = _phase(donors[0])
