@@ -127,6 +127,8 @@ class Node:
         self._resync_asked = False  # whether the average in flight was asked to re-sync θ_g
         self._training_round = 0  # --overlap: the round whose inner steps run (one past the outer step)
         self._catch_up_round: int | None = None  # --overlap: a round entered from a download (see _catch_up)
+        self._entered_round: int | None = None  # the round entered from a download (its first after it)
+        self._closed_without_us: int | None = None  # that round, once the swarm averaged it without this node
         self.theta_lock = threading.Lock()  # θ_g and momentum change (training thread) or are copied (I/O)
         self._theta_version = 0  # bumped at each change of θ_g or the momentum
         self._memory: dict[int, MemoryCheckpoint] = {}  # steps served from memory (see current_checkpoint)
@@ -841,6 +843,10 @@ class Node:
                                           get_dht_time(), max_extrapolation=0.0)
                 self.round_progress = progress
                 self._round_end_at = time.monotonic() + progress.seconds_left()
+                if not s.overlap and round_no == self._entered_round and (position := swarm_position(
+                        view.values(), self.peer_id, self.model_hash)) is not None and position.round > round_no:
+                    self._closed_without_us = round_no  # joined in the round's last seconds: see run_round
+                    self._round_end_at = -math.inf
             except Exception as e:  # a failed read keeps the last estimate; the next poll retries
                 log.warning("reading the swarm's progress failed: %s", e)
             await asyncio.sleep(PACER_POLL_S)
@@ -854,6 +860,8 @@ class Node:
         if (trained := await self._train_round()) is None:
             return
         round_no, inner = trained
+        if self._closed_without_us == round_no:
+            return await self._enter_next_round(round_no, inner)
         delta = await loop.run_in_executor(self.train_thread, self.replica.pseudo_gradient)
         self.state, self.round_phase, self._first_group_formed = "averaging", "averaging", False
         await self.membership.announce(self.record())
@@ -882,6 +890,19 @@ class Node:
         self._report(round_no, inner, result, time.monotonic() - round_started)
         await self.membership.announce(self.record())
 
+    async def _enter_next_round(self, round_no: int, inner: InnerResult) -> None:
+        """A joiner that arrived in a round's last seconds, whose peers averaged it before its
+        first steps were done: it takes the θ_g of the next round instead of averaging alone
+        (a θ_g of its own that the swarm never had). Those few steps are a Δ nobody can average
+        any more; they are dropped with the round."""
+        self._closed_without_us = None
+        log.info("round %d closed while this node took its first %d step(s) in it; joining round %d", round_no,
+                 inner.steps, round_no + 1)
+        self.trainer.round_tokens, self.trainer.round_seconds = 0, 0.0
+        if not await self._sync_with_swarm(joining=True):
+            log.warning("could not take the swarm's θ_g of step %d; averaging round %d as it is next round",
+                        round_no + 1, round_no)
+
     def compute_utilization(self, until: float | None = None) -> float | None:
         """The fraction of wall time since the first round began (up to `until`, monotonic;
         default now) spent in inner steps."""
@@ -899,6 +920,7 @@ class Node:
         round_no = self.replica.outer_step + (1 if ahead else 0)
         self._training_round = round_no  # published with --overlap: pacing counts this round's tokens under it
         self._enter_round(round_no)
+        self._entered_round = round_no if self.joined_at is not None else None
         if self.joined_at is not None:
             await asyncio.wrap_future(self.trainer.build_optimizer_in_background())  # the first step needs it
             position = swarm_position((await self.membership.members()).values(), self.peer_id, self.model_hash)

@@ -145,12 +145,12 @@ class Replica:
         """θ_l after theta_g_into_model(), from the invariant (θ_g − the Δ in flight)."""
         self.reset_local()
 
-    @torch.no_grad()
     @property
     def theta_on_host(self) -> bool:
         """θ_g lives in host memory: hashing reads it in place, with no copy on the training thread."""
         return self.theta_g.device.type == "cpu"
 
+    @torch.no_grad()
     def host_theta(self) -> torch.Tensor:
         """θ_g on the host for hashing: θ_g itself on a CPU, else one copy into a pinned buffer.
 
