@@ -99,6 +99,9 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
+MAX_REENTRIES = 3  # a joiner's first rounds given up in a row because the swarm averaged them without it
+
+
 class Node:
     def __init__(self, settings: NodeSettings):
         self.settings = settings
@@ -129,6 +132,7 @@ class Node:
         self._catch_up_round: int | None = None  # --overlap: a round entered from a download (see _catch_up)
         self._entered_round: int | None = None  # the round entered from a download (its first after it)
         self._closed_without_us: int | None = None  # that round, once the swarm averaged it without this node
+        self._reentries = 0  # rounds given up in a row for that reason (bounded: see _closed_before_joined)
         self.theta_lock = threading.Lock()  # θ_g and momentum change (training thread) or are copied (I/O)
         self._theta_version = 0  # bumped at each change of θ_g or the momentum
         self._memory: dict[int, MemoryCheckpoint] = {}  # steps served from memory (see current_checkpoint)
@@ -843,8 +847,7 @@ class Node:
                                           get_dht_time(), max_extrapolation=0.0)
                 self.round_progress = progress
                 self._round_end_at = time.monotonic() + progress.seconds_left()
-                if not s.overlap and round_no == self._entered_round and (position := swarm_position(
-                        view.values(), self.peer_id, self.model_hash)) is not None and position.round > round_no:
+                if self._closed_before_joined(view, round_no):
                     self._closed_without_us = round_no  # joined in the round's last seconds: see run_round
                     self._round_end_at = -math.inf
             except Exception as e:  # a failed read keeps the last estimate; the next poll retries
@@ -860,8 +863,9 @@ class Node:
         if (trained := await self._train_round()) is None:
             return
         round_no, inner = trained
-        if self._closed_without_us == round_no:
-            return await self._enter_next_round(round_no, inner)
+        if (self._closed_without_us == round_no or self._closed_before_joined(
+                await self.membership.members(), round_no)) and await self._enter_next_round(round_no, inner):
+            return
         delta = await loop.run_in_executor(self.train_thread, self.replica.pseudo_gradient)
         self.state, self.round_phase, self._first_group_formed = "averaging", "averaging", False
         await self.membership.announce(self.record())
@@ -873,6 +877,10 @@ class Node:
             lambda: loop.run_in_executor(self.train_thread, self.replica.consensus_state), self.residual)
         # a wanted re-sync that found nobody to sync with is still wanted next round
         self._needs_resync = not result.clean or (resync and result.theta is None)
+        if all(h.group_size <= 1 for h in result.hops) and self._closed_before_joined(
+                await self.membership.members(), round_no, alone=True) and await self._enter_next_round(round_no, inner):
+            return  # the records it judged by were a heartbeat behind
+        self._reentries = 0
         self.phase = "outer"
         if self._hash_task is not None:  # the hash of the previous θ_g reads it: let it finish
             await asyncio.gather(self._hash_task, return_exceptions=True)
@@ -890,18 +898,31 @@ class Node:
         self._report(round_no, inner, result, time.monotonic() - round_started)
         await self.membership.announce(self.record())
 
-    async def _enter_next_round(self, round_no: int, inner: InnerResult) -> None:
+    def _closed_before_joined(self, view: dict[str, PeerRecord], round_no: int, alone: bool = False) -> bool:
+        """Whether the swarm's open round moved past `round_no`, the first this node trains
+        after a download, while this node trained it: its peers averaged it without this node
+        (with `alone`: this node's average found no group while the swarm has peers). At most
+        MAX_REENTRIES rounds in a row are given up so: a node that can never reach a group
+        (unreachable, always late) trains on rather than downloading every round."""
+        if self.settings.overlap or round_no != self._entered_round or self._reentries >= MAX_REENTRIES:
+            return False
+        position = swarm_position(view.values(), self.peer_id, self.model_hash)
+        return position is not None and (alone or position.round > round_no)
+
+    async def _enter_next_round(self, round_no: int, inner: InnerResult) -> bool:
         """A joiner that arrived in a round's last seconds, whose peers averaged it before its
         first steps were done: it takes the θ_g of the next round instead of averaging alone
         (a θ_g of its own that the swarm never had). Those few steps are a Δ nobody can average
-        any more; they are dropped with the round."""
+        any more; they are dropped with the round. False (the round goes on as it is) when the
+        swarm turns out not to have moved on, or no peer served its θ_g."""
         self._closed_without_us = None
-        log.info("round %d closed while this node took its first %d step(s) in it; joining round %d", round_no,
-                 inner.steps, round_no + 1)
-        self.trainer.round_tokens, self.trainer.round_seconds = 0, 0.0
+        self._reentries += 1
         if not await self._sync_with_swarm(joining=True):
-            log.warning("could not take the swarm's θ_g of step %d; averaging round %d as it is next round",
-                        round_no + 1, round_no)
+            return False
+        log.info("round %d closed while this node took its first %d step(s) in it; it joined the swarm's open round",
+                 round_no, inner.steps)
+        self.trainer.round_tokens, self.trainer.round_seconds = 0, 0.0
+        return True
 
     def compute_utilization(self, until: float | None = None) -> float | None:
         """The fraction of wall time since the first round began (up to `until`, monotonic;

@@ -73,6 +73,8 @@ class Trainer:
         self.eval_seconds = 0.0  # wall time in eval_loss since the node last took it (a round's phase)
         self.tokens_per_step = stream.batch_size * stream.seq_len
         self.slowdown = _slowdown_from_env()
+        # a test hook: seconds added to this process's first step (a cold start: allocation, autotuning)
+        self.first_step_delay = float(os.environ.get("DTNODE_TEST_FIRST_STEP_DELAY", "0") or 0)
 
     def build_optimizer_in_background(self) -> concurrent.futures.Future:
         """Start making the AdamW optimizer on a side thread (once); its future.
@@ -146,6 +148,8 @@ class Trainer:
                 raise FloatingPointError(f"inner loss became {loss_value} at inner step {self.inner_step}")
             if self.slowdown > 1:
                 stop.wait((self.slowdown - 1) * (time.monotonic() - step_started))
+            if first and self.first_step_delay > 0:
+                stop.wait(self.first_step_delay)
             self.inner_step += 1
             self.adam_steps += 1
             done += 1

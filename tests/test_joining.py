@@ -111,6 +111,31 @@ def test_a_joiner_arriving_in_the_outer_phase_starts_with_the_next_round_not_a_c
         assert "Traceback" not in node.output, node.output
 
 
+def test_a_joiner_whose_round_closes_during_its_first_step_takes_the_next_round(tmp_path, cleanup):
+    """A joiner enters the swarm's open round, but its first step is slow (a cold start, here
+    14 s) and the donors average that round without it (they hold their door open 10 s at most).
+    It must not average that round alone: it takes θ_g of the next round and trains that one
+    with the donors."""
+    # rounds of a few seconds (H=200), long enough for records to show where the swarm is
+    args = [*FAST, "--inner-steps", "200", "--min-peers", "2", "--join-timeout", "90"]
+    a = NodeProcess.join("a", tmp_path, *args)
+    cleanup.append(a)
+    b = NodeProcess.join("b", tmp_path, *args, "--peer", a.join_address)
+    cleanup.append(b)
+    a.wait_for_line(r"round 1 \| groups 2/2", timeout=120)
+    c = NodeProcess.join("c", tmp_path, *args, "--peer", a.join_address, "--max-rounds", "1",
+                         env={"DTNODE_TEST_FIRST_STEP_DELAY": "14"})
+    cleanup.append(c)
+    assert c.wait(120) == 0, c.output
+    entered = int(c.wait_for_line(r"training round (\d+) with the swarm").group(1))
+    closed = c.wait_for_line(r"round (\d+) closed while this node took its first \d+ step\(s\) in it")
+    assert int(closed.group(1)) >= entered, c.output
+    rounds = [(int(r), int(g), int(e)) for r, g, e in ROUND.findall(c.output)]
+    assert rounds and rounds[0][0] > entered and rounds[0][1:] == (3, 3), c.output  # with both donors
+    for node in (a, b, c):
+        assert "Traceback" not in node.output, node.output
+
+
 def test_the_first_node_restarted_with_its_own_old_address_as_peer_finds_the_swarm(tmp_path, cleanup):
     """kill -9 of the node everyone joined through; it restarts on its state dir with
     --peer naming itself (as a script that started it that way would): it keeps its DHT

@@ -18,7 +18,10 @@ at the joiner's start, the seconds from start to its first inner step in step wi
 swarm, the download's share (`download`: the transfers, summed when a round closed during
 the first and the joiner fetched the next; `fetch`: from each "downloading" line to "in sync",
 which adds the donors writing the file on demand, verification and installation), the
-seconds to its first round averaged with both donors, and whether any of its rounds was trained alone or any donor dropped a connection.
+seconds to its first round averaged with both donors, the round it trained with them
+(`reentered`: 1 when it arrived in a round's last seconds and the donors averaged that round
+before its first step was done, so it took the next round's θ_g), and whether any of its
+rounds was trained alone or any donor dropped a connection.
 """
 
 from __future__ import annotations
@@ -122,6 +125,11 @@ def _fetch_seconds(joiner: NodeProcess) -> float | None:
     return total or None
 
 
+def _last(pattern: str, text: str) -> re.Match | None:
+    matches = list(re.finditer(pattern, text))
+    return matches[-1] if matches else None
+
+
 def _s(seconds: float | None) -> str:
     return "-" if seconds is None else f"{seconds:.1f}s"
 
@@ -157,7 +165,7 @@ def run_in_rounds(model: str, trials: int, inner_steps: int, batch: int, seed: i
             print(f"2 donors of {model}, H={inner_steps}, batch {batch}, {cpus}: a round takes {period:.0f}s here",
                   flush=True)
             print(f"{'trial':>5} {'at':>6} {'donors':>14} {'to in step':>11} {'download':>9} {'fetch':>7} {'to averaged':>12} "
-                  f"{'round':>6} {'alone':>6} {'dropped':>8}  target", flush=True)
+                  f"{'round':>6} {'reentered':>9} {'alone':>6} {'dropped':>8}  target", flush=True)
             met = 0
             for trial in range(trials):
                 # the next round end from now on (an older line would start the joiner at once, where
@@ -177,9 +185,11 @@ def run_in_rounds(model: str, trials: int, inner_steps: int, batch: int, seed: i
                     (keep / f"{joiner.name}.log").write_text(joiner.output)
                 out = joiner.output
                 entered = in_step = download = averaged_at = None
+                # the last round entered: a joiner that arrived in a round's last seconds, whose peers
+                # averaged it before the joiner's first step was done, drops it and enters the next
                 # (a node of a version before this line existed: the moment it said it was in sync)
-                if (m := re.search(r"training round (\d+) with the swarm", out)
-                        or re.search(r"in sync at outer step (\d+)", out)) is not None:
+                if (m := _last(r"training round (\d+) with the swarm", out)
+                        or _last(r"in sync at outer step (\d+)", out)) is not None:
                     entered = int(m.group(1))
                     in_step = next(t for t, line in zip(joiner.times, joiner.lines) if m.group(0) in line)
                 # every transfer counts (a round that closed during the first sends the joiner for the next)
@@ -193,13 +203,14 @@ def run_in_rounds(model: str, trials: int, inner_steps: int, batch: int, seed: i
                 rounds = [(int(r), int(g)) for r, g, _ in ROUND_LINE.findall(out)]
                 alone = sum(1 for _, g in rounds if g == 1)
                 dropped = len(re.findall(r"dropped the connection|donor \S+ failed", out))
+                late = len(re.findall(r"closed while this node took its first", out))
                 to_step = None if in_step is None else in_step - started
                 ok = (to_step is not None and download is not None and to_step <= 10 + download and full
                       and full[0][0] == entered and not alone and not dropped and "Traceback" not in out)
                 met += bool(ok)
                 print(f"{trial:>5} {offset:5.0f}s {phase:>14} {_s(to_step):>11} {_s(download):>9} {_s(fetch):>7} "
                       f"{_s(averaged_at and averaged_at - started):>12} {entered if entered is not None else '-':>6} "
-                      f"{alone:>6} {dropped:>8}  {'met' if ok else 'MISSED'}", flush=True)
+                      f"{late:>9} {alone:>6} {dropped:>8}  {'met' if ok else 'MISSED'}", flush=True)
             for donor in donors:
                 (keep / f"{donor.name}.log").write_text(donor.output)
             tracebacks = [d.name for d in donors if "Traceback" in d.output]
