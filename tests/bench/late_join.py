@@ -12,8 +12,8 @@ sidecar, in the same run.
 
 `--in-rounds`: two donors of the `small` preset train in rounds of about a minute (on a
 2-core CPU host: H=3, the donors sharing one core and each joiner on the other, as a joiner on
-its own box would be; `--shared-cpus` runs them all on every core), and joiners are started one at a time at random moments of a round
-(inner steps, averaging and the outer phase alike). For each it prints the donors' phase
+its own box would be; `--shared-cpus` runs them all on every core), and joiners are started one
+at a time at random moments of a round (inner steps, averaging and the outer phase alike). For each it prints the donors' phase
 at the joiner's start, the seconds from start to its first inner step in step with the
 swarm, the download's share (`download`: the transfers, summed when a round closed during
 the first and the joiner fetched the next; `fetch`: from each "downloading" line to "in sync",
