@@ -19,6 +19,7 @@ import signal
 import socket
 import threading
 import time
+from collections.abc import Awaitable
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -127,11 +128,15 @@ class Node:
         self._pending_write: asyncio.Future | None = None
         self._hash_task: asyncio.Future | None = None
         self._in_flight: asyncio.Future | None = None  # --overlap: the average of the last round's Δ
+        # --overlap: that average once it is in (set on the event loop), and whether its outer step
+        # was made (by the training thread: between inner steps, or at the round's end)
+        self._arrival: AveragingResult | None = None
+        self._landed = True
+        self._landed_after_steps: int | None = None  # inner steps of this round before it landed
         self._resync_asked = False  # whether the average in flight was asked to re-sync θ_g
         self._training_round = 0  # --overlap: the round whose inner steps run (one past the outer step)
         self._catch_up_round: int | None = None  # --overlap: a round entered from a download (see _catch_up)
         self._entered_round: int | None = None  # the round entered from a download (its first after it)
-        self._closed_without_us: int | None = None  # that round, once the swarm averaged it without this node
         self._reentries = 0  # rounds given up in a row for that reason (bounded: see _closed_before_joined)
         self.theta_lock = threading.Lock()  # θ_g and momentum change (training thread) or are copied (I/O)
         self._theta_version = 0  # bumped at each change of θ_g or the momentum
@@ -707,6 +712,7 @@ class Node:
         """Fetch and install the swarm's checkpoint of `step` (or the next, if the swarm moved on)."""
         if self._in_flight is not None:  # the download replaces the θ_g that average was for
             await self._settle_in_flight(self.settings.matchmaking_window + self.settings.allreduce_timeout)
+            self._arrival, self._landed = None, True
         previous_state, self.state, self.round_phase = self.state, "syncing", ""
         try:
             loaded = await fetch_from_swarm(view, self.peer_id, range(step, step + 2), self.model_hash,
@@ -818,7 +824,8 @@ class Node:
             self.first_round_at = time.monotonic()
         loop = asyncio.get_running_loop()
         deadline = time.monotonic() + s.round_seconds if s.round_seconds else None
-        schedule = {"position": round_no * s.inner_steps, "span": s.inner_steps}
+        schedule = {"position": round_no * s.inner_steps, "span": s.inner_steps,
+                    "after_step": partial(self._land_on_arrival, loop) if s.overlap else None}
         if s.pacing == "fixed":
             return await loop.run_in_executor(self.train_thread, partial(
                 self.trainer.run, s.inner_steps, self.stop_flag, deadline, **schedule))
@@ -848,8 +855,7 @@ class Node:
                 self.round_progress = progress
                 self._round_end_at = time.monotonic() + progress.seconds_left()
                 if self._closed_before_joined(view, round_no):
-                    self._closed_without_us = round_no  # joined in the round's last seconds: see run_round
-                    self._round_end_at = -math.inf
+                    self._round_end_at = -math.inf  # joined in the round's last seconds: see run_round
             except Exception as e:  # a failed read keeps the last estimate; the next poll retries
                 log.warning("reading the swarm's progress failed: %s", e)
             await asyncio.sleep(PACER_POLL_S)
@@ -863,8 +869,8 @@ class Node:
         if (trained := await self._train_round()) is None:
             return
         round_no, inner = trained
-        if (self._closed_without_us == round_no or self._closed_before_joined(
-                await self.membership.members(), round_no)) and await self._enter_next_round(round_no, inner):
+        view = await self.membership.members()
+        if self._closed_before_joined(view, round_no) and await self._enter_next_round(round_no, inner):
             return
         delta = await loop.run_in_executor(self.train_thread, self.replica.pseudo_gradient)
         self.state, self.round_phase, self._first_group_formed = "averaging", "averaging", False
@@ -915,7 +921,6 @@ class Node:
         (a θ_g of its own that the swarm never had). Those few steps are a Δ nobody can average
         any more; they are dropped with the round. False (the round goes on as it is) when the
         swarm turns out not to have moved on, or no peer served its θ_g."""
-        self._closed_without_us = None
         self._reentries += 1
         if not await self._sync_with_swarm(joining=True):
             return False
@@ -976,11 +981,13 @@ class Node:
     # ---- --overlap: the averaging of round t runs during the inner steps of round t+1 ------
     async def _run_overlapped_round(self) -> None:
         """Inner steps while the previous round's Δ is averaged; then that average's outer step
-        (one round late), and this round's Δ goes out to be averaged during the next round.
+        if it has not landed yet, and this round's Δ goes out to be averaged during the next round.
 
-        The trade-off (streaming / asynchronous DiLoCo's delayed outer step): the network's
-        time hides behind compute, while each round starts from a θ_g that lacks the last
-        round's average; the node's own part of it is kept in θ_l (Replica.delayed_outer_step).
+        The trade-off (streaming DiLoCo's overlapped outer step): the network's time hides
+        behind compute, while the first steps of each round run from a θ_g that lacks the last
+        round's average, with the node's own part of it kept in θ_l. The average's outer step
+        lands between two inner steps as soon as it is in (`_land_on_arrival`), so those are
+        few when the average is quick; at the round's end this waits for one still running.
         """
         s = self.settings
         loop = asyncio.get_running_loop()
@@ -997,7 +1004,9 @@ class Node:
         if self._catch_up_round == round_no and previous is None:
             self._catch_up_round = None
             delta = await self._catch_up(round_no)
-        changed = delta is not None or previous is not None  # θ_g moved: a new hash
+        # θ_g moves now (a new hash): a catch-up, or an average that did not land during the steps
+        changed = delta is not None or (previous is not None and not self._landed)
+        landed_after = self._landed_after_steps if previous is not None and self._landed else inner.steps
         if delta is None:
             delta = await loop.run_in_executor(self.train_thread, self._apply_delayed, previous)
         self.round_phase = "outer"
@@ -1008,9 +1017,10 @@ class Node:
         self._resync_asked = resync
         # θ_g does not change while the average runs (only its outer step, awaited first, writes
         # it): the consensus state is read on the I/O thread, not behind this round's inner steps
-        self._in_flight = asyncio.ensure_future(self.averager.average(
+        self._arrival, self._landed, self._landed_after_steps = None, False, None
+        self._in_flight = asyncio.ensure_future(self._arrive(self.averager.average(
             round_no, delta, self.replica.mean_cpu, float(max(inner.tokens, 1)), resync,
-            lambda: loop.run_in_executor(self.io_thread, self.replica.consensus_state), self.residual))
+            lambda: loop.run_in_executor(self.io_thread, self.replica.consensus_state), self.residual)))
         if previous is not None:  # the new θ_g's eval, once its hash and the next average are under way
             await loop.run_in_executor(self.train_thread, self._evaluate_theta_g)
         self.rounds_done += 1
@@ -1018,8 +1028,37 @@ class Node:
             await self._schedule_checkpoint()
         self._training_round = round_no + 1  # peers count this node in the next round at once
         self._enter_round(round_no + 1)
-        self._report(round_no, inner, previous, time.monotonic() - round_started)
+        self._report(round_no, inner, previous, time.monotonic() - round_started,
+                     landed_after if previous is not None else None)
         await self.membership.announce(self.record())
+
+    async def _arrive(self, averaging: Awaitable[AveragingResult]) -> AveragingResult:
+        """--overlap: the average in flight; once it is in (and the hash of the θ_g it will
+        change is done), the training thread may land it between two inner steps."""
+        result = await averaging
+        if self._hash_task is not None:
+            await asyncio.gather(self._hash_task, return_exceptions=True)
+        self._arrival = result
+        return result
+
+    def _land_on_arrival(self, loop: asyncio.AbstractEventLoop) -> None:
+        """--overlap, on the training thread after each inner step: the outer step of the
+        previous round's average as soon as it is in, rather than at this round's end."""
+        if self._landed or (result := self._arrival) is None:
+            return
+        self._land(result)
+        self._landed_after_steps = self.trainer.round_steps
+        host = self.replica.host_theta()  # on this thread: no wait behind the round's steps
+        loop.call_soon_threadsafe(self._rehash_landed, host)
+
+    def _rehash_landed(self, host: torch.Tensor) -> None:
+        self._hash_task = asyncio.ensure_future(self._rehash(host))
+
+    def _land(self, result: AveragingResult | None) -> None:
+        """On the training thread: the outer step of the average in flight (None: it failed)."""
+        self._landed = True
+        with self._theta_changing():
+            self.replica.land(None if result is None else result.mean, None if result is None else result.theta)
 
     async def _settle_in_flight(self, timeout: float | None = None) -> AveragingResult | None:
         """The average in flight, once done; None when there is none or it failed (whose Δ
@@ -1089,11 +1128,12 @@ class Node:
         return None
 
     def _apply_delayed(self, result: AveragingResult | None) -> torch.Tensor:
-        """On the training thread: the delayed outer step, this round's Δ staged."""
+        """On the training thread, at a round's end: the outer step of the previous average if
+        it did not land during the steps, then this round's Δ staged."""
         self.trainer.round_tokens, self.trainer.round_seconds = 0, 0.0
-        with self._theta_changing():
-            return self.replica.delayed_outer_step(None if result is None else result.mean,
-                                                   None if result is None else result.theta)
+        if not self._landed:
+            self._land(result)
+        return self.replica.stage_delta()
 
     def _eval_due(self) -> bool:
         every = self.settings.eval_every
@@ -1123,9 +1163,8 @@ class Node:
         loop = asyncio.get_running_loop()
 
         def settle() -> None:
-            with self._theta_changing():
-                self.replica.settle_in_flight(None if result is None else result.mean,
-                                              None if result is None else result.theta)
+            if not self._landed:
+                self._land(result)
             if result is not None:
                 self._evaluate_theta_g(force=bool(self.settings.eval_every))
 
@@ -1145,13 +1184,15 @@ class Node:
                 self.replica.adopt_consensus_state(result.theta)
             self.replica.apply_outer_step(result.mean)
 
-    async def _rehash(self) -> None:
+    async def _rehash(self, host: torch.Tensor | None = None) -> None:
         """params_sha256 of the new θ_g: one device-to-host copy on the training thread, the
         hash on the I/O thread (θ_g does not change before the next outer step awaits this);
         then the checkpoint of this step, ready to be served from memory. A joiner asking for
         the step waits for this, so it runs beside the eval, not after it."""
         loop = asyncio.get_running_loop()
-        if self.replica.theta_on_host:  # nothing to copy: no wait behind the training thread's eval
+        if host is not None:  # copied already (a landing between inner steps)
+            pass
+        elif self.replica.theta_on_host:  # nothing to copy: no wait behind the training thread's eval
             host = self.replica.host_theta()
         else:
             host = await loop.run_in_executor(self.train_thread, self.replica.host_theta)
@@ -1205,9 +1246,11 @@ class Node:
                 "model_config": json.dumps(self.model_description, sort_keys=True),
                 "init_seed": str(self.init_seed), "export_format": self.export_format}
 
-    def _report(self, round_no: int, inner: InnerResult, result: AveragingResult | None, duration: float) -> None:
+    def _report(self, round_no: int, inner: InnerResult, result: AveragingResult | None, duration: float,
+                landed_after: int | None = None) -> None:
         """The round line and record. With --overlap the groups, bytes and θ_g are those of the
-        previous round's average, applied at the end of this one (none after the first round)."""
+        previous round's average (none after the first round), whose outer step landed after
+        `landed_after` of this round's inner steps."""
         hops: list[HopReport] = result.hops if result is not None else []
         first = hops[0] if hops else HopReport(0, "", 1, 1, 0, True, [self.peer_id], 0.0, 0.0)
         self.last_round = {
@@ -1219,7 +1262,7 @@ class Node:
             "weight_after": result.weight if result is not None else 0.0,
             "full": all(h.complete for h in hops), "hops": [h.as_dict() for h in hops], "inner_steps": inner.steps,
             "tokens": inner.tokens, "inner_s": round(inner.seconds, 4), "loss": inner.mean_loss,
-            "eval_loss": self.eval_loss, "inner_lr": self.trainer.lr,
+            "eval_loss": self.eval_loss, "inner_lr": self.trainer.lr, "landed_after_steps": landed_after,
         }
         self._observe_round(round_no, inner, hops, duration)
         floor = self.sources.loss_floor
@@ -1285,6 +1328,7 @@ class Node:
             "bytes_sent": sum(h.bytes_sent for h in hops), "bytes_received": sum(h.bytes_received for h in hops),
             "phases_s": {k: round(v, 3) for k, v in phases.items()}, "duration_s": round(duration, 3),
             "outcome": outcome, "reasons": sorted(set(reasons)),
+            "landed_after_steps": self.last_round.get("landed_after_steps"),
         }
         asyncio.get_running_loop().run_in_executor(self.io_thread, self.history.persist, self.history.append(entry))
 

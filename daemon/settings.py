@@ -141,8 +141,8 @@ class NodeSettings(BaseSettings):
     outer_lr: float = Field(0.7, gt=0, le=10, description="Learning rate of the outer Nesterov SGD.")
     outer_momentum: float = Field(0.9, ge=0, lt=1, description="Momentum of the outer Nesterov SGD.")
     overlap: bool = Field(False, description="Train the next round while this round's Δ is averaged, and apply "
-                                             "the averaged update one round late (delayed outer step): the "
-                                             "network's time hides behind compute; set it on every peer.")
+                                             "the averaged update between two inner steps as soon as it is in: "
+                                             "the network's time hides behind compute; set it on every peer.")
     max_rounds: int | None = Field(None, ge=1, description="Exit 0 after this process has taken part in this many "
                                                            "outer rounds (default: run forever).")
     # Averaging

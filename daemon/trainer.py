@@ -68,6 +68,7 @@ class Trainer:
         self.adam_steps = 0  # steps behind the AdamW moments: 0 after a fresh start, whatever inner_step says
         self.last_loss = math.nan
         self.round_tokens = 0  # tokens of the current call to run(), read live by the pacer
+        self.round_steps = 0  # steps of the current call to run()
         self.round_seconds = 0.0  # wall time of the current call's steps so far
         self.step_seconds = 0.0  # wall time of the last inner step
         self.eval_seconds = 0.0  # wall time in eval_loss since the node last took it (a round's phase)
@@ -114,9 +115,10 @@ class Trainer:
 
     def run(self, steps: int, stop: threading.Event, deadline: float | None = None,
             keep_going: Callable[[float], bool] | None = None, *, position: int = 0,
-            span: int | None = None) -> InnerResult:
+            span: int | None = None, after_step: Callable[[], None] | None = None) -> InnerResult:
         """Up to `steps` AdamW steps; ends early on `stop`, past the monotonic `deadline`, or
         when `keep_going(expected seconds of the next step)` says the step no longer fits.
+        `after_step()` runs on this thread after each step (--overlap lands an average there).
 
         The learning rate of step i is the schedule's at `position + min(i, span - 1)`: the
         swarm's position (see schedule.py), which a fast peer's extra steps do not advance."""
@@ -124,7 +126,7 @@ class Trainer:
         self.model.train()
         started = time.monotonic()
         done, tokens, loss_sum = 0, 0, 0.0
-        self.round_tokens, self.round_seconds = 0, 0.0
+        self.round_tokens, self.round_seconds, self.round_steps = 0, 0.0, 0
         for _ in range(steps):
             if stop.is_set() or (deadline is not None and time.monotonic() > deadline):
                 break
@@ -159,6 +161,9 @@ class Trainer:
             if not first:  # the process's first step carries one-off
                 self.step_seconds = time.monotonic() - step_started  # initialisation: no estimate
             loss_sum += loss_value
+            self.round_steps = done
+            if after_step is not None:
+                after_step()
         mean = loss_sum / done if done else math.nan
         if done:
             self.last_loss = mean

@@ -15,7 +15,8 @@ steps wait for each average), then with it, in the same run.
 
 Printed per mode and peer: the fraction of wall time from the first round's start to the last
 round's end spent in inner steps (what each node logs when it stops), the all-reduce payload
-sent per round, and where the rest of a round went (the phases in each node's history).
+sent per round, where the rest of a round went (the phases in each node's history), and with
+--overlap how many inner steps into the next round each average's outer step landed.
 Needs root and iproute2 (network namespaces).
 """
 
@@ -66,12 +67,16 @@ def _start_relay(hosts: list[IsolatedHost], delay_ms: float) -> subprocess.Popen
     return relay
 
 
-def _phases(state_dir: Path) -> dict[str, float]:
-    """Seconds per phase over the node's recorded rounds (its history.jsonl)."""
-    totals: dict[str, float] = {}
+def _history(state_dir: Path) -> list[dict]:
     path = state_dir / "history.jsonl"
-    for line in path.read_text().splitlines() if path.exists() else []:
-        for phase, seconds in json.loads(line).get("phases_s", {}).items():
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def _phases(history: list[dict]) -> dict[str, float]:
+    """Seconds per phase over the node's recorded rounds."""
+    totals: dict[str, float] = {}
+    for entry in history:
+        for phase, seconds in entry.get("phases_s", {}).items():
             totals[phase] = totals.get(phase, 0.0) + seconds
     return totals
 
@@ -107,8 +112,10 @@ def run_mode(overlap: bool, args: argparse.Namespace, hosts: list[IsolatedHost],
             (args.keep_logs / f"{base.name}-{node.name}.log").write_text(node.output)
         rounds = ROUND_LINE.findall(node.output)
         sent = sum(float(v) * UNITS[u] for _, v, u in rounds)
+        history = _history(node.state_dir)
         rows.append({"peer": node.name, "utilization": float(stop.group(2)) / 100 if stop else float("nan"),
-                     "sent": sent, "rounds": len(rounds), "phases": _phases(node.state_dir)})
+                     "sent": sent, "rounds": len(rounds), "phases": _phases(history),
+                     "landed": [e["landed_after_steps"] for e in history if e.get("landed_after_steps") is not None]})
     return rows
 
 
@@ -169,6 +176,10 @@ def main() -> None:
                 totals[phase] = totals.get(phase, 0.0) + seconds / len(rows)
         spent = "  ".join(f"{phase} {seconds:.1f}s" for phase, seconds in totals.items())
         print(f"  {'--overlap' if overlap else 'baseline'}: per peer, over its rounds: {spent}")
+    landed = [steps for row in results[True] for steps in row["landed"]]
+    if landed:  # how stale the outer step was: the fewer steps, the closer to DiLoCo without overlap
+        print(f"  --overlap: each average's outer step landed after {sum(landed) / len(landed):.1f} of the next "
+              f"round's {args.inner_steps} inner steps on average (max {max(landed)})")
 
 
 if __name__ == "__main__":
