@@ -14,9 +14,16 @@ trained by:
   fp32-hH/int8-hH dtnode: W real node processes on loopback, one group, H inner steps per
                   round (--pacing fixed), Δ sent in fp32 or int8
   moshpit-int8-h50 dtnode with groups of 2 (two hops per round)
-  ...-lrX         (suffix) the dtnode run with peak inner rate X instead of --inner-lr
-  ...-olrX        (suffix) the dtnode run with --outer-lr X instead of --outer-lr
-  ...-overlap     (suffix) the dtnode run with --overlap: each outer step one round late
+  diloco-hH       reference DiLoCo in W processes over gloo: the same inner loop, fp32 Δ
+                  all-reduced every H steps, torch's Nesterov SGD as the outer step. What
+                  DiLoCo itself gives, with dtnode's network, int8 and matchmaking left out
+  ...-lrX         (suffix) a DiLoCo run with peak inner rate X instead of --inner-lr
+  ...-olrX        (suffix) a DiLoCo run with outer rate X instead of --outer-lr
+  ...-omX         (suffix) a DiLoCo run with outer momentum X instead of 0.9
+  ...-overlap     (suffix) the dtnode run with --overlap: the average runs beside the next
+                  round's steps and its outer step lands when it is in ("lands after")
+  diloco-hH-delayN the reference with the mean landing N inner steps into the next round
+                  (N = H: a whole round late)
 Every run takes `--steps` inner steps per worker (solo: W x as many) with the same AdamW, the
 same warmup and the same cosine decay over the run (dtnode: --total-steps). Inner AdamW
 settings are dtnode's defaults; the outer step is dtnode's (Nesterov SGD, --outer-lr).
@@ -31,8 +38,9 @@ Printed: final held-out loss, its ratio to dp's (and to the best dp-lrX run's), 
 sent per worker (dp: a ring all-reduce's 2(W-1)/W x 4 bytes x parameters per step, computed;
 dtnode: the all-reduce payload every node reports), wall time, and for dtnode the fraction of
 averages in which every group held every peer it expected (a busy host makes peers late to
-matchmaking; then the figures are not those of a healthy swarm). Written: loss against tokens for every run to
-OUT/convergence.png (matplotlib: `pip install -e '.[bench]'`) and the figures to
+matchmaking; then the figures are not those of a healthy swarm), and for --overlap runs how many
+inner steps into a round the previous round's average landed, on average. Written: loss
+against tokens for every run to OUT/convergence.png (matplotlib: `pip install -e '.[bench]'`) and the figures to
 OUT/convergence.json.
 """
 
@@ -55,6 +63,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.nn.utils import parameters_to_vector
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from nodes import NodeProcess, run_swarm  # noqa: E402
@@ -70,7 +79,9 @@ ROUND_LINE = re.compile(r"round (\d+) \|.*\| eval (\d+\.\d+).*\((\d+(?:\.\d+)?) 
 GROUPS = re.compile(r"round \d+ \| groups ([^|]+?) \|")
 UNITS = {"B": 1, "kB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12}
 LR = r"\d+(?:\.\d+)?(?:e-?\d+)?"
-RUN_NAME = re.compile(rf"(moshpit-)?(fp32|int8)-h(\d+)(?:-lr({LR}))?(?:-olr({LR}))?(-overlap)?")
+OUTER = rf"(?:-lr({LR}))?(?:-olr({LR}))?(?:-om({LR}))?"  # a DiLoCo run's rates and outer momentum
+RUN_NAME = re.compile(rf"(moshpit-)?(fp32|int8)-h(\d+){OUTER}(-overlap)?")
+OUTER_MOMENTUM = 0.9
 DEFAULT_RUNS = "dp,solo,fp32-h10,fp32-h50,fp32-h100,int8-h10,int8-h50,int8-h100,int8-h50-overlap,moshpit-int8-h50"
 
 
@@ -100,6 +111,7 @@ class Result:
     tokens: int
     curve: list[tuple[int, float]] = field(default_factory=list)
     full_rounds: float | None = None  # dtnode: fraction of averages in which every group held every peer expected
+    landed_after: float | None = None  # --overlap: mean inner steps into a round before the last average landed
 
 
 # ---- data -------------------------------------------------------------------------------
@@ -126,7 +138,15 @@ def sources_for(dataset: str, files: tuple[Path, Path] | None, seed: int) -> Dat
 
 
 # ---- synchronous baselines --------------------------------------------------------------
-def _worker(rank: int, world: int, cfg: Config, dataset: str, files, port: int, out: str) -> None:
+def _worker(rank: int, world: int, cfg: Config, dataset: str, files, port: int, out: str, h: int = 0,
+            momentum: float = OUTER_MOMENTUM, delay: int = 0) -> None:
+    """One synchronous worker; with h > 0 a reference DiLoCo replica instead of a DDP one.
+
+    The reference is the textbook algorithm in a few lines (fp32 Δ averaged by gloo's all-reduce,
+    torch's own Nesterov SGD as the outer step), so a gap between dtnode and data-parallel can be
+    told apart from a gap between DiLoCo and data-parallel. With `delay` > 0 the mean of a round's
+    Δ lands `delay` inner steps into the next round, as an average that runs beside them would:
+    the outer step is made then, and the progress since the round began is kept on top of it."""
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     device = torch.device(cfg.device)
     if world > 1:
@@ -138,10 +158,35 @@ def _worker(rank: int, world: int, cfg: Config, dataset: str, files, port: int, 
     stream = DataStream(sources, RUN_ID, f"sync-{world}-{rank}", cfg.batch_size, cfg.seq_len, cfg.eval_sequences)
     optimizer = inner_optimizer(model, cfg.inner_lr, 0.1)
     schedule = LearningRateSchedule(cfg.inner_lr, cfg.warmup_steps, steps, "cosine", 0.1)
-    trained = torch.nn.parallel.DistributedDataParallel(model) if world > 1 else model
+    trained = torch.nn.parallel.DistributedDataParallel(model) if world > 1 and not h else model
+    params = list(model.parameters())
+    if h:  # θ_g and the outer optimizer over it; θ_l = θ_g − (own Δ in flight) − progress since
+        theta_g = torch.nn.Parameter(parameters_to_vector(params).detach().clone())
+        outer = torch.optim.SGD([theta_g], lr=cfg.outer_lr, momentum=momentum, nesterov=True)
+        in_flight, pending = torch.zeros_like(theta_g), None  # own Δ, and the mean not yet applied
     tokens_per_step = world * cfg.batch_size * cfg.seq_len
-    eval_every = max(1, steps // cfg.eval_points)
+    eval_every = max(h, (steps // cfg.eval_points) // max(h, 1) * max(h, 1), 1)
     curve = []
+
+    @torch.no_grad()
+    def land(mean: torch.Tensor) -> None:
+        """The outer step with a mean; θ_l keeps the progress made since its Δ was taken."""
+        progress = theta_g.detach() - in_flight - parameters_to_vector(params)
+        theta_g.grad = mean
+        outer.step()
+        in_flight.zero_()
+        _copy_into(theta_g.detach() - progress, params)
+
+    def evaluate() -> float:
+        if not h:
+            return held_out_loss(model, stream.eval_set, device)
+        local = parameters_to_vector(params).detach().clone()
+        _copy_into(theta_g.detach(), params)
+        try:
+            return held_out_loss(model, stream.eval_set, device)
+        finally:
+            _copy_into(local, params)
+
     started = time.monotonic()
     for step in range(steps):
         for group in optimizer.param_groups:
@@ -149,38 +194,62 @@ def _worker(rank: int, world: int, cfg: Config, dataset: str, files, port: int, 
         loss = next_token_loss(trained, stream.next_batch(), device)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()  # DDP all-reduces the gradients here
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
         optimizer.step()
+        if h and pending is not None and (step + 1) % h == delay % h:  # the mean of the last round lands
+            land(pending)
+            pending = None
+        if h and (step + 1) % h == 0:
+            with torch.no_grad():
+                in_flight.copy_(theta_g.detach() - parameters_to_vector(params))  # this round's Δ
+                pending = in_flight.clone()
+                dist.all_reduce(pending)
+                pending.div_(world)
+            if not delay or step + 1 == steps:  # at once (the last round's too)
+                land(pending)
+                pending = None
         if rank == 0 and ((step + 1) % eval_every == 0 or step + 1 == steps):
-            curve.append(((step + 1) * tokens_per_step, held_out_loss(model, stream.eval_set, device)))
+            curve.append(((step + 1) * tokens_per_step, evaluate()))
     wall = time.monotonic() - started
     if rank == 0:
-        numel = sum(p.numel() for p in model.parameters())
-        sent = 2 * (world - 1) / world * 4 * numel * steps if world > 1 else 0.0
+        numel = sum(p.numel() for p in params)
+        exchanges = steps // h if h else steps
+        sent = 2 * (world - 1) / world * 4 * numel * exchanges if world > 1 else 0.0
         Path(out).write_text(json.dumps({"curve": curve, "wall_s": wall, "bytes": sent}))
     if world > 1:
         dist.destroy_process_group()
 
 
-def run_synchronous(name: str, world: int, cfg: Config, dataset: str, files, workdir: Path) -> Result:
+@torch.no_grad()
+def _copy_into(flat: torch.Tensor, params: list[torch.Tensor]) -> None:
+    """Parameters ← a flat vector, in place (torch's vector_to_parameters re-points them at it)."""
+    offset = 0
+    for p in params:
+        p.copy_(flat[offset:offset + p.numel()].view_as(p))
+        offset += p.numel()
+
+
+def run_synchronous(name: str, world: int, cfg: Config, dataset: str, files, workdir: Path,
+                    h: int = 0, momentum: float = OUTER_MOMENTUM, delay: int = 0) -> Result:
     out = workdir / f"{name}-{dataset}.json"
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.spawn(_worker, args=(world, cfg, dataset, files, port, str(out)), nprocs=world, join=True)
+    mp.spawn(_worker, args=(world, cfg, dataset, files, port, str(out), h, momentum, delay), nprocs=world, join=True)
     data = json.loads(out.read_text())
     curve = [tuple(p) for p in data["curve"]]
     return Result(name, dataset, curve[-1][1], data["bytes"], data["wall_s"], curve[-1][0], curve)
 
 
 # ---- dtnode ------------------------------------------------------------------------------
-def run_dtnode(name: str, h: int, compression: str, group_size: int, outer_lr: float, overlap: bool, cfg: Config,
-               dataset: str, files, workdir: Path) -> Result:
+def run_dtnode(name: str, h: int, compression: str, group_size: int, outer_lr: float, momentum: float,
+               overlap: bool, cfg: Config, dataset: str, files, workdir: Path) -> Result:
     rounds = cfg.steps // h
     args = ["--run-id", RUN_ID, "--seed", str(cfg.seed), "--model", cfg.model, "--device", cfg.device,
             "--batch-size", str(cfg.batch_size), "--seq-len", str(cfg.seq_len), "--inner-steps", str(h),
             "--pacing", "fixed", "--max-rounds", str(rounds), "--total-steps", str(rounds * h),
             "--warmup-steps", str(cfg.warmup_steps), "--inner-lr", str(cfg.inner_lr), "--outer-lr", str(outer_lr),
+            "--outer-momentum", str(momentum),
             "--compression", compression, "--target-group-size", str(group_size), "--min-peers", str(cfg.workers),
             "--eval-sequences", str(cfg.eval_sequences), "--checkpoint-every", "1000000", "--no-fused-kernels",
             "--join-timeout", "120", "--allreduce-timeout", "120"]
@@ -210,8 +279,10 @@ def run_dtnode(name: str, h: int, compression: str, group_size: int, outer_lr: f
             lag = 0 if overlap else 1
             curve = [((int(r) + lag) * tokens_per_round, float(loss)) for r, loss, _, _ in rows]
     final = final_loss_of(nodes[0].state_dir, cfg, dataset, files)
+    history = [json.loads(line) for node in nodes for line in (node.state_dir / "history.jsonl").read_text().splitlines()]
+    landed = [e["landed_after_steps"] for e in history if e.get("landed_after_steps") is not None]
     return Result(name, dataset, final, sum(sent) / len(sent), wall, rounds * tokens_per_round, curve,
-                  full / max(len(averages), 1))
+                  full / max(len(averages), 1), sum(landed) / len(landed) if overlap and landed else None)
 
 
 def final_loss_of(state_dir: Path, cfg: Config, dataset: str, files) -> float:
@@ -239,6 +310,10 @@ def run_one(name: str, cfg: Config, dataset: str, files, workdir: Path) -> Resul
     if m := re.fullmatch(rf"(dp|solo)(?:-lr({LR}))?", name):
         tuned = replace(cfg, inner_lr=float(m.group(2))) if m.group(2) else cfg
         return run_synchronous(name, cfg.workers if m.group(1) == "dp" else 1, tuned, dataset, files, workdir)
+    if m := re.fullmatch(rf"diloco-h(\d+){OUTER}(?:-delay(\d+))?", name):
+        tuned = replace(cfg, inner_lr=float(m.group(2) or cfg.inner_lr), outer_lr=float(m.group(3) or cfg.outer_lr))
+        return run_synchronous(name, cfg.workers, tuned, dataset, files, workdir, int(m.group(1)),
+                               float(m.group(4) or OUTER_MOMENTUM), int(m.group(5) or 0))
     m = RUN_NAME.fullmatch(name)
     if not m:
         raise SystemExit(f"unknown run {name!r}")
@@ -246,7 +321,7 @@ def run_one(name: str, cfg: Config, dataset: str, files, workdir: Path) -> Resul
     tuned = replace(cfg, inner_lr=float(m.group(4))) if m.group(4) else cfg
     outer_lr = float(m.group(5)) if m.group(5) else cfg.outer_lr
     return run_dtnode(name, int(m.group(3)), "none" if m.group(2) == "fp32" else "int8", group, outer_lr,
-                      bool(m.group(6)), tuned, dataset, files, workdir)
+                      float(m.group(6) or OUTER_MOMENTUM), bool(m.group(7)), tuned, dataset, files, workdir)
 
 
 # ---- report ------------------------------------------------------------------------------
@@ -269,14 +344,15 @@ def report(results: list[Result], cfg: Config, floors: dict[str, float | None]) 
         print(f"\n{dataset}" + (f" (loss floor {floor:.4f})" if floor else "")
               + (f"; best dp: {best.run}" if best is not None and best is not dp else ""))
         print(f"  {'run':<22} {'held-out loss':>13} {'/ dp':>7} {'/ best dp':>9} {'sent per worker':>16} "
-              f"{'dp bytes /':>11} {'wall':>8} {'full rounds':>11}")
+              f"{'dp bytes /':>11} {'wall':>8} {'full rounds':>11} {'lands after':>11}")
         for r in rows:
             ratio = f"{r.final_loss / dp.final_loss:.4f}" if dp else "-"
             to_best = f"{r.final_loss / best.final_loss:.4f}" if best else "-"
             less = f"{dp.bytes_per_worker / r.bytes_per_worker:.0f}x" if dp and r.bytes_per_worker else "-"
             full = "-" if r.full_rounds is None else f"{r.full_rounds:.0%}"
+            landed = "-" if r.landed_after is None else f"{r.landed_after:.1f} steps"
             print(f"  {r.run:<22} {r.final_loss:>13.4f} {ratio:>7} {to_best:>9} {_bytes(r.bytes_per_worker):>16} "
-                  f"{less:>11} {r.wall_s:>7.1f}s {full:>11}")
+                  f"{less:>11} {r.wall_s:>7.1f}s {full:>11} {landed:>11}")
 
 
 def plot(results: list[Result], path: Path, floors: dict[str, float | None]) -> None:
