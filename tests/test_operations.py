@@ -13,6 +13,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import time
 import urllib.request
 from pathlib import Path
 
@@ -66,7 +67,12 @@ def _value(families, name: str, **labels) -> float:
 
 def test_metrics_an_alert_can_use(swarm):
     a, b = swarm
-    fa, fb = _families(a), _families(b)
+    deadline = time.monotonic() + 15  # the peer gauges are refreshed every few heartbeats (REMEMBER_PEERS_EVERY_S)
+    while True:
+        fa, fb = _families(a), _families(b)
+        if all(_value(f, "dtnode_peers_live") == 2 for f in (fa, fb)) or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
     for f in (fa, fb):
         assert _value(f, "dtnode_rounds_total", outcome="full") >= ROUNDS_TOGETHER
         for outcome in ("partial", "alone", "failed"):

@@ -15,7 +15,8 @@ Checks after each trial (what ARCHITECTURE.md promises):
 - no NaN or Inf in any θ_g any node wrote;
 - survivors' θ_g agree within the int8 error after the next full mixing;
 - the eval loss kept falling;
-- every checkpoint on disk is whole (loadable), none lost.
+- every checkpoint on disk is whole (loadable), none lost;
+- no node's log, a victim's included, holds a traceback (a round's failure is a logged value).
 """
 
 from __future__ import annotations
@@ -96,6 +97,7 @@ class Swarm:
 
     def restart(self, victim: NodeProcess) -> NodeProcess:
         self.nodes.remove(victim)
+        self.gone.append(victim)  # its log is checked with the others'
         Path(str(victim.state_dir) + ".before-restart.log").write_text(victim.output)
         return self.start(victim.name, "--peer", self.address)
 
@@ -156,7 +158,7 @@ class Swarm:
             node.wait(timeout)
 
     def kill_all(self) -> None:
-        for node in self.nodes + self.gone:
+        for node in self.gone + self.nodes:  # a restarted node's log last: it shares its victim's name
             node.kill()
             Path(str(node.state_dir) + ".log").write_text(node.output)  # for post-mortems
         if self.link is not None:
@@ -220,6 +222,7 @@ def check(swarm: Swarm, trial: Trial, dims: int = 1) -> Trial:
             trial.notes.append(f"{node.name}: eval loss did not fall ({evals[0]:.3f} -> {evals[-1]:.3f})")
         if any(math.isnan(x) for x in evals):
             trial.notes.append(f"{node.name}: NaN loss")
+    _no_tracebacks(swarm, trial)
     trial.passed = not trial.notes
     return trial
 
@@ -402,7 +405,6 @@ def _restart_the_first_node(swarm: Swarm, trial: Trial) -> None:
                   f"{min((n for n, _ in round_lines(back)), default=-1)}: {' '.join(g for _, g in round_lines_groups(back)[:2])}"
     for node in swarm.nodes:
         swarm.wait_round(node, finished_round(back) + 1)
-    _no_tracebacks(swarm, trial)
 
 
 def _restart_each_node(swarm: Swarm, trial: Trial) -> None:
@@ -417,7 +419,6 @@ def _restart_each_node(swarm: Swarm, trial: Trial) -> None:
     newest = max(finished_round(n) for n in swarm.nodes)
     for node in swarm.nodes:
         swarm.wait_round(node, newest + 1)
-    _no_tracebacks(swarm, trial)
 
 
 SCENARIOS = {
