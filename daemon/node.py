@@ -1190,12 +1190,11 @@ class Node:
         then the checkpoint of this step, ready to be served from memory. A joiner asking for
         the step waits for this, so it runs beside the eval, not after it."""
         loop = asyncio.get_running_loop()
-        if host is not None:  # copied already (a landing between inner steps)
-            pass
-        elif self.replica.theta_on_host:  # nothing to copy: no wait behind the training thread's eval
-            host = self.replica.host_theta()
-        else:
-            host = await loop.run_in_executor(self.train_thread, self.replica.host_theta)
+        if host is None:  # else copied already, by a landing between inner steps
+            if self.replica.theta_on_host:  # nothing to copy: no wait behind the training thread's eval
+                host = self.replica.host_theta()
+            else:
+                host = await loop.run_in_executor(self.train_thread, self.replica.host_theta)
         self.replica.set_params_sha256(await loop.run_in_executor(self.io_thread, sha256_of, host))
         await self._prepare_memory_checkpoint()
 
