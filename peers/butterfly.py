@@ -32,7 +32,7 @@ from . import failpoints
 from .auth import GRPC_METADATA, SwarmAuth, stream_subject
 from .plan import INT8, GroupPlan, chunk_spans
 from .tls import TLS_NAME, TlsError, TrustStore
-from .reducer import PartReduction, ReductionRegistry, maybe_thread
+from .reducer import PartReduction, ReductionFailed, ReductionRegistry, maybe_thread
 from .wire import MAX_WEIGHT, ChunkError, Payload, chunk_message, decode_chunk, payload_size
 
 log = logging.getLogger(__name__)
@@ -195,7 +195,11 @@ async def butterfly_allreduce(
         target = out[offset : offset + length]
         try:
             for index, (off, n) in enumerate(reduction.spans):
-                payload = await reduction.wait_chunk(index)
+                try:
+                    payload = await reduction.wait_chunk(index)
+                except ReductionFailed as e:  # logged by the reduction; its senders keep their own values too
+                    target.copy_(own)
+                    return PartOutcome(me, own_id, False, [], 0.0, length, f"REDUCTION_FAILED: {e}")
                 await maybe_thread(_decode_into, payload, target[off : off + n], size=n)
             try:  # let the last result chunks leave before counting them
                 await asyncio.wait_for(reduction.streams_closed.wait(), 1.0)

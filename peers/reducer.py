@@ -10,6 +10,10 @@ A sender that fails mid-stream therefore counts in the chunks it delivered in fu
 in the rest: each chunk is the weighted mean of the senders that delivered it, which is the
 price of not holding every sender's part for a rollback. Every member still receives the
 same bytes for every chunk.
+
+A chunk of the mean that cannot be finished (its sum overflowed, or the reducer's own values
+were not finite) fails the whole part at once: every member keeps its own values there, as
+for a reducer that died, instead of waiting for a chunk that never comes.
 """
 
 from __future__ import annotations
@@ -23,7 +27,9 @@ from collections.abc import AsyncIterator, Callable
 import grpc
 import torch
 
-from dtnode.ops.quantization import QuantizedBlocks, dequantize, dequantize_accumulate, num_blocks, quantize
+from dtnode.ops.quantization import (
+    NonFiniteError, QuantizedBlocks, dequantize, dequantize_accumulate, num_blocks, quantize,
+)
 from dtnode.ops.robust import trim_count, trimmed_mean
 from dtnode.proto import averaging_pb2 as pb
 from dtnode.proto import averaging_pb2_grpc as pb_grpc
@@ -40,6 +46,25 @@ log = logging.getLogger(__name__)
 
 # Tensor work on chunks smaller than this stays on the event loop: a thread hop costs more.
 THREAD_THRESHOLD = 1 << 16
+
+# The largest |value x weight| one sender may add to the sum (a Δ is ~1e-2, a weight a token
+# count). Finite int8 scales of 3e38 or weights of 1e12 pass every other check, yet their sum
+# overflows fp32: one such sender would make the whole part's mean infinite. With this bound,
+# a few hundred senders still sum below fp32's 3.4e38.
+MAX_CONTRIBUTION = 1e36
+
+
+class ReductionFailed(RuntimeError):
+    """This part's mean could not be finished: every member keeps its own values for it."""
+
+
+def largest_magnitude(payload: Payload) -> float:
+    """An upper bound of |value| over the payload (int8 codes decode within 128 scales)."""
+    if numel_of(payload) == 0:
+        return 0.0
+    if isinstance(payload, QuantizedBlocks):
+        return float(payload.scales.max()) * 128 if payload.scales.numel() else 0.0
+    return float(payload.abs().max())
 
 
 async def maybe_thread(fn: Callable, *args, size: int):
@@ -89,6 +114,7 @@ class PartReduction:
         self._advance_lock = asyncio.Lock()
         self._changed = asyncio.Condition()
         self._watchdog: asyncio.Task | None = None
+        self.failure: ReductionFailed | None = None
 
     @property
     def settled(self) -> bool:
@@ -134,8 +160,11 @@ class PartReduction:
         offset, _ = self.spans[index]
         if self.trim_fraction is not None:  # bounded buffering: a sender runs at most 4 chunks ahead
             async with self._changed:
-                await self._changed.wait_for(lambda: index < self.finalized + 4 or sender in self.failed)
+                await self._changed.wait_for(lambda: index < self.finalized + 4 or sender in self.failed
+                                             or self.failure is not None)
         async with self._chunk_locks[index]:
+            if self.failure is not None:
+                raise ChunkError(str(self.failure))
             if sender in self.failed:
                 raise ChunkError("the reduction's deadline has passed")
             await maybe_thread(self._fold, index, offset, payload, self.weights[sender], size=numel_of(payload))
@@ -150,6 +179,9 @@ class PartReduction:
         await self._advance()
 
     def _fold(self, index: int, offset: int, payload: Payload, weight: float) -> None:
+        scale = 1.0 if self.trim_fraction is not None else weight  # a trimmed mean weighs no sender
+        if not largest_magnitude(payload) * scale <= MAX_CONTRIBUTION:
+            raise ChunkError(f"values x weight exceed {MAX_CONTRIBUTION:g}: the sum would overflow")
         if self.trim_fraction is not None:
             decoded = dequantize(payload) if isinstance(payload, QuantizedBlocks) else payload.clone()
             self.pending.setdefault(index, []).append(decoded)
@@ -175,16 +207,24 @@ class PartReduction:
 
     async def _advance(self) -> None:
         async with self._advance_lock:
-            while not self.settled and self._ready(self.finalized):
+            while not self.settled and self.failure is None and self._ready(self.finalized):
                 index = self.finalized
                 offset, length = self.spans[index]
                 async with self._chunk_locks[index]:  # a fold in flight completes first
-                    await maybe_thread(self._finish_chunk, index, offset, length, self.chunk_weight[index],
-                                       size=length)
-                    self.finalized += 1
+                    try:
+                        await maybe_thread(self._finish_chunk, index, offset, length, self.chunk_weight[index],
+                                           size=length)
+                    except Exception as e:  # nobody is to blame in the stream that got here first
+                        self.failure = ReductionFailed(f"chunk {index} of the mean cannot be finished: {e!r}")
+                        log.log(logging.WARNING if isinstance(e, NonFiniteError) else logging.ERROR,
+                                "round %s hop %s part %s: %s; every member keeps its own values", self.plan.round,
+                                self.plan.hop, self.part, self.failure,
+                                exc_info=None if isinstance(e, NonFiniteError) else e)
+                    else:
+                        self.finalized += 1
                 async with self._changed:
                     self._changed.notify_all()
-        if self.settled:
+        if self.settled or self.failure is not None:
             self.stop()
 
     def _finish_chunk(self, index: int, offset: int, length: int, weight: float) -> None:
@@ -198,8 +238,11 @@ class PartReduction:
             quantize(mean, self.plan.block_size, out=slice_payload(self.result, offset, length, self.plan.block_size))
 
     async def wait_chunk(self, index: int) -> Payload:
+        """Chunk `index` of the result, once final; raises ReductionFailed if it never will be."""
         async with self._changed:
-            await self._changed.wait_for(lambda: self.finalized > index)
+            await self._changed.wait_for(lambda: self.finalized > index or self.failure is not None)
+        if self.finalized <= index:
+            raise self.failure
         offset, length = self.spans[index]
         return slice_payload(self.result, offset, length, self.plan.block_size)
 
@@ -327,10 +370,15 @@ class AveragingService(pb_grpc.AveragingServicer):
                     await asyncio.wait({waiter, reader}, return_when=asyncio.FIRST_COMPLETED)
                 if reader.done() and reader.exception() is not None:
                     waiter.cancel()
+                    if reduction.failure is not None:  # not this sender's doing
+                        await context.abort(grpc.StatusCode.ABORTED, str(reduction.failure))
                     error = reader.exception()
                     log.warning("rejected stream from %s: %s", sender, error)
                     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
-                payload = await waiter
+                try:
+                    payload = await waiter
+                except ReductionFailed as e:
+                    await context.abort(grpc.StatusCode.ABORTED, str(e))
                 msg = chunk_message(reduction.plan, reduction.part, reduction.own_id, 0.0, offset, payload)
                 if index == len(reduction.spans) - 1:
                     msg.last = True

@@ -109,6 +109,35 @@ def test_dead_reducer_leaves_own_values_for_its_part():
     run(main())
 
 
+def test_a_mean_that_cannot_be_finished_fails_its_part_at_once_and_everyone_keeps_own_values():
+    """A reducer whose own values there are not finite cannot quantize the mean: the part
+    fails for every member (ABORTED), in well under the timeout, instead of leaving the
+    reducer waiting for its own result forever; the other parts average as usual."""
+    async def main():
+        peers = await start_peers(3)
+        plan = make_plan("test-run", 0, 0, [p.member for p in peers], 9_000, 64, 1024, INT8)
+        values = [torch.randn(9_000) for _ in range(3)]
+        offset, length = plan.parts[0]
+        values[0][offset + 5] = float("inf")  # in the part peer00 reduces
+        outs = [torch.empty(9_000) for _ in range(3)]
+        started = asyncio.get_running_loop().time()
+        try:
+            reports = await asyncio.wait_for(asyncio.gather(*(
+                butterfly_allreduce(plan, p.member.peer_id, v, 1.0, o, p.registry, p.channels, timeout=20.0)
+                for p, v, o in zip(peers, values, outs))), 30)
+        finally:
+            await stop_peers(peers)
+        assert asyncio.get_running_loop().time() - started < 10
+        for v, o, r in zip(values, outs, reports):
+            assert torch.equal(o[offset:offset + length], v[offset:offset + length])
+            assert [p.reducer for p in r.failed_parts] == ["peer00"]
+        assert {r.failed_parts[0].error.split(":")[0] for r in reports} == {"REDUCTION_FAILED", "ABORTED"}
+        rest = torch.ones(9_000, dtype=torch.bool)
+        rest[offset:offset + length] = False
+        assert rel(outs[1][rest], exact_mean(values, [1.0] * 3)[rest]) <= INT8_BOUND
+    run(main())
+
+
 def _chunk(plan, part, sender, offset, values, **overrides):
     q = quantize(values, plan.block_size)
     fields = dict(run_id=plan.run_id, round=plan.round, hop=plan.hop, group_id=plan.group_id, part=part,
@@ -125,6 +154,10 @@ HOSTILE = {
     "wrong round": lambda c: c.__setattr__("round", c.round + 1),
     "unknown sender": lambda c: c.__setattr__("sender", "peer-evil"),
     "huge weight": lambda c: c.__setattr__("weight", 1e30),
+    # finite scales whose values overflow fp32 once decoded or weighted: the mean would be inf
+    "overflowing scale": lambda c: c.__setattr__("scales", torch.full((len(c.scales) // 4,), 3e38).numpy().tobytes()),
+    "huge values x weight": lambda c: (c.__setattr__("scales", torch.full((len(c.scales) // 4,), 1e30).numpy().tobytes()),
+                                       c.__setattr__("weight", 1e12)),
     "wrong offset": lambda c: c.__setattr__("offset", 64),
     "oversized length": lambda c: c.__setattr__("length", 1 << 30),
 }
