@@ -880,7 +880,8 @@ class Node:
         # a peer that took no step still averages (its θ_g stays in step), with a negligible weight
         result = await self.averager.average(
             round_no, delta, self.replica.mean_cpu, float(max(inner.tokens, 1)), resync,
-            lambda: loop.run_in_executor(self.train_thread, self.replica.consensus_state), self.residual)
+            lambda: loop.run_in_executor(self.train_thread, self.replica.consensus_state), self.residual,
+            self.replica.delta_on_host)
         # a wanted re-sync that found nobody to sync with is still wanted next round
         self._needs_resync = not result.clean or (resync and result.theta is None)
         if all(h.group_size <= 1 for h in result.hops) and self._closed_before_joined(
@@ -1020,7 +1021,8 @@ class Node:
         self._arrival, self._landed, self._landed_after_steps = None, False, None
         self._in_flight = asyncio.ensure_future(self._arrive(self.averager.average(
             round_no, delta, self.replica.mean_cpu, float(max(inner.tokens, 1)), resync,
-            lambda: loop.run_in_executor(self.io_thread, self.replica.consensus_state), self.residual)))
+            lambda: loop.run_in_executor(self.io_thread, self.replica.consensus_state), self.residual,
+            self.replica.delta_on_host)))
         if previous is not None:  # the new θ_g's eval, once its hash and the next average are under way
             await loop.run_in_executor(self.train_thread, self._evaluate_theta_g)
         self.rounds_done += 1

@@ -4,12 +4,20 @@
 in a (pinned, on CUDA) CPU buffer for the network, and the averaged Δ comes back the same
 way. After the outer step θ_l is reset to θ_g; the inner optimizer state is kept.
 
+On CUDA the device-to-host copy of Δ runs on a copy stream of its own: the training thread
+does not wait for it, the next inner steps (with --overlap) and the group's matchmaking run
+while the copy engine moves Δ, and the averager waits for it (`delta_on_host`) only before
+its first read. Every later write to the device buffer the copy reads waits for it on the
+device (`_after_copy`), never on the host.
+
 With --overlap the node keeps training while its last Δ is averaged, and the outer step of
 that average lands as soon as it is in (`land`, between two inner steps), not a round late:
 θ_l is moved onto the new θ_g with the progress made since the Δ was taken kept on top.
 """
 
 from __future__ import annotations
+
+import asyncio
 
 import torch
 
@@ -34,6 +42,8 @@ class Replica:
         self._sha256 = sha256_of(self.theta_g)
         self._in_flight: torch.Tensor | None = None  # --overlap: the Δ being averaged, on the device
         self.has_in_flight = False
+        self._copy_stream = torch.cuda.Stream(local.device) if pin else None
+        self._copied = torch.cuda.Event() if pin else None  # the last copy of Δ to the host is done
 
     @property
     def numel(self) -> int:
@@ -41,15 +51,41 @@ class Replica:
 
     @torch.no_grad()
     def pseudo_gradient(self) -> torch.Tensor:
-        """Δ = θ_g − θ_l into the CPU staging buffer (returned)."""
+        """Δ = θ_g − θ_l into the CPU staging buffer (returned; read it after `delta_on_host`)."""
+        self._after_copy()
         torch.sub(self.theta_g, self.trainer.parameters_flat, out=self._delta_device)
-        self.delta_cpu.copy_(self._delta_device, non_blocking=True)
-        if self._delta_device.is_cuda:
-            torch.cuda.current_stream(self._delta_device.device).synchronize()
+        self._copy_to_host(self._delta_device)
         return self.delta_cpu
+
+    def _copy_to_host(self, source: torch.Tensor) -> None:
+        """Start Δ's copy into `delta_cpu`: at once on a CPU, on the copy stream on CUDA (after
+        the work queued so far on the training stream, which computed `source`)."""
+        if self._copy_stream is None:
+            self.delta_cpu.copy_(source)
+            return
+        self._copy_stream.wait_stream(torch.cuda.current_stream(source.device))
+        with torch.cuda.stream(self._copy_stream):
+            self.delta_cpu.copy_(source, non_blocking=True)
+            self._copied.record(self._copy_stream)
+
+    def _after_copy(self) -> None:
+        """The training stream's next work waits for the copy of Δ (it may overwrite its source,
+        or read `delta_cpu` back as the average); a device-side wait, the thread goes on."""
+        if self._copied is not None:
+            torch.cuda.current_stream(self.theta_g.device).wait_event(self._copied)
+
+    def delta_copied(self) -> bool:
+        return self._copied is None or self._copied.query()
+
+    async def delta_on_host(self) -> None:
+        """Returns once `delta_cpu` holds the Δ last staged (at once on a CPU). Polls the
+        event: a copy takes milliseconds, and a thread blocked in it could not be cancelled."""
+        while not self.delta_copied():
+            await asyncio.sleep(0.001)
 
     @torch.no_grad()
     def apply_outer_step(self, mean_delta_cpu: torch.Tensor) -> None:
+        self._after_copy()
         self._delta_device.copy_(mean_delta_cpu, non_blocking=True)
         self.outer.step(self.theta_g, self._delta_device)
         self.trainer.parameters_flat.copy_(self.theta_g)
@@ -108,6 +144,7 @@ class Replica:
         nothing measurable)."""
         flat = self.trainer.parameters_flat
         in_flight = self._in_flight_buffer()
+        self._after_copy()
         torch.sub(self.theta_g, flat, out=self._delta_device)
         if self.has_in_flight and mean_cpu is not None:
             self._delta_device.sub_(in_flight)  # the progress since the Δ in flight was taken
@@ -127,13 +164,12 @@ class Replica:
     @torch.no_grad()
     def stage_delta(self) -> torch.Tensor:
         """--overlap, at a round's end, after `land`: this round's Δ = θ_g − θ_l becomes the Δ in
-        flight, staged for the network (returned)."""
+        flight, staged for the network (returned; read it after `delta_on_host`)."""
         in_flight = self._in_flight_buffer()
+        self._after_copy()
         torch.sub(self.theta_g, self.trainer.parameters_flat, out=in_flight)
         self.has_in_flight = True
-        self.delta_cpu.copy_(in_flight, non_blocking=True)
-        if in_flight.is_cuda:
-            torch.cuda.current_stream(in_flight.device).synchronize()
+        self._copy_to_host(in_flight)
         return self.delta_cpu
 
     def delayed_outer_step(self, mean_cpu: torch.Tensor | None, consensus_cpu: torch.Tensor | None) -> torch.Tensor:

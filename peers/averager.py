@@ -158,8 +158,12 @@ class MoshpitAverager:
     # ---- one outer step --------------------------------------------------------------------
     async def average(self, round_no: int, delta: torch.Tensor, spare: torch.Tensor, weight: float, resync: bool,
                       consensus_state: Callable[[], Awaitable[torch.Tensor]],
-                      residual: torch.Tensor | None = None) -> AveragingResult:
-        """Average Δ (`delta`, which `spare` and scratch buffers take turns with) over the grid."""
+                      residual: torch.Tensor | None = None,
+                      delta_ready: Callable[[], Awaitable[None]] | None = None) -> AveragingResult:
+        """Average Δ (`delta`, which `spare` and scratch buffers take turns with) over the grid.
+
+        `delta_ready`, when given, returns once `delta` holds Δ: its copy from the training
+        device may still be under way when this starts, and hop 0's matchmaking hides it."""
         c = self.config
         population = await self.population(round_no)
         side, dims = grid_shape(len(population), c.target_group_size, c.grid_dims)
@@ -195,6 +199,8 @@ class MoshpitAverager:
                 groups must not keep one waiting while another is still forming."""
                 slot = chain.slot
                 group = await self._form(round_no, hop, dims, side, slot, hop0_cells, window, asked)
+                if hop == 0 and delta_ready is not None:  # the group formed; Δ is read from here on
+                    await delta_ready()
                 if slot.primary:
                     self.on_phase("allreduce")
                 theta_in = theta_out = None

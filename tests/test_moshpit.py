@@ -288,3 +288,51 @@ def test_a_later_hop_waits_for_exactly_the_peers_whose_path_leads_there(dht):
                 wanted = await averager._on_the_way(0, hop, dims, side, slot, {})
                 assert wanted == truth - ({stopped} - {owner}), (hop, owner, slot)
     asyncio.run(main())
+
+
+def test_the_average_reads_delta_only_once_its_copy_from_the_device_is_in(dht):
+    """A node hands the averager Δ while its copy from the GPU may still be under way
+    (daemon/replica.py): the averager must wait for `delta_ready` before any read. Here the
+    buffers hold NaN until it is awaited, so one early read fails the round (int8 refuses
+    non-finite values) and the mean comes out wrong."""
+    from allreduce_harness import start_peers, stop_peers
+
+    async def main():
+        peers = await start_peers(2, run_id="ready-run")
+        ids = [p.member.peer_id for p in peers]
+        numel = 3000
+        truth = [torch.randn(numel, generator=torch.Generator().manual_seed(i)) for i in range(2)]
+        deltas = [torch.full((numel,), float("nan")) for _ in ids]
+        awaited = []
+
+        async def view():
+            return {p: PeerRecord(peer_id=p, state="averaging", model_hash="m", outer_step=0) for p in ids}
+
+        def ready_for(i: int):
+            async def ready() -> None:
+                await asyncio.sleep(0.2)  # the copy engine, still at work
+                deltas[i].copy_(truth[i])
+                awaited.append(ids[i])
+            return ready
+
+        async def run(i: int, peer):
+            maker = Matchmaker(dht, "ready-run", peer.member, poll_interval=0.05)
+            averager = MoshpitAverager(AveragingConfig("ready-run", "m", 4, block_size=64, chunk_elements=1024),
+                                       ids[i], view, maker, peer.registry, peer.channels,
+                                       AdaptiveDeadlines(2.0, 10.0, 5.0, 20.0))
+
+            async def no_state():
+                raise AssertionError("no re-sync was asked for")
+            return await averager.average(0, deltas[i], torch.empty(numel), 1.0, False, no_state,
+                                          delta_ready=ready_for(i))
+        try:
+            results = await asyncio.gather(*(run(i, p) for i, p in enumerate(peers)))
+        finally:
+            await stop_peers(peers)
+        assert sorted(awaited) == sorted(ids)
+        mean = (truth[0] + truth[1]) / 2
+        for result in results:
+            assert result.clean and result.hops[0].group_size == 2
+            torch.testing.assert_close(result.mean, mean, atol=0.05, rtol=0)
+        assert torch.equal(results[0].mean, results[1].mean)
+    asyncio.run(main())

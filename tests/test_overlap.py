@@ -1,9 +1,11 @@
 """--overlap: training goes on while Δ is averaged; the average's outer step lands as soon as it is in."""
 
+import asyncio
 import json
 import re
 import threading
 
+import pytest
 import torch
 
 from dtnode.daemon.data import DataSources, DataStream, MarkovLanguage
@@ -16,13 +18,36 @@ from dtnode.ops.flat import sha256_of
 from nodes import FAST, NodeProcess, theta
 
 
-def _replica(peer: str) -> Replica:
+def _replica(peer: str, device: str = "cpu") -> Replica:
     model, _ = build_model("tiny", seed=1)
     language = MarkovLanguage(seed=2)
     stream = DataStream(DataSources(language, language), "run", peer, 4, 16)
-    trainer = Trainer(model, stream, torch.device("cpu"), schedule=LearningRateSchedule(1e-3), weight_decay=0.1,
+    trainer = Trainer(model, stream, torch.device(device), schedule=LearningRateSchedule(1e-3), weight_decay=0.1,
                       grad_clip=1.0)
     return Replica(trainer, outer_lr=0.7, outer_momentum=0.9)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="Δ goes to the host on a copy stream on CUDA only")
+def test_on_cuda_the_copy_of_delta_is_whole_though_the_training_stream_overwrites_its_source_at_once():
+    """pseudo_gradient and stage_delta return before Δ is on the host; the outer step that
+    follows at once overwrites the device buffer the copy reads, and must wait for it on the
+    device. Run on a GPU (not on this project's CPU CI)."""
+    r = _replica("a", "cuda")
+    flat = r.trainer.parameters_flat
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    for staged in (r.pseudo_gradient, r.stage_delta, r.stage_delta):
+        flat.add_(torch.randn(flat.shape, device="cuda", generator=generator))
+        expected = (r.theta_g - flat).cpu()
+        other_mean = torch.randn(flat.numel(), generator=torch.Generator().manual_seed(1)).pin_memory()
+        delta = staged()
+        if r.has_in_flight:
+            r.land(other_mean, None)  # writes the in-flight buffer the copy reads
+        else:
+            r.apply_outer_step(other_mean)  # writes the buffer the copy reads
+        asyncio.run(r.delta_on_host())
+        assert r.delta_copied()
+        assert torch.equal(delta, expected)
+    torch.cuda.synchronize()
 
 
 def test_delayed_outer_step_keeps_own_progress_and_loses_no_delta():

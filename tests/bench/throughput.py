@@ -8,7 +8,9 @@ Runs dtnode's own inner loop (Trainer: bf16 autocast and fused AdamW on CUDA) wi
 FLOPs per token (PaLM's estimate, as nanoGPT's) against two peaks: a bf16 (GPU) or fp32 (CPU) matmul
 measured in the same run, and on an H100 its datasheet 989 TFLOP/s. The outer overhead is the
 device-side work of one round (Δ to the host, the Nesterov step on θ_g, θ_l reset) against H=100
-inner steps.
+inner steps, counted as if nothing overlapped (the copy of Δ runs on a stream of its own).
+"Δ to the wire" times Δ's int8 encoding on the host after an fp32 copy (the node's path) against
+encoding on the device and copying the codes.
 """
 
 from __future__ import annotations
@@ -125,6 +127,54 @@ def measure(case: Case, device: torch.device, compile: bool, steps: int, warmup:
             "warmup_s": warm_s, "outer_s": outer_s, "outer_share_at_h_100": outer_s / (100 * step_s)}
 
 
+def delta_to_wire(numel: int, device: torch.device, reps: int = 5) -> dict:
+    """Where Δ's int8 encoding belongs: on the host after an fp32 copy (what the node does), or
+    on the device with a 4x smaller copy. Either way the result is the int8 codes and scales on
+    the host. The data plane encodes chunk by chunk while it streams (butterfly.py), so the
+    host encoding costs a round nothing unless it emits fewer bytes per second than the link."""
+    from dtnode.ops.quantization import QuantizedBlocks, num_blocks, quantize, use_fused_kernels
+
+    pin = device.type == "cuda"
+    block = 256
+    source = torch.randn(numel, device=device)
+    host_fp32 = torch.empty(numel, pin_memory=pin)
+    host_q = QuantizedBlocks(torch.empty(numel, dtype=torch.int8, pin_memory=pin),
+                             torch.empty(num_blocks(numel, block), pin_memory=pin), block)
+    device_q = QuantizedBlocks(torch.empty(numel, dtype=torch.int8, device=device),
+                               torch.empty(num_blocks(numel, block), device=device), block)
+
+    def on_host() -> None:
+        host_fp32.copy_(source, non_blocking=pin)
+        _sync(device)
+        quantize(host_fp32, block, out=host_q)
+
+    def on_device() -> None:
+        quantize(source, block, out=device_q)
+        host_q.codes.copy_(device_q.codes, non_blocking=pin)
+        host_q.scales.copy_(device_q.scales, non_blocking=pin)
+        _sync(device)
+
+    def copy_only() -> None:
+        host_fp32.copy_(source, non_blocking=pin)
+        _sync(device)
+
+    fused = use_fused_kernels(True)  # as a node does once its first inner step is done
+    timings = {}
+    for name, fn in (("copy", copy_only), ("host", on_host), ("device", on_device)):
+        fn()
+        samples = []
+        for _ in range(reps):
+            started = time.perf_counter()
+            fn()
+            samples.append(time.perf_counter() - started)
+        timings[name] = statistics.median(samples)
+    use_fused_kernels(False)
+    encoded_bits = 8 * (numel + 4 * num_blocks(numel, block))
+    return {"numel": numel, "fused": fused, "copy_s": timings["copy"], "host_s": timings["host"],
+            "device_s": timings["device"], "host_encode_gbit_s": encoded_bits / (timings["host"] - timings["copy"]) / 1e9
+            if timings["host"] > timings["copy"] else float("inf")}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -159,8 +209,17 @@ def main() -> None:
         if device.type == "cuda":
             line += f" {row['flops_per_s'] / H100_BF16_PEAK:9.1%}"
         print(line + f" {row['warmup_s']:7.1f}s {row['outer_s'] * 1e3:6.1f}ms {row['outer_share_at_h_100']:11.2%}")
+    numel = max(int(row["params_m"] * 1e6) for row in rows)
+    wire = delta_to_wire(numel, device)
+    print(f"\nΔ to the wire, {numel / 1e6:.1f}M values (median of 5): fp32 copy to the host "
+          f"{wire['copy_s'] * 1e3:.1f}ms; int8 on the host after it {wire['host_s'] * 1e3:.1f}ms "
+          f"({'compiled' if wire['fused'] else 'eager'} kernels, the node's path); int8 on the device, then "
+          f"its copy {wire['device_s'] * 1e3:.1f}ms" + (" (on a CPU both run on the host)" if device.type == "cpu" else ""))
+    print(f"  host encoding emits {wire['host_encode_gbit_s']:.1f} Gbit/s of int8: the stream encodes chunk k+1 "
+          "while chunk k is on the wire, so a link slower than this never waits for it")
     if args.json:
-        args.json.write_text(json.dumps({"device": str(device), "peak_flops": peak, "rows": rows}, indent=2))
+        args.json.write_text(json.dumps({"device": str(device), "peak_flops": peak, "rows": rows, "delta_to_wire": wire},
+                                        indent=2))
 
 
 if __name__ == "__main__":
