@@ -13,7 +13,7 @@ NODES ?= 3
 ROUNDS ?= 8
 BIN := $(VENV)/bin
 
-.PHONY: setup swarm test bench proto clean
+.PHONY: setup swarm test lint bench proto clean
 setup: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml
@@ -27,6 +27,11 @@ swarm: setup
 
 test: setup
 	$(BIN)/python -m pytest -q
+
+lint: setup
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/mypy -p dtnode.daemon -p dtnode.peers -p dtnode.ops
 
 bench: setup
 	$(BIN)/python -m tests.bench.allreduce

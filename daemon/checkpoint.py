@@ -24,8 +24,8 @@ import re
 import shutil
 import struct
 import threading
-from dataclasses import dataclass, field
 from collections.abc import Collection
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -129,8 +129,8 @@ def _write_atomic(final: Path, header: bytes, buffers: list[torch.Tensor], durab
     tmp = final.parent / f".{final.name}.tmp-{os.getpid()}"
     digest = hashlib.sha256()
     size = 0
-    pieces = [struct.pack("<Q", len(header)), header]
-    pieces += [memoryview(t.detach().cpu().contiguous().numpy()).cast("B") for t in buffers]
+    pieces: list[bytes | memoryview] = [struct.pack("<Q", len(header)), header]
+    pieces += [t.detach().cpu().contiguous().numpy().data.cast("B") for t in buffers]
     try:
         with open(tmp, "wb") as f:
             for piece in pieces:
@@ -154,8 +154,9 @@ def _write_atomic(final: Path, header: bytes, buffers: list[torch.Tensor], durab
     return digest.hexdigest(), size
 
 
-def write_checkpoint(directory: Path, step: int, layout: Layout, state: TrainingState,
-                     metadata: dict[str, str], durable: bool = True) -> CheckpointInfo:
+def write_checkpoint(
+    directory: Path, step: int, layout: Layout, state: TrainingState, metadata: dict[str, str], durable: bool = True
+) -> CheckpointInfo:
     """Atomically write one checkpoint, local state first (blocking: call from a worker thread).
 
     Without `durable` nothing is fsynced: for a file written on demand for a joiner, which a
@@ -170,24 +171,38 @@ def write_checkpoint(directory: Path, step: int, layout: Layout, state: Training
         generator = local.generator_state.to(torch.uint8).contiguous()
         if generator.numel() > GENERATOR_LIMIT:
             raise ValueError("generator state is implausibly large")
-        local_meta = {"format": LOCAL_FORMAT, "run_id": metadata.get("run_id", ""),
-                      "model_hash": metadata.get("model_hash", ""), "outer_step": str(step),
-                      "inner_step": str(local.inner_step), "adam_steps": str(local.adam_steps),
-                      "data_batches_drawn": str(local.batches_drawn)}
+        local_meta = {
+            "format": LOCAL_FORMAT,
+            "run_id": metadata.get("run_id", ""),
+            "model_hash": metadata.get("model_hash", ""),
+            "outer_step": str(step),
+            "inner_step": str(local.inner_step),
+            "adam_steps": str(local.adam_steps),
+            "data_batches_drawn": str(local.batches_drawn),
+        }
         n = 4 * layout.numel
-        header = _entries([(INNER[0], "F32", [layout.numel], n), (INNER[1], "F32", [layout.numel], n),
-                           (GENERATOR, "U8", [generator.numel()], generator.numel())], local_meta)
+        header = _entries(
+            [
+                (INNER[0], "F32", [layout.numel], n),
+                (INNER[1], "F32", [layout.numel], n),
+                (GENERATOR, "U8", [generator.numel()], generator.numel()),
+            ],
+            local_meta,
+        )
         _write_atomic(local_state_path(directory, step), header, [local.exp_avg, local.exp_avg_sq, generator])
     final = checkpoint_path(directory, step)
-    sha256, size = _write_atomic(final, _shared_header(step, layout, metadata), [state.theta_g, state.momentum],
-                                 durable)
+    sha256, size = _write_atomic(
+        final, _shared_header(step, layout, metadata), [state.theta_g, state.momentum], durable
+    )
     return CheckpointInfo(step, final, sha256, size)
 
 
 def _shared_header(step: int, layout: Layout, metadata: dict[str, str]) -> bytes:
     """The JSON header of `ckpt-N` (θ_g per parameter, then the momentum)."""
     meta = {"format": FORMAT, "outer_step": str(step), "dtnode_version": __version__, **metadata}
-    tensors = [(f"theta_g/{name}", "F32", list(shape), 4 * _prod(shape)) for name, shape in zip(layout.names, layout.shapes)]
+    tensors = [
+        (f"theta_g/{name}", "F32", list(shape), 4 * _prod(shape)) for name, shape in zip(layout.names, layout.shapes)
+    ]
     tensors.append(("outer_momentum", "F32", [layout.numel], 4 * layout.numel))
     return _entries(tensors, meta)
 
@@ -203,8 +218,9 @@ class MemoryCheckpoint:
     in copies, and forgets it otherwise.
     """
 
-    def __init__(self, step: int, layout: Layout, theta_g: torch.Tensor, momentum: torch.Tensor,
-                 metadata: dict[str, str]):
+    def __init__(
+        self, step: int, layout: Layout, theta_g: torch.Tensor, momentum: torch.Tensor, metadata: dict[str, str]
+    ):
         if theta_g.numel() != layout.numel or momentum.numel() != layout.numel:
             raise ValueError("buffers do not match the layout")
         header = _shared_header(step, layout, metadata)
@@ -217,7 +233,7 @@ class MemoryCheckpoint:
         self._lock = threading.Lock()  # a read of the live tensors ends before `detach` lets them change
 
     def _views(self) -> list[memoryview]:
-        return [memoryview(self._head), *(memoryview(t.contiguous().numpy()).cast("B") for t in self._tensors)]
+        return [memoryview(self._head), *(t.contiguous().numpy().data.cast("B") for t in self._tensors)]
 
     def hash(self) -> str:
         """The file's sha256 (blocking: call from a worker thread while the tensors hold still)."""
@@ -349,7 +365,7 @@ def read_metadata(path: Path) -> dict[str, str]:
             meta = f.metadata() or {}
     except CheckpointError:
         raise
-    except Exception as e:
+    except Exception as e:  # noqa: BLE001  (safetensors raises its own errors for malformed files)
         raise CheckpointError(f"{path.name} is not a valid safetensors file: {e}") from None
     if meta.get("format") != FORMAT:
         raise CheckpointError(f"{path.name} is not a dtnode checkpoint (format {meta.get('format')!r})")
@@ -374,7 +390,7 @@ def read_checkpoint(path: Path, layout: Layout, run_id: str, model_hash: str) ->
             momentum = _checked(f, "outer_momentum", (layout.numel,))
     except CheckpointError:
         raise
-    except Exception as e:  # safetensors raises its own errors for malformed files
+    except Exception as e:  # noqa: BLE001  (safetensors raises its own errors for malformed files)
         raise CheckpointError(f"{path.name} is not a valid safetensors file: {e}") from None
     return LoadedCheckpoint(int(meta["outer_step"]), TrainingState(theta, momentum), meta)
 
@@ -394,13 +410,16 @@ def read_local_state(directory: Path, step: int, layout: Layout, run_id: str, mo
             if bool((exp_avg_sq < 0).any()):
                 raise CheckpointError(f"{path.name}: negative second moments")
             generator = f.get_slice(GENERATOR)
-            if generator.get_dtype() != "U8" or len(generator.get_shape()) != 1 \
-                    or generator.get_shape()[0] > GENERATOR_LIMIT:
+            if (
+                generator.get_dtype() != "U8"
+                or len(generator.get_shape()) != 1
+                or generator.get_shape()[0] > GENERATOR_LIMIT
+            ):
                 raise CheckpointError(f"{path.name}: malformed generator state")
             generator_state = f.get_tensor(GENERATOR)
     except CheckpointError:
         raise
-    except Exception as e:
+    except Exception as e:  # noqa: BLE001  (safetensors raises its own errors for malformed files)
         raise CheckpointError(f"{path.name} is not a valid safetensors file: {e}") from None
     counts = []
     for key in ("inner_step", "adam_steps", "data_batches_drawn"):

@@ -13,6 +13,7 @@ import json
 import logging
 import os
 import sys
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +33,7 @@ def _is_bool(annotation: Any) -> bool:
     return annotation is bool
 
 
-def add_node_options(parser: argparse.ArgumentParser, skip: set[str] = frozenset()) -> None:
+def add_node_options(parser: argparse.ArgumentParser, skip: Collection[str] = frozenset()) -> None:
     group = parser.add_argument_group("node options")
     for name, field in NodeSettings.model_fields.items():
         if name in skip or name in ENV_ONLY:
@@ -41,11 +42,13 @@ def add_node_options(parser: argparse.ArgumentParser, skip: set[str] = frozenset
         shown = "none" if default in (None, []) else default
         help_text = f"{field.description} (default: {shown}; env {ENV_PREFIX}{name.upper()})"
         if name == "peers":
-            group.add_argument("--peer", dest="peers", action="append", metavar="ADDRESS",
-                               default=argparse.SUPPRESS, help=help_text)
+            group.add_argument(
+                "--peer", dest="peers", action="append", metavar="ADDRESS", default=argparse.SUPPRESS, help=help_text
+            )
         elif _is_bool(field.annotation):
-            group.add_argument(flag(name), dest=name, action=argparse.BooleanOptionalAction,
-                               default=argparse.SUPPRESS, help=help_text)
+            group.add_argument(
+                flag(name), dest=name, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS, help=help_text
+            )
         else:
             group.add_argument(flag(name), dest=name, metavar=name.upper(), default=argparse.SUPPRESS, help=help_text)
 
@@ -54,39 +57,64 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dtnode", description="Fault-tolerant peer-to-peer DiLoCo training node.")
     parser.add_argument("--version", action="version", version=f"dtnode {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    join = sub.add_parser("join", help="run a node; without --peer it starts a new swarm",
-                          description="Run one node. Without --peer it starts a new swarm and prints the "
-                                      "`dtnode join --peer ...` line other hosts use.")
+    join = sub.add_parser(
+        "join",
+        help="run a node; without --peer it starts a new swarm",
+        description="Run one node. Without --peer it starts a new swarm and prints the "
+        "`dtnode join --peer ...` line other hosts use.",
+    )
     add_node_options(join)
-    local = sub.add_parser("local", help="run a whole swarm of N nodes on this host",
-                           description="Start N node processes on loopback (ports picked automatically), "
-                                       "their logs prefixed by node. Ctrl-C stops them all.")
+    local = sub.add_parser(
+        "local",
+        help="run a whole swarm of N nodes on this host",
+        description="Start N node processes on loopback (ports picked automatically), "
+        "their logs prefixed by node. Ctrl-C stops them all.",
+    )
     local.add_argument("--nodes", type=int, default=3, help="number of node processes (default: 3)")
-    local.add_argument("--base-dir", default="state/local", help="state dirs go to BASE_DIR/nodeI (default: state/local)")
-    local.add_argument("--http-port", type=int, default=7702,
-                       help="node I serves its status and dashboard on HTTP_PORT+I, on 127.0.0.1 (default: 7702; "
-                            "0: any free port)")
+    local.add_argument(
+        "--base-dir", default="state/local", help="state dirs go to BASE_DIR/nodeI (default: state/local)"
+    )
+    local.add_argument(
+        "--http-port",
+        type=int,
+        default=7702,
+        help="node I serves its status and dashboard on HTTP_PORT+I, on 127.0.0.1 (default: 7702; 0: any free port)",
+    )
     add_node_options(local, skip=LOCAL_MANAGED)
     status = sub.add_parser("status", help="show a node and its swarm as a table")
-    status.add_argument("--url", default=None, help="the node's sidecar URL (default: http://127.0.0.1:<DTNODE_HTTP_PORT "
-                                                    "or 7702>)")
+    status.add_argument(
+        "--url", default=None, help="the node's sidecar URL (default: http://127.0.0.1:<DTNODE_HTTP_PORT or 7702>)"
+    )
     status.add_argument("--json", action="store_true", help="print the raw JSON instead of tables")
-    status.add_argument("--swarm-key-file", default=None, help="the swarm key, to list a closed swarm's peers "
-                                                               "(default: DTNODE_SWARM_KEY if set)")
-    export = sub.add_parser("export", help="write a checkpoint as a Hugging Face save_pretrained directory",
-                            description="Write θ_g of a checkpoint in a node's state dir as a directory that "
-                                        "transformers' AutoModelForCausalLM.from_pretrained and "
-                                        "AutoTokenizer.from_pretrained load.")
+    status.add_argument(
+        "--swarm-key-file",
+        default=None,
+        help="the swarm key, to list a closed swarm's peers (default: DTNODE_SWARM_KEY if set)",
+    )
+    export = sub.add_parser(
+        "export",
+        help="write a checkpoint as a Hugging Face save_pretrained directory",
+        description="Write θ_g of a checkpoint in a node's state dir as a directory that "
+        "transformers' AutoModelForCausalLM.from_pretrained and "
+        "AutoTokenizer.from_pretrained load.",
+    )
     export.add_argument("--state-dir", required=True, type=Path, help="the node's state dir")
     export.add_argument("--out", required=True, type=Path, help="the directory to write")
     export.add_argument("--step", type=int, default=None, help="outer step to export (default: the newest)")
-    export.add_argument("--tokenizer", type=Path, default=None,
-                        help="the run's --tokenizer, to include it (default: the one the node noted in its "
-                             "state dir; byte-level runs get a byte tokenizer)")
-    export.add_argument("--model", default=None,
-                        help="the run's --model, needed only for a module:factory model, and for an hf:DIR "
-                             "model that started from weights and has frozen parameters (default: the one "
-                             "the node noted in its state dir)")
+    export.add_argument(
+        "--tokenizer",
+        type=Path,
+        default=None,
+        help="the run's --tokenizer, to include it (default: the one the node noted in its "
+        "state dir; byte-level runs get a byte tokenizer)",
+    )
+    export.add_argument(
+        "--model",
+        default=None,
+        help="the run's --model, needed only for a module:factory model, and for an hf:DIR "
+        "model that started from weights and has frozen parameters (default: the one "
+        "the node noted in its state dir)",
+    )
     return parser
 
 
@@ -98,9 +126,12 @@ class JsonLogFormatter(logging.Formatter):
     """One JSON object per line: what log collectors (Loki, Elasticsearch, journald) parse without rules."""
 
     def format(self, record: logging.LogRecord) -> str:
-        entry = {"time": datetime.datetime.fromtimestamp(record.created, datetime.timezone.utc).isoformat(
-                     timespec="milliseconds"),
-                 "level": record.levelname.lower(), "logger": record.name, "message": record.getMessage()}
+        entry = {
+            "time": datetime.datetime.fromtimestamp(record.created, datetime.UTC).isoformat(timespec="milliseconds"),
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "message": record.getMessage(),
+        }
         if record.exc_info:
             entry["traceback"] = self.formatException(record.exc_info)
         return json.dumps(entry, ensure_ascii=False)
@@ -113,8 +144,9 @@ def configure_logging(level: str, log_format: str = "human") -> None:
     else:
         handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)-7s %(name)s: %(message)s", "%H:%M:%S"))
     logging.basicConfig(level=level, handlers=[handler])
-    import dtnode.peers  # noqa: F401  (before any hivemind import: see dtnode.peers)
     from hivemind.utils.logging import use_hivemind_log_handler
+
+    import dtnode.peers  # noqa: F401  (before any hivemind import: see dtnode.peers)
 
     use_hivemind_log_handler("nowhere")  # hivemind's lines go through this handler too, in the same format
     for noisy in ("hivemind", "aiohttp.access", "asyncio"):
@@ -153,15 +185,18 @@ def cmd_local(args: argparse.Namespace) -> int:
 
     for i in range(args.nodes if args.http_port else 0):
         if port_in_use("127.0.0.1", args.http_port + i):
-            raise SettingsError("--http-port", f"port {args.http_port + i} (node{i}) on 127.0.0.1 is in use (another "
-                                               "dtnode local?); choose another base port, or 0 for any free ones")
+            raise SettingsError(
+                "--http-port",
+                f"port {args.http_port + i} (node{i}) on 127.0.0.1 is in use (another "
+                "dtnode local?); choose another base port, or 0 for any free ones",
+            )
     return run_local(args.nodes, args.base_dir, values, args.http_port)
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from .status_cmd import show_status
-
     from dtnode.peers.auth import AuthError, SwarmAuth, load_swarm_key
+
+    from .status_cmd import show_status
 
     url = args.url or f"http://127.0.0.1:{os.environ.get(ENV_PREFIX + 'HTTP_PORT', '7702')}"
     try:

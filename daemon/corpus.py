@@ -75,13 +75,15 @@ class TokenCorpus:
         step = 1 << 24
         return int(max(self.tokens[i : i + step].max() for i in range(0, len(self.tokens), step)))
 
-    def tail_split(self, fraction: float) -> tuple["TokenCorpus", "TokenCorpus"]:
+    def tail_split(self, fraction: float) -> tuple[TokenCorpus, TokenCorpus]:
         """(training part, held-out tail): the last `fraction` of the tokens."""
         cut = len(self.tokens) - max(2, round(len(self.tokens) * fraction))
         if cut < 2:
             raise CorpusError(f"{self.name} is too short to hold out {fraction:g} of it")
-        return (TokenCorpus(self.tokens[:cut], self.name, self.id_bound),
-                TokenCorpus(self.tokens[cut:], self.name, self.id_bound))
+        return (
+            TokenCorpus(self.tokens[:cut], self.name, self.id_bound),
+            TokenCorpus(self.tokens[cut:], self.name, self.id_bound),
+        )
 
     def window(self, start: int, length: int) -> np.ndarray:
         return np.asarray(self.tokens[start : start + length], dtype=np.int64)
@@ -112,8 +114,10 @@ class CorpusReader:
         return (self.multiplier * ((self.offset + position) % self.windows) + self.shift) % self.windows
 
     def batch(self, first_position: int, batch_size: int) -> torch.Tensor:
-        rows = [self.corpus.window(self.window_index(first_position + i) * self.stride, self.length)
-                for i in range(batch_size)]
+        rows = [
+            self.corpus.window(self.window_index(first_position + i) * self.stride, self.length)
+            for i in range(batch_size)
+        ]
         return torch.from_numpy(np.stack(rows))
 
 
@@ -154,7 +158,7 @@ class TokenFileWriter:
     def __init__(self, path: Path, dtype: type):
         self.path, self.dtype, self.count = path, dtype, 0
         self.tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-        self.file = open(self.tmp, "wb")
+        self.file = open(self.tmp, "wb")  # noqa: SIM115  (held open across appends; `close` closes it)
         self.file.write(b"\0" * 4 * LLMC_HEADER_INTS)
 
     def append(self, ids: np.ndarray) -> None:
@@ -193,8 +197,11 @@ def source_files(path: Path) -> list[Path]:
     """The files of a source, in a fixed order: itself, or a directory's files outside hidden folders."""
     if not path.is_dir():
         return [path]
-    return sorted(p for p in path.rglob("*")
-                  if p.is_file() and not any(part.startswith(".") for part in p.relative_to(path).parts))
+    return sorted(
+        p
+        for p in path.rglob("*")
+        if p.is_file() and not any(part.startswith(".") for part in p.relative_to(path).parts)
+    )
 
 
 def documents(path: Path, text_field: str) -> Iterator[tuple[str, str]]:
@@ -206,8 +213,9 @@ def documents(path: Path, text_field: str) -> Iterator[tuple[str, str]]:
         kind = DATASET_SUFFIXES.get(file.suffix.lower())
         if kind is None:
             if file.suffix.lower() == ".bin":
-                raise CorpusError(f"{file}: a .bin token file cannot be mixed into a directory of text; "
-                                  "give it as --data itself")
+                raise CorpusError(
+                    f"{file}: a .bin token file cannot be mixed into a directory of text; give it as --data itself"
+                )
             yield str(file.relative_to(path.parent)), file.read_text(encoding="utf-8", errors="replace")
             continue
         for row_no, text in enumerate(_dataset_rows(file, kind, text_field)):
@@ -220,23 +228,25 @@ def _dataset_rows(file: Path, kind: str, text_field: str) -> Iterator[str]:
     try:
         import datasets
     except ImportError:
-        raise CorpusError(f"{file}: .jsonl and .parquet data need the Hugging Face libraries: "
-                          "pip install 'dtnode[hf]'") from None
+        raise CorpusError(
+            f"{file}: .jsonl and .parquet data need the Hugging Face libraries: pip install 'dtnode[hf]'"
+        ) from None
     datasets.logging.set_verbosity_error()
     datasets.disable_progress_bars()
     try:
         rows = datasets.load_dataset(kind, data_files=[str(file)], split="train", streaming=True)
         for row in rows:
             if text_field not in row:
-                raise CorpusError(f"{file}: rows have no field {text_field!r} (fields: {', '.join(sorted(row))}); "
-                                  "set --text-field")
+                raise CorpusError(
+                    f"{file}: rows have no field {text_field!r} (fields: {', '.join(sorted(row))}); set --text-field"
+                )
             text = row[text_field]
             if not isinstance(text, str):
                 raise CorpusError(f"{file}: field {text_field!r} holds {type(text).__name__}, not text")
             yield text
     except CorpusError:
         raise
-    except Exception as e:  # datasets/pyarrow raise many types for a malformed file
+    except Exception as e:  # noqa: BLE001  (datasets/pyarrow raise many types for a malformed file)
         raise CorpusError(f"{file}: cannot read it as {kind}: {e}") from None
 
 
@@ -251,8 +261,9 @@ def _source_key(path: Path, *parts: object) -> str:
     return hashlib.sha256(json.dumps([listing, *map(str, parts)]).encode()).hexdigest()[:24]
 
 
-def tokenize_source(path: Path, tokenizer: Tokenizer, text_field: str, cache_dir: Path,
-                    held_out_fraction: float = 0.0) -> tuple[TokenCorpus, TokenCorpus | None]:
+def tokenize_source(
+    path: Path, tokenizer: Tokenizer, text_field: str, cache_dir: Path, held_out_fraction: float = 0.0
+) -> tuple[TokenCorpus, TokenCorpus | None]:
     """(training corpus, held-out corpus or None) of a text or dataset source, through the cache."""
     key = _source_key(path, tokenizer.sha256, text_field, held_out_fraction)
     train_path, eval_path = cache_dir / f"tokens-{key}-train.bin", cache_dir / f"tokens-{key}-eval.bin"
@@ -266,14 +277,17 @@ def tokenize_source(path: Path, tokenizer: Tokenizer, text_field: str, cache_dir
         try:
             held_out = read_bin(eval_path)
         except CorpusError:
-            raise CorpusError(f"{path} is too short to hold out {held_out_fraction:g} of its documents (none fell "
-                              "in the held-out part); raise --eval-fraction or give --eval-data") from None
+            raise CorpusError(
+                f"{path} is too short to hold out {held_out_fraction:g} of its documents (none fell "
+                "in the held-out part); raise --eval-fraction or give --eval-data"
+            ) from None
         held_out.id_bound = tokenizer.vocab_size
     return train, held_out
 
 
-def _tokenize_into(path: Path, tokenizer: Tokenizer, text_field: str, fraction: float,
-                   train_path: Path, eval_path: Path) -> None:
+def _tokenize_into(
+    path: Path, tokenizer: Tokenizer, text_field: str, fraction: float, train_path: Path, eval_path: Path
+) -> None:
     """One pass over the documents, streamed to disk (memory bounded by one batch of documents)."""
     dtype = np.uint16 if tokenizer.vocab_size <= 1 << 16 else np.uint32
     writers = {False: TokenFileWriter(train_path, dtype)}
@@ -307,8 +321,9 @@ def _tokenize_into(path: Path, tokenizer: Tokenizer, text_field: str, fraction: 
     log.info("token cache of %s: %d training documents, %d held out", path, docs[False], docs[True])
 
 
-def open_corpus(path: Path, tokenizer: Tokenizer, text_field: str, data_dtype: str, cache_dir: Path,
-                held_out_fraction: float = 0.0) -> tuple[TokenCorpus, TokenCorpus | None]:
+def open_corpus(
+    path: Path, tokenizer: Tokenizer, text_field: str, data_dtype: str, cache_dir: Path, held_out_fraction: float = 0.0
+) -> tuple[TokenCorpus, TokenCorpus | None]:
     """(training corpus, held-out corpus or None when `held_out_fraction` is 0) of one source."""
     single = path.is_file()
     if single and path.suffix.lower() == ".bin":
@@ -318,8 +333,9 @@ def open_corpus(path: Path, tokenizer: Tokenizer, text_field: str, data_dtype: s
         corpus = TokenCorpus(tokens, str(path), id_bound=256)
     else:
         one_document = single and path.suffix.lower() not in DATASET_SUFFIXES
-        train, held_out = tokenize_source(path, tokenizer, text_field, cache_dir,
-                                          0.0 if one_document else held_out_fraction)
+        train, held_out = tokenize_source(
+            path, tokenizer, text_field, cache_dir, 0.0 if one_document else held_out_fraction
+        )
         if one_document and held_out_fraction:
             return train.tail_split(held_out_fraction)
         return train, held_out

@@ -31,11 +31,11 @@ __all__ = ["DataSources", "DataStream", "MarkovLanguage", "check_token_ids", "op
 class MarkovLanguage:
     def __init__(self, seed: int, vocab_size: int = VOCAB_SIZE, successors: int = 6, concentration: float = 0.6):
         rng = np.random.default_rng(seed)
-        transitions = np.zeros((vocab_size, vocab_size))
+        table = np.zeros((vocab_size, vocab_size))
         for state in range(vocab_size):
             successors_of_state = rng.choice(vocab_size, size=successors, replace=False)
-            transitions[state, successors_of_state] = rng.dirichlet(np.full(successors, concentration))
-        transitions = torch.from_numpy(transitions)
+            table[state, successors_of_state] = rng.dirichlet(np.full(successors, concentration))
+        transitions = torch.from_numpy(table)
         self.vocab_size = vocab_size
         self.transitions = transitions
         self.cumulative = transitions.cumsum(1).float()
@@ -80,9 +80,19 @@ class DataSources:
         return self.train.entropy_rate
 
 
-def open_sources(run_id: str, seed: int, data: Path | None, eval_data: Path | None = None,
-                 eval_fraction: float = 0.0, seq_len: int = 2, *, tokenizer: Tokenizer | None = None,
-                 text_field: str = "text", data_dtype: str = "auto", cache_dir: Path | None = None) -> DataSources:
+def open_sources(
+    run_id: str,
+    seed: int,
+    data: Path | None,
+    eval_data: Path | None = None,
+    eval_fraction: float = 0.0,
+    seq_len: int = 2,
+    *,
+    tokenizer: Tokenizer | None = None,
+    text_field: str = "text",
+    data_dtype: str = "auto",
+    cache_dir: Path | None = None,
+) -> DataSources:
     """The node's data; a SettingsError names the option to change when the files cannot serve.
 
     `cache_dir` holds token files made from text (the state dir's `data-cache`)."""
@@ -91,28 +101,32 @@ def open_sources(run_id: str, seed: int, data: Path | None, eval_data: Path | No
             raise SettingsError("--eval-data", "needs --data: the synthetic language has its own eval set")
         language = MarkovLanguage(stable_seed(run_id, seed, "language"))
         return DataSources(language, language)
-    tokenizer = tokenizer or ByteTokenizer()
+    splitter: Tokenizer = tokenizer or ByteTokenizer()
     cache_dir = cache_dir or data.parent / ".dtnode-token-cache"
     if eval_data is not None and data.resolve() == eval_data.resolve():
         raise SettingsError("--eval-data", f"{eval_data} is the training data itself")
     fraction = 0.0 if eval_data is not None else eval_fraction
     try:
-        train, held_out = open_corpus(data, tokenizer, text_field, data_dtype, cache_dir, fraction)
+        train, held_out = open_corpus(data, splitter, text_field, data_dtype, cache_dir, fraction)
     except CorpusError as e:
-        raise SettingsError("--eval-fraction" if fraction and "too short to hold out" in str(e) else "--data",
-                            str(e)) from None
+        raise SettingsError(
+            "--eval-fraction" if fraction and "too short to hold out" in str(e) else "--data", str(e)
+        ) from None
     if eval_data is not None:
         try:
-            held_out = open_corpus(eval_data, tokenizer, text_field, data_dtype, cache_dir)[0]
+            held_out = open_corpus(eval_data, splitter, text_field, data_dtype, cache_dir)[0]
         except CorpusError as e:
             raise SettingsError("--eval-data", str(e)) from None
     if held_out is None:
         return DataSources(train, None)
     if len(held_out) < seq_len + 1 or len(train) < seq_len + 1:
         option = "--eval-data" if eval_data is not None else "--eval-fraction"
-        raise SettingsError(option, f"{data} split {len(train)}/{len(held_out)} tokens (train/held out) leaves a "
-                                    f"part shorter than one sequence ({seq_len + 1} tokens); change "
-                                    f"--eval-fraction or give --eval-data")
+        raise SettingsError(
+            option,
+            f"{data} split {len(train)}/{len(held_out)} tokens (train/held out) leaves a "
+            f"part shorter than one sequence ({seq_len + 1} tokens); change "
+            f"--eval-fraction or give --eval-data",
+        )
     return DataSources(train, held_out)
 
 
@@ -121,8 +135,11 @@ def check_token_ids(corpus: TokenCorpus, vocab_size: int, option: str) -> None:
     if corpus.id_bound is not None and corpus.id_bound <= vocab_size:
         return
     if (top := corpus.max_id()) >= vocab_size:
-        raise SettingsError(option, f"{corpus.name} holds token id {top}, outside the model's vocabulary of "
-                                    f"{vocab_size} (wrong --data-dtype, or data made for another tokenizer?)")
+        raise SettingsError(
+            option,
+            f"{corpus.name} holds token id {top}, outside the model's vocabulary of "
+            f"{vocab_size} (wrong --data-dtype, or data made for another tokenizer?)",
+        )
 
 
 class DataStream:
@@ -131,16 +148,21 @@ class DataStream:
     The synthetic language is sampled (its own seeded chain per peer); a corpus is read in
     order (CorpusReader), so the stream's position is the count of batches drawn."""
 
-    def __init__(self, sources: DataSources, run_id: str, peer_id: str, batch_size: int, seq_len: int,
-                 eval_sequences: int = 64):
+    def __init__(
+        self, sources: DataSources, run_id: str, peer_id: str, batch_size: int, seq_len: int, eval_sequences: int = 64
+    ):
         self.source = sources.train
         self.batch_size = batch_size
         self.seq_len = seq_len
         self.gen = torch.Generator().manual_seed(stable_seed(run_id, "train", peer_id))
-        self.reader = (CorpusReader(self.source, seq_len + 1, run_id, peer_id)
-                       if isinstance(self.source, TokenCorpus) else None)
-        self.eval_set = (sources.eval.eval_set(eval_sequences, seq_len + 1, run_id)
-                         if sources.eval is not None and eval_sequences else None)
+        self.reader = (
+            CorpusReader(self.source, seq_len + 1, run_id, peer_id) if isinstance(self.source, TokenCorpus) else None
+        )
+        self.eval_set = (
+            sources.eval.eval_set(eval_sequences, seq_len + 1, run_id)
+            if sources.eval is not None and eval_sequences
+            else None
+        )
         self.batches_drawn = 0
 
     def next_batch(self) -> torch.Tensor:
@@ -149,6 +171,7 @@ class DataStream:
         self.batches_drawn += 1
         if self.reader is not None:
             return self.reader.batch(first, self.batch_size)
+        assert isinstance(self.source, MarkovLanguage)  # a token corpus always has a reader
         return self.source.sample(self.batch_size, self.seq_len + 1, self.gen)
 
     def position(self) -> tuple[torch.Tensor, int]:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
+from typing import Any, cast
 
 import torch
 from safetensors.torch import save_model
@@ -24,7 +25,7 @@ from dtnode.ops.flat import FlatParameters
 
 from .checkpoint import CheckpointError, Layout, file_sha256, list_checkpoints, read_checkpoint, read_metadata
 from .corpus import stable_seed
-from .hf_model import require_transformers
+from .hf_model import CausalLM, require_transformers
 from .model import GPT, build_model, config_hash, export_format, model_from_description
 from .settings import SettingsError
 from .tokenizer import LocalTokenizer
@@ -51,8 +52,9 @@ def _remembered(state_dir: Path) -> dict:
     return entry if isinstance(entry, dict) else {}
 
 
-def export_checkpoint(state_dir: Path, out: Path, step: int | None = None, tokenizer: Path | None = None,
-                      model: str | None = None) -> Path:
+def export_checkpoint(
+    state_dir: Path, out: Path, step: int | None = None, tokenizer: Path | None = None, model: str | None = None
+) -> Path:
     """Write the export of checkpoint `step` (default: the newest whole one) into `out`; returns it.
 
     `model` (the run's `--model`) is needed only where the checkpoint cannot rebuild what it does
@@ -80,15 +82,25 @@ def export_checkpoint(state_dir: Path, out: Path, step: int | None = None, token
     transformers = require_transformers()
     if isinstance(module, GPT):
         gpt2_model(module, transformers).save_pretrained(out, safe_serialization=True)
-    elif hasattr(module, "hf"):
-        module.hf.save_pretrained(out, safe_serialization=True)
+    elif isinstance(module, CausalLM):
+        cast(Any, module.hf).save_pretrained(out, safe_serialization=True)
     else:  # a module:factory model: its state dict, loadable with the factory's load_state_dict
         save_model(module, str(out / "model.safetensors"))
     _save_tokenizer(out, tokenizer, description.get("tokenizer"), transformers)
-    (out / EXPORT_INFO).write_text(json.dumps({
-        "run_id": run_id, "outer_step": loaded.step, "checkpoint": path.name, "checkpoint_sha256": file_sha256(path),
-        "model_hash": model_hash, "format": export_format(description),
-    }, indent=2) + "\n")
+    (out / EXPORT_INFO).write_text(
+        json.dumps(
+            {
+                "run_id": run_id,
+                "outer_step": loaded.step,
+                "checkpoint": path.name,
+                "checkpoint_sha256": file_sha256(path),
+                "model_hash": model_hash,
+                "format": export_format(description),
+            },
+            indent=2,
+        )
+        + "\n"
+    )
     log.info("exported outer step %d of run %s to %s", loaded.step, run_id, out)
     return out
 
@@ -102,8 +114,9 @@ def _pick_checkpoint(state_dir: Path, step: int | None) -> Path:
     for candidate, path in found:
         if candidate == step:
             return path
-    raise SettingsError("--step", f"no checkpoint of outer step {step} in {state_dir} "
-                                  f"(it holds {', '.join(str(s) for s, _ in found)})")
+    raise SettingsError(
+        "--step", f"no checkpoint of outer step {step} in {state_dir} (it holds {', '.join(str(s) for s, _ in found)})"
+    )
 
 
 def _needs_model(description: dict) -> bool:
@@ -119,29 +132,50 @@ def _rebuild(description: dict, seed: int, model_spec: str | None) -> torch.nn.M
             raise SettingsError("--model", f"{model_spec} is not the model of this checkpoint")
         return module
     if "factory" in description:
-        raise SettingsError("--model", f"give the run's --model {description['factory']} to export its weights "
-                                       "(a factory model is rebuilt by calling it)")
+        raise SettingsError(
+            "--model",
+            f"give the run's --model {description['factory']} to export its weights "
+            "(a factory model is rebuilt by calling it)",
+        )
     if description.get("weights") and description.get("frozen"):
-        raise SettingsError("--model", "this model started from weights and has frozen parameters, which the "
-                                       "checkpoint does not hold: give the run's --model hf:DIR")
+        raise SettingsError(
+            "--model",
+            "this model started from weights and has frozen parameters, which the "
+            "checkpoint does not hold: give the run's --model hf:DIR",
+        )
     try:
         return model_from_description(description, seed)
     except ValueError as e:
         raise SettingsError("--state-dir", str(e)) from None
 
 
-def gpt2_model(model: GPT, transformers) -> torch.nn.Module:
+def gpt2_model(model: GPT, transformers: Any) -> Any:
     """The preset as a transformers GPT-2 model with the same weights (Conv1D layers hold
     their weights transposed relative to nn.Linear)."""
     cfg = model.config
     config = transformers.GPT2Config(
-        vocab_size=cfg.vocab_size, n_positions=cfg.context_length, n_embd=cfg.d_model, n_layer=cfg.n_layers,
-        n_head=cfg.n_heads, n_inner=4 * cfg.d_model, activation_function="gelu", layer_norm_epsilon=1e-5,
-        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, tie_word_embeddings=True,
-        bos_token_id=None, eos_token_id=None)
+        vocab_size=cfg.vocab_size,
+        n_positions=cfg.context_length,
+        n_embd=cfg.d_model,
+        n_layer=cfg.n_layers,
+        n_head=cfg.n_heads,
+        n_inner=4 * cfg.d_model,
+        activation_function="gelu",
+        layer_norm_epsilon=1e-5,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        tie_word_embeddings=True,
+        bos_token_id=None,
+        eos_token_id=None,
+    )
     ours = dict(model.named_parameters())
-    state = {"transformer.wte.weight": ours["tok.weight"], "transformer.wpe.weight": ours["pos.weight"],
-             "transformer.ln_f.weight": ours["ln_f.weight"], "transformer.ln_f.bias": ours["ln_f.bias"]}
+    state: dict[str, torch.Tensor] = {
+        "transformer.wte.weight": ours["tok.weight"],
+        "transformer.wpe.weight": ours["pos.weight"],
+        "transformer.ln_f.weight": ours["ln_f.weight"],
+        "transformer.ln_f.bias": ours["ln_f.bias"],
+    }
     linear = {"qkv": "attn.c_attn", "proj": "attn.c_proj", "mlp.0": "mlp.c_fc", "mlp.2": "mlp.c_proj"}
     norms = {"ln1": "ln_1", "ln2": "ln_2"}
     for i in range(cfg.n_layers):
@@ -187,8 +221,9 @@ def bytes_to_unicode() -> dict[int, str]:
 def _save_tokenizer(out: Path, path: Path | None, trained_with: str | None, transformers) -> None:
     if path is None:
         if trained_with:
-            log.warning("this run trained with a --tokenizer; give it to export to include it (exported the "
-                        "model without one)")
+            log.warning(
+                "this run trained with a --tokenizer; give it to export to include it (exported the model without one)"
+            )
             return
         byte_level_tokenizer(transformers).save_pretrained(out)
         return
@@ -200,4 +235,3 @@ def _save_tokenizer(out: Path, path: Path | None, trained_with: str | None, tran
     else:
         hf_tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_file=str(tokenizer.file))
     hf_tokenizer.save_pretrained(out)
-

@@ -21,11 +21,19 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn as nn
+from torch import nn
 
 PREFIX = "hf."  # parameter names of the wrapped model
-_VOLATILE_CONFIG_KEYS = ("transformers_version", "_name_or_path", "torch_dtype", "dtype", "architectures",
-                         "_commit_hash", "_attn_implementation_autoset", "use_cache")
+_VOLATILE_CONFIG_KEYS = (
+    "transformers_version",
+    "_name_or_path",
+    "torch_dtype",
+    "dtype",
+    "architectures",
+    "_commit_hash",
+    "_attn_implementation_autoset",
+    "use_cache",
+)
 _WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")
 _CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "n_ctx", "seq_length")
 
@@ -50,7 +58,7 @@ class CausalLM(nn.Module):
     def __init__(self, hf_model: nn.Module):
         super().__init__()
         self.hf = hf_model
-        config = hf_model.config
+        config: Any = hf_model.config
         self.vocab_size = int(config.vocab_size)
         self.context_length = context_length_of(config.to_dict())
 
@@ -94,22 +102,29 @@ def load_hf_model(directory: Path) -> tuple[CausalLM, dict]:
         raise HFModelError(f"{directory} has no config.json")
     has_weights = any((directory / name).is_file() for name in _WEIGHT_FILES)
     if not has_weights and any(directory.glob("pytorch_model*.bin")):
-        raise HFModelError(f"{directory} holds only pickled weights (pytorch_model.bin); dtnode reads safetensors "
-                           "only: convert them with save_pretrained(..., safe_serialization=True)")
+        raise HFModelError(
+            f"{directory} holds only pickled weights (pytorch_model.bin); dtnode reads safetensors "
+            "only: convert them with save_pretrained(..., safe_serialization=True)"
+        )
     transformers = require_transformers()
     try:
         config = transformers.AutoConfig.from_pretrained(directory, local_files_only=True)
         if has_weights:
             hf_model = transformers.AutoModelForCausalLM.from_pretrained(
-                directory, local_files_only=True, use_safetensors=True, dtype=torch.float32)
+                directory, local_files_only=True, use_safetensors=True, dtype=torch.float32
+            )
         else:
             hf_model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     except (OSError, ValueError, KeyError) as e:
         raise HFModelError(f"cannot build a causal LM from {directory}: {e}") from None
     hf_model.float()
     model = CausalLM(hf_model)
-    description = {"hf": portable_config(hf_model.config.to_dict()), "weights": weights_sha256(directory),
-                   "vocab_size": model.vocab_size, "context_length": model.context_length}
+    description = {
+        "hf": portable_config(hf_model.config.to_dict()),
+        "weights": weights_sha256(directory),
+        "vocab_size": model.vocab_size,
+        "context_length": model.context_length,
+    }
     return model, description
 
 

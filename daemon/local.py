@@ -62,11 +62,23 @@ async def _run(nodes: int, base_dir: str, values: dict[str, Any], http_port: int
     async def spawn(i: int, extra: list[str]) -> None:
         state_dir = Path(base_dir) / f"node{i}"
         proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-u", "-m", "dtnode", "join", *common, "--state-dir", str(state_dir),
-            "--http-port", str(http_port + i if http_port else 0), *extra,
-            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, start_new_session=True,
+            sys.executable,
+            "-u",
+            "-m",
+            "dtnode",
+            "join",
+            *common,
+            "--state-dir",
+            str(state_dir),
+            "--http-port",
+            str(http_port + i if http_port else 0),
+            *extra,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.STDOUT,
+            start_new_session=True,
         )
         procs.append(proc)
+        assert proc.stdout is not None  # asked for above (PIPE)
 
         def watch(line: str) -> None:
             m = JOIN_LINE.search(line)

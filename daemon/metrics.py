@@ -8,9 +8,10 @@ instead of only after the first failure.
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, ProcessCollector
+from prometheus_client import CollectorRegistry, Counter, Enum, Gauge, Histogram, Info, ProcessCollector
 
 ROUND_OUTCOMES = ("full", "partial", "alone", "failed")
+NODE_STATES = ("joining", "syncing", "training", "averaging", "stopped")
 PHASES = ("inner", "matchmaking", "allreduce", "waiting", "eval", "outer")
 # how a part or hop fails: gRPC status codes seen by the client, and the data plane's own errors
 COMMON_FAILURES = ("deadline_exceeded", "unavailable", "chunkerror", "timeouterror", "incomplete_group")
@@ -29,51 +30,93 @@ class NodeMetrics:
         self.registry = r = CollectorRegistry()
         ProcessCollector(registry=r)  # process_resident_memory_bytes, process_cpu_seconds_total, ...
         Info("dtnode_build", "This node's version, run and model", registry=r).info(
-            {"version": version, "run_id": run_id, "model": model, "device": device})
+            {"version": version, "run_id": run_id, "model": model, "device": device}
+        )
+        self.state = Enum("dtnode_state", "The node's state (as /status.state)", states=list(NODE_STATES), registry=r)
         self.outer_step = Gauge("dtnode_outer_step", "Completed outer steps (θ_g's step)", registry=r)
         self.inner_step = Gauge("dtnode_inner_step", "Inner steps taken by this node", registry=r)
         self.loss = Gauge("dtnode_loss", "Mean inner training loss of the last round", registry=r)
         self.eval_loss = Gauge("dtnode_eval_loss", "Held-out loss of θ_g (the same on every peer)", registry=r)
-        self.tokens_per_second = Gauge("dtnode_tokens_per_second", "Training throughput of the last round",
-                                       registry=r)
+        self.tokens_per_second = Gauge("dtnode_tokens_per_second", "Training throughput of the last round", registry=r)
         self.tokens = Counter("dtnode_tokens", "Tokens this node trained on", registry=r)
-        self.compute_utilization = Gauge("dtnode_compute_utilization_ratio",
-                                         "Fraction of wall time since the first round spent in inner steps",
-                                         registry=r)
+        self.compute_utilization = Gauge(
+            "dtnode_compute_utilization_ratio",
+            "Fraction of wall time since the first round spent in inner steps",
+            registry=r,
+        )
         self.group_size = Gauge("dtnode_group_size", "Size of the last round's first averaging group", registry=r)
-        self.rounds = Counter("dtnode_rounds", "Outer rounds ended, by outcome (full: every group whole; "
-                                               "partial: a group lacked a member or a part failed; alone: no "
-                                               "group; failed: the round raised)", ["outcome"], registry=r)
-        self.round_failures = Counter("dtnode_round_failures", "Rounds ended by an exception, by its type",
-                                      ["reason"], registry=r)
-        self.hop_failures = Counter("dtnode_hop_failures", "Failed parts and incomplete groups of averaging hops, "
-                                                           "by reason", ["reason"], registry=r)
-        self.stream_retries = Counter("dtnode_stream_retries", "Streams to a reducer that broke before any result "
-                                                             "came back (a reset, or bytes altered on the path) "
-                                                             "and were sent again, by error", ["reason"], registry=r)
+        self.rounds = Counter(
+            "dtnode_rounds",
+            "Outer rounds ended, by outcome (full: every group whole; "
+            "partial: a group lacked a member or a part failed; alone: no "
+            "group; failed: the round raised)",
+            ["outcome"],
+            registry=r,
+        )
+        self.round_failures = Counter(
+            "dtnode_round_failures", "Rounds ended by an exception, by its type", ["reason"], registry=r
+        )
+        self.hop_failures = Counter(
+            "dtnode_hop_failures",
+            "Failed parts and incomplete groups of averaging hops, by reason",
+            ["reason"],
+            registry=r,
+        )
+        self.stream_retries = Counter(
+            "dtnode_stream_retries",
+            "Streams to a reducer that broke before any result "
+            "came back (a reset, or bytes altered on the path) "
+            "and were sent again, by error",
+            ["reason"],
+            registry=r,
+        )
         self.allreduce_sent = Counter("dtnode_allreduce_sent_bytes", "Payload bytes sent by all-reduces", registry=r)
-        self.allreduce_received = Counter("dtnode_allreduce_received_bytes", "Payload bytes received by all-reduces",
-                                          registry=r)
-        self.last_round_at = Gauge("dtnode_last_round_timestamp_seconds",
-                                   "Unix time the last round ended (an alert on no progress keys on it)", registry=r)
-        self.round_seconds = Histogram("dtnode_round_seconds", "Wall time of an outer round", registry=r,
-                                       buckets=(0.5, 1, 2, 5, 10, 30, 60, 120, 300, 600, 1800, 3600))
-        self.phase_seconds = Histogram("dtnode_round_phase_seconds", "Wall time of each phase of a round",
-                                       ["phase"], registry=r,
-                                       buckets=(0.01, 0.05, 0.1, 0.5, 1, 2, 5, 10, 30, 60, 120, 300, 600, 1800))
-        self.allreduce_seconds = Histogram("dtnode_allreduce_seconds", "Wall time of one hop's data plane",
-                                           registry=r, buckets=(0.01, 0.05, 0.1, 0.5, 1, 2, 5, 10, 30, 60, 120))
-        self.checkpoint_write_seconds = Histogram("dtnode_checkpoint_write_seconds", "Time to write a checkpoint",
-                                                  registry=r, buckets=(0.05, 0.1, 0.5, 1, 2, 5, 10, 30, 60, 300))
-        self.checkpoint_served = Counter("dtnode_checkpoint_served_bytes", "Checkpoint bytes served to joiners",
-                                         registry=r)
-        self.checkpoint_downloaded = Counter("dtnode_checkpoint_downloaded_bytes",
-                                             "Checkpoint bytes this node downloaded from its peers", registry=r)
+        self.allreduce_received = Counter(
+            "dtnode_allreduce_received_bytes", "Payload bytes received by all-reduces", registry=r
+        )
+        self.last_round_at = Gauge(
+            "dtnode_last_round_timestamp_seconds",
+            "Unix time the last round ended (an alert on no progress keys on it)",
+            registry=r,
+        )
+        self.round_seconds = Histogram(
+            "dtnode_round_seconds",
+            "Wall time of an outer round",
+            registry=r,
+            buckets=(0.5, 1, 2, 5, 10, 30, 60, 120, 300, 600, 1800, 3600),
+        )
+        self.phase_seconds = Histogram(
+            "dtnode_round_phase_seconds",
+            "Wall time of each phase of a round",
+            ["phase"],
+            registry=r,
+            buckets=(0.01, 0.05, 0.1, 0.5, 1, 2, 5, 10, 30, 60, 120, 300, 600, 1800),
+        )
+        self.allreduce_seconds = Histogram(
+            "dtnode_allreduce_seconds",
+            "Wall time of one hop's data plane",
+            registry=r,
+            buckets=(0.01, 0.05, 0.1, 0.5, 1, 2, 5, 10, 30, 60, 120),
+        )
+        self.checkpoint_write_seconds = Histogram(
+            "dtnode_checkpoint_write_seconds",
+            "Time to write a checkpoint",
+            registry=r,
+            buckets=(0.05, 0.1, 0.5, 1, 2, 5, 10, 30, 60, 300),
+        )
+        self.checkpoint_served = Counter(
+            "dtnode_checkpoint_served_bytes", "Checkpoint bytes served to joiners", registry=r
+        )
+        self.checkpoint_downloaded = Counter(
+            "dtnode_checkpoint_downloaded_bytes", "Checkpoint bytes this node downloaded from its peers", registry=r
+        )
         self.catchups = Counter("dtnode_catchups", "Downloads of the swarm's state to join or catch up", registry=r)
-        self.peers_live = Gauge("dtnode_peers_live", "Peers with a live record in the swarm, this node included",
-                                registry=r)
-        self.peers_seen = Gauge("dtnode_peers_seen", "Distinct peers this node has seen since it started, "
-                                                     "this node included", registry=r)
+        self.peers_live = Gauge(
+            "dtnode_peers_live", "Peers with a live record in the swarm, this node included", registry=r
+        )
+        self.peers_seen = Gauge(
+            "dtnode_peers_seen", "Distinct peers this node has seen since it started, this node included", registry=r
+        )
         for outcome in ROUND_OUTCOMES:
             self.rounds.labels(outcome=outcome)
         for reason in COMMON_FAILURES:

@@ -22,8 +22,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
+from torch import nn
 
 VOCAB_SIZE = 256  # byte-level tokens, for the synthetic language and text files alike
 HF_PREFIX = "hf:"
@@ -53,7 +53,9 @@ class Block(nn.Module):
         self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model)
         self.proj = nn.Linear(cfg.d_model, cfg.d_model)
         self.ln2 = nn.LayerNorm(cfg.d_model)
-        self.mlp = nn.Sequential(nn.Linear(cfg.d_model, 4 * cfg.d_model), nn.GELU(), nn.Linear(4 * cfg.d_model, cfg.d_model))
+        self.mlp = nn.Sequential(
+            nn.Linear(cfg.d_model, 4 * cfg.d_model), nn.GELU(), nn.Linear(4 * cfg.d_model, cfg.d_model)
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, d = x.shape
@@ -79,7 +81,7 @@ class GPT(nn.Module):
         self.head.weight = self.tok.weight  # tied: fewer parameters to average
         self.apply(self._init)
         for name, p in self.named_parameters():
-            if name.endswith("proj.weight") or name.endswith("mlp.2.weight"):
+            if name.endswith(("proj.weight", "mlp.2.weight")):
                 nn.init.normal_(p, std=0.02 / math.sqrt(2 * cfg.n_layers))
 
     @staticmethod
@@ -104,13 +106,14 @@ def build_model(spec: str, seed: int) -> tuple[nn.Module, dict]:
     average: two peers with different models must never share a group.
     """
     torch.manual_seed(seed)
+    model: nn.Module
     if spec in PRESETS:
         model = GPT(PRESETS[spec])
         description = {"preset": spec, **asdict(PRESETS[spec])}
     elif spec.startswith(HF_PREFIX):
         from .hf_model import load_hf_model
 
-        model, description = load_hf_model(Path(spec[len(HF_PREFIX):]).expanduser())
+        model, description = load_hf_model(Path(spec[len(HF_PREFIX) :]).expanduser())
     else:
         module_name, _, factory_name = spec.partition(":")
         factory = getattr(importlib.import_module(module_name), factory_name)
@@ -126,6 +129,14 @@ def build_model(spec: str, seed: int) -> tuple[nn.Module, dict]:
     if frozen:
         description["frozen"] = frozen
     return model, description
+
+
+def vocab_and_context(model: nn.Module) -> tuple[int, int]:
+    """The vocabulary size and context length every dtnode model carries (checked at build)."""
+    vocab, context = getattr(model, "vocab_size", None), getattr(model, "context_length", None)
+    if not isinstance(vocab, int) or not isinstance(context, int):
+        raise TypeError("the model needs integer attributes 'vocab_size' and 'context_length'")
+    return vocab, context
 
 
 def export_format(description: dict) -> str:

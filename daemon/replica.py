@@ -60,7 +60,7 @@ class Replica:
     def _copy_to_host(self, source: torch.Tensor) -> None:
         """Start Δ's copy into `delta_cpu`: at once on a CPU, on the copy stream on CUDA (after
         the work queued so far on the training stream, which computed `source`)."""
-        if self._copy_stream is None:
+        if self._copy_stream is None or self._copied is None:
             self.delta_cpu.copy_(source)
             return
         self._copy_stream.wait_stream(torch.cuda.current_stream(source.device))
@@ -124,7 +124,7 @@ class Replica:
         """θ_l ← θ_g: after a round that left θ_l unusable (a non-finite loss); minus the Δ
         still being averaged, which that average will add to θ_g."""
         if self.has_in_flight:
-            torch.sub(self.theta_g, self._in_flight, out=self.trainer.parameters_flat)
+            torch.sub(self.theta_g, self._in_flight_buffer(), out=self.trainer.parameters_flat)
         else:
             self.trainer.parameters_flat.copy_(self.theta_g)
 

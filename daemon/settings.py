@@ -10,12 +10,12 @@ from __future__ import annotations
 import os
 import re
 import tomllib
+from importlib.resources.abc import Traversable
 from pathlib import Path
 from typing import Any
 
 from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
-from pydantic.fields import FieldInfo
-from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, TomlConfigSettingsSource
 
 ENV_PREFIX = "DTNODE_"
 _DEVICE = re.compile(r"^(auto|cpu|mps|cuda(:\d+)?)$")
@@ -37,172 +37,327 @@ class NodeSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="forbid", validate_default=True)
 
     # Swarm identity and membership
-    run_id: str = Field("dtnode-demo", min_length=1, max_length=64, pattern=r"^[A-Za-z0-9._-]+$",
-                        description="Name of the training run; only peers with the same run id train together.")
-    peers: list[str] = Field(default_factory=list,
-                             description="A swarm member to join through (repeatable): its multiaddr "
-                                         "(/ip4/1.2.3.4/tcp/7700/p2p/Qm...), or its sidecar address "
-                                         "(http://node1:7702), whose /status names its multiaddrs. Without "
-                                         "it the node starts a new swarm.")
-    config: Path | None = Field(None, description="TOML file with option values (keys as in this list, "
-                                                  "with underscores).")
+    run_id: str = Field(
+        "dtnode-demo",
+        min_length=1,
+        max_length=64,
+        pattern=r"^[A-Za-z0-9._-]+$",
+        description="Name of the training run; only peers with the same run id train together.",
+    )
+    peers: list[str] = Field(
+        default_factory=list,
+        description="A swarm member to join through (repeatable): its multiaddr "
+        "(/ip4/1.2.3.4/tcp/7700/p2p/Qm...), or its sidecar address "
+        "(http://node1:7702), whose /status names its multiaddrs. Without "
+        "it the node starts a new swarm.",
+    )
+    config: Path | None = Field(
+        None, description="TOML file with option values (keys as in this list, with underscores)."
+    )
     state_dir: Path = Field(Path("state"), description="Directory for checkpoints and node identity.")
     # Network
     host: str = Field("0.0.0.0", description="Interface to listen on for DHT, gRPC and HTTP.")
-    announce_host: str | None = Field(None, description="Address other peers should use to reach this node "
-                                                        "(default: detected from the listening interfaces).")
+    announce_host: str | None = Field(
+        None,
+        description="Address other peers should use to reach this node "
+        "(default: detected from the listening interfaces).",
+    )
     dht_port: int = Field(7700, ge=0, le=65535, description="TCP port of the DHT (libp2p); 0 picks a free port.")
-    grpc_port: int = Field(7701, ge=0, le=65535, description="TCP port of the averaging gRPC server; 0 picks a free one.")
+    grpc_port: int = Field(
+        7701, ge=0, le=65535, description="TCP port of the averaging gRPC server; 0 picks a free one."
+    )
     http_port: int = Field(7702, ge=0, le=65535, description="TCP port of the HTTP sidecar; 0 picks a free one.")
     client_mode: bool = Field(False, description="Behind NAT: open only outbound streams and reduce no part.")
-    swarm_key_file: Path | None = Field(None, description="File holding the swarm's secret key (at least 16 "
-                                                          "bytes, e.g. `openssl rand -hex 32`): only holders "
-                                                          "may average with this node or download its state.")
-    swarm_key: SecretStr | None = Field(None, description="The swarm key itself; set it through the environment "
-                                                          "(DTNODE_SWARM_KEY), never on a command line.")
-    insecure_data_plane: bool = Field(False, description="Average over plaintext gRPC instead of mutual TLS "
-                                                         "pinned to each peer's signed record; only on a "
-                                                         "trusted LAN, and on every peer of the swarm alike.")
-    join_timeout: float = Field(30.0, gt=0, le=3600, description="Seconds to reach the DHT and the initial "
-                                                                 "peers before giving up with an error.")
-    min_peers: int = Field(1, ge=1, le=10_000, description="Wait (up to --join-timeout) until this many "
-                                                           "members are visible before the first round.")
+    swarm_key_file: Path | None = Field(
+        None,
+        description="File holding the swarm's secret key (at least 16 "
+        "bytes, e.g. `openssl rand -hex 32`): only holders "
+        "may average with this node or download its state.",
+    )
+    swarm_key: SecretStr | None = Field(
+        None,
+        description="The swarm key itself; set it through the environment (DTNODE_SWARM_KEY), never on a command line.",
+    )
+    insecure_data_plane: bool = Field(
+        False,
+        description="Average over plaintext gRPC instead of mutual TLS "
+        "pinned to each peer's signed record; only on a "
+        "trusted LAN, and on every peer of the swarm alike.",
+    )
+    join_timeout: float = Field(
+        30.0,
+        gt=0,
+        le=3600,
+        description="Seconds to reach the DHT and the initial peers before giving up with an error.",
+    )
+    min_peers: int = Field(
+        1,
+        ge=1,
+        le=10_000,
+        description="Wait (up to --join-timeout) until this many members are visible before the first round.",
+    )
     heartbeat_interval: float = Field(2.0, gt=0, le=60, description="Seconds between membership heartbeats.")
     peer_ttl: float = Field(6.0, gt=0, le=600, description="Seconds a membership record lives without a heartbeat.")
     # Model and data
-    model: str = Field("tiny", description="Model preset (tiny, small, base), 'hf:DIR' (a transformers causal "
-                                           "LM from a local directory with config.json, and safetensors "
-                                           "weights to start from them), or 'module:factory' returning a "
-                                           "torch.nn.Module.")
-    tokenizer: Path | None = Field(None, description="Local tokenizer (a tokenizer.json, or a directory saved by "
-                                                     "transformers/tokenizers) for text data; default: byte-level "
-                                                     "tokens.")
-    data: Path | None = Field(None, description="Training data: a UTF-8 text file or a directory of them, a "
-                                                ".jsonl or .parquet file (or a directory of them) read through "
-                                                "`datasets`, or a .bin file of token ids (nanoGPT/llm.c "
-                                                "style); default: the built-in synthetic language seeded by "
-                                                "the run id.")
-    text_field: str = Field("text", min_length=1, max_length=256, description="The field holding the text in "
-                                                                              ".jsonl and .parquet data.")
-    data_dtype: str = Field("auto", pattern=r"^(auto|uint16|uint32)$", description="Token id type of .bin data: "
-                                                                                   "uint16, uint32, or auto (the "
-                                                                                   "llm.c header's, else uint16).")
-    eval_data: Path | None = Field(None, description="Held-out data for the eval loss, in any --data format "
-                                                     "(default: the last --eval-fraction of --data by "
-                                                     "document, which training then never reads).")
-    eval_fraction: float = Field(0.01, ge=0, lt=1, description="With --data and no --eval-data: the fraction "
-                                                                 "of the documents (of a single text or .bin "
-                                                                 "file: of its tokens, at its end) held out for "
-                                                                 "the eval loss (0: no eval loss).")
-    eval_sequences: int = Field(64, ge=0, le=1_000_000, description="Sequences in the eval set, the same on "
-                                                                     "every peer (0: no eval loss).")
-    eval_every: int = Field(1, ge=0, le=1_000_000, description="Evaluate θ_g on the eval set every N outer "
-                                                               "steps (0: never). Each eval is a "
-                                                               "forward pass over --eval-sequences windows, "
-                                                               "time the round does not train: with short "
-                                                               "rounds, evaluate less often.")
+    model: str = Field(
+        "tiny",
+        description="Model preset (tiny, small, base), 'hf:DIR' (a transformers causal "
+        "LM from a local directory with config.json, and safetensors "
+        "weights to start from them), or 'module:factory' returning a "
+        "torch.nn.Module.",
+    )
+    tokenizer: Path | None = Field(
+        None,
+        description="Local tokenizer (a tokenizer.json, or a directory saved by "
+        "transformers/tokenizers) for text data; default: byte-level "
+        "tokens.",
+    )
+    data: Path | None = Field(
+        None,
+        description="Training data: a UTF-8 text file or a directory of them, a "
+        ".jsonl or .parquet file (or a directory of them) read through "
+        "`datasets`, or a .bin file of token ids (nanoGPT/llm.c "
+        "style); default: the built-in synthetic language seeded by "
+        "the run id.",
+    )
+    text_field: str = Field(
+        "text", min_length=1, max_length=256, description="The field holding the text in .jsonl and .parquet data."
+    )
+    data_dtype: str = Field(
+        "auto",
+        pattern=r"^(auto|uint16|uint32)$",
+        description="Token id type of .bin data: uint16, uint32, or auto (the llm.c header's, else uint16).",
+    )
+    eval_data: Path | None = Field(
+        None,
+        description="Held-out data for the eval loss, in any --data format "
+        "(default: the last --eval-fraction of --data by "
+        "document, which training then never reads).",
+    )
+    eval_fraction: float = Field(
+        0.01,
+        ge=0,
+        lt=1,
+        description="With --data and no --eval-data: the fraction "
+        "of the documents (of a single text or .bin "
+        "file: of its tokens, at its end) held out for "
+        "the eval loss (0: no eval loss).",
+    )
+    eval_sequences: int = Field(
+        64, ge=0, le=1_000_000, description="Sequences in the eval set, the same on every peer (0: no eval loss)."
+    )
+    eval_every: int = Field(
+        1,
+        ge=0,
+        le=1_000_000,
+        description="Evaluate θ_g on the eval set every N outer "
+        "steps (0: never). Each eval is a "
+        "forward pass over --eval-sequences windows, "
+        "time the round does not train: with short "
+        "rounds, evaluate less often.",
+    )
     device: str = Field("auto", description="Torch device: auto, cpu, cuda, cuda:N or mps.")
-    compile: bool = Field(False, description="Compile the model with torch.compile (faster inner steps on a "
-                                             "GPU after a compile of a minute or so).")
-    seed: int = Field(0, ge=0, description="Seed of the initial weights and the synthetic language "
-                                           "(combined with the run id).")
+    compile: bool = Field(
+        False,
+        description="Compile the model with torch.compile (faster inner steps on a "
+        "GPU after a compile of a minute or so).",
+    )
+    seed: int = Field(
+        0, ge=0, description="Seed of the initial weights and the synthetic language (combined with the run id)."
+    )
     batch_size: int = Field(16, ge=1, le=65536, description="Sequences per inner step.")
     seq_len: int | None = Field(None, ge=2, le=65536, description="Tokens per sequence (default: the model's context).")
     # DiLoCo
-    inner_steps: int = Field(20, ge=1, le=1_000_000, description="H: the size of a round in inner steps of an "
-                                                                "average peer (with --pacing fixed: exactly H "
-                                                                "steps on every peer).")
-    pacing: str = Field("swarm", pattern=r"^(swarm|fixed)$", description="swarm: a round ends when the swarm "
-                                                                        "has processed its tokens (every peer "
-                                                                        "trains until then, weighted by its "
-                                                                        "tokens); fixed: every peer takes "
-                                                                        "exactly H steps.")
-    round_tokens: int | None = Field(None, ge=1, description="With --pacing swarm: tokens the whole swarm "
-                                                             "processes per round (default: H steps of every "
-                                                             "live peer).")
-    round_seconds: float | None = Field(None, gt=0, le=86400, description="Time budget of a round's inner "
-                                                                          "steps, in seconds: the round ends "
-                                                                          "then even if its tokens are not "
-                                                                          "reached.")
+    inner_steps: int = Field(
+        20,
+        ge=1,
+        le=1_000_000,
+        description="H: the size of a round in inner steps of an "
+        "average peer (with --pacing fixed: exactly H "
+        "steps on every peer).",
+    )
+    pacing: str = Field(
+        "swarm",
+        pattern=r"^(swarm|fixed)$",
+        description="swarm: a round ends when the swarm "
+        "has processed its tokens (every peer "
+        "trains until then, weighted by its "
+        "tokens); fixed: every peer takes "
+        "exactly H steps.",
+    )
+    round_tokens: int | None = Field(
+        None,
+        ge=1,
+        description="With --pacing swarm: tokens the whole swarm "
+        "processes per round (default: H steps of every "
+        "live peer).",
+    )
+    round_seconds: float | None = Field(
+        None,
+        gt=0,
+        le=86400,
+        description="Time budget of a round's inner "
+        "steps, in seconds: the round ends "
+        "then even if its tokens are not "
+        "reached.",
+    )
     inner_lr: float = Field(1e-3, gt=0, le=1, description="Peak learning rate of the inner AdamW.")
     inner_weight_decay: float = Field(0.1, ge=0, le=1, description="Weight decay of the inner AdamW.")
-    warmup_steps: int = Field(50, ge=0, description="Linear warmup of the inner learning rate, in inner steps "
-                                                    "(again for a joiner whose inner optimizer starts fresh).")
-    lr_schedule: str = Field("cosine", pattern=r"^(cosine|linear|constant)$",
-                             description="Decay of the inner learning rate after warmup, over --total-steps: "
-                                         "cosine, linear or constant.")
-    total_steps: int | None = Field(None, ge=1, description="Length of the learning-rate schedule in the swarm's "
-                                                            "inner steps (outer steps x H); the rate then stays "
-                                                            "at its floor. Default: no decay (a swarm that runs "
-                                                            "for ever has no end to decay toward).")
-    min_lr_ratio: float = Field(0.1, ge=0, le=1, description="The inner learning rate at the end of the "
-                                                              "schedule, as a fraction of --inner-lr.")
+    warmup_steps: int = Field(
+        50,
+        ge=0,
+        description="Linear warmup of the inner learning rate, in inner steps "
+        "(again for a joiner whose inner optimizer starts fresh).",
+    )
+    lr_schedule: str = Field(
+        "cosine",
+        pattern=r"^(cosine|linear|constant)$",
+        description="Decay of the inner learning rate after warmup, over --total-steps: cosine, linear or constant.",
+    )
+    total_steps: int | None = Field(
+        None,
+        ge=1,
+        description="Length of the learning-rate schedule in the swarm's "
+        "inner steps (outer steps x H); the rate then stays "
+        "at its floor. Default: no decay (a swarm that runs "
+        "for ever has no end to decay toward).",
+    )
+    min_lr_ratio: float = Field(
+        0.1, ge=0, le=1, description="The inner learning rate at the end of the schedule, as a fraction of --inner-lr."
+    )
     grad_clip: float = Field(1.0, ge=0, description="Gradient norm clip of inner steps (0 disables).")
     outer_lr: float = Field(0.7, gt=0, le=10, description="Learning rate of the outer Nesterov SGD.")
     outer_momentum: float = Field(0.9, ge=0, lt=1, description="Momentum of the outer Nesterov SGD.")
-    overlap: bool = Field(False, description="Train the next round while this round's Δ is averaged, and apply "
-                                             "the averaged update between two inner steps as soon as it is in: "
-                                             "the network's time hides behind compute; set it on every peer.")
-    max_rounds: int | None = Field(None, ge=1, description="Exit 0 after this process has taken part in this many "
-                                                           "outer rounds (default: run forever).")
+    overlap: bool = Field(
+        False,
+        description="Train the next round while this round's Δ is averaged, and apply "
+        "the averaged update between two inner steps as soon as it is in: "
+        "the network's time hides behind compute; set it on every peer.",
+    )
+    max_rounds: int | None = Field(
+        None,
+        ge=1,
+        description="Exit 0 after this process has taken part in this many outer rounds (default: run forever).",
+    )
     # Averaging
-    target_group_size: int = Field(16, ge=1, le=1024, description="Peers per averaging group; larger rounds "
-                                                                  "split deterministically.")
-    grid_dims: int = Field(0, ge=0, le=8, description="d: averaging hops per outer step (moshpit grid "
-                                                        "dimensions); 0 derives it from the swarm size and "
-                                                        "--target-group-size.")
-    matchmaking_window: float = Field(15.0, gt=0, le=600, description="Upper bound, in seconds, of the window a "
-                                                                       "hop waits for missing group members; the "
-                                                                       "window adapts to measured arrival times.")
-    matchmaking_window_min: float = Field(1.0, gt=0, le=600, description="Lower bound of the adaptive "
-                                                                          "matchmaking window, in seconds.")
-    allreduce_timeout: float = Field(60.0, gt=0, le=3600, description="Upper bound, in seconds, of the all-reduce "
-                                                                      "deadline; the deadline adapts to measured "
-                                                                      "transfer rates.")
-    allreduce_timeout_min: float = Field(3.0, gt=0, le=3600, description="Lower bound of the adaptive all-reduce "
-                                                                         "deadline, in seconds.")
-    consensus_every: int = Field(25, ge=0, le=1_000_000, description="Every this many outer steps, also average "
-                                                                     "θ_g and the outer momentum (fp32) over the "
-                                                                     "step's groups, so "
-                                                                     "int8 differences between groups cannot "
-                                                                     "accumulate; 0 disables.")
-    aggregation: str = Field("mean", pattern=r"^(mean|trimmed-mean)$", description="How this node reduces its "
-                                                                                   "part: mean (token-weighted) "
-                                                                                   "or trimmed-mean (robust to a "
-                                                                                   "minority of hostile peers).")
-    trim_fraction: float = Field(0.2, ge=0, lt=0.5, description="With --aggregation trimmed-mean: fraction of "
-                                                                 "values dropped at each end, per coordinate.")
-    error_feedback: bool = Field(False, description="Carry the int8 quantization residual of this node's "
-                                                    "pseudo-gradient into the next round.")
-    in_flight_chunks: int = Field(4, ge=1, le=64, description="Encoded chunks a stream may hold ahead of the "
-                                                              "network (bounds sender memory).")
-    fused_kernels: bool = Field(True, description="Compile the CPU int8 kernels with torch.compile in the "
-                                                  "background (eager kernels until ready, and if compiling "
-                                                  "fails).")
+    target_group_size: int = Field(
+        16, ge=1, le=1024, description="Peers per averaging group; larger rounds split deterministically."
+    )
+    grid_dims: int = Field(
+        0,
+        ge=0,
+        le=8,
+        description="d: averaging hops per outer step (moshpit grid "
+        "dimensions); 0 derives it from the swarm size and "
+        "--target-group-size.",
+    )
+    matchmaking_window: float = Field(
+        15.0,
+        gt=0,
+        le=600,
+        description="Upper bound, in seconds, of the window a "
+        "hop waits for missing group members; the "
+        "window adapts to measured arrival times.",
+    )
+    matchmaking_window_min: float = Field(
+        1.0, gt=0, le=600, description="Lower bound of the adaptive matchmaking window, in seconds."
+    )
+    allreduce_timeout: float = Field(
+        60.0,
+        gt=0,
+        le=3600,
+        description="Upper bound, in seconds, of the all-reduce "
+        "deadline; the deadline adapts to measured "
+        "transfer rates.",
+    )
+    allreduce_timeout_min: float = Field(
+        3.0, gt=0, le=3600, description="Lower bound of the adaptive all-reduce deadline, in seconds."
+    )
+    consensus_every: int = Field(
+        25,
+        ge=0,
+        le=1_000_000,
+        description="Every this many outer steps, also average "
+        "θ_g and the outer momentum (fp32) over the "
+        "step's groups, so "
+        "int8 differences between groups cannot "
+        "accumulate; 0 disables.",
+    )
+    aggregation: str = Field(
+        "mean",
+        pattern=r"^(mean|trimmed-mean)$",
+        description="How this node reduces its "
+        "part: mean (token-weighted) "
+        "or trimmed-mean (robust to a "
+        "minority of hostile peers).",
+    )
+    trim_fraction: float = Field(
+        0.2,
+        ge=0,
+        lt=0.5,
+        description="With --aggregation trimmed-mean: fraction of values dropped at each end, per coordinate.",
+    )
+    error_feedback: bool = Field(
+        False, description="Carry the int8 quantization residual of this node's pseudo-gradient into the next round."
+    )
+    in_flight_chunks: int = Field(
+        4, ge=1, le=64, description="Encoded chunks a stream may hold ahead of the network (bounds sender memory)."
+    )
+    fused_kernels: bool = Field(
+        True,
+        description="Compile the CPU int8 kernels with torch.compile in the "
+        "background (eager kernels until ready, and if compiling "
+        "fails).",
+    )
     quant_block_size: int = Field(256, ge=8, le=1 << 20, description="Values per int8 quantization block.")
-    chunk_elements: int = Field(1 << 20, ge=1024, le=1 << 26, description="Values per streamed chunk "
-                                                                           "(a multiple of the block size).")
-    compression: str = Field("int8", pattern=r"^(int8|none)$", description="Wire format of pseudo-gradients: "
-                                                                            "int8 (blockwise) or none (fp32).")
-    bandwidth_mbps: float = Field(1000.0, gt=0, description="This node's bandwidth in Mbit/s, used to size "
-                                                            "the part it reduces.")
-    max_lag: int = Field(0, ge=0, le=1_000_000, description="Outer steps a node may trail the swarm's open "
-                                                            "round and still train its own round (alone) "
-                                                            "instead of downloading the swarm's state when "
-                                                            "the round starts; 0: download whenever behind. "
-                                                            "A node that joins or restarts always downloads.")
+    chunk_elements: int = Field(
+        1 << 20, ge=1024, le=1 << 26, description="Values per streamed chunk (a multiple of the block size)."
+    )
+    compression: str = Field(
+        "int8",
+        pattern=r"^(int8|none)$",
+        description="Wire format of pseudo-gradients: int8 (blockwise) or none (fp32).",
+    )
+    bandwidth_mbps: float = Field(
+        1000.0, gt=0, description="This node's bandwidth in Mbit/s, used to size the part it reduces."
+    )
+    max_lag: int = Field(
+        0,
+        ge=0,
+        le=1_000_000,
+        description="Outer steps a node may trail the swarm's open "
+        "round and still train its own round (alone) "
+        "instead of downloading the swarm's state when "
+        "the round starts; 0: download whenever behind. "
+        "A node that joins or restarts always downloads.",
+    )
     # Checkpoints
-    checkpoint_every: int = Field(10, ge=1, le=1_000_000, description="Write a checkpoint every this many outer "
-                                                                      "steps (and on stop; a peer that needs the "
-                                                                      "current step gets one written on demand).")
+    checkpoint_every: int = Field(
+        10,
+        ge=1,
+        le=1_000_000,
+        description="Write a checkpoint every this many outer "
+        "steps (and on stop; a peer that needs the "
+        "current step gets one written on demand).",
+    )
     keep_checkpoints: int = Field(3, ge=1, le=1000, description="Newest checkpoints kept in the state dir.")
     # Logging
-    log_level: str = Field("INFO", pattern=r"^(DEBUG|INFO|WARNING|ERROR)$",
-                           description="Log level: DEBUG, INFO, WARNING or ERROR.")
-    log_format: str = Field("human", pattern=r"^(human|json)$",
-                            description="human: one readable line per event; json: one JSON object per line "
-                                        "(time, level, logger, message, and the traceback if any) for log "
-                                        "collectors.")
+    log_level: str = Field(
+        "INFO", pattern=r"^(DEBUG|INFO|WARNING|ERROR)$", description="Log level: DEBUG, INFO, WARNING or ERROR."
+    )
+    log_format: str = Field(
+        "human",
+        pattern=r"^(human|json)$",
+        description="human: one readable line per event; json: one JSON object per line "
+        "(time, level, logger, message, and the traceback if any) for log "
+        "collectors.",
+    )
+
+    @property
+    def averaging_bound_s(self) -> float:
+        """The longest a healthy round waits on its averaging: the matchmaking window plus the
+        all-reduce timeout (ARCHITECTURE.md's first failure promise)."""
+        return self.matchmaking_window + self.allreduce_timeout
 
     @field_validator("peers")
     @classmethod
@@ -211,8 +366,10 @@ class NodeSettings(BaseSettings):
             if peer.startswith(("http://", "https://")):
                 continue
             if not peer.startswith("/") or "/p2p/" not in peer:
-                raise ValueError(f"{peer!r} is neither a multiaddr like /ip4/1.2.3.4/tcp/7700/p2p/Qm... nor a "
-                                 "sidecar address like http://node1:7702")
+                raise ValueError(
+                    f"{peer!r} is neither a multiaddr like /ip4/1.2.3.4/tcp/7700/p2p/Qm... nor a "
+                    "sidecar address like http://node1:7702"
+                )
         return peers
 
     @field_validator("device")
@@ -228,7 +385,7 @@ class NodeSettings(BaseSettings):
         from .model import HF_PREFIX, PRESETS
 
         if value.startswith(HF_PREFIX):
-            directory = Path(value[len(HF_PREFIX):]).expanduser()
+            directory = Path(value[len(HF_PREFIX) :]).expanduser()
             if not (directory / "config.json").is_file():
                 raise ValueError(f"{directory} is not a directory with a config.json (hf:DIR)")
             return value
@@ -244,7 +401,7 @@ class NodeSettings(BaseSettings):
         return value
 
     @model_validator(mode="after")
-    def _consistent(self) -> "NodeSettings":
+    def _consistent(self) -> NodeSettings:
         if self.chunk_elements % self.quant_block_size:
             raise ValueError("chunk_elements: must be a multiple of --quant-block-size")
         if self.matchmaking_window_min > self.matchmaking_window:
@@ -268,34 +425,32 @@ class NodeSettings(BaseSettings):
         dotenv_settings: PydanticBaseSettingsSource,
         file_secret_settings: PydanticBaseSettingsSource,
     ) -> tuple[PydanticBaseSettingsSource, ...]:
-        return init_settings, env_settings, TomlFileSource(settings_cls, init_settings)
+        path = init_settings().get("config") or os.environ.get(ENV_PREFIX + "CONFIG")
+        return (init_settings, env_settings, *((ConfigFile(settings_cls, Path(path)),) if path else ()))
 
 
-class TomlFileSource(PydanticBaseSettingsSource):
-    """Values from the TOML file named by `config` (CLI) or DTNODE_CONFIG."""
+class ConfigFile(TomlConfigSettingsSource):
+    """pydantic-settings' TOML source for the file `--config` (or DTNODE_CONFIG) names, with
+    errors that name `--config`: a file that cannot be read, is not TOML, or has keys that are
+    no option. Keys may be written with dashes, like the flags."""
 
-    def __init__(self, settings_cls: type[BaseSettings], init_settings: PydanticBaseSettingsSource):
-        super().__init__(settings_cls)
-        self.init_settings = init_settings
+    def __init__(self, settings_cls: type[BaseSettings], path: Path):
+        if not path.is_file() or not os.access(path, os.R_OK):
+            reason = "no such file" if not path.exists() else "not a readable file"
+            raise SettingsError("--config", f"cannot read {path}: {reason}")
+        super().__init__(settings_cls, toml_file=path)
 
-    def get_field_value(self, field: FieldInfo, field_name: str) -> tuple[Any, str, bool]:
-        return None, field_name, False  # unused: __call__ reads the whole file
-
-    def __call__(self) -> dict[str, Any]:
-        path = self.init_settings().get("config") or os.environ.get(ENV_PREFIX + "CONFIG")
-        if not path:
-            return {}
+    def _read_file(self, file_path: Path | Traversable) -> dict[str, Any]:
         try:
-            with open(path, "rb") as f:
-                values = tomllib.load(f)
+            values = super()._read_file(file_path)
         except OSError as e:
-            raise SettingsError("--config", f"cannot read {path}: {e.strerror or e}") from None
+            raise SettingsError("--config", f"cannot read {file_path}: {e.strerror or e}") from None
         except tomllib.TOMLDecodeError as e:
-            raise SettingsError("--config", f"{path} is not valid TOML: {e}") from None
+            raise SettingsError("--config", f"{file_path} is not valid TOML: {e}") from None
         values = {k.replace("-", "_"): v for k, v in values.items()}
         unknown = sorted(set(values) - set(NodeSettings.model_fields))
         if unknown:
-            raise SettingsError("--config", f"{path} has unknown option(s): {', '.join(unknown)}")
+            raise SettingsError("--config", f"{file_path} has unknown option(s): {', '.join(unknown)}")
         values.pop("config", None)
         return values
 

@@ -23,6 +23,7 @@ from dtnode.peers.auth import HTTP_HEADER, AuthError, SwarmAuth
 from .checkpoint import CheckpointInfo, MemoryCheckpoint
 from .history import RoundHistory
 from .metrics import NodeMetrics
+from .report import Health, NodeStatus
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +42,9 @@ class NodeView(Protocol):
     history: RoundHistory
     export_format: str
 
-    def status(self) -> dict[str, Any]: ...
+    def status(self) -> NodeStatus: ...
+
+    def health(self) -> Health: ...
 
     async def peer_records(self) -> list[dict[str, Any]]: ...
 
@@ -68,16 +71,18 @@ class Sidecar:
         self.auth = auth
         self.downloads = asyncio.Semaphore(max_downloads)
         self.app = web.Application(middlewares=[self._require_key])
-        self.app.add_routes([
-            web.get("/healthz", self.healthz),
-            web.get("/status", self.status),
-            web.get("/peers", self.peers),
-            web.get("/metrics", self.metrics),
-            web.get("/checkpoint", self.checkpoint_meta),
-            web.get("/checkpoint/{step}", self.checkpoint_file),
-            web.get("/history", self.history),
-            web.get("/", self.dashboard),
-        ])
+        self.app.add_routes(
+            [
+                web.get("/healthz", self.healthz),
+                web.get("/status", self.status),
+                web.get("/peers", self.peers),
+                web.get("/metrics", self.metrics),
+                web.get("/checkpoint", self.checkpoint_meta),
+                web.get("/checkpoint/{step}", self.checkpoint_file),
+                web.get("/history", self.history),
+                web.get("/", self.dashboard),
+            ]
+        )
         self.runner: web.AppRunner | None = None
         self._dashboard = importlib.resources.files(__package__).joinpath("dashboard.html").read_text("utf-8")
         self.port = 0
@@ -119,10 +124,11 @@ class Sidecar:
             await self.runner.cleanup()
 
     async def healthz(self, request: web.Request) -> web.Response:
-        return web.json_response({"ok": True, "state": self.node.status()["state"]})
+        health = self.node.health()
+        return web.json_response(health.model_dump(mode="json"), status=200 if health.ok else 503)
 
     async def status(self, request: web.Request) -> web.Response:
-        return web.json_response(self.node.status())
+        return web.json_response(self.node.status().model_dump(mode="json"))
 
     async def peers(self, request: web.Request) -> web.Response:
         return web.json_response(await self.node.peer_records())
@@ -134,16 +140,20 @@ class Sidecar:
     async def checkpoint_meta(self, request: web.Request) -> web.Response:
         try:
             info = await self.node.current_checkpoint()
-        except asyncio.TimeoutError:
+        except TimeoutError:
             raise web.HTTPServiceUnavailable(text="writing the current checkpoint", headers={"Retry-After": "2"})
         if info is None:
             raise web.HTTPNotFound(text="no checkpoint yet")
         self._mark_served(info.step)  # a joiner's ranges follow: the step must outlive the next outer step
-        return web.json_response({
-            "outer_step": info.step, "sha256": info.sha256, "size_bytes": info.size_bytes,
-            "url": str(request.url.with_path(f"/checkpoint/{info.step}").with_query(None)),
-            "export_format": self.node.export_format,  # what `dtnode export` makes of it
-        })
+        return web.json_response(
+            {
+                "outer_step": info.step,
+                "sha256": info.sha256,
+                "size_bytes": info.size_bytes,
+                "url": str(request.url.with_path(f"/checkpoint/{info.step}").with_query(None)),
+                "export_format": self.node.export_format,  # what `dtnode export` makes of it
+            }
+        )
 
     async def checkpoint_file(self, request: web.Request) -> web.StreamResponse:
         raw = request.match_info["step"]
@@ -151,22 +161,29 @@ class Sidecar:
         if not raw.isascii() or not raw.isdigit() or len(raw) > 19 or int(raw) > MAX_STEP:
             raise web.HTTPBadRequest(text="step must be a non-negative integer")
         info = self.node.checkpoint(int(raw))
-        memory = self.node.memory_checkpoint(int(raw)) if info is None or not Path(info.path).is_file() else None
-        if info is None and memory is None:
+        on_disk = info if info is not None and Path(info.path).is_file() else None
+        memory = self.node.memory_checkpoint(int(raw)) if on_disk is None else None
+        if on_disk is None and memory is None:
+            if info is not None or self.node.checkpoint(int(raw)) is not None:
+                self._mark_served(int(raw))
             raise web.HTTPNotFound(text=f"no checkpoint for step {int(raw)}")
         self._mark_served(int(raw))
-        if memory is None and not Path(info.path).is_file():
-            raise web.HTTPNotFound(text=f"no checkpoint for step {int(raw)}")
         if self.downloads.locked():
             raise web.HTTPServiceUnavailable(text="too many downloads in progress", headers={"Retry-After": "2"})
         if memory is not None:
             async with self.downloads:
                 return await self._serve_from_memory(request, memory)
+        assert on_disk is not None
         async with self.downloads:
-            response = _HeldFileResponse(info.path, chunk_size=1 << 20, headers={
-                "X-Checkpoint-Sha256": info.sha256, "X-Checkpoint-Step": str(info.step),
-                "Content-Type": "application/octet-stream",
-            })
+            response = _HeldFileResponse(
+                on_disk.path,
+                chunk_size=1 << 20,
+                headers={
+                    "X-Checkpoint-Sha256": on_disk.sha256,
+                    "X-Checkpoint-Step": str(on_disk.step),
+                    "Content-Type": "application/octet-stream",
+                },
+            )
             await response.prepare(request)  # sends the whole file while we hold the slot
             self.node.metrics.checkpoint_served.inc(response.content_length or 0)
             return response
@@ -186,8 +203,12 @@ class Sidecar:
         stop = memory.size if stop is None else min(stop, memory.size)
         if not 0 <= start < stop:
             raise web.HTTPRequestRangeNotSatisfiable(headers={"Content-Range": f"bytes */{memory.size}"})
-        headers = {"X-Checkpoint-Sha256": memory.sha256, "X-Checkpoint-Step": str(memory.step),
-                   "Content-Type": "application/octet-stream", "Accept-Ranges": "bytes"}
+        headers = {
+            "X-Checkpoint-Sha256": memory.sha256,
+            "X-Checkpoint-Step": str(memory.step),
+            "Content-Type": "application/octet-stream",
+            "Accept-Ranges": "bytes",
+        }
         if partial:
             headers["Content-Range"] = f"bytes {start}-{stop - 1}/{memory.size}"
         if memory.step not in self._from_memory:
@@ -216,5 +237,3 @@ class Sidecar:
 
     async def dashboard(self, request: web.Request) -> web.Response:
         return web.Response(text=self._dashboard, content_type="text/html")
-
-

@@ -6,6 +6,7 @@ import json
 import sys
 import urllib.error
 import urllib.request
+from typing import Any
 
 from rich.console import Console
 from rich.table import Table
@@ -13,7 +14,7 @@ from rich.table import Table
 from dtnode.peers.auth import HTTP_HEADER, SwarmAuth
 
 
-def _get(base: str, path: str, auth: SwarmAuth | None = None) -> object:
+def _get(base: str, path: str, auth: SwarmAuth | None = None) -> Any:
     headers = {HTTP_HEADER: auth.issue("http", path)} if auth is not None else {}
     with urllib.request.urlopen(urllib.request.Request(base + path, headers=headers), timeout=5) as resp:
         return json.load(resp)
@@ -27,7 +28,7 @@ def show_status(url: str, as_json: bool = False, auth: SwarmAuth | None = None) 
         print(f"dtnode: error: no node answers at {base}: {getattr(e, 'reason', e)}", file=sys.stderr)
         return 1
     try:
-        peers: list | None = _get(base, "/peers", auth)
+        peers: list[dict[str, Any]] | None = _get(base, "/peers", auth)
     except urllib.error.HTTPError as e:
         if e.code != 401:
             print(f"dtnode: error: {base}/peers answered {e.code}", file=sys.stderr)
@@ -44,34 +45,67 @@ def show_status(url: str, as_json: bool = False, auth: SwarmAuth | None = None) 
     last = status.get("last_round") or {}
     rows = [
         ("condition", f"{status['condition']}: {status['condition_detail']}" if "condition" in status else "-"),
-        ("run", status["run_id"]), ("state", status["state"]), ("outer step", status["outer_step"]),
-        ("inner step", status["inner_step"]), ("inner lr", _fmt(status.get("inner_lr"), ".3g")),
+        ("run", status["run_id"]),
+        ("state", status["state"]),
+        ("outer step", status["outer_step"]),
+        ("inner step", status["inner_step"]),
+        ("inner lr", _fmt(status.get("inner_lr"), ".3g")),
         ("loss", _fmt(status.get("loss"))),
-        ("eval loss", _fmt(status.get("eval_loss"))), ("loss floor", _fmt(status.get("loss_floor"))),
+        ("eval loss", _fmt(status.get("eval_loss"))),
+        ("loss floor", _fmt(status.get("loss_floor"))),
         ("tokens/s", f"{status['tokens_per_s']:.0f}"),
-        ("in inner steps", _fmt(status.get("compute_utilization"), ".1%")), ("uptime", f"{status['uptime_s']:.0f}s"),
-        ("params sha256", status["params_sha256"][:16]), ("http", status["http_url"]),
-        ("last round", f"groups {' '.join(str(h['group_size']) for h in last.get('hops', [])) or '-'}, "
-                       f"{last.get('duration_s', '-')}s, all-reduce {last.get('allreduce_s', '-')}s, "
-                       f"sent {last.get('bytes_sent', '-')} B"),
+        ("in inner steps", _fmt(status.get("compute_utilization"), ".1%")),
+        ("uptime", f"{status['uptime_s']:.0f}s"),
+        ("params sha256", status["params_sha256"][:16]),
+        ("http", status["http_url"]),
+        (
+            "last round",
+            (
+                f"groups {' '.join(str(h['group_size']) for h in last.get('hops', [])) or '-'}, "
+                f"{last.get('duration_s', '-')}s, all-reduce {last.get('allreduce_s', '-')}s, "
+                f"sent {last.get('bytes_sent', '-')} B"
+            ),
+        ),
     ]
     for key, value in rows:
         node.add_row(key, str(value))
     console.print(node)
     if peers is None:
-        console.print("swarm: this node's swarm is closed; pass --swarm-key-file (or set DTNODE_SWARM_KEY) "
-                      "to list its peers")
+        console.print(
+            "swarm: this node's swarm is closed; pass --swarm-key-file (or set DTNODE_SWARM_KEY) to list its peers"
+        )
         return 0
     swarm = Table(title=f"swarm: {len(peers)} peers")
-    for col in ("peer", "state", "round", "outer step", "lag", "checkpoint", "tokens/s", "last seen", "device", "mode",
-                "http"):
+    for col in (
+        "peer",
+        "state",
+        "round",
+        "outer step",
+        "lag",
+        "checkpoint",
+        "tokens/s",
+        "last seen",
+        "device",
+        "mode",
+        "http",
+    ):
         swarm.add_column(col)
     for p in peers:
         where = f"{p['round']} {p['phase']}" if p.get("round", -1) >= 0 and p.get("phase") else "-"
         seen = f"{p['last_seen_s']:.0f}s" if "last_seen_s" in p else "-"
-        swarm.add_row(p["peer_id"][-12:], p["state"], where, str(p["outer_step"]), str(p.get("lag", "-")),
-                      str(p["checkpoint_step"]), f"{p['tokens_per_s']:.0f}", seen, p["device"],
-                      "client" if p["client_mode"] else "full", p["http_addr"])
+        swarm.add_row(
+            p["peer_id"][-12:],
+            p["state"],
+            where,
+            str(p["outer_step"]),
+            str(p.get("lag", "-")),
+            str(p["checkpoint_step"]),
+            f"{p['tokens_per_s']:.0f}",
+            seen,
+            p["device"],
+            "client" if p["client_mode"] else "full",
+            p["http_addr"],
+        )
     console.print(swarm)
     return 0
 

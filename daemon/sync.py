@@ -29,9 +29,17 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import aiohttp
+from tenacity import (
+    AsyncRetrying,
+    RetryCallState,
+    retry_if_exception_type,
+    stop_after_attempt,
+    wait_incrementing,
+)
 
 from dtnode.peers.auth import HTTP_HEADER, SwarmAuth
 from dtnode.peers.membership import PeerRecord
+from dtnode.peers.sidecar_address import PROBE_TIMEOUT_S
 
 from .checkpoint import CheckpointError, CheckpointInfo, Layout, LoadedCheckpoint, checkpoint_path, read_checkpoint
 
@@ -39,6 +47,7 @@ log = logging.getLogger(__name__)
 
 PIECE_BYTES = 4 << 20  # one Range request
 PER_DONOR = 2  # concurrent range requests per donor
+QUEUE_POLL_S = 0.02  # an idle download worker looks for ranges given back by a failed donor this often
 WRITE_BATCH_BYTES = 2 << 20  # bytes received before a write (a thread hop)
 MAX_BUSY_RETRIES = 20  # 503s (donor busy serving others) before a donor is given up
 
@@ -63,14 +72,16 @@ def _headers(auth: SwarmAuth | None, path: str) -> dict[str, str]:
     return {HTTP_HEADER: auth.issue("http", path)} if auth is not None else {}
 
 
-async def probe(session: aiohttp.ClientSession, donor: PeerRecord, layout: Layout, timeout: float,
-                auth: SwarmAuth | None = None) -> Offer:
+async def probe(
+    session: aiohttp.ClientSession, donor: PeerRecord, layout: Layout, timeout: float, auth: SwarmAuth | None = None
+) -> Offer:
     base = donor.http_addr.rstrip("/")
     if not base.startswith(("http://", "https://")):
         raise DownloadError(f"peer {donor.peer_id} announces no usable HTTP address")
     started = time.monotonic()
-    async with session.get(f"{base}/checkpoint", timeout=aiohttp.ClientTimeout(total=timeout),
-                           headers=_headers(auth, "/checkpoint")) as resp:
+    async with session.get(
+        f"{base}/checkpoint", timeout=aiohttp.ClientTimeout(total=timeout), headers=_headers(auth, "/checkpoint")
+    ) as resp:
         if resp.status != 200:
             raise DownloadError(f"{base}/checkpoint answered {resp.status}")
         raw = await resp.content.read(1 << 16)
@@ -80,8 +91,14 @@ async def probe(session: aiohttp.ClientSession, donor: PeerRecord, layout: Layou
     except ValueError:
         raise DownloadError(f"{base}/checkpoint returned malformed metadata") from None
     step, sha256, size = meta.get("outer_step"), meta.get("sha256"), meta.get("size_bytes")
-    if not isinstance(step, int) or step < 0 or not isinstance(sha256, str) or len(sha256) != 64 \
-            or not isinstance(size, int) or size <= 0:
+    if (
+        not isinstance(step, int)
+        or step < 0
+        or not isinstance(sha256, str)
+        or len(sha256) != 64
+        or not isinstance(size, int)
+        or size <= 0
+    ):
         raise DownloadError(f"{base}/checkpoint returned malformed metadata")
     if step == donor.checkpoint_step and sha256 != donor.checkpoint_sha256:
         raise DownloadError("checkpoint hash differs from the donor's DHT record")
@@ -101,10 +118,16 @@ class Progress:
         self._last_log = time.monotonic()
         self._bar = None
         if sys.stderr.isatty():
-            from rich.progress import BarColumn, DownloadColumn, Progress as RichProgress, TransferSpeedColumn
+            from rich.progress import BarColumn, DownloadColumn, TransferSpeedColumn
+            from rich.progress import Progress as RichProgress
 
-            self._bar = RichProgress("[progress.description]{task.description}", BarColumn(), DownloadColumn(),
-                                     TransferSpeedColumn(), transient=True)
+            self._bar = RichProgress(
+                "[progress.description]{task.description}",
+                BarColumn(),
+                DownloadColumn(),
+                TransferSpeedColumn(),
+                transient=True,
+            )
             self._task = self._bar.add_task(label, total=total)
             self._bar.start()
 
@@ -114,8 +137,13 @@ class Progress:
             self._bar.update(self._task, completed=self.done)
         elif time.monotonic() - self._last_log >= self.interval:
             self._last_log = time.monotonic()
-            log.info("%s: %.1f of %.1f MB (%.0f%%)", self.label, self.done / 1e6, self.total / 1e6,
-                     100 * self.done / max(self.total, 1))
+            log.info(
+                "%s: %.1f of %.1f MB (%.0f%%)",
+                self.label,
+                self.done / 1e6,
+                self.total / 1e6,
+                100 * self.done / max(self.total, 1),
+            )
 
     def close(self) -> None:
         if self._bar is not None:
@@ -143,7 +171,7 @@ class PartialDownload:
                 f.truncate(size)
         self.fd = os.open(self.path, os.O_RDWR)
 
-    def write(self, offset: int, data: bytes) -> None:
+    def write(self, offset: int, data: bytes | bytearray) -> None:
         os.pwrite(self.fd, data, offset)
 
     def finish_piece(self, index: int) -> None:
@@ -170,27 +198,81 @@ class PartialDownload:
 
 
 RESUMES_PER_PIECE = 3  # a donor that drops a connection mid-range is asked for the rest this many times
+RESUME_WAIT_S = 0.2  # before the first resume; each later one waits this much longer
 
 
-async def _fetch_piece(session: aiohttp.ClientSession, offer: Offer, start: int, length: int,
-                       partial: PartialDownload, progress: Progress, timeout: float,
-                       auth: SwarmAuth | None = None) -> None:
+async def _fetch_piece(
+    session: aiohttp.ClientSession,
+    offer: Offer,
+    start: int,
+    length: int,
+    partial: PartialDownload,
+    progress: Progress,
+    timeout: float,
+    auth: SwarmAuth | None = None,
+) -> None:
     """One range, written in place as it streams. A connection the donor drops (a restart of
     its keep-alive socket, a busy moment) is resumed from the byte where it stopped; a donor
     that keeps dropping it, or answers anything but the bytes asked for, has failed."""
     received = 0
-    for attempt in range(RESUMES_PER_PIECE + 1):
+
+    async def rest_of_range() -> None:
+        nonlocal received
         try:
-            received += await _fetch_range(session, offer, start + received, length - received, partial, progress,
-                                           timeout, auth)
-            return
+            received += await _fetch_range(
+                session, offer, start + received, length - received, partial, progress, timeout, auth
+            )
         except _Dropped as e:
             received += e.received
-            if attempt == RESUMES_PER_PIECE:
-                raise DownloadError(f"connection dropped {attempt + 1} times ({e.cause})") from None
-            log.info("donor %s dropped the connection at byte %d of checkpoint %d (%s); resuming from there",
-                     offer.donor.peer_id[-8:], start + received, offer.step, e.cause)
-            await asyncio.sleep(0.2 * (attempt + 1))
+            raise
+
+    def resuming(state: RetryCallState) -> None:
+        cause = state.outcome.exception() if state.outcome is not None else None
+        log.info(
+            "donor %s dropped the connection at byte %d of checkpoint %d (%s); resuming from there",
+            offer.donor.peer_id[-8:],
+            start + received,
+            offer.step,
+            getattr(cause, "cause", cause),
+        )
+
+    retrying = AsyncRetrying(
+        retry=retry_if_exception_type(_Dropped),
+        stop=stop_after_attempt(RESUMES_PER_PIECE + 1),
+        wait=wait_incrementing(RESUME_WAIT_S, RESUME_WAIT_S),
+        before_sleep=resuming,
+        reraise=True,
+    )
+    try:
+        await retrying(rest_of_range)
+    except _Dropped as e:
+        raise DownloadError(f"connection dropped {RESUMES_PER_PIECE + 1} times ({e.cause})") from None
+
+
+async def _fetch_patiently(
+    session: aiohttp.ClientSession,
+    offer: Offer,
+    start: int,
+    length: int,
+    partial: PartialDownload,
+    progress: Progress,
+    timeout: float,
+    auth: SwarmAuth | None,
+) -> None:
+    """`_fetch_piece`, asking again after the donor's Retry-After while it answers busy (503:
+    serving others); a donor still busy after MAX_BUSY_RETRIES asks is given up (_Busy)."""
+    retrying = AsyncRetrying(
+        retry=retry_if_exception_type(_Busy),
+        stop=stop_after_attempt(MAX_BUSY_RETRIES + 1),
+        wait=_retry_after,
+        reraise=True,
+    )
+    await retrying(_fetch_piece, session, offer, start, length, partial, progress, timeout, auth)
+
+
+def _retry_after(state: RetryCallState) -> float:
+    busy = state.outcome.exception() if state.outcome is not None else None
+    return busy.retry_after if isinstance(busy, _Busy) else 1.0
 
 
 class _Dropped(Exception):
@@ -210,16 +292,24 @@ async def _write_batch(partial: PartialDownload, offset: int, batch: bytearray, 
     return len(batch)
 
 
-async def _fetch_range(session: aiohttp.ClientSession, offer: Offer, start: int, length: int,
-                       partial: PartialDownload, progress: Progress, timeout: float,
-                       auth: SwarmAuth | None) -> int:
+async def _fetch_range(
+    session: aiohttp.ClientSession,
+    offer: Offer,
+    start: int,
+    length: int,
+    partial: PartialDownload,
+    progress: Progress,
+    timeout: float,
+    auth: SwarmAuth | None,
+) -> int:
     headers = {"Range": f"bytes={start}-{start + length - 1}", **_headers(auth, f"/checkpoint/{offer.step}")}
     client_timeout = aiohttp.ClientTimeout(total=timeout, sock_read=min(timeout, 30))
     received = 0
     batch = bytearray()
     try:
-        async with session.get(f"{offer.base}/checkpoint/{offer.step}", headers=headers,
-                               timeout=client_timeout) as resp:
+        async with session.get(
+            f"{offer.base}/checkpoint/{offer.step}", headers=headers, timeout=client_timeout
+        ) as resp:
             if resp.status == 503:
                 raise _Busy(float(resp.headers.get("Retry-After", "1") or 1))
             if resp.status != 206 and not (resp.status == 200 and start == 0 and length == offer.size):
@@ -251,8 +341,9 @@ class _Busy(Exception):
         self.retry_after = min(max(retry_after, 0.1), 5.0)
 
 
-async def download_parallel(session: aiohttp.ClientSession, offers: list[Offer], scratch: Path,
-                            timeout: float, auth: SwarmAuth | None = None) -> Path:
+async def download_parallel(
+    session: aiohttp.ClientSession, offers: list[Offer], scratch: Path, timeout: float, auth: SwarmAuth | None = None
+) -> Path:
     """Assemble one checkpoint file from ranges served by every donor in `offers` (same file)."""
     first = offers[0]
     partial = PartialDownload(scratch, first.sha256, first.size)
@@ -262,8 +353,12 @@ async def download_parallel(session: aiohttp.ClientSession, offers: list[Offer],
             todo.put_nowait(index)
     resumed = sum(partial.pieces[i][1] for i in partial.finished)
     if resumed:
-        log.info("resuming a download of checkpoint %d: %.1f of %.1f MB already here", first.step, resumed / 1e6,
-                 first.size / 1e6)
+        log.info(
+            "resuming a download of checkpoint %d: %.1f of %.1f MB already here",
+            first.step,
+            resumed / 1e6,
+            first.size / 1e6,
+        )
     progress = Progress(first.size, f"checkpoint {first.step} from {len(offers)} peer(s)")
     progress.advance(resumed)
     failures: dict[str, str] = {}
@@ -271,36 +366,33 @@ async def download_parallel(session: aiohttp.ClientSession, offers: list[Offer],
     started = time.monotonic()
 
     async def worker(offer: Offer) -> None:
-        busy = 0
         while offer.donor.peer_id not in failures and len(partial.finished) < len(partial.pieces):
             try:
                 index = todo.get_nowait()
             except asyncio.QueueEmpty:  # ranges in flight elsewhere may still come back
-                if all(o.donor.peer_id in failures for o in offers if o is not offer):
-                    if todo.empty() and not in_flight:
-                        return
-                await asyncio.sleep(0.02)
+                if (
+                    all(o.donor.peer_id in failures for o in offers if o is not offer)
+                    and todo.empty()
+                    and not in_flight
+                ):
+                    return
+                await asyncio.sleep(QUEUE_POLL_S)
                 continue
             in_flight.add(index)
             start, length = partial.pieces[index]
             try:
-                await _fetch_piece(session, offer, start, length, partial, progress, timeout, auth)
+                await _fetch_patiently(session, offer, start, length, partial, progress, timeout, auth)
                 await asyncio.to_thread(partial.finish_piece, index)
                 in_flight.discard(index)
-            except _Busy as e:
-                in_flight.discard(index)
-                todo.put_nowait(index)
-                busy += 1
-                if busy > MAX_BUSY_RETRIES:
-                    failures[offer.donor.peer_id] = "busy"
-                    return
-                await asyncio.sleep(e.retry_after)
-            except (DownloadError, aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+            except (TimeoutError, _Busy, DownloadError, aiohttp.ClientError, OSError) as e:
                 in_flight.discard(index)
                 todo.put_nowait(index)  # another donor takes this range
-                failures[offer.donor.peer_id] = str(e) or type(e).__name__
-                log.warning("donor %s failed (%s); its ranges go to the others", offer.donor.peer_id[-8:],
-                            failures[offer.donor.peer_id])
+                failures[offer.donor.peer_id] = "busy" if isinstance(e, _Busy) else str(e) or type(e).__name__
+                log.warning(
+                    "donor %s failed (%s); its ranges go to the others",
+                    offer.donor.peer_id[-8:],
+                    failures[offer.donor.peer_id],
+                )
                 return
 
     try:
@@ -317,8 +409,13 @@ async def download_parallel(session: aiohttp.ClientSession, offers: list[Offer],
     dest = scratch / f".download-{first.sha256[:16]}.safetensors"
     os.replace(partial.path, dest)
     partial.ledger.unlink(missing_ok=True)
-    log.info("downloaded checkpoint %d from %d peer(s): %.1f MB in %.2fs", first.step, len(offers) - len(failures),
-             first.size / 1e6, time.monotonic() - started)
+    log.info(
+        "downloaded checkpoint %d from %d peer(s): %.1f MB in %.2fs",
+        first.step,
+        len(offers) - len(failures),
+        first.size / 1e6,
+        time.monotonic() - started,
+    )
     return dest
 
 
@@ -338,10 +435,14 @@ def _groups(offers: list[Offer]) -> list[list[Offer]]:
     groups = []
     for group in by_file.values():
         if len(group) < most:
-            log.warning("skipping %s: %s a checkpoint of step %d (sha256 %s) that %d other peer(s) contradict",
-                        ", ".join(f"peer {o.donor.peer_id[-8:]} ({o.base})" for o in group),
-                        "they serve" if len(group) > 1 else "it serves", group[0].step, group[0].sha256[:12],
-                        most)
+            log.warning(
+                "skipping %s: %s a checkpoint of step %d (sha256 %s) that %d other peer(s) contradict",
+                ", ".join(f"peer {o.donor.peer_id[-8:]} ({o.base})" for o in group),
+                "they serve" if len(group) > 1 else "it serves",
+                group[0].step,
+                group[0].sha256[:12],
+                most,
+            )
             continue
         groups.append(sorted(group, key=lambda o: o.latency))
     return sorted(groups, key=lambda g: (-g[0].step, g[0].latency))
@@ -384,43 +485,64 @@ def swarm_position(records, own_id: str, model_hash: str) -> SwarmPosition | Non
 
     A round's start step is its number, or one less for a peer whose outer step comes a round
     late (--overlap); the peers of the open round say which."""
-    live = [r for r in records if r.peer_id != own_id and r.model_hash == model_hash
-            and r.state in ("training", "averaging")]
+    live = [
+        r
+        for r in records
+        if r.peer_id != own_id and r.model_hash == model_hash and r.state in ("training", "averaging")
+    ]
     if not live:
         return None
     target = swarm_step([open_round(r) for r in live])
-    lags = [r.round - r.round_checkpoint for r in live
-            if open_round(r) == target and r.phase == "inner" and 0 <= r.round_checkpoint <= r.round]
+    lags = [
+        r.round - r.round_checkpoint
+        for r in live
+        if open_round(r) == target and r.phase == "inner" and 0 <= r.round_checkpoint <= r.round
+    ]
     start = target - (max(set(lags), key=lags.count) if lags else 0)
     # a peer past `start` serves the newer θ_g (--overlap lands the round's average mid-round)
     ready = any(r.outer_step >= start or r.checkpoint_step == start for r in live)
     return SwarmPosition(target, start, ready, len(live))
 
 
-async def fetch_from_swarm(members: dict[str, PeerRecord], own_id: str, steps: range, model_hash: str, run_id: str,
-                           layout: Layout, scratch: Path, timeout: float,
-                           auth: SwarmAuth | None = None, keep: bool = False) -> LoadedCheckpoint | None:
+async def fetch_from_swarm(
+    members: dict[str, PeerRecord],
+    own_id: str,
+    steps: range,
+    model_hash: str,
+    run_id: str,
+    layout: Layout,
+    scratch: Path,
+    timeout: float,
+    auth: SwarmAuth | None = None,
+    keep: bool = False,
+) -> LoadedCheckpoint | None:
     """The newest checkpoint with its step in `steps` that members serve, or None.
 
     With `keep`, the verified file becomes this node's own checkpoint of that step in
     `scratch` (its state dir): the bytes its group serves, not written a second time."""
-    donors = [m for m in members.values()
-              if m.peer_id != own_id and m.model_hash == model_hash and (m.checkpoint_step in steps or m.outer_step in steps) and m.http_addr]
+    donors = [
+        m
+        for m in members.values()
+        if m.peer_id != own_id
+        and m.model_hash == model_hash
+        and (m.checkpoint_step in steps or m.outer_step in steps)
+        and m.http_addr
+    ]
     if not donors:
         return None
     scratch.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
     async with aiohttp.ClientSession() as session:
-        probes = await asyncio.gather(*(probe(session, d, layout, min(timeout, 10.0), auth) for d in donors),
-                                      return_exceptions=True)
+        probes = await asyncio.gather(
+            *(probe(session, d, layout, min(timeout, PROBE_TIMEOUT_S), auth) for d in donors), return_exceptions=True
+        )
         offers = []
         for donor, result in zip(donors, probes):
             if isinstance(result, Offer):
                 if result.step in steps:
                     offers.append(result)
             else:
-                log.warning("peer %s (%s) offers no usable checkpoint: %s", donor.peer_id[-8:], donor.http_addr,
-                            result)
+                log.warning("peer %s (%s) offers no usable checkpoint: %s", donor.peer_id[-8:], donor.http_addr, result)
         wanted = {o.sha256[:16] for o in offers}
         for stale in scratch.glob(".download-*"):  # partial files nobody offers any more
             if stale.name.split("-", 1)[1].split(".", 1)[0] not in wanted:
@@ -435,8 +557,11 @@ async def fetch_from_swarm(members: dict[str, PeerRecord], own_id: str, steps: r
                     path = await download_parallel(session, attempt, scratch, timeout, auth)
                     downloaded = time.monotonic()
                     loaded = await asyncio.to_thread(read_checkpoint, path, layout, run_id, model_hash)
-                    loaded.timings = {"asking": asked - started, "transfer": downloaded - asked,
-                                      "checking": time.monotonic() - downloaded}
+                    loaded.timings = {
+                        "asking": asked - started,
+                        "transfer": downloaded - asked,
+                        "checking": time.monotonic() - downloaded,
+                    }
                     if keep:
                         final = checkpoint_path(scratch, loaded.step)
                         await asyncio.to_thread(os.replace, path, final)
@@ -444,8 +569,7 @@ async def fetch_from_swarm(members: dict[str, PeerRecord], own_id: str, steps: r
                     for leftover in scratch.glob(".download-*"):
                         leftover.unlink(missing_ok=True)
                     return loaded
-                except (DownloadError, CheckpointError, aiohttp.ClientError, asyncio.TimeoutError, OSError,
-                        ValueError) as e:
+                except (TimeoutError, DownloadError, CheckpointError, aiohttp.ClientError, OSError, ValueError) as e:
                     names = ", ".join(f"{o.donor.peer_id[-8:]} ({o.base})" for o in attempt)
                     log.warning("could not sync from %s: %s; trying the next peer", names, e)
                     if isinstance(e, CheckpointError):

@@ -28,9 +28,9 @@ class Tokenizer(Protocol):
 class ByteTokenizer:
     """UTF-8 bytes as token ids 0-255: the default, and the built-in presets' vocabulary."""
 
-    vocab_size = BYTE_VOCAB
-    sha256 = "bytes"
-    eos_id = None
+    vocab_size: int = BYTE_VOCAB
+    sha256: str = "bytes"
+    eos_id: int | None = None
     separator = b"\n"
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
@@ -47,12 +47,15 @@ class LocalTokenizer:
             raise SettingsError("--tokenizer", "needs the Hugging Face libraries: pip install 'dtnode[hf]'") from None
         file = path / "tokenizer.json" if path.is_dir() else path
         if not file.is_file():
-            raise SettingsError("--tokenizer", f"{path} holds no tokenizer.json (save a fast tokenizer with "
-                                               "save_pretrained, or give the tokenizer.json itself)")
+            raise SettingsError(
+                "--tokenizer",
+                f"{path} holds no tokenizer.json (save a fast tokenizer with "
+                "save_pretrained, or give the tokenizer.json itself)",
+            )
         raw = file.read_bytes()
         try:
             self._tokenizer = HFTokenizer.from_str(raw.decode("utf-8"))
-        except Exception as e:  # the library raises a bare Exception on a malformed file
+        except Exception as e:  # noqa: BLE001  (the library raises a bare Exception on a malformed file)
             raise SettingsError("--tokenizer", f"{file} is not a tokenizer: {e}") from None
         self.path = path
         self.file = file
@@ -74,7 +77,13 @@ def load_tokenizer(path: Path | None) -> Tokenizer:
 def check_vocabulary(tokenizer: Tokenizer, model_vocab: int) -> None:
     """Every id the tokenizer can emit must be a row of the model's embedding."""
     if tokenizer.vocab_size > model_vocab:
-        what = "byte-level text (256 ids)" if isinstance(tokenizer, ByteTokenizer) else \
-            f"the tokenizer's {tokenizer.vocab_size} ids"
-        raise SettingsError("--tokenizer", f"{what} do not fit the model's vocabulary of {model_vocab}: use a "
-                                           "model whose vocab_size covers the tokenizer")
+        what = (
+            "byte-level text (256 ids)"
+            if isinstance(tokenizer, ByteTokenizer)
+            else f"the tokenizer's {tokenizer.vocab_size} ids"
+        )
+        raise SettingsError(
+            "--tokenizer",
+            f"{what} do not fit the model's vocabulary of {model_vocab}: use a "
+            "model whose vocab_size covers the tokenizer",
+        )

@@ -19,8 +19,8 @@ import math
 import os
 import threading
 import time
-from contextlib import nullcontext
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -30,7 +30,6 @@ from dtnode.ops.flat import FlatParameters
 
 from .data import DataStream
 from .schedule import LearningRateSchedule
-
 
 EVAL_CHUNK = 64  # eval sequences per forward pass
 
@@ -44,8 +43,17 @@ class InnerResult:
 
 
 class Trainer:
-    def __init__(self, model: torch.nn.Module, stream: DataStream, device: torch.device, *,
-                 schedule: LearningRateSchedule, weight_decay: float, grad_clip: float, compile: bool = False):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        stream: DataStream,
+        device: torch.device,
+        *,
+        schedule: LearningRateSchedule,
+        weight_decay: float,
+        grad_clip: float,
+        compile: bool = False,
+    ):
         self.device = device
         self.model = model.to(device)
         self.flat = FlatParameters(self.model.named_parameters(), learned_buffers(self.model))
@@ -93,7 +101,7 @@ class Trainer:
     def _build_optimizer(self) -> None:
         try:
             self._optimizer_built.set_result(inner_optimizer(self.model, self.lr, self.weight_decay))
-        except BaseException as e:  # raised to whoever first needs the optimizer
+        except BaseException as e:  # noqa: BLE001  (raised to whoever first needs the optimizer)
             self._optimizer_built.set_exception(e)
 
     @property
@@ -113,9 +121,17 @@ class Trainer:
     def _loss(self, batch: torch.Tensor) -> torch.Tensor:
         return next_token_loss(self.forward_model, batch, self.device)
 
-    def run(self, steps: int, stop: threading.Event, deadline: float | None = None,
-            keep_going: Callable[[float], bool] | None = None, *, position: int = 0,
-            span: int | None = None, after_step: Callable[[], None] | None = None) -> InnerResult:
+    def run(
+        self,
+        steps: int,
+        stop: threading.Event,
+        deadline: float | None = None,
+        keep_going: Callable[[float], bool] | None = None,
+        *,
+        position: int = 0,
+        span: int | None = None,
+        after_step: Callable[[], None] | None = None,
+    ) -> InnerResult:
         """Up to `steps` AdamW steps; ends early on `stop`, past the monotonic `deadline`, or
         when `keep_going(expected seconds of the next step)` says the step no longer fits.
         `after_step()` runs on this thread after each step (--overlap lands an average there).
@@ -219,7 +235,9 @@ class Trainer:
             self.eval_seconds += time.monotonic() - started
 
 
-def next_token_loss(model: torch.nn.Module, batch: torch.Tensor, device: torch.device) -> torch.Tensor:
+def next_token_loss(
+    model: Callable[[torch.Tensor], torch.Tensor], batch: torch.Tensor, device: torch.device
+) -> torch.Tensor:
     """Mean cross-entropy of predicting batch[:, 1:] from batch[:, :-1] (bf16 autocast on CUDA)."""
     batch = batch.to(device, non_blocking=True)
     with torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext():
@@ -251,7 +269,9 @@ def inner_optimizer(model: torch.nn.Module, lr: float, weight_decay: float) -> t
     kernel = {"fused": True} if on_cuda else {}
     return torch.optim.AdamW(
         [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=lr, betas=(0.9, 0.95), **kernel,
+        lr=lr,
+        betas=(0.9, 0.95),
+        **kernel,
     )
 
 
@@ -262,8 +282,12 @@ def learned_buffers(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
     found, seen = [], set()
     for module_name, module in model.named_modules():
         for name, buffer in module._buffers.items():
-            if (buffer is None or not buffer.is_floating_point() or name in module._non_persistent_buffers_set
-                    or id(buffer) in seen):
+            if (
+                buffer is None
+                or not buffer.is_floating_point()
+                or name in module._non_persistent_buffers_set
+                or id(buffer) in seen
+            ):
                 continue
             seen.add(id(buffer))
             found.append((f"{module_name}.{name}" if module_name else name, buffer))

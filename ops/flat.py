@@ -21,9 +21,12 @@ import torch
 class FlatParameters:
     """Re-points every parameter's storage into one flat buffer (in a fixed order)."""
 
-    def __init__(self, named_parameters: Iterable[tuple[str, torch.nn.Parameter]],
-                 named_buffers: Iterable[tuple[str, torch.Tensor]] = ()) -> None:
-        params = [(name, p) for name, p in named_parameters if p.requires_grad]
+    def __init__(
+        self,
+        named_parameters: Iterable[tuple[str, torch.nn.Parameter]],
+        named_buffers: Iterable[tuple[str, torch.Tensor]] = (),
+    ) -> None:
+        params: list[tuple[str, torch.Tensor]] = [(name, p) for name, p in named_parameters if p.requires_grad]
         if not params:
             raise ValueError("model has no trainable parameters")
         params += [(name, b) for name, b in named_buffers]

@@ -1,9 +1,11 @@
-"""DiLoCo outer optimizer: SGD with Nesterov momentum on flat buffers.
+"""DiLoCo outer optimizer: torch's SGD with Nesterov momentum, driven on flat buffers.
 
 Given the averaged pseudo-gradient Δ (θ_g − θ_l, so it points downhill like a gradient),
-the update is buf ← μ·buf + Δ; θ_g ← θ_g − lr·(Δ + μ·buf), the same rule as torch.optim.SGD
-with nesterov=True. It is applied in place and deterministically, so peers that enter with
-identical θ_g, momentum and Δ leave with identical θ_g.
+`torch.optim.SGD(nesterov=True)` makes buf ← μ·buf + Δ; θ_g ← θ_g − lr·(Δ + μ·buf). θ_g is
+the optimizer's one parameter and Δ its gradient; the momentum buffer is a tensor this class
+owns (checkpointed, averaged in a re-sync), installed as the optimizer's state. The update is
+in place and deterministic (the single-tensor kernel), so peers that enter with identical
+θ_g, momentum and Δ leave with identical θ_g.
 """
 
 from __future__ import annotations
@@ -18,14 +20,23 @@ class NesterovOuterOptimizer:
         self.lr = lr
         self.momentum = momentum
         self.momentum_buffer = torch.zeros(numel, dtype=torch.float32, device=device)
+        # θ_g, re-pointed at the buffer `step` is given (the replica passes the same one each time)
+        self._theta = torch.nn.Parameter(torch.zeros(numel, dtype=torch.float32, device=device), requires_grad=False)
+        # torch refuses Nesterov without momentum; with μ = 0 both are θ_g ← θ_g − lr·Δ
+        self._sgd = torch.optim.SGD([self._theta], lr=lr, momentum=momentum, nesterov=momentum > 0, foreach=False)
+        if momentum > 0:
+            self._sgd.state[self._theta]["momentum_buffer"] = self.momentum_buffer
 
     @torch.no_grad()
     def step(self, params: torch.Tensor, pseudo_gradient: torch.Tensor) -> None:
         if params.shape != pseudo_gradient.shape or params.shape != self.momentum_buffer.shape:
             raise ValueError("outer step buffers differ in shape")
-        buf = self.momentum_buffer
-        buf.mul_(self.momentum).add_(pseudo_gradient)
-        params.sub_(pseudo_gradient, alpha=self.lr).sub_(buf, alpha=self.lr * self.momentum)
+        self._theta.data = params
+        self._theta.grad = pseudo_gradient
+        try:
+            self._sgd.step()
+        finally:
+            self._theta.grad = None
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         return {"outer_momentum": self.momentum_buffer}

@@ -7,6 +7,8 @@ inputs, which is what lets a group agree on it without a leader.
 
 from __future__ import annotations
 
+import math
+
 
 def plan_parts(total: int, shares: list[float], align: int = 1) -> list[tuple[int, int]]:
     """Split [0, total) into len(shares) contiguous (offset, length) parts.
@@ -16,7 +18,7 @@ def plan_parts(total: int, shares: list[float], align: int = 1) -> list[tuple[in
     """
     if total < 0 or align < 1:
         raise ValueError("total must be >= 0 and align >= 1")
-    if not shares or any(s < 0 or s != s for s in shares):
+    if not shares or any(s < 0 or math.isnan(s) for s in shares):
         raise ValueError("shares must be non-negative numbers")
     positive = [i for i, s in enumerate(shares) if s > 0]
     if not positive:

@@ -79,7 +79,7 @@ def quantize(
             raise NonFiniteError("cannot quantize non-finite values")
     elif full:
         parts.append((body, code_body, scales[:full]))
-    if tail is not None:
+    if tail is not None and code_tail is not None:
         parts.append((tail, code_tail, scales[full:]))
     for values, block_codes, block_scales in parts:
         absmax = values.abs().amax(dim=1)
@@ -121,7 +121,7 @@ def _decode_into(q: QuantizedBlocks, out: torch.Tensor, accumulate: bool, weight
         kernels.dequantize(code_body, q.scales[:full], out_body)
     elif full:
         parts.append((code_body, out_body, q.scales[:full]))
-    if code_tail is not None:
+    if code_tail is not None and out_tail is not None:
         parts.append((code_tail, out_tail, q.scales[full:]))
     for codes, target, scales in parts:
         factors = (scales * weight).unsqueeze(1) if weight != 1.0 else scales.unsqueeze(1)
@@ -181,7 +181,7 @@ def use_fused_kernels(enable: bool = True) -> bool:
         reference = quantize(probe, DEFAULT_BLOCK_SIZE)
         if not (torch.equal(reference.codes, codes.view(-1)) and torch.equal(reference.scales, scales)):
             return False
-    except Exception:  # no compiler, unsupported platform: the eager path is always correct
+    except Exception:  # noqa: BLE001  (no compiler, unsupported platform: the eager path is always correct)
         return False
     _fused = kernels
     return True
@@ -197,7 +197,9 @@ def relative_l2_error(reference: torch.Tensor, approx: torch.Tensor) -> float:
     return diff / denom if denom > 0 else diff
 
 
-def quantize_with_feedback(x: torch.Tensor, residual: torch.Tensor, block_size: int = DEFAULT_BLOCK_SIZE) -> QuantizedBlocks:
+def quantize_with_feedback(
+    x: torch.Tensor, residual: torch.Tensor, block_size: int = DEFAULT_BLOCK_SIZE
+) -> QuantizedBlocks:
     """Error feedback: quantize x + residual and leave in `residual` what the codes lost.
 
     Carried into the next round, the residual makes the error of a sum of rounds that of a

@@ -19,8 +19,9 @@ def _register_hivemind_without_its_trainer_stack() -> None:
     if "hivemind" in sys.modules:
         return
     spec = importlib.util.find_spec("hivemind")
-    if spec is None or not spec.submodule_search_locations:
+    if spec is None or not spec.submodule_search_locations or spec.loader is None:
         return  # not installed: the import that needs it reports that
+    loader = spec.loader
     package = types.ModuleType("hivemind")
     package.__spec__ = spec
     package.__path__ = list(spec.submodule_search_locations)
@@ -33,11 +34,11 @@ def _register_hivemind_without_its_trainer_stack() -> None:
             return submodule
         if name.startswith("__") and name != "__version__":
             raise AttributeError(name)
-        del package.__getattr__  # the real __init__ defines what it defines; no second pass
-        spec.loader.exec_module(package)
+        delattr(package, "__getattr__")  # the real __init__ defines what it defines; no second pass
+        loader.exec_module(package)
         return getattr(package, name)
 
-    package.__getattr__ = load_the_rest
+    setattr(package, "__getattr__", load_the_rest)  # noqa: B010  (a module attribute mypy would refuse)
     sys.modules["hivemind"] = package
 
 

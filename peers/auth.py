@@ -14,6 +14,7 @@ import hmac
 import os
 import time
 from collections import OrderedDict
+from collections.abc import Mapping
 from pathlib import Path
 
 ENV_KEY = "DTNODE_SWARM_KEY"
@@ -25,7 +26,7 @@ class AuthError(ValueError):
     """A missing, malformed, stale, replayed or forged tag."""
 
 
-def load_swarm_key(path: str | None, env: dict[str, str] | None = None) -> bytes | None:
+def load_swarm_key(path: str | None, env: Mapping[str, str] | None = None) -> bytes | None:
     """The key from `--swarm-key-file` or DTNODE_SWARM_KEY; None means an open swarm."""
     env = os.environ if env is None else env
     if path:
@@ -53,7 +54,7 @@ class SwarmAuth:
         self._remember = remember
 
     def _mac(self, purpose: str, peer_id: str, subject: str, timestamp: str) -> str:
-        message = "\0".join((purpose, peer_id, subject, timestamp)).encode()
+        message = f"{purpose}\0{peer_id}\0{subject}\0{timestamp}".encode()
         return hmac.new(self.key, message, hashlib.sha256).hexdigest()
 
     def issue(self, purpose: str, subject: str) -> str:
@@ -61,8 +62,15 @@ class SwarmAuth:
         timestamp = str(int(time.time() * 1000))  # milliseconds: no dot to confuse the split
         return f"{self.peer_id}.{timestamp}.{self._mac(purpose, self.peer_id, subject, timestamp)}"
 
-    def verify(self, purpose: str, subject: str, tag: str | None, peer_id: str | None = None,
-               single_use: bool = True, max_age: float | None = -1.0) -> str:
+    def verify(
+        self,
+        purpose: str,
+        subject: str,
+        tag: str | None,
+        peer_id: str | None = None,
+        single_use: bool = True,
+        max_age: float | None = -1.0,
+    ) -> str:
         """Check a tag; returns the peer id it was issued by. `peer_id` pins who must have issued it.
 
         Tags on records that many peers read for a while (registrations, membership) are

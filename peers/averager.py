@@ -23,6 +23,7 @@ from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
+from .auth import SwarmAuth
 from .butterfly import AllReduceReport, ChannelPool, butterfly_allreduce
 from .deadlines import AdaptiveDeadlines, expected_payload_bytes
 from .grid import Slot, cells, classes_of, coordinates, first_slot, grid_shape, hop_key, next_slots, split_groups
@@ -30,7 +31,6 @@ from .matchmaking import UNKNOWN, FormedGroup, Matchmaker
 from .membership import PeerRecord
 from .plan import FP32, INT8, make_plan
 from .reducer import ReductionRegistry
-from .auth import SwarmAuth
 
 log = logging.getLogger(__name__)
 
@@ -104,11 +104,36 @@ class AveragingResult:
         return all(h.clean for h in self.hops)
 
 
+@dataclass(frozen=True)
+class _Hop:
+    """What every group of one hop is formed and reduced with."""
+
+    round_no: int
+    hop: int
+    dims: int
+    side: int
+    hop0_cells: dict[str, set[str]]
+    window: float
+    asked: bool  # this node asks its groups to re-sync θ_g
+    theta_weight: float
+    residual: torch.Tensor | None  # error feedback: hop 0's primary slot only
+    delta_ready: Callable[[], Awaitable[None]] | None  # hop 0 only
+    fetch_theta: Callable[[], Awaitable[torch.Tensor]]
+
+
 class MoshpitAverager:
-    def __init__(self, config: AveragingConfig, peer_id: str, view: Callable[[], Awaitable[dict[str, PeerRecord]]],
-                 matchmaker: Matchmaker, registry: ReductionRegistry, channels: ChannelPool,
-                 deadlines: AdaptiveDeadlines, auth: SwarmAuth | None = None,
-                 on_phase: Callable[[str], None] = lambda phase: None):
+    def __init__(
+        self,
+        config: AveragingConfig,
+        peer_id: str,
+        view: Callable[[], Awaitable[dict[str, PeerRecord]]],
+        matchmaker: Matchmaker,
+        registry: ReductionRegistry,
+        channels: ChannelPool,
+        deadlines: AdaptiveDeadlines,
+        auth: SwarmAuth | None = None,
+        on_phase: Callable[[str], None] = lambda phase: None,
+    ):
         self.config = config
         self.peer_id = peer_id
         self.view = view
@@ -124,8 +149,13 @@ class MoshpitAverager:
     async def population(self, round_no: int) -> set[str]:
         """Peers of `round_no`: live, same model, at this step or finishing the one before."""
         view = await self.view()
-        return {p.peer_id for p in view.values() if p.outer_step in (round_no - 1, round_no) and p.model_hash == self.config.model_hash
-                and p.state in ("training", "averaging")} | {self.peer_id}
+        return {
+            p.peer_id
+            for p in view.values()
+            if p.outer_step in (round_no - 1, round_no)
+            and p.model_hash == self.config.model_hash
+            and p.state in ("training", "averaging")
+        } | {self.peer_id}
 
     async def admissible(self) -> set[str]:
         """Peers a group may include: those with a live, signed membership record for this model."""
@@ -156,10 +186,17 @@ class MoshpitAverager:
         return (peers & await self.population(round_no)) | {self.peer_id}
 
     # ---- one outer step --------------------------------------------------------------------
-    async def average(self, round_no: int, delta: torch.Tensor, spare: torch.Tensor, weight: float, resync: bool,
-                      consensus_state: Callable[[], Awaitable[torch.Tensor]],
-                      residual: torch.Tensor | None = None,
-                      delta_ready: Callable[[], Awaitable[None]] | None = None) -> AveragingResult:
+    async def average(
+        self,
+        round_no: int,
+        delta: torch.Tensor,
+        spare: torch.Tensor,
+        weight: float,
+        resync: bool,
+        consensus_state: Callable[[], Awaitable[torch.Tensor]],
+        residual: torch.Tensor | None = None,
+        delta_ready: Callable[[], Awaitable[None]] | None = None,
+    ) -> AveragingResult:
         """Average Δ (`delta`, which `spare` and scratch buffers take turns with) over the grid.
 
         `delta_ready`, when given, returns once `delta` holds Δ: its copy from the training
@@ -187,45 +224,68 @@ class MoshpitAverager:
             # may still lead) here, who are on their way: the full window.
             window = self.deadlines.matchmaking_window if hop == 0 else self.deadlines.window_max
             if hop == 0:
-                window = max(window, await self._last_step_of_others(
-                    round_no, set(hop0_cells.get(chains[0].slot.key, ()))))
+                window = max(
+                    window, await self._last_step_of_others(round_no, set(hop0_cells.get(chains[0].slot.key, ())))
+                )
             self.on_phase("matchmaking")
             asked = resync or theta is not None
             outputs = self._outputs([chain.values for chain in chains], [delta, spare])
 
-            async def run_slot(chain: Chain, out: torch.Tensor, report: HopReport
-                               ) -> tuple[FormedGroup, AllReduceReport | None, torch.Tensor | None]:
-                """Form this chain's group and all-reduce in it at once: a member of several
-                groups must not keep one waiting while another is still forming."""
-                slot = chain.slot
-                group = await self._form(round_no, hop, dims, side, slot, hop0_cells, window, asked)
-                if hop == 0 and delta_ready is not None:  # the group formed; Δ is read from here on
-                    await delta_ready()
-                if slot.primary:
-                    self.on_phase("allreduce")
-                theta_in = theta_out = None
-                if group.resync and len(group.members) > 1:
-                    theta_in = await fetch_theta()
-                    theta_out = torch.empty_like(theta_in)
-                result = await self._reduce(round_no, hop, hop + dims, group, slot, chain.values, chain.weight, out,
-                                            theta_in, theta_weight, theta_out,
-                                            residual if hop == 0 and slot.primary else None, report)
-                return group, result, theta_out
-
-            report = HopReport(hop, chains[0].slot.key, 1, 0, 0, False, [self.peer_id], 0.0, round(window, 3),
-                               extra_groups=len(chains) - 1)
-            done = await asyncio.gather(*(run_slot(chain, out, report) for chain, out in zip(chains, outputs)))
+            hop_ctx = _Hop(
+                round_no,
+                hop,
+                dims,
+                side,
+                hop0_cells,
+                window,
+                asked,
+                theta_weight,
+                residual if hop == 0 else None,
+                delta_ready if hop == 0 else None,
+                fetch_theta,
+            )
+            report = HopReport(
+                hop,
+                chains[0].slot.key,
+                1,
+                0,
+                0,
+                False,
+                [self.peer_id],
+                0.0,
+                round(window, 3),
+                extra_groups=len(chains) - 1,
+            )
+            done = await asyncio.gather(
+                *(self._run_slot(hop_ctx, chain, out, report) for chain, out in zip(chains, outputs, strict=True))
+            )
             groups = [group for group, _, _ in done]
             primary, first, theta_primary = done[0]
-            report.group_key, report.group_size, report.registrants = primary.key, len(primary.members), primary.registrants
+            report.group_key, report.group_size, report.registrants = (
+                primary.key,
+                len(primary.members),
+                primary.registrants,
+            )
             # a group its closer found whole held everyone expected (cells split unevenly, so
             # the size alone says little); otherwise what this node expected, to show the gap
-            report.expected = len(primary.members) if primary.complete else \
-                self._hop0_size(hop0_cells, chains[0].slot.key) if hop == 0 else primary.expected
+            report.expected = (
+                len(primary.members)
+                if primary.complete
+                else self._hop0_size(hop0_cells, chains[0].slot.key)
+                if hop == 0
+                else primary.expected
+            )
             report.complete, report.matchmaking_s = all(g.complete for g in groups), round(primary.seconds, 4)
-            log.debug("round %d hop %d: %s", round_no, hop, "; ".join(
-                f"{g.key.rsplit('.', 1)[-1]} {[m.peer_id[-6:] for m in g.members]} expected {g.expected} "
-                f"in {g.seconds:.2f}s" for g in groups))
+            log.debug(
+                "round %d hop %d: %s",
+                round_no,
+                hop,
+                "; ".join(
+                    f"{g.key.rsplit('.', 1)[-1]} {[m.peer_id[-6:] for m in g.members]} expected {g.expected} "
+                    f"in {g.seconds:.2f}s"
+                    for g in groups
+                ),
+            )
             if hop == 0:  # the adaptive window is hop 0's; later hops follow the formed groups
                 self.deadlines.observe_matchmaking(primary.last_arrival_lag, primary.complete)
             if first is not None:
@@ -236,21 +296,67 @@ class MoshpitAverager:
             hops.append(report)
             # every group's result goes on, in every class this peer stands for in it: a class
             # left out would leave the groups of that class in the next hops without this slab
-            after = [Chain(chain.slot, out if result is not None else chain.values,
-                           result.weight_after(chain.weight) if result is not None else chain.weight)
-                     for chain, out, (_, result, _) in zip(chains, outputs, done)]
+            after = [
+                Chain(
+                    chain.slot,
+                    out if result is not None else chain.values,
+                    result.weight_after(chain.weight) if result is not None else chain.weight,
+                )
+                for chain, out, (_, result, _) in zip(chains, outputs, done)
+            ]
             if hop + 1 < dims:
-                chains = [Chain(slot, chain.values, chain.weight) for chain, group in zip(after, groups)
-                          for slot in next_slots(chain.slot.coords, hop + 1, [m.peer_id for m in group.members],
-                                                 self.peer_id, side)]
+                chains = [
+                    Chain(slot, chain.values, chain.weight)
+                    for chain, group in zip(after, groups)
+                    for slot in next_slots(
+                        chain.slot.coords, hop + 1, [m.peer_id for m in group.members], self.peer_id, side
+                    )
+                ]
                 chains = [replace(chain, slot=replace(chain.slot, primary=i == 0)) for i, chain in enumerate(chains)]
                 if len(chains) > MAX_CHAINS:
-                    log.debug("round %d: standing in %d classes of hop %d; carrying %d", round_no, len(chains),
-                              hop + 1, MAX_CHAINS)
+                    log.debug(
+                        "round %d: standing in %d classes of hop %d; carrying %d",
+                        round_no,
+                        len(chains),
+                        hop + 1,
+                        MAX_CHAINS,
+                    )
                     chains = chains[:MAX_CHAINS]
             else:
                 chains = after
         return AveragingResult(chains[0].values, chains[0].weight, hops, theta)
+
+    async def _run_slot(
+        self, h: _Hop, chain: Chain, out: torch.Tensor, report: HopReport
+    ) -> tuple[FormedGroup, AllReduceReport | None, torch.Tensor | None]:
+        """Form this chain's group and all-reduce in it at once: a member of several groups
+        must not keep one waiting while another is still forming."""
+        slot = chain.slot
+        group = await self._form(h.round_no, h.hop, h.dims, h.side, slot, h.hop0_cells, h.window, h.asked)
+        if h.delta_ready is not None:  # hop 0's group formed; Δ is read from here on
+            await h.delta_ready()
+        if slot.primary:
+            self.on_phase("allreduce")
+        theta_in = theta_out = None
+        if group.resync and len(group.members) > 1:
+            theta_in = await h.fetch_theta()
+            theta_out = torch.empty_like(theta_in)
+        result = await self._reduce(
+            h.round_no,
+            h.hop,
+            h.hop + h.dims,
+            group,
+            slot,
+            chain.values,
+            chain.weight,
+            out,
+            theta_in,
+            h.theta_weight,
+            theta_out,
+            h.residual if slot.primary else None,
+            report,
+        )
+        return group, result, theta_out
 
     def _outputs(self, inputs: list[torch.Tensor], own: list[torch.Tensor]) -> list[torch.Tensor]:
         """One output buffer per chain, none of them an input still being read this hop."""
@@ -262,7 +368,7 @@ class MoshpitAverager:
             index += 1
             if id(buffer) not in busy:
                 free.append(buffer)
-        return free[:len(inputs)]
+        return free[: len(inputs)]
 
     def _hop0_size(self, hop0_cells: dict[str, set[str]], key: str) -> int:
         """Members this node expected in its hop-0 group (an oversized cell is split)."""
@@ -276,8 +382,17 @@ class MoshpitAverager:
             self._scratch[index] = torch.empty_like(like)
         return self._scratch[index]
 
-    async def _form(self, round_no: int, hop: int, dims: int, side: int, slot: Slot, hop0_cells: dict[str, set[str]],
-                    window: float, resync: bool) -> FormedGroup:
+    async def _form(
+        self,
+        round_no: int,
+        hop: int,
+        dims: int,
+        side: int,
+        slot: Slot,
+        hop0_cells: dict[str, set[str]],
+        window: float,
+        resync: bool,
+    ) -> FormedGroup:
         if hop == 0:
             wanted = hop0_cells.get(slot.key, {UNKNOWN})
 
@@ -288,12 +403,21 @@ class MoshpitAverager:
 
             async def expected() -> set[str]:
                 return await self._on_the_way(round_no, hop, dims, side, slot, known)
-        return await self.matchmaker.form_group(
-            round_no, hop, expected, window, self.config.target_group_size if hop == 0 else 1 << 16,
-            cell=f"d{dims}.{slot.key}", resync=resync, admitted=self.admissible)
 
-    async def _on_the_way(self, round_no: int, hop: int, dims: int, side: int, slot: Slot,
-                          known: dict[str, dict[str, tuple[str, ...]]]) -> set[str]:
+        return await self.matchmaker.form_group(
+            round_no,
+            hop,
+            expected,
+            window,
+            self.config.target_group_size if hop == 0 else 1 << 16,
+            cell=f"d{dims}.{slot.key}",
+            resync=resync,
+            admitted=self.admissible,
+        )
+
+    async def _on_the_way(
+        self, round_no: int, hop: int, dims: int, side: int, slot: Slot, known: dict[str, dict[str, tuple[str, ...]]]
+    ) -> set[str]:
         """Whom a slot of hop >= 1 waits for: every peer of the round whose path through the
         earlier hops leads here, or still may.
 
@@ -307,16 +431,19 @@ class MoshpitAverager:
         """
         population = await self.population(round_no)
         paths = {p: coordinates(p, round_no, side, dims, self.config.run_id) for p in population}
-        paths = {p: path for p, path in paths.items() if path[hop + 1:] == slot.coords[hop + 1:]}
+        paths = {p: path for p, path in paths.items() if path[hop + 1 :] == slot.coords[hop + 1 :]}
         wanted = {self.peer_id}
         for j in range(hop):
-            keys = {p: self.matchmaker.group_key(round_no, j, f"d{dims}.{hop_key(path, j)}") for p, path in paths.items()}
+            keys = {
+                p: self.matchmaker.group_key(round_no, j, f"d{dims}.{hop_key(path, j)}") for p, path in paths.items()
+            }
             stale = sorted({key for p, key in keys.items() if p not in known.get(key, {})})
             for key, records in zip(stale, await asyncio.gather(*(self.matchmaker.formed(k) for k in stale))):
                 known[key] = known.get(key, {}) | records
             door_closed = sorted({key for p, key in keys.items() if j == 0 and p not in known[key] and known[key]})
-            registered = dict(zip(door_closed, await asyncio.gather(
-                *(self.matchmaker.registered(k) for k in door_closed))))
+            registered = dict(
+                zip(door_closed, await asyncio.gather(*(self.matchmaker.registered(k) for k in door_closed)))
+            )
             onward: dict[str, tuple[int, ...]] = {}
             for p, path in paths.items():
                 members = known[keys[p]].get(p)
@@ -330,27 +457,60 @@ class MoshpitAverager:
                 if j == hop - 1:
                     wanted.add(p)
                 else:
-                    onward[p] = path[:j] + (slot.coords[j],) + path[j + 1:]
+                    onward[p] = path[:j] + (slot.coords[j],) + path[j + 1 :]
             paths = onward
         return wanted
 
-    async def _reduce(self, round_no: int, hop: int, theta_hop: int, group: FormedGroup, slot: Slot, values: torch.Tensor,
-                      weight: float, out: torch.Tensor, theta: torch.Tensor | None, theta_weight: float,
-                      theta_out: torch.Tensor | None, residual: torch.Tensor | None,
-                      report: HopReport) -> AllReduceReport | None:
+    async def _reduce(
+        self,
+        round_no: int,
+        hop: int,
+        theta_hop: int,
+        group: FormedGroup,
+        slot: Slot,
+        values: torch.Tensor,
+        weight: float,
+        out: torch.Tensor,
+        theta: torch.Tensor | None,
+        theta_weight: float,
+        theta_out: torch.Tensor | None,
+        residual: torch.Tensor | None,
+        report: HopReport,
+    ) -> AllReduceReport | None:
         """All-reduce Δ (and θ_g when the group re-syncs) in one group; counts into `report`."""
         if len(group.members) <= 1:
             return None
         c = self.config
         expected = expected_payload_bytes(values.numel(), len(group.members), c.int8, c.block_size)
         timeout = self.deadlines.allreduce_timeout(expected)
-        plan = make_plan(c.run_id, round_no, hop, group.members, values.numel(), c.block_size, c.chunk_elements,
-                         INT8 if c.int8 else FP32, key=group.key)
+        plan = make_plan(
+            c.run_id,
+            round_no,
+            hop,
+            group.members,
+            values.numel(),
+            c.block_size,
+            c.chunk_elements,
+            INT8 if c.int8 else FP32,
+            key=group.key,
+        )
         result = await butterfly_allreduce(
-            plan, self.peer_id, values, weight * slot.share, out, self.registry, self.channels, timeout,
-            in_flight=c.in_flight, residual=residual, auth=self.auth, trim_fraction=c.trim_fraction)
-        self.deadlines.observe_allreduce(result.bytes_sent + result.bytes_received, result.seconds,
-                                         not result.failed_parts)
+            plan,
+            self.peer_id,
+            values,
+            weight * slot.share,
+            out,
+            self.registry,
+            self.channels,
+            timeout,
+            in_flight=c.in_flight,
+            residual=residual,
+            auth=self.auth,
+            trim_fraction=c.trim_fraction,
+        )
+        self.deadlines.observe_allreduce(
+            result.bytes_sent + result.bytes_received, result.seconds, not result.failed_parts
+        )
         report.allreduce_s = round(max(report.allreduce_s, result.seconds), 4)
         report.timeout_s = round(timeout, 3)
         report.bytes_sent += result.bytes_sent
@@ -359,11 +519,29 @@ class MoshpitAverager:
         report.failure_codes += [p.error.split(":", 1)[0] for p in result.failed_parts]
         report.retried_codes += result.retried
         if theta is not None and theta_out is not None:
-            theta_plan = make_plan(c.run_id, round_no, theta_hop, group.members, theta.numel(), c.block_size,
-                                   c.chunk_elements, FP32, key=group.key)
+            theta_plan = make_plan(
+                c.run_id,
+                round_no,
+                theta_hop,
+                group.members,
+                theta.numel(),
+                c.block_size,
+                c.chunk_elements,
+                FP32,
+                key=group.key,
+            )
             sync = await butterfly_allreduce(
-                theta_plan, self.peer_id, theta, theta_weight * slot.share, theta_out, self.registry, self.channels,
-                self.deadlines.allreduce_timeout(8 * expected), in_flight=c.in_flight, auth=self.auth)
+                theta_plan,
+                self.peer_id,
+                theta,
+                theta_weight * slot.share,
+                theta_out,
+                self.registry,
+                self.channels,
+                self.deadlines.allreduce_timeout(8 * expected),
+                in_flight=c.in_flight,
+                auth=self.auth,
+            )
             report.theta_resync_s = round(sync.seconds, 4)
             report.bytes_sent += sync.bytes_sent
             report.bytes_received += sync.bytes_received

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 import grpc
 import torch
+from tenacity import AsyncRetrying, RetryCallState, retry_if_exception, stop_after_attempt
 
 from dtnode.ops.quantization import QuantizedBlocks, dequantize, quantize, quantize_with_feedback
 from dtnode.proto import averaging_pb2 as pb
@@ -31,8 +32,8 @@ from dtnode.proto import averaging_pb2_grpc as pb_grpc
 from . import failpoints
 from .auth import GRPC_METADATA, SwarmAuth, stream_subject
 from .plan import INT8, GroupPlan, chunk_spans
-from .tls import TLS_NAME, TlsError, TrustStore
 from .reducer import PartReduction, ReductionFailed, ReductionRegistry, maybe_thread
+from .tls import TLS_NAME, TlsError, TrustStore
 from .wire import MAX_WEIGHT, ChunkError, Payload, chunk_message, decode_chunk, payload_size
 
 log = logging.getLogger(__name__)
@@ -105,8 +106,11 @@ class ChannelPool:
             if self.trust is None:
                 channel = grpc.aio.insecure_channel(address, options=self.options)
             else:
-                channel = grpc.aio.secure_channel(address, self.trust.channel_credentials(peer_id),
-                                                  options=self.options + [("grpc.ssl_target_name_override", TLS_NAME)])
+                channel = grpc.aio.secure_channel(
+                    address,
+                    self.trust.channel_credentials(peer_id),
+                    options=self.options + [("grpc.ssl_target_name_override", TLS_NAME)],
+                )
             self._channels[(address, pin)] = channel
         return pb_grpc.AveragingStub(channel)
 
@@ -125,6 +129,18 @@ def _encode(plan: GroupPlan, values: torch.Tensor, residual: torch.Tensor | None
 
 STREAM_ATTEMPTS = 2  # a stream that broke before any result came back is sent once more
 RETRIABLE = ("UNAVAILABLE", "INTERNAL")  # transport failures (gRPC core reports a refused TLS record as INTERNAL)
+RETRY_TIME_LEFT = 0.3  # a stream is sent again only with this share of the timeout still left
+REDUCER_SHARE = 0.8  # a reducer stops waiting for senders here, leaving the rest to stream the result back
+RESULTS_FLUSH_S = 1.0  # a reducer waits this long for its last result chunks to leave before counting them
+
+
+def _code(e: BaseException | None) -> tuple[str, str]:
+    """A failed stream's error code (the gRPC status, or the error's type) and detail."""
+    if isinstance(e, grpc.aio.AioRpcError):
+        return e.code().name, str(e.details())
+    if isinstance(e, EncodingError):
+        return "ENCODING_FAILED", repr(e.__cause__)
+    return type(e).__name__, str(e)
 
 
 class EncodingError(RuntimeError):
@@ -179,7 +195,7 @@ async def butterfly_allreduce(
         raise ValueError("in_flight must be >= 1")
     started = time.monotonic()
     # Reducers stop waiting for senders early enough to stream the result back in time.
-    reducer_deadline = started + timeout * 0.8
+    reducer_deadline = started + timeout * REDUCER_SHARE
     me = plan.index_of(own_id)
     report = AllReduceReport(parts=[])
 
@@ -189,8 +205,9 @@ async def butterfly_allreduce(
         if residual is not None:  # own part is averaged exactly: spend its residual now
             own = own + residual[offset : offset + length]
             residual[offset : offset + length].zero_()
-        reduction = await maybe_thread(PartReduction, plan, own_id, own, weight, reducer_deadline, trim_fraction,
-                                       size=length)
+        reduction = await maybe_thread(
+            PartReduction, plan, own_id, own, weight, reducer_deadline, trim_fraction, size=length
+        )
         await registry.register(reduction)
         target = out[offset : offset + length]
         try:
@@ -202,8 +219,8 @@ async def butterfly_allreduce(
                     return PartOutcome(me, own_id, False, [], 0.0, length, f"REDUCTION_FAILED: {e}")
                 await maybe_thread(_decode_into, payload, target[off : off + n], size=n)
             try:  # let the last result chunks leave before counting them
-                await asyncio.wait_for(reduction.streams_closed.wait(), 1.0)
-            except asyncio.TimeoutError:
+                await asyncio.wait_for(reduction.streams_closed.wait(), RESULTS_FLUSH_S)
+            except TimeoutError:
                 pass
             report.bytes_received += reduction.bytes_received
             report.bytes_sent += reduction.bytes_sent
@@ -220,39 +237,68 @@ async def butterfly_allreduce(
         # encoding spends the residual: a stream sent again must start from the same one
         residual_before = mine_residual.clone() if mine_residual is not None else None
         target = out[offset : offset + length]
-        for attempt in range(STREAM_ATTEMPTS):
-            received = [0]
-            try:
-                return await stream_part(part, reducer, mine, mine_residual, target, received)
-            except (grpc.aio.AioRpcError, ChunkError, TlsError, asyncio.TimeoutError, EncodingError) as e:
-                detail = e.details() if isinstance(e, grpc.aio.AioRpcError) else str(e)
-                code = e.code().name if isinstance(e, grpc.aio.AioRpcError) else type(e).__name__
-                if isinstance(e, EncodingError):
-                    log.error("round %s hop %s: encoding part %s failed", plan.round, plan.hop, part,
-                              exc_info=e.__cause__)
-                    code, detail = "ENCODING_FAILED", repr(e.__cause__)
-                remaining = timeout - (time.monotonic() - started)
-                if (attempt + 1 < STREAM_ATTEMPTS and code in RETRIABLE and not received[0]
-                        and remaining > timeout * 0.3):
-                    # the connection broke before any result came back (a reset, or bytes altered on
-                    # the path and refused by TLS): a reducer that never saw the stream would
-                    # otherwise wait for it until its deadline
-                    log.warning("round %s hop %s: stream of part %s to reducer %s broke (%s: %s); sending it again",
-                                plan.round, plan.hop, part, reducer.peer_id, code, detail)
-                    report.retried.append(code)
-                    if mine_residual is not None:
-                        mine_residual.copy_(residual_before)
-                    continue
-                target.copy_(mine)  # a failed reducer: keep our own values for its part
-                if mine_residual is not None:
-                    mine_residual.zero_()  # those values were applied exactly
-                log.warning("round %s hop %s: part %s from reducer %s failed (%s: %s); keeping own values",
-                            plan.round, plan.hop, part, reducer.peer_id, code, detail)
-                return PartOutcome(part, reducer.peer_id, False, [], 0.0, length, f"{code}: {detail}")
-        raise AssertionError("unreachable")
+        received = [0]
 
-    async def stream_part(part: int, reducer, mine: torch.Tensor, mine_residual: torch.Tensor | None,
-                          target: torch.Tensor, received: list[int]) -> PartOutcome:
+        def send_again(e: BaseException) -> bool:
+            """The connection broke before any result came back (a reset, or bytes altered on the
+            path and refused by TLS): a reducer that never saw the stream would otherwise wait
+            for it until its deadline."""
+            remaining = timeout - (time.monotonic() - started)
+            return _code(e)[0] in RETRIABLE and not received[0] and remaining > timeout * RETRY_TIME_LEFT
+
+        def sending_again(state: RetryCallState) -> None:
+            code, detail = _code(state.outcome.exception() if state.outcome else None)
+            log.warning(
+                "round %s hop %s: stream of part %s to reducer %s broke (%s: %s); sending it again",
+                plan.round,
+                plan.hop,
+                part,
+                reducer.peer_id,
+                code,
+                detail,
+            )
+            report.retried.append(code)
+            if mine_residual is not None and residual_before is not None:
+                mine_residual.copy_(residual_before)
+
+        async def attempt() -> PartOutcome:
+            received[0] = 0
+            return await stream_part(part, reducer, mine, mine_residual, target, received)
+
+        retrying = AsyncRetrying(
+            retry=retry_if_exception(send_again),
+            stop=stop_after_attempt(STREAM_ATTEMPTS),
+            before_sleep=sending_again,
+            reraise=True,
+        )
+        try:
+            return await retrying(attempt)
+        except (TimeoutError, grpc.aio.AioRpcError, ChunkError, TlsError, EncodingError) as e:
+            code, detail = _code(e)
+            if isinstance(e, EncodingError):
+                log.error("round %s hop %s: encoding part %s failed", plan.round, plan.hop, part, exc_info=e.__cause__)
+            target.copy_(mine)  # a failed reducer: keep our own values for its part
+            if mine_residual is not None:
+                mine_residual.zero_()  # those values were applied exactly
+            log.warning(
+                "round %s hop %s: part %s from reducer %s failed (%s: %s); keeping own values",
+                plan.round,
+                plan.hop,
+                part,
+                reducer.peer_id,
+                code,
+                detail,
+            )
+            return PartOutcome(part, reducer.peer_id, False, [], 0.0, length, f"{code}: {detail}")
+
+    async def stream_part(
+        part: int,
+        reducer,
+        mine: torch.Tensor,
+        mine_residual: torch.Tensor | None,
+        target: torch.Tensor,
+        received: list[int],
+    ) -> PartOutcome:
         """One stream of this member's slice of `part` to its reducer, and the averaged result back."""
         length = mine.numel()
         spans = chunk_spans(plan, part)
@@ -286,16 +332,23 @@ async def butterfly_allreduce(
             if auth is not None:
                 tag = auth.issue("grpc", stream_subject(plan.run_id, plan.round, plan.hop, plan.group_id, part))
                 metadata = ((GRPC_METADATA, tag),)
-            call = channels.stub(reducer.grpc_addr, reducer.peer_id).Reduce(requests(), timeout=max(remaining, 0.1),
-                                                                           metadata=metadata)
+            call = channels.stub(reducer.grpc_addr, reducer.peer_id).Reduce(
+                requests(), timeout=max(remaining, 0.1), metadata=metadata
+            )
             async for msg in call:
-                if msg.round != plan.round or msg.hop != plan.hop or msg.group_id != plan.group_id \
-                        or msg.part != part or msg.sender != reducer.peer_id:
+                if (
+                    msg.round != plan.round
+                    or msg.hop != plan.hop
+                    or msg.group_id != plan.group_id
+                    or msg.part != part
+                    or msg.sender != reducer.peer_id
+                ):
                     raise ChunkError("result chunk names another round, group, part or reducer")
                 payload = decode_chunk(msg, plan, length, received[0])
                 report.bytes_received += payload_size(payload)
-                await maybe_thread(_decode_into, payload, target[received[0] : received[0] + msg.length],
-                                   size=msg.length)
+                await maybe_thread(
+                    _decode_into, payload, target[received[0] : received[0] + msg.length], size=msg.length
+                )
                 received[0] += msg.length
                 if msg.last:
                     if received[0] != length:
@@ -309,7 +362,7 @@ async def butterfly_allreduce(
                         raise ChunkError(f"result norm is more than {RESULT_NORM_LIMIT}x our own for this part")
                     return PartOutcome(part, reducer.peer_id, True, included, msg.total_weight, length)
             raise ChunkError("result stream ended without a last chunk")
-        except (grpc.aio.AioRpcError, ChunkError, TlsError, asyncio.TimeoutError):
+        except (TimeoutError, grpc.aio.AioRpcError, ChunkError, TlsError):
             if producer.done() and not producer.cancelled() and producer.exception() is not None:
                 raise EncodingError() from producer.exception()
             raise

@@ -56,9 +56,11 @@ class AdaptiveDeadlines:
         return _clamp(self.margin * expected_bytes / slowest + 1.0, self.timeout_min, self.timeout_max)
 
     def snapshot(self, expected_bytes: int) -> dict[str, float]:
-        return {"matchmaking_window_s": round(self.matchmaking_window, 3),
-                "allreduce_timeout_s": round(self.allreduce_timeout(expected_bytes), 3),
-                "samples": len(self._arrival_lags) + len(self._rates)}
+        return {
+            "matchmaking_window_s": round(self.matchmaking_window, 3),
+            "allreduce_timeout_s": round(self.allreduce_timeout(expected_bytes), 3),
+            "samples": len(self._arrival_lags) + len(self._rates),
+        }
 
 
 def _clamp(value: float, low: float, high: float) -> float:

@@ -40,8 +40,10 @@ def _parse(spec: str | None) -> tuple[str, int] | None:
     name, _, round_ = spec.partition("@")
     round_, _, seconds = round_.partition(":")
     if name not in POINTS or not round_.isdigit() or (seconds and (name not in PAUSING or not seconds.isdigit())):
-        raise ValueError(f"{ENV}={spec!r}: expected one of {', '.join(POINTS)} then @round (and :seconds for "
-                         f"{', '.join(PAUSING)}), e.g. reducing@2 or outer-phase@2:6")
+        raise ValueError(
+            f"{ENV}={spec!r}: expected one of {', '.join(POINTS)} then @round (and :seconds for "
+            f"{', '.join(PAUSING)}), e.g. reducing@2 or outer-phase@2:6"
+        )
     _pause_s = float(seconds) if seconds else DEFAULT_PAUSE_S
     return name, int(round_)
 

@@ -85,7 +85,7 @@ def first_slot(coords: tuple[int, ...]) -> Slot:
 def next_slots(coords: tuple[int, ...], hop: int, group: list[str], own_id: str, side: int) -> list[Slot]:
     """This peer's slots in `hop` (>= 1), from the agreed member list of its group in hop - 1."""
     ordered = sorted(group)
-    slots = []
+    slots: list[Slot] = []
     for cls, share in classes_of(ordered.index(own_id), len(ordered), side):
         moved = coords[: hop - 1] + (cls,) + coords[hop:]
         slots.append(Slot(hop_key(moved, hop), share, not slots, moved))
@@ -110,4 +110,3 @@ def cells(population: Iterable[str], outer_step: int, side: int, dims: int, salt
     for p in set(population):
         by_key.setdefault(hop_key(coordinates(p, outer_step, side, dims, salt), 0), set()).add(p)
     return by_key
-

@@ -34,7 +34,7 @@ def own_peer_id(identity_path: Path) -> str | None:
     """The peer id of the DHT identity kept in the state dir, before the DHT starts (None on a first start)."""
     try:
         return str(PeerID.from_identity(identity_path.read_bytes()))
-    except Exception:  # missing, torn or foreign: hivemind makes or refuses it at start
+    except Exception:  # noqa: BLE001  (missing, torn or foreign: hivemind makes or refuses it at start)
         return None
 
 
@@ -47,8 +47,7 @@ def peer_of(addr: str) -> str | None:
 
 
 def _valid(addr: object, peer_id: str) -> bool:
-    return isinstance(addr, str) and 0 < len(addr) <= MAX_ADDR_CHARS and addr.isprintable() \
-        and peer_of(addr) == peer_id
+    return isinstance(addr, str) and 0 < len(addr) <= MAX_ADDR_CHARS and addr.isprintable() and peer_of(addr) == peer_id
 
 
 class KnownPeers:
@@ -61,7 +60,7 @@ class KnownPeers:
         self.peers: dict[str, tuple[tuple[str, ...], float]] = {}
         self._dirty = False
 
-    def load(self) -> "KnownPeers":
+    def load(self) -> KnownPeers:
         """Read the file; a missing or malformed one (or entry) is skipped, never fatal."""
         try:
             raw = json.loads(self.path.read_text())
@@ -71,7 +70,7 @@ class KnownPeers:
             log.warning("ignoring %s: %s", self.path, e)
             return self
         entries = raw.get("peers", {}) if isinstance(raw, dict) else {}
-        for peer_id, entry in (entries.items() if isinstance(entries, dict) else ()):
+        for peer_id, entry in entries.items() if isinstance(entries, dict) else ():
             if not isinstance(entry, dict) or not isinstance(entry.get("seen"), (int, float)):
                 continue
             addrs = tuple(a for a in entry.get("addrs", ()) if _valid(a, peer_id))[:MAX_ADDRS_PER_PEER]

@@ -70,6 +70,8 @@ class ClosedList:
 
 MAX_REGISTRANTS = 4096  # per group key: a flood of fake registrations stays bounded
 UNKNOWN = "?"  # an expectation that can never be met: wait for the window
+LIST_TTL_S = 120.0  # closed and formed member lists outlive every hop that reads them
+REGISTRATION_TTL_S = 60.0  # a registration outlives its window by this much (late readers still see it)
 LEADER_GRACE_S = 2.0  # past its announced close-by time, a leader busy with DHT reads is not yet silent
 
 Registrants = dict[str, tuple[Member, Registration]]
@@ -88,8 +90,15 @@ class FormedGroup:
 
 
 class Matchmaker:
-    def __init__(self, dht: DHT, run_id: str, own: Member, poll_interval: float = 0.15,
-                 auth: SwarmAuth | None = None, settle_s: float = 0.5):
+    def __init__(
+        self,
+        dht: DHT,
+        run_id: str,
+        own: Member,
+        poll_interval: float = 0.15,
+        auth: SwarmAuth | None = None,
+        settle_s: float = 0.5,
+    ):
         self.dht = dht
         self.run_id = run_id
         self.own = own
@@ -138,9 +147,16 @@ class Matchmaker:
             if not isinstance(value, dict):
                 continue
             members, at = value.get("members"), value.get("at")
-            if not (isinstance(peer_id, str) and isinstance(members, (list, tuple)) and len(members) <= MAX_REGISTRANTS
-                    and peer_id in members and all(isinstance(v, str) and len(v) <= 128 for v in members)
-                    and len(set(members)) == len(members) and isinstance(at, (int, float)) and 0 <= at <= 1e11):
+            if not (
+                isinstance(peer_id, str)
+                and isinstance(members, (list, tuple))
+                and len(members) <= MAX_REGISTRANTS
+                and peer_id in members
+                and all(isinstance(v, str) and len(v) <= 128 for v in members)
+                and len(set(members)) == len(members)
+                and isinstance(at, (int, float))
+                and 0 <= at <= 1e11
+            ):
                 continue
             entry = ClosedList(tuple(members), float(at), value.get("complete") is True, value.get("resync") is True)
             if self._authentic(purpose, entry.subject(key), str(value.get("auth", "")), peer_id):
@@ -152,17 +168,28 @@ class Matchmaker:
         hop wait for."""
         return {p: entry.members for p, entry in (await self._member_lists(key, "formed")).items()}
 
-    async def _publish(self, key: str, purpose: str, members: tuple[str, ...], complete: bool = False,
-                       resync: bool = False) -> None:
+    async def _publish(
+        self, key: str, purpose: str, members: tuple[str, ...], complete: bool = False, resync: bool = False
+    ) -> None:
         entry = ClosedList(members, round_time(get_dht_time()), complete, resync)
         tag = self.auth.issue(purpose, entry.subject(key)) if self.auth else ""
-        await self.dht.store(f"{key}.{purpose}", subkey=self.own.peer_id,
-                             value={"members": list(members), "at": entry.published_at, "complete": complete,
-                                    "resync": resync, "auth": tag},
-                             expiration_time=get_dht_time() + 120, return_future=True)
+        await self.dht.store(
+            f"{key}.{purpose}",
+            subkey=self.own.peer_id,
+            value={
+                "members": list(members),
+                "at": entry.published_at,
+                "complete": complete,
+                "resync": resync,
+                "auth": tag,
+            },
+            expiration_time=get_dht_time() + LIST_TTL_S,
+            return_future=True,
+        )
 
-    async def _read(self, key: str, admitted: Callable[[], Awaitable[set[str]]] | None,
-                    previous: Registrants) -> tuple[Registrants, dict[str, ClosedList]]:
+    async def _read(
+        self, key: str, admitted: Callable[[], Awaitable[set[str]]] | None, previous: Registrants
+    ) -> tuple[Registrants, dict[str, ClosedList]]:
         """Registrants (admitted ones, this peer always) and the lists they closed."""
         me = self.own.peer_id
         found, lists = await asyncio.gather(self._registrations(key), self._member_lists(key, "closed"))
@@ -170,9 +197,17 @@ class Matchmaker:
         registrants = {p: v for p, v in found.items() if allowed is None or p in allowed} | {me: previous[me]}
         return registrants, {p: entry for p, entry in lists.items() if p in registrants}
 
-    async def form_group(self, round: int, hop: int, expected: Callable[[], Awaitable[set[str]]], window: float,
-                         target_size: int, cell: str = "all", resync: bool = False,
-                         admitted: Callable[[], Awaitable[set[str]]] | None = None) -> FormedGroup:
+    async def form_group(
+        self,
+        round: int,
+        hop: int,
+        expected: Callable[[], Awaitable[set[str]]],
+        window: float,
+        target_size: int,
+        cell: str = "all",
+        resync: bool = False,
+        admitted: Callable[[], Awaitable[set[str]]] | None = None,
+    ) -> FormedGroup:
         """Register for (round, hop, grid cell) and return this peer's group once it closes.
 
         `expected` names the peers this one should meet there (as leader it closes as soon as
@@ -185,16 +220,27 @@ class Matchmaker:
         key = self.group_key(round, hop, cell)
         me = self.own.peer_id
         now_dht = round_time(get_dht_time())
-        reg = Registration(grpc_addr=self.own.grpc_addr, client_mode=self.own.client_mode,
-                           bandwidth_mbps=self.own.bandwidth, resync=resync, registered_at=now_dht,
-                           closes_by=round_time(now_dht + window))
+        reg = Registration(
+            grpc_addr=self.own.grpc_addr,
+            client_mode=self.own.client_mode,
+            bandwidth_mbps=self.own.bandwidth,
+            resync=resync,
+            registered_at=now_dht,
+            closes_by=round_time(now_dht + window),
+        )
         reg = reg.model_copy(update={"auth": self.auth.issue("register", reg.subject(key)) if self.auth else ""})
-        await self.dht.store(key, subkey=me, value=reg.model_dump(), expiration_time=get_dht_time() + window + 60,
-                             return_future=True)
+        await self.dht.store(
+            key,
+            subkey=me,
+            value=reg.model_dump(),
+            expiration_time=get_dht_time() + window + REGISTRATION_TTL_S,
+            return_future=True,
+        )
         deadline = started + window
         registrants: Registrants = {me: (self.own, reg)}
         closed: dict[str, ClosedList] = {}
         wanted: set[str] = {UNKNOWN}
+        group: tuple[str, ...] = (me,)
         last_arrival, seen = started, {me}
         while True:
             try:
@@ -205,7 +251,7 @@ class Matchmaker:
                 taken = set().union(*(entry.members for entry in closed.values())) - {me}
                 candidates = sorted(set(registrants) - taken, key=lambda p: (registrants[p][1].registered_at, p))
                 wanted = await expected() - taken
-            except Exception as e:
+            except Exception as e:  # noqa: BLE001  (hivemind's DHT reads fail with many types: average alone this hop)
                 log.warning("matchmaking lookup failed: %s", e)
                 candidates, wanted = [me], {UNKNOWN}
             if set(candidates) - seen:
@@ -214,23 +260,33 @@ class Matchmaker:
             if candidates[0] == me and (wanted <= set(candidates) or time.monotonic() >= deadline):
                 group = _part_of(candidates, me, target_size)
             elif candidates[0] != me and get_dht_time() > leader.closes_by + self.settle_s + LEADER_GRACE_S:
-                log.info("%s: leader %s did not close the group by its own deadline; closing without it", key,
-                         _short([candidates[0]]))
+                log.info(
+                    "%s: leader %s did not close the group by its own deadline; closing without it",
+                    key,
+                    _short([candidates[0]]),
+                )
                 candidates = candidates[1:]
                 group = _part_of(candidates, me, target_size)
             else:
                 await asyncio.sleep(self.poll_interval)
                 continue
-            decided = ClosedList(group, 0.0, complete=UNKNOWN not in wanted and wanted <= set(candidates),
-                                 resync=any(registrants[p][1].resync for p in group))
+            decided = ClosedList(
+                group,
+                0.0,
+                complete=UNKNOWN not in wanted and wanted <= set(candidates),
+                resync=any(registrants[p][1].resync for p in group),
+            )
             # published alone too: latecomers must not wait for us
             await self._publish(key, "closed", group, decided.complete, decided.resync)
             break
         if len(group) > 1:
             group, decided, registrants = await self._settle(key, group, decided, admitted, registrants)
         if unknown := set(group) - set(registrants):
-            log.warning("%s: the group names %s, whose registration this peer cannot read; averaging alone "
-                        "this hop", key, _short(unknown))
+            log.warning(
+                "%s: the group names %s, whose registration this peer cannot read; averaging alone this hop",
+                key,
+                _short(unknown),
+            )
             group = (me,)
         members = [registrants[p][0] for p in group]
         if all(m.client_mode for m in members):
@@ -239,25 +295,39 @@ class Matchmaker:
         complete = decided.complete and len(members) == len(decided.members)
         try:
             await self._publish(key, "formed", tuple(sorted(m.peer_id for m in members)))
-        except Exception as e:  # the next hop then waits for this peer until its window ends
+        except Exception as e:  # noqa: BLE001  (the next hop then waits for this peer until its window ends)
             log.warning("could not publish the formed group: %s", e)
-        return FormedGroup(key, members, len(registrants), time.monotonic() - started, complete,
-                           last_arrival - started, decided.resync and len(members) > 1, len(wanted - {UNKNOWN}))
+        return FormedGroup(
+            key,
+            members,
+            len(registrants),
+            time.monotonic() - started,
+            complete,
+            last_arrival - started,
+            decided.resync and len(members) > 1,
+            len(wanted - {UNKNOWN}),
+        )
 
-    async def _settle(self, key: str, group: tuple[str, ...], decided: ClosedList,
-                      admitted: Callable[[], Awaitable[set[str]]] | None, registrants: Registrants
-                      ) -> tuple[tuple[str, ...], ClosedList, Registrants]:
+    async def _settle(
+        self,
+        key: str,
+        group: tuple[str, ...],
+        decided: ClosedList,
+        admitted: Callable[[], Awaitable[set[str]]] | None,
+        registrants: Registrants,
+    ) -> tuple[tuple[str, ...], ClosedList, Registrants]:
         """Wait out lists published at the same time as ours; keep the agreed earliest one."""
         await asyncio.sleep(self.settle_s)
         try:
             registrants, closed = await self._read(key, admitted, registrants)
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001  (hivemind's DHT reads fail with many types)
             log.warning("matchmaking lookup failed while settling: %s; averaging alone this hop", e)
             return (self.own.peer_id,), ClosedList((self.own.peer_id,), 0.0), registrants
         agreed, decided = _agreed_group(closed, self.own.peer_id) or (group, decided)
         if agreed != group:
-            log.info("%s: another list closed at the same time as %s; the group is %s", key, _short(group),
-                     _short(agreed))
+            log.info(
+                "%s: another list closed at the same time as %s; the group is %s", key, _short(group), _short(agreed)
+            )
         return agreed, decided, registrants
 
 

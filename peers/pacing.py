@@ -27,13 +27,20 @@ from typing import Protocol
 class Progress(Protocol):
     """The fields of a membership record that pacing reads."""
 
-    peer_id: str
-    state: str
-    round_in_training: int
-    round_tokens: int
-    tokens_per_step: int
-    tokens_per_s: float
-    progress_at: float
+    @property
+    def peer_id(self) -> str: ...
+    @property
+    def state(self) -> str: ...
+    @property
+    def round_in_training(self) -> int: ...
+    @property
+    def round_tokens(self) -> int: ...
+    @property
+    def tokens_per_step(self) -> int: ...
+    @property
+    def tokens_per_s(self) -> float: ...
+    @property
+    def progress_at(self) -> float: ...
 
 
 ACTIVE = ("training", "averaging")
@@ -65,13 +72,21 @@ def round_target(records: Iterable[Progress], round: int, inner_steps: int, roun
     """
     if round_tokens:
         return round_tokens
-    per_step = sum(max(r.tokens_per_step, 0) for r in records
-                   if r.round_in_training in (round - 1, round) and r.state in ACTIVE)
+    per_step = sum(
+        max(r.tokens_per_step, 0) for r in records if r.round_in_training in (round - 1, round) and r.state in ACTIVE
+    )
     return max(inner_steps * per_step, 1)
 
 
-def swarm_progress(records: Iterable[Progress], own: Progress, round: int, inner_steps: int,
-                   round_tokens: int | None, now: float, max_extrapolation: float = 0.0) -> SwarmProgress:
+def swarm_progress(
+    records: Iterable[Progress],
+    own: Progress,
+    round: int,
+    inner_steps: int,
+    round_tokens: int | None,
+    now: float,
+    max_extrapolation: float = 0.0,
+) -> SwarmProgress:
     """The swarm's progress in `round` as this peer sees it now (`now` in DHT time).
 
     `own` is this peer's live progress, which replaces its (older) published record.

@@ -34,7 +34,7 @@ class GroupPlan:
     numel: int
     block_size: int
     chunk_elements: int
-    codec: int
+    codec: pb.Codec
     parts: tuple[tuple[int, int], ...]
     group_id: bytes = field(default=b"")
 
@@ -57,7 +57,7 @@ def make_plan(
     numel: int,
     block_size: int,
     chunk_elements: int,
-    codec: int = INT8,
+    codec: pb.Codec = INT8,
     key: str = "",
 ) -> GroupPlan:
     """Build the plan every member derives identically from the same member list.

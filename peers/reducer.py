@@ -23,12 +23,18 @@ import logging
 import math
 import time
 from collections.abc import AsyncIterator, Callable
+from typing import NoReturn
 
 import grpc
 import torch
 
 from dtnode.ops.quantization import (
-    NonFiniteError, QuantizedBlocks, dequantize, dequantize_accumulate, num_blocks, quantize,
+    NonFiniteError,
+    QuantizedBlocks,
+    dequantize,
+    dequantize_accumulate,
+    num_blocks,
+    quantize,
 )
 from dtnode.ops.robust import trim_count, trimmed_mean
 from dtnode.proto import averaging_pb2 as pb
@@ -36,10 +42,17 @@ from dtnode.proto import averaging_pb2_grpc as pb_grpc
 
 from . import failpoints
 from .auth import GRPC_METADATA, AuthError, SwarmAuth, stream_subject
-from .tls import TrustStore, client_fingerprint
 from .plan import FP32, GroupPlan, chunk_spans
+from .tls import TrustStore, client_fingerprint
 from .wire import (
-    MAX_WEIGHT, ChunkError, Payload, chunk_message, decode_chunk, numel_of, payload_size, slice_payload,
+    MAX_WEIGHT,
+    ChunkError,
+    Payload,
+    chunk_message,
+    decode_chunk,
+    numel_of,
+    payload_size,
+    slice_payload,
 )
 
 log = logging.getLogger(__name__)
@@ -76,8 +89,15 @@ async def maybe_thread(fn: Callable, *args, size: int):
 class PartReduction:
     """One part of one group round: accumulator, per-chunk weights, and who delivered what."""
 
-    def __init__(self, plan: GroupPlan, own_id: str, own_values: torch.Tensor, own_weight: float, deadline: float,
-                 trim_fraction: float | None = None):
+    def __init__(
+        self,
+        plan: GroupPlan,
+        own_id: str,
+        own_values: torch.Tensor,
+        own_weight: float,
+        deadline: float,
+        trim_fraction: float | None = None,
+    ):
         self.plan = plan
         self.part = plan.index_of(own_id)
         self.offset, self.length = plan.parts[self.part]
@@ -103,8 +123,11 @@ class PartReduction:
         if plan.codec == FP32:
             self.result: Payload = self.accumulator
         else:
-            self.result = QuantizedBlocks(torch.empty(self.length, dtype=torch.int8),
-                                          torch.empty(num_blocks(self.length, plan.block_size)), plan.block_size)
+            self.result = QuantizedBlocks(
+                torch.empty(self.length, dtype=torch.int8),
+                torch.empty(num_blocks(self.length, plan.block_size)),
+                plan.block_size,
+            )
         self.bytes_received = 0
         self.bytes_sent = 0  # result chunks streamed back to senders
         self.open_streams = 0
@@ -135,8 +158,13 @@ class PartReduction:
         await asyncio.sleep(max(self.deadline - time.monotonic(), 0))
         late = sorted(self.expected - self.failed - set(self.committed))
         if late:
-            log.warning("round %s hop %s part %s: no complete stream from %s by the deadline",
-                        self.plan.round, self.plan.hop, self.part, late)
+            log.warning(
+                "round %s hop %s part %s: no complete stream from %s by the deadline",
+                self.plan.round,
+                self.plan.hop,
+                self.part,
+                late,
+            )
             for sender in late:
                 await self.fail(sender)
 
@@ -144,8 +172,9 @@ class PartReduction:
         if sender not in self.expected:
             raise ChunkError(f"sender {sender} is not a member of this group")
         if sender in self.failed:
-            raise ChunkError(f"sender {sender} was dropped from this part (it came after the deadline, or its "
-                             f"earlier stream failed)")
+            raise ChunkError(
+                f"sender {sender} was dropped from this part (it came after the deadline, or its earlier stream failed)"
+            )
         if sender in self.progress:
             raise ChunkError(f"sender {sender} already streamed this part")
         if not (math.isfinite(weight) and 0 < weight <= MAX_WEIGHT):
@@ -160,8 +189,9 @@ class PartReduction:
         offset, _ = self.spans[index]
         if self.trim_fraction is not None:  # bounded buffering: a sender runs at most 4 chunks ahead
             async with self._changed:
-                await self._changed.wait_for(lambda: index < self.finalized + 4 or sender in self.failed
-                                             or self.failure is not None)
+                await self._changed.wait_for(
+                    lambda: index < self.finalized + 4 or sender in self.failed or self.failure is not None
+                )
         async with self._chunk_locks[index]:
             if self.failure is not None:
                 raise ChunkError(str(self.failure))
@@ -198,8 +228,14 @@ class PartReduction:
             return
         self.failed.add(sender)
         if self.progress.get(sender, 0):
-            log.info("round %s part %s: sender %s counted in %d of %d chunks", self.plan.round, self.part, sender,
-                     self.progress[sender], len(self.spans))
+            log.info(
+                "round %s part %s: sender %s counted in %d of %d chunks",
+                self.plan.round,
+                self.part,
+                sender,
+                self.progress[sender],
+                len(self.spans),
+            )
         await self._advance()
 
     def _ready(self, index: int) -> bool:
@@ -212,14 +248,20 @@ class PartReduction:
                 offset, length = self.spans[index]
                 async with self._chunk_locks[index]:  # a fold in flight completes first
                     try:
-                        await maybe_thread(self._finish_chunk, index, offset, length, self.chunk_weight[index],
-                                           size=length)
+                        await maybe_thread(
+                            self._finish_chunk, index, offset, length, self.chunk_weight[index], size=length
+                        )
                     except Exception as e:  # nobody is to blame in the stream that got here first
                         self.failure = ReductionFailed(f"chunk {index} of the mean cannot be finished: {e!r}")
-                        log.log(logging.WARNING if isinstance(e, NonFiniteError) else logging.ERROR,
-                                "round %s hop %s part %s: %s; every member keeps its own values", self.plan.round,
-                                self.plan.hop, self.part, self.failure,
-                                exc_info=None if isinstance(e, NonFiniteError) else e)
+                        log.log(
+                            logging.WARNING if isinstance(e, NonFiniteError) else logging.ERROR,
+                            "round %s hop %s part %s: %s; every member keeps its own values",
+                            self.plan.round,
+                            self.plan.hop,
+                            self.part,
+                            self.failure,
+                            exc_info=None if isinstance(e, NonFiniteError) else e,
+                        )
                     else:
                         self.finalized += 1
                 async with self._changed:
@@ -242,6 +284,7 @@ class PartReduction:
         async with self._changed:
             await self._changed.wait_for(lambda: self.finalized > index or self.failure is not None)
         if self.finalized <= index:
+            assert self.failure is not None  # the wait ends on a final chunk or a failure
             raise self.failure
         offset, length = self.spans[index]
         return slice_payload(self.result, offset, length, self.plan.block_size)
@@ -284,7 +327,7 @@ class ReductionRegistry:
         async with self._changed:
             try:
                 await asyncio.wait_for(self._changed.wait_for(lambda: key in self._reductions), wait)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 return None
             return self._reductions[key]
 
@@ -295,15 +338,35 @@ def _remote_host(peer: str) -> str:
 
 
 def _same_stream(chunk: pb.PartChunk, first: pb.PartChunk) -> bool:
-    return (chunk.sender, chunk.weight, chunk.group_id, chunk.round, chunk.hop, chunk.part, chunk.run_id) == \
-        (first.sender, first.weight, first.group_id, first.round, first.hop, first.part, first.run_id)
+    return (chunk.sender, chunk.weight, chunk.group_id, chunk.round, chunk.hop, chunk.part, chunk.run_id) == (
+        first.sender,
+        first.weight,
+        first.group_id,
+        first.round,
+        first.hop,
+        first.part,
+        first.run_id,
+    )
+
+
+async def _abort(context: grpc.aio.ServicerContext, code: grpc.StatusCode, details: str) -> NoReturn:
+    """End the stream with a status (gRPC's abort raises; this says so to the type checker)."""
+    await context.abort(code, details)
+    raise AssertionError("grpc's abort returned")
 
 
 class AveragingService(pb_grpc.AveragingServicer):
     """Validates and folds each sender's stream while streaming final result chunks back."""
 
-    def __init__(self, registry: ReductionRegistry, run_id: str, registration_wait: float = 5.0,
-                 auth: SwarmAuth | None = None, max_streams_per_peer: int = 16, trust: TrustStore | None = None):
+    def __init__(
+        self,
+        registry: ReductionRegistry,
+        run_id: str,
+        registration_wait: float = 5.0,
+        auth: SwarmAuth | None = None,
+        max_streams_per_peer: int = 16,
+        trust: TrustStore | None = None,
+    ):
         self.registry = registry
         self.trust = trust
         self.run_id = run_id
@@ -315,7 +378,7 @@ class AveragingService(pb_grpc.AveragingServicer):
     async def Reduce(self, request_iterator: AsyncIterator[pb.PartChunk], context: grpc.aio.ServicerContext):
         host = _remote_host(context.peer())
         if self._open.get(host, 0) >= self.max_streams_per_peer:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "too many concurrent streams from this peer")
+            await _abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED, "too many concurrent streams from this peer")
         self._open[host] = self._open.get(host, 0) + 1
         try:
             async for msg in self._reduce(request_iterator, context):
@@ -330,28 +393,36 @@ class AveragingService(pb_grpc.AveragingServicer):
         try:
             first = await anext(requests)
         except StopAsyncIteration:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "empty stream")
+            await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, "empty stream")
         if first.run_id != self.run_id:
-            await context.abort(grpc.StatusCode.PERMISSION_DENIED, f"run {first.run_id!r} is not this node's run")
+            await _abort(context, grpc.StatusCode.PERMISSION_DENIED, f"run {first.run_id!r} is not this node's run")
         if self.auth is not None:
             tag = dict(context.invocation_metadata() or ()).get(GRPC_METADATA)
             subject = stream_subject(first.run_id, first.round, first.hop, first.group_id, first.part)
             try:
                 self.auth.verify("grpc", subject, tag if isinstance(tag, str) else None, peer_id=first.sender)
             except AuthError as e:
-                await context.abort(grpc.StatusCode.UNAUTHENTICATED, str(e))
+                await _abort(context, grpc.StatusCode.UNAUTHENTICATED, str(e))
         if self.trust is not None:  # the stream must come over the certificate of the peer it claims to be
             expected, presented = self.trust.fingerprint_of(first.sender), client_fingerprint(context)
             if expected is None or presented != expected:
-                log.warning("refused a stream claiming peer %s over %s", first.sender,
-                            "the certificate of peer " + (self.trust.peer_of(presented) or "?")
-                            if presented else "no certificate")
-                await context.abort(grpc.StatusCode.PERMISSION_DENIED,
-                                    f"this stream's TLS certificate is not the one peer {first.sender} announces")
+                log.warning(
+                    "refused a stream claiming peer %s over %s",
+                    first.sender,
+                    "the certificate of peer " + (self.trust.peer_of(presented) or "?")
+                    if presented
+                    else "no certificate",
+                )
+                await _abort(
+                    context,
+                    grpc.StatusCode.PERMISSION_DENIED,
+                    f"this stream's TLS certificate is not the one peer {first.sender} announces",
+                )
         key = ReductionRegistry.key(first.run_id, first.round, first.hop, first.group_id, first.part)
         reduction = await self.registry.lookup(key, self.registration_wait)
         if reduction is None:
-            await context.abort(
+            await _abort(
+                context,
                 grpc.StatusCode.FAILED_PRECONDITION,
                 f"no reduction for round {first.round} hop {first.hop} part {first.part} in this group",
             )
@@ -359,7 +430,7 @@ class AveragingService(pb_grpc.AveragingServicer):
         try:
             reduction.begin(sender, first.weight)
         except ChunkError as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
         reader = asyncio.ensure_future(self._consume(reduction, sender, first, requests))
         reduction.open_streams += 1
         reduction.streams_closed.clear()
@@ -371,14 +442,14 @@ class AveragingService(pb_grpc.AveragingServicer):
                 if reader.done() and reader.exception() is not None:
                     waiter.cancel()
                     if reduction.failure is not None:  # not this sender's doing
-                        await context.abort(grpc.StatusCode.ABORTED, str(reduction.failure))
+                        await _abort(context, grpc.StatusCode.ABORTED, str(reduction.failure))
                     error = reader.exception()
                     log.warning("rejected stream from %s: %s", sender, error)
-                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
+                    await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(error))
                 try:
                     payload = await waiter
                 except ReductionFailed as e:
-                    await context.abort(grpc.StatusCode.ABORTED, str(e))
+                    await _abort(context, grpc.StatusCode.ABORTED, str(e))
                 msg = chunk_message(reduction.plan, reduction.part, reduction.own_id, 0.0, offset, payload)
                 if index == len(reduction.spans) - 1:
                     msg.last = True
@@ -394,8 +465,9 @@ class AveragingService(pb_grpc.AveragingServicer):
                 reader.cancel()
                 await reduction.fail(sender)
 
-    async def _consume(self, reduction: PartReduction, sender: str, first: pb.PartChunk,
-                       requests: AsyncIterator[pb.PartChunk]) -> None:
+    async def _consume(
+        self, reduction: PartReduction, sender: str, first: pb.PartChunk, requests: AsyncIterator[pb.PartChunk]
+    ) -> None:
         """Read, validate and fold the sender's chunks; any violation drops the sender."""
         received = 0
         try:

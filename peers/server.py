@@ -17,7 +17,11 @@ class GrpcPortError(OSError):
 
 
 async def start_grpc_server(
-    service: AveragingService, host: str, port: int, max_message_bytes: int, max_concurrent_streams: int = 64,
+    service: AveragingService,
+    host: str,
+    port: int,
+    max_message_bytes: int,
+    max_concurrent_streams: int = 64,
     credentials: grpc.ServerCredentials | None = None,
 ) -> tuple[grpc.aio.Server, int]:
     """Start serving (over TLS with `credentials`); returns the server and the bound port (useful when port is 0)."""

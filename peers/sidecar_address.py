@@ -12,10 +12,12 @@ import asyncio
 import json
 
 import aiohttp
+from tenacity import AsyncRetrying, retry_if_exception_type, stop_before_delay, wait_fixed
 
 MAX_ADDRESSES = 8
 MAX_STATUS_BYTES = 1 << 20
 RETRY_S = 2.0
+PROBE_TIMEOUT_S = 10.0  # the longest one ask of a peer's sidecar waits (its /status, a checkpoint's metadata)
 
 
 class SidecarAddressError(ValueError):
@@ -27,8 +29,15 @@ def is_sidecar_address(peer: str) -> bool:
 
 
 def _valid(addr: object) -> bool:
-    return (isinstance(addr, str) and addr.startswith("/") and "/p2p/" in addr and "/tcp/" in addr
-            and len(addr) < 300 and addr.isascii() and " " not in addr)
+    return (
+        isinstance(addr, str)
+        and addr.startswith("/")
+        and "/p2p/" in addr
+        and "/tcp/" in addr
+        and len(addr) < 300
+        and addr.isascii()
+        and " " not in addr
+    )
 
 
 async def _resolve_one(session: aiohttp.ClientSession, url: str, timeout: float) -> list[str]:
@@ -36,13 +45,17 @@ async def _resolve_one(session: aiohttp.ClientSession, url: str, timeout: float)
     find that peer's sidecar not listening yet."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
-    while True:
-        try:
-            return await _ask(session, url, max(1.0, min(10.0, deadline - loop.time())))
-        except SidecarAddressError:
-            if loop.time() + RETRY_S >= deadline:
-                raise
-            await asyncio.sleep(RETRY_S)
+    retrying = AsyncRetrying(
+        retry=retry_if_exception_type(SidecarAddressError),
+        wait=wait_fixed(RETRY_S),
+        stop=stop_before_delay(max(timeout - RETRY_S, 0.0)),
+        reraise=True,
+    )
+
+    async def ask() -> list[str]:  # an async def: tenacity awaits coroutine functions only
+        return await _ask(session, url, max(1.0, min(PROBE_TIMEOUT_S, deadline - loop.time())))
+
+    return await retrying(ask)
 
 
 async def _ask(session: aiohttp.ClientSession, url: str, timeout: float) -> list[str]:
@@ -52,7 +65,7 @@ async def _ask(session: aiohttp.ClientSession, url: str, timeout: float) -> list
             if resp.status != 200:
                 raise SidecarAddressError(f"{status_url} answered HTTP {resp.status}")
             status = json.loads(await resp.content.read(MAX_STATUS_BYTES))
-    except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+    except (TimeoutError, aiohttp.ClientError, OSError) as e:
         raise SidecarAddressError(f"{status_url} is not reachable ({type(e).__name__}: {e})") from None
     except ValueError:
         raise SidecarAddressError(f"{status_url} did not answer a dtnode status") from None
@@ -71,8 +84,9 @@ async def resolve_peers(peers: list[str], timeout: float) -> list[str]:
     out = [p for p in peers if not is_sidecar_address(p)]
     errors = []
     async with aiohttp.ClientSession() as session:
-        results = await asyncio.gather(*(_resolve_one(session, url, timeout) for url in sidecars),
-                                       return_exceptions=True)
+        results = await asyncio.gather(
+            *(_resolve_one(session, url, timeout) for url in sidecars), return_exceptions=True
+        )
     for url, result in zip(sidecars, results):
         if isinstance(result, SidecarAddressError):
             errors.append(str(result))

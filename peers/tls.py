@@ -38,8 +38,8 @@ log = logging.getLogger(__name__)
 # since what identifies a peer is its pinned certificate, not the name or address it is dialled at.
 TLS_NAME = "peer.dtnode.invalid"
 MAX_CERT_CHARS = 4096  # base64 DER of an RSA-4096 self-signed certificate fits with room
-_NOT_BEFORE = datetime.datetime(2024, 1, 1, tzinfo=datetime.timezone.utc)
-_NOT_AFTER = datetime.datetime(9999, 12, 31, 23, 59, 59, tzinfo=datetime.timezone.utc)
+_NOT_BEFORE = datetime.datetime(2024, 1, 1, tzinfo=datetime.UTC)
+_NOT_AFTER = datetime.datetime(9999, 12, 31, 23, 59, 59, tzinfo=datetime.UTC)
 
 
 class TlsError(ValueError):
@@ -54,16 +54,33 @@ def fingerprint(der: bytes) -> str:
 def make_certificate(key: rsa.RSAPrivateKey, peer_id: str) -> bytes:
     """The self-signed certificate (DER) of this node's record key."""
     public = key.public_key()
-    serial = int.from_bytes(hashlib.sha256(public.public_bytes(
-        serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)).digest()[:16], "big") >> 1
-    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, TLS_NAME),
-                      x509.NameAttribute(NameOID.ORGANIZATIONAL_UNIT_NAME, peer_id[:64] or "dtnode")])
-    cert = (x509.CertificateBuilder()
-            .subject_name(name).issuer_name(name).public_key(public).serial_number(serial or 1)
-            .not_valid_before(_NOT_BEFORE).not_valid_after(_NOT_AFTER)
-            .add_extension(x509.SubjectAlternativeName([x509.DNSName(TLS_NAME)]), critical=False)
-            .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
-            .sign(key, hashes.SHA256()))
+    serial = (
+        int.from_bytes(
+            hashlib.sha256(
+                public.public_bytes(serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)
+            ).digest()[:16],
+            "big",
+        )
+        >> 1
+    )
+    name = x509.Name(
+        [
+            x509.NameAttribute(NameOID.COMMON_NAME, TLS_NAME),
+            x509.NameAttribute(NameOID.ORGANIZATIONAL_UNIT_NAME, peer_id[:64] or "dtnode"),
+        ]
+    )
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(public)
+        .serial_number(serial or 1)
+        .not_valid_before(_NOT_BEFORE)
+        .not_valid_after(_NOT_AFTER)
+        .add_extension(x509.SubjectAlternativeName([x509.DNSName(TLS_NAME)]), critical=False)
+        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+        .sign(key, hashes.SHA256())
+    )
     return cert.public_bytes(serialization.Encoding.DER)
 
 
@@ -84,7 +101,8 @@ def decode_certificate(text: str) -> bytes:
     if not isinstance(cert.public_key(), rsa.RSAPublicKey) or cert.subject != cert.issuer:
         raise TlsError("not a self-signed RSA certificate")
     if cert.subject.get_attributes_for_oid(NameOID.COMMON_NAME)[:1] != [
-            x509.NameAttribute(NameOID.COMMON_NAME, TLS_NAME)]:
+        x509.NameAttribute(NameOID.COMMON_NAME, TLS_NAME)
+    ]:
         raise TlsError("certificate for another name")
     return der
 
@@ -102,8 +120,9 @@ class NodeIdentity:
 
     @classmethod
     def from_key(cls, key: rsa.RSAPrivateKey, peer_id: str) -> NodeIdentity:
-        key_pem = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                    serialization.NoEncryption())
+        key_pem = key.private_bytes(
+            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+        )
         return cls(key_pem, make_certificate(key, peer_id))
 
     @property
@@ -173,8 +192,9 @@ class TrustStore:
         der = self.certificate(peer_id)
         if der is None:
             raise TlsError(f"no certificate known for peer {peer_id}")
-        return grpc.ssl_channel_credentials(root_certificates=pem(der), private_key=self.own.key_pem,
-                                            certificate_chain=self.own.cert_pem)
+        return grpc.ssl_channel_credentials(
+            root_certificates=pem(der), private_key=self.own.key_pem, certificate_chain=self.own.cert_pem
+        )
 
     def _configuration(self) -> grpc.ServerCertificateConfiguration:
         with self._lock:
@@ -189,8 +209,9 @@ class TrustStore:
         return self._configuration()
 
     def server_credentials(self) -> grpc.ServerCredentials:
-        return grpc.dynamic_ssl_server_credentials(self._configuration(), self._fetch,
-                                                   require_client_authentication=True)
+        return grpc.dynamic_ssl_server_credentials(
+            self._configuration(), self._fetch, require_client_authentication=True
+        )
 
 
 def client_fingerprint(context: grpc.aio.ServicerContext) -> str | None:

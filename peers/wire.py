@@ -8,6 +8,7 @@ only finite, non-negative scales; anything else raises `ChunkError`.
 from __future__ import annotations
 
 import warnings
+from typing import overload
 
 import torch
 
@@ -82,10 +83,20 @@ def payload_size(payload: Payload) -> int:
     return 4 * payload.numel()
 
 
-def chunk_message(plan: GroupPlan, part: int, sender: str, weight: float, offset: int, payload: Payload) -> pb.PartChunk:
+def chunk_message(
+    plan: GroupPlan, part: int, sender: str, weight: float, offset: int, payload: Payload
+) -> pb.PartChunk:
     msg = pb.PartChunk(
-        run_id=plan.run_id, round=plan.round, hop=plan.hop, group_id=plan.group_id, part=part,
-        sender=sender, weight=weight, offset=offset, length=numel_of(payload), codec=plan.codec,
+        run_id=plan.run_id,
+        round=plan.round,
+        hop=plan.hop,
+        group_id=plan.group_id,
+        part=part,
+        sender=sender,
+        weight=weight,
+        offset=offset,
+        length=numel_of(payload),
+        codec=plan.codec,
     )
     if isinstance(payload, QuantizedBlocks):
         msg.block_size = plan.block_size
@@ -96,6 +107,10 @@ def chunk_message(plan: GroupPlan, part: int, sender: str, weight: float, offset
     return msg
 
 
+@overload
+def slice_payload(payload: QuantizedBlocks, offset: int, length: int, block_size: int) -> QuantizedBlocks: ...
+@overload
+def slice_payload(payload: torch.Tensor, offset: int, length: int, block_size: int) -> torch.Tensor: ...
 def slice_payload(payload: Payload, offset: int, length: int, block_size: int) -> Payload:
     """A block-aligned slice of a payload (views, no copies)."""
     if isinstance(payload, QuantizedBlocks):

@@ -25,12 +25,12 @@ def generate(out_dir: Path) -> list[Path]:
         package_dir.mkdir(parents=True)
         for name in PROTOS:
             shutil.copy(PROTO_DIR / name, package_dir / name)
-        args = ["protoc", f"-I{tmp}", f"--python_out={tmp}", f"--grpc_python_out={tmp}"]
+        args = ["protoc", f"-I{tmp}", f"--python_out={tmp}", f"--pyi_out={tmp}", f"--grpc_python_out={tmp}"]
         args += [f"dtnode/proto/{name}" for name in PROTOS]
         if protoc.main(args) != 0:
             raise RuntimeError("protoc failed")
         written = []
-        for path in sorted(package_dir.glob("*_pb2*.py")):
+        for path in sorted(package_dir.glob("*_pb2*.py*")):  # the modules, and the typing stub of the messages
             target = out_dir / path.name
             shutil.copy(path, target)
             written.append(target)

@@ -12,9 +12,9 @@ from cryptography.hazmat.primitives.asymmetric import rsa
 from dtnode.peers.butterfly import AllReduceReport, ChannelPool, butterfly_allreduce
 from dtnode.peers.plan import INT8, Member, make_plan
 from dtnode.peers.reducer import AveragingService, ReductionRegistry
-from dtnode.peers.wire import max_message_bytes
 from dtnode.peers.server import start_grpc_server
 from dtnode.peers.tls import NodeIdentity, TrustStore, encode_certificate
+from dtnode.peers.wire import max_message_bytes
 
 
 @dataclass
@@ -34,19 +34,30 @@ def tls_stores(peer_ids: list[str]) -> list[TrustStore]:
     return stores
 
 
-async def start_peers(n: int, run_id: str = "test-run", client_mode: tuple[int, ...] = (),
-                      chunk_elements: int = 1 << 12, bandwidths: list[float] | None = None,
-                      tls: bool = False) -> list[Peer]:
+async def start_peers(
+    n: int,
+    run_id: str = "test-run",
+    client_mode: tuple[int, ...] = (),
+    chunk_elements: int = 1 << 12,
+    bandwidths: list[float] | None = None,
+    tls: bool = False,
+) -> list[Peer]:
     peers = []
     ids = [f"peer{i:02d}" for i in range(n)]
     stores: list[TrustStore | None] = tls_stores(ids) if tls else [None] * n
     for i, (peer_id, trust) in enumerate(zip(ids, stores)):
         registry = ReductionRegistry()
         service = AveragingService(registry, run_id, registration_wait=2.0, trust=trust)
-        server, port = await start_grpc_server(service, "127.0.0.1", 0, max_message_bytes(chunk_elements),
-                                               credentials=trust.server_credentials() if trust else None)
-        member = Member(peer_id, f"127.0.0.1:{port}", client_mode=i in client_mode,
-                        bandwidth=bandwidths[i] if bandwidths else 1.0)
+        server, port = await start_grpc_server(
+            service,
+            "127.0.0.1",
+            0,
+            max_message_bytes(chunk_elements),
+            credentials=trust.server_credentials() if trust else None,
+        )
+        member = Member(
+            peer_id, f"127.0.0.1:{port}", client_mode=i in client_mode, bandwidth=bandwidths[i] if bandwidths else 1.0
+        )
         peers.append(Peer(member, registry, server, ChannelPool(max_message_bytes(chunk_elements), trust)))
     return peers
 
@@ -57,19 +68,31 @@ async def stop_peers(peers: list[Peer]) -> None:
         await p.server.stop(None)
 
 
-async def allreduce(peers: list[Peer], values: list[torch.Tensor], weights: list[float], *, run_id: str = "test-run",
-                    round: int = 0, block_size: int = 64, chunk_elements: int = 1 << 12, codec: int = INT8,
-                    timeout: float = 10.0, members: list[Member] | None = None,
-                    ) -> tuple[list[torch.Tensor], list[AllReduceReport]]:
+async def allreduce(
+    peers: list[Peer],
+    values: list[torch.Tensor],
+    weights: list[float],
+    *,
+    run_id: str = "test-run",
+    round: int = 0,
+    block_size: int = 64,
+    chunk_elements: int = 1 << 12,
+    codec: int = INT8,
+    timeout: float = 10.0,
+    members: list[Member] | None = None,
+) -> tuple[list[torch.Tensor], list[AllReduceReport]]:
     """One all-reduce among `peers`; `members` overrides the plan's member list (addresses a
     test reroutes, or a member that is not there)."""
-    plan = make_plan(run_id, round, 0, members or [p.member for p in peers], values[0].numel(), block_size,
-                     chunk_elements, codec)
+    plan = make_plan(
+        run_id, round, 0, members or [p.member for p in peers], values[0].numel(), block_size, chunk_elements, codec
+    )
     outs = [torch.empty_like(v) for v in values]
-    reports = await asyncio.gather(*(
-        butterfly_allreduce(plan, p.member.peer_id, v, w, o, p.registry, p.channels, timeout)
-        for p, v, w, o in zip(peers, values, weights, outs)
-    ))
+    reports = await asyncio.gather(
+        *(
+            butterfly_allreduce(plan, p.member.peer_id, v, w, o, p.registry, p.channels, timeout)
+            for p, v, w, o in zip(peers, values, weights, outs)
+        )
+    )
     return outs, list(reports)
 
 

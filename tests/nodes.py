@@ -11,12 +11,46 @@ import sys
 import threading
 import time
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any, TypeVar
 
+T = TypeVar("T")
 PORTS = ["--dht-port", "0", "--grpc-port", "0", "--http-port", "0"]
 # Small and quick: the tiny preset, short rounds, short timeouts, eager int8 kernels.
-FAST = ["--model", "tiny", "--inner-steps", "15", "--batch-size", "8", "--seq-len", "32", "--keep-checkpoints", "100", "--checkpoint-every", "1",
-        "--matchmaking-window", "10", "--peer-ttl", "4", "--heartbeat-interval", "1", "--no-fused-kernels"]
+FAST = [
+    "--model",
+    "tiny",
+    "--inner-steps",
+    "15",
+    "--batch-size",
+    "8",
+    "--seq-len",
+    "32",
+    "--keep-checkpoints",
+    "100",
+    "--checkpoint-every",
+    "1",
+    "--matchmaking-window",
+    "10",
+    "--peer-ttl",
+    "4",
+    "--heartbeat-interval",
+    "1",
+    "--no-fused-kernels",
+]
+
+
+def wait_until(condition: Callable[[], T | None], timeout: float, what: str) -> T:
+    """Poll `condition` until it returns something truthy; AssertionError naming `what` after
+    `timeout` seconds (a hang guard: generous, never a speed check)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        if value := condition():
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"no {what} within {timeout:.0f}s")
+        time.sleep(0.2)
 
 
 def theta(state_dir: Path, step: int):
@@ -31,16 +65,20 @@ def theta(state_dir: Path, step: int):
 
 
 class NodeProcess:
-    def __init__(self, name: str, args: list[str], state_dir: Path, env: dict | None = None,
-                 prefix: list[str] | None = None):
+    def __init__(
+        self, name: str, args: list[str], state_dir: Path, env: dict | None = None, prefix: list[str] | None = None
+    ):
         self.name = name
         self.state_dir = state_dir
         self.lines: list[str] = []
         self.times: list[float] = []  # time.monotonic() at which each line was read
         # `prefix` wraps the command, e.g. `ip netns exec NS` (which execs it: signals reach the node).
         self.proc = subprocess.Popen(
-            [*(prefix or []), sys.executable, "-u", "-m", "dtnode", *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-            text=True, env={**os.environ, "GRPC_VERBOSITY": "ERROR", **(env or {})},
+            [*(prefix or []), sys.executable, "-u", "-m", "dtnode", *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env={**os.environ, "GRPC_VERBOSITY": "ERROR", **(env or {})},
         )
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
@@ -51,10 +89,19 @@ class NodeProcess:
             self.lines.append(line.rstrip())
 
     @classmethod
-    def join(cls, name: str, tmp: Path, *extra: str, env: dict | None = None, host: str = "127.0.0.1",
-             prefix: list[str] | None = None) -> "NodeProcess":
+    def join(
+        cls,
+        name: str,
+        tmp: Path,
+        *extra: str,
+        env: dict | None = None,
+        host: str = "127.0.0.1",
+        prefix: list[str] | None = None,
+    ) -> NodeProcess:
         state_dir = tmp / name
-        return cls(name, ["join", "--host", host, *PORTS, "--state-dir", str(state_dir), *extra], state_dir, env, prefix)
+        return cls(
+            name, ["join", "--host", host, *PORTS, "--state-dir", str(state_dir), *extra], state_dir, env, prefix
+        )
 
     def wait_for_line(self, pattern: str, timeout: float = 60) -> re.Match:
         return self.wait_for_line_at(pattern, timeout)[0]
@@ -87,9 +134,48 @@ class NodeProcess:
     def http_url(self) -> str:
         return self.wait_for_line(r"status (http://\S+)/status").group(1)
 
-    def get(self, path: str) -> object:
+    def get(self, path: str) -> Any:
         with urllib.request.urlopen(self.http_url + path, timeout=5) as resp:
             return json.load(resp)
+
+    def status(self) -> dict[str, Any] | None:
+        """/status, or None while the node does not answer."""
+        try:
+            return self.get("/status")
+        except (OSError, ValueError):
+            return None
+
+    @property
+    def rounds(self) -> list[dict[str, Any]]:
+        """The node's rounds as `/history` serves them, from the file behind it in the state dir
+        (readable after the node exits): one entry per round, oldest first, each with its
+        `round`, `step`, `groups` ([[size, expected], ...] per hop), `inner_steps`, `tokens`,
+        `params_sha256`, `eval_loss` and `outcome`. A restarted node's earlier rounds come first."""
+        try:
+            text = (self.state_dir / "history.jsonl").read_text()
+        except FileNotFoundError:
+            return []
+        out = []
+        for line in text.splitlines():
+            try:
+                out.append(json.loads(line))
+            except ValueError:  # the line being written
+                continue
+        return out
+
+    def round(self, number: int) -> dict[str, Any] | None:
+        """The newest entry of round `number` (None if it has not ended here)."""
+        return next((r for r in reversed(self.rounds) if r["round"] == number), None)
+
+    def wait_for_round(
+        self, condition: Callable[[dict[str, Any]], bool] = lambda r: True, timeout: float = 120, after: int = 0
+    ) -> dict[str, Any]:
+        """The first round (from index `after` of `rounds`) that satisfies `condition`."""
+
+        def found() -> dict[str, Any] | None:
+            return next((r for r in self.rounds[after:] if condition(r)), None)
+
+        return wait_until(found, timeout, f"round of {self.name} as asked; output:\n{self.output[-3000:]}")
 
     def wait(self, timeout: float) -> int:
         try:

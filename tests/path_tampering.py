@@ -6,8 +6,12 @@ import asyncio
 import threading
 
 
-async def forward(src: asyncio.StreamReader, dst: asyncio.StreamWriter, flip_at: int | None = None,
-                  flipped: threading.Event | None = None) -> None:
+async def forward(
+    src: asyncio.StreamReader,
+    dst: asyncio.StreamWriter,
+    flip_at: int | None = None,
+    flipped: threading.Event | None = None,
+) -> None:
     """Copy `src` to `dst` until either end closes; with `flip_at`, flip one bit of the byte at
     that offset of this connection, unless `flipped` says some connection already had its byte."""
     seen = 0

@@ -5,8 +5,8 @@ import asyncio
 import grpc
 import pytest
 import torch
-
 from allreduce_harness import allreduce, start_peers, stop_peers
+
 from dtnode.ops.quantization import quantize
 from dtnode.peers.butterfly import butterfly_allreduce
 from dtnode.peers.plan import FP32, INT8, Member, make_plan
@@ -30,9 +30,17 @@ def rel(a, b):
     return float((a - b).norm() / b.norm())
 
 
-@pytest.mark.parametrize("n,numel,client_mode", [
-    (1, 1000, ()), (2, 1000, ()), (3, 100_003, ()), (4, 5_000, (2,)), (5, 77_777, (1,)), (5, 12_345, ()),
-])
+@pytest.mark.parametrize(
+    "n,numel,client_mode",
+    [
+        (1, 1000, ()),
+        (2, 1000, ()),
+        (3, 100_003, ()),
+        (4, 5_000, (2,)),
+        (5, 77_777, (1,)),
+        (5, 12_345, ()),
+    ],
+)
 def test_matches_exact_weighted_mean(n, numel, client_mode):
     async def main():
         peers = await start_peers(n, client_mode=client_mode)
@@ -51,6 +59,7 @@ def test_matches_exact_weighted_mean(n, numel, client_mode):
         # one answer per group: every member applies the same bytes
         for out in outs[1:]:
             assert torch.equal(out, outs[0])
+
     run(main())
 
 
@@ -63,6 +72,7 @@ def test_fp32_codec_is_exact_to_float_rounding():
         finally:
             await stop_peers(peers)
         assert torch.allclose(outs[0], exact_mean(values, [1.0, 2.0, 3.0]), atol=1e-5)
+
     run(main())
 
 
@@ -81,6 +91,7 @@ def test_bandwidth_sizes_parts():
         # every byte one sends, the other receives
         assert reports[0].bytes_sent == reports[1].bytes_received
         assert reports[1].bytes_sent == reports[0].bytes_received
+
     run(main())
 
 
@@ -93,19 +104,23 @@ def test_dead_reducer_leaves_own_values_for_its_part():
         values = [torch.randn(9_000) for _ in range(2)]
         outs = [torch.empty(9_000) for _ in range(2)]
         try:
-            reports = await asyncio.gather(*(
-                butterfly_allreduce(plan, p.member.peer_id, v, 1.0, o, p.registry, p.channels, timeout=3.0)
-                for p, v, o in zip(peers, values, outs)))
+            reports = await asyncio.gather(
+                *(
+                    butterfly_allreduce(plan, p.member.peer_id, v, 1.0, o, p.registry, p.channels, timeout=3.0)
+                    for p, v, o in zip(peers, values, outs)
+                )
+            )
         finally:
             await stop_peers(peers)
         dead_part = plan.index_of("peer99")
         offset, length = plan.parts[dead_part]
         for v, o, r in zip(values, outs, reports):
-            assert torch.equal(o[offset:offset + length], v[offset:offset + length])
+            assert torch.equal(o[offset : offset + length], v[offset : offset + length])
             assert [p.reducer for p in r.failed_parts] == ["peer99"]
         live = torch.ones(9_000, dtype=torch.bool)
-        live[offset:offset + length] = False
+        live[offset : offset + length] = False
         assert rel(outs[0][live], exact_mean(values, [1.0, 1.0])[live]) <= INT8_BOUND
+
     run(main())
 
 
@@ -113,6 +128,7 @@ def test_a_mean_that_cannot_be_finished_fails_its_part_at_once_and_everyone_keep
     """A reducer whose own values there are not finite cannot quantize the mean: the part
     fails for every member (ABORTED), in well under the timeout, instead of leaving the
     reducer waiting for its own result forever; the other parts average as usual."""
+
     async def main():
         peers = await start_peers(3)
         plan = make_plan("test-run", 0, 0, [p.member for p in peers], 9_000, 64, 1024, INT8)
@@ -122,28 +138,47 @@ def test_a_mean_that_cannot_be_finished_fails_its_part_at_once_and_everyone_keep
         outs = [torch.empty(9_000) for _ in range(3)]
         started = asyncio.get_running_loop().time()
         try:
-            reports = await asyncio.wait_for(asyncio.gather(*(
-                butterfly_allreduce(plan, p.member.peer_id, v, 1.0, o, p.registry, p.channels, timeout=20.0)
-                for p, v, o in zip(peers, values, outs))), 30)
+            reports = await asyncio.wait_for(
+                asyncio.gather(
+                    *(
+                        butterfly_allreduce(plan, p.member.peer_id, v, 1.0, o, p.registry, p.channels, timeout=20.0)
+                        for p, v, o in zip(peers, values, outs)
+                    )
+                ),
+                30,
+            )
         finally:
             await stop_peers(peers)
         assert asyncio.get_running_loop().time() - started < 10
         for v, o, r in zip(values, outs, reports):
-            assert torch.equal(o[offset:offset + length], v[offset:offset + length])
+            assert torch.equal(o[offset : offset + length], v[offset : offset + length])
             assert [p.reducer for p in r.failed_parts] == ["peer00"]
         assert {r.failed_parts[0].error.split(":")[0] for r in reports} == {"REDUCTION_FAILED", "ABORTED"}
         rest = torch.ones(9_000, dtype=torch.bool)
-        rest[offset:offset + length] = False
+        rest[offset : offset + length] = False
         assert rel(outs[1][rest], exact_mean(values, [1.0] * 3)[rest]) <= INT8_BOUND
+
     run(main())
 
 
 def _chunk(plan, part, sender, offset, values, **overrides):
     q = quantize(values, plan.block_size)
-    fields = dict(run_id=plan.run_id, round=plan.round, hop=plan.hop, group_id=plan.group_id, part=part,
-                  sender=sender, weight=1.0, offset=offset, length=values.numel(), codec=plan.codec,
-                  block_size=plan.block_size, values=q.codes.numpy().tobytes(), scales=q.scales.numpy().tobytes(),
-                  last=True)
+    fields = {
+        "run_id": plan.run_id,
+        "round": plan.round,
+        "hop": plan.hop,
+        "group_id": plan.group_id,
+        "part": part,
+        "sender": sender,
+        "weight": 1.0,
+        "offset": offset,
+        "length": values.numel(),
+        "codec": plan.codec,
+        "block_size": plan.block_size,
+        "values": q.codes.numpy().tobytes(),
+        "scales": q.scales.numpy().tobytes(),
+        "last": True,
+    }
     fields.update(overrides)
     return pb.PartChunk(**fields)
 
@@ -156,8 +191,10 @@ HOSTILE = {
     "huge weight": lambda c: c.__setattr__("weight", 1e30),
     # finite scales whose values overflow fp32 once decoded or weighted: the mean would be inf
     "overflowing scale": lambda c: c.__setattr__("scales", torch.full((len(c.scales) // 4,), 3e38).numpy().tobytes()),
-    "huge values x weight": lambda c: (c.__setattr__("scales", torch.full((len(c.scales) // 4,), 1e30).numpy().tobytes()),
-                                       c.__setattr__("weight", 1e12)),
+    "huge values x weight": lambda c: (
+        c.__setattr__("scales", torch.full((len(c.scales) // 4,), 1e30).numpy().tobytes()),
+        c.__setattr__("weight", 1e12),
+    ),
     "wrong offset": lambda c: c.__setattr__("offset", 64),
     "oversized length": lambda c: c.__setattr__("length", 1 << 30),
 }
@@ -191,9 +228,12 @@ def test_hostile_member_is_rejected_and_others_unaffected(attack):
 
         try:
             *reports, codes = await asyncio.gather(
-                *(butterfly_allreduce(plan, p.member.peer_id, v, 1.0, o, p.registry, p.channels, timeout=5.0)
-                  for p, v, o in zip(peers, values, outs)),
-                attacker())
+                *(
+                    butterfly_allreduce(plan, p.member.peer_id, v, 1.0, o, p.registry, p.channels, timeout=5.0)
+                    for p, v, o in zip(peers, values, outs)
+                ),
+                attacker(),
+            )
         finally:
             await stop_peers(peers)
         assert all(c in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION) for c in codes), codes
@@ -202,6 +242,7 @@ def test_hostile_member_is_rejected_and_others_unaffected(attack):
             assert rel(out, expected) <= INT8_BOUND
             assert "peer-hostile" not in report.included_peers
         assert torch.equal(outs[0], outs[1])
+
     run(main())
 
 
@@ -209,7 +250,7 @@ def _stream_of(plan, part, sender, values, weight=1.0):
     """The chunks an honest sender would send for its slice of `part`."""
     offset, length = plan.parts[part]
     spans = [(o, min(plan.chunk_elements, length - o)) for o in range(0, length, plan.chunk_elements)]
-    chunks = [chunk_message(plan, part, sender, weight, o, values[offset + o: offset + o + n]) for o, n in spans]
+    chunks = [chunk_message(plan, part, sender, weight, o, values[offset + o : offset + o + n]) for o, n in spans]
     chunks[-1].last = True
     return chunks
 
@@ -218,6 +259,7 @@ def test_results_stream_back_while_senders_still_send_and_a_sender_dying_mid_str
     """A hand-driven sender sends chunk 0, waits for result chunk 0 (which only a pipelined
     reducer can return at that point), then dies. Chunk 0 of every part averages all three
     senders; the rest averages the two that finished; nobody waits for the timeout."""
+
     async def main():
         peers = await start_peers(2)
         ghost = Member("peer-ghost", "", client_mode=True)
@@ -246,10 +288,16 @@ def test_results_stream_back_while_senders_still_send_and_a_sender_dying_mid_str
         try:
             # the deadline is 10 minutes: only a sender dropped as soon as its stream dies lets
             # this finish before the hang guard
-            *reports, _, _ = await asyncio.wait_for(asyncio.gather(
-                *(butterfly_allreduce(plan, p.member.peer_id, v, 1.0, o, p.registry, p.channels, timeout=600.0)
-                  for p, v, o in zip(peers, values, outs)),
-                *(ghost_sender(p) for p in peers)), 120)
+            *reports, _, _ = await asyncio.wait_for(
+                asyncio.gather(
+                    *(
+                        butterfly_allreduce(plan, p.member.peer_id, v, 1.0, o, p.registry, p.channels, timeout=600.0)
+                        for p, v, o in zip(peers, values, outs)
+                    ),
+                    *(ghost_sender(p) for p in peers),
+                ),
+                120,
+            )
         finally:
             await stop_peers(peers)
         assert first_result_before_rest == [True, True]
@@ -265,12 +313,14 @@ def test_results_stream_back_while_senders_still_send_and_a_sender_dying_mid_str
         for report in reports:
             assert report.included_peers == ["peer00", "peer01"]
             assert not report.failed_parts
+
     run(main())
 
 
 def test_error_feedback_bounds_the_error_of_many_rounds():
     """Averaging the same buffers round after round: with error feedback the running sum of
     results stays within one round's error of the exact sum; without it the error grows."""
+
     async def main():
         peers = await start_peers(3)
         gen = torch.Generator().manual_seed(11)
@@ -284,15 +334,28 @@ def test_error_feedback_bounds_the_error_of_many_rounds():
                 for r in range(30):
                     plan = make_plan("test-run", r, 0, [p.member for p in peers], 20_000, 256, 4096, INT8)
                     outs = [torch.empty(20_000) for _ in range(3)]
-                    await asyncio.gather(*(
-                        butterfly_allreduce(plan, p.member.peer_id, v, 1.0, o, p.registry, p.channels, 10.0,
-                                            residual=res if feedback else None)
-                        for p, v, o, res in zip(peers, values, outs, residuals)))
+                    await asyncio.gather(
+                        *(
+                            butterfly_allreduce(
+                                plan,
+                                p.member.peer_id,
+                                v,
+                                1.0,
+                                o,
+                                p.registry,
+                                p.channels,
+                                10.0,
+                                residual=res if feedback else None,
+                            )
+                            for p, v, o, res in zip(peers, values, outs, residuals)
+                        )
+                    )
                     total += outs[0]
                 errors[feedback] = rel(total / 30, exact)
         finally:
             await stop_peers(peers)
         assert errors[True] < 0.5 * errors[False], errors
+
     run(main())
 
 
@@ -300,6 +363,7 @@ def test_robust_mode_bounds_a_hostile_peer_scaling_its_pseudo_gradient_by_1e6():
     """5 peers, one hostile: it sends Δ x 1e6 and, as a reducer, returns the plain mean (it
     does not trim). Honest reducers trim; honest members refuse a result far larger than
     their own values. Every coordinate an honest peer applies stays within the honest range."""
+
     async def main():
         peers = await start_peers(5)
         gen = torch.Generator().manual_seed(5)
@@ -310,9 +374,14 @@ def test_robust_mode_bounds_a_hostile_peer_scaling_its_pseudo_gradient_by_1e6():
         values = [*honest, hostile_values]
         trims = [0.2, 0.2, 0.2, 0.2, None]
         try:
-            reports = await asyncio.gather(*(
-                butterfly_allreduce(plan, p.member.peer_id, v, 1.0, o, p.registry, p.channels, 10.0, trim_fraction=t)
-                for p, v, o, t in zip(peers, values, outs, trims)))
+            reports = await asyncio.gather(
+                *(
+                    butterfly_allreduce(
+                        plan, p.member.peer_id, v, 1.0, o, p.registry, p.channels, 10.0, trim_fraction=t
+                    )
+                    for p, v, o, t in zip(peers, values, outs, trims)
+                )
+            )
         finally:
             await stop_peers(peers)
         stacked = torch.stack(honest)
@@ -325,4 +394,5 @@ def test_robust_mode_bounds_a_hostile_peer_scaling_its_pseudo_gradient_by_1e6():
         plain = exact_mean(values, [1.0] * 5)
         # the plain mean would move honest peers by ~1e5 times the honest mean's size; robust mode by ~1
         assert rel(plain, honest_mean) > 1e4 and max(rel(out, honest_mean) for out in outs[:4]) < 2.0
+
     run(main())

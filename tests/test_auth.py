@@ -7,11 +7,11 @@ import grpc
 import hivemind
 import pytest
 import torch
+from allreduce_harness import Peer, stop_peers, stream_status
 from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.utils import get_dht_time
 from hivemind.utils.crypto import RSAPrivateKey
 
-from allreduce_harness import Peer, stop_peers, stream_status
 from dtnode.peers.auth import GRPC_METADATA, HTTP_HEADER, AuthError, SwarmAuth, load_swarm_key
 from dtnode.peers.butterfly import ChannelPool, butterfly_allreduce
 from dtnode.peers.membership import Membership, PeerRecord
@@ -31,8 +31,11 @@ def test_tags_bind_purpose_subject_issuer_and_time_and_are_single_use():
     assert bob.verify("grpc", "run/1/0/ab/2", tag, peer_id="alice") == "alice"
     with pytest.raises(AuthError, match="replayed"):
         bob.verify("grpc", "run/1/0/ab/2", tag, peer_id="alice")
-    for purpose, subject, issuer in [("http", "run/1/0/ab/2", "alice"), ("grpc", "run/2/0/ab/2", "alice"),
-                                     ("grpc", "run/1/0/ab/2", "mallory")]:
+    for purpose, subject, issuer in [
+        ("http", "run/1/0/ab/2", "alice"),
+        ("grpc", "run/2/0/ab/2", "alice"),
+        ("grpc", "run/1/0/ab/2", "mallory"),
+    ]:
         with pytest.raises(AuthError):
             bob.verify(purpose, subject, alice.issue("grpc", "run/1/0/ab/2"), peer_id=issuer)
     with pytest.raises(AuthError, match="invalid"):
@@ -62,7 +65,9 @@ async def _keyed_peers(n: int, auth_for) -> list[Peer]:
         registry = ReductionRegistry()
         service = AveragingService(registry, "run", registration_wait=1.0, auth=auth_for(f"peer{i}"))
         server, port = await start_grpc_server(service, "127.0.0.1", 0, max_message_bytes(4096))
-        peers.append(Peer(Member(f"peer{i}", f"127.0.0.1:{port}"), registry, server, ChannelPool(max_message_bytes(4096))))
+        peers.append(
+            Peer(Member(f"peer{i}", f"127.0.0.1:{port}"), registry, server, ChannelPool(max_message_bytes(4096)))
+        )
     return peers
 
 
@@ -76,31 +81,47 @@ def test_keyed_group_averages_and_streams_without_a_valid_tag_are_refused():
         async def intruder(tag):
             part = plan.index_of("peer0")
             _, length = plan.parts[part]
-            msg = chunk_message(plan, part, "peer1", 1.0, 0, values[1][:min(length, 4096)])
+            msg = chunk_message(plan, part, "peer1", 1.0, 0, values[1][: min(length, 4096)])
             async with grpc.aio.insecure_channel(peers[0].member.grpc_addr) as channel:
-                return await stream_status(pb_grpc.AveragingStub(channel).Reduce(
-                    iter([msg]), metadata=((GRPC_METADATA, tag),) if tag else None))
+                return await stream_status(
+                    pb_grpc.AveragingStub(channel).Reduce(
+                        iter([msg]), metadata=((GRPC_METADATA, tag),) if tag else None
+                    )
+                )
 
         try:
             codes = [await intruder(None), await intruder(SwarmAuth(OTHER, "peer1").issue("grpc", "anything"))]
-            reports = await asyncio.gather(*(
-                butterfly_allreduce(plan, p.member.peer_id, v, 1.0, o, p.registry, p.channels, 10.0,
-                                    auth=SwarmAuth(KEY, p.member.peer_id))
-                for p, v, o in zip(peers, values, outs)))
+            reports = await asyncio.gather(
+                *(
+                    butterfly_allreduce(
+                        plan,
+                        p.member.peer_id,
+                        v,
+                        1.0,
+                        o,
+                        p.registry,
+                        p.channels,
+                        10.0,
+                        auth=SwarmAuth(KEY, p.member.peer_id),
+                    )
+                    for p, v, o in zip(peers, values, outs)
+                )
+            )
         finally:
             await stop_peers(peers)
         assert codes == [grpc.StatusCode.UNAUTHENTICATED] * 2
         assert all(not r.failed_parts for r in reports)
         expected = (values[0] + values[1]) / 2
         assert float((outs[0] - expected).norm() / expected.norm()) < 0.02
+
     asyncio.run(main())
 
 
 def test_sidecar_requires_the_key_for_state_and_membership_but_not_for_health(tmp_path):
     import aiohttp
+    from test_sync import FileView, _checkpoint
 
     from dtnode.daemon.sidecar import Sidecar
-    from test_sync import FileView, _checkpoint
 
     async def main():
         info, _ = _checkpoint(tmp_path, 2)
@@ -110,9 +131,11 @@ def test_sidecar_requires_the_key_for_state_and_membership_but_not_for_health(tm
         joiner, stranger = SwarmAuth(KEY, "joiner"), SwarmAuth(OTHER, "joiner")
         try:
             async with aiohttp.ClientSession() as session:
+
                 async def status(path, headers=None):
                     async with session.get(base + path, headers=headers or {}) as resp:
                         return resp.status
+
                 assert await status("/healthz") == 200 and await status("/metrics") == 200
                 assert await status("/checkpoint") == 401 and await status("/checkpoint/2") == 401
                 assert await status("/peers") == 401
@@ -123,6 +146,7 @@ def test_sidecar_requires_the_key_for_state_and_membership_but_not_for_health(tm
                 assert await status("/checkpoint/2", {HTTP_HEADER: tag}) == 401  # replayed
         finally:
             await sidecar.stop()
+
     asyncio.run(main())
 
 
@@ -132,29 +156,41 @@ def test_a_forged_membership_record_is_rejected():
     alice_key, mallory_key = RSAPrivateKey(), RSAPrivateKey()
     alice_validator, mallory_validator = RSASignatureValidator(alice_key), RSASignatureValidator(mallory_key)
     alice_dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], record_validators=[alice_validator])
-    mallory_dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"],
-                               initial_peers=[str(a) for a in alice_dht.get_visible_maddrs()],
-                               record_validators=[mallory_validator])
+    mallory_dht = hivemind.DHT(
+        start=True,
+        host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+        initial_peers=[str(a) for a in alice_dht.get_visible_maddrs()],
+        record_validators=[mallory_validator],
+    )
     try:
+
         async def main():
             alice = Membership(alice_dht, "run", ttl=60, interval=1, validator=alice_validator)
             reader = Membership(mallory_dht, "run", ttl=60, interval=1, validator=mallory_validator)
-            honest = PeerRecord(peer_id=alice.peer_id, grpc_addr="10.0.0.1:7701", http_addr="http://10.0.0.1:7702",
-                                state="training")
+            honest = PeerRecord(
+                peer_id=alice.peer_id, grpc_addr="10.0.0.1:7701", http_addr="http://10.0.0.1:7702", state="training"
+            )
             assert await alice.announce(honest)
             assert (await reader.members())[alice.peer_id].grpc_addr == "10.0.0.1:7701"
             forged = honest.model_copy(update={"grpc_addr": "6.6.6.6:7701"}).model_dump()
             # 1) Alice's own subkey, written by Mallory: the signature cannot match Alice's key
-            overwrite = await mallory_dht.store(alice.key, subkey=alice.subkey, value=forged,
-                                                expiration_time=get_dht_time() + 120, return_future=True)
+            overwrite = await mallory_dht.store(
+                alice.key, subkey=alice.subkey, value=forged, expiration_time=get_dht_time() + 120, return_future=True
+            )
             # 2) Alice's id under Mallory's key: a different subkey, which readers refuse
-            await mallory_dht.store(alice.key, subkey=alice.peer_id.encode() + mallory_validator.local_public_key,
-                                    value=forged, expiration_time=get_dht_time() + 120, return_future=True)
+            await mallory_dht.store(
+                alice.key,
+                subkey=alice.peer_id.encode() + mallory_validator.local_public_key,
+                value=forged,
+                expiration_time=get_dht_time() + 120,
+                return_future=True,
+            )
             assert not overwrite
             for dht in (alice_dht, mallory_dht):
                 view = await Membership(dht, "run", 60, 1, validator=alice_validator).members()
                 assert view[alice.peer_id].grpc_addr == "10.0.0.1:7701"
             assert (await reader.members())[alice.peer_id].grpc_addr == "10.0.0.1:7701"
+
         asyncio.run(main())
     finally:
         mallory_dht.shutdown()
@@ -164,6 +200,7 @@ def test_a_forged_membership_record_is_rejected():
 def test_unkeyed_records_are_invisible_to_a_keyed_swarm():
     dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
     try:
+
         async def main():
             keyed = Membership(dht, "run2", 60, 1, auth=SwarmAuth(KEY, str(dht.peer_id)))
             open_reader = Membership(dht, "run2", 60, 1)
@@ -172,6 +209,7 @@ def test_unkeyed_records_are_invisible_to_a_keyed_swarm():
             assert await keyed.members() == {}
             await keyed.announce(PeerRecord(peer_id=str(dht.peer_id), state="training"))
             assert str(dht.peer_id) in await keyed.members()
+
         asyncio.run(main())
     finally:
         dht.shutdown()

@@ -3,8 +3,18 @@ import torch
 from safetensors.torch import load_file
 
 from dtnode.daemon.checkpoint import (
-    ABANDONED_DIR, CheckpointError, Layout, LocalState, TrainingState, file_sha256, list_checkpoints,
-    local_state_path, prune_checkpoints, read_checkpoint, read_local_state, set_aside_checkpoints_after,
+    ABANDONED_DIR,
+    CheckpointError,
+    Layout,
+    LocalState,
+    TrainingState,
+    file_sha256,
+    list_checkpoints,
+    local_state_path,
+    prune_checkpoints,
+    read_checkpoint,
+    read_local_state,
+    set_aside_checkpoints_after,
     write_checkpoint,
 )
 
@@ -13,8 +23,11 @@ LAYOUT = Layout(("a.weight", "b.bias"), ((3, 4), (5,)))
 
 def _state(theta=None, momentum=None):
     local = LocalState(torch.randn(LAYOUT.numel), torch.rand(LAYOUT.numel), torch.Generator().get_state(), 40, 40, 41)
-    return TrainingState(theta if theta is not None else torch.randn(LAYOUT.numel),
-                         momentum if momentum is not None else torch.randn(LAYOUT.numel), local)
+    return TrainingState(
+        theta if theta is not None else torch.randn(LAYOUT.numel),
+        momentum if momentum is not None else torch.randn(LAYOUT.numel),
+        local,
+    )
 
 
 def _write(tmp_path, step=1, run_id="run", model_hash="h"):
@@ -41,8 +54,9 @@ def test_round_trip_is_bit_identical_and_standard_safetensors(tmp_path):
 def test_torn_or_corrupt_files_are_refused(tmp_path, damage):
     info, _, _ = _write(tmp_path)
     data = info.path.read_bytes()
-    info.path.write_bytes({"truncate": data[: len(data) - 10], "garbage_header": b"\xff" * 8 + data[8:],
-                           "empty": b""}[damage])
+    info.path.write_bytes(
+        {"truncate": data[: len(data) - 10], "garbage_header": b"\xff" * 8 + data[8:], "empty": b""}[damage]
+    )
     with pytest.raises(CheckpointError):
         read_checkpoint(info.path, LAYOUT, "run", "h")
 
@@ -85,7 +99,8 @@ def test_a_given_up_branch_is_set_aside_not_deleted_and_replaces_an_older_one(tm
     assert [s for s, _ in list_checkpoints(tmp_path)] == [3, 2, 1, 0]
     aside = tmp_path / ABANDONED_DIR
     assert sorted(p.name for p in aside.iterdir()) == sorted(
-        [f"ckpt-{s:08d}.safetensors" for s in (4, 5)] + [local_state_path(tmp_path, s).name for s in (4, 5)])
+        [f"ckpt-{s:08d}.safetensors" for s in (4, 5)] + [local_state_path(tmp_path, s).name for s in (4, 5)]
+    )
     assert set_aside_checkpoints_after(tmp_path, 1) == [2, 3]  # a later branch replaces the earlier one
     assert sorted(p.name for p in aside.glob("ckpt-*")) == [f"ckpt-{s:08d}.safetensors" for s in (2, 3)]
     assert [s for s, _ in list_checkpoints(tmp_path)] == [1, 0]

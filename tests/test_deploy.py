@@ -46,8 +46,11 @@ import pytest
 from dtnode.daemon.cli import build_parser
 from dtnode.daemon.metrics import NodeMetrics
 
-JOIN_OPTIONS = {opt for action in build_parser()._subparsers._group_actions[0].choices["join"]._actions
-                for opt in action.option_strings}
+JOIN_OPTIONS = {
+    opt
+    for action in build_parser()._subparsers._group_actions[0].choices["join"]._actions
+    for opt in action.option_strings
+}
 ENV_FIELDS = {"DTNODE_" + name.upper() for name in NodeSettings.model_fields}
 
 
@@ -70,7 +73,7 @@ def _dtnode_commands() -> dict[str, list[str]]:
     unit = configparser.ConfigParser(strict=False, interpolation=None)
     unit.read(DEPLOY / "dtnode.service")
     out["systemd"] = shlex.split(unit["Service"]["ExecStart"])[1:]
-    cmd = re.search(r"^CMD (\[.*\])$", (DEPLOY / "Dockerfile").read_text(), re.M).group(1)
+    cmd = re.search(r"^CMD (\[.*\])$", (DEPLOY / "Dockerfile").read_text(), re.MULTILINE).group(1)
     out["Dockerfile"] = json.loads(cmd)
     return out
 
@@ -103,11 +106,11 @@ def test_compose_joins_by_sidecar_address_with_no_peer_id():
 
 def test_dockerfile_is_cuda_non_root_with_a_state_volume_and_healthcheck():
     text = (DEPLOY / "Dockerfile").read_text()
-    base = re.search(r"^FROM (\S+)", text, re.M).group(1)
+    base = re.search(r"^FROM (\S+)", text, re.MULTILINE).group(1)
     assert base.startswith(("pytorch/pytorch:", "nvidia/cuda:")) and "cuda" in base
-    user = re.findall(r"^USER (\S+)", text, re.M)
+    user = re.findall(r"^USER (\S+)", text, re.MULTILINE)
     assert user and user[-1] not in ("root", "0")
-    assert re.search(r"^VOLUME /var/lib/dtnode", text, re.M) and "/healthz" in text
+    assert re.search(r"^VOLUME /var/lib/dtnode", text, re.MULTILINE) and "/healthz" in text
     assert 'ENTRYPOINT ["dtnode"]' in text
 
 
@@ -142,7 +145,8 @@ def exported_names() -> set[str]:
     suffixes = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count"), "info": ("_info",)}
     registry = NodeMetrics("0", "run", "tiny", "cpu").registry
     return {sample.name for family in registry.collect() for sample in family.samples} | {
-        family.name + suffix for family in registry.collect() for suffix in suffixes.get(family.type, ("",))}
+        family.name + suffix for family in registry.collect() for suffix in suffixes.get(family.type, ("",))
+    }
 
 
 def test_alert_rules_and_scrape_config_parse_and_name_real_metrics(exported_names):

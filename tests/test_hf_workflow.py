@@ -17,21 +17,27 @@ import torch
 transformers = pytest.importorskip("transformers")
 tokenizers = pytest.importorskip("tokenizers")
 
-from dtnode.daemon.checkpoint import (  # noqa: E402
-    Layout, LocalState, TrainingState, checkpoint_path, read_checkpoint, read_local_state, write_checkpoint,
-)
-from dtnode.daemon.corpus import LLMC_MAGIC, write_bin  # noqa: E402
-from dtnode.daemon.data import DataStream, check_token_ids, open_sources, stable_seed  # noqa: E402
-from dtnode.daemon.export import export_checkpoint  # noqa: E402
-from dtnode.daemon.model import build_model, config_hash, export_format  # noqa: E402
-from dtnode.daemon.replica import Replica  # noqa: E402
-from dtnode.daemon.schedule import LearningRateSchedule  # noqa: E402
-from dtnode.daemon.settings import SettingsError, load_settings  # noqa: E402
-from dtnode.daemon.tokenizer import LocalTokenizer, check_vocabulary  # noqa: E402
-from dtnode.daemon.trainer import Trainer  # noqa: E402
-from dtnode.ops.flat import FlatParameters  # noqa: E402
+from nodes import FAST, NodeProcess
 
-from nodes import FAST, NodeProcess  # noqa: E402
+from dtnode.daemon.checkpoint import (
+    Layout,
+    LocalState,
+    TrainingState,
+    checkpoint_path,
+    read_checkpoint,
+    read_local_state,
+    write_checkpoint,
+)
+from dtnode.daemon.corpus import LLMC_MAGIC, write_bin
+from dtnode.daemon.data import DataStream, check_token_ids, open_sources, stable_seed
+from dtnode.daemon.export import export_checkpoint
+from dtnode.daemon.model import build_model, config_hash, export_format
+from dtnode.daemon.replica import Replica
+from dtnode.daemon.schedule import LearningRateSchedule
+from dtnode.daemon.settings import SettingsError, load_settings
+from dtnode.daemon.tokenizer import LocalTokenizer, check_vocabulary
+from dtnode.daemon.trainer import Trainer
+from dtnode.ops.flat import FlatParameters
 
 
 def _stdlib_documents(count: int = 40) -> list[str]:
@@ -49,17 +55,27 @@ def workspace(tmp_path_factory) -> dict[str, Path]:
     tokenizer = tokenizers.Tokenizer(tokenizers.models.BPE(unk_token="<unk>"))
     tokenizer.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = tokenizers.decoders.ByteLevel()
-    trainer = tokenizers.trainers.BpeTrainer(vocab_size=400, special_tokens=["<unk>", "</s>"],
-                                             initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet())
+    trainer = tokenizers.trainers.BpeTrainer(
+        vocab_size=400,
+        special_tokens=["<unk>", "</s>"],
+        initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet(),
+    )
     tokenizer.train_from_iterator(docs, trainer)
     tok_dir = root / "tokenizer"
     tok_dir.mkdir()
     tokenizer.save(str(tok_dir / "tokenizer.json"))
     vocab = tokenizer.get_vocab_size()
     model_dir = root / "llama"
-    transformers.LlamaConfig(vocab_size=vocab, hidden_size=48, intermediate_size=96, num_hidden_layers=2,
-                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                             tie_word_embeddings=True).save_pretrained(model_dir)
+    transformers.LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=48,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=True,
+    ).save_pretrained(model_dir)
     jsonl = root / "corpus.jsonl"
     jsonl.write_text("".join(json.dumps({"text": d, "id": i}) + "\n" for i, d in enumerate(docs)))
     return {"root": root, "tokenizer": tok_dir, "model": model_dir, "jsonl": jsonl, "docs": docs}
@@ -89,8 +105,17 @@ def test_sources_give_peers_disjoint_ordered_shards_and_the_position_survives_a_
     else:
         data = _bin(tmp_path / "corpus.bin", np.arange(60_000) % 400)
         assert np.fromfile(data, np.int32, 1)[0] == LLMC_MAGIC  # llm.c's header, read back by its magic
-    sources = open_sources("run", 0, data, None, eval_fraction=0.0, seq_len=32, tokenizer=tok, text_field=field,
-                           cache_dir=tmp_path / "cache")
+    sources = open_sources(
+        "run",
+        0,
+        data,
+        None,
+        eval_fraction=0.0,
+        seq_len=32,
+        tokenizer=tok,
+        text_field=field,
+        cache_dir=tmp_path / "cache",
+    )
     corpus = sources.train
     a, b = (DataStream(sources, "run", peer, 4, 32) for peer in ("peer-a", "peer-b"))
     drawn = {}
@@ -109,10 +134,27 @@ def test_sources_give_peers_disjoint_ordered_shards_and_the_position_survives_a_
     generator, batches = a.position()
     zeros = torch.zeros(4)
     local = LocalState(zeros, zeros, generator, inner_step=5, adam_steps=5, batches_drawn=batches)
-    write_checkpoint(tmp_path / "state", 1, layout, TrainingState(zeros, zeros, local), {"run_id": "run", "model_hash": "m"})
+    write_checkpoint(
+        tmp_path / "state", 1, layout, TrainingState(zeros, zeros, local), {"run_id": "run", "model_hash": "m"}
+    )
     restored = read_local_state(tmp_path / "state", 1, layout, "run", "m")
-    again = DataStream(open_sources("run", 0, data, None, eval_fraction=0.0, seq_len=32, tokenizer=tok,
-                                    text_field=field, cache_dir=tmp_path / "cache"), "run", "peer-a", 4, 32)
+    again = DataStream(
+        open_sources(
+            "run",
+            0,
+            data,
+            None,
+            eval_fraction=0.0,
+            seq_len=32,
+            tokenizer=tok,
+            text_field=field,
+            cache_dir=tmp_path / "cache",
+        ),
+        "run",
+        "peer-a",
+        4,
+        32,
+    )
     again.seek(restored.generator_state, restored.batches_drawn)
     assert torch.equal(again.next_batch(), a.next_batch())
 
@@ -165,8 +207,9 @@ def make():
 def _trainer(seed_peer: str, data: Path) -> Trainer:
     model, _ = build_model("frozen_models:make", seed=3)
     stream = DataStream(open_sources("run", 0, data, None, seq_len=16), "run", seed_peer, 4, 16)
-    return Trainer(model, stream, torch.device("cpu"), schedule=LearningRateSchedule(1e-2), weight_decay=0.1,
-                   grad_clip=1.0)
+    return Trainer(
+        model, stream, torch.device("cpu"), schedule=LearningRateSchedule(1e-2), weight_decay=0.1, grad_clip=1.0
+    )
 
 
 def test_frozen_parameters_and_buffers_train_and_resume_with_aligned_optimizer_state(tmp_path, monkeypatch):
@@ -190,12 +233,17 @@ def test_frozen_parameters_and_buffers_train_and_resume_with_aligned_optimizer_s
     replica.apply_outer_step(delta)  # a group of one applies its own Δ: θ_g (buffers too) takes the round
     torch.testing.assert_close(replica.theta_g, trainer.parameters_flat)
 
-    exp_avg, exp_avg_sq, steps = trainer.inner_state()
+    exp_avg, exp_avg_sq, _steps = trainer.inner_state()
     layout = Layout(tuple(trainer.flat.names), tuple(trainer.flat.shapes))
     gen, batches = trainer.stream.position()
     local = LocalState(exp_avg, exp_avg_sq, gen, trainer.inner_step, trainer.adam_steps, batches)
-    write_checkpoint(tmp_path / "state", 1, layout,
-                     TrainingState(replica.theta_g, replica.outer.momentum_buffer, local), {"run_id": "run", "model_hash": "m"})
+    write_checkpoint(
+        tmp_path / "state",
+        1,
+        layout,
+        TrainingState(replica.theta_g, replica.outer.momentum_buffer, local),
+        {"run_id": "run", "model_hash": "m"},
+    )
     restored = read_local_state(tmp_path / "state", 1, layout, "run", "m")
     loaded = read_checkpoint(checkpoint_path(tmp_path / "state", 1), layout, "run", "m")
 
@@ -218,8 +266,13 @@ def test_a_preset_exports_as_gpt2_with_a_byte_tokenizer(tmp_path):
     flat = FlatParameters(model.named_parameters())
     flat.buffer.add_(torch.randn(flat.numel) * 0.01)  # "trained" weights, not the seeded init
     layout = Layout(tuple(flat.names), tuple(flat.shapes))
-    meta = {"run_id": "run", "model_hash": config_hash(description), "model": "tiny",
-            "model_config": json.dumps(description, sort_keys=True), "init_seed": "11"}
+    meta = {
+        "run_id": "run",
+        "model_hash": config_hash(description),
+        "model": "tiny",
+        "model_config": json.dumps(description, sort_keys=True),
+        "init_seed": "11",
+    }
     write_checkpoint(tmp_path / "state", 7, layout, TrainingState(flat.buffer, torch.zeros(flat.numel)), meta)
     out = export_checkpoint(tmp_path / "state", tmp_path / "out")
     assert export_format(description) == "transformers:gpt2"
@@ -237,9 +290,23 @@ def test_a_preset_exports_as_gpt2_with_a_byte_tokenizer(tmp_path):
 
 
 def test_a_transformers_swarm_trains_exports_and_refuses_another_model(workspace, tmp_path):
-    common = [*FAST, "--model", f"hf:{workspace['model']}", "--tokenizer", str(workspace["tokenizer"]),
-              "--data", str(workspace["jsonl"]), "--eval-fraction", "0.1", "--max-rounds", "4",
-              "--inner-steps", "8", "--min-peers", "2"]
+    common = [
+        *FAST,
+        "--model",
+        f"hf:{workspace['model']}",
+        "--tokenizer",
+        str(workspace["tokenizer"]),
+        "--data",
+        str(workspace["jsonl"]),
+        "--eval-fraction",
+        "0.1",
+        "--max-rounds",
+        "4",
+        "--inner-steps",
+        "8",
+        "--min-peers",
+        "2",
+    ]
     a = NodeProcess.join("a", tmp_path, *common, "--join-timeout", "90")
     nodes = [a]
     try:
@@ -261,8 +328,13 @@ def test_a_transformers_swarm_trains_exports_and_refuses_another_model(workspace
 
     out = tmp_path / "export"
     # no --tokenizer: export takes the one the node noted in its state dir
-    done = subprocess.run([sys.executable, "-m", "dtnode", "export", "--state-dir", str(a.state_dir), "--out", str(out)],
-                          capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-m", "dtnode", "export", "--state-dir", str(a.state_dir), "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     assert done.returncode == 0, done.stderr
     info = json.loads((out / "dtnode_export.json").read_text())
     hf = transformers.AutoModelForCausalLM.from_pretrained(out)
@@ -275,8 +347,12 @@ def test_a_transformers_swarm_trains_exports_and_refuses_another_model(workspace
     model, description = build_model(f"hf:{workspace['model']}", seed=0)
     description["tokenizer"] = LocalTokenizer(workspace["tokenizer"]).sha256
     flat = FlatParameters(model.named_parameters())
-    loaded = read_checkpoint(checkpoint_path(a.state_dir, info["outer_step"]), Layout(tuple(flat.names), tuple(flat.shapes)),
-                             "dtnode-demo", config_hash(description))
+    loaded = read_checkpoint(
+        checkpoint_path(a.state_dir, info["outer_step"]),
+        Layout(tuple(flat.names), tuple(flat.shapes)),
+        "dtnode-demo",
+        config_hash(description),
+    )
     flat.buffer.copy_(loaded.theta_g)
     batch = torch.tensor([ids[:64]])
     with torch.no_grad():
@@ -294,7 +370,9 @@ def test_hf_models_start_from_safetensors_weights_and_bad_inputs_fail_clearly(wo
     trained.save_pretrained(with_weights, safe_serialization=True)
     model, description = build_model(f"hf:{with_weights}", seed=123)
     assert all(torch.equal(p, q) for p, q in zip(model.hf.parameters(), trained.parameters()))  # not the seed's init
-    assert description["weights"] and config_hash(description) != config_hash(build_model(f"hf:{workspace['model']}", 123)[1])
+    assert description["weights"] and config_hash(description) != config_hash(
+        build_model(f"hf:{workspace['model']}", 123)[1]
+    )
 
     pickled = tmp_path / "pickled"
     pickled.mkdir()

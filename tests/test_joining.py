@@ -10,20 +10,27 @@ import re
 import signal
 import time
 
+import pytest
+from nodes import FAST, NodeProcess, wait_until
+
 from dtnode.daemon.sync import open_round, swarm_position
 from dtnode.peers.known_peers import KnownPeers, peer_of
 from dtnode.peers.membership import PeerRecord
 
-from nodes import FAST, NodeProcess
-
-ROUND = re.compile(r"round (\d+) \| groups (\d+)/(\d+)")
 MODEL = "m"
 
 
 def _peer(name: str, outer_step: int, round_: int, phase: str, start: int | None = None, **extra) -> PeerRecord:
-    return PeerRecord(peer_id=name, state="averaging" if phase in ("averaging", "outer") else "training",
-                      outer_step=outer_step, round=round_, phase=phase,
-                      round_checkpoint=round_ if start is None else start, model_hash=MODEL, **extra)
+    return PeerRecord(
+        peer_id=name,
+        state="averaging" if phase in ("averaging", "outer") else "training",
+        outer_step=outer_step,
+        round=round_,
+        phase=phase,
+        round_checkpoint=round_ if start is None else start,
+        model_hash=MODEL,
+        **extra,
+    )
 
 
 def test_a_round_being_averaged_or_applied_is_closed_to_a_joiner():
@@ -48,8 +55,12 @@ def test_the_joiner_waits_while_the_swarm_applies_and_downloads_the_step_that_op
     overlapped = [_peer("a", 4, 5, "inner", start=4), _peer("b", 4, 5, "inner", start=4)]
     assert swarm_position(overlapped, "me", MODEL).start_step == 4
     # a runaway minority and peers of another model move nothing
-    mixed = [_peer("a", 5, 5, "inner"), _peer("b", 5, 5, "inner"), _peer("c", 21, 21, "inner"),
-             PeerRecord(peer_id="x", outer_step=90, state="training", model_hash="other")]
+    mixed = [
+        _peer("a", 5, 5, "inner"),
+        _peer("b", 5, 5, "inner"),
+        _peer("c", 21, 21, "inner"),
+        PeerRecord(peer_id="x", outer_step=90, state="training", model_hash="other"),
+    ]
     assert swarm_position(mixed, "me", MODEL).round == 5
     assert swarm_position([_peer("me", 3, 3, "inner")], "me", MODEL) is None
 
@@ -99,11 +110,11 @@ def test_a_joiner_arriving_in_the_outer_phase_starts_with_the_next_round_not_a_c
     cleanup.append(c)
     assert c.wait(120) == 0, c.output
     assert "in sync at outer step 3" in c.output, c.output
-    rounds = [(int(r), int(g), int(e)) for r, g, e in ROUND.findall(c.output)]
+    rounds = [(r["round"], *r["groups"][0]) for r in c.rounds]
     assert rounds[0] == (3, 3, 3), c.output  # the round the swarm opened next, with both donors
     assert all(g > 1 for _, g, _ in rounds), c.output  # no round alone
     assert len(re.findall(r"downloaded checkpoint", c.output)) == 1, c.output
-    assert re.search(r"round 3 \| groups 3/3", a.output), a.output
+    assert a.wait_for_round(lambda r: r["round"] == 3)["groups"][0] == [3, 3], a.output
     # from both donors' memory: the same bytes (the sha256 each announced) assembled from the two
     assert re.search(r"serving checkpoint 3 from memory", a.output + b.output), a.output + b.output
     assert re.search(r"downloaded checkpoint 3 from 2 peer", c.output), c.output
@@ -122,15 +133,16 @@ def test_a_joiner_whose_round_closes_during_its_first_step_takes_the_next_round(
     cleanup.append(a)
     b = NodeProcess.join("b", tmp_path, *args, "--peer", a.join_address)
     cleanup.append(b)
-    a.wait_for_line(r"round 1 \| groups 2/2", timeout=120)
-    c = NodeProcess.join("c", tmp_path, *args, "--peer", a.join_address, "--max-rounds", "1",
-                         env={"DTNODE_TEST_FIRST_STEP_DELAY": "14"})
+    a.wait_for_round(lambda r: r["round"] >= 1 and r["groups"][0] == [2, 2], timeout=120)
+    c = NodeProcess.join(
+        "c", tmp_path, *args, "--peer", a.join_address, "--max-rounds", "1", env={"DTNODE_TEST_FIRST_STEP_DELAY": "14"}
+    )
     cleanup.append(c)
     assert c.wait(120) == 0, c.output
     entered = int(c.wait_for_line(r"training round (\d+) with the swarm").group(1))
     closed = c.wait_for_line(r"round (\d+) closed while this node took its first \d+ step\(s\) in it")
     assert int(closed.group(1)) >= entered, c.output
-    rounds = [(int(r), int(g), int(e)) for r, g, e in ROUND.findall(c.output)]
+    rounds = [(r["round"], *r["groups"][0]) for r in c.rounds]
     assert rounds and rounds[0][0] > entered and rounds[0][1:] == (3, 3), c.output  # with both donors
     for node in (a, b, c):
         assert "Traceback" not in node.output, node.output
@@ -146,26 +158,24 @@ def test_the_first_node_restarted_with_its_own_old_address_as_peer_finds_the_swa
     own_address = first.join_address
     others = [NodeProcess.join(name, tmp_path, *args, "--peer", own_address) for name in ("b", "c")]
     cleanup.extend(others)
-    first.wait_for_line(r"round 1 \| groups 3/3", timeout=120)
+    first.wait_for_round(lambda r: r["round"] >= 1 and r["groups"][0] == [3, 3], timeout=120)
     known = first.state_dir / "known-peers.json"
-    deadline = time.monotonic() + 30
-    while not (known.exists() and len(json.loads(known.read_text())["peers"]) == 2):  # saved every few seconds
-        assert time.monotonic() < deadline, first.output
-        time.sleep(0.5)
+    # the peers' addresses are saved every few seconds
+    wait_until(lambda: known.exists() and len(json.loads(known.read_text())["peers"]) == 2, 120, "saved peers")
     first.stop(signal.SIGKILL)
     first.wait(10)
-    last = max(int(r) for r, _, _ in ROUND.findall(others[0].output))
+    last = others[0].rounds[-1]["round"]
+    before = len(first.rounds)  # the restarted node appends to the same history
     again = NodeProcess.join("first", tmp_path, *args, "--peer", own_address)
     cleanup.append(again)
     assert again.join_address == own_address  # the same port and identity: others' --peer still reach it
     again.wait_for_line(r"is this node's own address: joining through the peers it knew", timeout=30)
-    back = again.wait_for_line(r"round (\d+) \| groups 3/3", timeout=180)
-    first_round = min(int(r) for r, _, _ in ROUND.findall(again.output))
-    assert int(back.group(1)) <= first_round + 1, again.output  # a full group within two rounds
-    assert int(back.group(1)) <= last + 4, again.output
+    back = again.wait_for_round(lambda r: r["groups"][0] == [3, 3], timeout=180, after=before)
+    first_round = again.rounds[before]["round"]
+    assert back["round"] <= first_round + 1, again.output  # a full group within two rounds
+    assert back["round"] <= last + 4, again.output
     for node in [again, *others]:
         assert "Traceback" not in node.output, node.output
-
 
 
 DEAD = "/ip4/127.0.0.1/tcp/1/p2p/12D3KooWHtocysUnWZKdxsM8xACZXMk7LHDHgwug2T9DkWuWw9kA"  # nobody listens
@@ -174,8 +184,9 @@ GONE = "/ip4/127.0.0.1/tcp/2/p2p/12D3KooWGo1eDuKfRycwGfHdy2NS5KinGm3pDx5GSBa1bU7
 
 def _remembering(state_dir, addr: str) -> None:
     state_dir.mkdir(parents=True, exist_ok=True)
-    (state_dir / "known-peers.json").write_text(json.dumps(
-        {"peers": {addr.rsplit("/", 1)[1]: {"addrs": [addr], "seen": time.time()}}}))
+    (state_dir / "known-peers.json").write_text(
+        json.dumps({"peers": {addr.rsplit("/", 1)[1]: {"addrs": [addr], "seen": time.time()}}})
+    )
 
 
 def test_a_node_whose_peer_and_known_peers_are_all_gone_says_which_it_tried(tmp_path):
@@ -183,9 +194,32 @@ def test_a_node_whose_peer_and_known_peers_are_all_gone_says_which_it_tried(tmp_
     import sys
 
     _remembering(tmp_path / "n", GONE)
-    result = subprocess.run([sys.executable, "-m", "dtnode", "join", "--peer", DEAD, "--host", "127.0.0.1",
-                             "--dht-port", "0", "--grpc-port", "0", "--http-port", "0", "--state-dir",
-                             str(tmp_path / "n"), "--join-timeout", "10"], capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "dtnode",
+            "join",
+            "--peer",
+            DEAD,
+            "--host",
+            "127.0.0.1",
+            "--dht-port",
+            "0",
+            "--grpc-port",
+            "0",
+            "--http-port",
+            "0",
+            "--state-dir",
+            str(tmp_path / "n"),
+            "--join-timeout",
+            "10",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     assert result.returncode == 3, result.stderr
     assert DEAD in result.stderr and GONE in result.stderr and "1 peer(s) it knew" in result.stderr, result.stderr
 
@@ -195,5 +229,52 @@ def test_the_first_node_whose_known_peers_are_gone_starts_alone(tmp_path, cleanu
     node = NodeProcess.join("first", tmp_path, *FAST, "--max-rounds", "1")
     cleanup.append(node)
     assert node.wait(60) == 0, node.output
-    assert re.search(r"none of the 1 peer\(s\) it knew \(\S+\) answered", node.output) and GONE in node.output, node.output
+    assert re.search(r"none of the 1 peer\(s\) it knew \(\S+\) answered", node.output) and GONE in node.output, (
+        node.output
+    )
     assert re.search(r"round 0 \| groups 1/1", node.output), node.output
+
+
+def test_a_sidecar_address_is_asked_again_until_its_node_listens():
+    """`--peer http://HOST:PORT` of a node that starts a moment later (compose, a StatefulSet):
+    the first asks fail, a later one gets its multiaddrs; garbage in its answer is dropped."""
+    import asyncio
+    import socket
+
+    from aiohttp import web
+
+    from dtnode.peers import sidecar_address
+    from dtnode.peers.sidecar_address import SidecarAddressError, resolve_peers
+
+    good = "/ip4/127.0.0.1/tcp/7700/p2p/QmPeer"
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+
+    async def status(request: web.Request) -> web.Response:
+        return web.json_response({"dht_addrs": [good, "not a multiaddr", 7]})
+
+    async def main() -> list[str]:
+        app = web.Application()
+        app.add_routes([web.get("/status", status)])
+        runner = web.AppRunner(app)
+        await runner.setup()
+
+        async def start_late() -> None:
+            await asyncio.sleep(0.3)  # after the first ask has failed
+            await web.TCPSite(runner, "127.0.0.1", port).start()
+
+        starting = asyncio.ensure_future(start_late())
+        try:
+            return await resolve_peers([f"http://127.0.0.1:{port}"], timeout=20)
+        finally:
+            await starting
+            await runner.cleanup()
+
+    sidecar_address.RETRY_S = 0.2
+    try:
+        assert asyncio.run(main()) == [good]
+        with pytest.raises(SidecarAddressError, match="not reachable"):
+            asyncio.run(resolve_peers([f"http://127.0.0.1:{port}"], timeout=0.5))  # nobody there any more
+    finally:
+        sidecar_address.RETRY_S = 2.0

@@ -4,16 +4,23 @@ import asyncio
 from collections import Counter
 
 import hivemind
-from hivemind.utils import get_dht_time
 import pytest
 import torch
+from hivemind.utils import get_dht_time
 
+from dtnode.peers.averager import AveragingConfig, MoshpitAverager
 from dtnode.peers.deadlines import AdaptiveDeadlines, expected_payload_bytes
 from dtnode.peers.grid import (
-    cells, classes_of, coordinates, first_slot, grid_shape, hop_key, next_slots, split_groups,
+    Slot,
+    cells,
+    classes_of,
+    coordinates,
+    first_slot,
+    grid_shape,
+    hop_key,
+    next_slots,
+    split_groups,
 )
-from dtnode.peers.averager import AveragingConfig, MoshpitAverager
-from dtnode.peers.grid import Slot
 from dtnode.peers.matchmaking import Matchmaker, Registration, round_time
 from dtnode.peers.membership import PeerRecord
 from dtnode.peers.plan import Member
@@ -35,8 +42,8 @@ def _average_over_grid(ids: list[str], step: int, side: int, dims: int, target: 
             for i, (slot, _, _) in enumerate(own):
                 by_key.setdefault(slot.key, {})[p] = i
         results = {}
-        for key, joined in by_key.items():
-            for group in (split_groups(joined, target) if hop == 0 else [sorted(joined)]):
+        for joined in by_key.values():
+            for group in split_groups(joined, target) if hop == 0 else [sorted(joined)]:
                 brought = [chains[p][joined[p]] for p in group]
                 total = sum(w * slot.share for slot, _, w in brought)
                 mean = sum(w * slot.share * v for slot, v, w in brought) / total
@@ -44,9 +51,15 @@ def _average_over_grid(ids: list[str], step: int, side: int, dims: int, target: 
                     results[p, joined[p]] = (mean, total, group)
         for p, own in chains.items():
             after = [(slot, *results[p, i][:2]) for i, (slot, _, _) in enumerate(own)]
-            chains[p] = after if hop + 1 == dims else [
-                (nxt, mean, total) for i, (slot, mean, total) in enumerate(after)
-                for nxt in next_slots(slot.coords, hop + 1, results[p, i][2], p, side)]
+            chains[p] = (
+                after
+                if hop + 1 == dims
+                else [
+                    (nxt, mean, total)
+                    for i, (slot, mean, total) in enumerate(after)
+                    for nxt in next_slots(slot.coords, hop + 1, results[p, i][2], p, side)
+                ]
+            )
     for p in ids:
         _, values[p], weights[p] = chains[p][0]
 
@@ -108,8 +121,9 @@ def test_a_peer_missing_from_a_view_moves_only_its_own_cell():
         for key, members in full.items():
             assert skewed.get(key, set()) == members - {missing}, (missing, key)
             assert key == own_cell or missing not in members
-    assert coordinates("p1", 3, 3, 2) != coordinates("p1", 4, 3, 2) or coordinates("p1", 5, 3, 2) != \
-        coordinates("p1", 3, 3, 2)  # cells reshuffle with the step
+    assert coordinates("p1", 3, 3, 2) != coordinates("p1", 4, 3, 2) or coordinates("p1", 5, 3, 2) != coordinates(
+        "p1", 3, 3, 2
+    )  # cells reshuffle with the step
     assert hop_key((1, 2), 0) == "2" and hop_key((1, 2), 1) == "1" and hop_key((5,), 0) == "all"
 
 
@@ -147,19 +161,23 @@ def test_two_cells_form_their_own_groups(dht):
         async def form(p):
             async def want():
                 return expected[cell[p]]
+
             return await makers[p].form_group(0, 1, want, window=10, target_size=4, cell=cell[p])
+
         groups = await asyncio.gather(*(form(p) for p in "abcd"))
         for p, g in zip("abcd", groups):
             assert sorted(m.peer_id for m in g.members) == sorted(expected[cell[p]])
             assert g.complete and g.key.endswith(f".1.{cell[p]}")  # closed by its expectation, not the window
+
     asyncio.run(main())
 
 
 async def _register(maker: Matchmaker, key: str, registered_at: float, window: float = 1.0) -> None:
     """A registration written by hand, as a peer that then does something else would leave it."""
     reg = Registration(grpc_addr=maker.own.grpc_addr, registered_at=registered_at, closes_by=registered_at + window)
-    await maker.dht.store(key, subkey=maker.own.peer_id, value=reg.model_dump(),
-                          expiration_time=get_dht_time() + 60, return_future=True)
+    await maker.dht.store(
+        key, subkey=maker.own.peer_id, value=reg.model_dump(), expiration_time=get_dht_time() + 60, return_future=True
+    )
 
 
 def test_a_latecomer_finds_its_group_closed_and_does_not_wait_the_window(dht):
@@ -172,6 +190,7 @@ def test_a_latecomer_finds_its_group_closed_and_does_not_wait_the_window(dht):
         async def pair():
             async def two():
                 return {"a", "b"}
+
             return await asyncio.gather(*(makers[p].form_group(0, 0, two, window=10, target_size=3) for p in "ab"))
 
         a, b = await pair()
@@ -181,6 +200,7 @@ def test_a_latecomer_finds_its_group_closed_and_does_not_wait_the_window(dht):
         assert [m.peer_id for m in a.members] == [m.peer_id for m in b.members] == ["a", "b"]
         formed = await makers["a"].formed(makers["a"].group_key(0, 0))
         assert formed == {"a": ("a", "b"), "b": ("a", "b"), "c": ("c",)}
+
     asyncio.run(main())
 
 
@@ -188,6 +208,7 @@ def test_a_list_closed_by_an_earlier_registrant_wins_and_everyone_agrees(dht):
     """c registered first and closed [b, c] without ever seeing a (its view lacked a), while a
     and b expect all three. b joins c's list, a is left with nobody and averages alone: no
     member averages with a group that differs from its own view of that group."""
+
     async def main():
         makers = {p: Matchmaker(dht, "mm-compete", _member(p), poll_interval=0.05) for p in "abc"}
         key = makers["c"].group_key(0, 0)
@@ -201,6 +222,7 @@ def test_a_list_closed_by_an_earlier_registrant_wins_and_everyone_agrees(dht):
         a, b = await asyncio.gather(*(makers[p].form_group(0, 0, want, window=10, target_size=3) for p in "ab"))
         assert [m.peer_id for m in b.members] == ["b", "c"]
         assert [m.peer_id for m in a.members] == ["a"]
+
     asyncio.run(main())
 
 
@@ -208,6 +230,7 @@ def test_a_leader_is_waited_for_until_its_own_deadline_then_left_out(dht):
     """c registered first, so it leads, and then stalled. While the close-by time c announced
     lies ahead, a and b keep waiting past their own (shorter) windows; once it has passed they
     close without c, on one agreed list, and know the group is not whole."""
+
     async def main():
         async def want():
             return {"a", "b", "c"}
@@ -223,8 +246,8 @@ def test_a_leader_is_waited_for_until_its_own_deadline_then_left_out(dht):
             a, b = await forming
             assert [m.peer_id for m in a.members] == [m.peer_id for m in b.members] == ["a", "b"]
             assert not a.complete and not b.complete
-    asyncio.run(main())
 
+    asyncio.run(main())
 
 
 def test_a_later_hop_waits_for_exactly_the_peers_whose_path_leads_there(dht):
@@ -234,6 +257,7 @@ def test_a_later_hop_waits_for_exactly_the_peers_whose_path_leads_there(dht):
     first class leading to another slab), not for a peer that stopped, not for one that hop 0
     left out; but for one still forming hop 0 (late) and for one between hop 1 and hop 2 whose
     path so far leads here (in transit)."""
+
     async def main():
         run_id, side, dims = "mm-trace", 2, 3
         peers = [f"peer{i:02d}" for i in range(16)]
@@ -255,26 +279,37 @@ def test_a_later_hop_waits_for_exactly_the_peers_whose_path_leads_there(dht):
             async def join(p: str, key: str) -> tuple[tuple[str, str], list[str]]:
                 async def want():
                     return at[key]
+
                 group = await makers[p].form_group(0, hop, want, window=10, target_size=1 << 16, cell=f"d{dims}.{key}")
                 return (p, key), [m.peer_id for m in group.members]
+
             return dict(await asyncio.gather(*(join(p, s.key) for p, own in slots.items() for s in own)))
 
         hop0 = {p: [first_slot(coords[p])] for p in rest}
         groups0 = await form(0, hop0)
         # late registers after its cell closed without it: it will form alone and go on
-        await _register(makers[late], makers[late].group_key(0, 0, f"d{dims}.{hop_key(coords[late], 0)}"),
-                        round_time(get_dht_time()))
+        await _register(
+            makers[late],
+            makers[late].group_key(0, 0, f"d{dims}.{hop_key(coords[late], 0)}"),
+            round_time(get_dht_time()),
+        )
         hop1 = {p: next_slots(coords[p], 1, groups0[p, hop0[p][0].key], p, side) for p in rest}
         groups1 = await form(1, {p: s for p, s in hop1.items() if p != in_transit})
-        hop2 = {p: [s for slot in hop1[p] for s in next_slots(slot.coords, 2, groups1[p, slot.key], p, side)]
-                for p in rest if p != in_transit}
+        hop2 = {
+            p: [s for slot in hop1[p] for s in next_slots(slot.coords, 2, groups1[p, slot.key], p, side)]
+            for p in rest
+            if p != in_transit
+        }
 
         async def view():
-            return {p: PeerRecord(peer_id=p, state="stopped" if p == stopped else "averaging", model_hash="m")
-                    for p in peers}
+            return {
+                p: PeerRecord(peer_id=p, state="stopped" if p == stopped else "averaging", model_hash="m")
+                for p in peers
+            }
 
         def keys(slots: list[Slot]) -> set[str]:
             return {s.key for s in slots}
+
         for hop, slots_by_peer in ((1, hop1), (2, hop2)):
             for owner, slots in slots_by_peer.items():
                 slot = slots[0]
@@ -283,10 +318,18 @@ def test_a_later_hop_waits_for_exactly_the_peers_whose_path_leads_there(dht):
                     truth.add(in_transit)
                 if hop == 1 and coords[late][2] != slot.coords[2]:
                     truth.discard(late)
-                averager = MoshpitAverager(AveragingConfig(run_id, "m", side, dims), owner, view, makers[owner], None,
-                                           None, AdaptiveDeadlines(1.0, 10.0, 1.0, 10.0))
+                averager = MoshpitAverager(
+                    AveragingConfig(run_id, "m", side, dims),
+                    owner,
+                    view,
+                    makers[owner],
+                    None,
+                    None,
+                    AdaptiveDeadlines(1.0, 10.0, 1.0, 10.0),
+                )
                 wanted = await averager._on_the_way(0, hop, dims, side, slot, {})
                 assert wanted == truth - ({stopped} - {owner}), (hop, owner, slot)
+
     asyncio.run(main())
 
 
@@ -313,18 +356,28 @@ def test_the_average_reads_delta_only_once_its_copy_from_the_device_is_in(dht):
                 await asyncio.sleep(0.2)  # the copy engine, still at work
                 deltas[i].copy_(truth[i])
                 awaited.append(ids[i])
+
             return ready
 
         async def run(i: int, peer):
             maker = Matchmaker(dht, "ready-run", peer.member, poll_interval=0.05)
-            averager = MoshpitAverager(AveragingConfig("ready-run", "m", 4, block_size=64, chunk_elements=1024),
-                                       ids[i], view, maker, peer.registry, peer.channels,
-                                       AdaptiveDeadlines(2.0, 10.0, 5.0, 20.0))
+            averager = MoshpitAverager(
+                AveragingConfig("ready-run", "m", 4, block_size=64, chunk_elements=1024),
+                ids[i],
+                view,
+                maker,
+                peer.registry,
+                peer.channels,
+                AdaptiveDeadlines(2.0, 10.0, 5.0, 20.0),
+            )
 
             async def no_state():
                 raise AssertionError("no re-sync was asked for")
-            return await averager.average(0, deltas[i], torch.empty(numel), 1.0, False, no_state,
-                                          delta_ready=ready_for(i))
+
+            return await averager.average(
+                0, deltas[i], torch.empty(numel), 1.0, False, no_state, delta_ready=ready_for(i)
+            )
+
         try:
             results = await asyncio.gather(*(run(i, p) for i, p in enumerate(peers)))
         finally:
@@ -335,4 +388,5 @@ def test_the_average_reads_delta_only_once_its_copy_from_the_device_is_in(dht):
             assert result.clean and result.hops[0].group_size == 2
             torch.testing.assert_close(result.mean, mean, atol=0.05, rtol=0)
         assert torch.equal(results[0].mean, results[1].mean)
+
     asyncio.run(main())

@@ -13,14 +13,12 @@ import shutil
 import socket
 import subprocess
 import sys
-import time
 import urllib.request
 from pathlib import Path
 
 import pytest
+from nodes import FAST, NodeProcess, wait_until
 from prometheus_client.parser import text_string_to_metric_families
-
-from nodes import FAST, NodeProcess
 
 ROUNDS_TOGETHER = 2
 
@@ -31,12 +29,11 @@ def swarm(tmp_path_factory):
     a = NodeProcess.join("a", tmp, *FAST, "--run-id", "ops-test")
     b = None
     try:
-        a.wait_for_line(r"round 0 \|", timeout=120)
+        a.wait_for_round(timeout=120)
         b = NodeProcess.join("b", tmp, *FAST, "--run-id", "ops-test", "--peer", a.http_url, "--log-format", "json")
-        index = -1
-        for _ in range(ROUNDS_TOGETHER):  # rounds averaged together, whole groups of two
-            _, _, index = b.wait_for_line_at(r"groups 2/2", timeout=120, after=index + 1)
-        a.wait_for_line(r"groups 2/2", timeout=60)
+        # rounds averaged together, whole groups of two
+        wait_until(lambda: sum(r["groups"] == [[2, 2]] for r in b.rounds) >= ROUNDS_TOGETHER, 240, "rounds of two")
+        a.wait_for_round(lambda r: r["groups"] == [[2, 2]], timeout=60)
         yield a, b
     finally:
         for node in (a, b):
@@ -65,33 +62,59 @@ def _value(families, name: str, **labels) -> float:
     return families[name][tuple(sorted(labels.items()))]
 
 
+def _settled(node: NodeProcess) -> tuple[dict, list[dict]] | None:
+    """The node's metrics with its history, read while no round ended in between (the swarm runs
+    on: read the history, the metrics, the history again, and keep the pair when both agree)."""
+    before = node.get("/history")["rounds"]
+    families = _families(node)
+    after = node.get("/history")["rounds"]
+    if before != after or not after or _value(families, "dtnode_outer_step") != after[-1]["step"]:
+        return None
+    if sum(families["dtnode_rounds_total"].values()) != len(after):  # a round counted, its entry not yet in
+        return None
+    return families, after
+
+
 def test_metrics_an_alert_can_use(swarm):
+    """The metrics of a scripted run, value for value: every round a node's history records
+    is counted once, by outcome, with its tokens, bytes and phases; FAST's steps are 8 x 32
+    tokens; b joined once, from a, whose served bytes are the bytes b downloaded."""
     a, b = swarm
-    deadline = time.monotonic() + 15  # the peer gauges are refreshed every few heartbeats (REMEMBER_PEERS_EVERY_S)
-    while True:
-        fa, fb = _families(a), _families(b)
-        if all(_value(f, "dtnode_peers_live") == 2 for f in (fa, fb)) or time.monotonic() > deadline:
-            break
-        time.sleep(0.5)
-    for f in (fa, fb):
-        assert _value(f, "dtnode_rounds_total", outcome="full") >= ROUNDS_TOGETHER
-        for outcome in ("partial", "alone", "failed"):
-            assert (("outcome", outcome),) in f["dtnode_rounds_total"]  # present at zero for rate()
+    # the peer gauges are refreshed every few heartbeats (REMEMBER_PEERS_EVERY_S)
+    wait_until(lambda: all(_value(_families(n), "dtnode_peers_live") == 2 for n in (a, b)), 60, "peer gauges")
+    for node in (a, b):
+        f, rounds = wait_until(lambda node=node: _settled(node), 120, f"settled metrics of {node.name}")
+        outcomes = [r["outcome"] for r in rounds]
+        for outcome in ("full", "partial", "alone", "failed"):  # present at zero too, for rate()
+            assert _value(f, "dtnode_rounds_total", outcome=outcome) == outcomes.count(outcome), (outcome, rounds)
+        assert outcomes.count("full") >= ROUNDS_TOGETHER
         assert (("reason", "incomplete_group"),) in f["dtnode_hop_failures_total"]  # present at zero
-        assert _value(f, "dtnode_allreduce_sent_bytes_total") > 0
-        assert _value(f, "dtnode_allreduce_received_bytes_total") > 0
-        assert _value(f, "dtnode_round_phase_seconds_count", phase="inner") >= ROUNDS_TOGETHER
-        assert _value(f, "dtnode_round_phase_seconds_sum", phase="allreduce") > 0
-        assert _value(f, "dtnode_checkpoint_write_seconds_count") >= 1  # FAST writes every step
-        assert _value(f, "dtnode_last_round_timestamp_seconds") > 1.6e9
-        assert _value(f, "dtnode_peers_live") == 2 and _value(f, "dtnode_peers_seen") >= 2
+        assert _value(f, "dtnode_allreduce_sent_bytes_total") == sum(r["bytes_sent"] for r in rounds) > 0
+        assert _value(f, "dtnode_allreduce_received_bytes_total") == sum(r["bytes_received"] for r in rounds) > 0
+        tokens = sum(r["tokens"] for r in rounds)
+        assert _value(f, "dtnode_tokens_total") == tokens == rounds[-1]["tokens_total"]
+        assert _value(f, "dtnode_inner_step") == sum(r["inner_steps"] for r in rounds) == tokens / (8 * 32)
+        for phase in ("inner", "matchmaking", "allreduce", "waiting", "eval", "outer"):
+            assert _value(f, "dtnode_round_phase_seconds_count", phase=phase) == len(rounds)
+        assert _value(f, "dtnode_round_phase_seconds_sum", phase="inner") == pytest.approx(
+            sum(r["phases_s"]["inner"] for r in rounds), abs=1e-3 * len(rounds)
+        )
+        assert _value(f, "dtnode_round_seconds_count") == len(rounds)
+        assert _value(f, "dtnode_group_size") == rounds[-1]["groups"][0][0] == 2
+        assert _value(f, "dtnode_checkpoint_write_seconds_count") >= len(rounds) - 1  # FAST writes every step
+        assert _value(f, "dtnode_last_round_timestamp_seconds") == pytest.approx(rounds[-1]["time"], abs=1.0)
+        assert _value(f, "dtnode_peers_live") == 2 and _value(f, "dtnode_peers_seen") == 2
+        assert (
+            _value(f, "dtnode_state", dtnode_state="training") + _value(f, "dtnode_state", dtnode_state="averaging")
+            == 1
+        )
         assert _value(f, "process_resident_memory_bytes") > 50e6
-        assert _value(f, "dtnode_tokens_total") > 0 and _value(f, "dtnode_outer_step") >= ROUNDS_TOGETHER
         assert any(dict(k).get("run_id") == "ops-test" for k in f["dtnode_build_info"])
-    # b joined by downloading a's checkpoint: a served it, b downloaded and counted a catch-up
-    assert _value(fa, "dtnode_checkpoint_served_bytes_total") > 0
+    # b joined once, by downloading a's checkpoint: the bytes a served are the bytes b downloaded
+    fa, fb = _families(a), _families(b)
+    assert _value(fb, "dtnode_catchups_total") == 1 and _value(fa, "dtnode_catchups_total") == 0
+    assert _value(fa, "dtnode_checkpoint_served_bytes_total") == _value(fb, "dtnode_checkpoint_downloaded_bytes_total")
     assert _value(fb, "dtnode_checkpoint_downloaded_bytes_total") > 0
-    assert _value(fb, "dtnode_catchups_total") >= 1
 
 
 def test_history_covers_the_whole_run_and_pages(swarm):
@@ -114,7 +137,7 @@ def test_history_covers_the_whole_run_and_pages(swarm):
 
 
 def test_status_and_peers_say_how_the_node_and_swarm_are(swarm):
-    a, b = swarm
+    a, _b = swarm
     status = a.get("/status")
     assert status["condition"] == "ok" and status["dht_addrs"]
     peers = a.get("/peers")
@@ -153,14 +176,23 @@ def test_dashboard_in_a_real_browser(swarm, tmp_path):
     a, b = swarm
     options = webdriver.ChromeOptions()
     options.binary_location = found[0]
-    for arg in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--window-size=1400,1800"):
+    for arg in (
+        "--headless=new",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-dev-shm-usage",
+        "--window-size=1400,1800",
+    ):
         options.add_argument(arg)
     driver = webdriver.Chrome(service=Service(found[1]), options=options)
     try:
         driver.get(a.http_url + "/")
-        WebDriverWait(driver, 30).until(lambda d: d.execute_script(
-            "return document.querySelectorAll('#loss-step .point').length > 0"
-            " && document.querySelectorAll('#peers tr.peer').length == 2"))
+        WebDriverWait(driver, 30).until(
+            lambda d: d.execute_script(
+                "return document.querySelectorAll('#loss-step .point').length > 0"
+                " && document.querySelectorAll('#peers tr.peer').length == 2"
+            )
+        )
         counts = driver.execute_script("""return {
             step: document.querySelectorAll('#loss-step .point').length,
             tokens: document.querySelectorAll('#loss-tokens .point').length,
@@ -190,8 +222,11 @@ def test_dashboard_in_a_real_browser(swarm, tmp_path):
 
 # ---- clear errors at start ------------------------------------------------------------------
 
+
 def _dtnode(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "dtnode", *args], capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "dtnode", *args], capture_output=True, text=True, timeout=timeout, check=False
+    )
 
 
 @pytest.mark.parametrize("option", ["--dht-port", "--grpc-port", "--http-port"])
@@ -201,8 +236,9 @@ def test_a_port_in_use_ends_at_once_naming_the_option(tmp_path, option):
         taken.listen()
         port = taken.getsockname()[1]
         ports = {"--dht-port": "0", "--grpc-port": "0", "--http-port": "0", option: str(port)}
-        result = _dtnode("join", "--host", "127.0.0.1", *[x for kv in ports.items() for x in kv],
-                         "--state-dir", str(tmp_path))
+        result = _dtnode(
+            "join", "--host", "127.0.0.1", *[x for kv in ports.items() for x in kv], "--state-dir", str(tmp_path)
+        )
     assert result.returncode == 2, result.stderr
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"dtnode: error: {option}: port {port} "), result.stderr
@@ -216,11 +252,14 @@ def test_local_says_which_port_is_in_use(tmp_path):
         port = taken.getsockname()[1]
         result = _dtnode("local", "--nodes", "2", "--http-port", str(port - 1), "--base-dir", str(tmp_path))
     assert result.returncode == 2, result.stderr
-    assert result.stderr.strip() == (f"dtnode: error: --http-port: port {port} (node1) on 127.0.0.1 is in use "
-                                     "(another dtnode local?); choose another base port, or 0 for any free ones")
+    assert result.stderr.strip() == (
+        f"dtnode: error: --http-port: port {port} (node1) on 127.0.0.1 is in use "
+        "(another dtnode local?); choose another base port, or 0 for any free ones"
+    )
 
 
 # ---- the round history's file -----------------------------------------------------------------
+
 
 def test_round_history_survives_a_torn_line_and_stays_bounded(tmp_path):
     from dtnode.daemon.history import RoundHistory
@@ -241,9 +280,11 @@ def test_round_history_survives_a_torn_line_and_stays_bounded(tmp_path):
 
 def test_hivemind_loads_without_its_trainer_stack():
     """dtnode imports hivemind's DHT only (see dtnode.peers): a second of start-up on a busy host."""
-    code = ("import sys, dtnode.daemon.node; "
-            "print(any(m.startswith(('hivemind.averaging', 'hivemind.moe', 'hivemind.optim', 'scipy')) "
-            "for m in sys.modules)); import hivemind; print(hivemind.DHT.__name__, hivemind.__version__)")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    code = (
+        "import sys, dtnode.daemon.node; "
+        "print(any(m.startswith(('hivemind.averaging', 'hivemind.moe', 'hivemind.optim', 'scipy')) "
+        "for m in sys.modules)); import hivemind; print(hivemind.DHT.__name__, hivemind.__version__)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["False", "DHT", "1.1.12"]

@@ -6,7 +6,12 @@ import torch
 from dtnode.ops.outer_optimizer import NesterovOuterOptimizer
 from dtnode.ops.partition import plan_parts
 from dtnode.ops.quantization import (
-    NonFiniteError, QuantizedBlocks, dequantize, dequantize_accumulate, quantize, quantize_with_feedback,
+    NonFiniteError,
+    QuantizedBlocks,
+    dequantize,
+    dequantize_accumulate,
+    quantize,
+    quantize_with_feedback,
     relative_l2_error,
 )
 
@@ -87,8 +92,33 @@ def test_outer_optimizer_matches_torch_nesterov_sgd():
     assert torch.allclose(theta, reference.detach(), atol=1e-6)
 
 
-@pytest.mark.parametrize("total,shares,align", [(1000, [1, 1, 1], 64), (10, [1, 0, 2], 4), (0, [1, 1], 8),
-                                                (12345, [1, 3, 0, 2], 256), (7, [5], 4)])
+def test_outer_optimizer_keeps_its_momentum_in_the_buffer_it_checkpoints():
+    """The momentum torch's SGD uses is the buffer a checkpoint saves and a re-sync overwrites:
+    the same rule written out by hand (buf <- mu buf + d; theta <- theta - lr (d + mu buf))."""
+    torch.manual_seed(1)
+    theta, loaded = torch.randn(64), torch.randn(64)
+    ours = NesterovOuterOptimizer(64, lr=0.5, momentum=0.8)
+    ours.load_state_dict({"outer_momentum": loaded})
+    expected_theta, buf = theta.clone(), loaded.clone()
+    for _ in range(3):
+        delta = torch.randn(64)
+        buf = 0.8 * buf + delta
+        expected_theta -= 0.5 * (delta + 0.8 * buf)
+        ours.step(theta, delta)
+    assert torch.allclose(ours.state_dict()["outer_momentum"], buf, atol=1e-6)
+    assert torch.allclose(theta, expected_theta, atol=1e-5)
+    plain = NesterovOuterOptimizer(4, lr=0.5, momentum=0.0)  # torch refuses Nesterov at mu = 0: plain SGD
+    x = torch.ones(4)
+    plain.step(x, torch.full((4,), 2.0))
+    assert torch.equal(x, torch.zeros(4)) and torch.equal(plain.momentum_buffer, torch.zeros(4))
+    with pytest.raises(ValueError):
+        ours.step(torch.zeros(3), torch.zeros(3))
+
+
+@pytest.mark.parametrize(
+    "total,shares,align",
+    [(1000, [1, 1, 1], 64), (10, [1, 0, 2], 4), (0, [1, 1], 8), (12345, [1, 3, 0, 2], 256), (7, [5], 4)],
+)
 def test_parts_cover_the_buffer_exactly(total, shares, align):
     parts = plan_parts(total, shares, align)
     assert len(parts) == len(shares)
@@ -132,7 +162,10 @@ def test_error_feedback_rejects_a_mismatched_residual():
 
 def test_fused_kernels_are_bit_identical_to_the_eager_path():
     from dtnode.ops import quantization
-    cases = [torch.randn(n, generator=torch.Generator().manual_seed(n)) * 10 ** (n % 5) for n in (1, 255, 256, 300, 70_001)]
+
+    cases = [
+        torch.randn(n, generator=torch.Generator().manual_seed(n)) * 10 ** (n % 5) for n in (1, 255, 256, 300, 70_001)
+    ]
     cases.append(torch.zeros(1024))
     cases.append(torch.full((1000,), 3.25))
     eager = [(quantize(x, 64), quantize(x, 256)) for x in cases]
@@ -152,6 +185,7 @@ def test_fused_kernels_are_bit_identical_to_the_eager_path():
 
 def test_trimmed_mean_keeps_every_coordinate_within_the_honest_range():
     from dtnode.ops.robust import trim_count, trimmed_mean
+
     honest = torch.randn(4, 10_000)
     hostile = honest[0:1] * 1e6
     result = trimmed_mean(torch.cat([honest, hostile]), trim_count(5, 0.2))

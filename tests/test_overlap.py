@@ -1,12 +1,11 @@
 """--overlap: training goes on while Δ is averaged; the average's outer step lands as soon as it is in."""
 
 import asyncio
-import json
-import re
 import threading
 
 import pytest
 import torch
+from nodes import FAST, NodeProcess, theta
 
 from dtnode.daemon.data import DataSources, DataStream, MarkovLanguage
 from dtnode.daemon.model import build_model
@@ -15,15 +14,14 @@ from dtnode.daemon.schedule import LearningRateSchedule
 from dtnode.daemon.trainer import Trainer
 from dtnode.ops.flat import sha256_of
 
-from nodes import FAST, NodeProcess, theta
-
 
 def _replica(peer: str, device: str = "cpu") -> Replica:
     model, _ = build_model("tiny", seed=1)
     language = MarkovLanguage(seed=2)
     stream = DataStream(DataSources(language, language), "run", peer, 4, 16)
-    trainer = Trainer(model, stream, torch.device(device), schedule=LearningRateSchedule(1e-3), weight_decay=0.1,
-                      grad_clip=1.0)
+    trainer = Trainer(
+        model, stream, torch.device(device), schedule=LearningRateSchedule(1e-3), weight_decay=0.1, grad_clip=1.0
+    )
     return Replica(trainer, outer_lr=0.7, outer_momentum=0.9)
 
 
@@ -115,8 +113,9 @@ def test_an_average_landing_between_inner_steps_keeps_the_progress_around_it():
         landed = r.trainer.parameters_flat.clone()
         r.trainer.run(2, stop)
         delta1 = r.stage_delta().clone()
-        torch.testing.assert_close(delta1, (round_start - before) + (landed - r.trainer.parameters_flat),
-                                   rtol=0, atol=1e-6)
+        torch.testing.assert_close(
+            delta1, (round_start - before) + (landed - r.trainer.parameters_flat), rtol=0, atol=1e-6
+        )
         assert r.has_in_flight and r.outer_step == 1
         torch.testing.assert_close(r.trainer.parameters_flat, r.theta_g - delta1, rtol=0, atol=1e-6)
     assert sha256_of(a.theta_g) == sha256_of(b.theta_g)
@@ -144,18 +143,18 @@ def test_overlapped_swarm_keeps_one_theta_and_learns(tmp_path, cleanup):
         assert node.wait(240) == 0, node.output
         assert "Traceback" not in node.output, node.output
         # round 0 has no average to apply yet; each later round applies the one before it
-        rounds = re.findall(r"round (\d+) \| groups (\S+) \|", node.output)
-        assert rounds[:5] == [("0", "-")] + [(str(r), "3/3") for r in range(1, 5)], node.output
+        history = node.rounds
+        rounds = [(entry["round"], entry["groups"]) for entry in history]
+        assert rounds[:5] == [(0, [])] + [(r, [[3, 3]]) for r in range(1, 5)], node.output
         assert "applied the last round's average: outer step 5" in node.output, node.output
         # each average's outer step lands during the next round's steps, not at its end
-        history = [json.loads(line) for line in (node.state_dir / "history.jsonl").read_text().splitlines()]
         landed = [(entry["landed_after_steps"], entry["inner_steps"]) for entry in history]
         assert landed[0][0] is None and all(0 <= after <= steps for after, steps in landed[1:]), landed
         assert any(after < steps for after, steps in landed[1:]), landed
     for step in range(1, 6):  # one group: the same mean on the same θ_g, bit for bit
         hashes = {sha256_of(theta(node.state_dir, step)) for node in nodes}
         assert len(hashes) == 1, (step, hashes)
-    evals = [float(x) for x in re.findall(r"\| eval (\d+\.\d+)", nodes[0].output)]
+    evals = [entry["eval_loss"] for entry in nodes[0].rounds if entry["eval_loss"] is not None]
     assert len(evals) == 4 and evals[-1] < evals[0] - 0.2, nodes[0].output  # rounds 1-4 (round 0: no θ_g yet)
 
 
@@ -173,7 +172,7 @@ def test_a_joiner_of_an_overlapped_swarm_takes_its_delayed_step_from_the_swarm(t
     cleanup.append(a)
     b = NodeProcess.join("b", tmp_path, *args, "--min-peers", "2", "--peer", a.join_address, env=slow)
     cleanup.append(b)
-    a.wait_for_line(r"round 2 \| groups", timeout=120)
+    a.wait_for_round(lambda r: r["round"] >= 2, timeout=120)
     c = NodeProcess.join("c", tmp_path, *args, "--max-rounds", "3", "--peer", a.join_address, env=slow)
     cleanup.append(c)
     assert c.wait(120) == 0, c.output
@@ -184,14 +183,17 @@ def test_a_joiner_of_an_overlapped_swarm_takes_its_delayed_step_from_the_swarm(t
         assert int(took.group(1)) == int(took.group(2)) == entered, c.output
     else:
         assert synced == entered and "took the swarm's θ_g" not in c.output, c.output
-    rounds = re.findall(r"round (\d+) \| groups (\S+) \|", c.output)
-    assert rounds[0] == (str(entered), "-") and all(g == "3/3" for _, g in rounds[1:]), c.output
+    rounds = [(r["round"], r["groups"]) for r in c.rounds]
+    assert rounds[0] == (entered, []) and all(g == [[3, 3]] for _, g in rounds[1:]), c.output
     last = int(c.wait_for_line(r"applied the last round's average: outer step (\d+)").group(1))
     for node in (a, b):
-        node.wait_for_line(rf"round {last} \| groups", timeout=60)  # has applied step `last`
+        node.wait_for_round(lambda r, last=last: r["round"] >= last, timeout=60)  # has applied step `last`
         node.stop()
         assert node.wait(60) == 0, node.output
-    assert sha256_of(theta(c.state_dir, last)) == sha256_of(theta(a.state_dir, last)) \
+    assert (
+        sha256_of(theta(c.state_dir, last))
+        == sha256_of(theta(a.state_dir, last))
         == sha256_of(theta(b.state_dir, last))
+    )
     for node in (a, b, c):
         assert "Traceback" not in node.output, node.output

@@ -8,15 +8,34 @@ from dtnode.peers.membership import PeerRecord
 from dtnode.peers.pacing import round_target, swarm_progress
 
 
-def _peer(name: str, step: int = 4, tokens: int = 0, rate: float = 0.0, at: float = 100.0, per_step: int = 100,
-          state: str = "training") -> PeerRecord:
-    return PeerRecord(peer_id=name, outer_step=step, round_tokens=tokens, tokens_per_s=rate, progress_at=at,
-                      tokens_per_step=per_step, state=state)
+def _peer(
+    name: str,
+    step: int = 4,
+    tokens: int = 0,
+    rate: float = 0.0,
+    at: float = 100.0,
+    per_step: int = 100,
+    state: str = "training",
+) -> PeerRecord:
+    return PeerRecord(
+        peer_id=name,
+        outer_step=step,
+        round_tokens=tokens,
+        tokens_per_s=rate,
+        progress_at=at,
+        tokens_per_step=per_step,
+        state=state,
+    )
 
 
 def test_target_is_h_steps_of_every_live_peer_including_those_finishing_the_last_round():
-    peers = [_peer("a"), _peer("b", per_step=400), _peer("c", step=3, state="averaging"),
-             _peer("old", step=1), _peer("gone", state="stopped")]
+    peers = [
+        _peer("a"),
+        _peer("b", per_step=400),
+        _peer("c", step=3, state="averaging"),
+        _peer("old", step=1),
+        _peer("gone", state="stopped"),
+    ]
     assert round_target(peers, 4, inner_steps=10, round_tokens=None) == 10 * (100 + 400 + 100)
     assert round_target(peers, 4, inner_steps=10, round_tokens=12345) == 12345
 
@@ -26,8 +45,7 @@ def test_progress_extrapolates_each_peer_from_its_last_report_and_caps_stale_one
     fast = _peer("fast", tokens=300, rate=400.0, at=108.0)  # 2 s old: +800
     done = _peer("done", tokens=500, rate=400.0, at=100.0, state="averaging")  # finished: no extrapolation
     paused = _peer("paused", tokens=100, rate=100.0, at=50.0)  # 60 s stale: capped at 10 s
-    p = swarm_progress([fast, done, paused, _peer("me", tokens=0)], own, 4, 10, None, now=110.0,
-                       max_extrapolation=10.0)
+    p = swarm_progress([fast, done, paused, _peer("me", tokens=0)], own, 4, 10, None, now=110.0, max_extrapolation=10.0)
     assert p.done == pytest.approx(200 + (300 + 800) + 500 + (100 + 1000))
     as_published = swarm_progress([fast, done, paused], own, 4, 10, None, now=110.0)  # what a node uses
     assert as_published.done == pytest.approx(200 + 300 + 500 + 100)
@@ -50,8 +68,9 @@ def test_a_slow_peer_does_not_hold_the_round_and_a_lone_peer_takes_h_steps():
 
 def test_overlapped_peers_are_counted_in_the_round_they_train_not_their_outer_step():
     # --overlap: a peer at outer step 3 trains round 4 while its round-3 average is in flight
-    overlapped = PeerRecord(peer_id="o", outer_step=3, training_round=4, round_tokens=300, tokens_per_step=100,
-                            state="training")
+    overlapped = PeerRecord(
+        peer_id="o", outer_step=3, training_round=4, round_tokens=300, tokens_per_step=100, state="training"
+    )
     plain = _peer("p", step=4, tokens=200)
     assert overlapped.round_in_training == 4 and plain.round_in_training == 4
     p = swarm_progress([overlapped], plain, 4, 10, None, now=100.0)

@@ -15,23 +15,26 @@ def test_precedence_defaults_toml_env_cli(tmp_path, monkeypatch):
     monkeypatch.setenv("DTNODE_INNER_STEPS", "22")
     monkeypatch.setenv("DTNODE_GRPC_PORT", "9101")
     s = load_settings({"config": str(config), "grpc_port": "9201"})
-    assert s.run_id == "from-toml"      # TOML over default
-    assert s.http_port == 9002          # TOML, dashed key accepted
-    assert s.inner_steps == 22          # env over TOML
-    assert s.grpc_port == 9201          # CLI over env
-    assert s.outer_lr == 0.7            # default
+    assert s.run_id == "from-toml"  # TOML over default
+    assert s.http_port == 9002  # TOML, dashed key accepted
+    assert s.inner_steps == 22  # env over TOML
+    assert s.grpc_port == 9201  # CLI over env
+    assert s.outer_lr == 0.7  # default
     monkeypatch.setenv("DTNODE_CONFIG", str(config))
     assert load_settings({}).run_id == "from-toml"
 
 
-@pytest.mark.parametrize("values,option", [
-    ({"grpc_port": "70000"}, "--grpc-port"),
-    ({"inner_steps": "0"}, "--inner-steps"),
-    ({"device": "tpu"}, "--device"),
-    ({"config": "/nonexistent/x.toml"}, "--config"),
-    ({"model": "huge"}, "--model"),
-    ({"chunk_elements": "1000", "quant_block_size": "256"}, "--chunk-elements"),
-])
+@pytest.mark.parametrize(
+    "values,option",
+    [
+        ({"grpc_port": "70000"}, "--grpc-port"),
+        ({"inner_steps": "0"}, "--inner-steps"),
+        ({"device": "tpu"}, "--device"),
+        ({"config": "/nonexistent/x.toml"}, "--config"),
+        ({"model": "huge"}, "--model"),
+        ({"chunk_elements": "1000", "quant_block_size": "256"}, "--chunk-elements"),
+    ],
+)
 def test_bad_values_name_the_option(values, option):
     with pytest.raises(SettingsError) as e:
         load_settings(values)
@@ -50,18 +53,27 @@ def test_bad_toml_and_unknown_keys(tmp_path):
 
 
 def dtnode(*args, timeout=60, env=None):
-    return subprocess.run([sys.executable, "-m", "dtnode", *args], capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, **(env or {})})
+    return subprocess.run(
+        [sys.executable, "-m", "dtnode", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, **(env or {})},
+        check=False,
+    )
 
 
-@pytest.mark.parametrize("args,option", [
-    (["join", "--grpc-port", "70000"], "--grpc-port"),
-    (["join", "--inner-steps", "0"], "--inner-steps"),
-    (["join", "--device", "quantum"], "--device"),
-    (["join", "--config", "/nonexistent.toml"], "--config"),
-    (["local", "--nodes", "0"], "--nodes"),
-    (["join", "--peer", "not-a-multiaddr"], "--peer"),
-])
+@pytest.mark.parametrize(
+    "args,option",
+    [
+        (["join", "--grpc-port", "70000"], "--grpc-port"),
+        (["join", "--inner-steps", "0"], "--inner-steps"),
+        (["join", "--device", "quantum"], "--device"),
+        (["join", "--config", "/nonexistent.toml"], "--config"),
+        (["local", "--nodes", "0"], "--nodes"),
+        (["join", "--peer", "not-a-multiaddr"], "--peer"),
+    ],
+)
 def test_cli_bad_input_exits_2_with_one_line(args, option):
     result = dtnode(*args)
     assert result.returncode == 2, result.stderr
@@ -77,19 +89,51 @@ def test_cli_env_var_is_validated_too():
 def test_version_and_help():
     assert dtnode("--version").stdout.startswith("dtnode ")
     help_text = dtnode("join", "--help").stdout
-    for option in ("--run-id", "--peer", "--state-dir", "--announce-host", "--grpc-port", "--http-port", "--model",
-                   "--inner-steps", "--target-group-size", "--client-mode", "--max-rounds", "--device", "--config"):
+    for option in (
+        "--run-id",
+        "--peer",
+        "--state-dir",
+        "--announce-host",
+        "--grpc-port",
+        "--http-port",
+        "--model",
+        "--inner-steps",
+        "--target-group-size",
+        "--client-mode",
+        "--max-rounds",
+        "--device",
+        "--config",
+    ):
         assert option in help_text
 
 
-@pytest.mark.parametrize("peer", [
-    "/ip4/127.0.0.1/tcp/1/p2p/12D3KooWHtocysUnWZKdxsM8xACZXMk7LHDHgwug2T9DkWuWw9kA",  # nobody listens
-    "http://127.0.0.1:1",  # a sidecar address nobody serves
-])
+@pytest.mark.parametrize(
+    "peer",
+    [
+        "/ip4/127.0.0.1/tcp/1/p2p/12D3KooWHtocysUnWZKdxsM8xACZXMk7LHDHgwug2T9DkWuWw9kA",  # nobody listens
+        "http://127.0.0.1:1",  # a sidecar address nobody serves
+    ],
+)
 def test_unreachable_or_malformed_peer_fails_clearly(tmp_path, peer):
     """Exit status 3 and a message naming the peer, after --join-timeout at most (the
     subprocess timeout only guards against a hang)."""
-    result = dtnode("join", "--peer", peer, "--host", "127.0.0.1", "--dht-port", "0", "--grpc-port", "0",
-                    "--http-port", "0", "--state-dir", str(tmp_path), "--join-timeout", "4", timeout=60)
+    result = dtnode(
+        "join",
+        "--peer",
+        peer,
+        "--host",
+        "127.0.0.1",
+        "--dht-port",
+        "0",
+        "--grpc-port",
+        "0",
+        "--http-port",
+        "0",
+        "--state-dir",
+        str(tmp_path),
+        "--join-timeout",
+        "4",
+        timeout=60,
+    )
     assert result.returncode == 3, result.stderr
     assert "dtnode: error:" in result.stderr and peer in result.stderr

@@ -3,14 +3,12 @@
 import asyncio
 import json
 import os
-import re
 import subprocess
 import sys
-import time
 
 import grpc
+from nodes import FAST, NodeProcess, wait_until
 
-from nodes import FAST, NodeProcess
 from dtnode.proto import averaging_pb2 as pb
 from dtnode.proto import averaging_pb2_grpc as pb_grpc
 
@@ -22,23 +20,34 @@ def test_a_node_without_the_key_neither_joins_groups_nor_downloads_state(tmp_pat
     cleanup.append(a)
     b = NodeProcess.join("b", tmp_path, *FAST, "--min-peers", "2", "--peer", a.join_address, env=KEY)
     cleanup.append(b)
-    b.wait_for_line(r"round 1 \| groups 2/", timeout=90)
+    b.wait_for_round(lambda r: r["round"] >= 1 and r["groups"][0][0] == 2, timeout=90)
     intruder = NodeProcess.join("intruder", tmp_path, *FAST, "--peer", a.join_address, "--max-rounds", "3")
     cleanup.append(intruder)
     assert intruder.wait(90) == 0, intruder.output
     assert "this swarm is open" in intruder.output and "this swarm is open" not in a.output
     assert "offers no usable checkpoint" in intruder.output and "401" in intruder.output
     assert "in sync at outer step" not in intruder.output
-    assert re.findall(r"round \d+ \| groups (\d+)/", intruder.output) == ["1", "1", "1"], intruder.output
-    later = a.output.split("round 1 |", 1)[1]
-    assert all(size == "2" for size in re.findall(r"round \d+ \| groups (\d+)/", later)), a.output
+    assert [r["groups"][0][0] for r in intruder.rounds] == [1, 1, 1], intruder.output
+    assert all(r["groups"][0][0] == 2 for r in a.rounds if r["round"] > 1), a.output
     # an operator without the key sees the node but not the closed swarm; with it, the peers
     env = {k: v for k, v in os.environ.items() if k != "DTNODE_SWARM_KEY"}
-    table = subprocess.run([sys.executable, "-m", "dtnode", "status", "--url", a.http_url], capture_output=True,
-                           text=True, timeout=30, env=env)
+    table = subprocess.run(
+        [sys.executable, "-m", "dtnode", "status", "--url", a.http_url],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        env=env,
+        check=False,
+    )
     assert table.returncode == 0 and "swarm is closed" in table.stdout, table.stdout + table.stderr
-    table = subprocess.run([sys.executable, "-m", "dtnode", "status", "--url", a.http_url, "--json"],
-                           capture_output=True, text=True, timeout=30, env={**env, **KEY})
+    table = subprocess.run(
+        [sys.executable, "-m", "dtnode", "status", "--url", a.http_url, "--json"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        env={**env, **KEY},
+        check=False,
+    )
     assert table.returncode == 0 and len(json.loads(table.stdout)["peers"]) == 2, table.stdout
     for node in (a, b):
         node.stop()
@@ -50,7 +59,7 @@ def test_a_flood_of_streams_and_requests_does_not_starve_training_or_status(tmp_
     # no record names the flooder's certificate)
     node = NodeProcess.join("target", tmp_path, *FAST, "--insecure-data-plane")
     cleanup.append(node)
-    node.wait_for_line(r"round 1 \|", timeout=90)
+    node.wait_for_round(lambda r: r["round"] >= 1, timeout=90)
     grpc_addr = node.get("/status")["grpc_addr"]
     rounds_before = node.get("/status")["outer_step"]
 
@@ -58,8 +67,9 @@ def test_a_flood_of_streams_and_requests_does_not_starve_training_or_status(tmp_
         codes: dict = {}
 
         async def one_stream(channel, i):
-            msg = pb.PartChunk(run_id="dtnode-demo", round=10**6 + i, sender=f"flood{i}", weight=1.0, length=1,
-                               values=b"\0" * 1024)
+            msg = pb.PartChunk(
+                run_id="dtnode-demo", round=10**6 + i, sender=f"flood{i}", weight=1.0, length=1, values=b"\0" * 1024
+            )
             call = pb_grpc.AveragingStub(channel).Reduce(iter([msg]), timeout=20)
             try:
                 async for _ in call:
@@ -71,13 +81,15 @@ def test_a_flood_of_streams_and_requests_does_not_starve_training_or_status(tmp_
             try:
                 async with session.get(node.http_url + "/peers") as resp:
                     await resp.read()
-            except Exception:
-                pass
+            except (TimeoutError, aiohttp.ClientError, OSError):  # a flooded node may drop some: it lives
+                return
 
         import aiohttp
+
         async with grpc.aio.insecure_channel(grpc_addr) as channel, aiohttp.ClientSession() as session:
-            await asyncio.gather(*(one_stream(channel, i) for i in range(300)),
-                                 *(one_request(session) for _ in range(300)))
+            await asyncio.gather(
+                *(one_stream(channel, i) for i in range(300)), *(one_request(session) for _ in range(300))
+            )
         return codes
 
     codes = asyncio.run(flood())
@@ -88,10 +100,8 @@ def test_a_flood_of_streams_and_requests_does_not_starve_training_or_status(tmp_
     assert codes.get(grpc.StatusCode.RESOURCE_EXHAUSTED, 0) >= 16, codes
     status = node.get("/status")  # still answering
     assert status["state"] in ("training", "averaging")
-    deadline = time.monotonic() + 60
-    while node.get("/status")["outer_step"] < rounds_before + 3:
-        assert time.monotonic() < deadline, node.output  # training went on through and after the flood
-        time.sleep(0.2)
+    # training went on through and after the flood (a hang guard, not a speed check)
+    node.wait_for_round(lambda r: r["step"] >= rounds_before + 3, timeout=240)
 
 
 def test_a_flood_of_made_up_registrants_joins_no_group(tmp_path, cleanup):
@@ -108,25 +118,32 @@ def test_a_flood_of_made_up_registrants_joins_no_group(tmp_path, cleanup):
     cleanup.append(a)
     b = NodeProcess.join("b", tmp_path, *FAST, "--min-peers", "2", "--inner-steps", "30", "--peer", a.join_address)
     cleanup.append(b)
-    b.wait_for_line(r"round 0 \| groups 2/2", timeout=90)
-    key = a.get("/status")["last_round"]["group_key"]
+    a.wait_for_round(lambda r: r["groups"] == [[2, 2]], timeout=90)
+    key = wait_until(lambda: (a.get("/status")["last_round"] or {}).get("group_key"), 30, "a's last group")
     run, _, step, rest = key.split(".", 3)
     first = int(step) + 2
     flooder = hivemind.DHT(start=True, initial_peers=[a.join_address], host_maddrs=["/ip4/127.0.0.1/tcp/0"])
     try:
         value = Registration(grpc_addr="127.0.0.1:9").model_dump()
-        futures = [flooder.store(f"{run}.group.{r}.{rest}", subkey=f"Qmfake{r}x{i}", value=value,
-                                 expiration_time=get_dht_time() + 300, return_future=True)
-                   for r in range(first, first + 4) for i in range(150)]
+        futures = [
+            flooder.store(
+                f"{run}.group.{r}.{rest}",
+                subkey=f"Qmfake{r}x{i}",
+                value=value,
+                expiration_time=get_dht_time() + 300,
+                return_future=True,
+            )
+            for r in range(first, first + 4)
+            for i in range(150)
+        ]
         for future in futures:
             future.result(timeout=60)
         for node in (a, b):
-            node.wait_for_line(rf"round {first + 3} \|", timeout=120)
+            node.wait_for_round(lambda r: r["round"] >= first + 3, timeout=120)
     finally:
         flooder.shutdown()
     for node in (a, b):
-        rounds = dict(re.findall(r"round (\d+) \| groups (\S+)", node.output))
-        flooded = [rounds[str(r)] for r in range(first, first + 4)]
+        flooded = [node.round(r) for r in range(first, first + 4)]
         # the group is the two real nodes; the registrants counted include the made-up ones read
-        assert all(g.split("/")[0] == "2" for g in flooded), (flooded, node.output)
+        assert all(r is not None and r["groups"][0][0] == 2 for r in flooded), (flooded, node.output)
         assert "127.0.0.1:9" not in node.output, node.output  # no part was ever sent to a made-up member

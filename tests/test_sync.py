@@ -14,9 +14,17 @@ import torch
 from aiohttp import web
 
 from dtnode.daemon.checkpoint import (
-    CheckpointInfo, Layout, MemoryCheckpoint, TrainingState, file_sha256, read_checkpoint, write_checkpoint,
+    CheckpointInfo,
+    Layout,
+    MemoryCheckpoint,
+    TrainingState,
+    file_sha256,
+    read_checkpoint,
+    write_checkpoint,
 )
 from dtnode.daemon.metrics import NodeMetrics
+from dtnode.daemon.report import Health
+from dtnode.daemon.round_state import NodeState
 from dtnode.daemon.sidecar import Sidecar
 from dtnode.daemon.sync import PIECE_BYTES, fetch_from_swarm, swarm_step
 from dtnode.peers.membership import PeerRecord
@@ -35,8 +43,8 @@ class FileView:
         self.infos = {i.step: i for i in infos}
         self.memories = {m.step: m for m in memories}
 
-    def status(self):
-        return {"state": "training"}
+    def health(self):
+        return Health(ok=True, state=NodeState.TRAINING)
 
     async def peer_records(self):
         return []
@@ -58,21 +66,34 @@ class FileView:
 def _checkpoint(directory, step, run_id=RUN, layout=LAYOUT, seed=0) -> tuple[CheckpointInfo, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
     theta = torch.randn(layout.numel, generator=gen)
-    info = write_checkpoint(directory, step, layout, TrainingState(theta, torch.zeros(layout.numel)),
-                            {"run_id": run_id, "model_hash": MODEL})
+    info = write_checkpoint(
+        directory,
+        step,
+        layout,
+        TrainingState(theta, torch.zeros(layout.numel)),
+        {"run_id": run_id, "model_hash": MODEL},
+    )
     return info, theta
 
 
 def _record(name, url, info: CheckpointInfo) -> PeerRecord:
-    return PeerRecord(peer_id=f"peer-{name}", http_addr=url, state="training", outer_step=info.step,
-                      checkpoint_step=info.step, checkpoint_sha256=info.sha256, model_hash=MODEL)
+    return PeerRecord(
+        peer_id=f"peer-{name}",
+        http_addr=url,
+        state="training",
+        outer_step=info.step,
+        checkpoint_step=info.step,
+        checkpoint_sha256=info.sha256,
+        model_hash=MODEL,
+    )
 
 
 def _in_memory(info: CheckpointInfo) -> MemoryCheckpoint:
     """`info`'s step served from memory: its θ_g and momentum as a donor holds them."""
     loaded = read_checkpoint(info.path, LAYOUT, RUN, MODEL)
-    memory = MemoryCheckpoint(info.step, LAYOUT, loaded.theta_g, loaded.momentum,
-                              {"run_id": loaded.metadata["run_id"], "model_hash": MODEL})  # as `_checkpoint` wrote
+    memory = MemoryCheckpoint(
+        info.step, LAYOUT, loaded.theta_g, loaded.momentum, {"run_id": loaded.metadata["run_id"], "model_hash": MODEL}
+    )  # as `_checkpoint` wrote
     memory.hash()
     return memory
 
@@ -85,14 +106,22 @@ async def _serve(app: web.Application) -> tuple[web.AppRunner, str]:
     return runner, f"http://127.0.0.1:{runner.addresses[0][1]}"
 
 
-def _liar(info: CheckpointInfo, body: bytes, sha256: str | None = None, requests: list | None = None,
-          vanish: bool = False, drop_once_at: int | None = None) -> web.Application:
+def _liar(
+    info: CheckpointInfo,
+    body: bytes,
+    sha256: str | None = None,
+    requests: list | None = None,
+    vanish: bool = False,
+    drop_once_at: int | None = None,
+) -> web.Application:
     """A donor announcing `info` but serving `body` (honouring Range like a real server);
     with `drop_once_at`, the first range that spans that byte breaks there, once."""
     dropped: list[int] = []
+
     async def meta(request):
-        return web.json_response({"outer_step": info.step, "sha256": sha256 or info.sha256,
-                                  "size_bytes": info.size_bytes, "url": ""})
+        return web.json_response(
+            {"outer_step": info.step, "sha256": sha256 or info.sha256, "size_bytes": info.size_bytes, "url": ""}
+        )
 
     async def data(request):
         if requests is not None:
@@ -115,7 +144,7 @@ def _liar(info: CheckpointInfo, body: bytes, sha256: str | None = None, requests
             await response.drain()
             request.transport.close()  # the donor's socket goes away mid-range
             raise ConnectionResetError("connection dropped")
-        return web.Response(status=206, body=body[start: end + 1])
+        return web.Response(status=206, body=body[start : end + 1])
 
     app = web.Application()
     app.add_routes([web.get("/checkpoint", meta), web.get("/checkpoint/{step}", data)])
@@ -132,6 +161,7 @@ def test_hostile_donors_are_refused_and_the_joiner_ends_on_the_honest_checkpoint
     """Four donors announce newer checkpoints than the honest one and each lies differently:
     corrupt bytes (bad hash), a truncated range, a file of another run, a wrong-shaped
     tensor. The joiner refuses each, falls back, and loads the honest donor's state."""
+
     async def main():
         honest_info, honest_theta = _checkpoint(tmp_path / "honest", 5)
         good_13, _ = _checkpoint(tmp_path / "c13", 13, seed=13)
@@ -142,9 +172,12 @@ def test_hostile_donors_are_refused_and_the_joiner_ends_on_the_honest_checkpoint
         foreign, _ = _checkpoint(tmp_path / "c11", 11, run_id="another-run")
         wrong_shape, _ = _checkpoint(tmp_path / "c10", 10, layout=Layout(("w", "b"), ((10,), (5_500_000,))))
         servers, records = [], []
-        for name, info, body in [("corrupt", good_13, bytes(corrupt)), ("truncated", good_12, truncated),
-                                 ("foreign", foreign, foreign.path.read_bytes()),
-                                 ("shape", wrong_shape, wrong_shape.path.read_bytes())]:
+        for name, info, body in [
+            ("corrupt", good_13, bytes(corrupt)),
+            ("truncated", good_12, truncated),
+            ("foreign", foreign, foreign.path.read_bytes()),
+            ("shape", wrong_shape, wrong_shape.path.read_bytes()),
+        ]:
             runner, url = await _serve(_liar(info, body))
             servers.append(runner)
             records.append(_record(name, url, info))
@@ -152,8 +185,16 @@ def test_hostile_donors_are_refused_and_the_joiner_ends_on_the_honest_checkpoint
         records.append(_record("honest", url, honest_info))
         try:
             with caplog.at_level(logging.WARNING):
-                loaded = await fetch_from_swarm({r.peer_id: r for r in records}, "me", range(1, 10**9), MODEL, RUN, LAYOUT,
-                                                tmp_path / "joiner", timeout=20)
+                loaded = await fetch_from_swarm(
+                    {r.peer_id: r for r in records},
+                    "me",
+                    range(1, 10**9),
+                    MODEL,
+                    RUN,
+                    LAYOUT,
+                    tmp_path / "joiner",
+                    timeout=20,
+                )
         finally:
             await sidecar.stop()
             for runner in servers:
@@ -166,6 +207,7 @@ def test_hostile_donors_are_refused_and_the_joiner_ends_on_the_honest_checkpoint
         assert "belongs to run 'another-run'" in text
         assert "expected F32" in text or "tensor names differ" in text
         assert not list((tmp_path / "joiner").glob(".download-*"))  # nothing left behind
+
     asyncio.run(main())
 
 
@@ -185,8 +227,16 @@ def test_ranges_come_from_every_donor_of_the_same_file_and_a_donor_leaving_costs
         runners.append(runner)
         records.append(_record("c-flaky", url, info))
         try:
-            loaded = await fetch_from_swarm({r.peer_id: r for r in records}, "me", range(1, 10**9), MODEL, RUN, LAYOUT,
-                                            tmp_path / "joiner", timeout=20)
+            loaded = await fetch_from_swarm(
+                {r.peer_id: r for r in records},
+                "me",
+                range(1, 10**9),
+                MODEL,
+                RUN,
+                LAYOUT,
+                tmp_path / "joiner",
+                timeout=20,
+            )
         finally:
             for r in runners:
                 await r.cleanup()
@@ -195,6 +245,7 @@ def test_ranges_come_from_every_donor_of_the_same_file_and_a_donor_leaving_costs
         assert all(r and r.startswith("bytes=") for r in seen["a"] + seen["b"])
         pieces = -(-info.size_bytes // PIECE_BYTES)
         assert len(seen["a"]) + len(seen["b"]) == pieces  # the flaky donor's range was fetched once more, elsewhere
+
     asyncio.run(main())
 
 
@@ -212,11 +263,14 @@ def test_an_interrupted_download_resumes_with_range_requests(tmp_path):
         partial.write_bytes(body[:PIECE_BYTES] + b"\0" * (len(body) - PIECE_BYTES))
         (scratch / f".download-{info.sha256[:16]}.json").write_text(json.dumps({"size": len(body), "pieces": [0]}))
         try:
-            loaded = await fetch_from_swarm({record.peer_id: record}, "me", range(1, 10**9), MODEL, RUN, LAYOUT, scratch, timeout=20)
+            loaded = await fetch_from_swarm(
+                {record.peer_id: record}, "me", range(1, 10**9), MODEL, RUN, LAYOUT, scratch, timeout=20
+            )
         finally:
             await runner.cleanup()
         assert loaded is not None and torch.equal(loaded.theta_g, theta)
         assert f"bytes=0-{PIECE_BYTES - 1}" not in served and len(served) == -(-len(body) // PIECE_BYTES) - 1
+
     asyncio.run(main())
 
 
@@ -229,11 +283,13 @@ def test_a_checkpoint_larger_than_the_model_allows_is_refused_before_download(tm
         record = _record("big", url, info)
         try:
             with caplog.at_level(logging.WARNING):
-                loaded = await fetch_from_swarm({record.peer_id: record}, "me", range(1, 10**9), MODEL, RUN, LAYOUT,
-                                                tmp_path / "joiner", timeout=10)
+                loaded = await fetch_from_swarm(
+                    {record.peer_id: record}, "me", range(1, 10**9), MODEL, RUN, LAYOUT, tmp_path / "joiner", timeout=10
+                )
         finally:
             await runner.cleanup()
         assert loaded is None and not served and "exceeds this model's bound" in caplog.text
+
     asyncio.run(main())
 
 
@@ -245,16 +301,24 @@ async def _sidecar_with_checkpoint(tmp_path, from_memory: bool = False) -> tuple
     return info, sidecar, f"http://127.0.0.1:{port}"
 
 
-@pytest.mark.parametrize("path,status", [
-    ("/checkpoint/..%2F..%2Fetc%2Fpasswd", {400, 404}), ("/checkpoint/-1", {400}), ("/checkpoint/1.5", {400}),
-    ("/checkpoint/abc", {400}), ("/checkpoint/99999999999999999999999", {400}), ("/checkpoint/%00", {400, 404}),
-    ("/checkpoint/12345", {404}), ("/checkpoint/%D9%A3", {400}),
-])
+@pytest.mark.parametrize(
+    "path,status",
+    [
+        ("/checkpoint/..%2F..%2Fetc%2Fpasswd", {400, 404}),
+        ("/checkpoint/-1", {400}),
+        ("/checkpoint/1.5", {400}),
+        ("/checkpoint/abc", {400}),
+        ("/checkpoint/99999999999999999999999", {400}),
+        ("/checkpoint/%00", {400, 404}),
+        ("/checkpoint/12345", {404}),
+        ("/checkpoint/%D9%A3", {400}),
+    ],
+)
 def test_sidecar_refuses_hostile_paths_and_keeps_serving(tmp_path, path, status):
     import aiohttp
 
     async def main():
-        info, sidecar, base = await _sidecar_with_checkpoint(tmp_path)
+        _info, sidecar, base = await _sidecar_with_checkpoint(tmp_path)
         try:
             async with aiohttp.ClientSession() as session:
                 async with session.get(base + path) as resp:
@@ -263,12 +327,20 @@ def test_sidecar_refuses_hostile_paths_and_keeps_serving(tmp_path, path, status)
                     assert resp.status == 200
         finally:
             await sidecar.stop()
+
     asyncio.run(main())
 
 
-@pytest.mark.parametrize("header,status", [
-    ("bytes=abc", 416), ("bytes=999999999-", 416), ("bytes=5-2", 416), ("lines=0-10", 416), ("bytes=0-9", 206),
-])
+@pytest.mark.parametrize(
+    "header,status",
+    [
+        ("bytes=abc", 416),
+        ("bytes=999999999-", 416),
+        ("bytes=5-2", 416),
+        ("lines=0-10", 416),
+        ("bytes=0-9", 206),
+    ],
+)
 @pytest.mark.parametrize("from_memory", [False, True], ids=["file", "memory"])
 def test_sidecar_answers_bogus_ranges_with_4xx_and_keeps_serving(tmp_path, header, status, from_memory):
     import aiohttp
@@ -286,6 +358,7 @@ def test_sidecar_answers_bogus_ranges_with_4xx_and_keeps_serving(tmp_path, heade
                     assert len(await resp.read()) == info.size_bytes
         finally:
             await sidecar.stop()
+
     asyncio.run(main())
 
 
@@ -315,12 +388,14 @@ def test_the_swarm_step_is_the_majority_so_a_runaway_node_pulls_nobody_onto_its_
         try:
             view = {r.peer_id: r for r in records}
             target = swarm_step([r.checkpoint_step for r in records])
-            loaded = await fetch_from_swarm(view, "me", range(target, target + 2), MODEL, RUN, LAYOUT,
-                                            tmp_path / "joiner", timeout=20)
+            loaded = await fetch_from_swarm(
+                view, "me", range(target, target + 2), MODEL, RUN, LAYOUT, tmp_path / "joiner", timeout=20
+            )
         finally:
             for sidecar in sidecars:
                 await sidecar.stop()
         assert loaded is not None and loaded.step == 12 and torch.equal(loaded.theta_g, theta)
+
     asyncio.run(main())
 
 
@@ -328,6 +403,7 @@ def test_a_dropped_connection_resumes_from_the_byte_where_it_stopped(tmp_path, c
     """The only donor drops its connection in the middle of a range; the joiner asks it for
     the rest of that range (from the byte it stopped at), not the whole range, and not a
     different donor: the download completes and verifies."""
+
     async def main():
         info, theta = _checkpoint(tmp_path / "src", 4)
         body = info.path.read_bytes()
@@ -337,13 +413,25 @@ def test_a_dropped_connection_resumes_from_the_byte_where_it_stopped(tmp_path, c
         record = _record("a", url, info)
         try:
             with caplog.at_level(logging.INFO):
-                loaded = await fetch_from_swarm({record.peer_id: record}, "me", range(1, 10**9), MODEL, RUN, LAYOUT,
-                                                tmp_path / "joiner", timeout=20, keep=True)
+                loaded = await fetch_from_swarm(
+                    {record.peer_id: record},
+                    "me",
+                    range(1, 10**9),
+                    MODEL,
+                    RUN,
+                    LAYOUT,
+                    tmp_path / "joiner",
+                    timeout=20,
+                    keep=True,
+                )
         finally:
             await runner.cleanup()
         assert loaded is not None and torch.equal(loaded.theta_g, theta)
-        resumed = [r for r in served if r and int(r.removeprefix("bytes=").split("-")[0]) not in
-                   range(0, len(body), PIECE_BYTES)]
+        resumed = [
+            r
+            for r in served
+            if r and int(r.removeprefix("bytes=").split("-")[0]) not in range(0, len(body), PIECE_BYTES)
+        ]
         assert len(resumed) == 1, served  # one request for the rest of the broken range
         start = int(resumed[0].removeprefix("bytes=").split("-")[0])
         assert PIECE_BYTES < start <= cut, served  # from where the bytes stopped (as far as they arrived)
@@ -351,11 +439,13 @@ def test_a_dropped_connection_resumes_from_the_byte_where_it_stopped(tmp_path, c
         # kept as this node's own checkpoint of that step: the donor's bytes, no second write
         assert loaded.file is not None and loaded.file.path.read_bytes() == body
         assert loaded.file.path.name == info.path.name and loaded.file.sha256 == info.sha256
+
     asyncio.run(main())
 
 
 def test_a_donor_serving_from_memory_and_one_serving_the_file_are_one_file(tmp_path):
     """The joiner takes ranges from both (same step, sha256 and size) and loads the θ_g."""
+
     async def main():
         info, theta = _checkpoint(tmp_path / "src", 7)
         memory = _in_memory(info)
@@ -366,19 +456,29 @@ def test_a_donor_serving_from_memory_and_one_serving_the_file_are_one_file(tmp_p
             port = await sidecar.start("127.0.0.1", 0)
             records.append(_record(name, f"http://127.0.0.1:{port}", info))
         try:
-            loaded = await fetch_from_swarm({r.peer_id: r for r in records}, "me", range(1, 10**9), MODEL, RUN, LAYOUT,
-                                            tmp_path / "joiner", timeout=20)
+            loaded = await fetch_from_swarm(
+                {r.peer_id: r for r in records},
+                "me",
+                range(1, 10**9),
+                MODEL,
+                RUN,
+                LAYOUT,
+                tmp_path / "joiner",
+                timeout=20,
+            )
         finally:
             for sidecar in (on_disk, in_memory):
                 await sidecar.stop()
         assert loaded is not None and torch.equal(loaded.theta_g, theta)
         assert in_memory.steps_in_use() == {7}  # ranges were served from memory too
+
     asyncio.run(main())
 
 
 def test_a_donor_whose_checkpoint_the_others_contradict_is_skipped(tmp_path, caplog):
     """Three donors of step 6: two serve one file, the third another, whole and consistent
     (its metadata and record agree with it). The joiner never takes the third's."""
+
     async def main():
         honest, theta = _checkpoint(tmp_path / "honest", 6)
         liar, _ = _checkpoint(tmp_path / "liar", 6, seed=66)
@@ -389,11 +489,22 @@ def test_a_donor_whose_checkpoint_the_others_contradict_is_skipped(tmp_path, cap
             records.append(_record(name, f"http://127.0.0.1:{await sidecar.start('127.0.0.1', 0)}", info))
         try:
             with caplog.at_level(logging.WARNING):
-                loaded = await fetch_from_swarm({r.peer_id: r for r in records}, "me", range(1, 10**9), MODEL, RUN,
-                                                LAYOUT, tmp_path / "joiner", timeout=20)
+                loaded = await fetch_from_swarm(
+                    {r.peer_id: r for r in records},
+                    "me",
+                    range(1, 10**9),
+                    MODEL,
+                    RUN,
+                    LAYOUT,
+                    tmp_path / "joiner",
+                    timeout=20,
+                )
         finally:
             for sidecar in sidecars:
                 await sidecar.stop()
         assert loaded is not None and torch.equal(loaded.theta_g, theta)
-        assert "skipping peer eer-liar" in caplog.text  # ids are shown by their last 8 characters and "that 2 other peer(s) contradict" in caplog.text
+        assert (
+            "skipping peer eer-liar" in caplog.text
+        )  # ids are shown by their last 8 characters and "that 2 other peer(s) contradict" in caplog.text
+
     asyncio.run(main())

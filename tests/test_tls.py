@@ -12,14 +12,21 @@ import threading
 
 import pytest
 import torch
-from cryptography.hazmat.primitives.asymmetric import rsa
-
-from path_tampering import forward
 from allreduce_harness import allreduce, start_peers, stop_peers, tls_stores
+from cryptography.hazmat.primitives.asymmetric import rsa
+from path_tampering import forward
+
 from dtnode.peers.butterfly import ChannelPool, butterfly_allreduce
 from dtnode.peers.membership import PeerRecord
 from dtnode.peers.plan import INT8, Member, make_plan
-from dtnode.peers.tls import NodeIdentity, TlsError, TrustStore, decode_certificate, encode_certificate, make_certificate
+from dtnode.peers.tls import (
+    NodeIdentity,
+    TlsError,
+    TrustStore,
+    decode_certificate,
+    encode_certificate,
+    make_certificate,
+)
 from dtnode.peers.wire import max_message_bytes
 
 
@@ -64,8 +71,9 @@ async def _one_part_to(target, sender_id: str, channels: ChannelPool, peers, num
     values = torch.ones(numel)
     out = torch.empty_like(values)
     target_index = plan.index_of(target.member.peer_id)
-    report = await butterfly_allreduce(plan, sender_id, values, 1.0, out, peers[target_index].registry, channels,
-                                       timeout=3.0)
+    report = await butterfly_allreduce(
+        plan, sender_id, values, 1.0, out, peers[target_index].registry, channels, timeout=3.0
+    )
     return [p.error for p in report.failed_parts if p.reducer == target.member.peer_id]
 
 
@@ -142,8 +150,9 @@ def test_one_flipped_byte_on_the_path_breaks_the_stream_and_it_is_sent_again():
         via_proxy = [Member(peers[0].member.peer_id, f"127.0.0.1:{proxy_port}"), peers[1].member]
         values = [torch.full((200_000,), float(i)) for i in range(2)]
         try:
-            outs, reports = await allreduce(peers, values, [1.0, 1.0], chunk_elements=1 << 14, timeout=5.0,
-                                            members=via_proxy)
+            outs, reports = await allreduce(
+                peers, values, [1.0, 1.0], chunk_elements=1 << 14, timeout=5.0, members=via_proxy
+            )
         finally:
             proxy.server.close()
             await stop_peers(peers)

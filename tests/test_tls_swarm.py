@@ -19,12 +19,12 @@ from pathlib import Path
 import grpc
 import pytest
 import torch
+from allreduce_harness import stream_status
 from cryptography.hazmat.primitives.asymmetric import rsa
+from nodes import FAST, NodeProcess, theta
+from path_tampering import forward
 from prometheus_client.parser import text_string_to_metric_families
 
-from nodes import FAST, NodeProcess, theta
-from allreduce_harness import stream_status
-from path_tampering import forward
 from dtnode.daemon.cli import EXIT_JOIN
 from dtnode.peers.auth import GRPC_METADATA, SwarmAuth, load_swarm_key, stream_subject
 from dtnode.peers.membership import load_record_key
@@ -57,8 +57,10 @@ class PathProxy:
         asyncio.run_coroutine_threadsafe(self._listen(), self.loop).result(10)
 
     async def _listen(self) -> None:
-        self.servers = [await asyncio.start_server(lambda r, w, p=port: self._forward(r, w, p), "127.0.0.2", port)
-                        for port in self.ports]
+        self.servers = [
+            await asyncio.start_server(lambda r, w, p=port: self._forward(r, w, p), "127.0.0.2", port)
+            for port in self.ports
+        ]
 
     async def _forward(self, reader, writer, port: int) -> None:
         try:
@@ -67,8 +69,10 @@ class PathProxy:
             writer.close()
             return
 
-        await asyncio.gather(forward(reader, up_writer, FLIP_AFTER if port == self.flip_port else None, self.flipped),
-                             forward(up_reader, writer))
+        await asyncio.gather(
+            forward(reader, up_writer, FLIP_AFTER if port == self.flip_port else None, self.flipped),
+            forward(up_reader, writer),
+        )
 
     def stop(self) -> None:
         async def close() -> None:
@@ -95,15 +99,37 @@ def swarm(tmp_path_factory):
     try:
         a = NodeProcess.join("a", tmp, *FAST, *RUN, "--min-peers", "3", env=KEY)
         nodes.append(a)
-        b = NodeProcess.join("b", tmp, *FAST, *RUN, "--min-peers", "3", "--peer", a.join_address,
-                             env={**KEY, "DTNODE_TEST_FAILPOINT": "wrong-checkpoint@1"})
+        b = NodeProcess.join(
+            "b",
+            tmp,
+            *FAST,
+            *RUN,
+            "--min-peers",
+            "3",
+            "--peer",
+            a.join_address,
+            env={**KEY, "DTNODE_TEST_FAILPOINT": "wrong-checkpoint@1"},
+        )
         nodes.append(b)
-        c = NodeProcess.join("c", tmp, *FAST, *RUN, "--min-peers", "3", "--peer", a.join_address,
-                             *[v for flag, port in ports.items() for v in (flag, str(port))],
-                             "--host", "127.0.0.3", "--announce-host", "127.0.0.2", env=KEY)
+        c = NodeProcess.join(
+            "c",
+            tmp,
+            *FAST,
+            *RUN,
+            "--min-peers",
+            "3",
+            "--peer",
+            a.join_address,
+            *[v for flag, port in ports.items() for v in (flag, str(port))],
+            "--host",
+            "127.0.0.3",
+            "--announce-host",
+            "127.0.0.2",
+            env=KEY,
+        )
         nodes.append(c)
         for node in nodes:
-            node.wait_for_line(r"round 3 \|", timeout=150)
+            node.wait_for_round(lambda r: r["round"] >= 3, timeout=150)
         yield a, b, c, proxy
     finally:
         for node in nodes:
@@ -120,16 +146,27 @@ def swarm(tmp_path_factory):
 def _metric(node: NodeProcess, name: str, **labels: str) -> float:
     with urllib.request.urlopen(node.http_url + "/metrics", timeout=5) as resp:
         text = resp.read().decode()
-    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
-               if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))
+    return sum(
+        s.value
+        for f in text_string_to_metric_families(text)
+        for s in f.samples
+        if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())
+    )
 
 
 def test_a_byte_flipped_on_the_path_breaks_one_stream_and_no_round_loses_a_peer(swarm):
     a, b, c, proxy = swarm
     assert proxy.flipped.wait(30), "no stream to c carried enough bytes to flip"
     c_id = c.get("/status")["peer_id"]
-    broken = [(n, m) for n in (a, b) for m in re.finditer(rf"round (\d+) hop \d+: stream of part \d+ to reducer "
-                                                          rf"{c_id} broke \((\w+)", n.output)]
+    broken = [
+        (n, m)
+        for n in (a, b)
+        for m in re.finditer(
+            rf"round (\d+) hop \d+: stream of part \d+ to reducer "
+            rf"{c_id} broke \((\w+)",
+            n.output,
+        )
+    ]
     assert broken, "the altered stream was not refused:\n" + a.output + "\n" + b.output
     node, m = broken[0]
     round_no, code = int(m.group(1)), m.group(2)
@@ -137,8 +174,7 @@ def test_a_byte_flipped_on_the_path_breaks_one_stream_and_no_round_loses_a_peer(
     assert _metric(node, "dtnode_stream_retries_total", reason=code.lower()) >= 1
     # sent again on a new connection: that round, and every one after it, averaged by all three
     for n in (a, b, c):
-        rounds = [(int(r), int(g)) for r, g in re.findall(r"round (\d+) \| groups (\d+)/", n.output)]
-        assert all(g == 3 for r, g in rounds if r >= round_no), n.output
+        assert all(r["groups"][0][0] == 3 for r in n.rounds if r["round"] >= round_no), n.output
         assert "Traceback" not in n.output, n.output
 
 
@@ -146,16 +182,28 @@ def _stream(target: str, identity: NodeIdentity, server_cert: bytes, sender: str
     """One Reduce stream to `target` over TLS as `identity`, claiming `sender`; the status it ends with."""
 
     async def main() -> grpc.StatusCode:
-        credentials = grpc.ssl_channel_credentials(root_certificates=server_cert, private_key=identity.key_pem,
-                                                   certificate_chain=identity.cert_pem)
-        async with grpc.aio.secure_channel(target, credentials,
-                                           options=[("grpc.ssl_target_name_override", TLS_NAME)]) as channel:
+        credentials = grpc.ssl_channel_credentials(
+            root_certificates=server_cert, private_key=identity.key_pem, certificate_chain=identity.cert_pem
+        )
+        async with grpc.aio.secure_channel(
+            target, credentials, options=[("grpc.ssl_target_name_override", TLS_NAME)]
+        ) as channel:
             group = b"\x01" * 32
-            chunk = pb.PartChunk(run_id="tls-test", round=10**6, hop=0, group_id=group, part=0, sender=sender,
-                                 weight=1.0, length=1, values=b"\0" * 4)
+            chunk = pb.PartChunk(
+                run_id="tls-test",
+                round=10**6,
+                hop=0,
+                group_id=group,
+                part=0,
+                sender=sender,
+                weight=1.0,
+                length=1,
+                values=b"\0" * 4,
+            )
             tag = auth.issue("grpc", stream_subject("tls-test", 10**6, 0, group, 0))
-            return await stream_status(pb_grpc.AveragingStub(channel).Reduce(
-                iter([chunk]), timeout=20, metadata=((GRPC_METADATA, tag),)))
+            return await stream_status(
+                pb_grpc.AveragingStub(channel).Reduce(iter([chunk]), timeout=20, metadata=((GRPC_METADATA, tag),))
+            )
 
     return asyncio.run(main())
 
@@ -190,8 +238,9 @@ def test_a_joiner_skips_a_donor_whose_checkpoint_the_others_contradict(swarm, tm
         joiner.kill()
         Path(str(joiner.state_dir) + ".log").write_text(joiner.output)
     b_id = b.get("/status")["peer_id"]
-    assert re.search(rf"skipping peer {b_id[-8:]} .* a checkpoint of step \d+ .* that 2 other peer", joiner.output), \
+    assert re.search(rf"skipping peer {b_id[-8:]} .* a checkpoint of step \d+ .* that 2 other peer", joiner.output), (
         joiner.output
+    )
     step = int(re.search(r"in sync at outer step (\d+)", joiner.output).group(1))
     assert re.search(rf"downloaded checkpoint {step} from 2 peer", joiner.output), joiner.output
     assert torch.equal(theta(joiner.state_dir, step), theta(a.state_dir, step))
@@ -201,14 +250,16 @@ def test_a_joiner_skips_a_donor_whose_checkpoint_the_others_contradict(swarm, tm
 
 def test_a_plaintext_node_is_refused_by_a_tls_swarm_with_the_fix_named(swarm, tmp_path):
     a, _, _, _ = swarm
-    plain = NodeProcess.join("plain", tmp_path, *FAST, *RUN, "--peer", a.join_address, "--insecure-data-plane",
-                             env=KEY)
+    plain = NodeProcess.join("plain", tmp_path, *FAST, *RUN, "--peer", a.join_address, "--insecure-data-plane", env=KEY)
     try:
         code = plain.wait(60)
     finally:
         plain.kill()
     assert code == EXIT_JOIN, plain.output
     assert "--insecure-data-plane: pseudo-gradients travel in plaintext" in plain.output
-    assert re.search(r"error: \d+ peers \(\S+, \.\.\.\) of this swarm average over a TLS data plane and this node "
-                     r"over plaintext: .*drop --insecure-data-plane", plain.output), plain.output
+    assert re.search(
+        r"error: \d+ peers \(\S+, \.\.\.\) of this swarm average over a TLS data plane and this node "
+        r"over plaintext: .*drop --insecure-data-plane",
+        plain.output,
+    ), plain.output
     assert "Traceback" not in plain.output

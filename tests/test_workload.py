@@ -65,7 +65,8 @@ def test_custom_model_factory(tmp_path, monkeypatch):
         "    vocab_size = 256\n    context_length = 32\n"
         "    def __init__(self):\n        super().__init__(); self.table = torch.nn.Embedding(256, 256)\n"
         "    def forward(self, x):\n        return self.table(x)\n"
-        "def make():\n    return Bigram()\n")
+        "def make():\n    return Bigram()\n"
+    )
     monkeypatch.syspath_prepend(str(tmp_path))
     model, description = build_model("mymodels:make", seed=0)
     assert description["factory"] == "mymodels:make" and model.context_length == 32

@@ -73,8 +73,7 @@ def _worker(rank: int, n: int, numel: int, reps: int, port: int, systems: tuple[
             dist.all_reduce(buf)
             buf /= n
             times.append(_barrier_time(time.perf_counter() - t))
-        row["gloo"] = {"s": statistics.median(times), "bytes": 2 * (n - 1) * numel * 4,
-                       "err": _rel_error(buf, exact)}
+        row["gloo"] = {"s": statistics.median(times), "bytes": 2 * (n - 1) * numel * 4, "err": _rel_error(buf, exact)}
         del buf
         gc.collect()
 
@@ -111,21 +110,35 @@ async def _ours(rank, n, values, exact, reps, store, codec_name) -> dict:
         store.set(f"cert-{codec_name}-{rank}", encode_certificate(trust.own.cert_der))
         for i in range(n):
             trust.learn(f"peer{i}", store.get(f"cert-{codec_name}-{i}").decode())
-    server, port = await start_grpc_server(AveragingService(registry, "bench", trust=trust), "127.0.0.1", 0,
-                                           max_message_bytes(chunk),
-                                           credentials=trust.server_credentials() if trust else None)
+    server, port = await start_grpc_server(
+        AveragingService(registry, "bench", trust=trust),
+        "127.0.0.1",
+        0,
+        max_message_bytes(chunk),
+        credentials=trust.server_credentials() if trust else None,
+    )
     store.set(f"grpc-{codec_name}-{rank}", f"127.0.0.1:{port}")
     members = [Member(f"peer{i}", store.get(f"grpc-{codec_name}-{i}").decode()) for i in range(n)]
     channels = ChannelPool(max_message_bytes(chunk), trust)
     out = torch.empty_like(values)
     times, sent = [], []
     for r in range(reps + 1):  # the first run warms channels up and is not counted
-        plan = make_plan("bench", r, 0, members, values.numel(), 256, chunk,
-                         FP32 if codec_name.startswith("fp32") else INT8)
+        plan = make_plan(
+            "bench", r, 0, members, values.numel(), 256, chunk, FP32 if codec_name.startswith("fp32") else INT8
+        )
         dist.barrier()
         t = time.perf_counter()
-        report = butterfly_allreduce(plan, f"peer{rank}", values, 1.0, out, registry, channels, timeout=300,
-                                     trim_fraction=0.2 if codec_name == "robust" else None)
+        report = butterfly_allreduce(
+            plan,
+            f"peer{rank}",
+            values,
+            1.0,
+            out,
+            registry,
+            channels,
+            timeout=300,
+            trim_fraction=0.2 if codec_name == "robust" else None,
+        )
         report = await report
         elapsed = time.perf_counter() - t
         assert not report.failed_parts, report.failed_parts
@@ -144,19 +157,29 @@ async def _ours(rank, n, values, exact, reps, store, codec_name) -> dict:
 def _hivemind(rank, n, values, exact, reps, store) -> dict:
     import hivemind
     from hivemind.averaging import DecentralizedAverager
-    from hivemind.compression import NoCompression
     from hivemind.averaging.control import AveragingStage
+    from hivemind.compression import NoCompression
 
     if rank == 0:
         dht = hivemind.DHT(host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True)
         store.set("hivemind-maddr", str(dht.get_visible_maddrs()[0]))
     else:
-        dht = hivemind.DHT(initial_peers=[store.get("hivemind-maddr").decode()],
-                           host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True)
+        dht = hivemind.DHT(
+            initial_peers=[store.get("hivemind-maddr").decode()], host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True
+        )
     tensor = values.clone()
-    averager = DecentralizedAverager([tensor], dht, start=True, prefix="bench", target_group_size=n,
-                                     min_group_size=n, min_matchmaking_time=1.0, request_timeout=0.5,
-                                     allreduce_timeout=300, compression=NoCompression())
+    averager = DecentralizedAverager(
+        [tensor],
+        dht,
+        start=True,
+        prefix="bench",
+        target_group_size=n,
+        min_group_size=n,
+        min_matchmaking_time=1.0,
+        request_timeout=0.5,
+        allreduce_timeout=300,
+        compression=NoCompression(),
+    )
     times = []
     try:
         for r in range(reps + 1):
@@ -183,6 +206,7 @@ def _hivemind(rank, n, values, exact, reps, store) -> dict:
 
 def _free_port() -> int:
     import socket
+
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -204,7 +228,9 @@ def run_case(n: int, size_mb: int, reps: int, systems: tuple[str, ...]) -> dict:
             if any(p.exitcode not in (None, 0) for p in procs):
                 for p in procs:
                     p.kill()
-                raise RuntimeError(f"a peer process failed in the {n}-peer {size_mb} MB case (see its traceback)") from None
+                raise RuntimeError(
+                    f"a peer process failed in the {n}-peer {size_mb} MB case (see its traceback)"
+                ) from None
     for p in procs:
         p.join(timeout=120)
         if p.is_alive():
@@ -262,8 +288,10 @@ def main() -> None:
             for system in systems:
                 r = row[system]
                 ratio = f"{r['s'] / gloo:7.2f}" if gloo else "      -"
-                print(f"{n:>5} {size:>5} {system:<13} {r['s']:8.3f} {r['bytes'] / 1e6:9.1f} {ratio} {r['err']:9.2e}",
-                      flush=True)
+                print(
+                    f"{n:>5} {size:>5} {system:<13} {r['s']:8.3f} {r['bytes'] / 1e6:9.1f} {ratio} {r['err']:9.2e}",
+                    flush=True,
+                )
             if "hivemind" in row and "ours-int8" in row:
                 print(f"{'':>11} ours-int8 / hivemind: {row['ours-int8']['s'] / row['hivemind']['s']:.2f}", flush=True)
             for codec in ("int8", "fp32"):

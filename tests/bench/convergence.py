@@ -66,13 +66,13 @@ import torch.multiprocessing as mp
 from torch.nn.utils import parameters_to_vector
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from nodes import NodeProcess, run_swarm  # noqa: E402
+from nodes import NodeProcess, run_swarm
 
-from dtnode.daemon.corpus import TokenCorpus  # noqa: E402
-from dtnode.daemon.data import DataSources, DataStream, MarkovLanguage, stable_seed  # noqa: E402
-from dtnode.daemon.model import build_model  # noqa: E402
-from dtnode.daemon.schedule import LearningRateSchedule  # noqa: E402
-from dtnode.daemon.trainer import held_out_loss, inner_optimizer, next_token_loss  # noqa: E402
+from dtnode.daemon.corpus import TokenCorpus
+from dtnode.daemon.data import DataSources, DataStream, MarkovLanguage, stable_seed
+from dtnode.daemon.model import build_model
+from dtnode.daemon.schedule import LearningRateSchedule
+from dtnode.daemon.trainer import held_out_loss, inner_optimizer, next_token_loss
 
 RUN_ID = "convergence"
 ROUND_LINE = re.compile(r"round (\d+) \|.*\| eval (\d+\.\d+).*\((\d+(?:\.\d+)?) (B|kB|MB|GB|TB) sent\)")
@@ -138,8 +138,18 @@ def sources_for(dataset: str, files: tuple[Path, Path] | None, seed: int) -> Dat
 
 
 # ---- synchronous baselines --------------------------------------------------------------
-def _worker(rank: int, world: int, cfg: Config, dataset: str, files, port: int, out: str, h: int = 0,
-            momentum: float = OUTER_MOMENTUM, delay: int = 0) -> None:
+def _worker(
+    rank: int,
+    world: int,
+    cfg: Config,
+    dataset: str,
+    files,
+    port: int,
+    out: str,
+    h: int = 0,
+    momentum: float = OUTER_MOMENTUM,
+    delay: int = 0,
+) -> None:
     """One synchronous worker; with h > 0 a reference DiLoCo replica instead of a DDP one.
 
     The reference is the textbook algorithm in a few lines (fp32 Δ averaged by gloo's all-reduce,
@@ -225,12 +235,21 @@ def _copy_into(flat: torch.Tensor, params: list[torch.Tensor]) -> None:
     """Parameters ← a flat vector, in place (torch's vector_to_parameters re-points them at it)."""
     offset = 0
     for p in params:
-        p.copy_(flat[offset:offset + p.numel()].view_as(p))
+        p.copy_(flat[offset : offset + p.numel()].view_as(p))
         offset += p.numel()
 
 
-def run_synchronous(name: str, world: int, cfg: Config, dataset: str, files, workdir: Path,
-                    h: int = 0, momentum: float = OUTER_MOMENTUM, delay: int = 0) -> Result:
+def run_synchronous(
+    name: str,
+    world: int,
+    cfg: Config,
+    dataset: str,
+    files,
+    workdir: Path,
+    h: int = 0,
+    momentum: float = OUTER_MOMENTUM,
+    delay: int = 0,
+) -> Result:
     out = workdir / f"{name}-{dataset}.json"
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -242,17 +261,65 @@ def run_synchronous(name: str, world: int, cfg: Config, dataset: str, files, wor
 
 
 # ---- dtnode ------------------------------------------------------------------------------
-def run_dtnode(name: str, h: int, compression: str, group_size: int, outer_lr: float, momentum: float,
-               overlap: bool, cfg: Config, dataset: str, files, workdir: Path) -> Result:
+def run_dtnode(
+    name: str,
+    h: int,
+    compression: str,
+    group_size: int,
+    outer_lr: float,
+    momentum: float,
+    overlap: bool,
+    cfg: Config,
+    dataset: str,
+    files,
+    workdir: Path,
+) -> Result:
     rounds = cfg.steps // h
-    args = ["--run-id", RUN_ID, "--seed", str(cfg.seed), "--model", cfg.model, "--device", cfg.device,
-            "--batch-size", str(cfg.batch_size), "--seq-len", str(cfg.seq_len), "--inner-steps", str(h),
-            "--pacing", "fixed", "--max-rounds", str(rounds), "--total-steps", str(rounds * h),
-            "--warmup-steps", str(cfg.warmup_steps), "--inner-lr", str(cfg.inner_lr), "--outer-lr", str(outer_lr),
-            "--outer-momentum", str(momentum),
-            "--compression", compression, "--target-group-size", str(group_size), "--min-peers", str(cfg.workers),
-            "--eval-sequences", str(cfg.eval_sequences), "--checkpoint-every", "1000000", "--no-fused-kernels",
-            "--join-timeout", "120", "--allreduce-timeout", "120"]
+    args = [
+        "--run-id",
+        RUN_ID,
+        "--seed",
+        str(cfg.seed),
+        "--model",
+        cfg.model,
+        "--device",
+        cfg.device,
+        "--batch-size",
+        str(cfg.batch_size),
+        "--seq-len",
+        str(cfg.seq_len),
+        "--inner-steps",
+        str(h),
+        "--pacing",
+        "fixed",
+        "--max-rounds",
+        str(rounds),
+        "--total-steps",
+        str(rounds * h),
+        "--warmup-steps",
+        str(cfg.warmup_steps),
+        "--inner-lr",
+        str(cfg.inner_lr),
+        "--outer-lr",
+        str(outer_lr),
+        "--outer-momentum",
+        str(momentum),
+        "--compression",
+        compression,
+        "--target-group-size",
+        str(group_size),
+        "--min-peers",
+        str(cfg.workers),
+        "--eval-sequences",
+        str(cfg.eval_sequences),
+        "--checkpoint-every",
+        "1000000",
+        "--no-fused-kernels",
+        "--join-timeout",
+        "120",
+        "--allreduce-timeout",
+        "120",
+    ]
     if dataset == "text":
         args += ["--data", str(files[0]), "--eval-data", str(files[1])]
     if overlap:
@@ -261,8 +328,12 @@ def run_dtnode(name: str, h: int, compression: str, group_size: int, outer_lr: f
     env = {"OMP_NUM_THREADS": threads}
     base = workdir / f"{name}-{dataset}"
     started = time.monotonic()
-    nodes = run_swarm(NodeProcess.join("n0", base, *args, env=env), lambda address: [
-        NodeProcess.join(f"n{i}", base, *args, "--peer", address, env=env) for i in range(1, cfg.workers)])
+    nodes = run_swarm(
+        NodeProcess.join("n0", base, *args, env=env),
+        lambda address: [
+            NodeProcess.join(f"n{i}", base, *args, "--peer", address, env=env) for i in range(1, cfg.workers)
+        ],
+    )
     wall = time.monotonic() - started
     for node in nodes:
         if "Traceback" in node.output:
@@ -279,10 +350,21 @@ def run_dtnode(name: str, h: int, compression: str, group_size: int, outer_lr: f
             lag = 0 if overlap else 1
             curve = [((int(r) + lag) * tokens_per_round, float(loss)) for r, loss, _, _ in rows]
     final = final_loss_of(nodes[0].state_dir, cfg, dataset, files)
-    history = [json.loads(line) for node in nodes for line in (node.state_dir / "history.jsonl").read_text().splitlines()]
+    history = [
+        json.loads(line) for node in nodes for line in (node.state_dir / "history.jsonl").read_text().splitlines()
+    ]
     landed = [e["landed_after_steps"] for e in history if e.get("landed_after_steps") is not None]
-    return Result(name, dataset, final, sum(sent) / len(sent), wall, rounds * tokens_per_round, curve,
-                  full / max(len(averages), 1), sum(landed) / len(landed) if overlap and landed else None)
+    return Result(
+        name,
+        dataset,
+        final,
+        sum(sent) / len(sent),
+        wall,
+        rounds * tokens_per_round,
+        curve,
+        full / max(len(averages), 1),
+        sum(landed) / len(landed) if overlap and landed else None,
+    )
 
 
 def final_loss_of(state_dir: Path, cfg: Config, dataset: str, files) -> float:
@@ -312,16 +394,36 @@ def run_one(name: str, cfg: Config, dataset: str, files, workdir: Path) -> Resul
         return run_synchronous(name, cfg.workers if m.group(1) == "dp" else 1, tuned, dataset, files, workdir)
     if m := re.fullmatch(rf"diloco-h(\d+){OUTER}(?:-delay(\d+))?", name):
         tuned = replace(cfg, inner_lr=float(m.group(2) or cfg.inner_lr), outer_lr=float(m.group(3) or cfg.outer_lr))
-        return run_synchronous(name, cfg.workers, tuned, dataset, files, workdir, int(m.group(1)),
-                               float(m.group(4) or OUTER_MOMENTUM), int(m.group(5) or 0))
+        return run_synchronous(
+            name,
+            cfg.workers,
+            tuned,
+            dataset,
+            files,
+            workdir,
+            int(m.group(1)),
+            float(m.group(4) or OUTER_MOMENTUM),
+            int(m.group(5) or 0),
+        )
     m = RUN_NAME.fullmatch(name)
     if not m:
         raise SystemExit(f"unknown run {name!r}")
     group = 2 if m.group(1) else cfg.workers
     tuned = replace(cfg, inner_lr=float(m.group(4))) if m.group(4) else cfg
     outer_lr = float(m.group(5)) if m.group(5) else cfg.outer_lr
-    return run_dtnode(name, int(m.group(3)), "none" if m.group(2) == "fp32" else "int8", group, outer_lr,
-                      float(m.group(6) or OUTER_MOMENTUM), bool(m.group(7)), tuned, dataset, files, workdir)
+    return run_dtnode(
+        name,
+        int(m.group(3)),
+        "none" if m.group(2) == "fp32" else "int8",
+        group,
+        outer_lr,
+        float(m.group(6) or OUTER_MOMENTUM),
+        bool(m.group(7)),
+        tuned,
+        dataset,
+        files,
+        workdir,
+    )
 
 
 # ---- report ------------------------------------------------------------------------------
@@ -334,25 +436,34 @@ def _bytes(n: float) -> str:
 
 
 def report(results: list[Result], cfg: Config, floors: dict[str, float | None]) -> None:
-    print(f"\nmodel {cfg.model}, {cfg.workers} workers x {cfg.steps} steps x {cfg.batch_size} x {cfg.seq_len} tokens "
-          f"(total {cfg.workers * cfg.steps * cfg.batch_size * cfg.seq_len / 1e6:.2f}M tokens per run)")
+    print(
+        f"\nmodel {cfg.model}, {cfg.workers} workers x {cfg.steps} steps x {cfg.batch_size} x {cfg.seq_len} tokens "
+        f"(total {cfg.workers * cfg.steps * cfg.batch_size * cfg.seq_len / 1e6:.2f}M tokens per run)"
+    )
     for dataset in dict.fromkeys(r.dataset for r in results):
         rows = [r for r in results if r.dataset == dataset]
         dp = next((r for r in rows if r.run == "dp"), None)
         best = min((r for r in rows if r.run.startswith("dp")), key=lambda r: r.final_loss, default=None)
         floor = floors.get(dataset)
-        print(f"\n{dataset}" + (f" (loss floor {floor:.4f})" if floor else "")
-              + (f"; best dp: {best.run}" if best is not None and best is not dp else ""))
-        print(f"  {'run':<22} {'held-out loss':>13} {'/ dp':>7} {'/ best dp':>9} {'sent per worker':>16} "
-              f"{'dp bytes /':>11} {'wall':>8} {'full rounds':>11} {'lands after':>11}")
+        print(
+            f"\n{dataset}"
+            + (f" (loss floor {floor:.4f})" if floor else "")
+            + (f"; best dp: {best.run}" if best is not None and best is not dp else "")
+        )
+        print(
+            f"  {'run':<22} {'held-out loss':>13} {'/ dp':>7} {'/ best dp':>9} {'sent per worker':>16} "
+            f"{'dp bytes /':>11} {'wall':>8} {'full rounds':>11} {'lands after':>11}"
+        )
         for r in rows:
             ratio = f"{r.final_loss / dp.final_loss:.4f}" if dp else "-"
             to_best = f"{r.final_loss / best.final_loss:.4f}" if best else "-"
             less = f"{dp.bytes_per_worker / r.bytes_per_worker:.0f}x" if dp and r.bytes_per_worker else "-"
             full = "-" if r.full_rounds is None else f"{r.full_rounds:.0%}"
             landed = "-" if r.landed_after is None else f"{r.landed_after:.1f} steps"
-            print(f"  {r.run:<22} {r.final_loss:>13.4f} {ratio:>7} {to_best:>9} {_bytes(r.bytes_per_worker):>16} "
-                  f"{less:>11} {r.wall_s:>7.1f}s {full:>11} {landed:>11}")
+            print(
+                f"  {r.run:<22} {r.final_loss:>13.4f} {ratio:>7} {to_best:>9} {_bytes(r.bytes_per_worker):>16} "
+                f"{less:>11} {r.wall_s:>7.1f}s {full:>11} {landed:>11}"
+            )
 
 
 def plot(results: list[Result], path: Path, floors: dict[str, float | None]) -> None:
@@ -366,9 +477,9 @@ def plot(results: list[Result], path: Path, floors: dict[str, float | None]) -> 
     for ax, dataset in zip(axes[0], datasets):
         for r in (r for r in results if r.dataset == dataset):
             xs, ys = zip(*r.curve)
-            style = {"dp": dict(color="black", lw=2), "solo": dict(color="gray", ls="--")}.get(r.run, {})
+            style = {"dp": {"color": "black", "lw": 2}, "solo": {"color": "gray", "ls": "--"}}.get(r.run, {})
             if r.run.startswith("dp-"):
-                style = dict(color="black", ls=":")
+                style = {"color": "black", "ls": ":"}
             ax.plot([x / 1e6 for x in xs], ys, label=r.run, **style)
         if floors.get(dataset):
             ax.axhline(floors[dataset], color="red", ls=":", label="loss floor")
@@ -397,11 +508,25 @@ def main() -> None:
     parser.add_argument("--eval-points", type=int, default=20, help="evaluations along a synchronous run")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--out", type=Path, default=Path("bench-out"))
-    parser.add_argument("--include", type=Path, help="an earlier run's convergence.json (same config) whose "
-                                                     "results join this run's table and plot")
+    parser.add_argument(
+        "--include",
+        type=Path,
+        help="an earlier run's convergence.json (same config) whose results join this run's table and plot",
+    )
     args = parser.parse_args()
-    cfg = Config(args.model, args.batch_size, args.seq_len, args.steps, args.workers, args.inner_lr, args.outer_lr,
-                 args.warmup_steps, args.eval_sequences, args.eval_points, args.device)
+    cfg = Config(
+        args.model,
+        args.batch_size,
+        args.seq_len,
+        args.steps,
+        args.workers,
+        args.inner_lr,
+        args.outer_lr,
+        args.warmup_steps,
+        args.eval_sequences,
+        args.eval_points,
+        args.device,
+    )
     try:
         import matplotlib  # noqa: F401
     except ImportError:
@@ -419,20 +544,26 @@ def main() -> None:
         workdir = Path(tmp)
         files = stdlib_text(workdir) if "text" in args.datasets.split(",") else None
         if files:
-            print(f"text: {files[0].stat().st_size / 1e6:.1f} MB train, {files[1].stat().st_size / 1e6:.1f} MB held out")
+            print(
+                f"text: {files[0].stat().st_size / 1e6:.1f} MB train, {files[1].stat().st_size / 1e6:.1f} MB held out"
+            )
         for dataset in args.datasets.split(","):
             floors[dataset] = sources_for(dataset, files, cfg.seed).loss_floor
             initial = loss_of(build_model(cfg.model, stable_seed(RUN_ID, cfg.seed, "init"))[0], cfg, dataset, files)
             for name in args.runs.split(","):
                 result = run_one(name, cfg, dataset, files, workdir)
                 result.curve.insert(0, (0, initial))
-                print(f"  {dataset:<9} {name:<22} held-out {result.final_loss:.4f}  sent {_bytes(result.bytes_per_worker)}"
-                      f"  {result.wall_s:.1f}s", flush=True)
+                print(
+                    f"  {dataset:<9} {name:<22} held-out {result.final_loss:.4f}  sent {_bytes(result.bytes_per_worker)}"
+                    f"  {result.wall_s:.1f}s",
+                    flush=True,
+                )
                 results.append(result)
     report(results, cfg, floors)
     plot(results, args.out / "convergence.png", floors)
-    (args.out / "convergence.json").write_text(json.dumps({"config": asdict(cfg), "floors": floors,
-                                                            "results": [asdict(r) for r in results]}, indent=1))
+    (args.out / "convergence.json").write_text(
+        json.dumps({"config": asdict(cfg), "floors": floors, "results": [asdict(r) for r in results]}, indent=1)
+    )
     print(f"\nwrote {args.out / 'convergence.png'} and {args.out / 'convergence.json'}")
 
 

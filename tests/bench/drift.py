@@ -14,6 +14,7 @@ errors of different groups accumulate.
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import tempfile
 from pathlib import Path
@@ -21,7 +22,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from nodes import FAST, NodeProcess, theta  # noqa: E402
+from nodes import FAST, NodeProcess, theta
 
 
 def main() -> None:
@@ -32,24 +33,36 @@ def main() -> None:
     parser.add_argument("--error-feedback", action="store_true")
     parser.add_argument("--consensus-every", type=int, default=25, help="θ_g re-sync period (0: never)")
     args = parser.parse_args()
-    extra = ["--target-group-size", str(args.group_size), "--max-rounds", str(args.steps),
-             "--keep-checkpoints", str(args.steps + 5), "--min-peers", str(args.nodes),
-             "--consensus-every", str(args.consensus_every)]
+    extra = [
+        "--target-group-size",
+        str(args.group_size),
+        "--max-rounds",
+        str(args.steps),
+        "--keep-checkpoints",
+        str(args.steps + 5),
+        "--min-peers",
+        str(args.nodes),
+        "--consensus-every",
+        str(args.consensus_every),
+    ]
     if args.error_feedback:
         extra.append("--error-feedback")
     with tempfile.TemporaryDirectory() as tmp:
         nodes = [NodeProcess.join("n0", Path(tmp), *FAST, *extra)]
         try:
             address = nodes[0].join_address
-            nodes += [NodeProcess.join(f"n{i}", Path(tmp), *FAST, *extra, "--peer", address)
-                      for i in range(1, args.nodes)]
+            nodes += [
+                NodeProcess.join(f"n{i}", Path(tmp), *FAST, *extra, "--peer", address) for i in range(1, args.nodes)
+            ]
             for node in nodes:
                 assert node.wait(1800) == 0, node.output
         finally:
             for node in nodes:
                 node.kill()
-        print(f"{args.nodes} nodes, target group size {args.group_size}, {args.steps} outer steps, "
-              f"error feedback {'on' if args.error_feedback else 'off'}, θ_g re-sync every {args.consensus_every or '-'}")
+        print(
+            f"{args.nodes} nodes, target group size {args.group_size}, {args.steps} outer steps, "
+            f"error feedback {'on' if args.error_feedback else 'off'}, θ_g re-sync every {args.consensus_every or '-'}"
+        )
         print(f"{'step':>5} {'max |θ_i - mean| / |θ|':>24} {'/ |mean update|':>16} {'solo hops':>10}")
         rows = []
         previous = None
@@ -65,16 +78,24 @@ def main() -> None:
             spread = float((stacked - mean).norm(dim=1).max())
             update = float((mean - previous).norm()) if previous is not None else float("nan")
             previous = mean
-            rows.append((step, spread / float(mean.norm()), spread / update if update == update else float("nan")))
+            rows.append(
+                (step, spread / float(mean.norm()), spread / update if not math.isnan(update) else float("nan"))
+            )
         solo = sum(len([1 for line in n.lines if "| groups 1/" in line]) for n in nodes)
         for step, rel_theta, rel_update in rows:
-            if step <= 3 or step % 10 == 0 or step == args.steps or (
-                    args.consensus_every and step % args.consensus_every in (0, 1)):
+            if (
+                step <= 3
+                or step % 10 == 0
+                or step == args.steps
+                or (args.consensus_every and step % args.consensus_every in (0, 1))
+            ):
                 print(f"{step:>5} {rel_theta:24.2e} {rel_update:16.3f}")
-        late = [r[1] for r in rows[len(rows) // 2:]]
-        early = [r[1] for r in rows[1: len(rows) // 2]]
-        print(f"max over steps 2..{len(rows) // 2}: {max(early):.2e}; over the second half: {max(late):.2e}; "
-              f"rounds with a solo first hop (all nodes): {solo}")
+        late = [r[1] for r in rows[len(rows) // 2 :]]
+        early = [r[1] for r in rows[1 : len(rows) // 2]]
+        print(
+            f"max over steps 2..{len(rows) // 2}: {max(early):.2e}; over the second half: {max(late):.2e}; "
+            f"rounds with a solo first hop (all nodes): {solo}"
+        )
 
 
 if __name__ == "__main__":

@@ -120,7 +120,9 @@ def main() -> None:
                 start = float((start_values - target).pow(2).sum(1).mean().sqrt())
                 curves = {}
                 runs = {
-                    "moshpit": lambda v, n=n, m=m, fail=fail, gen=gen: moshpit(v, torch.ones(n), m, fail, args.hops, gen),
+                    "moshpit": lambda v, n=n, m=m, fail=fail, gen=gen: moshpit(
+                        v, torch.ones(n), m, fail, args.hops, gen
+                    ),
                     "gossip": lambda v, fail=fail, gen=gen: gossip(v, fail, args.hops, gen),
                     "all": lambda v, fail=fail, gen=gen: everyone(v, fail, args.hops, gen),
                 }
@@ -132,9 +134,12 @@ def main() -> None:
                         spread = [distance(v, v.mean(0), start) for v in states]
                 _, d = grid_shape(n, m)
                 row = " ".join(f"{x:8.1e}" for x in curves["moshpit"][:shown])
-                print(f"{n:>5} {m:>3} {d:>2} {fail:>5.2f}  {row}  {hops_to(curves['moshpit'], args.eps):>8} "
-                      f"{hops_to(curves['gossip'], args.eps):>7} {hops_to(curves['all'], args.eps):>5} "
-                      f"{hops_to(spread, args.eps):>9}", flush=True)
+                print(
+                    f"{n:>5} {m:>3} {d:>2} {fail:>5.2f}  {row}  {hops_to(curves['moshpit'], args.eps):>8} "
+                    f"{hops_to(curves['gossip'], args.eps):>7} {hops_to(curves['all'], args.eps):>5} "
+                    f"{hops_to(spread, args.eps):>9}",
+                    flush=True,
+                )
 
 
 if __name__ == "__main__":

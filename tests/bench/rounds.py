@@ -40,14 +40,24 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from nodes import NodeProcess, theta  # noqa: E402
+from nodes import NodeProcess, theta
 
 ROUND_LINE = re.compile(r"round (\d+) \| groups ((?:\d+/\d+(?:\+\d+)? ?)+) \| (\d+) steps (\d+) tok .*params (\w+)")
-COMMON = ["--matchmaking-window", "15", "--join-timeout", "240", "--peer-ttl", "6", "--heartbeat-interval", "1",
-          "--no-fused-kernels", "--keep-checkpoints", "100"]
+COMMON = [
+    "--matchmaking-window",
+    "15",
+    "--join-timeout",
+    "240",
+    "--peer-ttl",
+    "6",
+    "--heartbeat-interval",
+    "1",
+    "--no-fused-kernels",
+    "--keep-checkpoints",
+    "100",
+]
 TINY = ["--model", "tiny", "--batch-size", "8", "--seq-len", "32", "--inner-steps", "20"]
-SMALL = ["--model", "small", "--batch-size", "2", "--seq-len", "64", "--inner-steps", "4",
-         "--allreduce-timeout", "120"]
+SMALL = ["--model", "small", "--batch-size", "2", "--seq-len", "64", "--inner-steps", "4", "--allreduce-timeout", "120"]
 
 
 @dataclass
@@ -71,14 +81,29 @@ class Scenario:
 
 def scenarios() -> dict[str, Scenario]:
     return {
-        "a-slow": Scenario("a-slow", "4 small, one 4x slower", [Peer(SMALL) for _ in range(3)] +
-                           [Peer(SMALL, {"DTNODE_TEST_SLOW_INNER": "4"})], group=4, checkpoint_every_round=False),
-        "a-batch": Scenario("a-batch", "4 small, one 4x batch", [Peer(SMALL) for _ in range(3)] +
-                            [Peer([*SMALL, "--batch-size", "8"])], group=4, checkpoint_every_round=False),
+        "a-slow": Scenario(
+            "a-slow",
+            "4 small, one 4x slower",
+            [Peer(SMALL) for _ in range(3)] + [Peer(SMALL, {"DTNODE_TEST_SLOW_INNER": "4"})],
+            group=4,
+            checkpoint_every_round=False,
+        ),
+        "a-batch": Scenario(
+            "a-batch",
+            "4 small, one 4x batch",
+            [Peer(SMALL) for _ in range(3)] + [Peer([*SMALL, "--batch-size", "8"])],
+            group=4,
+            checkpoint_every_round=False,
+        ),
         "b": Scenario("b", "9 tiny, group 3, 2 s apart", [Peer(TINY) for _ in range(9)], group=3, stagger=2.0),
         "c": Scenario("c", "12 tiny, group 4", [Peer(TINY) for _ in range(12)], group=4),
-        "d": Scenario("d", "4 tiny, one paused 3 s a round", [Peer([*TINY, "--batch-size", "32"]) for _ in range(4)],
-                      group=4, pause_victim=3),
+        "d": Scenario(
+            "d",
+            "4 tiny, one paused 3 s a round",
+            [Peer([*TINY, "--batch-size", "32"]) for _ in range(4)],
+            group=4,
+            pause_victim=3,
+        ),
         "e": Scenario("e", "5 tiny, group 2, 2 s apart", [Peer(TINY) for _ in range(5)], group=2, stagger=2.0),
     }
 
@@ -89,7 +114,7 @@ def pause_every_round(node: NodeProcess, stop: threading.Event, seconds: float =
     while not stop.is_set() and node.proc.poll() is None:
         try:
             status = node.get("/status")
-        except Exception:
+        except (OSError, ValueError):
             time.sleep(0.05)
             continue
         step = status["outer_step"]
@@ -108,11 +133,23 @@ def relative_spread(thetas: list[torch.Tensor]) -> float:
     return float((stacked - mean).norm(dim=1).max() / mean.norm())
 
 
-def run(scenario: Scenario, rounds: int, pacing: str, tmp: Path, from_round: int, tolerance: float,
-        node_args: list[str]) -> dict:
-    extra = [*COMMON, *node_args, "--pacing", pacing, "--target-group-size", str(scenario.group),
-             "--max-rounds", str(rounds), "--min-peers", str(len(scenario.peers)),
-             "--checkpoint-every", "1" if scenario.checkpoint_every_round else str(10 * rounds)]
+def run(
+    scenario: Scenario, rounds: int, pacing: str, tmp: Path, from_round: int, tolerance: float, node_args: list[str]
+) -> dict:
+    extra = [
+        *COMMON,
+        *node_args,
+        "--pacing",
+        pacing,
+        "--target-group-size",
+        str(scenario.group),
+        "--max-rounds",
+        str(rounds),
+        "--min-peers",
+        str(len(scenario.peers)),
+        "--checkpoint-every",
+        "1" if scenario.checkpoint_every_round else str(10 * rounds),
+    ]
     nodes: list[NodeProcess] = []
     stop = threading.Event()
     pauser = None
@@ -159,21 +196,30 @@ def run(scenario: Scenario, rounds: int, pacing: str, tmp: Path, from_round: int
                 agree += 1
         except FileNotFoundError:  # a node skipped this step (it downloaded past it)
             pass
-    final_step = min(max((int(r) for r in re.findall(r"stopped at outer step (\d+)", logs[n.name])), default=0)
-                     for n in nodes)
+    final_step = min(
+        max((int(r) for r in re.findall(r"stopped at outer step (\d+)", logs[n.name])), default=0) for n in nodes
+    )
     try:
         spread = relative_spread([theta(n.state_dir, final_step) for n in nodes])
     except FileNotFoundError:
         spread = float("nan")
     text = "\n".join(logs.values())
     return {
-        "scenario": scenario.name, "title": scenario.title, "rounds": len(counted),
-        "full": full / len(counted), "agree": agree / len(counted), "same_hash": same / len(counted),
+        "scenario": scenario.name,
+        "title": scenario.title,
+        "rounds": len(counted),
+        "full": full / len(counted),
+        "agree": agree / len(counted),
+        "same_hash": same / len(counted),
         "downloads": text.count("in sync at outer step"),
         "given_up": sum(int(k) for k in re.findall(r"abandoned after (\d+) inner steps", text)),
-        "tokens": [tokens[n.name] for n in nodes], "spread": spread,
+        "tokens": [tokens[n.name] for n in nodes],
+        "spread": spread,
         "exceptions": text.count("Traceback") + text.count("Unhandled exception"),
-        "round_failures": text.count("failed ("), "exit_codes": codes, "final_step": final_step, "logs": logs,
+        "round_failures": text.count("failed ("),
+        "exit_codes": codes,
+        "final_step": final_step,
+        "logs": logs,
     }
 
 
@@ -204,14 +250,20 @@ def main() -> None:
                     (dest / f"{node_name}.log").write_text(text)
             results.append(result)
             print(f"{name}: done in {result['seconds']:.0f}s, exit codes {result['exit_codes']}", flush=True)
-    print(f"\npacing {args.pacing}; rounds {args.from_round}..{args.rounds - 1} counted; "
-          f"agreement: relative θ_g spread <= {args.tolerance:g}")
-    print(f"{'scenario':<34} {'rounds':>6} {'full':>6} {'agree':>6} {'same-hash':>9} {'downloads':>9} "
-          f"{'given-up':>8} {'spread':>9} {'exc':>4}  tokens per peer")
+    print(
+        f"\npacing {args.pacing}; rounds {args.from_round}..{args.rounds - 1} counted; "
+        f"agreement: relative θ_g spread <= {args.tolerance:g}"
+    )
+    print(
+        f"{'scenario':<34} {'rounds':>6} {'full':>6} {'agree':>6} {'same-hash':>9} {'downloads':>9} "
+        f"{'given-up':>8} {'spread':>9} {'exc':>4}  tokens per peer"
+    )
     for r in results:
-        print(f"{r['scenario'] + ' ' + r['title']:<34} {r['rounds']:>6} {r['full']:>6.0%} {r['agree']:>6.0%} "
-              f"{r['same_hash']:>9.0%} {r['downloads']:>9} {r['given_up']:>8} {r['spread']:>9.1e} "
-              f"{r['exceptions']:>4}  {' '.join(str(t) for t in r['tokens'])}")
+        print(
+            f"{r['scenario'] + ' ' + r['title']:<34} {r['rounds']:>6} {r['full']:>6.0%} {r['agree']:>6.0%} "
+            f"{r['same_hash']:>9.0%} {r['downloads']:>9} {r['given_up']:>8} {r['spread']:>9.1e} "
+            f"{r['exceptions']:>4}  {' '.join(str(t) for t in r['tokens'])}"
+        )
 
 
 if __name__ == "__main__":

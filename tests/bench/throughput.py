@@ -43,10 +43,8 @@ class Case:
     batch: int
 
 
-GPU_CASES = [Case("base preset (GPT)", "base", 1024, 16),
-             Case("Llama via hf:", "llama:768,12,12,2048,32000", 1024, 16)]
-CPU_CASES = [Case("small preset (GPT)", "small", 256, 4),
-             Case("Llama via hf:", "llama:384,6,6,1024,8192", 256, 4)]
+GPU_CASES = [Case("base preset (GPT)", "base", 1024, 16), Case("Llama via hf:", "llama:768,12,12,2048,32000", 1024, 16)]
+CPU_CASES = [Case("small preset (GPT)", "small", 256, 4), Case("Llama via hf:", "llama:384,6,6,1024,8192", 256, 4)]
 
 
 def _model_spec(case: Case, scratch: Path) -> str:
@@ -56,9 +54,16 @@ def _model_spec(case: Case, scratch: Path) -> str:
 
     hidden, layers, heads, inter, vocab = map(int, case.spec.removeprefix("llama:").split(","))
     directory = scratch / case.spec.replace(":", "-").replace(",", "-")
-    transformers.LlamaConfig(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
-                             num_key_value_heads=heads, intermediate_size=inter, vocab_size=vocab,
-                             max_position_embeddings=case.seq_len, tie_word_embeddings=True).save_pretrained(directory)
+    transformers.LlamaConfig(
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=heads,
+        intermediate_size=inter,
+        vocab_size=vocab,
+        max_position_embeddings=case.seq_len,
+        tie_word_embeddings=True,
+    ).save_pretrained(directory)
     return f"hf:{directory}"
 
 
@@ -97,8 +102,9 @@ def measure(case: Case, device: torch.device, compile: bool, steps: int, warmup:
     model, _ = build_model(_model_spec(case, scratch), seed=0)
     language = MarkovLanguage(seed=1, vocab_size=256)
     stream = DataStream(DataSources(language, None), "bench", "peer", case.batch, case.seq_len, eval_sequences=0)
-    trainer = Trainer(model, stream, device, schedule=LearningRateSchedule(3e-4), weight_decay=0.1, grad_clip=1.0,
-                      compile=compile)
+    trainer = Trainer(
+        model, stream, device, schedule=LearningRateSchedule(3e-4), weight_decay=0.1, grad_clip=1.0, compile=compile
+    )
     stop = threading.Event()
     started = time.perf_counter()
     trainer.run(warmup, stop)  # includes the compile
@@ -121,10 +127,17 @@ def measure(case: Case, device: torch.device, compile: bool, steps: int, warmup:
         outer.append(time.perf_counter() - t)
     tokens = case.batch * case.seq_len
     outer_s = statistics.median(outer)
-    return {"case": case.name, "compile": compile, "params_m": sum(p.numel() for p in model.parameters()) / 1e6,
-            "step_s": step_s, "tokens_per_s": tokens / step_s,
-            "flops_per_s": flops_per_token(model, case.seq_len) * tokens / step_s,
-            "warmup_s": warm_s, "outer_s": outer_s, "outer_share_at_h_100": outer_s / (100 * step_s)}
+    return {
+        "case": case.name,
+        "compile": compile,
+        "params_m": sum(p.numel() for p in model.parameters()) / 1e6,
+        "step_s": step_s,
+        "tokens_per_s": tokens / step_s,
+        "flops_per_s": flops_per_token(model, case.seq_len) * tokens / step_s,
+        "warmup_s": warm_s,
+        "outer_s": outer_s,
+        "outer_share_at_h_100": outer_s / (100 * step_s),
+    }
 
 
 def delta_to_wire(numel: int, device: torch.device, reps: int = 5) -> dict:
@@ -138,10 +151,14 @@ def delta_to_wire(numel: int, device: torch.device, reps: int = 5) -> dict:
     block = 256
     source = torch.randn(numel, device=device)
     host_fp32 = torch.empty(numel, pin_memory=pin)
-    host_q = QuantizedBlocks(torch.empty(numel, dtype=torch.int8, pin_memory=pin),
-                             torch.empty(num_blocks(numel, block), pin_memory=pin), block)
-    device_q = QuantizedBlocks(torch.empty(numel, dtype=torch.int8, device=device),
-                               torch.empty(num_blocks(numel, block), device=device), block)
+    host_q = QuantizedBlocks(
+        torch.empty(numel, dtype=torch.int8, pin_memory=pin),
+        torch.empty(num_blocks(numel, block), pin_memory=pin),
+        block,
+    )
+    device_q = QuantizedBlocks(
+        torch.empty(numel, dtype=torch.int8, device=device), torch.empty(num_blocks(numel, block), device=device), block
+    )
 
     def on_host() -> None:
         host_fp32.copy_(source, non_blocking=pin)
@@ -170,16 +187,24 @@ def delta_to_wire(numel: int, device: torch.device, reps: int = 5) -> dict:
         timings[name] = statistics.median(samples)
     use_fused_kernels(False)
     encoded_bits = 8 * (numel + 4 * num_blocks(numel, block))
-    return {"numel": numel, "fused": fused, "copy_s": timings["copy"], "host_s": timings["host"],
-            "device_s": timings["device"], "host_encode_gbit_s": encoded_bits / (timings["host"] - timings["copy"]) / 1e9
-            if timings["host"] > timings["copy"] else float("inf")}
+    return {
+        "numel": numel,
+        "fused": fused,
+        "copy_s": timings["copy"],
+        "host_s": timings["host"],
+        "device_s": timings["device"],
+        "host_encode_gbit_s": encoded_bits / (timings["host"] - timings["copy"]) / 1e9
+        if timings["host"] > timings["copy"]
+        else float("inf"),
+    }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--gpu-sizes", action="store_true",
-                        help="the 124M/125M models at sequence 1024 (default on a GPU)")
+    parser.add_argument(
+        "--gpu-sizes", action="store_true", help="the 124M/125M models at sequence 1024 (default on a GPU)"
+    )
     parser.add_argument("--steps", type=int, default=10, help="measured inner steps per case")
     parser.add_argument("--warmup", type=int, default=3, help="inner steps before measuring (the compile runs here)")
     parser.add_argument("--no-compile-runs", action="store_true", help="skip the --compile runs")
@@ -190,11 +215,15 @@ def main() -> None:
     cases = GPU_CASES if big else CPU_CASES
     if device.type == "cpu":
         torch.set_num_threads(torch.get_num_threads())
-        print(f"CPU host ({torch.get_num_threads()} threads): {'GPU' if big else 'small'} sizes; the GPU path "
-              "(bf16 autocast, fused AdamW, compile on CUDA) is not exercised here")
+        print(
+            f"CPU host ({torch.get_num_threads()} threads): {'GPU' if big else 'small'} sizes; the GPU path "
+            "(bf16 autocast, fused AdamW, compile on CUDA) is not exercised here"
+        )
     peak = matmul_peak(device)
-    print(f"device {device}: measured matmul peak {peak / 1e12:.2f} TFLOP/s"
-          + (f"; datasheet H100 bf16 {H100_BF16_PEAK / 1e12:.0f}" if device.type == "cuda" else ""))
+    print(
+        f"device {device}: measured matmul peak {peak / 1e12:.2f} TFLOP/s"
+        + (f"; datasheet H100 bf16 {H100_BF16_PEAK / 1e12:.0f}" if device.type == "cuda" else "")
+    )
     rows = []
     with tempfile.TemporaryDirectory() as scratch:
         for case in cases:
@@ -204,22 +233,30 @@ def main() -> None:
     header += f" {'MFU H100':>9s}" if device.type == "cuda" else ""
     print(header + f" {'warmup':>8s} {'outer':>8s} {'outer/H=100':>11s}")
     for row, case in zip(rows, [c for c in cases for _ in range(len(rows) // len(cases))]):
-        line = (f"{row['case']:26s} {str(row['compile']):>7s} {row['params_m']:7.1f}M {case.seq_len:5d} "
-                f"{row['tokens_per_s']:10.0f} {row['flops_per_s'] / peak:9.1%}")
+        line = (
+            f"{row['case']:26s} {row['compile']!s:>7s} {row['params_m']:7.1f}M {case.seq_len:5d} "
+            f"{row['tokens_per_s']:10.0f} {row['flops_per_s'] / peak:9.1%}"
+        )
         if device.type == "cuda":
             line += f" {row['flops_per_s'] / H100_BF16_PEAK:9.1%}"
         print(line + f" {row['warmup_s']:7.1f}s {row['outer_s'] * 1e3:6.1f}ms {row['outer_share_at_h_100']:11.2%}")
     numel = max(int(row["params_m"] * 1e6) for row in rows)
     wire = delta_to_wire(numel, device)
-    print(f"\nΔ to the wire, {numel / 1e6:.1f}M values (median of 5): fp32 copy to the host "
-          f"{wire['copy_s'] * 1e3:.1f}ms; int8 on the host after it {wire['host_s'] * 1e3:.1f}ms "
-          f"({'compiled' if wire['fused'] else 'eager'} kernels, the node's path); int8 on the device, then "
-          f"its copy {wire['device_s'] * 1e3:.1f}ms" + (" (on a CPU both run on the host)" if device.type == "cpu" else ""))
-    print(f"  host encoding emits {wire['host_encode_gbit_s']:.1f} Gbit/s of int8: the stream encodes chunk k+1 "
-          "while chunk k is on the wire, so a link slower than this never waits for it")
+    print(
+        f"\nΔ to the wire, {numel / 1e6:.1f}M values (median of 5): fp32 copy to the host "
+        f"{wire['copy_s'] * 1e3:.1f}ms; int8 on the host after it {wire['host_s'] * 1e3:.1f}ms "
+        f"({'compiled' if wire['fused'] else 'eager'} kernels, the node's path); int8 on the device, then "
+        f"its copy {wire['device_s'] * 1e3:.1f}ms"
+        + (" (on a CPU both run on the host)" if device.type == "cpu" else "")
+    )
+    print(
+        f"  host encoding emits {wire['host_encode_gbit_s']:.1f} Gbit/s of int8: the stream encodes chunk k+1 "
+        "while chunk k is on the wire, so a link slower than this never waits for it"
+    )
     if args.json:
-        args.json.write_text(json.dumps({"device": str(device), "peak_flops": peak, "rows": rows, "delta_to_wire": wire},
-                                        indent=2))
+        args.json.write_text(
+            json.dumps({"device": str(device), "peak_flops": peak, "rows": rows, "delta_to_wire": wire}, indent=2)
+        )
 
 
 if __name__ == "__main__":

@@ -32,8 +32,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from chaos.netns import IsolatedHost, available  # noqa: E402
-from nodes import NodeProcess, run_swarm  # noqa: E402
+from chaos.netns import IsolatedHost, available
+from nodes import NodeProcess, run_swarm
 
 STOP_LINE = re.compile(r"stopped at outer step (\d+); (\d+\.\d)% of the time")
 ROUND_LINE = re.compile(r"round (\d+) \|.*\((\d+(?:\.\d+)?) (B|kB|MB|GB) sent\)")
@@ -45,8 +45,9 @@ PORTS = (7700, 7701, 7702)  # each node has its own namespace, so every node bin
 
 def _route_through_host(hosts: list[IsolatedHost]) -> None:
     for host in hosts:
-        subprocess.run([*host.prefix, "ip", "route", "add", "default", "via", host.host_ip], check=True,
-                       capture_output=True)
+        subprocess.run(
+            [*host.prefix, "ip", "route", "add", "default", "via", host.host_ip], check=True, capture_output=True
+        )
 
 
 def _relay_address(host: IsolatedHost) -> str:
@@ -60,8 +61,17 @@ def _start_relay(hosts: list[IsolatedHost], delay_ms: float) -> subprocess.Popen
         relay = _relay_address(host)
         subprocess.run(["ip", "addr", "add", f"{relay}/32", "dev", host.outer_dev], check=True, capture_output=True)
         routes += [arg for port in PORTS for arg in ("--route", f"{relay}:{port}={host.inner_ip}:{port}")]
-    relay = subprocess.Popen([sys.executable, str(Path(__file__).resolve().parents[1] / "latency_proxy.py"),
-                              "--delay-ms", str(delay_ms), *routes], stdout=subprocess.PIPE, text=True)
+    relay = subprocess.Popen(
+        [
+            sys.executable,
+            str(Path(__file__).resolve().parents[1] / "latency_proxy.py"),
+            "--delay-ms",
+            str(delay_ms),
+            *routes,
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     if relay.stdout.readline().strip() != "ready":
         raise RuntimeError("the latency relay did not start")
     return relay
@@ -82,24 +92,56 @@ def _phases(history: list[dict]) -> dict[str, float]:
 
 
 def run_mode(overlap: bool, args: argparse.Namespace, hosts: list[IsolatedHost], tmp: Path) -> list[dict]:
-    flags = ["--model", args.model, "--device", args.device, "--batch-size", str(args.batch_size), "--seq-len",
-             str(args.seq_len), "--inner-steps", str(args.inner_steps), "--pacing", "fixed", "--max-rounds",
-             str(args.rounds), "--min-peers", str(len(hosts)), "--bandwidth-mbps", str(args.mbit),
-             "--allreduce-timeout", "600", "--matchmaking-window", "60", "--join-timeout", "300",
-             "--checkpoint-every", "1000000", "--no-fused-kernels", "--eval-sequences", str(args.eval_sequences),
-             "--eval-every", str(args.eval_every),
-             "--run-id", f"util-{int(overlap)}"]
+    flags = [
+        "--model",
+        args.model,
+        "--device",
+        args.device,
+        "--batch-size",
+        str(args.batch_size),
+        "--seq-len",
+        str(args.seq_len),
+        "--inner-steps",
+        str(args.inner_steps),
+        "--pacing",
+        "fixed",
+        "--max-rounds",
+        str(args.rounds),
+        "--min-peers",
+        str(len(hosts)),
+        "--bandwidth-mbps",
+        str(args.mbit),
+        "--allreduce-timeout",
+        "600",
+        "--matchmaking-window",
+        "60",
+        "--join-timeout",
+        "300",
+        "--checkpoint-every",
+        "1000000",
+        "--no-fused-kernels",
+        "--eval-sequences",
+        str(args.eval_sequences),
+        "--eval-every",
+        str(args.eval_every),
+        "--run-id",
+        f"util-{int(overlap)}",
+    ]
     if overlap:
         flags.append("--overlap")
     base = tmp / ("overlap" if overlap else "baseline")
 
     def node(i: int, *extra: str) -> NodeProcess:
         host = hosts[i]
-        ports = [flag for name, port in zip(("--dht-port", "--grpc-port", "--http-port"), PORTS)
-                 for flag in (name, str(port))]
+        ports = [
+            flag
+            for name, port in zip(("--dht-port", "--grpc-port", "--http-port"), PORTS)
+            for flag in (name, str(port))
+        ]
         announce = ["--announce-host", _relay_address(host)] if args.latency_ms else []
-        return NodeProcess.join(f"p{i}", base, *flags, *ports, *announce, *extra, host=host.inner_ip,
-                                prefix=host.prefix)
+        return NodeProcess.join(
+            f"p{i}", base, *flags, *ports, *announce, *extra, host=host.inner_ip, prefix=host.prefix
+        )
 
     nodes = run_swarm(node(0), lambda address: [node(i, "--peer", address) for i in range(1, len(hosts))])
     rows = []
@@ -113,9 +155,16 @@ def run_mode(overlap: bool, args: argparse.Namespace, hosts: list[IsolatedHost],
         rounds = ROUND_LINE.findall(node.output)
         sent = sum(float(v) * UNITS[u] for _, v, u in rounds)
         history = _history(node.state_dir)
-        rows.append({"peer": node.name, "utilization": float(stop.group(2)) / 100 if stop else float("nan"),
-                     "sent": sent, "rounds": len(rounds), "phases": _phases(history),
-                     "landed": [e["landed_after_steps"] for e in history if e.get("landed_after_steps") is not None]})
+        rows.append(
+            {
+                "peer": node.name,
+                "utilization": float(stop.group(2)) / 100 if stop else float("nan"),
+                "sent": sent,
+                "rounds": len(rounds),
+                "phases": _phases(history),
+                "landed": [e["landed_after_steps"] for e in history if e.get("landed_after_steps") is not None],
+            }
+        )
     return rows
 
 
@@ -130,8 +179,13 @@ def main() -> None:
     parser.add_argument("--inner-steps", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--eval-sequences", type=int, default=64)
-    parser.add_argument("--eval-every", type=int, default=4, help="the nodes' --eval-every: an eval is a forward "
-                        "pass over --eval-sequences windows, as many tokens as a CPU-sized round trains")
+    parser.add_argument(
+        "--eval-every",
+        type=int,
+        default=4,
+        help="the nodes' --eval-every: an eval is a forward "
+        "pass over --eval-sequences windows, as many tokens as a CPU-sized round trains",
+    )
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--keep-logs", type=Path, help="write each node's log into this directory")
     args = parser.parse_args()
@@ -160,9 +214,11 @@ def main() -> None:
         for host in hosts:
             host.close()
         forward.write_text(was_forwarding)
-    print(f"\n{args.peers} peers of {args.model}, {args.mbit:g} Mbit/s per peer (tc tbf), {args.latency_ms:g} ms each "
-          f"way, H={args.inner_steps}, {args.rounds} rounds, batch {args.batch_size} x {args.seq_len}, "
-          f"eval {args.eval_sequences} sequences every {args.eval_every} rounds, {args.device}")
+    print(
+        f"\n{args.peers} peers of {args.model}, {args.mbit:g} Mbit/s per peer (tc tbf), {args.latency_ms:g} ms each "
+        f"way, H={args.inner_steps}, {args.rounds} rounds, batch {args.batch_size} x {args.seq_len}, "
+        f"eval {args.eval_sequences} sequences every {args.eval_every} rounds, {args.device}"
+    )
     print(f"  {'peer':<6} {'in inner steps':>15} {'with --overlap':>15} {'sent per round':>15}")
     for base, over in zip(results[False], results[True]):
         per_round = base["sent"] / max(base["rounds"], 1) / 1e6
@@ -178,8 +234,10 @@ def main() -> None:
         print(f"  {'--overlap' if overlap else 'baseline'}: per peer, over its rounds: {spent}")
     landed = [steps for row in results[True] for steps in row["landed"]]
     if landed:  # how stale the outer step was: the fewer steps, the closer to DiLoCo without overlap
-        print(f"  --overlap: each average's outer step landed after {sum(landed) / len(landed):.1f} of the next "
-              f"round's {args.inner_steps} inner steps on average (max {max(landed)})")
+        print(
+            f"  --overlap: each average's outer step landed after {sum(landed) / len(landed):.1f} of the next "
+            f"round's {args.inner_steps} inner steps on average (max {max(landed)})"
+        )
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ Checks after each trial (what ARCHITECTURE.md promises):
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import re
@@ -32,17 +33,31 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from chaos.netns import IsolatedHost
+from nodes import FAST, NodeProcess, theta
 
 from dtnode.daemon.checkpoint import list_checkpoints
 from dtnode.peers.failpoints import ENV as FAILPOINT_ENV
-from nodes import FAST, NodeProcess, theta
-
-from chaos.netns import IsolatedHost
 
 WINDOW, TIMEOUT = 6.0, 8.0
 # A 10 MB model: its all-reduce and checkpoint writes last long enough to be struck mid-way.
-FLAGS = [*FAST, "--model", "tests.bench.models:mlp_10mb", "--inner-steps", "10", "--matchmaking-window", str(WINDOW), "--allreduce-timeout", str(TIMEOUT),
-         "--peer-ttl", "3", "--heartbeat-interval", "1", "--max-lag", "0"]
+FLAGS = [
+    *FAST,
+    "--model",
+    "tests.bench.models:mlp_10mb",
+    "--inner-steps",
+    "10",
+    "--matchmaking-window",
+    str(WINDOW),
+    "--allreduce-timeout",
+    str(TIMEOUT),
+    "--peer-ttl",
+    "3",
+    "--heartbeat-interval",
+    "1",
+    "--max-lag",
+    "0",
+]
 
 
 def _status(node: NodeProcess, timeout: float = 2.0) -> dict | None:
@@ -67,8 +82,14 @@ class Swarm:
     """N nodes; with `isolate_last`, the last one runs in its own network namespace behind
     `self.link` (a veth pair the harness can cut or throttle) and the rest bind the host end."""
 
-    def __init__(self, tmp: Path, n: int, extra: list[str] | None = None, isolate_last: bool = False,
-                 last_env: dict | None = None):
+    def __init__(
+        self,
+        tmp: Path,
+        n: int,
+        extra: list[str] | None = None,
+        isolate_last: bool = False,
+        last_env: dict | None = None,
+    ):
         self.tmp = tmp
         self.extra = extra or []
         self.nodes: list[NodeProcess] = []
@@ -80,16 +101,24 @@ class Swarm:
             self.address = first.join_address
             for i in range(1, n):
                 last = i == n - 1
-                self.start(f"n{i}", "--min-peers", str(n), "--peer", self.address,
-                           isolated=last and self.link is not None, env=last_env if last else None)
+                self.start(
+                    f"n{i}",
+                    "--min-peers",
+                    str(n),
+                    "--peer",
+                    self.address,
+                    isolated=last and self.link is not None,
+                    env=last_env if last else None,
+                )
         except BaseException:
             self.kill_all()
             raise
 
     def start(self, name: str, *args: str, isolated: bool = False, env: dict | None = None) -> NodeProcess:
         if isolated:
-            node = NodeProcess.join(name, self.tmp, *FLAGS, *self.extra, *args, host=self.link.inner_ip,
-                                    prefix=self.link.prefix, env=env)
+            node = NodeProcess.join(
+                name, self.tmp, *FLAGS, *self.extra, *args, host=self.link.inner_ip, prefix=self.link.prefix, env=env
+            )
         else:
             node = NodeProcess.join(name, self.tmp, *FLAGS, *self.extra, *args, host=self.host, env=env)
         self.nodes.append(node)
@@ -119,8 +148,9 @@ class Swarm:
         for node in self.nodes:
             self.wait_round(node, newest + 3)
 
-    def strike_at_phase(self, victim: NodeProcess, step: int, phase: str, action: Callable[[], None] | int,
-                        timeout: float = 120) -> str:
+    def strike_at_phase(
+        self, victim: NodeProcess, step: int, phase: str, action: Callable[[], None] | int, timeout: float = 120
+    ) -> str:
         """Run `action` (or send that signal) when the victim is in `phase` of outer step `step`; returns what fired."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -181,7 +211,7 @@ def round_durations(node: NodeProcess) -> list[float]:
         if m := re.match(r"\s*(\d\d):(\d\d):(\d\d) INFO\s+dtnode: round \d+ \|", line):
             h, mi, se = map(int, m.groups())
             stamps.append(h * 3600 + mi * 60 + se)
-    return [b - a for a, b in zip(stamps, stamps[1:])]
+    return [b - a for a, b in itertools.pairwise(stamps)]
 
 
 def check(swarm: Swarm, trial: Trial, dims: int = 1) -> Trial:
@@ -199,7 +229,7 @@ def check(swarm: Swarm, trial: Trial, dims: int = 1) -> Trial:
         for step, _ in list_checkpoints(node.state_dir):
             try:
                 values = theta(node.state_dir, step)
-            except Exception as e:  # a torn file under a final name would land here
+            except Exception as e:  # noqa: BLE001  (a torn file under a final name would land here)
                 trial.notes.append(f"{node.name}: checkpoint {step} unreadable ({e})")
                 continue
             if not bool(torch.isfinite(values).all()):
@@ -229,8 +259,15 @@ def check(swarm: Swarm, trial: Trial, dims: int = 1) -> Trial:
 
 # ---- scenarios: each runs one trial in `tmp` and returns it, checked ----------------------
 
-def run_trial(tmp: Path, scenario: str, nodes: int, inject: Callable[[Swarm, Trial], None],
-              isolate_last: bool = False, last_env: dict | None = None) -> Trial:
+
+def run_trial(
+    tmp: Path,
+    scenario: str,
+    nodes: int,
+    inject: Callable[[Swarm, Trial], None],
+    isolate_last: bool = False,
+    last_env: dict | None = None,
+) -> Trial:
     """Start a swarm, let `inject` strike and wait out its aftermath, stop cleanly, check."""
     trial = Trial(scenario)
     swarm = Swarm(tmp, nodes, isolate_last=isolate_last, last_env=last_env)
@@ -250,12 +287,14 @@ def kill9_at(phase: str) -> Callable[[Path], Trial]:
         swarm.kill(victim)
         for node in swarm.nodes:
             swarm.wait_round(node, 5)
+
     return lambda tmp: run_trial(tmp, f"kill -9 during {phase}", 4, inject)
 
 
 def kill9_at_failpoint(point: str) -> Callable[[Path], Trial]:
     """The victim SIGKILLs itself at a failpoint inside the data plane (see peers/failpoints.py):
     mid-send (some reducers have its chunks, others not) or mid-reduce (it owes results)."""
+
     def inject(swarm: Swarm, trial: Trial) -> None:
         victim = swarm.nodes[-1]
         reached = victim.wait_for_line(rf"failpoint {point}@(\d+) reached", timeout=120)
@@ -264,6 +303,7 @@ def kill9_at_failpoint(point: str) -> Callable[[Path], Trial]:
         swarm.kill(victim)
         for node in swarm.nodes:
             swarm.wait_round(node, 5)
+
     return lambda tmp: run_trial(tmp, f"kill -9 while {point}", 4, inject, last_env={FAILPOINT_ENV: f"{point}@2"})
 
 
@@ -343,6 +383,7 @@ def _slow_peer(swarm: Swarm, trial: Trial) -> None:
 
     def tokens(node: NodeProcess) -> int:
         return sum(int(m) for m in re.findall(r"round (?:[1-9]\d*) \| .*? (\d+) tok \|", node.output))
+
     slow_tokens, others = tokens(slow), [tokens(n) for n in swarm.nodes[:-1]]
     trial.fired += f"; tokens from round 1: slow {slow_tokens}, others {others}"
     if not slow_tokens < min(others):
@@ -401,8 +442,10 @@ def _restart_the_first_node(swarm: Swarm, trial: Trial) -> None:
     back = _kill_and_restart(swarm, trial, first, swarm.address)
     if back.join_address != swarm.address:
         trial.notes.append(f"the first node came back at {back.join_address}, not {swarm.address}")
-    trial.fired = f"killed the first node at its round {finished_round(first)}; back at round " \
-                  f"{min((n for n, _ in round_lines(back)), default=-1)}: {' '.join(g for _, g in round_lines_groups(back)[:2])}"
+    trial.fired = (
+        f"killed the first node at its round {finished_round(first)}; back at round "
+        f"{min((n for n, _ in round_lines(back)), default=-1)}: {' '.join(g for _, g in round_lines_groups(back)[:2])}"
+    )
     for node in swarm.nodes:
         swarm.wait_round(node, finished_round(back) + 1)
 
@@ -426,18 +469,23 @@ SCENARIOS = {
     "kill9-allreduce": kill9_at("allreduce"),
     "kill9-sending": kill9_at_failpoint("sending"),
     "kill9-reducing": kill9_at_failpoint("reducing"),
-    "kill9-checkpoint-write": lambda tmp: run_trial(tmp, "kill -9 during a checkpoint write, restart", 3,
-                                                    _checkpoint_write_then_restart),
+    "kill9-checkpoint-write": lambda tmp: run_trial(
+        tmp, "kill -9 during a checkpoint write, restart", 3, _checkpoint_write_then_restart
+    ),
     "sigstop": lambda tmp: run_trial(tmp, "SIGSTOP past the timeout, SIGCONT", 4, _sigstop_past_the_timeout),
     "late-joiner": lambda tmp: run_trial(tmp, "late joiner during a round", 3, _late_joiner),
-    "network-cut": lambda tmp: run_trial(tmp, "network cut mid-all-reduce, restored", 4, _network_cut,
-                                         isolate_last=True),
-    "slow-link": lambda tmp: run_trial(tmp, f"slow link ({SLOW_MBIT} Mbit/s) for 4 rounds", 4, _slow_link,
-                                       isolate_last=True),
-    "slow-peer": lambda tmp: run_trial(tmp, "one peer 4x slower all run", 4, _slow_peer,
-                                       last_env={"DTNODE_TEST_SLOW_INNER": "4"}),
-    "restart-first": lambda tmp: run_trial(tmp, "first node killed, back with its own --peer", 4,
-                                           _restart_the_first_node),
+    "network-cut": lambda tmp: run_trial(
+        tmp, "network cut mid-all-reduce, restored", 4, _network_cut, isolate_last=True
+    ),
+    "slow-link": lambda tmp: run_trial(
+        tmp, f"slow link ({SLOW_MBIT} Mbit/s) for 4 rounds", 4, _slow_link, isolate_last=True
+    ),
+    "slow-peer": lambda tmp: run_trial(
+        tmp, "one peer 4x slower all run", 4, _slow_peer, last_env={"DTNODE_TEST_SLOW_INNER": "4"}
+    ),
+    "restart-first": lambda tmp: run_trial(
+        tmp, "first node killed, back with its own --peer", 4, _restart_the_first_node
+    ),
     "restart-each": lambda tmp: run_trial(tmp, "each node killed and restarted in turn", 4, _restart_each_node),
 }
 NETWORK_SCENARIOS = {"network-cut", "slow-link"}  # need root and iproute2 (chaos/netns.py)

@@ -70,14 +70,17 @@ class IsolatedHost:
         """Limit both directions of the link to `mbit` Mbit/s (tc tbf, replacing any limit)."""
         spec = ["root", "tbf", "rate", f"{mbit}mbit", "burst", "64kb", "latency", "500ms"]
         subprocess.run(["tc", "qdisc", "replace", "dev", self.outer_dev, *spec], check=True, capture_output=True)
-        subprocess.run([*self.prefix, "tc", "qdisc", "replace", "dev", self.inner_dev, *spec], check=True,
-                       capture_output=True)
+        subprocess.run(
+            [*self.prefix, "tc", "qdisc", "replace", "dev", self.inner_dev, *spec], check=True, capture_output=True
+        )
 
     def unthrottle(self) -> None:
-        subprocess.run(["tc", "qdisc", "del", "dev", self.outer_dev, "root"], capture_output=True)
-        subprocess.run([*self.prefix, "tc", "qdisc", "del", "dev", self.inner_dev, "root"], capture_output=True)
+        subprocess.run(["tc", "qdisc", "del", "dev", self.outer_dev, "root"], capture_output=True, check=False)
+        subprocess.run(
+            [*self.prefix, "tc", "qdisc", "del", "dev", self.inner_dev, "root"], capture_output=True, check=False
+        )
 
     def close(self) -> None:
         """Delete the namespace (and with it the veth pair). Processes inside must be gone first."""
-        subprocess.run(["ip", "netns", "del", self.name], capture_output=True)
-        subprocess.run(["ip", "link", "del", self.outer_dev], capture_output=True)  # if the move failed
+        subprocess.run(["ip", "netns", "del", self.name], capture_output=True, check=False)
+        subprocess.run(["ip", "link", "del", self.outer_dev], capture_output=True, check=False)  # if the move failed

@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from chaos.harness import SCENARIOS, Trial  # noqa: E402
+from chaos.harness import SCENARIOS, Trial
 
 
 def run(names: list[str], trials: int, keep: Path) -> list[tuple[str, list[Trial]]]:
@@ -39,8 +39,11 @@ def run(names: list[str], trials: int, keep: Path) -> list[tuple[str, list[Trial
                         shutil.copy(log, kept)
                     trial.notes.append(f"logs in {kept}")
             done.append(trial)
-            print(f"  {name} #{i + 1}: {'pass' if trial.passed else 'FAIL'} ({time.monotonic() - started:.0f}s) "
-                  f"fired: {trial.fired or '-'} {'; '.join(trial.notes)}", flush=True)
+            print(
+                f"  {name} #{i + 1}: {'pass' if trial.passed else 'FAIL'} ({time.monotonic() - started:.0f}s) "
+                f"fired: {trial.fired or '-'} {'; '.join(trial.notes)}",
+                flush=True,
+            )
         results.append((name, done))
     return results
 
@@ -49,8 +52,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--trials", type=int, default=20)
     parser.add_argument("--scenarios", default=",".join(SCENARIOS), help=f"subset of {','.join(SCENARIOS)}")
-    parser.add_argument("--keep-logs", type=Path, default=Path(tempfile.gettempdir()) / "dtnode-chaos",
-                        help="where the node logs of failed trials are copied")
+    parser.add_argument(
+        "--keep-logs",
+        type=Path,
+        default=Path(tempfile.gettempdir()) / "dtnode-chaos",
+        help="where the node logs of failed trials are copied",
+    )
     args = parser.parse_args()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind: nodes killed, namespaces deleted
     results = run(args.scenarios.split(","), args.trials, args.keep_logs)
@@ -60,8 +67,10 @@ def main() -> None:
         passed = sum(t.passed for t in trials)
         failed |= passed < len(trials)
         notes = sorted({n for t in trials for n in t.notes if not n.startswith("logs in")})
-        print(f"{trials[0].scenario:<42} {len(trials):>6} {passed:>6} {max(t.worst_round_s for t in trials):>10.0f}s  "
-              f"{'; '.join(notes)[:120] or '-'}")
+        print(
+            f"{trials[0].scenario:<42} {len(trials):>6} {passed:>6} {max(t.worst_round_s for t in trials):>10.0f}s  "
+            f"{'; '.join(notes)[:120] or '-'}"
+        )
     sys.exit(1 if failed else 0)
 
 

@@ -2,7 +2,6 @@
 trials per scenario, runs with `-m chaos_full` or `python -m tests.chaos.runner`."""
 
 import pytest
-
 from chaos import netns
 from chaos.harness import NETWORK_SCENARIOS, SCENARIOS
 

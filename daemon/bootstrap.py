@@ -1,0 +1,210 @@
+"""How a node reaches its swarm: the DHT started through `--peer` and the peers it knew, the
+address it announces, its TLS identity, and the peers it remembers for its next start.
+
+A restarted node whose `--peer` is down, or is its own old address (the swarm's first node),
+still finds the swarm through any peer it saw before (`known-peers.json` in its state dir),
+and keeps the DHT port its peers know when that port is free.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import socket
+from functools import partial
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from hivemind.dht import DHT
+from hivemind.dht.crypto import RSASignatureValidator
+
+from dtnode.peers.known_peers import FILE_NAME as KNOWN_PEERS_FILE
+from dtnode.peers.known_peers import KnownPeers, peer_of
+from dtnode.peers.membership import JoinError, Membership, public_maddrs, start_dht
+from dtnode.peers.sidecar_address import PROBE_TIMEOUT_S, SidecarAddressError, is_sidecar_address, resolve_peers
+from dtnode.peers.tls import NodeIdentity, TrustStore
+
+from .metrics import NodeMetrics
+from .settings import NodeSettings
+
+if TYPE_CHECKING:
+    from hivemind.utils.crypto import RSAPrivateKey
+
+log = logging.getLogger("dtnode")
+
+TLS_CERT_FILE = "tls.crt"  # this node's data-plane certificate (PEM), derived from its record key
+DHT_PORT_FILE = "dht-port"  # the DHT port of the last run, reused when free (--dht-port 0)
+REMEMBER_PEERS_EVERY_S = 5.0
+MAX_PEERS_SEEN = 1 << 16
+REDIAL_KNOWN_PEERS = 8  # known peers an isolated node redials each heartbeat (besides --peer)
+MAX_DHT_ADDRS = 4  # multiaddrs a record carries
+
+
+class DhtBootstrap:
+    def __init__(self, settings: NodeSettings, state_dir: Path):
+        self.settings = settings
+        self.state_dir = state_dir
+        self.known_peers = KnownPeers(state_dir / KNOWN_PEERS_FILE)
+
+    async def start(
+        self, peer_id: str, fresh_identity: bool, validator: RSASignatureValidator
+    ) -> tuple[DHT, list[str]]:
+        """Join the DHT through --peer and the peers this node knew, never itself; returns the
+        DHT and the addresses an isolated node redials.
+
+        The first node of a swarm (no --peer other than itself) whose known peers are all gone
+        starts alone and keeps dialling them; a node given --peer that reaches nobody ends
+        with the list it tried."""
+        s = self.settings
+        identity = (self.state_dir / "identity.key").resolve()
+        own = peer_id or None
+        self.known_peers = await asyncio.to_thread(self.known_peers.load)
+        given = await self._resolve_sidecar_peers(own)
+        named = [a for a in given if own is None or peer_of(a) != own]
+        if len(named) < len(given):
+            log.info(
+                "--peer %s is this node's own address: joining through the peers it knew instead",
+                next(a for a in given if a not in named),
+            )
+        known = [a for a in self.known_peers.addresses(exclude=own) if a not in named]
+        port = s.dht_port or await asyncio.to_thread(self._previous_dht_port)
+        start = partial(
+            start_dht,
+            host=s.host,
+            port=port,
+            announce_host=s.announce_host,
+            timeout=s.join_timeout,
+            identity_path=str(identity),
+            validator=validator,
+            fresh_identity=fresh_identity,
+        )
+        try:
+            return await start(named + known), named + self._redial(own)
+        except JoinError as e:
+            if not known:
+                raise
+            tried = (
+                f"{len({peer_of(a) for a in known})} peer(s) it knew ({', '.join(known[:3])}"
+                f"{', ...' if len(known) > 3 else ''})"
+            )
+            if named:
+                raise JoinError(f"could not join through --peer {', '.join(named)} nor the {tried}: {e}") from None
+            log.warning("none of the %s answered (%s); starting alone and dialling them until they do", tried, e)
+            return await start([]), self._redial(own)
+
+    async def _resolve_sidecar_peers(self, own: str | None) -> list[str]:
+        """--peer with each sidecar address (http://HOST:PORT) replaced by that node's multiaddrs.
+        A node that knew peers before goes on without a sidecar that does not answer."""
+        s = self.settings
+        if not any(is_sidecar_address(p) for p in s.peers):
+            return list(s.peers)
+        knows_peers = bool(self.known_peers.addresses(exclude=own))
+        try:
+            resolved = await resolve_peers(
+                s.peers, min(s.join_timeout, PROBE_TIMEOUT_S) if knows_peers else s.join_timeout
+            )
+        except SidecarAddressError as e:
+            if not knows_peers:
+                raise JoinError(f"could not join through --peer: {e}") from None
+            log.warning("%s; joining through the peers this node knew", e)
+            return [p for p in s.peers if not is_sidecar_address(p)]
+        log.info(
+            "--peer %s: %s",
+            ", ".join(p for p in s.peers if is_sidecar_address(p)),
+            ", ".join(a for a in resolved if a not in s.peers),
+        )
+        return resolved
+
+    def _redial(self, own: str | None) -> list[str]:
+        """What an isolated node dials on each heartbeat besides --peer (one at a time, so few):
+        the first address of each of the peers it knew most recently."""
+        firsts = [
+            addrs[0]
+            for peer, (addrs, _) in sorted(self.known_peers.peers.items(), key=lambda i: -i[1][1])
+            if peer != own
+        ]
+        return [a for a in firsts if a not in self.settings.peers][:REDIAL_KNOWN_PEERS]
+
+    def _previous_dht_port(self) -> int:
+        """The DHT port of this state dir's last run, if it is free: a restarted node keeps the
+        address its peers (and their --peer flags) know. 0 (any) otherwise."""
+        try:
+            port = int((self.state_dir / DHT_PORT_FILE).read_text().strip())
+        except (OSError, ValueError):
+            return 0
+        if not 0 < port < 65536:
+            return 0
+        with socket.socket(socket.AF_INET6 if ":" in self.settings.host else socket.AF_INET) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                probe.bind((self.settings.host, port))
+            except OSError:
+                return 0
+        return port
+
+    def remember_dht_port(self, dht_addrs: tuple[str, ...]) -> None:
+        ports = [m.group(1) for addr in dht_addrs if (m := re.search(r"/tcp/(\d+)", addr))]
+        if ports:
+            (self.state_dir / DHT_PORT_FILE).write_text(ports[0])
+
+
+def dialable_addrs(dht: DHT, announce_host: str | None) -> tuple[str, ...]:
+    """The multiaddrs this node's record announces (never a wildcard address)."""
+    return tuple(a for a in public_maddrs(dht, announce_host) if "/0.0.0.0/" not in a and "/::/" not in a)[
+        :MAX_DHT_ADDRS
+    ]
+
+
+def announce_host(settings: NodeSettings, dht: DHT) -> str:
+    """The host peers dial this node's gRPC and HTTP at: --announce-host, the listening host,
+    or the first non-loopback IPv4 address the DHT listens on."""
+    if settings.announce_host:
+        return settings.announce_host
+    if settings.host not in ("0.0.0.0", "::", ""):
+        return settings.host
+    for addr in public_maddrs(dht, None):
+        parts = addr.split("/")
+        if len(parts) > 2 and parts[1] == "ip4" and not parts[2].startswith("127.") and parts[2] != "0.0.0.0":
+            return parts[2]
+    return socket.gethostbyname("localhost")
+
+
+def tls_identity(state_dir: Path, record_key: RSAPrivateKey, peer_id: str) -> TrustStore:
+    """This node's TLS certificate, self-signed with its record key, kept in the state dir
+    (operators can compare its fingerprint with the one peers log)."""
+    identity = NodeIdentity.from_key(record_key._private_key, peer_id)
+    path = state_dir / TLS_CERT_FILE
+    if not path.exists() or path.read_bytes() != identity.cert_pem:
+        path.write_bytes(identity.cert_pem)
+    return TrustStore(identity, peer_id)
+
+
+def join_command(settings: NodeSettings, maddr: str) -> str:
+    """The line another host pastes to join this swarm."""
+    s = settings
+    extra = f" --run-id {s.run_id}" if s.run_id != "dtnode-demo" else ""
+    extra += f" --model {s.model}" if s.model != "tiny" else ""
+    extra += f" --tokenizer {s.tokenizer}" if s.tokenizer is not None else ""  # every peer needs the same
+    return f"dtnode join --peer {maddr}{extra}"
+
+
+async def remember_peers(membership: Membership, known: KnownPeers, peer_id: str, metrics: NodeMetrics) -> None:
+    """Keep the addresses of the peers seen, for the next start, and the peer gauges (every
+    few heartbeats, until cancelled)."""
+    seen: set[str] = set()  # ids, for the metric (bounded by the swarm's size)
+    while True:
+        try:
+            view = await membership.members()
+            if len(seen) > MAX_PEERS_SEEN:  # an open swarm's churn: start counting again
+                seen.clear()
+            seen.update(view)
+            metrics.peers_live.set(len(view.keys() | {peer_id}))
+            metrics.peers_seen.set(len(seen | {peer_id}))
+            known.remember(view.values(), peer_id)
+            await asyncio.to_thread(known.save)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001  (a full disk must not stop training; the next pass retries)
+            log.warning("could not save the known peers: %s", e)
+        await asyncio.sleep(REMEMBER_PEERS_EVERY_S)

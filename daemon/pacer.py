@@ -1,0 +1,121 @@
+"""When a round ends: after H inner steps (fixed pacing), or when the swarm has processed the
+round's tokens (swarm pacing, like hivemind's ProgressTracker and target batch size).
+
+With swarm pacing every peer follows the others' published progress (`peers/pacing.py` does
+the arithmetic) and moves its estimate of the round's end; between two inner steps the
+training thread asks `keep_going` whether one more step still ends in time. A step is taken
+only if it ends no later than half a step past the expected end, so a fast peer takes more
+steps, a slow one fewer, and the swarm reaches matchmaking together. The clock is injected,
+so tests run the pacer against a fake one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from collections.abc import Awaitable, Callable
+
+from hivemind.utils import get_dht_time
+
+from dtnode.peers.membership import PeerRecord
+from dtnode.peers.pacing import SwarmProgress, swarm_progress
+
+log = logging.getLogger("dtnode")
+
+PACER_POLL_S = 0.2  # how often a training node re-reads the swarm's progress
+MAX_ROUND_FACTOR = 100  # a paced round takes at most this many times H steps on one peer
+STEP_OVERRUN = 0.5  # a step may end this fraction of a step past the round's expected end
+
+View = Callable[[], Awaitable[dict[str, PeerRecord]]]
+
+
+class FixedPacer:
+    """Exactly H steps per round, whatever the swarm does."""
+
+    def __init__(self, inner_steps: int):
+        self.inner_steps = inner_steps
+        self.progress: SwarmProgress | None = None
+
+    @property
+    def max_steps(self) -> int:
+        return self.inner_steps
+
+    def keep_going(self, step_seconds: float) -> bool:
+        return True
+
+    def start_round(self) -> None:
+        """Nothing to reset."""
+
+    async def follow(self, round_no: int) -> None:
+        """Nothing to follow."""
+
+
+class SwarmPacer:
+    """The round ends when the swarm's published tokens reach its target."""
+
+    def __init__(
+        self,
+        view: View,
+        own: Callable[[], PeerRecord],
+        inner_steps: int,
+        round_tokens: int | None,
+        closed_under_us: Callable[[dict[str, PeerRecord], int], bool] = lambda view, round_no: False,
+        clock: Callable[[], float] = time.monotonic,
+        dht_time: Callable[[], float] = get_dht_time,
+        poll_s: float = PACER_POLL_S,
+    ):
+        self.view = view
+        self.own = own
+        self.inner_steps = inner_steps
+        self.round_tokens = round_tokens
+        self.closed_under_us = closed_under_us  # a joiner's round that closed before its steps were done
+        self.clock = clock
+        self.dht_time = dht_time
+        self.poll_s = poll_s
+        self.round_end_at = math.inf  # on `clock`: when the swarm's round is expected to end
+        self.progress: SwarmProgress | None = None
+
+    @property
+    def max_steps(self) -> int:
+        return MAX_ROUND_FACTOR * self.inner_steps
+
+    def keep_going(self, step_seconds: float) -> bool:
+        """Called by the training thread before each step: whether it ends in time."""
+        return self.clock() + STEP_OVERRUN * step_seconds <= self.round_end_at
+
+    async def update(self, round_no: int) -> None:
+        """Read the swarm's progress once and move the expected end."""
+        view = await self.view()
+        # records count as published, not extrapolated: see peers/pacing.py
+        progress = swarm_progress(
+            view.values(),
+            self.own(),
+            round_no,
+            self.inner_steps,
+            self.round_tokens,
+            self.dht_time(),
+            max_extrapolation=0.0,
+        )
+        self.progress = progress
+        self.round_end_at = self.clock() + progress.seconds_left()
+        if self.closed_under_us(view, round_no):
+            self.round_end_at = -math.inf  # joined in the round's last seconds: see joiner.py
+
+    def start_round(self) -> None:
+        """A new round's end is not known yet: called before its first step may ask (else the
+        training thread would read the last round's end, already past, and take no step)."""
+        self.round_end_at = math.inf
+
+    async def follow(self, round_no: int) -> None:
+        """Until cancelled (when the round's inner steps end): follow the swarm's progress."""
+        while True:
+            try:
+                await self.update(round_no)
+            except Exception as e:  # noqa: BLE001  (a failed read keeps the last estimate; the next poll retries)
+                log.warning("reading the swarm's progress failed: %s", e)
+            await asyncio.sleep(self.poll_s)
+
+
+Pacer = FixedPacer | SwarmPacer

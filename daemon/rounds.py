@@ -1,0 +1,428 @@
+"""The round loop: train → match → average → outer step, behind one error boundary.
+
+Where a round ends is the pacer's call (`pacer.py`); getting into step is the joiner's
+(`joiner.py`); an overlapped average lands through `landing.py`. This module strings them
+together and is the only one that moves the round state (`round_state.py`). Two strategies
+share one interface: `PlainRound` averages a round's Δ before the next round starts;
+`OverlappedRound` (--overlap) trains the next round while it is averaged.
+
+The error boundary: θ_g only changes in whole steps (outer step, adoption of a re-sync, a
+download), so a round that raises leaves θ_g as it was; θ_l keeps its inner progress, which
+the next round's Δ carries. The failure is logged with its cause, counted by type, and the
+next groups are asked to re-sync θ_g. No exception inside a round ends the node.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import Callable
+from functools import partial
+from typing import Protocol
+
+import torch
+
+from dtnode.peers import failpoints
+from dtnode.peers.averager import AveragingResult, MoshpitAverager
+from dtnode.peers.membership import Membership
+
+from .history import RoundHistory
+from .joiner import Joiner
+from .landing import Landing
+from .metrics import NodeMetrics
+from .pacer import FixedPacer, Pacer, SwarmPacer
+from .report import Outcome, RoundSummary, RunStats
+from .round_state import Publisher, RoundState
+from .settings import NodeSettings
+from .store import CheckpointStore
+from .trainer import InnerResult
+from .worker import ModelWorker
+
+log = logging.getLogger("dtnode")
+
+FAILED_ROUND_BACKOFF_S = 1.0  # a fault that repeats must not spin
+
+
+class RoundStrategy(Protocol):
+    async def run_round(self) -> None: ...
+
+    async def drain(self) -> None:
+        """On the way out: whatever the strategy still owes the final θ_g."""
+
+
+class RoundLoop:
+    def __init__(
+        self,
+        settings: NodeSettings,
+        peer_id: str,
+        state: RoundState,
+        publisher: Publisher,
+        worker: ModelWorker,
+        store: CheckpointStore,
+        joiner: Joiner,
+        landing: Landing,
+        averager: MoshpitAverager,
+        membership: Membership,
+        stats: RunStats,
+        metrics: NodeMetrics,
+        history: RoundHistory,
+        loss_floor: float | None,
+        stopping: asyncio.Event,
+        stop_flag: threading.Event,
+    ):
+        self.settings = settings
+        self.peer_id = peer_id
+        self.state = state
+        self.publisher = publisher
+        self.worker = worker
+        self.store = store
+        self.joiner = joiner
+        self.landing = landing
+        self.averager = averager
+        self.membership = membership
+        self.stats = stats
+        self.metrics = metrics
+        self.history = history
+        self.loss_floor = loss_floor
+        self.stopping = stopping
+        self.stop_flag = stop_flag  # seen by the training thread
+        self.needs_resync = False  # set by a failed hop or round; cleared by a clean round
+        self.rounds_done = 0
+        self.tokens_total = history.tokens_total  # over the whole record, across restarts
+        self.last_summary: RoundSummary | None = None
+        self.pacer: Pacer = (
+            FixedPacer(settings.inner_steps)
+            if settings.pacing == "fixed"
+            else SwarmPacer(
+                membership.members,
+                publisher.record,
+                settings.inner_steps,
+                settings.round_tokens,
+                joiner.closed_under_us,
+            )
+        )
+        self.strategy: RoundStrategy = OverlappedRound(self) if settings.overlap else PlainRound(self)
+
+    async def pause(self, seconds: float) -> None:
+        """Sleep, or less if the node is stopping."""
+        try:
+            await asyncio.wait_for(self.stopping.wait(), seconds)
+        except TimeoutError:
+            pass
+
+    # ---- the loop ----------------------------------------------------------------------------
+    async def join(self) -> None:
+        """Reach the swarm's round for the first time (a download if the swarm is ahead)."""
+        self.state.start_syncing()
+        await self.joiner.sync(joining=True)
+        self.state.ready()
+
+    async def run(self) -> None:
+        s = self.settings
+        await self.publisher.publish()
+        if s.min_peers > 1:
+            log.info("waiting for %d peers (up to %.0fs)", s.min_peers, s.join_timeout)
+            waiting = asyncio.ensure_future(self.membership.wait_for(s.min_peers, s.join_timeout))
+            stopper = asyncio.ensure_future(self.stopping.wait())
+            await asyncio.wait({waiting, stopper}, return_when=asyncio.FIRST_COMPLETED)
+            stopper.cancel()
+            if not waiting.done():
+                waiting.cancel()
+            elif len(view := waiting.result()) < s.min_peers:
+                log.warning("only %d of %d peers after %.0fs; training anyway", len(view), s.min_peers, s.join_timeout)
+        while not self.stopping.is_set():
+            if s.max_rounds is not None and self.rounds_done >= s.max_rounds:
+                log.info("finished %d rounds (--max-rounds)", self.rounds_done)
+                break
+            await self.guarded_round()
+
+    async def guarded_round(self) -> None:
+        """One round behind the error boundary (see the module docstring)."""
+        try:
+            await self.strategy.run_round()
+        except (asyncio.CancelledError, KeyboardInterrupt):
+            raise
+        except Exception as e:
+            reason = type(e).__name__
+            outer = self.worker.outer_step
+            self.stats.round_ended(Outcome.FAILED)
+            self.metrics.round_failures.labels(reason=reason).inc()
+            self.metrics.rounds.labels(outcome=Outcome.FAILED.value).inc()
+            log.error(
+                "round %d failed (%s: %s); continuing from outer step %d with a re-sync",
+                outer,
+                reason,
+                e,
+                outer,
+                exc_info=e,
+            )
+            self.needs_resync = True
+            self.state.enter_round(outer + (1 if self.landing.in_flight else 0), outer)
+            if isinstance(e, FloatingPointError):  # θ_l (and its optimizer state) are unusable
+                await self.worker.call(self.worker.reset_local)
+            await self.pause(FAILED_ROUND_BACKOFF_S)
+
+    async def drain(self) -> None:
+        await self.strategy.drain()
+
+    # ---- shared by both strategies -------------------------------------------------------------
+    def wants_resync(self, round_no: int) -> bool:
+        """Whether this round's groups also average θ_g: after a failure or a download, and on
+        schedule (--consensus-every)."""
+        every = self.settings.consensus_every
+        scheduled = bool(every) and round_no % every == every - 1
+        return self.joiner.take_resync_wish() or self.needs_resync or scheduled
+
+    async def train_round(self) -> tuple[int, InnerResult] | None:
+        """A round's inner steps, after a catch-up if the swarm left this node behind; None when
+        a stop ended them. The round is the outer step being built, one past θ_g's while an
+        average is in flight (--overlap)."""
+        await self.joiner.sync()
+        outer = self.worker.outer_step
+        ahead = self.landing.in_flight or self.joiner.catch_up_round == outer + 1
+        round_no = outer + (1 if ahead else 0)
+        self.state.train(round_no)  # published with --overlap: pacing counts this round's tokens under it
+        self.state.enter_round(round_no, outer)
+        await self.joiner.entering(round_no)
+        inner = await self._inner_steps(round_no)
+        if self.stopping.is_set():
+            log.info("round %d abandoned after %d inner steps", round_no, inner.steps)
+            return None
+        self.stats.observe_inner(inner)
+        if (p := self.pacer.progress) is not None:
+            log.debug(
+                "round %d ends after %d steps: swarm %.0f of %d tokens from %d peers, %.0f tok/s",
+                round_no,
+                inner.steps,
+                p.done,
+                p.target,
+                p.peers,
+                p.rate,
+            )
+        failpoints.reach("round-error", round_no)
+        return round_no, inner
+
+    async def _inner_steps(self, round_no: int) -> InnerResult:
+        """Inner steps until the pacer ends the round (or --round-seconds runs out)."""
+        s = self.settings
+        self.stats.round_started()
+        deadline = time.monotonic() + s.round_seconds if s.round_seconds else None
+        after_step = partial(self.landing.land_on_arrival, asyncio.get_running_loop()) if s.overlap else None
+        self.pacer.start_round()
+        following = asyncio.ensure_future(self.pacer.follow(round_no))
+        try:
+            return await self.worker.call(
+                self.worker.run_inner,
+                self.pacer.max_steps,
+                self.stop_flag,
+                deadline,
+                self.pacer.keep_going,
+                round_no * s.inner_steps,
+                s.inner_steps,
+                after_step,
+            )
+        finally:
+            following.cancel()
+            await asyncio.gather(following, return_exceptions=True)
+
+    def average(
+        self, round_no: int, delta: torch.Tensor, inner: InnerResult, resync: bool, consensus_on: Callable
+    ) -> asyncio.Future[AveragingResult]:
+        """This round's Δ averaged over the swarm's groups (a peer that took no step still
+        averages, with a negligible weight: its θ_g stays in step)."""
+        replica = self.worker.replica
+        return asyncio.ensure_future(
+            self.averager.average(
+                round_no,
+                delta,
+                replica.mean_cpu,
+                float(max(inner.tokens, 1)),
+                resync,
+                lambda: consensus_on(replica.consensus_state),
+                self.worker.residual,
+                replica.delta_on_host,
+            )
+        )
+
+    def finish(
+        self,
+        round_no: int,
+        inner: InnerResult,
+        result: AveragingResult | None,
+        duration: float,
+        landed_after: int | None = None,
+    ) -> RoundSummary:
+        """The round into `/status`, the metrics, the history and the log."""
+        trainer = self.worker.trainer
+        summary = RoundSummary(
+            round_no,
+            self.worker.outer_step,
+            inner,
+            result,
+            duration,
+            self.landing.take_waited(),
+            trainer.eval_seconds,
+            self.settings.overlap,
+            self.worker.eval_loss,
+            self.worker.eval_step,
+            trainer.lr,
+            landed_after,
+            self.peer_id,
+        )
+        trainer.eval_seconds = 0.0
+        self.last_summary = summary
+        self.stats.round_ended(summary.outcome)
+        m = self.metrics
+        summary.observe(m)
+        m.outer_step.set(self.worker.outer_step)
+        m.inner_step.set(trainer.inner_step)
+        m.tokens_per_second.set(self.stats.tokens_per_s)
+        m.compute_utilization.set(self.stats.utilization() or 0.0)
+        self.tokens_total += inner.tokens
+        entry = summary.history_entry(self.tokens_total, self.stats.tokens_per_s)
+        line = summary.log_line(self.stats.tokens_per_s, self.loss_floor)
+        loop = asyncio.get_running_loop()
+
+        def hashed() -> None:  # the round's θ_g hash is in: the history entry and the log line name it
+            params = self.worker.replica.params_sha256()
+            recorded = self.history.append({**entry, "params_sha256": params})
+            loop.run_in_executor(self.store.io_thread, self.history.persist, recorded)
+            log.info("%s%s", line, params[:12])
+
+        self.store.when_hashed(hashed)
+        return summary
+
+
+class PlainRound:
+    """Average this round's Δ, apply the outer step, then start the next round."""
+
+    def __init__(self, loop: RoundLoop):
+        self.loop = loop
+
+    async def run_round(self) -> None:
+        lp, worker, state, joiner = self.loop, self.loop.worker, self.loop.state, self.loop.joiner
+        started = time.monotonic()
+        if (trained := await lp.train_round()) is None:
+            return
+        round_no, inner = trained
+        if joiner.closed_under_us(await lp.membership.members(), round_no) and await joiner.enter_next_round(
+            round_no, inner
+        ):
+            return
+        delta = await worker.call(worker.pseudo_gradient)
+        state.begin_averaging()
+        await lp.publisher.publish()
+        resync = lp.wants_resync(round_no)
+        result = await lp.average(round_no, delta, inner, resync, worker.call)
+        # a wanted re-sync that found nobody to sync with is still wanted next round
+        lp.needs_resync = not result.clean or (resync and result.theta is None)
+        if (
+            all(h.group_size <= 1 for h in result.hops)
+            and joiner.closed_under_us(await lp.membership.members(), round_no, alone=True)
+            and await joiner.enter_next_round(round_no, inner)
+        ):
+            return  # the records it judged by were a heartbeat behind
+        joiner.reentries = 0
+        state.applying_outer_step()
+        await lp.store.settle_hash()  # the hash of the previous θ_g reads it
+        await worker.call(worker.apply, result)
+        state.outer_applied()
+        await lp.publisher.publish()  # a joiner may download the new θ_g at once
+        lp.store.rehash()
+        await failpoints.pause("outer-phase", round_no)
+        if worker.eval_due():
+            await worker.call(worker.evaluate_local)
+        lp.rounds_done += 1
+        if worker.outer_step % lp.settings.checkpoint_every == 0:
+            await lp.store.schedule()
+        state.enter_round(worker.outer_step, worker.outer_step)
+        lp.finish(round_no, inner, result, time.monotonic() - started)
+        await lp.publisher.publish()
+
+    async def drain(self) -> None:
+        """Nothing is in flight between plain rounds."""
+
+
+class OverlappedRound:
+    """--overlap: inner steps while the previous round's Δ is averaged; then that average's
+    outer step if it has not landed yet, and this round's Δ goes out to be averaged during
+    the next round.
+
+    The trade-off (streaming DiLoCo's overlapped outer step): the network's time hides behind
+    compute, while the first steps of each round run from a θ_g that lacks the last round's
+    average, with the node's own part of it kept in θ_l. The average lands between two inner
+    steps as soon as it is in (`Landing.land_on_arrival`), so those are few when the average
+    is quick; at the round's end this waits for one still running."""
+
+    def __init__(self, loop: RoundLoop):
+        self.loop = loop
+
+    async def run_round(self) -> None:
+        lp, worker, state, landing = self.loop, self.loop.worker, self.loop.state, self.loop.landing
+        started = time.monotonic()
+        if (trained := await lp.train_round()) is None:
+            return
+        round_no, inner = trained
+        state.begin_averaging()
+        had_average = landing.in_flight
+        if had_average:
+            state.waiting_for_average()
+        previous = await landing.settle()
+        if had_average:
+            lp.needs_resync = landing.needs_resync(previous)
+        state.applying_outer_step()
+        await lp.store.settle_hash()
+        delta = None
+        if lp.joiner.catch_up_round == round_no and previous is None:
+            lp.joiner.catch_up_round = None
+            delta = await lp.joiner.catch_up(round_no)
+        # θ_g moves now (a new hash): a catch-up, or an average that did not land during the steps
+        changed = delta is not None or (previous is not None and not landing.landed)
+        landed_after = landing.landed_after_steps if previous is not None and landing.landed else inner.steps
+        if delta is None:
+            delta = await worker.call(landing.land_and_stage, previous)
+        state.outer_applied()
+        if changed:
+            lp.store.rehash()
+        resync = lp.wants_resync(round_no)
+        # θ_g does not change while the average runs (only its outer step, awaited first, writes
+        # it): the consensus state is read on the I/O thread, not behind this round's inner steps
+        io = asyncio.get_running_loop()
+        landing.launch(
+            lp.average(round_no, delta, inner, resync, lambda fn: io.run_in_executor(lp.store.io_thread, fn)), resync
+        )
+        if previous is not None:  # the new θ_g's eval, once its hash and the next average are under way
+            await worker.call(worker.evaluate_theta_g)
+        lp.rounds_done += 1
+        if previous is not None and worker.outer_step % lp.settings.checkpoint_every == 0:
+            await lp.store.schedule()
+        state.train(round_no + 1)  # peers count this node in the next round at once
+        state.enter_round(round_no + 1, worker.outer_step)
+        lp.finish(round_no, inner, previous, time.monotonic() - started, landed_after if previous is not None else None)
+        await lp.publisher.publish()
+
+    async def drain(self) -> None:
+        """The last average's outer step, so the final θ_g (and its checkpoint) holds every
+        round this node took part in."""
+        lp, landing, worker = self.loop, self.loop.landing, self.loop.worker
+        if not landing.in_flight:
+            return
+        result = await landing.settle(2 * lp.settings.averaging_bound_s)
+
+        def settle() -> None:
+            if not landing.landed:
+                landing.land(result)
+            if result is not None:
+                worker.evaluate_theta_g(force=bool(lp.settings.eval_every))
+
+        await worker.call(settle)
+        if result is not None:
+            lp.store.rehash()
+            await lp.store.settle_hash()
+            log.info(
+                "applied the last round's average: outer step %d (params %s)",
+                worker.outer_step,
+                worker.replica.params_sha256()[:12],
+            )

@@ -1,0 +1,218 @@
+"""The model side of a node: θ_l (the trainer), θ_g and the outer optimizer (the replica), and
+the one training thread that changes them.
+
+Everything that touches the model runs on that thread, in order: inner steps, the outer
+step, a landing (--overlap), an install of a downloaded checkpoint, an eval. The event loop
+never waits on it except through `call`. θ_g and the outer momentum change only under
+`theta_changing()`, which also tells the checkpoint store (whose memory checkpoints read
+those tensors in place) and bumps a version a reader can compare.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import logging
+import threading
+from collections.abc import Callable, Iterator
+from functools import partial
+from typing import TypeVar
+
+import torch
+
+from dtnode.peers.averager import AveragingResult
+
+from .checkpoint import Layout, LoadedCheckpoint, LocalState, TrainingState
+from .data import DataStream
+from .replica import Replica
+from .schedule import LearningRateSchedule
+from .settings import NodeSettings
+from .trainer import InnerResult, Trainer
+from .workload import Workload
+
+log = logging.getLogger("dtnode")
+
+T = TypeVar("T")
+
+
+class WorkerNotReady(RuntimeError):
+    """The model is still being built (the node is starting)."""
+
+
+class ModelWorker:
+    def __init__(self, settings: NodeSettings, workload: Workload, device: torch.device):
+        self.settings = settings
+        self.workload = workload
+        self.device = device
+        self.thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="train")
+        self.theta_lock = threading.Lock()  # θ_g and momentum change (training thread) or are copied (I/O)
+        self.theta_version = 0  # bumped at each change of θ_g or the momentum
+        self.on_theta_change: Callable[[], None] = lambda: None  # under the lock, before the change
+        self.eval_loss: float | None = None
+        self.eval_step: int | None = None  # the outer step whose θ_g eval_loss is of (--eval-every)
+        self._trainer: Trainer | None = None
+        self._replica: Replica | None = None
+        self.residual: torch.Tensor | None = None  # int8 error feedback, when enabled
+
+    # ---- set-up ----------------------------------------------------------------------------
+    def build(self, peer_id: str) -> None:
+        """Put the model on its device with its optimizers and data stream (training thread)."""
+        s, w = self.settings, self.workload
+        stream = DataStream(w.sources, s.run_id, peer_id, s.batch_size, w.seq_len, s.eval_sequences)
+        schedule = LearningRateSchedule(s.inner_lr, s.warmup_steps, s.total_steps, s.lr_schedule, s.min_lr_ratio)
+        trainer = Trainer(
+            w.model,
+            stream,
+            self.device,
+            schedule=schedule,
+            weight_decay=s.inner_weight_decay,
+            grad_clip=s.grad_clip,
+            compile=s.compile,
+        )
+        self._replica = Replica(trainer, s.outer_lr, s.outer_momentum)
+        self._trainer = trainer
+        if s.error_feedback and s.compression == "int8":
+            self.residual = torch.zeros(self._replica.numel, dtype=torch.float32)
+
+    @property
+    def built(self) -> bool:
+        return self._replica is not None
+
+    @property
+    def trainer(self) -> Trainer:
+        if self._trainer is None:
+            raise WorkerNotReady("the model is still being built")
+        return self._trainer
+
+    @property
+    def replica(self) -> Replica:
+        if self._replica is None:
+            raise WorkerNotReady("the model is still being built")
+        return self._replica
+
+    @property
+    def layout(self) -> Layout:
+        flat = self.trainer.flat
+        return Layout(tuple(flat.names), tuple(flat.shapes))
+
+    @property
+    def outer_step(self) -> int:
+        return self._replica.outer_step if self._replica is not None else 0
+
+    async def call(self, fn: Callable[..., T], *args: object) -> T:
+        """Run `fn(*args)` on the training thread, after what is queued there."""
+        return await asyncio.get_running_loop().run_in_executor(self.thread, partial(fn, *args))
+
+    def shutdown(self) -> None:
+        self.thread.shutdown(wait=True, cancel_futures=True)
+
+    @contextlib.contextmanager
+    def theta_changing(self) -> Iterator[None]:
+        """Hold the lock while θ_g or the momentum change (see the module docstring)."""
+        with self.theta_lock:
+            self.theta_version += 1
+            self.on_theta_change()
+            yield
+
+    # ---- on the training thread -------------------------------------------------------------
+    def run_inner(
+        self,
+        steps: int,
+        stop: threading.Event,
+        deadline: float | None,
+        keep_going: Callable[[float], bool] | None,
+        position: int,
+        span: int,
+        after_step: Callable[[], None] | None,
+    ) -> InnerResult:
+        return self.trainer.run(steps, stop, deadline, keep_going, position=position, span=span, after_step=after_step)
+
+    def install(self, loaded: LoadedCheckpoint, local: LocalState | None = None, keep_inner: bool = False) -> None:
+        """Load a checkpoint: with this node's own inner state and data position when resuming;
+        a donor's checkpoint brings θ_g and the outer momentum only, and the inner AdamW starts
+        fresh (with its warmup), or is kept (`keep_inner`) by a node that was training."""
+        with self.theta_changing():
+            self.replica.load(loaded.theta_g, loaded.momentum, loaded.step)
+        if keep_inner:
+            return
+        trainer = self.trainer
+        if local is None:
+            trainer.load_inner_state(torch.empty(0), torch.empty(0), 0)
+            trainer.inner_step = 0
+            return
+        trainer.load_inner_state(local.exp_avg, local.exp_avg_sq, local.adam_steps)
+        trainer.inner_step = local.inner_step
+        try:
+            trainer.stream.seek(local.generator_state, local.batches_drawn)
+        except (RuntimeError, ValueError) as e:  # a generator state from another torch build
+            log.warning("could not restore the data position (%s); continuing from a fresh one", e)
+
+    def reset_local(self) -> None:
+        """θ_l ← θ_g with a fresh inner optimizer: after a round whose loss went non-finite."""
+        self.replica.reset_local()
+        self.trainer.load_inner_state(torch.empty(0), torch.empty(0), 0)
+
+    def end_round_count(self) -> None:
+        """This round's tokens are spent: a record must never show the next step with this
+        round's tokens, which every peer would add to the next round's progress."""
+        self.trainer.round_tokens, self.trainer.round_seconds = 0, 0.0
+
+    def pseudo_gradient(self) -> torch.Tensor:
+        return self.replica.pseudo_gradient()
+
+    def apply(self, result: AveragingResult) -> None:
+        """Adopt a re-synced θ_g if any, then the outer step of the averaged Δ."""
+        self.end_round_count()
+        with self.theta_changing():
+            if result.theta is not None:
+                self.replica.adopt_consensus_state(result.theta)
+            self.replica.apply_outer_step(result.mean)
+
+    def land(self, result: AveragingResult | None) -> None:
+        """--overlap: the outer step of the average in flight (None: it failed)."""
+        with self.theta_changing():
+            self.replica.land(None if result is None else result.mean, None if result is None else result.theta)
+
+    def adopt_downloaded(self, loaded: LoadedCheckpoint) -> torch.Tensor:
+        """--overlap catch-up: the swarm's θ_g of the next step in place of an outer step of our
+        own; this round's Δ staged from it (returned)."""
+        self.end_round_count()
+        with self.theta_changing():
+            delta = self.replica.delayed_outer_step(None, torch.cat([loaded.theta_g, loaded.momentum]))
+            self.replica.outer_step = loaded.step
+        self.evaluate_theta_g()
+        return delta
+
+    def eval_due(self) -> bool:
+        every = self.settings.eval_every
+        return bool(every) and self.outer_step % every == 0
+
+    def evaluate_local(self) -> None:
+        """Right after an outer step (θ_l = θ_g): the eval loss of θ_g."""
+        self.eval_loss, self.eval_step = self.trainer.eval_loss(), self.outer_step
+
+    def evaluate_theta_g(self, force: bool = False) -> None:
+        """The eval loss of θ_g while θ_l differs from it (--overlap): θ_g is swapped in for it."""
+        if not (force or self.eval_due()):
+            return
+        self.replica.theta_g_into_model()
+        try:
+            self.eval_loss, self.eval_step = self.trainer.eval_loss(), self.outer_step
+        finally:
+            self.replica.restore_local()
+
+    def snapshot(self, local: bool) -> tuple[int, TrainingState]:
+        """θ_g and the momentum (with `local`, this node's inner state too: training thread only)."""
+        replica = self.replica
+        with self.theta_lock:
+            step = replica.outer_step
+            theta = replica.theta_g.detach().to("cpu", copy=True)
+            momentum = replica.outer.momentum_buffer.to("cpu", copy=True)
+        own = None
+        if local:
+            trainer = self.trainer
+            exp_avg, exp_avg_sq, adam_steps = trainer.inner_state()
+            generator, batches = trainer.stream.position()
+            own = LocalState(exp_avg, exp_avg_sq, generator, trainer.inner_step, adam_steps, batches)
+        return step, TrainingState(theta, momentum, own)

@@ -1,0 +1,320 @@
+"""The node's parts, in-process, through their public interfaces: the sync plan, the pacer on
+a fake clock, the round state's legal moves, and one round's summary as /status, /history
+and the metrics show it. No network: these are the decisions, tested case by case."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+
+import pytest
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from dtnode.daemon.joiner import LocalPosition, SyncAction, plan_sync
+from dtnode.daemon.metrics import NodeMetrics
+from dtnode.daemon.pacer import FixedPacer, SwarmPacer
+from dtnode.daemon.report import Condition, NodeStatus, Outcome, RoundSummary, RunStats
+from dtnode.daemon.round_state import IllegalTransition, NodeState, RecordPhase, RoundPhase, RoundState
+from dtnode.daemon.trainer import InnerResult
+from dtnode.peers.averager import AveragingResult, HopReport
+from dtnode.peers.membership import PeerRecord
+
+MODEL = "m" * 16
+
+
+def _peer(
+    name: str,
+    step: int,
+    phase: str = "inner",
+    round_no: int | None = None,
+    state: str = "training",
+    checkpoint: int = -1,
+    model: str = MODEL,
+) -> PeerRecord:
+    """A peer training (or averaging, or applying) round `round_no` from θ_g of `step`."""
+    round_no = step if round_no is None else round_no
+    return PeerRecord(
+        peer_id=name,
+        outer_step=step,
+        state=state,
+        round=round_no,
+        phase=phase,
+        round_checkpoint=step,
+        checkpoint_step=checkpoint,
+        model_hash=model,
+    )
+
+
+def _local(step: int, **kw) -> LocalPosition:
+    return LocalPosition("me", MODEL, step, **kw)
+
+
+# ---- plan_sync --------------------------------------------------------------------------------
+def test_a_node_in_the_swarms_open_round_trains_on():
+    view = {p.peer_id: p for p in (_peer("a", 5), _peer("b", 5))}
+    plan = plan_sync(view, _local(5))
+    assert plan.action == SyncAction.IN_STEP and plan.position is not None and plan.position.round == 5
+
+
+def test_behind_by_one_step_it_downloads_the_step_the_open_round_starts_from():
+    view = {p.peer_id: p for p in (_peer("a", 5), _peer("b", 5))}
+    plan = plan_sync(view, _local(4))
+    assert plan.action == SyncAction.DOWNLOAD and plan.step == 5 and not plan.ahead
+    assert plan_sync(view, _local(4, max_lag=1)).action == SyncAction.IN_STEP  # --max-lag 1 tolerates it
+
+
+def test_behind_by_many_steps_it_downloads_the_swarms_median_not_a_racer():
+    racer = _peer("racer", 40)  # one node that went ahead alone must not pull the swarm onto its branch
+    view = {p.peer_id: p for p in (_peer("a", 12), _peer("b", 12), racer)}
+    plan = plan_sync(view, _local(0))
+    assert plan.action == SyncAction.DOWNLOAD and plan.step == 12
+
+
+def test_ahead_of_the_swarm_it_gives_up_its_solo_rounds_for_the_swarms_state():
+    view = {p.peer_id: p for p in (_peer("a", 5), _peer("b", 5))}
+    assert plan_sync(view, _local(6)).action == SyncAction.IN_STEP  # a round ahead: finishing its outer step
+    plan = plan_sync(view, _local(9))
+    assert plan.action == SyncAction.DOWNLOAD and plan.ahead and plan.step == 5
+
+
+def test_in_the_outer_phase_the_round_is_closed_and_it_waits_for_the_next_rounds_theta():
+    # both peers averaged round 5 and are applying its outer step: round 6 is the open one,
+    # and its θ_g (step 6) is not served by anyone yet
+    view = {p.peer_id: p for p in (_peer("a", 5, "outer"), _peer("b", 5, "averaging", state="averaging"))}
+    plan = plan_sync(view, _local(5))
+    assert plan.action == SyncAction.WAIT and plan.position is not None and plan.position.round == 6
+    assert plan.step == 6
+    late = plan_sync(view, _local(5, waited_too_long=True))
+    assert late.action == SyncAction.GIVE_UP and late.waited_too_long
+    # once a peer holds step 6 the node downloads it
+    ready = dict(view, a=_peer("a", 6, "inner"))
+    assert plan_sync(ready, _local(5)).action == SyncAction.DOWNLOAD
+
+
+def test_no_donor_means_no_swarm_and_too_many_downloads_give_up():
+    assert plan_sync({}, _local(3)).action == SyncAction.NO_SWARM
+    others = {"x": _peer("x", 9, model="other"), "s": _peer("s", 9, state="stopped")}
+    assert plan_sync(others, _local(3)).action == SyncAction.NO_SWARM  # another model, a stopped peer: no donors
+    view = {p.peer_id: p for p in (_peer("a", 5), _peer("b", 5))}
+    plan = plan_sync(view, _local(2, downloads=3))
+    assert plan.action == SyncAction.GIVE_UP and not plan.waited_too_long
+
+
+# ---- the pacer --------------------------------------------------------------------------------
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_the_swarm_pacer_ends_the_round_when_the_swarms_tokens_reach_the_target():
+    clock = FakeClock()
+    own = PeerRecord(
+        peer_id="me",
+        outer_step=3,
+        state="training",
+        round_tokens=0,
+        tokens_per_s=100.0,
+        tokens_per_step=100,
+        progress_at=clock.now,
+    )
+    other = PeerRecord(
+        peer_id="b",
+        outer_step=3,
+        state="training",
+        round_tokens=0,
+        tokens_per_s=300.0,
+        tokens_per_step=100,
+        progress_at=clock.now,
+    )
+    records = {"b": other}
+
+    async def view() -> dict[str, PeerRecord]:
+        return records
+
+    pacer = SwarmPacer(view, lambda: own, inner_steps=10, round_tokens=None, clock=clock, dht_time=clock)
+    assert pacer.max_steps == 1000 and pacer.keep_going(1.0)  # nothing read yet: no end known
+    pacer.round_end_at = clock.now - 5  # the last round's end, long past
+    pacer.start_round()  # a new round: its first step never reads the old end
+    assert pacer.keep_going(1.0)
+    asyncio.run(pacer.update(3))
+    # target 10 x (100 + 100) = 2000 tokens at 400 tok/s: 5 s left
+    assert pacer.progress is not None and pacer.progress.target == 2000
+    assert pacer.round_end_at == pytest.approx(clock.now + 5.0)
+    clock.now += 4.0
+    assert pacer.keep_going(1.0) and not pacer.keep_going(3.0)  # a step may end half a step past the end
+    records["b"] = other.model_copy(update={"round_tokens": 1900})
+    asyncio.run(pacer.update(3))
+    # 100 tokens left at 400 tok/s: a 0.4 s step still ends within half a step of the end, a 1 s one does not
+    assert pacer.round_end_at == pytest.approx(clock.now + 0.25)
+    assert pacer.keep_going(0.4) and not pacer.keep_going(1.0)
+    own = own.model_copy(update={"round_tokens": 100})
+    asyncio.run(pacer.update(3))
+    assert pacer.progress.reached and not pacer.keep_going(0.1)
+
+
+def test_a_joiner_whose_round_closed_under_it_stops_at_once_and_fixed_pacing_never_asks():
+    clock = FakeClock()
+    own = PeerRecord(peer_id="me", outer_step=3, state="training", tokens_per_s=100.0, tokens_per_step=100)
+
+    async def view() -> dict[str, PeerRecord]:
+        return {}
+
+    pacer = SwarmPacer(view, lambda: own, 10, None, closed_under_us=lambda v, r: r == 3, clock=clock, dht_time=clock)
+    asyncio.run(pacer.update(3))
+    assert pacer.round_end_at == -math.inf and not pacer.keep_going(0.0)
+    fixed = FixedPacer(7)
+    assert fixed.max_steps == 7 and fixed.keep_going(1e9) and fixed.progress is None
+
+
+# ---- the round state ----------------------------------------------------------------------------
+def test_the_round_state_moves_through_a_round_and_refuses_illegal_moves():
+    st = RoundState(overlap=False)
+    with pytest.raises(IllegalTransition):
+        st.enter_round(0, 0)  # joining: it must sync first
+    st.start_syncing()
+    st.ready()
+    st.enter_round(0, 0)
+    assert (st.state, st.phase, st.record_phase) == (NodeState.TRAINING, RoundPhase.INNER, RecordPhase.INNER)
+    with pytest.raises(IllegalTransition):
+        st.outer_applied()  # the outer step of a round that was never averaged
+    st.begin_averaging()
+    assert st.state == NodeState.AVERAGING and st.published_phase() == RecordPhase.MATCHMAKING
+    st.averager_phase("allreduce")  # hop 0's group formed: the round is closed to joiners
+    assert st.published_phase() == RecordPhase.AVERAGING
+    st.outer_applied()
+    with st.syncing():
+        assert st.state == NodeState.SYNCING and not st.in_round
+    assert st.state == NodeState.AVERAGING
+    st.enter_round(1, 1)
+    st.stop()
+    with pytest.raises(IllegalTransition):
+        st.enter_round(2, 2)  # nothing leaves stopped
+
+
+def test_overlapped_rounds_keep_training_while_they_average():
+    st = RoundState(overlap=True)
+    st.start_syncing()
+    st.ready()
+    st.enter_round(1, 0)
+    st.begin_averaging()
+    assert st.state == NodeState.TRAINING and st.published_phase() == RecordPhase.AVERAGING
+
+
+# ---- the round summary ---------------------------------------------------------------------------
+def _hop(size: int, expected: int, sent: int, received: int, failed: list[str] | None = None) -> HopReport:
+    return HopReport(
+        0,
+        "k",
+        size,
+        expected,
+        size,
+        size == expected,
+        ["a", "b"][:size],
+        0.25,
+        1.0,
+        allreduce_s=0.5,
+        bytes_sent=sent,
+        bytes_received=received,
+        failed_parts=failed or [],
+        failure_codes=["DEADLINE_EXCEEDED"] if failed else [],
+    )
+
+
+def _summary(hops: list[HopReport], overlap: bool = False) -> RoundSummary:
+    import torch
+
+    result = AveragingResult(torch.zeros(1), 3.0, hops, None)
+    return RoundSummary(7, 8, InnerResult(10, 2560, 2.5, 4.0), result, 6.0, 0.0, 0.5, overlap, 2.25, 8, 1e-3, None, "a")
+
+
+def test_a_round_summary_is_the_one_source_of_status_history_and_metrics():
+    summary = _summary([_hop(2, 2, 1000, 900), _hop(2, 3, 500, 400, failed=["b"])])
+    assert summary.bytes_sent == 1500 and summary.bytes_received == 1300
+    assert summary.outcome == Outcome.PARTIAL and summary.reasons == ["deadline_exceeded", "incomplete_group"]
+    last = summary.last_round()
+    assert (last.bytes_sent, last.bytes_received, last.group_size, last.tokens) == (1500, 1300, 2, 2560)
+    entry = summary.history_entry(tokens_total=10_000, tokens_per_s=640.0)
+    assert entry["bytes_sent"] == last.bytes_sent and entry["outcome"] == "partial"
+    assert entry["phases_s"] == {
+        "inner": 4.0,
+        "matchmaking": 0.5,
+        "allreduce": 1.0,
+        "waiting": 0.0,
+        "eval": 0.5,
+        "outer": 0.0,
+    }
+    metrics = NodeMetrics("0", "run", "tiny", "cpu")
+    summary.observe(metrics)
+    values = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for f in text_string_to_metric_families(generate_latest(metrics.registry).decode())
+        for s in f.samples
+    }
+    assert values[("dtnode_rounds_total", (("outcome", "partial"),))] == 1
+    assert values[("dtnode_rounds_total", (("outcome", "full"),))] == 0
+    assert values[("dtnode_allreduce_sent_bytes_total", ())] == 1500
+    assert values[("dtnode_allreduce_received_bytes_total", ())] == 1300
+    assert values[("dtnode_tokens_total", ())] == 2560
+    assert values[("dtnode_hop_failures_total", (("reason", "deadline_exceeded"),))] == 1
+    assert values[("dtnode_hop_failures_total", (("reason", "incomplete_group"),))] == 1
+    assert values[("dtnode_round_phase_seconds_sum", (("phase", "allreduce"),))] == 1.0
+    assert summary.log_line(640.0, None).startswith(
+        "round 7 | groups 2/2 2/3 | 10 steps 2560 tok | lr 0.001 | "
+        "loss 2.5000 | eval 2.2500 | allreduce 1.000s (1.5 kB sent)"
+    )
+
+
+def test_status_carries_the_summary_and_the_condition_the_stats_give():
+    stats = RunStats()
+    assert stats.condition(NodeState.SYNCING)[0] == Condition.CATCHING_UP
+    assert stats.condition(NodeState.TRAINING)[0] == Condition.STARTING
+    alone = _summary([])
+    stats.round_ended(alone.outcome)
+    assert stats.condition(NodeState.TRAINING)[0] == Condition.ALONE
+    stats.round_ended(Outcome.FAILED)
+    assert stats.condition(NodeState.TRAINING)[0] == Condition.FAILING and stats.round_failures == 1
+    summary = _summary([_hop(2, 2, 10, 10)])
+    condition, detail = stats.condition(NodeState.TRAINING)
+    status = NodeStatus(
+        peer_id="a",
+        run_id="r",
+        state=NodeState.TRAINING,
+        phase="inner",
+        outer_step=8,
+        inner_step=10,
+        inner_lr=1e-3,
+        loss=math.nan,
+        eval_loss=2.25,
+        eval_step=8,
+        loss_floor=None,
+        tokens_per_s=1.0,
+        compute_utilization=None,
+        uptime_s=1.0,
+        params_sha256="",
+        http_url="",
+        grpc_addr="",
+        join_command="",
+        dht_addrs=[],
+        tls_fingerprint=None,
+        model="tiny",
+        model_hash="h",
+        device="cpu",
+        client_mode=False,
+        version="0",
+        last_round=summary.last_round(),
+        deadlines={},
+        fused_kernels=False,
+        pacing="swarm",
+        round_failures=stats.round_failures,
+        condition=condition,
+        condition_detail=detail,
+        round_progress=None,
+    )
+    shown = status.model_dump(mode="json")
+    assert shown["loss"] is None  # JSON has no NaN: the dashboard parses this
+    assert shown["state"] == "training" and shown["condition"] == "failing"
+    assert shown["last_round"]["bytes_sent"] == 10 and shown["last_round"]["group_size"] == 2
