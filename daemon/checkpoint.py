@@ -23,7 +23,6 @@ import os
 import re
 import shutil
 import struct
-import threading
 from collections.abc import Collection
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -191,13 +190,11 @@ def write_checkpoint(
         )
         _write_atomic(local_state_path(directory, step), header, [local.exp_avg, local.exp_avg_sq, generator])
     final = checkpoint_path(directory, step)
-    sha256, size = _write_atomic(
-        final, _shared_header(step, layout, metadata), [state.theta_g, state.momentum], durable
-    )
+    sha256, size = _write_atomic(final, shared_header(step, layout, metadata), [state.theta_g, state.momentum], durable)
     return CheckpointInfo(step, final, sha256, size)
 
 
-def _shared_header(step: int, layout: Layout, metadata: dict[str, str]) -> bytes:
+def shared_header(step: int, layout: Layout, metadata: dict[str, str]) -> bytes:
     """The JSON header of `ckpt-N` (θ_g per parameter, then the momentum)."""
     meta = {"format": FORMAT, "outer_step": str(step), "dtnode_version": __version__, **metadata}
     tensors = [
@@ -205,66 +202,6 @@ def _shared_header(step: int, layout: Layout, metadata: dict[str, str]) -> bytes
     ]
     tensors.append(("outer_momentum", "F32", [layout.numel], 4 * layout.numel))
     return _entries(tensors, meta)
-
-
-class MemoryCheckpoint:
-    """`ckpt-N` of the current step served straight from θ_g and the momentum in memory.
-
-    Byte for byte the file `write_checkpoint` would write (so the same sha256: donors serving
-    from memory and from disk are one file to a joiner), without writing it: a joiner asks
-    for the current step at any moment, and a donor that had to write it first kept it
-    waiting for seconds. It reads the live CPU tensors, which change only at an outer step;
-    the node calls `detach` before that step when a joiner may still be reading, which swaps
-    in copies, and forgets it otherwise.
-    """
-
-    def __init__(
-        self, step: int, layout: Layout, theta_g: torch.Tensor, momentum: torch.Tensor, metadata: dict[str, str]
-    ):
-        if theta_g.numel() != layout.numel or momentum.numel() != layout.numel:
-            raise ValueError("buffers do not match the layout")
-        header = _shared_header(step, layout, metadata)
-        self.step = step
-        self._head = struct.pack("<Q", len(header)) + header
-        self._tensors = [theta_g.detach(), momentum.detach()]
-        self.size = len(self._head) + 8 * layout.numel
-        self.sha256 = ""  # set by `hash`, before the first joiner is told about it
-        self.detached = False
-        self._lock = threading.Lock()  # a read of the live tensors ends before `detach` lets them change
-
-    def _views(self) -> list[memoryview]:
-        return [memoryview(self._head), *(t.contiguous().numpy().data.cast("B") for t in self._tensors)]
-
-    def hash(self) -> str:
-        """The file's sha256 (blocking: call from a worker thread while the tensors hold still)."""
-        digest = hashlib.sha256()
-        for view in self._views():
-            digest.update(view)
-        self.sha256 = digest.hexdigest()
-        return self.sha256
-
-    def detach(self) -> None:
-        """Keep serving this step from copies: the live tensors are about to change."""
-        with self._lock:
-            if not self.detached:
-                self._tensors = [t.clone() for t in self._tensors]
-                self.detached = True
-
-    def read(self, offset: int, length: int) -> bytes:
-        """`length` bytes of the file from `offset` (clipped to its end)."""
-        out = bytearray()
-        with self._lock:
-            for view in self._views():
-                if offset < len(view) and length > 0:
-                    piece = view[max(offset, 0) : max(offset, 0) + length]
-                    out += piece
-                    length -= len(piece)
-                offset -= len(view)
-        return bytes(out)
-
-    @property
-    def info(self) -> CheckpointInfo:
-        return CheckpointInfo(self.step, Path(f"<memory:{self.step}>"), self.sha256, self.size)
 
 
 ABANDONED_DIR = "abandoned"

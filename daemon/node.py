@@ -27,41 +27,40 @@ import threading
 import time
 from collections.abc import Awaitable
 from pathlib import Path
-from typing import Any
 
 from hivemind.dht import DHT
 from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.p2p import P2P
-from hivemind.utils import get_dht_time
 
 from dtnode import __version__
-from dtnode.ops.quantization import fused_kernels_active, use_fused_kernels
+from dtnode.ops.quantization import use_fused_kernels
 from dtnode.peers.auth import ENV_KEY, AuthError, SwarmAuth, load_swarm_key
 from dtnode.peers.averager import AveragingConfig, MoshpitAverager
 from dtnode.peers.butterfly import ChannelPool
-from dtnode.peers.deadlines import AdaptiveDeadlines, expected_payload_bytes
+from dtnode.peers.deadlines import AdaptiveDeadlines
 from dtnode.peers.known_peers import own_peer_id
 from dtnode.peers.matchmaking import Matchmaker
-from dtnode.peers.membership import JoinError, Membership, PeerRecord, load_record_key, public_maddrs
+from dtnode.peers.membership import JoinError, Membership, load_record_key, public_maddrs
 from dtnode.peers.plan import Member
-from dtnode.peers.reducer import AveragingService, ReductionRegistry
+from dtnode.peers.reducer import ReductionRegistry
 from dtnode.peers.server import GrpcPortError, port_in_use, start_grpc_server
-from dtnode.peers.tls import TrustStore, encode_certificate
+from dtnode.peers.service import AveragingService
+from dtnode.peers.tls import TrustStore
 from dtnode.peers.wire import max_message_bytes
 
 from .bootstrap import DhtBootstrap, announce_host, dialable_addrs, join_command, remember_peers, tls_identity
-from .checkpoint import CheckpointInfo, MemoryCheckpoint
 from .export import remember_workload
 from .history import FILE_NAME as HISTORY_FILE
 from .history import RoundHistory
 from .joiner import Joiner
 from .landing import Landing
 from .metrics import NodeMetrics
-from .report import Health, NodeStatus, RoundProgress, RunStats
+from .presenter import Addresses, NodePresenter
+from .report import RunStats
 from .round_state import Publisher, RoundState
 from .rounds import RoundLoop
 from .settings import NodeSettings, SettingsError
-from .sidecar import Sidecar
+from .sidecar import ServedSteps, Sidecar
 from .store import CheckpointStore
 from .worker import ModelWorker
 from .workload import build_workload, resolve_device
@@ -83,6 +82,7 @@ class Node:
     store: CheckpointStore
     membership: Membership
     publisher: Publisher
+    presenter: NodePresenter
     rounds: RoundLoop
 
     def __init__(self, settings: NodeSettings):
@@ -93,9 +93,7 @@ class Node:
         self.stopping = asyncio.Event()
         self.stop_flag = threading.Event()  # seen by the training thread
         self.workload = build_workload(settings, self.state_dir)
-        self.export_format = self.workload.export_format
         self.metrics = NodeMetrics(__version__, settings.run_id, settings.model, str(self.device))
-        self.metrics_registry = self.metrics.registry
         self.history = RoundHistory(self.state_dir / HISTORY_FILE)
         self.state = RoundState(settings.overlap)
         self.stats = RunStats()
@@ -108,11 +106,7 @@ class Node:
         )
         self.auth: SwarmAuth | None = None
         self.trust: TrustStore | None = None  # the data plane's TLS identities; None with --insecure-data-plane
-        self.peer_id = ""
-        self.grpc_addr = ""
-        self.http_addr = ""
-        self.dht_addrs: tuple[str, ...] = ()
-        self.join_command = ""
+        self.addr = Addresses()
 
     # ---- lifecycle ---------------------------------------------------------------------------
     def request_stop(self) -> None:
@@ -162,17 +156,17 @@ class Node:
         if fresh_identity:  # made here rather than by hivemind: the peer id is known before the DHT runs
             await asyncio.to_thread(P2P.generate_identity, str(identity))
         known_id = await asyncio.to_thread(own_peer_id, identity)
-        self.peer_id = known_id or ""
+        self.addr.peer_id = known_id or ""
         stack.callback(self.worker.shutdown)
         # the model is built while the DHT starts (both take seconds for a joiner)
-        building = asyncio.ensure_future(self.worker.call(self.worker.build, self.peer_id))
+        building = asyncio.ensure_future(self.worker.call(self.worker.build, self.addr.peer_id))
         bootstrap = DhtBootstrap(s, self.state_dir)
-        self.dht, redial = await bootstrap.start(self.peer_id, fresh_identity, validator)
+        self.dht, redial = await bootstrap.start(self.addr.peer_id, fresh_identity, validator)
         stack.push_async_callback(asyncio.to_thread, self.dht.shutdown)
-        self.peer_id = str(self.dht.peer_id)
+        self.addr.peer_id = str(self.dht.peer_id)
         self.validator = validator
-        self.dht_addrs = dialable_addrs(self.dht, s.announce_host)
-        await asyncio.to_thread(bootstrap.remember_dht_port, self.dht_addrs)
+        self.addr.dht_addrs = dialable_addrs(self.dht, s.announce_host)
+        await asyncio.to_thread(bootstrap.remember_dht_port, self.addr.dht_addrs)
         await asyncio.to_thread(remember_workload, self.state_dir, s.model, s.tokenizer)  # for `dtnode export`
         if key is None:
             log.warning(
@@ -180,23 +174,23 @@ class Node:
                 "reach it may join its groups and download its checkpoints"
             )
         else:
-            self.auth = SwarmAuth(key, self.peer_id)
+            self.auth = SwarmAuth(key, self.addr.peer_id)
         if s.insecure_data_plane:
             log.warning(
                 "--insecure-data-plane: pseudo-gradients travel in plaintext; anyone on the path can read "
                 "or alter them, and a swarm key holder can speak as another peer"
             )
         else:
-            self.trust = await asyncio.to_thread(tls_identity, self.state_dir, record_key, self.peer_id)
+            self.trust = await asyncio.to_thread(tls_identity, self.state_dir, record_key, self.addr.peer_id)
         await building
-        sidecar = Sidecar(self, auth=self.auth)
+        served = ServedSteps()
         self.store = CheckpointStore(
             self.state_dir,
             self.worker,
             self.workload.checkpoint_metadata(s),
             s.keep_checkpoints,
             self.metrics,
-            sidecar.steps_in_use,
+            served.in_use,
         )
         stack.callback(self.store.shutdown)
         await asyncio.to_thread(self.store.resume, s.run_id, self.workload.model_hash)
@@ -219,34 +213,34 @@ class Node:
             except GrpcPortError as e:  # taken since the check at start
                 raise SettingsError("--grpc-port", str(e)) from None
             stack.push_async_callback(server.stop, GRPC_STOP_GRACE_S)
-            self.grpc_addr = f"{host}:{grpc_port}"
+            self.addr.grpc_addr = f"{host}:{grpc_port}"
         channels = ChannelPool(max_message_bytes(s.chunk_elements), self.trust)
         stack.push_async_callback(channels.close)
-        self._build_round_parts(registry, channels, bootstrap, redial)
+        self._build_round_parts(registry, channels, redial)
+        sidecar = Sidecar(self.presenter, served=served, auth=self.auth)
         try:
             http_port = await sidecar.start(s.host, s.http_port)
         except OSError as e:
             raise SettingsError("--http-port", f"cannot listen on {s.host}:{s.http_port}: {e.strerror or e}") from None
         stack.push_async_callback(sidecar.stop)
-        self.http_addr = f"http://{host}:{http_port}"
+        self.addr.http_addr = f"http://{host}:{http_port}"
         await self.publisher.publish()
-        heartbeat = asyncio.ensure_future(self.membership.heartbeat(self.record, self.stopping))
+        heartbeat = asyncio.ensure_future(self.membership.heartbeat(self.presenter.record, self.stopping))
         stack.push_async_callback(self._final_announce, heartbeat)
         remembering = asyncio.ensure_future(
-            remember_peers(self.membership, bootstrap.known_peers, self.peer_id, self.metrics)
+            remember_peers(self.membership, bootstrap.known_peers, self.addr.peer_id, self.metrics)
         )
         stack.push_async_callback(self._stop_remembering, remembering, bootstrap)
-        self.join_command = join_command(s, public_maddrs(self.dht, s.announce_host)[0])
-        up = f"dtnode node {self.peer_id} is up: status {self.http_addr}/status, gRPC {self.grpc_addr or 'client mode'}"
+        self.addr.join_command = join_command(s, public_maddrs(self.dht, s.announce_host)[0])
+        up = f"dtnode node {self.addr.peer_id} is up: status {self.addr.http_addr}/status, gRPC {self.addr.grpc_addr or 'client mode'}"
         if s.log_format == "json":  # every line a JSON object
-            log.info("%s; to add a peer to this swarm: %s", up, self.join_command)
+            log.info("%s; to add a peer to this swarm: %s", up, self.addr.join_command)
         else:
             print(up, flush=True)
-            print(f"To add a peer to this swarm, run on another host:\n  {self.join_command}", flush=True)
+            print(f"To add a peer to this swarm, run on another host:\n  {self.addr.join_command}", flush=True)
 
-    def _build_round_parts(
-        self, registry: ReductionRegistry, channels: ChannelPool, bootstrap: DhtBootstrap, redial: list[str]
-    ) -> None:
+    def _build_round_parts(self, registry: ReductionRegistry, channels: ChannelPool, redial: list[str]) -> None:
+        """The parts a round needs, each given the others it uses."""
         s = self.settings
         self.membership = Membership(
             self.dht,
@@ -259,7 +253,10 @@ class Node:
             trust=self.trust,
         )
         matchmaker = Matchmaker(
-            self.dht, s.run_id, Member(self.peer_id, self.grpc_addr, s.client_mode, s.bandwidth_mbps), auth=self.auth
+            self.dht,
+            s.run_id,
+            Member(self.addr.peer_id, self.addr.grpc_addr, s.client_mode, s.bandwidth_mbps),
+            auth=self.auth,
         )
         config = AveragingConfig(
             s.run_id,
@@ -274,7 +271,7 @@ class Node:
         )
         averager = MoshpitAverager(
             config,
-            self.peer_id,
+            self.addr.peer_id,
             self.membership.members,
             matchmaker,
             registry,
@@ -283,11 +280,27 @@ class Node:
             self.auth,
             on_phase=self.state.averager_phase,
         )
-        self.publisher = Publisher(self.state, self.record, self.membership.announce, self.metrics)
+        self.presenter = NodePresenter(
+            s,
+            self.addr,
+            self.device,
+            self.workload,
+            self.state,
+            self.stats,
+            self.worker,
+            self.store,
+            self.membership,
+            self.deadlines,
+            self.trust,
+            self.metrics,
+            self.history,
+            self.started_at,
+        )
+        self.publisher = Publisher(self.state, self.presenter.record, self.membership.announce, self.metrics)
         landing = Landing(self.worker, self.store, self.metrics)
         joiner = Joiner(
             s,
-            self.peer_id,
+            self.addr.peer_id,
             self.workload.model_hash,
             self.membership,
             self.worker,
@@ -301,7 +314,7 @@ class Node:
         )
         self.rounds = RoundLoop(
             s,
-            self.peer_id,
+            self.addr.peer_id,
             self.state,
             self.publisher,
             self.worker,
@@ -360,116 +373,6 @@ class Node:
             if self.worker.trainer.first_step_done.wait(KERNEL_POLL_S):
                 use_fused_kernels(True)
                 return
-
-    # ---- what peers and the sidecar read ---------------------------------------------------------
-    def record(self) -> PeerRecord:
-        s, st, trainer = self.settings, self.state, self.worker.trainer
-        newest = self.store.newest()
-        return PeerRecord(
-            peer_id=self.peer_id,
-            grpc_addr=self.grpc_addr,
-            http_addr=self.http_addr,
-            state=st.state.value,
-            outer_step=self.worker.outer_step,
-            checkpoint_step=newest.step if newest else -1,
-            checkpoint_sha256=newest.sha256 if newest else "",
-            tokens_per_s=self.stats.live_rate(trainer.round_tokens, trainer.tokens_per_step, trainer.round_seconds),
-            round_tokens=trainer.round_tokens,
-            training_round=st.training_round if s.overlap else -1,
-            round=st.round if st.in_round else -1,
-            phase=st.published_phase().value,
-            round_checkpoint=st.start_step if st.in_round else -1,
-            dht_addrs=self.dht_addrs,
-            tokens_per_step=trainer.tokens_per_step,
-            progress_at=get_dht_time(),
-            bandwidth_mbps=s.bandwidth_mbps,
-            device=str(self.device),
-            client_mode=s.client_mode,
-            model_hash=self.workload.model_hash,
-            version=__version__,
-            tls_cert=encode_certificate(self.trust.own.cert_der) if self.trust is not None else "",
-        )
-
-    def status(self) -> NodeStatus:
-        s, w = self.settings, self.worker
-        trainer = w.trainer if w.built else None
-        summary = self.rounds.last_summary
-        progress = self.rounds.pacer.progress
-        condition, detail = self.stats.condition(self.state.state)
-        return NodeStatus(
-            peer_id=self.peer_id,
-            run_id=s.run_id,
-            state=self.state.state,
-            phase=self.state.phase.value,
-            outer_step=w.outer_step,
-            inner_step=trainer.inner_step if trainer else 0,
-            inner_lr=trainer.lr if trainer else None,
-            loss=trainer.last_loss if trainer else None,
-            eval_loss=w.eval_loss,
-            eval_step=w.eval_step,
-            loss_floor=self.workload.sources.loss_floor,
-            tokens_per_s=self.stats.tokens_per_s,
-            compute_utilization=self.stats.utilization(),
-            uptime_s=time.time() - self.started_at,
-            params_sha256=w.replica.params_sha256() if w.built else "",
-            http_url=self.http_addr,
-            grpc_addr=self.grpc_addr,
-            join_command=self.join_command,
-            dht_addrs=list(self.dht_addrs),
-            tls_fingerprint=self.trust.own.fingerprint if self.trust else None,
-            model=s.model,
-            model_hash=self.workload.model_hash,
-            device=str(self.device),
-            client_mode=s.client_mode,
-            version=__version__,
-            last_round=summary.last_round() if summary else None,
-            deadlines=self.deadlines.snapshot(
-                self._expected_bytes(summary.hops[0].group_size if summary and summary.hops else 2)
-            ),
-            fused_kernels=fused_kernels_active(),
-            pacing=s.pacing,
-            round_failures=self.stats.round_failures,
-            condition=condition,
-            condition_detail=detail,
-            round_progress=None
-            if progress is None
-            else RoundProgress(
-                target_tokens=progress.target,
-                swarm_tokens=round(progress.done),
-                peers=progress.peers,
-                own_tokens=trainer.round_tokens if trainer else 0,
-            ),
-        )
-
-    def health(self) -> Health:
-        return Health(ok=True, state=self.state.state)
-
-    def _expected_bytes(self, group_size: int) -> int:
-        if not self.worker.built:
-            return 0
-        s = self.settings
-        return expected_payload_bytes(
-            self.worker.replica.numel, max(group_size, 2), s.compression == "int8", s.quant_block_size
-        )
-
-    async def peer_records(self) -> list[dict[str, Any]]:
-        """The swarm's records, with what a reader wants from them: seconds since each was
-        last refreshed, and how many outer steps each is behind this node."""
-        members = await self.membership.members()
-        now, own = get_dht_time(), self.worker.outer_step
-        return [
-            r.model_dump() | {"last_seen_s": round(max(0.0, now - r.progress_at), 1), "lag": own - r.outer_step}
-            for r in sorted(members.values(), key=lambda r: r.peer_id)
-        ]
-
-    def checkpoint(self, step: int | None = None) -> CheckpointInfo | None:
-        return self.store.newest() if step is None else self.store.get(step)
-
-    def memory_checkpoint(self, step: int) -> MemoryCheckpoint | None:
-        return self.store.memory_checkpoint(step)
-
-    async def current_checkpoint(self) -> CheckpointInfo | None:
-        return await self.store.current(self.state.serving)
 
 
 async def _quietly(work: Awaitable[object], what: str) -> None:

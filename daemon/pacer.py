@@ -62,6 +62,7 @@ class SwarmPacer:
         inner_steps: int,
         round_tokens: int | None,
         closed_under_us: Callable[[dict[str, PeerRecord], int], bool] = lambda view, round_no: False,
+        on_progress: Callable[[SwarmProgress], None] = lambda progress: None,
         clock: Callable[[], float] = time.monotonic,
         dht_time: Callable[[], float] = get_dht_time,
         poll_s: float = PACER_POLL_S,
@@ -71,6 +72,7 @@ class SwarmPacer:
         self.inner_steps = inner_steps
         self.round_tokens = round_tokens
         self.closed_under_us = closed_under_us  # a joiner's round that closed before its steps were done
+        self.on_progress = on_progress  # what /status shows of the round
         self.clock = clock
         self.dht_time = dht_time
         self.poll_s = poll_s
@@ -99,6 +101,7 @@ class SwarmPacer:
             max_extrapolation=0.0,
         )
         self.progress = progress
+        self.on_progress(progress)
         self.round_end_at = self.clock() + progress.seconds_left()
         if self.closed_under_us(view, round_no):
             self.round_end_at = -math.inf  # joined in the round's last seconds: see joiner.py

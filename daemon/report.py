@@ -21,6 +21,7 @@ from pydantic import BaseModel, ConfigDict, field_validator
 from rich.filesize import decimal as human_bytes
 
 from dtnode.peers.averager import AveragingResult, HopReport
+from dtnode.peers.pacing import SwarmProgress
 
 from .metrics import NodeMetrics, failure_reason
 from .round_state import NodeState
@@ -245,6 +246,11 @@ class RunStats:
         self.rate_estimate = 0.0  # what the record announces before this round's own rate is known
         self.round_failures = 0
         self.recent: collections.deque[Outcome] = collections.deque(maxlen=RECENT_ROUNDS)
+        self.last: RoundSummary | None = None  # the last round that ended (its outer step made)
+        self.round_progress: SwarmProgress | None = None  # the swarm's progress in this round (swarm pacing)
+
+    def show_progress(self, progress: SwarmProgress) -> None:
+        self.round_progress = progress
 
     def round_started(self) -> None:
         if self.first_round_at is None:

@@ -91,7 +91,6 @@ class RoundLoop:
         self.needs_resync = False  # set by a failed hop or round; cleared by a clean round
         self.rounds_done = 0
         self.tokens_total = history.tokens_total  # over the whole record, across restarts
-        self.last_summary: RoundSummary | None = None
         self.pacer: Pacer = (
             FixedPacer(settings.inner_steps)
             if settings.pacing == "fixed"
@@ -101,6 +100,7 @@ class RoundLoop:
                 settings.inner_steps,
                 settings.round_tokens,
                 joiner.closed_under_us,
+                on_progress=stats.show_progress,
             )
         )
         self.strategy: RoundStrategy = OverlappedRound(self) if settings.overlap else PlainRound(self)
@@ -272,7 +272,7 @@ class RoundLoop:
             self.peer_id,
         )
         trainer.eval_seconds = 0.0
-        self.last_summary = summary
+        self.stats.last = summary
         self.stats.round_ended(summary.outcome)
         m = self.metrics
         summary.observe(m)

@@ -20,8 +20,9 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 
 from dtnode.peers.auth import HTTP_HEADER, AuthError, SwarmAuth
 
-from .checkpoint import CheckpointInfo, MemoryCheckpoint
+from .checkpoint import CheckpointInfo
 from .history import RoundHistory
+from .memory_checkpoint import MemoryCheckpoint
 from .metrics import NodeMetrics
 from .report import Health, NodeStatus
 
@@ -37,10 +38,14 @@ HISTORY_PAGE = 5000  # rounds per /history answer
 class NodeView(Protocol):
     """What the sidecar needs from the node."""
 
-    metrics_registry: CollectorRegistry
-    metrics: NodeMetrics
-    history: RoundHistory
-    export_format: str
+    @property
+    def metrics_registry(self) -> CollectorRegistry: ...
+    @property
+    def metrics(self) -> NodeMetrics: ...
+    @property
+    def history(self) -> RoundHistory: ...
+    @property
+    def export_format(self) -> str: ...
 
     def status(self) -> NodeStatus: ...
 
@@ -55,6 +60,25 @@ class NodeView(Protocol):
     async def current_checkpoint(self) -> CheckpointInfo | None: ...
 
 
+class ServedSteps:
+    """Steps a joiner asked for or fetched ranges of lately: pruning keeps their files, and an
+    outer step keeps serving them from copies, so a download that spans this node's round
+    boundary still finds its bytes. (Read from the training thread too: no writes there.)"""
+
+    def __init__(self, within: float = SERVED_RECENTLY_S):
+        self.within = within
+        self._served: dict[int, float] = {}  # step -> when a range of it was last asked for (monotonic)
+
+    def mark(self, step: int) -> None:
+        cutoff = time.monotonic() - self.within
+        self._served = {s: at for s, at in self._served.items() if at > cutoff}
+        self._served[step] = time.monotonic()
+
+    def in_use(self) -> set[int]:
+        cutoff = time.monotonic() - self.within
+        return {step for step, at in list(self._served.items()) if at > cutoff}
+
+
 class _HeldFileResponse(web.FileResponse):
     """A file response the handler sends itself (to hold a download slot while it streams):
     aiohttp prepares a returned response once more, which must then do nothing."""
@@ -66,8 +90,11 @@ class _HeldFileResponse(web.FileResponse):
 
 
 class Sidecar:
-    def __init__(self, node: NodeView, max_downloads: int = 4, auth: SwarmAuth | None = None):
+    def __init__(
+        self, node: NodeView, max_downloads: int = 4, auth: SwarmAuth | None = None, served: ServedSteps | None = None
+    ):
         self.node = node
+        self.served = served or ServedSteps()
         self.auth = auth
         self.downloads = asyncio.Semaphore(max_downloads)
         self.app = web.Application(middlewares=[self._require_key])
@@ -87,19 +114,9 @@ class Sidecar:
         self._dashboard = importlib.resources.files(__package__).joinpath("dashboard.html").read_text("utf-8")
         self.port = 0
         self._from_memory: set[int] = set()  # steps already logged as served from memory
-        self._served: dict[int, float] = {}  # step -> when a range of it was last asked for (monotonic)
 
-    def steps_in_use(self, within: float = SERVED_RECENTLY_S) -> set[int]:
-        """Steps a joiner asked for or fetched ranges of lately: pruning keeps their files, and
-        an outer step keeps serving them from copies, so a download that spans this node's
-        round boundary still finds its bytes. (Read from the training thread too: no writes.)"""
-        cutoff = time.monotonic() - within
-        return {step for step, at in list(self._served.items()) if at > cutoff}
-
-    def _mark_served(self, step: int) -> None:
-        cutoff = time.monotonic() - SERVED_RECENTLY_S
-        self._served = {s: at for s, at in self._served.items() if at > cutoff}
-        self._served[step] = time.monotonic()
+    def steps_in_use(self) -> set[int]:
+        return self.served.in_use()
 
     @web.middleware
     async def _require_key(self, request: web.Request, handler):
@@ -144,7 +161,7 @@ class Sidecar:
             raise web.HTTPServiceUnavailable(text="writing the current checkpoint", headers={"Retry-After": "2"})
         if info is None:
             raise web.HTTPNotFound(text="no checkpoint yet")
-        self._mark_served(info.step)  # a joiner's ranges follow: the step must outlive the next outer step
+        self.served.mark(info.step)  # a joiner's ranges follow: the step must outlive the next outer step
         return web.json_response(
             {
                 "outer_step": info.step,
@@ -165,9 +182,9 @@ class Sidecar:
         memory = self.node.memory_checkpoint(int(raw)) if on_disk is None else None
         if on_disk is None and memory is None:
             if info is not None or self.node.checkpoint(int(raw)) is not None:
-                self._mark_served(int(raw))
+                self.served.mark(int(raw))
             raise web.HTTPNotFound(text=f"no checkpoint for step {int(raw)}")
-        self._mark_served(int(raw))
+        self.served.mark(int(raw))
         if self.downloads.locked():
             raise web.HTTPServiceUnavailable(text="too many downloads in progress", headers={"Retry-After": "2"})
         if memory is not None:

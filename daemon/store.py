@@ -33,7 +33,6 @@ from .checkpoint import (
     CheckpointError,
     CheckpointInfo,
     LoadedCheckpoint,
-    MemoryCheckpoint,
     file_sha256,
     list_checkpoints,
     prune_checkpoints,
@@ -42,6 +41,7 @@ from .checkpoint import (
     set_aside_checkpoints_after,
     write_checkpoint,
 )
+from .memory_checkpoint import MemoryCheckpoint
 from .metrics import NodeMetrics
 from .worker import ModelWorker
 

@@ -1,75 +1,35 @@
-"""Catching up with the swarm: download the newest checkpoint from peers' sidecars.
+"""Catching up with the swarm: where the swarm is, and fetching its checkpoint.
 
 Donors are the live members that announce a checkpoint newer than ours for our model. Each
-is asked for its checkpoint metadata (which also measures its latency); donors that serve
-the same file (same step, sha256 and size: members of one group leave a round with the
-same state) are used together, each fetching byte ranges of the file in parallel, so many
-joiners do not all choke one donor and a donor that leaves mid-transfer only costs its
-unfinished ranges. Completed ranges are remembered beside the partial file, so an
-interrupted download resumes with Range requests instead of starting over.
-
-Nothing a donor sends is trusted: URLs are built from the donor's announced HTTP address
-and a validated integer step, never from its reply; a file larger than this model's bound
-is refused before a byte is fetched; every range must come back as exactly the bytes asked
-for; the whole file must match the sha256 of the metadata (and of the donor's DHT record);
-and the checkpoint is then validated like any other (names, shapes, dtypes, finiteness,
-run id, model hash). Any failure moves on to the next donor group.
+is asked for its checkpoint metadata (which also measures its latency); the file most
+donors serve is downloaded from all of them at once (`download.py`), checked against the
+sha256 of the metadata, and then validated like any other checkpoint (names, shapes,
+dtypes, finiteness, run id, model hash). Any failure moves on to the next donor group, and
+then to each donor of the group alone (to skip a liar).
 """
 
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import json
 import logging
 import os
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import aiohttp
-from tenacity import (
-    AsyncRetrying,
-    RetryCallState,
-    retry_if_exception_type,
-    stop_after_attempt,
-    wait_incrementing,
-)
 
-from dtnode.peers.auth import HTTP_HEADER, SwarmAuth
+from dtnode.peers.auth import SwarmAuth
 from dtnode.peers.membership import PeerRecord
 from dtnode.peers.sidecar_address import PROBE_TIMEOUT_S
 
 from .checkpoint import CheckpointError, CheckpointInfo, Layout, LoadedCheckpoint, checkpoint_path, read_checkpoint
+from .download import PIECE_BYTES, DownloadError, Offer, auth_headers, download_parallel
+
+__all__ = ["PIECE_BYTES", "SwarmPosition", "fetch_from_swarm", "open_round", "swarm_position", "swarm_step"]
 
 log = logging.getLogger(__name__)
-
-PIECE_BYTES = 4 << 20  # one Range request
-PER_DONOR = 2  # concurrent range requests per donor
-QUEUE_POLL_S = 0.02  # an idle download worker looks for ranges given back by a failed donor this often
-WRITE_BATCH_BYTES = 2 << 20  # bytes received before a write (a thread hop)
-MAX_BUSY_RETRIES = 20  # 503s (donor busy serving others) before a donor is given up
-
-
-class DownloadError(RuntimeError):
-    pass
-
-
-@dataclass(frozen=True)
-class Offer:
-    """What one donor says it serves, and how fast it answered."""
-
-    donor: PeerRecord
-    base: str
-    step: int
-    sha256: str
-    size: int
-    latency: float
-
-
-def _headers(auth: SwarmAuth | None, path: str) -> dict[str, str]:
-    return {HTTP_HEADER: auth.issue("http", path)} if auth is not None else {}
 
 
 async def probe(
@@ -80,7 +40,7 @@ async def probe(
         raise DownloadError(f"peer {donor.peer_id} announces no usable HTTP address")
     started = time.monotonic()
     async with session.get(
-        f"{base}/checkpoint", timeout=aiohttp.ClientTimeout(total=timeout), headers=_headers(auth, "/checkpoint")
+        f"{base}/checkpoint", timeout=aiohttp.ClientTimeout(total=timeout), headers=auth_headers(auth, "/checkpoint")
     ) as resp:
         if resp.status != 200:
             raise DownloadError(f"{base}/checkpoint answered {resp.status}")
@@ -107,319 +67,7 @@ async def probe(
     return Offer(donor, base, step, sha256.lower(), size, latency)
 
 
-class Progress:
-    """A rich progress bar on a terminal, a log line every few seconds otherwise."""
-
-    def __init__(self, total: int, label: str, interval: float = 2.0):
-        self.total = total
-        self.done = 0
-        self.label = label
-        self.interval = interval
-        self._last_log = time.monotonic()
-        self._bar = None
-        if sys.stderr.isatty():
-            from rich.progress import BarColumn, DownloadColumn, TransferSpeedColumn
-            from rich.progress import Progress as RichProgress
-
-            self._bar = RichProgress(
-                "[progress.description]{task.description}",
-                BarColumn(),
-                DownloadColumn(),
-                TransferSpeedColumn(),
-                transient=True,
-            )
-            self._task = self._bar.add_task(label, total=total)
-            self._bar.start()
-
-    def advance(self, n: int) -> None:
-        self.done += n
-        if self._bar is not None:
-            self._bar.update(self._task, completed=self.done)
-        elif time.monotonic() - self._last_log >= self.interval:
-            self._last_log = time.monotonic()
-            log.info(
-                "%s: %.1f of %.1f MB (%.0f%%)",
-                self.label,
-                self.done / 1e6,
-                self.total / 1e6,
-                100 * self.done / max(self.total, 1),
-            )
-
-    def close(self) -> None:
-        if self._bar is not None:
-            self._bar.stop()
-
-
-class PartialDownload:
-    """A file being assembled from ranges, with the list of finished pieces beside it."""
-
-    def __init__(self, scratch: Path, sha256: str, size: int):
-        self.path = scratch / f".download-{sha256[:16]}.partial"
-        self.ledger = scratch / f".download-{sha256[:16]}.json"
-        self.size = size
-        self.pieces = [(start, min(PIECE_BYTES, size - start)) for start in range(0, size, PIECE_BYTES)]
-        self.finished: set[int] = set()
-        scratch.mkdir(parents=True, exist_ok=True)
-        try:
-            saved = json.loads(self.ledger.read_text())
-            if saved.get("size") == size and self.path.stat().st_size == size:
-                self.finished = {i for i in saved.get("pieces", []) if isinstance(i, int) and 0 <= i < len(self.pieces)}
-        except (OSError, ValueError, AttributeError):
-            self.finished = set()
-        if not self.finished:
-            with open(self.path, "wb") as f:
-                f.truncate(size)
-        self.fd = os.open(self.path, os.O_RDWR)
-
-    def write(self, offset: int, data: bytes | bytearray) -> None:
-        os.pwrite(self.fd, data, offset)
-
-    def finish_piece(self, index: int) -> None:
-        """Record a finished piece (called from worker threads: one temp file per piece)."""
-        self.finished.add(index)
-        tmp = self.ledger.with_name(f"{self.ledger.name}.{index}.tmp")
-        tmp.write_text(json.dumps({"size": self.size, "pieces": sorted(self.finished)}))
-        os.replace(tmp, self.ledger)
-
-    def sha256(self) -> str:
-        os.fsync(self.fd)
-        digest = hashlib.sha256()
-        with open(self.path, "rb") as f:
-            while block := f.read(1 << 20):
-                digest.update(block)
-        return digest.hexdigest()
-
-    def close(self) -> None:
-        os.close(self.fd)
-
-    def discard(self) -> None:
-        self.path.unlink(missing_ok=True)
-        self.ledger.unlink(missing_ok=True)
-
-
-RESUMES_PER_PIECE = 3  # a donor that drops a connection mid-range is asked for the rest this many times
-RESUME_WAIT_S = 0.2  # before the first resume; each later one waits this much longer
-
-
-async def _fetch_piece(
-    session: aiohttp.ClientSession,
-    offer: Offer,
-    start: int,
-    length: int,
-    partial: PartialDownload,
-    progress: Progress,
-    timeout: float,
-    auth: SwarmAuth | None = None,
-) -> None:
-    """One range, written in place as it streams. A connection the donor drops (a restart of
-    its keep-alive socket, a busy moment) is resumed from the byte where it stopped; a donor
-    that keeps dropping it, or answers anything but the bytes asked for, has failed."""
-    received = 0
-
-    async def rest_of_range() -> None:
-        nonlocal received
-        try:
-            received += await _fetch_range(
-                session, offer, start + received, length - received, partial, progress, timeout, auth
-            )
-        except _Dropped as e:
-            received += e.received
-            raise
-
-    def resuming(state: RetryCallState) -> None:
-        cause = state.outcome.exception() if state.outcome is not None else None
-        log.info(
-            "donor %s dropped the connection at byte %d of checkpoint %d (%s); resuming from there",
-            offer.donor.peer_id[-8:],
-            start + received,
-            offer.step,
-            getattr(cause, "cause", cause),
-        )
-
-    retrying = AsyncRetrying(
-        retry=retry_if_exception_type(_Dropped),
-        stop=stop_after_attempt(RESUMES_PER_PIECE + 1),
-        wait=wait_incrementing(RESUME_WAIT_S, RESUME_WAIT_S),
-        before_sleep=resuming,
-        reraise=True,
-    )
-    try:
-        await retrying(rest_of_range)
-    except _Dropped as e:
-        raise DownloadError(f"connection dropped {RESUMES_PER_PIECE + 1} times ({e.cause})") from None
-
-
-async def _fetch_patiently(
-    session: aiohttp.ClientSession,
-    offer: Offer,
-    start: int,
-    length: int,
-    partial: PartialDownload,
-    progress: Progress,
-    timeout: float,
-    auth: SwarmAuth | None,
-) -> None:
-    """`_fetch_piece`, asking again after the donor's Retry-After while it answers busy (503:
-    serving others); a donor still busy after MAX_BUSY_RETRIES asks is given up (_Busy)."""
-    retrying = AsyncRetrying(
-        retry=retry_if_exception_type(_Busy),
-        stop=stop_after_attempt(MAX_BUSY_RETRIES + 1),
-        wait=_retry_after,
-        reraise=True,
-    )
-    await retrying(_fetch_piece, session, offer, start, length, partial, progress, timeout, auth)
-
-
-def _retry_after(state: RetryCallState) -> float:
-    busy = state.outcome.exception() if state.outcome is not None else None
-    return busy.retry_after if isinstance(busy, _Busy) else 1.0
-
-
-class _Dropped(Exception):
-    """The connection broke after `received` good bytes of a range."""
-
-    def __init__(self, received: int, cause: str):
-        super().__init__(cause)
-        self.received = received
-        self.cause = cause
-
-
-async def _write_batch(partial: PartialDownload, offset: int, batch: bytearray, progress: Progress) -> int:
-    if not batch:
-        return 0
-    await asyncio.to_thread(partial.write, offset, batch)
-    progress.advance(len(batch))
-    return len(batch)
-
-
-async def _fetch_range(
-    session: aiohttp.ClientSession,
-    offer: Offer,
-    start: int,
-    length: int,
-    partial: PartialDownload,
-    progress: Progress,
-    timeout: float,
-    auth: SwarmAuth | None,
-) -> int:
-    headers = {"Range": f"bytes={start}-{start + length - 1}", **_headers(auth, f"/checkpoint/{offer.step}")}
-    client_timeout = aiohttp.ClientTimeout(total=timeout, sock_read=min(timeout, 30))
-    received = 0
-    batch = bytearray()
-    try:
-        async with session.get(
-            f"{offer.base}/checkpoint/{offer.step}", headers=headers, timeout=client_timeout
-        ) as resp:
-            if resp.status == 503:
-                raise _Busy(float(resp.headers.get("Retry-After", "1") or 1))
-            if resp.status != 206 and not (resp.status == 200 and start == 0 and length == offer.size):
-                raise DownloadError(f"range request answered {resp.status}")
-            # socket reads come in small pieces: written in batches, each a hop to a thread that
-            # waits for the GIL when another thread holds it (a joiner's start-up imports do)
-            async for block in resp.content.iter_any():
-                if received + len(batch) + len(block) > length:
-                    raise DownloadError("donor sent more bytes than the range asked for")
-                batch += block
-                if len(batch) >= WRITE_BATCH_BYTES:
-                    received += await _write_batch(partial, start + received, batch, progress)
-                    batch = bytearray()
-            received += await _write_batch(partial, start + received, batch, progress)
-            batch = bytearray()
-    except aiohttp.ClientConnectorError:
-        raise  # not a dropped transfer: the donor is not there
-    except (aiohttp.ServerDisconnectedError, aiohttp.ClientPayloadError, aiohttp.ClientOSError) as e:
-        received += await _write_batch(partial, start + received, batch, progress)  # the bytes that did arrive
-        raise _Dropped(received, type(e).__name__) from None
-    if received != length:
-        raise _Dropped(received, f"range ended after {received} of {length} bytes")
-    return received
-
-
-class _Busy(Exception):
-    def __init__(self, retry_after: float):
-        super().__init__(f"donor busy, retry after {retry_after}s")
-        self.retry_after = min(max(retry_after, 0.1), 5.0)
-
-
-async def download_parallel(
-    session: aiohttp.ClientSession, offers: list[Offer], scratch: Path, timeout: float, auth: SwarmAuth | None = None
-) -> Path:
-    """Assemble one checkpoint file from ranges served by every donor in `offers` (same file)."""
-    first = offers[0]
-    partial = PartialDownload(scratch, first.sha256, first.size)
-    todo: asyncio.Queue[int] = asyncio.Queue()
-    for index in range(len(partial.pieces)):
-        if index not in partial.finished:
-            todo.put_nowait(index)
-    resumed = sum(partial.pieces[i][1] for i in partial.finished)
-    if resumed:
-        log.info(
-            "resuming a download of checkpoint %d: %.1f of %.1f MB already here",
-            first.step,
-            resumed / 1e6,
-            first.size / 1e6,
-        )
-    progress = Progress(first.size, f"checkpoint {first.step} from {len(offers)} peer(s)")
-    progress.advance(resumed)
-    failures: dict[str, str] = {}
-    in_flight: set[int] = set()
-    started = time.monotonic()
-
-    async def worker(offer: Offer) -> None:
-        while offer.donor.peer_id not in failures and len(partial.finished) < len(partial.pieces):
-            try:
-                index = todo.get_nowait()
-            except asyncio.QueueEmpty:  # ranges in flight elsewhere may still come back
-                if (
-                    all(o.donor.peer_id in failures for o in offers if o is not offer)
-                    and todo.empty()
-                    and not in_flight
-                ):
-                    return
-                await asyncio.sleep(QUEUE_POLL_S)
-                continue
-            in_flight.add(index)
-            start, length = partial.pieces[index]
-            try:
-                await _fetch_patiently(session, offer, start, length, partial, progress, timeout, auth)
-                await asyncio.to_thread(partial.finish_piece, index)
-                in_flight.discard(index)
-            except (TimeoutError, _Busy, DownloadError, aiohttp.ClientError, OSError) as e:
-                in_flight.discard(index)
-                todo.put_nowait(index)  # another donor takes this range
-                failures[offer.donor.peer_id] = "busy" if isinstance(e, _Busy) else str(e) or type(e).__name__
-                log.warning(
-                    "donor %s failed (%s); its ranges go to the others",
-                    offer.donor.peer_id[-8:],
-                    failures[offer.donor.peer_id],
-                )
-                return
-
-    try:
-        await asyncio.gather(*(worker(o) for o in offers for _ in range(PER_DONOR)))
-        if len(partial.finished) < len(partial.pieces):
-            raise DownloadError(f"every donor failed: {failures}")
-        digest = await asyncio.to_thread(partial.sha256)
-    finally:
-        progress.close()
-        partial.close()
-    if digest != first.sha256:
-        partial.discard()
-        raise DownloadError("sha256 of the downloaded checkpoint does not match its metadata")
-    dest = scratch / f".download-{first.sha256[:16]}.safetensors"
-    os.replace(partial.path, dest)
-    partial.ledger.unlink(missing_ok=True)
-    log.info(
-        "downloaded checkpoint %d from %d peer(s): %.1f MB in %.2fs",
-        first.step,
-        len(offers) - len(failures),
-        first.size / 1e6,
-        time.monotonic() - started,
-    )
-    return dest
-
-
-def _groups(offers: list[Offer]) -> list[list[Offer]]:
+def group_offers(offers: list[Offer]) -> list[list[Offer]]:
     """Donors serving the same file together, only the files the most donors serve (newest
     step first, then fastest).
 
@@ -547,7 +195,7 @@ async def fetch_from_swarm(
         for stale in scratch.glob(".download-*"):  # partial files nobody offers any more
             if stale.name.split("-", 1)[1].split(".", 1)[0] not in wanted:
                 stale.unlink(missing_ok=True)
-        for group in _groups(offers):
+        for group in group_offers(offers):
             # several donors first; if the assembled file is bad, each donor alone (to skip the liar)
             attempts = [group] + ([[o] for o in group] if len(group) > 1 else [])
             for attempt in attempts:

@@ -17,20 +17,23 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 from collections.abc import Awaitable, Callable
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, replace
 
 import torch
 
 from .auth import SwarmAuth
 from .butterfly import AllReduceReport, ChannelPool, butterfly_allreduce
 from .deadlines import AdaptiveDeadlines, expected_payload_bytes
-from .grid import Slot, cells, classes_of, coordinates, first_slot, grid_shape, hop_key, next_slots, split_groups
-from .matchmaking import UNKNOWN, FormedGroup, Matchmaker
+from .expectations import GroupExpectations
+from .grid import Slot, cells, coordinates, first_slot, grid_shape, next_slots
+from .matchmaking import FormedGroup, Matchmaker
 from .membership import PeerRecord
+from .outcome import AveragingResult, HopReport
 from .plan import FP32, INT8, make_plan
 from .reducer import ReductionRegistry
+
+__all__ = ["AveragingConfig", "AveragingResult", "HopReport", "MoshpitAverager"]
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +51,6 @@ class AveragingConfig:
     trim_fraction: float | None = None
 
 
-STALENESS_S = 2.0  # how stale a peer's record of its progress may be (a heartbeat or so)
 MAX_CHAINS = 16  # classes one peer carries through a hop at most (each holds a model-sized buffer)
 
 
@@ -59,49 +61,6 @@ class Chain:
     slot: Slot
     values: torch.Tensor
     weight: float
-
-
-@dataclass
-class HopReport:
-    """What one hop did, as this node saw it (its primary group; extra groups summed)."""
-
-    hop: int
-    group_key: str
-    group_size: int
-    expected: int
-    registrants: int
-    complete: bool
-    included_peers: list[str]
-    matchmaking_s: float
-    window_s: float
-    allreduce_s: float = 0.0
-    timeout_s: float = 0.0
-    bytes_sent: int = 0
-    bytes_received: int = 0
-    failed_parts: list[str] = field(default_factory=list)
-    failure_codes: list[str] = field(default_factory=list)  # per failed part: its gRPC code or error type
-    retried_codes: list[str] = field(default_factory=list)  # per stream that broke and was sent again: its code
-    extra_groups: int = 0
-    theta_resync_s: float | None = None
-
-    @property
-    def clean(self) -> bool:
-        return self.complete and not self.failed_parts
-
-    def as_dict(self) -> dict:
-        return asdict(self)
-
-
-@dataclass
-class AveragingResult:
-    mean: torch.Tensor  # the buffer holding the averaged Δ
-    weight: float  # the tokens the mean stands for
-    hops: list[HopReport]
-    theta: torch.Tensor | None  # averaged θ_g and momentum, when a re-sync happened
-
-    @property
-    def clean(self) -> bool:
-        return all(h.clean for h in self.hops)
 
 
 @dataclass(frozen=True)
@@ -144,46 +103,9 @@ class MoshpitAverager:
         self.auth = auth
         self.on_phase = on_phase
         self._scratch: list[torch.Tensor] = []
-
-    # ---- who takes part -----------------------------------------------------------------
-    async def population(self, round_no: int) -> set[str]:
-        """Peers of `round_no`: live, same model, at this step or finishing the one before."""
-        view = await self.view()
-        return {
-            p.peer_id
-            for p in view.values()
-            if p.outer_step in (round_no - 1, round_no)
-            and p.model_hash == self.config.model_hash
-            and p.state in ("training", "averaging")
-        } | {self.peer_id}
-
-    async def admissible(self) -> set[str]:
-        """Peers a group may include: those with a live, signed membership record for this model."""
-        view = await self.view()
-        return {p.peer_id for p in view.values() if p.model_hash == self.config.model_hash and p.state != "stopped"}
-
-    async def _last_step_of_others(self, round_no: int, peers: set[str]) -> float:
-        """How long hop 0 should keep its door open for peers still in their last inner step of
-        this round (up to the window's bound): a paced peer may start a step that ends half a
-        step after the round's end, and a slow or newly joined peer's step is long. Without
-        this, the adaptive window (learned from peers that arrive together) closes on it.
-        A peer whose rate is not known yet (a joiner before its second step) gets the bound."""
-        view = await self.view()
-        longest = 0.0
-        for peer in peers - {self.peer_id}:
-            record = view.get(peer)
-            if record is None or record.state != "training" or record.round_in_training != round_no:
-                continue
-            if record.tokens_per_s > 0 and record.tokens_per_step > 0:
-                longest = max(longest, record.tokens_per_step / record.tokens_per_s + STALENESS_S)
-            else:
-                longest = math.inf
-        return min(longest, self.deadlines.window_max)
-
-    async def _alive(self, peers: set[str], round_no: int) -> set[str]:
-        if UNKNOWN in peers:
-            return peers
-        return (peers & await self.population(round_no)) | {self.peer_id}
+        self.expect = GroupExpectations(
+            config.run_id, config.model_hash, config.target_group_size, peer_id, view, matchmaker, deadlines
+        )
 
     # ---- one outer step --------------------------------------------------------------------
     async def average(
@@ -202,7 +124,7 @@ class MoshpitAverager:
         `delta_ready`, when given, returns once `delta` holds Δ: its copy from the training
         device may still be under way when this starts, and hop 0's matchmaking hides it."""
         c = self.config
-        population = await self.population(round_no)
+        population = await self.expect.population(round_no)
         side, dims = grid_shape(len(population), c.target_group_size, c.grid_dims)
         hop0_cells = cells(population, round_no, side, dims, salt=c.run_id)
         chains = [Chain(first_slot(coordinates(self.peer_id, round_no, side, dims, c.run_id)), delta, weight)]
@@ -225,7 +147,7 @@ class MoshpitAverager:
             window = self.deadlines.matchmaking_window if hop == 0 else self.deadlines.window_max
             if hop == 0:
                 window = max(
-                    window, await self._last_step_of_others(round_no, set(hop0_cells.get(chains[0].slot.key, ())))
+                    window, await self.expect.last_step_of_others(round_no, set(hop0_cells.get(chains[0].slot.key, ())))
                 )
             self.on_phase("matchmaking")
             asked = resync or theta is not None
@@ -271,7 +193,7 @@ class MoshpitAverager:
             report.expected = (
                 len(primary.members)
                 if primary.complete
-                else self._hop0_size(hop0_cells, chains[0].slot.key)
+                else self.expect.hop0_size(hop0_cells, chains[0].slot.key)
                 if hop == 0
                 else primary.expected
             )
@@ -332,7 +254,7 @@ class MoshpitAverager:
         """Form this chain's group and all-reduce in it at once: a member of several groups
         must not keep one waiting while another is still forming."""
         slot = chain.slot
-        group = await self._form(h.round_no, h.hop, h.dims, h.side, slot, h.hop0_cells, h.window, h.asked)
+        group = await self.expect.form(h.round_no, h.hop, h.dims, h.side, slot, h.hop0_cells, h.window, h.asked)
         if h.delta_ready is not None:  # hop 0's group formed; Δ is read from here on
             await h.delta_ready()
         if slot.primary:
@@ -370,96 +292,12 @@ class MoshpitAverager:
                 free.append(buffer)
         return free[: len(inputs)]
 
-    def _hop0_size(self, hop0_cells: dict[str, set[str]], key: str) -> int:
-        """Members this node expected in its hop-0 group (an oversized cell is split)."""
-        wanted = hop0_cells.get(key, set()) | {self.peer_id}
-        return len(next(g for g in split_groups(wanted, self.config.target_group_size) if self.peer_id in g))
-
     def _scratch_buffer(self, index: int, like: torch.Tensor) -> torch.Tensor:
         while len(self._scratch) <= index:
             self._scratch.append(torch.empty_like(like))
         if self._scratch[index].numel() != like.numel():
             self._scratch[index] = torch.empty_like(like)
         return self._scratch[index]
-
-    async def _form(
-        self,
-        round_no: int,
-        hop: int,
-        dims: int,
-        side: int,
-        slot: Slot,
-        hop0_cells: dict[str, set[str]],
-        window: float,
-        resync: bool,
-    ) -> FormedGroup:
-        if hop == 0:
-            wanted = hop0_cells.get(slot.key, {UNKNOWN})
-
-            async def expected() -> set[str]:
-                return await self._alive(wanted, round_no)
-        else:
-            known: dict[str, dict[str, tuple[str, ...]]] = {}
-
-            async def expected() -> set[str]:
-                return await self._on_the_way(round_no, hop, dims, side, slot, known)
-
-        return await self.matchmaker.form_group(
-            round_no,
-            hop,
-            expected,
-            window,
-            self.config.target_group_size if hop == 0 else 1 << 16,
-            cell=f"d{dims}.{slot.key}",
-            resync=resync,
-            admitted=self.admissible,
-        )
-
-    async def _on_the_way(
-        self, round_no: int, hop: int, dims: int, side: int, slot: Slot, known: dict[str, dict[str, tuple[str, ...]]]
-    ) -> set[str]:
-        """Whom a slot of hop >= 1 waits for: every peer of the round whose path through the
-        earlier hops leads here, or still may.
-
-        A peer's path is public: its hop-0 cell is a hash of its id, and each group it formed
-        (its `formed` record) fixes its classes, hence its next key. So each peer is traced
-        hop by hop until its path turns elsewhere (not waited for), reaches this slot
-        (waited for), or stops at a hop it has not formed yet: then it is on its way and may
-        come here, unless a group of its hop-0 cell formed without it (the window of hop 0
-        closed the door on it). A peer that has stopped or left the round drops out of the
-        population. `known` caches the formed records read so far (a record never changes).
-        """
-        population = await self.population(round_no)
-        paths = {p: coordinates(p, round_no, side, dims, self.config.run_id) for p in population}
-        paths = {p: path for p, path in paths.items() if path[hop + 1 :] == slot.coords[hop + 1 :]}
-        wanted = {self.peer_id}
-        for j in range(hop):
-            keys = {
-                p: self.matchmaker.group_key(round_no, j, f"d{dims}.{hop_key(path, j)}") for p, path in paths.items()
-            }
-            stale = sorted({key for p, key in keys.items() if p not in known.get(key, {})})
-            for key, records in zip(stale, await asyncio.gather(*(self.matchmaker.formed(k) for k in stale))):
-                known[key] = known.get(key, {}) | records
-            door_closed = sorted({key for p, key in keys.items() if j == 0 and p not in known[key] and known[key]})
-            registered = dict(
-                zip(door_closed, await asyncio.gather(*(self.matchmaker.registered(k) for k in door_closed)))
-            )
-            onward: dict[str, tuple[int, ...]] = {}
-            for p, path in paths.items():
-                members = known[keys[p]].get(p)
-                if members is None:  # not through hop j yet
-                    if keys[p] not in registered or p in registered[keys[p]]:
-                        wanted.add(p)
-                    continue
-                classes = [cls for cls, _ in classes_of(sorted(members).index(p), len(members), side)]
-                if slot.coords[j] not in classes:  # it goes on in every class it stands for, none of them here
-                    continue
-                if j == hop - 1:
-                    wanted.add(p)
-                else:
-                    onward[p] = path[:j] + (slot.coords[j],) + path[j + 1 :]
-            paths = onward
-        return wanted
 
     async def _reduce(
         self,

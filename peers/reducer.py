@@ -22,10 +22,8 @@ import asyncio
 import logging
 import math
 import time
-from collections.abc import AsyncIterator, Callable
-from typing import NoReturn
+from collections.abc import Callable
 
-import grpc
 import torch
 
 from dtnode.ops.quantization import (
@@ -37,21 +35,14 @@ from dtnode.ops.quantization import (
     quantize,
 )
 from dtnode.ops.robust import trim_count, trimmed_mean
-from dtnode.proto import averaging_pb2 as pb
-from dtnode.proto import averaging_pb2_grpc as pb_grpc
 
 from . import failpoints
-from .auth import GRPC_METADATA, AuthError, SwarmAuth, stream_subject
 from .plan import FP32, GroupPlan, chunk_spans
-from .tls import TrustStore, client_fingerprint
 from .wire import (
     MAX_WEIGHT,
     ChunkError,
     Payload,
-    chunk_message,
-    decode_chunk,
     numel_of,
-    payload_size,
     slice_payload,
 )
 
@@ -330,167 +321,3 @@ class ReductionRegistry:
             except TimeoutError:
                 return None
             return self._reductions[key]
-
-
-def _remote_host(peer: str) -> str:
-    """'ipv4:1.2.3.4:5678' -> 'ipv4:1.2.3.4' (ports change per connection; hosts do not)."""
-    return peer.rsplit(":", 1)[0] if peer and peer.count(":") >= 2 else peer or "?"
-
-
-def _same_stream(chunk: pb.PartChunk, first: pb.PartChunk) -> bool:
-    return (chunk.sender, chunk.weight, chunk.group_id, chunk.round, chunk.hop, chunk.part, chunk.run_id) == (
-        first.sender,
-        first.weight,
-        first.group_id,
-        first.round,
-        first.hop,
-        first.part,
-        first.run_id,
-    )
-
-
-async def _abort(context: grpc.aio.ServicerContext, code: grpc.StatusCode, details: str) -> NoReturn:
-    """End the stream with a status (gRPC's abort raises; this says so to the type checker)."""
-    await context.abort(code, details)
-    raise AssertionError("grpc's abort returned")
-
-
-class AveragingService(pb_grpc.AveragingServicer):
-    """Validates and folds each sender's stream while streaming final result chunks back."""
-
-    def __init__(
-        self,
-        registry: ReductionRegistry,
-        run_id: str,
-        registration_wait: float = 5.0,
-        auth: SwarmAuth | None = None,
-        max_streams_per_peer: int = 16,
-        trust: TrustStore | None = None,
-    ):
-        self.registry = registry
-        self.trust = trust
-        self.run_id = run_id
-        self.registration_wait = registration_wait
-        self.auth = auth
-        self.max_streams_per_peer = max_streams_per_peer
-        self._open: dict[str, int] = {}  # streams per remote host: a flood from one host stays bounded
-
-    async def Reduce(self, request_iterator: AsyncIterator[pb.PartChunk], context: grpc.aio.ServicerContext):
-        host = _remote_host(context.peer())
-        if self._open.get(host, 0) >= self.max_streams_per_peer:
-            await _abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED, "too many concurrent streams from this peer")
-        self._open[host] = self._open.get(host, 0) + 1
-        try:
-            async for msg in self._reduce(request_iterator, context):
-                yield msg
-        finally:
-            self._open[host] -= 1
-            if not self._open[host]:
-                del self._open[host]
-
-    async def _reduce(self, request_iterator: AsyncIterator[pb.PartChunk], context: grpc.aio.ServicerContext):
-        requests = aiter(request_iterator)
-        try:
-            first = await anext(requests)
-        except StopAsyncIteration:
-            await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, "empty stream")
-        if first.run_id != self.run_id:
-            await _abort(context, grpc.StatusCode.PERMISSION_DENIED, f"run {first.run_id!r} is not this node's run")
-        if self.auth is not None:
-            tag = dict(context.invocation_metadata() or ()).get(GRPC_METADATA)
-            subject = stream_subject(first.run_id, first.round, first.hop, first.group_id, first.part)
-            try:
-                self.auth.verify("grpc", subject, tag if isinstance(tag, str) else None, peer_id=first.sender)
-            except AuthError as e:
-                await _abort(context, grpc.StatusCode.UNAUTHENTICATED, str(e))
-        if self.trust is not None:  # the stream must come over the certificate of the peer it claims to be
-            expected, presented = self.trust.fingerprint_of(first.sender), client_fingerprint(context)
-            if expected is None or presented != expected:
-                log.warning(
-                    "refused a stream claiming peer %s over %s",
-                    first.sender,
-                    "the certificate of peer " + (self.trust.peer_of(presented) or "?")
-                    if presented
-                    else "no certificate",
-                )
-                await _abort(
-                    context,
-                    grpc.StatusCode.PERMISSION_DENIED,
-                    f"this stream's TLS certificate is not the one peer {first.sender} announces",
-                )
-        key = ReductionRegistry.key(first.run_id, first.round, first.hop, first.group_id, first.part)
-        reduction = await self.registry.lookup(key, self.registration_wait)
-        if reduction is None:
-            await _abort(
-                context,
-                grpc.StatusCode.FAILED_PRECONDITION,
-                f"no reduction for round {first.round} hop {first.hop} part {first.part} in this group",
-            )
-        sender = first.sender
-        try:
-            reduction.begin(sender, first.weight)
-        except ChunkError as e:
-            await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        reader = asyncio.ensure_future(self._consume(reduction, sender, first, requests))
-        reduction.open_streams += 1
-        reduction.streams_closed.clear()
-        try:
-            for index, (offset, _) in enumerate(reduction.spans):
-                waiter = asyncio.ensure_future(reduction.wait_chunk(index))
-                if not reader.done():
-                    await asyncio.wait({waiter, reader}, return_when=asyncio.FIRST_COMPLETED)
-                if reader.done() and reader.exception() is not None:
-                    waiter.cancel()
-                    if reduction.failure is not None:  # not this sender's doing
-                        await _abort(context, grpc.StatusCode.ABORTED, str(reduction.failure))
-                    error = reader.exception()
-                    log.warning("rejected stream from %s: %s", sender, error)
-                    await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(error))
-                try:
-                    payload = await waiter
-                except ReductionFailed as e:
-                    await _abort(context, grpc.StatusCode.ABORTED, str(e))
-                msg = chunk_message(reduction.plan, reduction.part, reduction.own_id, 0.0, offset, payload)
-                if index == len(reduction.spans) - 1:
-                    msg.last = True
-                    msg.included.extend(reduction.included)
-                    msg.total_weight = reduction.total_weight
-                yield msg
-                reduction.bytes_sent += payload_size(payload)
-        finally:
-            reduction.open_streams -= 1
-            if not reduction.open_streams:
-                reduction.streams_closed.set()
-            if not reader.done():
-                reader.cancel()
-                await reduction.fail(sender)
-
-    async def _consume(
-        self, reduction: PartReduction, sender: str, first: pb.PartChunk, requests: AsyncIterator[pb.PartChunk]
-    ) -> None:
-        """Read, validate and fold the sender's chunks; any violation drops the sender."""
-        received = 0
-        try:
-            chunk = first
-            for index, (offset, _) in enumerate(reduction.spans):
-                if not _same_stream(chunk, first):
-                    raise ChunkError("chunk identity changed mid-stream")
-                payload = decode_chunk(chunk, reduction.plan, reduction.length, offset)
-                if chunk.length != reduction.spans[index][1]:
-                    raise ChunkError(f"chunk {index} has {chunk.length} values, expected {reduction.spans[index][1]}")
-                reduction.bytes_received += payload_size(payload)
-                await reduction.add(sender, index, payload)
-                received += chunk.length
-                if index == len(reduction.spans) - 1:
-                    if not chunk.last:
-                        raise ChunkError("the part's last chunk is not marked last")
-                    return
-                if chunk.last:
-                    raise ChunkError(f"stream ended after {received} of {reduction.length} elements")
-                chunk = await anext(requests)
-        except StopAsyncIteration:
-            await reduction.fail(sender)
-            raise ChunkError("stream ended without a last chunk") from None
-        except BaseException:
-            await reduction.fail(sender)
-            raise

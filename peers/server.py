@@ -9,7 +9,7 @@ import grpc
 
 from dtnode.proto import averaging_pb2_grpc as pb_grpc
 
-from .reducer import AveragingService
+from .service import AveragingService
 
 
 class GrpcPortError(OSError):

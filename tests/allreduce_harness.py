@@ -11,8 +11,9 @@ from cryptography.hazmat.primitives.asymmetric import rsa
 
 from dtnode.peers.butterfly import AllReduceReport, ChannelPool, butterfly_allreduce
 from dtnode.peers.plan import INT8, Member, make_plan
-from dtnode.peers.reducer import AveragingService, ReductionRegistry
+from dtnode.peers.reducer import ReductionRegistry
 from dtnode.peers.server import start_grpc_server
+from dtnode.peers.service import AveragingService
 from dtnode.peers.tls import NodeIdentity, TrustStore, encode_certificate
 from dtnode.peers.wire import max_message_bytes
 

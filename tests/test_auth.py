@@ -16,8 +16,9 @@ from dtnode.peers.auth import GRPC_METADATA, HTTP_HEADER, AuthError, SwarmAuth, 
 from dtnode.peers.butterfly import ChannelPool, butterfly_allreduce
 from dtnode.peers.membership import Membership, PeerRecord
 from dtnode.peers.plan import INT8, Member, make_plan
-from dtnode.peers.reducer import AveragingService, ReductionRegistry
+from dtnode.peers.reducer import ReductionRegistry
 from dtnode.peers.server import start_grpc_server
+from dtnode.peers.service import AveragingService
 from dtnode.peers.wire import chunk_message, max_message_bytes
 from dtnode.proto import averaging_pb2_grpc as pb_grpc
 

@@ -145,7 +145,8 @@ def test_a_checkpoint_served_from_memory_is_the_file_byte_for_byte(tmp_path):
     """Donors serving the current step from memory and donors serving its file are one file to
     a joiner (same sha256, same bytes at every offset); after `detach` the bytes stay put while
     the live tensors change."""
-    from dtnode.daemon.checkpoint import MemoryCheckpoint, TrainingState, write_checkpoint
+    from dtnode.daemon.checkpoint import TrainingState, write_checkpoint
+    from dtnode.daemon.memory_checkpoint import MemoryCheckpoint
 
     layout = Layout(("a", "b"), ((3, 5), (7,)))
     theta, momentum = torch.randn(layout.numel), torch.randn(layout.numel)

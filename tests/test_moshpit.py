@@ -10,6 +10,7 @@ from hivemind.utils import get_dht_time
 
 from dtnode.peers.averager import AveragingConfig, MoshpitAverager
 from dtnode.peers.deadlines import AdaptiveDeadlines, expected_payload_bytes
+from dtnode.peers.expectations import GroupExpectations
 from dtnode.peers.grid import (
     Slot,
     cells,
@@ -318,16 +319,10 @@ def test_a_later_hop_waits_for_exactly_the_peers_whose_path_leads_there(dht):
                     truth.add(in_transit)
                 if hop == 1 and coords[late][2] != slot.coords[2]:
                     truth.discard(late)
-                averager = MoshpitAverager(
-                    AveragingConfig(run_id, "m", side, dims),
-                    owner,
-                    view,
-                    makers[owner],
-                    None,
-                    None,
-                    AdaptiveDeadlines(1.0, 10.0, 1.0, 10.0),
+                expectations = GroupExpectations(
+                    run_id, "m", side, owner, view, makers[owner], AdaptiveDeadlines(1.0, 10.0, 1.0, 10.0)
                 )
-                wanted = await averager._on_the_way(0, hop, dims, side, slot, {})
+                wanted = await expectations.on_the_way(0, hop, dims, side, slot, {})
                 assert wanted == truth - ({stopped} - {owner}), (hop, owner, slot)
 
     asyncio.run(main())

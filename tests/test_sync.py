@@ -16,12 +16,12 @@ from aiohttp import web
 from dtnode.daemon.checkpoint import (
     CheckpointInfo,
     Layout,
-    MemoryCheckpoint,
     TrainingState,
     file_sha256,
     read_checkpoint,
     write_checkpoint,
 )
+from dtnode.daemon.memory_checkpoint import MemoryCheckpoint
 from dtnode.daemon.metrics import NodeMetrics
 from dtnode.daemon.report import Health
 from dtnode.daemon.round_state import NodeState

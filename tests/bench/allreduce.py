@@ -93,8 +93,9 @@ async def _ours(rank, n, values, exact, reps, store, codec_name) -> dict:
     from dtnode.ops.quantization import use_fused_kernels
     from dtnode.peers.butterfly import ChannelPool, butterfly_allreduce
     from dtnode.peers.plan import FP32, INT8, Member, make_plan
-    from dtnode.peers.reducer import AveragingService, ReductionRegistry
+    from dtnode.peers.reducer import ReductionRegistry
     from dtnode.peers.server import start_grpc_server
+    from dtnode.peers.service import AveragingService
     from dtnode.peers.wire import max_message_bytes
 
     use_fused_kernels(True)

@@ -1,0 +1,178 @@
+"""What peers and operators read of a node: its membership record, `/status`, `/healthz`,
+`/peers`, and the checkpoints the sidecar serves (the sidecar's `NodeView`).
+
+It only reads the node's parts, never moves them: every value comes from the part that owns
+it (the round state, the worker, the store, the run statistics, the last round's summary).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from hivemind.utils import get_dht_time
+from prometheus_client import CollectorRegistry
+
+from dtnode import __version__
+from dtnode.ops.quantization import fused_kernels_active
+from dtnode.peers.deadlines import AdaptiveDeadlines, expected_payload_bytes
+from dtnode.peers.membership import Membership, PeerRecord
+from dtnode.peers.tls import TrustStore, encode_certificate
+
+from .checkpoint import CheckpointInfo
+from .history import RoundHistory
+from .memory_checkpoint import MemoryCheckpoint
+from .metrics import NodeMetrics
+from .report import Health, NodeStatus, RoundProgress, RunStats
+from .round_state import RoundState
+from .settings import NodeSettings
+from .store import CheckpointStore
+from .worker import ModelWorker
+from .workload import Workload
+
+
+@dataclass
+class Addresses:
+    """Where peers reach this node (filled in as its services start)."""
+
+    peer_id: str = ""
+    grpc_addr: str = ""
+    http_addr: str = ""
+    dht_addrs: tuple[str, ...] = ()
+    join_command: str = ""
+
+
+@dataclass
+class NodePresenter:
+    settings: NodeSettings
+    addr: Addresses
+    device: torch.device
+    workload: Workload
+    state: RoundState
+    stats: RunStats
+    worker: ModelWorker
+    store: CheckpointStore
+    membership: Membership
+    deadlines: AdaptiveDeadlines
+    trust: TrustStore | None
+    metrics: NodeMetrics
+    history: RoundHistory
+    started_at: float
+
+    @property
+    def metrics_registry(self) -> CollectorRegistry:
+        return self.metrics.registry
+
+    @property
+    def export_format(self) -> str:
+        return self.workload.export_format
+
+    def record(self) -> PeerRecord:
+        s, st, trainer = self.settings, self.state, self.worker.trainer
+        newest = self.store.newest()
+        return PeerRecord(
+            peer_id=self.addr.peer_id,
+            grpc_addr=self.addr.grpc_addr,
+            http_addr=self.addr.http_addr,
+            state=st.state.value,
+            outer_step=self.worker.outer_step,
+            checkpoint_step=newest.step if newest else -1,
+            checkpoint_sha256=newest.sha256 if newest else "",
+            tokens_per_s=self.stats.live_rate(trainer.round_tokens, trainer.tokens_per_step, trainer.round_seconds),
+            round_tokens=trainer.round_tokens,
+            training_round=st.training_round if s.overlap else -1,
+            round=st.round if st.in_round else -1,
+            phase=st.published_phase().value,
+            round_checkpoint=st.start_step if st.in_round else -1,
+            dht_addrs=self.addr.dht_addrs,
+            tokens_per_step=trainer.tokens_per_step,
+            progress_at=get_dht_time(),
+            bandwidth_mbps=s.bandwidth_mbps,
+            device=str(self.device),
+            client_mode=s.client_mode,
+            model_hash=self.workload.model_hash,
+            version=__version__,
+            tls_cert=encode_certificate(self.trust.own.cert_der) if self.trust is not None else "",
+        )
+
+    def status(self) -> NodeStatus:
+        s, w = self.settings, self.worker
+        trainer = w.trainer if w.built else None
+        summary, progress = self.stats.last, self.stats.round_progress
+        condition, detail = self.stats.condition(self.state.state)
+        return NodeStatus(
+            peer_id=self.addr.peer_id,
+            run_id=s.run_id,
+            state=self.state.state,
+            phase=self.state.phase.value,
+            outer_step=w.outer_step,
+            inner_step=trainer.inner_step if trainer else 0,
+            inner_lr=trainer.lr if trainer else None,
+            loss=trainer.last_loss if trainer else None,
+            eval_loss=w.eval_loss,
+            eval_step=w.eval_step,
+            loss_floor=self.workload.sources.loss_floor,
+            tokens_per_s=self.stats.tokens_per_s,
+            compute_utilization=self.stats.utilization(),
+            uptime_s=time.time() - self.started_at,
+            params_sha256=w.replica.params_sha256() if w.built else "",
+            http_url=self.addr.http_addr,
+            grpc_addr=self.addr.grpc_addr,
+            join_command=self.addr.join_command,
+            dht_addrs=list(self.addr.dht_addrs),
+            tls_fingerprint=self.trust.own.fingerprint if self.trust else None,
+            model=s.model,
+            model_hash=self.workload.model_hash,
+            device=str(self.device),
+            client_mode=s.client_mode,
+            version=__version__,
+            last_round=summary.last_round() if summary else None,
+            deadlines=self.deadlines.snapshot(
+                self._expected_bytes(summary.hops[0].group_size if summary and summary.hops else 2)
+            ),
+            fused_kernels=fused_kernels_active(),
+            pacing=s.pacing,
+            round_failures=self.stats.round_failures,
+            condition=condition,
+            condition_detail=detail,
+            round_progress=None
+            if progress is None
+            else RoundProgress(
+                target_tokens=progress.target,
+                swarm_tokens=round(progress.done),
+                peers=progress.peers,
+                own_tokens=trainer.round_tokens if trainer else 0,
+            ),
+        )
+
+    def health(self) -> Health:
+        return Health(ok=True, state=self.state.state)
+
+    def _expected_bytes(self, group_size: int) -> int:
+        if not self.worker.built:
+            return 0
+        s = self.settings
+        return expected_payload_bytes(
+            self.worker.replica.numel, max(group_size, 2), s.compression == "int8", s.quant_block_size
+        )
+
+    async def peer_records(self) -> list[dict[str, Any]]:
+        """The swarm's records, with what a reader wants from them: seconds since each was
+        last refreshed, and how many outer steps each is behind this node."""
+        members = await self.membership.members()
+        now, own = get_dht_time(), self.worker.outer_step
+        return [
+            r.model_dump() | {"last_seen_s": round(max(0.0, now - r.progress_at), 1), "lag": own - r.outer_step}
+            for r in sorted(members.values(), key=lambda r: r.peer_id)
+        ]
+
+    def checkpoint(self, step: int | None = None) -> CheckpointInfo | None:
+        return self.store.newest() if step is None else self.store.get(step)
+
+    def memory_checkpoint(self, step: int) -> MemoryCheckpoint | None:
+        return self.store.memory_checkpoint(step)
+
+    async def current_checkpoint(self) -> CheckpointInfo | None:
+        return await self.store.current(self.state.serving)

@@ -1,0 +1,163 @@
+"""Whom a moshpit group waits for, and who may join it: the expectations behind matchmaking.
+
+A hop-0 group waits for the peers its grid cell names in this node's view (who may be gone:
+hence an adaptive window, stretched for peers still in their last, long inner step); a group
+of a later hop waits for every peer whose path through the groups that really formed leads
+here, or still may. A group admits only peers with a live, signed membership record.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections.abc import Awaitable, Callable
+
+from .deadlines import AdaptiveDeadlines
+from .grid import Slot, classes_of, coordinates, hop_key, split_groups
+from .matchmaking import UNKNOWN, FormedGroup, Matchmaker
+from .membership import PeerRecord
+
+STALENESS_S = 2.0  # how stale a peer's record of its progress may be (a heartbeat or so)
+
+
+class GroupExpectations:
+    def __init__(
+        self,
+        run_id: str,
+        model_hash: str,
+        target_group_size: int,
+        peer_id: str,
+        view: Callable[[], Awaitable[dict[str, PeerRecord]]],
+        matchmaker: Matchmaker,
+        deadlines: AdaptiveDeadlines,
+    ):
+        self.run_id = run_id
+        self.model_hash = model_hash
+        self.target_group_size = target_group_size
+        self.peer_id = peer_id
+        self.view = view
+        self.matchmaker = matchmaker
+        self.deadlines = deadlines
+
+    async def population(self, round_no: int) -> set[str]:
+        """Peers of `round_no`: live, same model, at this step or finishing the one before."""
+        view = await self.view()
+        return {
+            p.peer_id
+            for p in view.values()
+            if p.outer_step in (round_no - 1, round_no)
+            and p.model_hash == self.model_hash
+            and p.state in ("training", "averaging")
+        } | {self.peer_id}
+
+    async def admissible(self) -> set[str]:
+        """Peers a group may include: those with a live, signed membership record for this model."""
+        view = await self.view()
+        return {p.peer_id for p in view.values() if p.model_hash == self.model_hash and p.state != "stopped"}
+
+    async def last_step_of_others(self, round_no: int, peers: set[str]) -> float:
+        """How long hop 0 should keep its door open for peers still in their last inner step of
+        this round (up to the window's bound): a paced peer may start a step that ends half a
+        step after the round's end, and a slow or newly joined peer's step is long. Without
+        this, the adaptive window (learned from peers that arrive together) closes on it.
+        A peer whose rate is not known yet (a joiner before its second step) gets the bound."""
+        view = await self.view()
+        longest = 0.0
+        for peer in peers - {self.peer_id}:
+            record = view.get(peer)
+            if record is None or record.state != "training" or record.round_in_training != round_no:
+                continue
+            if record.tokens_per_s > 0 and record.tokens_per_step > 0:
+                longest = max(longest, record.tokens_per_step / record.tokens_per_s + STALENESS_S)
+            else:
+                longest = math.inf
+        return min(longest, self.deadlines.window_max)
+
+    async def alive(self, peers: set[str], round_no: int) -> set[str]:
+        if UNKNOWN in peers:
+            return peers
+        return (peers & await self.population(round_no)) | {self.peer_id}
+
+    def hop0_size(self, hop0_cells: dict[str, set[str]], key: str) -> int:
+        """Members this node expected in its hop-0 group (an oversized cell is split)."""
+        wanted = hop0_cells.get(key, set()) | {self.peer_id}
+        return len(next(g for g in split_groups(wanted, self.target_group_size) if self.peer_id in g))
+
+    async def form(
+        self,
+        round_no: int,
+        hop: int,
+        dims: int,
+        side: int,
+        slot: Slot,
+        hop0_cells: dict[str, set[str]],
+        window: float,
+        resync: bool,
+    ) -> FormedGroup:
+        if hop == 0:
+            wanted = hop0_cells.get(slot.key, {UNKNOWN})
+
+            async def expected() -> set[str]:
+                return await self.alive(wanted, round_no)
+        else:
+            known: dict[str, dict[str, tuple[str, ...]]] = {}
+
+            async def expected() -> set[str]:
+                return await self.on_the_way(round_no, hop, dims, side, slot, known)
+
+        return await self.matchmaker.form_group(
+            round_no,
+            hop,
+            expected,
+            window,
+            self.target_group_size if hop == 0 else 1 << 16,
+            cell=f"d{dims}.{slot.key}",
+            resync=resync,
+            admitted=self.admissible,
+        )
+
+    async def on_the_way(
+        self, round_no: int, hop: int, dims: int, side: int, slot: Slot, known: dict[str, dict[str, tuple[str, ...]]]
+    ) -> set[str]:
+        """Whom a slot of hop >= 1 waits for: every peer of the round whose path through the
+        earlier hops leads here, or still may.
+
+        A peer's path is public: its hop-0 cell is a hash of its id, and each group it formed
+        (its `formed` record) fixes its classes, hence its next key. So each peer is traced
+        hop by hop until its path turns elsewhere (not waited for), reaches this slot
+        (waited for), or stops at a hop it has not formed yet: then it is on its way and may
+        come here, unless a group of its hop-0 cell formed without it (the window of hop 0
+        closed the door on it). A peer that has stopped or left the round drops out of the
+        population. `known` caches the formed records read so far (a record never changes).
+        """
+        population = await self.population(round_no)
+        paths = {p: coordinates(p, round_no, side, dims, self.run_id) for p in population}
+        paths = {p: path for p, path in paths.items() if path[hop + 1 :] == slot.coords[hop + 1 :]}
+        wanted = {self.peer_id}
+        for j in range(hop):
+            keys = {
+                p: self.matchmaker.group_key(round_no, j, f"d{dims}.{hop_key(path, j)}") for p, path in paths.items()
+            }
+            stale = sorted({key for p, key in keys.items() if p not in known.get(key, {})})
+            for key, records in zip(stale, await asyncio.gather(*(self.matchmaker.formed(k) for k in stale))):
+                known[key] = known.get(key, {}) | records
+            door_closed = sorted({key for p, key in keys.items() if j == 0 and p not in known[key] and known[key]})
+            registered = dict(
+                zip(door_closed, await asyncio.gather(*(self.matchmaker.registered(k) for k in door_closed)))
+            )
+            onward: dict[str, tuple[int, ...]] = {}
+            for p, path in paths.items():
+                members = known[keys[p]].get(p)
+                if members is None:  # not through hop j yet
+                    if keys[p] not in registered or p in registered[keys[p]]:
+                        wanted.add(p)
+                    continue
+                classes = [cls for cls, _ in classes_of(sorted(members).index(p), len(members), side)]
+                if slot.coords[j] not in classes:  # it goes on in every class it stands for, none of them here
+                    continue
+                if j == hop - 1:
+                    wanted.add(p)
+                else:
+                    onward[p] = path[:j] + (slot.coords[j],) + path[j + 1 :]
+            paths = onward
+        return wanted

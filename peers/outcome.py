@@ -1,0 +1,54 @@
+"""What one outer step's averaging produced: a typed report per hop, and the result.
+
+Reports are what `/status`, `/history`, the metrics and the round's log line are built
+from (daemon/report.py); the result is what the outer step applies.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+
+@dataclass
+class HopReport:
+    """What one hop did, as this node saw it (its primary group; extra groups summed)."""
+
+    hop: int
+    group_key: str
+    group_size: int
+    expected: int
+    registrants: int
+    complete: bool
+    included_peers: list[str]
+    matchmaking_s: float
+    window_s: float
+    allreduce_s: float = 0.0
+    timeout_s: float = 0.0
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    failed_parts: list[str] = field(default_factory=list)
+    failure_codes: list[str] = field(default_factory=list)  # per failed part: its gRPC code or error type
+    retried_codes: list[str] = field(default_factory=list)  # per stream that broke and was sent again: its code
+    extra_groups: int = 0
+    theta_resync_s: float | None = None
+
+    @property
+    def clean(self) -> bool:
+        return self.complete and not self.failed_parts
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class AveragingResult:
+    mean: torch.Tensor  # the buffer holding the averaged Δ
+    weight: float  # the tokens the mean stands for
+    hops: list[HopReport]
+    theta: torch.Tensor | None  # averaged θ_g and momentum, when a re-sync happened
+
+    @property
+    def clean(self) -> bool:
+        return all(h.clean for h in self.hops)
