@@ -21,8 +21,10 @@ import json
 import logging
 import os
 import re
+import secrets
 import shutil
 import struct
+import time
 from collections.abc import Collection
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -41,6 +43,11 @@ GENERATOR_LIMIT = 1 << 16  # bytes; a CPU torch.Generator state is about 5 kB
 _NAME = re.compile(r"^ckpt-(\d{8,})\.safetensors$")
 LOCAL_FORMAT = "dtnode-local-state-v1"
 HEADER_LIMIT = 16 << 20  # bytes of JSON header we are willing to parse
+# This process's mark on its temp files: its pid (not unique in containers, where every run is
+# PID 1) and a random tag. A temp file with another mark is a dead writer's once it is older
+# than STALE_TEMP_S (or its pid is gone): one node holds a state dir at a time.
+RUN_TOKEN = f"{os.getpid()}-{secrets.token_hex(4)}"
+STALE_TEMP_S = 60.0
 
 
 class CheckpointError(ValueError):
@@ -123,9 +130,9 @@ def _entries(tensors: list[tuple[str, str, list[int], int]], metadata: dict[str,
     return raw + b" " * (-len(raw) % 8)
 
 
-def _write_atomic(final: Path, header: bytes, buffers: list[torch.Tensor], durable: bool = True) -> tuple[str, int]:
-    """temp file, fsync, rename, fsync the directory (without `durable`: no fsync); returns (sha256, size)."""
-    tmp = final.parent / f".{final.name}.tmp-{os.getpid()}"
+def _write_atomic(final: Path, header: bytes, buffers: list[torch.Tensor]) -> tuple[str, int]:
+    """temp file, fsync, rename, fsync the directory; returns (sha256, size)."""
+    tmp = final.parent / f".{final.name}.tmp-{RUN_TOKEN}"
     digest = hashlib.sha256()
     size = 0
     pieces: list[bytes | memoryview] = [struct.pack("<Q", len(header)), header]
@@ -137,14 +144,11 @@ def _write_atomic(final: Path, header: bytes, buffers: list[torch.Tensor], durab
                 digest.update(piece)
                 size += len(piece)
             f.flush()
-            if durable:
-                os.fsync(f.fileno())
+            os.fsync(f.fileno())
         os.replace(tmp, final)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    if not durable:
-        return digest.hexdigest(), size
     dir_fd = os.open(final.parent, os.O_RDONLY)
     try:
         os.fsync(dir_fd)
@@ -154,12 +158,11 @@ def _write_atomic(final: Path, header: bytes, buffers: list[torch.Tensor], durab
 
 
 def write_checkpoint(
-    directory: Path, step: int, layout: Layout, state: TrainingState, metadata: dict[str, str], durable: bool = True
+    directory: Path, step: int, layout: Layout, state: TrainingState, metadata: dict[str, str]
 ) -> CheckpointInfo:
-    """Atomically write one checkpoint, local state first (blocking: call from a worker thread).
-
-    Without `durable` nothing is fsynced: for a file written on demand for a joiner, which a
-    power loss could only tear (resume skips torn files), seconds sooner."""
+    """Atomically and durably write one checkpoint, local state first (blocking: call from a
+    worker thread). Written on demand for a joiner too: a file this node serves and may resume
+    from is never one a power loss could leave torn under its final name."""
     if state.theta_g.numel() != layout.numel or state.momentum.numel() != layout.numel:
         raise ValueError("buffers do not match the layout")
     directory.mkdir(parents=True, exist_ok=True)
@@ -190,7 +193,7 @@ def write_checkpoint(
         )
         _write_atomic(local_state_path(directory, step), header, [local.exp_avg, local.exp_avg_sq, generator])
     final = checkpoint_path(directory, step)
-    sha256, size = _write_atomic(final, shared_header(step, layout, metadata), [state.theta_g, state.momentum], durable)
+    sha256, size = _write_atomic(final, shared_header(step, layout, metadata), [state.theta_g, state.momentum])
     return CheckpointInfo(step, final, sha256, size)
 
 
@@ -240,10 +243,22 @@ def prune_checkpoints(directory: Path, keep: int, protect: Collection[int] = ())
         digits = local.name[6:-12]
         if digits.isdigit() and int(digits) not in kept and (not found or int(digits) < found[0][0]):
             local.unlink(missing_ok=True)
-    for stale in list(directory.glob(".ckpt-*.tmp-*")) + list(directory.glob(".local-*.tmp-*")):  # killed writers
-        if not _pid_alive(stale.name.rsplit("-", 1)[-1]):
+    for stale in list(directory.glob(".ckpt-*.tmp-*")) + list(directory.glob(".local-*.tmp-*")):
+        if stale_temp_file(stale):
             stale.unlink(missing_ok=True)
     return kept
+
+
+def stale_temp_file(path: Path, now: float | None = None) -> bool:
+    """A temp file left by a writer that died: not this process's, and old or of a dead pid."""
+    mark = path.name.rsplit(".tmp-", 1)[-1]
+    if mark == RUN_TOKEN:
+        return False
+    try:
+        age = (time.time() if now is None else now) - path.stat().st_mtime
+    except OSError:
+        return False
+    return age > STALE_TEMP_S or not _pid_alive(mark.split("-", 1)[0])
 
 
 def _pid_alive(pid: str) -> bool:

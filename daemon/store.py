@@ -142,11 +142,10 @@ class CheckpointStore:
         if failpoints.active_since("wrong-checkpoint", step):  # a lying donor, for tests (its own θ_g is untouched)
             state.theta_g.add_(1.0)
         try:
-            # on demand for a joiner (not `local`): the joiner waits for it, so no fsync
             started = time.monotonic()
             info = await loop.run_in_executor(
                 self.io_thread,
-                partial(write_checkpoint, self.state_dir, step, self.layout, state, self.metadata, durable=local),
+                partial(write_checkpoint, self.state_dir, step, self.layout, state, self.metadata),
             )
             self.metrics.checkpoint_write_seconds.observe(time.monotonic() - started)
         except OSError as e:

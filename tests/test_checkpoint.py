@@ -151,7 +151,7 @@ def test_a_checkpoint_served_from_memory_is_the_file_byte_for_byte(tmp_path):
     layout = Layout(("a", "b"), ((3, 5), (7,)))
     theta, momentum = torch.randn(layout.numel), torch.randn(layout.numel)
     meta = {"run_id": "r", "model_hash": "h"}
-    info = write_checkpoint(tmp_path, 4, layout, TrainingState(theta.clone(), momentum.clone()), meta, durable=False)
+    info = write_checkpoint(tmp_path, 4, layout, TrainingState(theta.clone(), momentum.clone()), meta)
     memory = MemoryCheckpoint(4, layout, theta, momentum, meta)
     assert memory.hash() == info.sha256 and memory.size == info.size_bytes
     on_disk = info.path.read_bytes()
@@ -161,3 +161,26 @@ def test_a_checkpoint_served_from_memory_is_the_file_byte_for_byte(tmp_path):
     memory.detach()
     theta.add_(1.0)  # what the next outer step would do
     assert memory.read(0, memory.size) == on_disk
+
+
+def test_stale_temp_files_are_swept_by_age_and_owner_even_under_pid_1(tmp_path):
+    """In a container every run of the node is PID 1, so a dead writer's temp file names a pid
+    that is alive (this one): it is swept once it is old, whoever's pid it names; a fresh one
+    of a live pid may be a write under way and stays, and this process's own always stays."""
+    import os
+    import time
+
+    from dtnode.daemon.checkpoint import RUN_TOKEN, STALE_TEMP_S
+
+    old = time.time() - STALE_TEMP_S - 5
+    dead_run = tmp_path / ".ckpt-00000003.safetensors.tmp-1"  # an earlier run's, PID 1, no tag
+    dead_tagged = tmp_path / ".local-00000003.safetensors.tmp-1-0badcafe"
+    fresh = tmp_path / ".ckpt-00000004.safetensors.tmp-1-0000beef"
+    mine = tmp_path / f".ckpt-00000005.safetensors.tmp-{RUN_TOKEN}"
+    for path in (dead_run, dead_tagged, fresh, mine):
+        path.write_bytes(b"torn")
+    for path in (dead_run, dead_tagged, mine):
+        os.utime(path, (old, old))
+    prune_checkpoints(tmp_path, keep=3)
+    assert not dead_run.exists() and not dead_tagged.exists()
+    assert fresh.exists() and mine.exists()
