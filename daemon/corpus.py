@@ -25,11 +25,13 @@ window twice before the epoch is through; the position is one integer, kept in c
 from __future__ import annotations
 
 import hashlib
+import heapq
 import json
 import logging
 import math
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -44,6 +46,36 @@ LLMC_HEADER_INTS = 256
 LLMC_VERSIONS = {1: np.uint16, 2: np.uint32}
 DATASET_SUFFIXES = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 ENCODE_BATCH = 512  # documents per tokenizer call
+MAX_HELD_OUT_SHARE = 0.2  # a small dataset's held-out part never takes more of its tokens than this
+FALLBACK_CANDIDATES = 256  # documents of lowest hash remembered, for a small dataset's hold-out
+# what a text source may be made of (anything else is refused, not read as text)
+TEXT_SUFFIXES = {
+    "",
+    ".txt",
+    ".text",
+    ".md",
+    ".markdown",
+    ".rst",
+    ".tex",
+    ".html",
+    ".htm",
+    ".xml",
+    ".py",
+    ".c",
+    ".h",
+    ".cc",
+    ".cpp",
+    ".hpp",
+    ".rs",
+    ".go",
+    ".java",
+    ".js",
+    ".ts",
+    ".sh",
+    ".toml",
+    ".yaml",
+    ".yml",
+}
 
 
 class CorpusError(ValueError):
@@ -75,11 +107,20 @@ class TokenCorpus:
         step = 1 << 24
         return int(max(self.tokens[i : i + step].max() for i in range(0, len(self.tokens), step)))
 
-    def tail_split(self, fraction: float) -> tuple[TokenCorpus, TokenCorpus]:
-        """(training part, held-out tail): the last `fraction` of the tokens."""
-        cut = len(self.tokens) - max(2, round(len(self.tokens) * fraction))
-        if cut < 2:
-            raise CorpusError(f"{self.name} is too short to hold out {fraction:g} of it")
+    def tail_split(self, fraction: float, min_tokens: int = 2) -> tuple[TokenCorpus, TokenCorpus | None]:
+        """(training part, held-out tail): the last `fraction` of the tokens, at least `min_tokens`
+        (one sequence); None (with a warning) when that would take more than MAX_HELD_OUT_SHARE."""
+        n = len(self.tokens)
+        tail = max(min_tokens, round(n * fraction))
+        if tail > MAX_HELD_OUT_SHARE * n or n - tail < min_tokens:
+            log.warning(
+                "%s is too short to hold out one sequence (%d tokens) for the eval loss: training without one "
+                "(give --eval-data for one)",
+                self.name,
+                min_tokens,
+            )
+            return self, None
+        cut = n - tail
         return (
             TokenCorpus(self.tokens[:cut], self.name, self.id_bound),
             TokenCorpus(self.tokens[cut:], self.name, self.id_bound),
@@ -130,6 +171,12 @@ def _coprime_near(start: int, n: int) -> int:
 
 
 # ---- opening sources ---------------------------------------------------------------------
+def _cached_tokens(path: Path) -> int:
+    """The token count an llm.c header (as the token cache writes it) announces."""
+    header = np.fromfile(path, dtype=np.int32, count=3)
+    return int(header[2]) if len(header) == 3 and header[0] == LLMC_MAGIC else 0
+
+
 def read_bin(path: Path, dtype: str = "auto") -> TokenCorpus:
     """A token file in place: llm.c's header when it has one, else raw ids of `dtype` (uint16 by default)."""
     size = path.stat().st_size
@@ -262,48 +309,121 @@ def _source_key(path: Path, *parts: object) -> str:
 
 
 def tokenize_source(
-    path: Path, tokenizer: Tokenizer, text_field: str, cache_dir: Path, held_out_fraction: float = 0.0
+    path: Path,
+    tokenizer: Tokenizer,
+    text_field: str,
+    cache_dir: Path,
+    held_out_fraction: float = 0.0,
+    min_held_out: int = 2,
 ) -> tuple[TokenCorpus, TokenCorpus | None]:
-    """(training corpus, held-out corpus or None) of a text or dataset source, through the cache."""
-    key = _source_key(path, tokenizer.sha256, text_field, held_out_fraction)
+    """(training corpus, held-out corpus or None) of a text or dataset source, through the cache.
+
+    The held-out part is whole documents: those whose name hashes under the fraction, and when
+    they come to fewer than `min_held_out` tokens (a small dataset), the documents of lowest
+    hash until they do, as long as that takes at most MAX_HELD_OUT_SHARE of the tokens; else
+    there is no held-out part (None, with a warning), and the node trains without an eval loss."""
+    key = _source_key(path, tokenizer.sha256, text_field, held_out_fraction, min_held_out)
     train_path, eval_path = cache_dir / f"tokens-{key}-train.bin", cache_dir / f"tokens-{key}-eval.bin"
     if not train_path.exists() or (held_out_fraction and not eval_path.exists()):
         cache_dir.mkdir(parents=True, exist_ok=True)
-        _tokenize_into(path, tokenizer, text_field, held_out_fraction, train_path, eval_path)
+        _tokenize_into(path, tokenizer, text_field, held_out_fraction, min_held_out, train_path, eval_path)
     train = read_bin(train_path)
     train.id_bound = tokenizer.vocab_size
     held_out = None
     if held_out_fraction:
-        try:
+        if _cached_tokens(eval_path):
             held_out = read_bin(eval_path)
-        except CorpusError:
-            raise CorpusError(
-                f"{path} is too short to hold out {held_out_fraction:g} of its documents (none fell "
-                "in the held-out part); raise --eval-fraction or give --eval-data"
-            ) from None
-        held_out.id_bound = tokenizer.vocab_size
+            held_out.id_bound = tokenizer.vocab_size
+        else:
+            log.warning(
+                "%s is too small to hold out even one document (at most %.0f%% of its %d tokens, at least %d): "
+                "training without an eval loss (give --eval-data for one)",
+                path,
+                100 * MAX_HELD_OUT_SHARE,
+                len(train),
+                min_held_out,
+            )
     return train, held_out
 
 
+@dataclass
+class _Pass:
+    """What one tokenizing pass wrote, and the training documents a fallback may hold out."""
+
+    tokens: dict[bool, int] = field(default_factory=lambda: {False: 0, True: 0})
+    docs: dict[bool, int] = field(default_factory=lambda: {False: 0, True: 0})
+    lowest: list[tuple[int, str, int]] = field(default_factory=list)  # max-heap of (-score, name, tokens)
+
+
 def _tokenize_into(
-    path: Path, tokenizer: Tokenizer, text_field: str, fraction: float, train_path: Path, eval_path: Path
+    path: Path,
+    tokenizer: Tokenizer,
+    text_field: str,
+    fraction: float,
+    min_held_out: int,
+    train_path: Path,
+    eval_path: Path,
 ) -> None:
-    """One pass over the documents, streamed to disk (memory bounded by one batch of documents)."""
+    """Documents streamed to disk (memory bounded by one batch of documents): one pass, or a
+    second one when the hashed hold-out came short and whole documents are held out instead."""
+    log.info("tokenizing %s into the token cache (once)", path)
+    first = _tokenize_pass(
+        path, tokenizer, text_field, lambda name: is_held_out(name, fraction), fraction > 0, train_path, eval_path
+    )
+    if fraction and first.tokens[True] < min_held_out:
+        total = first.tokens[False] + first.tokens[True]
+        held, chosen = first.tokens[True], set()
+        for _, name, tokens in sorted(first.lowest, key=lambda c: (-c[0], c[1])):  # lowest hash first
+            if held >= min_held_out:
+                break
+            chosen.add(name)
+            held += tokens
+        if held < min_held_out or held > MAX_HELD_OUT_SHARE * total or total - held < min_held_out:
+            chosen, held_out = set(), False  # nothing fits: train on everything, an empty held-out file
+        else:
+            held_out = True
+        first = _tokenize_pass(
+            path,
+            tokenizer,
+            text_field,
+            (lambda name: name in chosen or is_held_out(name, fraction)) if held_out else (lambda name: False),
+            True,
+            train_path,
+            eval_path,
+        )
+    log.info("token cache of %s: %d training documents, %d held out", path, first.docs[False], first.docs[True])
+
+
+def _tokenize_pass(
+    path: Path,
+    tokenizer: Tokenizer,
+    text_field: str,
+    held: Callable[[str], bool],
+    with_eval: bool,
+    train_path: Path,
+    eval_path: Path,
+) -> _Pass:
     dtype = np.uint16 if tokenizer.vocab_size <= 1 << 16 else np.uint32
     writers = {False: TokenFileWriter(train_path, dtype)}
-    if fraction:
+    if with_eval:
         writers[True] = TokenFileWriter(eval_path, dtype)
-    docs = {False: 0, True: 0}
+    result = _Pass()
     batch: list[tuple[str, str]] = []
 
     def flush() -> None:
-        for (name, _), ids in zip(batch, tokenizer.encode_batch([text for _, text in batch])):
-            held = is_held_out(name, fraction)
-            writers[held].append(np.asarray(ids, dtype=np.int64))
-            docs[held] += 1
+        for (name, _), ids in zip(batch, tokenizer.encode_batch([text for _, text in batch]), strict=True):
+            out = with_eval and held(name)
+            writers[out].append(np.asarray(ids, dtype=np.int64))
+            result.docs[out] += 1
+            result.tokens[out] += len(ids)
+            if not out:  # a fallback candidate: keep the FALLBACK_CANDIDATES of lowest hash
+                entry = (-stable_seed("held-out", name), name, len(ids))
+                if len(result.lowest) < FALLBACK_CANDIDATES:
+                    heapq.heappush(result.lowest, entry)
+                elif entry > result.lowest[0]:
+                    heapq.heapreplace(result.lowest, entry)
         batch.clear()
 
-    log.info("tokenizing %s into the token cache (once)", path)
     try:
         for document in documents(path, text_field):
             batch.append(document)
@@ -318,13 +438,21 @@ def _tokenize_into(
         for writer in writers.values():
             writer.abort()
         raise
-    log.info("token cache of %s: %d training documents, %d held out", path, docs[False], docs[True])
+    return result
 
 
 def open_corpus(
-    path: Path, tokenizer: Tokenizer, text_field: str, data_dtype: str, cache_dir: Path, held_out_fraction: float = 0.0
+    path: Path,
+    tokenizer: Tokenizer,
+    text_field: str,
+    data_dtype: str,
+    cache_dir: Path,
+    held_out_fraction: float = 0.0,
+    min_held_out: int = 2,
 ) -> tuple[TokenCorpus, TokenCorpus | None]:
-    """(training corpus, held-out corpus or None when `held_out_fraction` is 0) of one source."""
+    """(training corpus, held-out corpus or None) of one source: None when `held_out_fraction`
+    is 0, or when the source is too small to hold anything out (see tokenize_source)."""
+    check_known_type(path)
     single = path.is_file()
     if single and path.suffix.lower() == ".bin":
         corpus = read_bin(path, data_dtype)
@@ -334,9 +462,20 @@ def open_corpus(
     else:
         one_document = single and path.suffix.lower() not in DATASET_SUFFIXES
         train, held_out = tokenize_source(
-            path, tokenizer, text_field, cache_dir, 0.0 if one_document else held_out_fraction
+            path, tokenizer, text_field, cache_dir, 0.0 if one_document else held_out_fraction, min_held_out
         )
         if one_document and held_out_fraction:
-            return train.tail_split(held_out_fraction)
+            return train.tail_split(held_out_fraction, min_held_out)
         return train, held_out
-    return corpus.tail_split(held_out_fraction) if held_out_fraction else (corpus, None)
+    return corpus.tail_split(held_out_fraction, min_held_out) if held_out_fraction else (corpus, None)
+
+
+def check_known_type(path: Path) -> None:
+    """Refuse a file of a type dtnode would misread (a .csv or .jsonl.gz read as text would train on garbage)."""
+    for file in source_files(path) if path.is_dir() else [path]:
+        suffix = file.suffix.lower()
+        if suffix not in TEXT_SUFFIXES and suffix not in DATASET_SUFFIXES and suffix != ".bin":
+            raise CorpusError(
+                f"{file}: unknown data type {suffix!r}; known: text ({', '.join(sorted(s for s in TEXT_SUFFIXES if s))} "
+                f"or no suffix), datasets ({', '.join(DATASET_SUFFIXES)}), token ids (.bin)"
+            )

@@ -107,25 +107,23 @@ def open_sources(
         raise SettingsError("--eval-data", f"{eval_data} is the training data itself")
     fraction = 0.0 if eval_data is not None else eval_fraction
     try:
-        train, held_out = open_corpus(data, splitter, text_field, data_dtype, cache_dir, fraction)
+        train, held_out = open_corpus(data, splitter, text_field, data_dtype, cache_dir, fraction, seq_len + 1)
     except CorpusError as e:
-        raise SettingsError(
-            "--eval-fraction" if fraction and "too short to hold out" in str(e) else "--data", str(e)
-        ) from None
+        raise SettingsError("--data", str(e)) from None
     if eval_data is not None:
         try:
             held_out = open_corpus(eval_data, splitter, text_field, data_dtype, cache_dir)[0]
         except CorpusError as e:
             raise SettingsError("--eval-data", str(e)) from None
-    if held_out is None:
-        return DataSources(train, None)
-    if len(held_out) < seq_len + 1 or len(train) < seq_len + 1:
-        option = "--eval-data" if eval_data is not None else "--eval-fraction"
+        if len(held_out) < seq_len + 1:
+            raise SettingsError(
+                "--eval-data", f"{eval_data} holds {len(held_out)} tokens, fewer than one sequence ({seq_len + 1})"
+            )
+    if len(train) < seq_len + 1:
         raise SettingsError(
-            option,
-            f"{data} split {len(train)}/{len(held_out)} tokens (train/held out) leaves a "
-            f"part shorter than one sequence ({seq_len + 1} tokens); change "
-            f"--eval-fraction or give --eval-data",
+            "--data",
+            f"{data} holds {len(train)} training tokens, fewer than one sequence "
+            f"({seq_len + 1}); give more data or a shorter --seq-len",
         )
     return DataSources(train, held_out)
 

@@ -175,8 +175,10 @@ def test_held_out_documents_are_never_trained_on(tmp_path):
     assert trained - {newline} and held - {newline}
     assert not (trained & held) - {newline}  # no held-out document's byte reaches training
     assert (trained | held) - {newline} == set(letters.encode())  # every document is in one part or the other
-    with pytest.raises(SettingsError, match="--eval-fraction"):
-        open_sources("run", 0, corpus, None, eval_fraction=0.001, seq_len=16, cache_dir=tmp_path / "cache2")
+    # a fraction under one document: the document of lowest hash is held out, whole
+    few = open_sources("run", 0, corpus, None, eval_fraction=0.001, seq_len=16, cache_dir=tmp_path / "cache2")
+    assert few.eval is not None and len(set(few.eval.tokens.tolist()) - {newline}) == 1
+    assert not set(few.eval.tokens.tolist()) - {newline} & set(few.train.tokens.tolist())
     bad = tmp_path / "rows.jsonl"
     bad.write_text('{"body": "x"}\n')
     with pytest.raises(SettingsError, match="--data.*no field 'text'.*--text-field"):
@@ -395,3 +397,36 @@ def test_hf_models_start_from_safetensors_weights_and_bad_inputs_fail_clearly(wo
     raw.write_bytes(np.arange(3, dtype=np.uint16).tobytes())
     with pytest.raises(SettingsError, match="--data.*6 bytes is not a whole number of uint32 ids"):
         open_sources("run", 0, raw, None, seq_len=2, data_dtype="uint32")
+
+
+def test_a_small_dataset_is_never_refused_for_its_size(tmp_path, caplog):
+    """50 documents at the default --eval-fraction (0.01: half a document) hold out whole
+    documents of lowest hash, enough for one sequence; 3 documents cannot spare one (a third
+    of the data), so the node trains on all of them without an eval loss, and says so."""
+    import logging
+
+    def jsonl(path, count: int) -> None:
+        rows = [json.dumps({"text": f"document {i}: " + "lorem ipsum dolor sit amet " * 40}) for i in range(count)]
+        path.write_text("\n".join(rows) + "\n")
+
+    fifty, three = tmp_path / "fifty.jsonl", tmp_path / "three.jsonl"
+    jsonl(fifty, 50)
+    jsonl(three, 3)
+    sources = open_sources("run", 0, fifty, None, eval_fraction=0.01, seq_len=64, cache_dir=tmp_path / "c1")
+    assert sources.eval is not None and len(sources.eval) >= 65
+    assert len(sources.eval) <= 0.2 * (len(sources.eval) + len(sources.train))
+    with caplog.at_level(logging.WARNING):
+        small = open_sources("run", 0, three, None, eval_fraction=0.01, seq_len=64, cache_dir=tmp_path / "c2")
+    assert small.eval is None and len(small.train) > 3 * 1000
+    assert "too small to hold out even one document" in caplog.text and "training without an eval loss" in caplog.text
+
+
+@pytest.mark.parametrize("name", ["rows.jsonl.gz", "table.csv", "data.arrow"])
+def test_an_unknown_data_file_is_refused_with_the_known_types(tmp_path, name):
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "ok.txt").write_text("some text\n" * 50)
+    (data / name).write_bytes(b"\x1f\x8b not text")
+    for source in (data, data / name):
+        with pytest.raises(SettingsError, match=r"--data: .*unknown data type.*known: text \(.*\.jsonl.*\.bin"):
+            open_sources("run", 0, source, None, seq_len=16, cache_dir=tmp_path / "cache")

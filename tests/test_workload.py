@@ -1,3 +1,4 @@
+import logging
 import math
 
 import pytest
@@ -107,11 +108,15 @@ def test_eval_never_reads_training_data(tmp_path):
     assert not _bytes_of(stream.next_batch()) & UPPER and not _bytes_of(stream.eval_set) & LOWER
 
 
-def test_held_out_settings_fail_clearly(tmp_path):
+def test_held_out_settings_fail_clearly(tmp_path, caplog):
     path = tmp_path / "short.txt"
     path.write_bytes(b"x" * 200)
-    with pytest.raises(SettingsError, match="--eval-fraction.*shorter than one sequence"):
-        open_sources("run", 0, path, None, eval_fraction=0.05, seq_len=64)
+    # one sequence (65 tokens) would be a third of it: no eval loss, and a warning, not a refusal
+    with caplog.at_level(logging.WARNING):
+        assert open_sources("run", 0, path, None, eval_fraction=0.05, seq_len=64).eval is None
+    assert "too short to hold out one sequence" in caplog.text
+    with pytest.raises(SettingsError, match="--data.*fewer than one sequence"):
+        open_sources("run", 0, path, None, eval_fraction=0.05, seq_len=512)
     with pytest.raises(SettingsError, match="--eval-data.*training data itself"):
         open_sources("run", 0, path, path, seq_len=8)
     assert open_sources("run", 0, path, None, eval_fraction=0.0).eval is None  # no held-out text: no eval loss
