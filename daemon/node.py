@@ -61,6 +61,7 @@ from .round_state import Publisher, RoundState
 from .rounds import RoundLoop
 from .settings import NodeSettings, SettingsError
 from .sidecar import ServedSteps, Sidecar
+from .state_dir import claim_state_dir, startup_error
 from .store import CheckpointStore
 from .worker import ModelWorker
 from .workload import build_workload, resolve_device
@@ -126,7 +127,10 @@ class Node:
             loop.add_signal_handler(sig, self.request_stop)
         async with contextlib.AsyncExitStack() as stack:
             stack.callback(self._log_stopped)
-            await self._start(stack)
+            try:
+                await self._start(stack)
+            except OSError as e:  # a local disk error (a full disk, a read-only state dir): one line
+                raise startup_error(e, self.settings) from None
             stack.push_async_callback(self._stop_rounds)
             stack.callback(self._stop_everything)  # however the run ends, the first thing on the way out
             await self.rounds.join()
@@ -404,9 +408,15 @@ def check_ports(s: NodeSettings) -> None:
 
 
 async def run_node(settings: NodeSettings) -> int:
+    """Run one node on its state dir (held for the run); a local disk error while it starts is
+    one SettingsError line, never a traceback."""
     check_ports(settings)
-    node = Node(settings)
-    return await node.run()
+    async with claim_state_dir(Path(settings.state_dir)):
+        try:
+            node = Node(settings)
+        except OSError as e:
+            raise startup_error(e, settings) from None
+        return await node.run()
 
 
 __all__ = ["JoinError", "Node", "check_ports", "run_node"]

@@ -90,6 +90,8 @@ class RoundLoop:
         self.stop_flag = stop_flag  # seen by the training thread
         self.needs_resync = False  # set by a failed hop or round; cleared by a clean round
         self.rounds_done = 0
+        self.finished = False  # --max-rounds: the swarm's run is over
+        self.model_hash = worker.workload.model_hash
         self.tokens_total = history.tokens_total  # over the whole record, across restarts
         self.pacer: Pacer = (
             FixedPacer(settings.inner_steps)
@@ -132,11 +134,40 @@ class RoundLoop:
                 waiting.cancel()
             elif len(view := waiting.result()) < s.min_peers:
                 log.warning("only %d of %d peers after %.0fs; training anyway", len(view), s.min_peers, s.join_timeout)
-        while not self.stopping.is_set():
-            if s.max_rounds is not None and self.rounds_done >= s.max_rounds:
-                log.info("finished %d rounds (--max-rounds)", self.rounds_done)
-                break
+        while not self.stopping.is_set() and not self.finished:
             await self.guarded_round()
+
+    async def _run_is_over(self, round_no: int) -> bool:
+        """--max-rounds N: the run ends at the swarm's outer step N. A round numbered N or later is
+        never trained (with --overlap the last average in flight still lands: step N); and a node
+        behind a swarm that already stopped at N (the stopped peers' records say so) stops where
+        it is rather than training the missing rounds alone, which no peer would average."""
+        own = self.settings.max_own_rounds
+        if own is not None and self.rounds_done >= own:
+            log.info("finished %d rounds (--max-own-rounds)", self.rounds_done)
+            self.finished = True
+            return True
+        last = self.settings.max_rounds
+        if last is None:
+            return False
+        if round_no >= last:
+            log.info("the swarm's run ends at outer step %d (--max-rounds): stopping", last)
+            self.finished = True
+            return True
+        view = await self.membership.members()
+        mine = [r for r in view.values() if r.peer_id != self.peer_id and r.model_hash == self.model_hash]
+        if any(r.state == "stopped" and r.outer_step >= last for r in mine) and not any(
+            r.state in ("training", "averaging") for r in mine
+        ):
+            log.warning(
+                "the swarm stopped at outer step %d (--max-rounds) while this node is at %d: stopping here "
+                "rather than training the rounds in between alone",
+                last,
+                self.worker.outer_step,
+            )
+            self.finished = True
+            return True
+        return False
 
     async def guarded_round(self) -> None:
         """One round behind the error boundary (see the module docstring)."""
@@ -183,6 +214,8 @@ class RoundLoop:
         outer = self.worker.outer_step
         ahead = self.landing.in_flight or self.joiner.catch_up_round == outer + 1
         round_no = outer + (1 if ahead else 0)
+        if await self._run_is_over(round_no):
+            return None
         self.state.train(round_no)  # published with --overlap: pacing counts this round's tokens under it
         self.state.enter_round(round_no, outer)
         await self.joiner.entering(round_no)

@@ -16,6 +16,7 @@ from typing import Any
 
 from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, TomlConfigSettingsSource
+from pydantic_settings import SettingsError as PydanticSettingsError
 
 ENV_PREFIX = "DTNODE_"
 _DEVICE = re.compile(r"^(auto|cpu|mps|cuda(:\d+)?)$")
@@ -130,18 +131,16 @@ class NodeSettings(BaseSettings):
     )
     eval_data: Path | None = Field(
         None,
-        description="Held-out data for the eval loss, in any --data format "
-        "(default: the last --eval-fraction of --data by "
-        "document, which training then never reads).",
+        description="Held-out data for the eval loss, in any --data format (default: --eval-fraction of "
+        "--data's documents, chosen by a hash of their names, whole, which training then never reads).",
     )
     eval_fraction: float = Field(
         0.01,
         ge=0,
         lt=1,
-        description="With --data and no --eval-data: the fraction "
-        "of the documents (of a single text or .bin "
-        "file: of its tokens, at its end) held out for "
-        "the eval loss (0: no eval loss).",
+        description="With --data and no --eval-data: the fraction of the documents held out for the eval "
+        "loss, chosen by a hash of their names (of a single text or .bin file: of its tokens, at its end); at "
+        "least one sequence's worth, at most a fifth of the data, else no eval loss (0: none).",
     )
     eval_sequences: int = Field(
         64, ge=0, le=1_000_000, description="Sequences in the eval set, the same on every peer (0: no eval loss)."
@@ -237,7 +236,15 @@ class NodeSettings(BaseSettings):
     max_rounds: int | None = Field(
         None,
         ge=1,
-        description="Exit 0 after this process has taken part in this many outer rounds (default: run forever).",
+        description="Exit 0 once the swarm's outer step reaches N: every node of the swarm stops at the same "
+        "step, however late it joined; a node whose swarm stopped first stops too, never training alone "
+        "(default: run forever).",
+    )
+    max_own_rounds: int | None = Field(
+        None,
+        ge=1,
+        description="Exit 0 after this process has taken part in N outer rounds, wherever the swarm is (a "
+        "benchmark's or a test's joiner; a swarm's run ends with --max-rounds).",
     )
     # Averaging
     target_group_size: int = Field(
@@ -459,6 +466,12 @@ def load_settings(cli_values: dict[str, Any]) -> NodeSettings:
     """Build the settings; raise SettingsError naming the first bad option."""
     try:
         return NodeSettings(**cli_values)
+    except PydanticSettingsError as e:  # an environment value that does not parse (a list not in JSON)
+        found = re.search(r'field "(\w+)"', str(e))
+        name = found.group(1) if found else ""
+        variable = ENV_PREFIX + name.upper() if name else "a DTNODE_* variable"
+        example = ' (a JSON list, e.g. ["/ip4/1.2.3.4/tcp/7700/p2p/Qm..."])' if name == "peers" else ""
+        raise SettingsError(variable, f"cannot parse {os.environ.get(variable, '')!r}{example}") from None
     except ValidationError as e:
         err = e.errors()[0]
         message = err["msg"].removeprefix("Value error, ")

@@ -106,7 +106,7 @@ def test_a_joiner_arriving_in_the_outer_phase_starts_with_the_next_round_not_a_c
     b = NodeProcess.join("b", tmp_path, *args, "--peer", a.join_address, env=pause)
     cleanup.append(b)
     a.wait_for_line(r"failpoint outer-phase@2 reached", timeout=120)
-    c = NodeProcess.join("c", tmp_path, *args, "--peer", a.join_address, "--max-rounds", "2")
+    c = NodeProcess.join("c", tmp_path, *args, "--peer", a.join_address, "--max-own-rounds", "2")
     cleanup.append(c)
     assert c.wait(120) == 0, c.output
     assert "in sync at outer step 3" in c.output, c.output
@@ -135,7 +135,14 @@ def test_a_joiner_whose_round_closes_during_its_first_step_takes_the_next_round(
     cleanup.append(b)
     a.wait_for_round(lambda r: r["round"] >= 1 and r["groups"][0] == [2, 2], timeout=120)
     c = NodeProcess.join(
-        "c", tmp_path, *args, "--peer", a.join_address, "--max-rounds", "1", env={"DTNODE_TEST_FIRST_STEP_DELAY": "14"}
+        "c",
+        tmp_path,
+        *args,
+        "--peer",
+        a.join_address,
+        "--max-own-rounds",
+        "1",
+        env={"DTNODE_TEST_FIRST_STEP_DELAY": "14"},
     )
     cleanup.append(c)
     assert c.wait(120) == 0, c.output

@@ -173,7 +173,7 @@ def test_a_joiner_of_an_overlapped_swarm_takes_its_delayed_step_from_the_swarm(t
     b = NodeProcess.join("b", tmp_path, *args, "--min-peers", "2", "--peer", a.join_address, env=slow)
     cleanup.append(b)
     a.wait_for_round(lambda r: r["round"] >= 2, timeout=120)
-    c = NodeProcess.join("c", tmp_path, *args, "--max-rounds", "3", "--peer", a.join_address, env=slow)
+    c = NodeProcess.join("c", tmp_path, *args, "--max-own-rounds", "3", "--peer", a.join_address, env=slow)
     cleanup.append(c)
     assert c.wait(120) == 0, c.output
     entered = int(c.wait_for_line(r"training round (\d+) with the swarm").group(1))

@@ -6,7 +6,7 @@ import threading
 import torch
 from nodes import FAST, NodeProcess
 
-from dtnode.daemon.checkpoint import LoadedCheckpoint, TrainingState
+from dtnode.daemon.checkpoint import LoadedCheckpoint, TrainingState, list_checkpoints
 from dtnode.daemon.settings import NodeSettings
 from dtnode.daemon.worker import ModelWorker
 from dtnode.daemon.workload import build_workload
@@ -80,3 +80,34 @@ def test_a_catch_up_keeps_the_inner_optimizer_of_a_training_node(tmp_path):
     assert worker.trainer.inner_step == 5 and worker.trainer.stream.position()[1] == position[1]
     worker.install(loaded, None, keep_inner=False)
     assert worker.trainer.inner_state()[2] == 0 and worker.trainer.inner_step == 0
+
+
+def test_every_node_stops_at_the_swarms_outer_step_however_late_it_joined(tmp_path, cleanup):
+    """--max-rounds is the swarm's outer step: nine tiny peers in groups of three, one of them
+    started after the others' round 1. Every node stops at outer step 5 (the late one after
+    fewer rounds of its own: it never trains on alone to make up a count), and every final
+    θ_g lies within the int8 error of their mean (relative to one outer update)."""
+    from nodes import theta
+
+    args = [*FAST, "--target-group-size", "3", "--max-rounds", "5", "--join-timeout", "120"]
+    nodes = [NodeProcess.join("n0", tmp_path, *args, "--min-peers", "8")]
+    cleanup.append(nodes[0])
+    for i in range(1, 8):
+        nodes.append(NodeProcess.join(f"n{i}", tmp_path, *args, "--peer", nodes[0].join_address))
+        cleanup.append(nodes[-1])
+    nodes[0].wait_for_round(lambda r: r["round"] >= 1, timeout=240)
+    late = NodeProcess.join("late", tmp_path, *args, "--peer", nodes[0].join_address)
+    cleanup.append(late)
+    nodes.append(late)
+    for node in nodes:
+        assert node.wait(300) == 0, node.output
+    finals = {n.name: max(s for s, _ in list_checkpoints(n.state_dir)) for n in nodes}
+    assert set(finals.values()) == {5}, finals
+    assert len(late.rounds) < len(nodes[0].rounds), late.output  # it joined late and made up nothing alone
+    assert all(r["round"] < 5 for n in nodes for r in n.rounds)
+    final = torch.stack([theta(n.state_dir, 5) for n in nodes])
+    mean = final.mean(0)
+    update = float((mean - torch.stack([theta(n.state_dir, 4) for n in nodes[:8]]).mean(0)).norm())
+    assert float((final - mean).norm(dim=1).max()) < 0.05 * update
+    for node in nodes:
+        assert "Traceback" not in node.output, node.output

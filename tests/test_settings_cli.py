@@ -137,3 +137,55 @@ def test_unreachable_or_malformed_peer_fails_clearly(tmp_path, peer):
     )
     assert result.returncode == 3, result.stderr
     assert "dtnode: error:" in result.stderr and peer in result.stderr
+
+
+def test_a_non_json_list_in_the_environment_is_one_line_naming_the_variable():
+    result = dtnode("join", env={"DTNODE_PEERS": "/ip4/1.2.3.4/tcp/7700/p2p/Qm"})
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip().splitlines() == [
+        (
+            "dtnode: error: DTNODE_PEERS: cannot parse '/ip4/1.2.3.4/tcp/7700/p2p/Qm' "
+            '(a JSON list, e.g. ["/ip4/1.2.3.4/tcp/7700/p2p/Qm..."])'
+        )
+    ]
+
+
+PORTS = ["--host", "127.0.0.1", "--dht-port", "0", "--grpc-port", "0", "--http-port", "0"]
+
+
+def test_a_state_dir_that_cannot_be_written_is_one_line_and_exit_2(tmp_path):
+    """Root ignores file modes, so 'read-only' is made two ways that stop root too: a state dir
+    under a regular file, and a node that must write its TLS certificate where a directory is."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    result = dtnode("join", *PORTS, "--state-dir", str(blocker / "state"))
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("dtnode: error: --state-dir: cannot use"), result.stderr
+    assert "writable directory" in lines[0]
+    state = tmp_path / "state"
+    (state / "tls.crt").mkdir(parents=True)  # written after the DHT started: its shutdown must still run
+    result = dtnode("join", *PORTS, "--model", "tiny", "--state-dir", str(state), timeout=120)
+    assert result.returncode == 2, result.stderr
+    errors = [line for line in result.stderr.splitlines() if line.startswith("dtnode: error:")]
+    assert errors == [errors[0]] and "--state-dir: cannot use" in errors[0] and "tls.crt" in errors[0]
+    assert "Traceback" not in result.stderr
+
+
+def test_a_second_node_on_a_held_state_dir_is_refused(tmp_path):
+    from nodes import NodeProcess
+
+    first = NodeProcess.join("first", tmp_path, "--model", "tiny", "--no-fused-kernels")
+    try:
+        first.wait_for_line(r"dtnode join --peer", timeout=120)
+        second = dtnode("join", *PORTS, "--state-dir", str(first.state_dir), timeout=60)
+        assert second.returncode == 2, second.stderr
+        pid = str(first.proc.pid)
+        assert second.stderr.strip().splitlines() == [
+            (
+                f"dtnode: error: --state-dir: {first.state_dir} is in use by another dtnode (pid {pid}); "
+                "give each node its own --state-dir"
+            )
+        ]
+    finally:
+        first.kill()

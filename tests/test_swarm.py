@@ -154,7 +154,7 @@ def test_late_joiner_downloads_state_and_trains_in_step(tmp_path, cleanup):
     b = NodeProcess.join("b", tmp_path, *FAST, "--min-peers", "2", "--peer", a.join_address)
     cleanup.append(b)
     b.wait_for_round(lambda r: r["round"] >= 2 and r["groups"][0][0] == 2, timeout=90)
-    c = NodeProcess.join("c", tmp_path, *FAST, "--peer", a.join_address, "--max-rounds", "3")
+    c = NodeProcess.join("c", tmp_path, *FAST, "--peer", a.join_address, "--max-own-rounds", "3")
     cleanup.append(c)
     synced = int(c.wait_for_line(r"in sync at outer step (\d+)", timeout=60).group(1))
     assert synced >= 2
@@ -183,7 +183,7 @@ def test_restart_resumes_from_its_checkpoint(tmp_path):
     # a kill -9 mid-write of step 4 would leave a torn file; here also under the final name
     good = checkpoint_path(first.state_dir, 3).read_bytes()
     checkpoint_path(first.state_dir, 4).write_bytes(good[: len(good) // 2])
-    again = NodeProcess.join("solo", tmp_path, *FAST, *schedule, "--max-rounds", "1")
+    again = NodeProcess.join("solo", tmp_path, *FAST, *schedule, "--max-own-rounds", "1")
     assert again.wait(60) == 0, again.output
     assert re.search(r"skipping checkpoint ckpt-00000004\.safetensors", again.output), again.output
     resumed = again.wait_for_line(r"resumed from ckpt-00000003\.safetensors \(outer step 3, params (\w+)\)").group(1)

@@ -231,7 +231,7 @@ def test_a_key_holder_cannot_speak_as_another_peer_nor_connect_with_another_cert
 
 def test_a_joiner_skips_a_donor_whose_checkpoint_the_others_contradict(swarm, tmp_path):
     a, b, _, _ = swarm
-    joiner = NodeProcess.join("j", tmp_path, *FAST, *RUN, "--peer", a.join_address, "--max-rounds", "1", env=KEY)
+    joiner = NodeProcess.join("j", tmp_path, *FAST, *RUN, "--peer", a.join_address, "--max-own-rounds", "1", env=KEY)
     try:
         assert joiner.wait(120) == 0, joiner.output
     finally:

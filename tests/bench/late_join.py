@@ -87,7 +87,7 @@ def run(model: str, trials: int) -> dict:
                     *FLAGS,
                     "--peer",
                     donor.join_address,
-                    "--max-rounds",
+                    "--max-own-rounds",
                     "1",
                 )
                 try:
@@ -215,7 +215,7 @@ def run_in_rounds(model: str, trials: int, inner_steps: int, batch: int, seed: i
                     *flags,
                     "--peer",
                     donors[0].join_address,
-                    "--max-rounds",
+                    "--max-own-rounds",
                     "1",
                     prefix=joiner_cpus,
                 )
