@@ -8,6 +8,12 @@ instead of only after the first failure.
 
 from __future__ import annotations
 
+import math
+import shutil
+from pathlib import Path
+
+import psutil
+import torch
 from prometheus_client import CollectorRegistry, Counter, Enum, Gauge, Histogram, Info, ProcessCollector
 
 ROUND_OUTCOMES = ("full", "partial", "alone", "failed")
@@ -15,6 +21,27 @@ NODE_STATES = ("joining", "syncing", "training", "averaging", "stopped")
 PHASES = ("inner", "matchmaking", "allreduce", "waiting", "eval", "outer")
 # how a part or hop fails: gRPC status codes seen by the client, and the data plane's own errors
 COMMON_FAILURES = ("deadline_exceeded", "unavailable", "chunkerror", "timeouterror", "incomplete_group")
+
+
+def watch_state_dir(metrics: NodeMetrics, path: Path) -> None:
+    """Free disk, read at each scrape."""
+
+    def free() -> float:
+        try:
+            return float(shutil.disk_usage(path).free)
+        except OSError:
+            return math.nan
+
+    metrics.state_dir_free.set_function(free)
+
+
+def observe_device_memory(metrics: NodeMetrics, device: torch.device) -> None:
+    """The training device's memory now (called at each round's end)."""
+    if device.type == "cuda":
+        metrics.device_memory.labels(device=str(device), kind="allocated").set(torch.cuda.memory_allocated(device))
+        metrics.device_memory.labels(device=str(device), kind="reserved").set(torch.cuda.memory_reserved(device))
+    else:
+        metrics.device_memory.labels(device=str(device), kind="resident").set(psutil.Process().memory_info().rss)
 
 
 def failure_reason(error: str) -> str:
@@ -109,6 +136,26 @@ class NodeMetrics:
         )
         self.checkpoint_downloaded = Counter(
             "dtnode_checkpoint_downloaded_bytes", "Checkpoint bytes this node downloaded from its peers", registry=r
+        )
+        self.checkpoint_write_failures = Counter(
+            "dtnode_checkpoint_write_failures",
+            "Checkpoint writes that failed (a full disk, a read-only state dir)",
+            registry=r,
+        )
+        self.checkpoint_newest_step = Gauge(
+            "dtnode_checkpoint_newest_step",
+            "Outer step of the newest checkpoint in the state dir (-1: none)",
+            registry=r,
+        )
+        self.checkpoint_newest_step.set(-1)
+        self.state_dir_free = Gauge(
+            "dtnode_state_dir_free_bytes", "Free space on the state dir's disk (checkpoints need room)", registry=r
+        )
+        self.device_memory = Gauge(
+            "dtnode_device_memory_bytes",
+            "Memory of the training device: allocated and reserved by torch on a GPU, resident on a CPU",
+            ["device", "kind"],
+            registry=r,
         )
         self.catchups = Counter("dtnode_catchups", "Downloads of the swarm's state to join or catch up", registry=r)
         self.peers_live = Gauge(

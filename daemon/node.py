@@ -54,7 +54,7 @@ from .history import FILE_NAME as HISTORY_FILE
 from .history import RoundHistory
 from .joiner import Joiner
 from .landing import Landing
-from .metrics import NodeMetrics
+from .metrics import NodeMetrics, watch_state_dir
 from .presenter import Addresses, NodePresenter
 from .report import RunStats
 from .round_state import Publisher, RoundState
@@ -95,6 +95,7 @@ class Node:
         self.stop_flag = threading.Event()  # seen by the training thread
         self.workload = build_workload(settings, self.state_dir)
         self.metrics = NodeMetrics(__version__, settings.run_id, settings.model, str(self.device))
+        watch_state_dir(self.metrics, self.state_dir)
         self.history = RoundHistory(self.state_dir / HISTORY_FILE)
         self.state = RoundState(settings.overlap)
         self.stats = RunStats()

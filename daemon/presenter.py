@@ -148,6 +148,17 @@ class NodePresenter:
         )
 
     def health(self) -> Health:
+        """Serving, and the training thread alive: 503 once it has been inside inner steps with no
+        step for --health-stall-s (the first step's one-off set-up counts as one)."""
+        trainer = self.worker.trainer if self.worker.built else None
+        if trainer is not None and trainer.running:
+            idle = time.monotonic() - trainer.progress_at
+            if idle > self.settings.health_stall_s:
+                return Health(
+                    ok=False,
+                    state=self.state.state,
+                    detail=f"no inner step for {idle:.0f}s (--health-stall-s {self.settings.health_stall_s:g})",
+                )
         return Health(ok=True, state=self.state.state)
 
     def _expected_bytes(self, group_size: int) -> int:

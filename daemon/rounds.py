@@ -31,7 +31,7 @@ from dtnode.peers.membership import Membership
 from .history import RoundHistory
 from .joiner import Joiner
 from .landing import Landing
-from .metrics import NodeMetrics
+from .metrics import NodeMetrics, observe_device_memory
 from .pacer import FixedPacer, Pacer, SwarmPacer
 from .report import Outcome, RoundSummary, RunStats
 from .round_state import Publisher, RoundState
@@ -313,6 +313,7 @@ class RoundLoop:
         m.inner_step.set(trainer.inner_step)
         m.tokens_per_second.set(self.stats.tokens_per_s)
         m.compute_utilization.set(self.stats.utilization() or 0.0)
+        observe_device_memory(m, self.worker.device)
         self.tokens_total += inner.tokens
         entry = summary.history_entry(self.tokens_total, self.stats.tokens_per_s)
         line = summary.log_line(self.stats.tokens_per_s, self.loss_floor)

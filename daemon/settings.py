@@ -338,6 +338,13 @@ class NodeSettings(BaseSettings):
         "the round starts; 0: download whenever behind. "
         "A node that joins or restarts always downloads.",
     )
+    health_stall_s: float = Field(
+        600.0,
+        gt=0,
+        le=86400,
+        description="/healthz answers 503 when the training thread has taken no inner step for this many "
+        "seconds while the node is in its inner steps (a hung GPU, a deadlock): what a liveness probe restarts on.",
+    )
     # Checkpoints
     checkpoint_every: int = Field(
         10,

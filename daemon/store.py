@@ -148,8 +148,9 @@ class CheckpointStore:
                 partial(write_checkpoint, self.state_dir, step, self.layout, state, self.metadata),
             )
             self.metrics.checkpoint_write_seconds.observe(time.monotonic() - started)
-        except OSError as e:
-            log.error("could not write checkpoint %d: %s", step, e)
+        except OSError as e:  # this node's disk: the step is not kept, the node goes on
+            self.metrics.checkpoint_write_failures.inc()
+            log.error("could not write checkpoint %d to this node's state dir: %s", step, e)
             return
         self.files[step] = info
         await self.prune()
@@ -180,6 +181,10 @@ class CheckpointStore:
         kept = await self._io(prune_checkpoints, self.state_dir, self.keep, self.steps_in_use())
         assert isinstance(kept, set)
         self.files = {s: i for s, i in self.files.items() if s in kept}
+        self._show_newest()
+
+    def _show_newest(self) -> None:
+        self.metrics.checkpoint_newest_step.set(max(self.files, default=-1))
 
     # ---- resuming --------------------------------------------------------------------------
     def resume(self, run_id: str, model_hash: str) -> None:
@@ -200,6 +205,7 @@ class CheckpointStore:
             self.worker.install(loaded, local)
             replica.set_params_sha256(sha256_of(replica.host_theta()))
             self.files[step] = CheckpointInfo(step, path, file_sha256(path), path.stat().st_size)
+            self._show_newest()
             log.info("resumed from %s (outer step %d, params %s)", path.name, step, replica.params_sha256()[:12])
             return
 

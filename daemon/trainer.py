@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from dtnode.ops.flat import FlatParameters
+from dtnode.peers import failpoints
 
 from .data import DataStream
 from .schedule import LearningRateSchedule
@@ -80,6 +81,8 @@ class Trainer:
         self.round_seconds = 0.0  # wall time of the current call's steps so far
         self.step_seconds = 0.0  # wall time of the last inner step
         self.eval_seconds = 0.0  # wall time in eval_loss since the node last took it (a round's phase)
+        self.running = False  # inner steps under way (/healthz: a thread stuck in one is unhealthy)
+        self.progress_at = time.monotonic()  # when the last inner step ended, or the last run began
         self.tokens_per_step = stream.batch_size * stream.seq_len
         self.slowdown = _slowdown_from_env()
         # a test hook: seconds added to this process's first step (a cold start: allocation, autotuning)
@@ -140,9 +143,26 @@ class Trainer:
         swarm's position (see schedule.py), which a fast peer's extra steps do not advance."""
         span = span or steps
         self.model.train()
-        started = time.monotonic()
-        done, tokens, loss_sum = 0, 0, 0.0
+        started = self.progress_at = time.monotonic()
         self.round_tokens, self.round_seconds, self.round_steps = 0, 0.0, 0
+        self.running = True
+        try:
+            return self._steps(steps, stop, deadline, keep_going, position, span, after_step, started)
+        finally:
+            self.running = False
+
+    def _steps(
+        self,
+        steps: int,
+        stop: threading.Event,
+        deadline: float | None,
+        keep_going: Callable[[float], bool] | None,
+        position: int,
+        span: int,
+        after_step: Callable[[], None] | None,
+        started: float,
+    ) -> InnerResult:
+        done, tokens, loss_sum = 0, 0, 0.0
         for _ in range(steps):
             if stop.is_set() or (deadline is not None and time.monotonic() > deadline):
                 break
@@ -178,6 +198,8 @@ class Trainer:
                 self.step_seconds = time.monotonic() - step_started  # initialisation: no estimate
             loss_sum += loss_value
             self.round_steps = done
+            self.progress_at = time.monotonic()
+            failpoints.hold("stall-training", position // max(span, 1))
             if after_step is not None:
                 after_step()
         mean = loss_sum / done if done else math.nan

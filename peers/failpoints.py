@@ -17,6 +17,8 @@ outer step, without blocking its event loop), so a test can land a joiner in tha
 One point makes the node lie from that round on: `wrong-checkpoint` (`wrong-checkpoint@1`
 writes every checkpoint of step 1 and later with θ_g shifted, hashed and announced as if
 right, while the node itself trains on), so a test can show joiners skip a lying donor.
+One point freezes the training thread: `stall-training@1:30` holds it 30 s after round 1's
+first inner step, as a hung GPU would, so a test can see `/healthz` turn 503.
 """
 
 from __future__ import annotations
@@ -25,11 +27,12 @@ import asyncio
 import os
 import signal
 import sys
+import time
 
 ENV = "DTNODE_TEST_FAILPOINT"
-POINTS = ("sending", "reducing", "round-error", "outer-phase", "wrong-checkpoint")
+POINTS = ("sending", "reducing", "round-error", "outer-phase", "wrong-checkpoint", "stall-training")
 RAISING = ("round-error",)
-PAUSING = ("outer-phase",)
+PAUSING = ("outer-phase", "stall-training")
 DEFAULT_PAUSE_S = 5.0
 
 
@@ -70,6 +73,16 @@ def reach(name: str, round_: int) -> None:
 def active_since(name: str, round_: int) -> bool:
     """Whether the standing point `name` is armed for this round or an earlier one."""
     return _armed is not None and _armed[0] == name and round_ >= _armed[1]
+
+
+def hold(name: str, round_: int) -> None:
+    """Block the calling thread (the training thread: a frozen GPU, a deadlock) if the pausing
+    point `name` is armed for this round; once."""
+    global _armed
+    if _armed is not None and _armed == (name, round_):
+        _armed = None
+        print(f"failpoint {name}@{round_} reached: holding this thread {_pause_s:.0f}s", file=sys.stderr, flush=True)
+        time.sleep(_pause_s)
 
 
 async def pause(name: str, round_: int) -> None:

@@ -62,3 +62,34 @@ def test_a_pausing_failpoint_holds_the_caller_for_its_seconds_in_its_round_only(
     )
     assert done.stdout.strip() == "[7.0]", done.stdout + done.stderr
     assert "failpoint outer-phase@2 reached: pausing 7s" in done.stderr
+
+
+def test_healthz_turns_503_while_the_training_thread_is_frozen(tmp_path, cleanup):
+    """A hung training thread (the stall-training failpoint holds it 25 s in round 1): the node
+    still answers HTTP, but /healthz says 503 with the reason once no step came for
+    --health-stall-s, and 200 again once steps resume."""
+    import json
+    import urllib.error
+    import urllib.request
+
+    from nodes import FAST, NodeProcess, wait_until
+
+    node = NodeProcess.join(
+        "frozen", tmp_path, *FAST, "--health-stall-s", "3", env={failpoints.ENV: "stall-training@1:25"}
+    )
+    cleanup.append(node)
+
+    def health() -> tuple[int, dict] | None:
+        try:
+            with urllib.request.urlopen(node.http_url + "/healthz", timeout=5) as resp:
+                return resp.status, json.load(resp)
+        except urllib.error.HTTPError as e:
+            return e.code, json.loads(e.read())
+        except OSError:
+            return None
+
+    sick = wait_until(lambda: (h := health()) and h[0] == 503 and h, 120, "a 503 from /healthz")
+    assert sick[1]["ok"] is False and "no inner step for" in sick[1]["detail"], sick
+    node.wait_for_line(r"failpoint stall-training@1 reached", timeout=10)
+    wait_until(lambda: (h := health()) and h[0] == 200 and h, 120, "/healthz back to 200")
+    assert node.status()["state"] in ("training", "averaging")
