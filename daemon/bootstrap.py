@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
+import shlex
 import socket
 from functools import partial
 from pathlib import Path
@@ -26,6 +27,7 @@ from dtnode.peers.sidecar_address import PROBE_TIMEOUT_S, SidecarAddressError, i
 from dtnode.peers.tls import NodeIdentity, TrustStore
 
 from .metrics import NodeMetrics
+from .recipe import SwarmRecipe, recipe_flags
 from .settings import NodeSettings
 
 if TYPE_CHECKING:
@@ -180,13 +182,17 @@ def tls_identity(state_dir: Path, record_key: RSAPrivateKey, peer_id: str) -> Tr
     return TrustStore(identity, peer_id)
 
 
-def join_command(settings: NodeSettings, maddr: str) -> str:
-    """The line another host pastes to join this swarm."""
+def join_command(settings: NodeSettings, recipe: SwarmRecipe, maddr: str) -> str:
+    """The line another host pastes to join this swarm: the run, the model, and every flag of
+    the recipe that is not the default (recipe.py), --data included (each host its own copy)."""
     s = settings
-    extra = f" --run-id {s.run_id}" if s.run_id != "dtnode-demo" else ""
-    extra += f" --model {s.model}" if s.model != "tiny" else ""
-    extra += f" --tokenizer {s.tokenizer}" if s.tokenizer is not None else ""  # every peer needs the same
-    return f"dtnode join --peer {maddr}{extra}"
+    words = ["dtnode", "join", "--peer", maddr]
+    words += ["--run-id", s.run_id] if s.run_id != NodeSettings.model_fields["run_id"].default else []
+    words += ["--model", s.model] if s.model != NodeSettings.model_fields["model"].default else []
+    words += ["--tokenizer", str(s.tokenizer)] if s.tokenizer is not None else []  # every peer needs the same
+    words += ["--text-field", s.text_field] if s.data is not None and "text_field" in s.model_fields_set else []
+    words += recipe_flags(recipe, s.data)
+    return shlex.join(words)
 
 
 async def remember_peers(membership: Membership, known: KnownPeers, peer_id: str, metrics: NodeMetrics) -> None:

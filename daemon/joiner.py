@@ -35,6 +35,7 @@ from dtnode.peers.tls import TrustStore
 
 from .checkpoint import LoadedCheckpoint
 from .landing import Landing
+from .recipe import SwarmRecipe, check_members, differences
 from .settings import NodeSettings
 from .store import CheckpointStore
 from .sync import SwarmPosition, fetch_from_swarm, swarm_position
@@ -117,6 +118,26 @@ def check_same_model(view: Mapping[str, PeerRecord], peer_id: str, model_hash: s
     )
 
 
+class RecipeMismatch(JoinError):
+    """This node's recipe differs from every live peer's (exit 3, one line per field)."""
+
+
+def check_same_recipe(view: Mapping[str, PeerRecord], peer_id: str, model_hash: str, ours: SwarmRecipe) -> None:
+    """Refuse to join a swarm of the same model that trains it another way (other data, round
+    size, schedule, outer optimizer or wire format): its pseudo-gradients would be averaged
+    with this node's though they mean something else."""
+    peers = [r.recipe for p, r in view.items() if p != peer_id and r.state != "stopped" and r.model_hash == model_hash]
+    found = check_members(ours, peers)
+    if found is None:
+        return
+    theirs, count = found
+    lines = "\n".join(d.line() for d in differences(ours, theirs))
+    raise RecipeMismatch(
+        f"this node's recipe differs from the swarm's ({count} peer(s)); give the swarm's values, or join with "
+        f"--peer http://<a peer's sidecar> and leave these flags out to take them from it:\n{lines}"
+    )
+
+
 def check_same_data_plane(view: Mapping[str, PeerRecord], peer_id: str, tls: bool) -> None:
     """Refuse to join a swarm whose peers average over the other kind of data plane: TLS and
     plaintext peers cannot open streams to each other, so every round would lose them."""
@@ -190,6 +211,7 @@ class Joiner:
             view = await self.membership.members()
             if joining:
                 check_same_model(view, self.peer_id, self.model_hash)
+                check_same_recipe(view, self.peer_id, self.model_hash, self.worker.workload.recipe)
                 check_same_data_plane(view, self.peer_id, self.trust is not None)
             own = self.worker.outer_step
             plan = plan_sync(

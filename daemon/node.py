@@ -56,6 +56,7 @@ from .joiner import Joiner
 from .landing import Landing
 from .metrics import NodeMetrics, watch_state_dir
 from .presenter import Addresses, NodePresenter
+from .recipe import take_recipe_from_peer
 from .report import RunStats
 from .round_state import Publisher, RoundState
 from .rounds import RoundLoop
@@ -236,7 +237,7 @@ class Node:
             remember_peers(self.membership, bootstrap.known_peers, self.addr.peer_id, self.metrics)
         )
         stack.push_async_callback(self._stop_remembering, remembering, bootstrap)
-        self.addr.join_command = join_command(s, public_maddrs(self.dht, s.announce_host)[0])
+        self.addr.join_command = join_command(s, self.workload.recipe, public_maddrs(self.dht, s.announce_host)[0])
         up = f"dtnode node {self.addr.peer_id} is up: status {self.addr.http_addr}/status, gRPC {self.addr.grpc_addr or 'client mode'}"
         if s.log_format == "json":  # every line a JSON object
             log.info("%s; to add a peer to this swarm: %s", up, self.addr.join_command)
@@ -412,6 +413,7 @@ async def run_node(settings: NodeSettings) -> int:
     """Run one node on its state dir (held for the run); a local disk error while it starts is
     one SettingsError line, never a traceback."""
     check_ports(settings)
+    settings = await take_recipe_from_peer(settings)
     async with claim_state_dir(Path(settings.state_dir)):
         try:
             node = Node(settings)

@@ -94,6 +94,7 @@ class NodePresenter:
             client_mode=s.client_mode,
             model_hash=self.workload.model_hash,
             version=__version__,
+            recipe=self.workload.recipe.to_record(),
             tls_cert=encode_certificate(self.trust.own.cert_der) if self.trust is not None else "",
         )
 
@@ -125,6 +126,7 @@ class NodePresenter:
             tls_fingerprint=self.trust.own.fingerprint if self.trust else None,
             model=s.model,
             model_hash=self.workload.model_hash,
+            recipe=self.workload.recipe,
             device=str(self.device),
             client_mode=s.client_mode,
             version=__version__,

@@ -24,6 +24,7 @@ from dtnode.peers.averager import AveragingResult, HopReport
 from dtnode.peers.pacing import SwarmProgress
 
 from .metrics import NodeMetrics, failure_reason
+from .recipe import SwarmRecipe
 from .round_state import NodeState
 from .trainer import InnerResult
 
@@ -349,6 +350,7 @@ class NodeStatus(BaseModel):
     tls_fingerprint: str | None
     model: str
     model_hash: str
+    recipe: SwarmRecipe  # what a peer must share with this swarm; `join --peer http://` takes it from here
     device: str
     client_mode: bool
     version: str

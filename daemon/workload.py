@@ -18,6 +18,7 @@ from .corpus import TokenCorpus
 from .data import DataSources, check_token_ids, open_sources, stable_seed
 from .hf_model import HFModelError
 from .model import HF_PREFIX, build_model, config_hash, export_format, vocab_and_context
+from .recipe import SwarmRecipe, data_fingerprint, recipe_of
 from .settings import NodeSettings, SettingsError
 from .tokenizer import check_vocabulary, load_tokenizer
 
@@ -49,6 +50,7 @@ class Workload:
     sources: DataSources
     init_seed: int
     export_format: str
+    recipe: SwarmRecipe  # what every peer of the swarm must share (recipe.py)
 
     def checkpoint_metadata(self, settings: NodeSettings) -> dict[str, str]:
         """The metadata of this run's checkpoints: the same bytes on every peer of a group
@@ -95,4 +97,7 @@ def build_workload(s: NodeSettings, state_dir: Path) -> Workload:
     for source, option in ((sources.train, "--data"), (sources.eval, "--eval-data" if s.eval_data else "--data")):
         if isinstance(source, TokenCorpus):
             check_token_ids(source, vocab_size, option)
-    return Workload(model, description, config_hash(description), seq_len, sources, seed, export_format(description))
+    recipe = recipe_of(s, seq_len, data_fingerprint(sources, s.data, s.seed))
+    return Workload(
+        model, description, config_hash(description), seq_len, sources, seed, export_format(description), recipe
+    )

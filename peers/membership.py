@@ -51,6 +51,9 @@ REMEMBER_PEERS_S = 600.0  # how long a peer seen once is worth a reconnection at
 VIEW_REUSE_S = 0.1  # matchmaking asks for the view twice per poll: one DHT read serves both
 
 
+MAX_RECIPE_CHARS = 2048
+
+
 class JoinError(RuntimeError):
     """The DHT could not be started or the initial peers could not be reached."""
 
@@ -84,6 +87,7 @@ class PeerRecord(BaseModel):
     version: str = Field("", max_length=32)
     tls_cert: str = Field("", max_length=MAX_CERT_CHARS)  # base64 DER (peers/tls.py); empty: plaintext data plane
     auth: str = Field("", max_length=512)
+    recipe: str = Field("", max_length=MAX_RECIPE_CHARS)  # JSON of what peers must share (daemon/recipe.py)
 
     @property
     def round_in_training(self) -> int:

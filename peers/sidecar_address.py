@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from typing import Any
 
 import aiohttp
 from tenacity import AsyncRetrying, retry_if_exception_type, stop_before_delay, wait_fixed
@@ -41,8 +42,13 @@ def _valid(addr: object) -> bool:
 
 
 async def _resolve_one(session: aiohttp.ClientSession, url: str, timeout: float) -> list[str]:
-    """Ask until `timeout`: a node started beside its first peer (compose, a StatefulSet) may
-    find that peer's sidecar not listening yet."""
+    return _dht_addrs(url, await fetch_status(session, url, timeout))
+
+
+async def fetch_status(session: aiohttp.ClientSession, url: str, timeout: float) -> dict[str, Any]:
+    """A node's /status (untrusted: a JSON object, checked by the caller), asked until `timeout`:
+    a node started beside its first peer (compose, a StatefulSet) may find that peer's sidecar
+    not listening yet."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
     retrying = AsyncRetrying(
@@ -52,13 +58,13 @@ async def _resolve_one(session: aiohttp.ClientSession, url: str, timeout: float)
         reraise=True,
     )
 
-    async def ask() -> list[str]:  # an async def: tenacity awaits coroutine functions only
+    async def ask() -> dict[str, Any]:  # an async def: tenacity awaits coroutine functions only
         return await _ask(session, url, max(1.0, min(PROBE_TIMEOUT_S, deadline - loop.time())))
 
     return await retrying(ask)
 
 
-async def _ask(session: aiohttp.ClientSession, url: str, timeout: float) -> list[str]:
+async def _ask(session: aiohttp.ClientSession, url: str, timeout: float) -> dict[str, Any]:
     status_url = url.rstrip("/") + "/status"
     try:
         async with session.get(status_url, timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
@@ -69,9 +75,17 @@ async def _ask(session: aiohttp.ClientSession, url: str, timeout: float) -> list
         raise SidecarAddressError(f"{status_url} is not reachable ({type(e).__name__}: {e})") from None
     except ValueError:
         raise SidecarAddressError(f"{status_url} did not answer a dtnode status") from None
-    addrs = status.get("dht_addrs") if isinstance(status, dict) else None
+    if not isinstance(status, dict):
+        raise SidecarAddressError(f"{status_url} did not answer a dtnode status")
+    return status
+
+
+def _dht_addrs(url: str, status: dict[str, Any]) -> list[str]:
+    addrs = status.get("dht_addrs")
     if not isinstance(addrs, list) or not (good := [a for a in addrs if _valid(a)][:MAX_ADDRESSES]):
-        raise SidecarAddressError(f"{status_url} names no DHT address (is it a dtnode sidecar that has started?)")
+        raise SidecarAddressError(
+            f"{url.rstrip('/')}/status names no DHT address (is it a dtnode sidecar that has started?)"
+        )
     return good
 
 

@@ -14,8 +14,10 @@ from prometheus_client.parser import text_string_to_metric_families
 from dtnode.daemon.joiner import LocalPosition, SyncAction, plan_sync
 from dtnode.daemon.metrics import NodeMetrics
 from dtnode.daemon.pacer import FixedPacer, SwarmPacer
+from dtnode.daemon.recipe import recipe_of
 from dtnode.daemon.report import Condition, NodeStatus, Outcome, RoundSummary, RunStats
 from dtnode.daemon.round_state import IllegalTransition, NodeState, RecordPhase, RoundPhase, RoundState
+from dtnode.daemon.settings import NodeSettings
 from dtnode.daemon.trainer import InnerResult
 from dtnode.peers.averager import AveragingResult, HopReport
 from dtnode.peers.membership import PeerRecord
@@ -302,6 +304,7 @@ def test_status_carries_the_summary_and_the_condition_the_stats_give():
         tls_fingerprint=None,
         model="tiny",
         model_hash="h",
+        recipe=recipe_of(NodeSettings(), 64, "synthetic (seed 0)"),
         device="cpu",
         client_mode=False,
         version="0",

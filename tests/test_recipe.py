@@ -1,0 +1,138 @@
+"""The swarm's recipe (daemon/recipe.py): published in every record, checked at join, carried
+by the printed join line, and taken from a peer's sidecar with `--peer http://...`.
+
+One node `a` of a non-default recipe (its own data file, H=12, seq-len 24, warm-up 5) serves
+the module; joiners are real processes on loopback."""
+
+from __future__ import annotations
+
+import shlex
+from pathlib import Path
+
+import pytest
+from nodes import NodeProcess, wait_until
+
+from dtnode.daemon.recipe import SwarmRecipe, adopted_settings, check_members, differences, recipe_flags
+from dtnode.daemon.settings import NodeSettings
+
+# FAST's flags that are not part of the recipe: a joiner that takes the recipe from a peer gives only these
+NOT_RECIPE = [
+    "--batch-size", "8", "--keep-checkpoints", "100", "--checkpoint-every", "1", "--matchmaking-window", "10",
+    "--peer-ttl", "4", "--heartbeat-interval", "1", "--no-fused-kernels",
+]  # fmt: skip
+A_RECIPE = ["--inner-steps", "12", "--seq-len", "24", "--warmup-steps", "5", "--run-id", "recipe-test"]
+
+
+def _text(path, seed: int):
+    lines = [f"document {seed} line {i}: the quick brown fox {i * seed % 97} jumps" for i in range(400)]
+    path.write_text("\n".join(lines))
+    return path
+
+
+@pytest.fixture(scope="module")
+def a(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("recipe")
+    data = _text(tmp / "corpus.txt", 1)
+    node = NodeProcess.join("a", tmp, *NOT_RECIPE, *A_RECIPE, "--data", str(data))
+    try:
+        node.wait_for_round(timeout=120)
+        yield node
+    finally:
+        node.stop()
+        node.wait(60)
+        node.kill()
+        _keep(node)
+    assert "Traceback" not in node.output
+
+
+def _keep(node: NodeProcess) -> None:
+    """The node's output beside its state dir (read after a run)."""
+    Path(str(node.state_dir) + ".log").write_text(node.output)
+
+
+def _recipe(**changes) -> SwarmRecipe:
+    s = NodeSettings()
+    return SwarmRecipe(data="synthetic (seed 0)", seq_len=64, **{k: getattr(s, k) for k in ("inner_steps", "pacing", "inner_lr", "lr_schedule", "warmup_steps", "min_lr_ratio", "outer_lr", "outer_momentum", "compression", "quant_block_size")}).model_copy(update=changes)  # fmt: skip
+
+
+def test_differences_name_the_field_both_values_and_the_flag():
+    ours, theirs = _recipe(), _recipe(inner_steps=50, data="10 tokens, sha256 ab")
+    lines = [d.line() for d in differences(ours, theirs)]
+    assert lines == [
+        "  data: this node 'synthetic (seed 0)', the swarm '10 tokens, sha256 ab' (set by --data (and "
+        "--eval-fraction or --eval-data: what is held out is not trained on))",
+        "  inner_steps: this node 20, the swarm 50 (set by --inner-steps)",
+    ]
+
+
+def test_a_swarm_of_mixed_recipes_is_joined_when_any_peer_shares_ours():
+    ours, other = _recipe(), _recipe(outer_lr=0.5)
+    assert check_members(ours, [other.to_record(), ours.to_record()]) is None
+    assert check_members(ours, [other.to_record(), other.to_record(), ""]) == (other, 2)
+    assert check_members(ours, ["", "{not json", '{"data": 1}']) is None  # unreadable: not counted
+
+
+def test_only_fields_not_given_are_adopted():
+    theirs = _recipe(inner_steps=50, outer_lr=0.5, seq_len=24)
+    given = NodeSettings(inner_steps=30)
+    assert adopted_settings(given, theirs) == {"outer_lr": 0.5, "seq_len": 24}
+
+
+def test_join_flags_carry_every_non_default_field_and_the_data(tmp_path):
+    flags = recipe_flags(_recipe(inner_steps=50, overlap=True, round_seconds=30.0), tmp_path / "d.txt")
+    assert flags == ["--seq-len", "64", "--inner-steps", "50", "--round-seconds", "30", "--overlap"] + [
+        "--data",
+        str(tmp_path / "d.txt"),
+    ]
+
+
+def test_a_joiner_with_other_data_h_and_seq_len_is_refused_with_the_fields_named(a, tmp_path):
+    other = _text(tmp_path / "other.txt", 2)
+    b = NodeProcess.join(
+        "b", tmp_path, *NOT_RECIPE, "--inner-steps", "9", "--seq-len", "16", "--warmup-steps", "5",
+        "--run-id", "recipe-test", "--data", str(other), "--peer", a.join_address,
+    )  # fmt: skip
+    assert b.wait(120) == 3, b.output
+    _keep(b)
+    assert "recipe differs from the swarm's (1 peer(s))" in b.output
+    for field, ours, theirs in (("inner_steps", "9", "12"), ("seq_len", "16", "24")):
+        assert f"{field}: this node {ours}, the swarm {theirs} (set by --{field.replace('_', '-')})" in b.output
+    assert "data: this node '" in b.output and "(set by --data" in b.output
+    assert "Traceback" not in b.output
+
+
+def test_the_printed_join_line_pasted_joins_with_the_same_recipe(a, tmp_path):
+    line = a.status()["join_command"]
+    words = shlex.split(line)
+    assert words[:3] == ["dtnode", "join", "--peer"] and "--data" in words, line
+    b = NodeProcess.join("b", tmp_path, *NOT_RECIPE, *words[2:])
+    try:
+        wait_until(lambda: any(r["groups"] == [[2, 2]] for r in b.rounds), 180, "a round of b with a")
+        assert b.status()["recipe"] == a.status()["recipe"]
+    finally:
+        b.stop()
+        assert b.wait(60) == 0, b.output
+        _keep(b)
+    assert "Traceback" not in b.output
+
+
+def test_a_joiner_through_a_sidecar_address_takes_the_recipe_and_brings_only_its_data(a, tmp_path):
+    data = a.status()["join_command"].split("--data ")[1]  # its own copy of the same file
+    c = NodeProcess.join("c", tmp_path, *NOT_RECIPE, "--peer", a.http_url, "--data", data)
+    try:
+        wait_until(lambda: any(r["groups"] == [[2, 2]] for r in c.rounds), 180, "a round of c with a")
+        status = c.status()
+        assert status["recipe"] == a.status()["recipe"] and status["run_id"] == "recipe-test"
+        assert "taking the swarm's settings from http://" in c.output
+    finally:
+        c.stop()
+        assert c.wait(60) == 0, c.output
+        _keep(c)
+    assert "Traceback" not in c.output
+
+
+def test_a_wrong_run_id_against_a_sidecar_peer_exits_with_both_run_ids(a, tmp_path):
+    d = NodeProcess.join("d", tmp_path, *NOT_RECIPE, "--run-id", "another-run", "--peer", a.http_url)
+    assert d.wait(60) == 3, d.output
+    assert "--run-id another-run: the peer at http://" in d.output and "trains run 'recipe-test'" in d.output
+    assert "Traceback" not in d.output
