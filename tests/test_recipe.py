@@ -59,8 +59,10 @@ def test_differences_name_the_field_both_values_and_the_flag():
     ours, theirs = _recipe(), _recipe(inner_steps=50, data="10 tokens, sha256 ab")
     lines = [d.line() for d in differences(ours, theirs)]
     assert lines == [
-        "  data: this node 'synthetic (seed 0)', the swarm '10 tokens, sha256 ab' (set by --data (and "
-        "--eval-fraction or --eval-data: what is held out is not trained on))",
+        (
+            "  data: this node 'synthetic (seed 0)', the swarm '10 tokens, sha256 ab' (set by --data (and "
+            "--eval-fraction or --eval-data: what is held out is not trained on))"
+        ),
         "  inner_steps: this node 20, the swarm 50 (set by --inner-steps)",
     ]
 
