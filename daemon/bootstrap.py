@@ -80,6 +80,7 @@ class DhtBootstrap:
             identity_path=str(identity),
             validator=validator,
             fresh_identity=fresh_identity,
+            client_mode=s.client_mode,
         )
         try:
             return await start(named + known), named + self._redial(own)

@@ -56,6 +56,7 @@ from .joiner import Joiner
 from .landing import Landing
 from .metrics import NodeMetrics, watch_state_dir
 from .presenter import Addresses, NodePresenter
+from .reachability import DialBack, announce_warning, ask_dial_back
 from .recipe import take_recipe_from_peer
 from .report import RunStats
 from .round_state import Publisher, RoundState
@@ -237,6 +238,11 @@ class Node:
             remember_peers(self.membership, bootstrap.known_peers, self.addr.peer_id, self.metrics)
         )
         stack.push_async_callback(self._stop_remembering, remembering, bootstrap)
+        if (warning := announce_warning(s, host)) is not None:
+            log.warning("%s", warning)
+        if not s.client_mode:  # a client is dialled by nobody
+            checking = asyncio.ensure_future(self._check_reachable())
+            stack.push_async_callback(_cancel, checking)
         self.addr.join_command = join_command(s, self.workload.recipe, public_maddrs(self.dht, s.announce_host)[0])
         up = f"dtnode node {self.addr.peer_id} is up: status {self.addr.http_addr}/status, gRPC {self.addr.grpc_addr or 'client mode'}"
         if s.log_format == "json":  # every line a JSON object
@@ -301,6 +307,7 @@ class Node:
             self.metrics,
             self.history,
             self.started_at,
+            DialBack(self.addr.peer_id, self.membership.members),
         )
         self.publisher = Publisher(self.state, self.presenter.record, self.membership.announce, self.metrics)
         landing = Landing(self.worker, self.store, self.metrics)
@@ -350,6 +357,11 @@ class Node:
         await asyncio.gather(heartbeat, return_exceptions=True)
         with contextlib.suppress(Exception):  # the record expires on its own anyway
             await asyncio.wait_for(self.publisher.publish(), FINAL_ANNOUNCE_S)
+
+    async def _check_reachable(self) -> None:
+        self.presenter.reachability = await ask_dial_back(
+            self.addr.peer_id, self.membership.members, self.auth, self.stopping
+        )
 
     async def _stop_remembering(self, task: asyncio.Future, bootstrap: DhtBootstrap) -> None:
         task.cancel()
@@ -407,6 +419,11 @@ def check_ports(s: NodeSettings) -> None:
                 f"port {port} on {s.host} is in use (another dtnode on this host? give "
                 f"each node its own ports, or 0 for any free one)",
             )
+
+
+async def _cancel(task: asyncio.Future) -> None:
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
 
 
 async def run_node(settings: NodeSettings) -> int:

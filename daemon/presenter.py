@@ -25,6 +25,7 @@ from .checkpoint import CheckpointInfo
 from .history import RoundHistory
 from .memory_checkpoint import MemoryCheckpoint
 from .metrics import NodeMetrics
+from .reachability import DialBack, Reachability
 from .report import Health, NodeStatus, RoundProgress, RunStats
 from .round_state import RoundState
 from .settings import NodeSettings
@@ -60,6 +61,11 @@ class NodePresenter:
     metrics: NodeMetrics
     history: RoundHistory
     started_at: float
+    dial_back_server: DialBack
+    reachability: Reachability | None = None  # a peer's dial-back of this node, once one answered
+
+    async def dial_back(self, peer_id: str) -> Reachability | None:
+        return await self.dial_back_server.dial(peer_id)
 
     @property
     def metrics_registry(self) -> CollectorRegistry:
@@ -129,6 +135,7 @@ class NodePresenter:
             recipe=self.workload.recipe,
             device=str(self.device),
             client_mode=s.client_mode,
+            reachability=self.reachability,
             version=__version__,
             last_round=summary.last_round() if summary else None,
             deadlines=self.deadlines.snapshot(

@@ -24,6 +24,7 @@ from dtnode.peers.averager import AveragingResult, HopReport
 from dtnode.peers.pacing import SwarmProgress
 
 from .metrics import NodeMetrics, failure_reason
+from .reachability import Reachability
 from .recipe import SwarmRecipe
 from .round_state import NodeState
 from .trainer import InnerResult
@@ -353,6 +354,7 @@ class NodeStatus(BaseModel):
     recipe: SwarmRecipe  # what a peer must share with this swarm; `join --peer http://` takes it from here
     device: str
     client_mode: bool
+    reachability: Reachability | None  # a peer's dial-back of this node's announced addresses; None: not yet
     version: str
     last_round: LastRound | None
     deadlines: dict[str, float]

@@ -24,6 +24,7 @@ from .checkpoint import CheckpointInfo
 from .history import RoundHistory
 from .memory_checkpoint import MemoryCheckpoint
 from .metrics import NodeMetrics
+from .reachability import Reachability
 from .report import Health, NodeStatus
 
 log = logging.getLogger(__name__)
@@ -31,7 +32,7 @@ log = logging.getLogger(__name__)
 MAX_STEP = 1 << 62
 MEMORY_CHUNK = 1 << 20  # bytes of a checkpoint served from memory per write
 SERVED_RECENTLY_S = 120.0  # a checkpoint asked for within this long is not pruned
-PROTECTED = ("/checkpoint", "/peers")
+PROTECTED = ("/checkpoint", "/peers", "/dialback")
 HISTORY_PAGE = 5000  # rounds per /history answer
 
 
@@ -58,6 +59,8 @@ class NodeView(Protocol):
     def memory_checkpoint(self, step: int) -> MemoryCheckpoint | None: ...
 
     async def current_checkpoint(self) -> CheckpointInfo | None: ...
+
+    async def dial_back(self, peer_id: str) -> Reachability | None: ...
 
 
 class ServedSteps:
@@ -107,6 +110,7 @@ class Sidecar:
                 web.get("/checkpoint", self.checkpoint_meta),
                 web.get("/checkpoint/{step}", self.checkpoint_file),
                 web.get("/history", self.history),
+                web.get("/dialback", self.dialback),
                 web.get("/", self.dashboard),
             ]
         )
@@ -149,6 +153,16 @@ class Sidecar:
 
     async def peers(self, request: web.Request) -> web.Response:
         return web.json_response(await self.node.peer_records())
+
+    async def dialback(self, request: web.Request) -> web.Response:
+        """Dial the asking member's recorded gRPC and HTTP addresses (reachability.py)."""
+        peer = request.query.get("peer", "")
+        if not 0 < len(peer) <= 128:
+            raise web.HTTPBadRequest(text="give ?peer=<the asking node's peer id>")
+        answer = await self.node.dial_back(peer)
+        if answer is None:
+            raise web.HTTPNotFound(text=f"no live membership record of {peer}")
+        return web.json_response(answer.model_dump(mode="json"))
 
     async def metrics(self, request: web.Request) -> web.Response:
         body = generate_latest(self.node.metrics_registry)

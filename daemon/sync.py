@@ -175,6 +175,7 @@ async def fetch_from_swarm(
         and m.model_hash == model_hash
         and (m.checkpoint_step in steps or m.outer_step in steps)
         and m.http_addr
+        and not m.client_mode  # behind NAT: its sidecar is not reachable from outside
     ]
     if not donors:
         return None

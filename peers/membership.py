@@ -27,6 +27,7 @@ import ipaddress
 import logging
 import os
 import signal
+import socket
 import time
 from collections.abc import Callable
 from functools import partial
@@ -170,10 +171,14 @@ async def start_dht(
     identity_path: str | None = None,
     validator: RSASignatureValidator | None = None,
     fresh_identity: bool = False,
+    client_mode: bool = False,
 ) -> DHT:
     """Start hivemind's DHT process and reach the initial peers, or raise JoinError in bounded time.
 
-    With `fresh_identity` (just generated) hivemind's check that no live peer uses it is skipped."""
+    With `fresh_identity` (just generated) hivemind's check that no live peer uses it is skipped.
+    With `client_mode` (behind NAT) the DHT only asks: other peers never store keys on it or
+    route through it. An announced host needs a known port: port 0 becomes a free port first,
+    so the announced address (hivemind's and the record's) carries the port that is bound."""
     for addr in initial_peers:
         if not addr.startswith("/") or "/p2p/" not in addr:
             raise JoinError(f"--peer {addr!r} is not a multiaddr like /ip4/1.2.3.4/tcp/7700/p2p/Qm...")
@@ -196,7 +201,11 @@ async def start_dht(
             await asyncio.sleep(1.0)  # let the swarm notice it is gone
     if validator is not None:
         kwargs["record_validators"] = [validator]
-    if announce_host and port:
+    if client_mode:
+        kwargs["client_mode"] = True
+    if announce_host:
+        port = port or free_port(host)
+        kwargs["host_maddrs"] = [_maddr(host, port)]
         kwargs["announce_maddrs"] = [_maddr(announce_host, port)]
     try:
         return await asyncio.wait_for(asyncio.to_thread(DHT, **kwargs), timeout + 5)
@@ -210,6 +219,14 @@ async def start_dht(
         if initial_peers:
             raise JoinError(f"could not join through {', '.join(initial_peers)}: {reason}") from None
         raise JoinError(f"could not start the DHT on {host}:{port}: {reason}") from None
+
+
+def free_port(host: str) -> int:
+    """A TCP port free on `host` now (for the DHT to bind a moment later)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family) as probe:
+        probe.bind((host, 0))
+        return int(probe.getsockname()[1])
 
 
 def public_maddrs(dht: DHT, announce_host: str | None) -> list[str]:
