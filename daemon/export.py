@@ -28,7 +28,7 @@ from .corpus import stable_seed
 from .hf_model import CausalLM, require_transformers
 from .model import GPT, build_model, config_hash, export_format, model_from_description
 from .settings import SettingsError
-from .tokenizer import LocalTokenizer
+from .tokenizer import EOS_NAMES, LocalTokenizer
 from .trainer import learned_buffers
 
 log = logging.getLogger(__name__)
@@ -80,13 +80,16 @@ def export_checkpoint(
     flat.buffer.copy_(loaded.theta_g)
     out.mkdir(parents=True, exist_ok=True)
     transformers = require_transformers()
+    hf_tokenizer = _export_tokenizer(tokenizer, description.get("tokenizer"), transformers)
+    special = special_tokens(hf_tokenizer) if hf_tokenizer is not None else {}
     if isinstance(module, GPT):
-        gpt2_model(module, transformers).save_pretrained(out, safe_serialization=True)
+        _save_model(gpt2_model(module, transformers), special, out)
     elif isinstance(module, CausalLM):
-        cast(Any, module.hf).save_pretrained(out, safe_serialization=True)
+        _save_model(cast(Any, module.hf), special, out)
     else:  # a module:factory model: its state dict, loadable with the factory's load_state_dict
         save_model(module, str(out / "model.safetensors"))
-    _save_tokenizer(out, tokenizer, description.get("tokenizer"), transformers)
+    if hf_tokenizer is not None:
+        hf_tokenizer.save_pretrained(out)
     (out / EXPORT_INFO).write_text(
         json.dumps(
             {
@@ -218,15 +221,51 @@ def bytes_to_unicode() -> dict[int, str]:
     return mapping
 
 
-def _save_tokenizer(out: Path, path: Path | None, trained_with: str | None, transformers) -> None:
+_SPECIAL_NAMES = {
+    "eos": EOS_NAMES,  # in the order training looks for the end of a document
+    "bos": ("<s>", "<|begin_of_text|>", "<bos>", "[BOS]", "<|startoftext|>"),
+    "pad": ("<pad>", "[PAD]", "<|pad|>"),
+}
+
+
+def special_tokens(hf_tokenizer: Any) -> dict[str, tuple[str, int]]:
+    """eos, bos and pad of the exported tokenizer as (token, id): eos is the token training
+    ended every document with (tokenizer.py's names); bos and pad are their own tokens when the
+    vocabulary has them, else eos (as GPT-2 does). Empty when the vocabulary has no end token
+    (the byte-level presets: their documents end with a newline byte)."""
+    vocab = hf_tokenizer.get_vocab()
+    found = {kind: next((n for n in names if n in vocab), None) for kind, names in _SPECIAL_NAMES.items()}
+    eos = found["eos"]
+    if eos is None:
+        return {}
+    return {
+        kind: (token, int(vocab[token]))
+        for kind, token in (("eos", eos), ("bos", found["bos"] or eos), ("pad", found["pad"] or eos))
+    }
+
+
+def _save_model(hf: Any, special: dict[str, tuple[str, int]], out: Path) -> None:
+    """save_pretrained, with the tokenizer's eos, bos and pad ids in the config and the generation
+    config: a config's own defaults (Llama's bos 1 and eos 2) name ordinary tokens of another
+    vocabulary, and generate() would stop at them."""
+    for kind in ("eos", "bos", "pad"):
+        value = special[kind][1] if kind in special else None
+        setattr(hf.config, f"{kind}_token_id", value)
+        if getattr(hf, "generation_config", None) is not None:
+            setattr(hf.generation_config, f"{kind}_token_id", value)
+    hf.save_pretrained(out, safe_serialization=True)
+
+
+def _export_tokenizer(path: Path | None, trained_with: str | None, transformers: Any) -> Any:
+    """The run's tokenizer as a transformers tokenizer, its eos, bos and pad set (None: a run with
+    a --tokenizer that export was not given)."""
     if path is None:
         if trained_with:
             log.warning(
                 "this run trained with a --tokenizer; give it to export to include it (exported the model without one)"
             )
-            return
-        byte_level_tokenizer(transformers).save_pretrained(out)
-        return
+            return None
+        return byte_level_tokenizer(transformers)
     tokenizer = LocalTokenizer(path)
     if trained_with and tokenizer.sha256 != trained_with:
         raise SettingsError("--tokenizer", f"{path} is not the tokenizer this run trained with")
@@ -234,4 +273,6 @@ def _save_tokenizer(out: Path, path: Path | None, trained_with: str | None, tran
         hf_tokenizer = transformers.AutoTokenizer.from_pretrained(path, local_files_only=True)
     else:
         hf_tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_file=str(tokenizer.file))
-    hf_tokenizer.save_pretrained(out)
+    for kind, (token, _) in special_tokens(hf_tokenizer).items():
+        setattr(hf_tokenizer, f"{kind}_token", token)
+    return hf_tokenizer

@@ -14,7 +14,7 @@ from typing import Protocol
 from .settings import SettingsError
 
 BYTE_VOCAB = 256
-_EOS_NAMES = ("<|endoftext|>", "</s>", "<eos>", "[EOS]", "<|end_of_text|>")
+EOS_NAMES = ("<|endoftext|>", "</s>", "<eos>", "[EOS]", "<|end_of_text|>")
 
 
 class Tokenizer(Protocol):
@@ -61,7 +61,7 @@ class LocalTokenizer:
         self.file = file
         self.sha256 = hashlib.sha256(raw).hexdigest()
         self.vocab_size = self._tokenizer.get_vocab_size(with_added_tokens=True)
-        self.eos_id = next((i for name in _EOS_NAMES if (i := self._tokenizer.token_to_id(name)) is not None), None)
+        self.eos_id = next((i for name in EOS_NAMES if (i := self._tokenizer.token_to_id(name)) is not None), None)
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         encodings = self._tokenizer.encode_batch(texts, add_special_tokens=False)

@@ -344,6 +344,23 @@ def test_a_transformers_swarm_trains_exports_and_refuses_another_model(workspace
     text = workspace["docs"][0][:200]
     ids = tokenizer(text)["input_ids"]
     assert ids == LocalTokenizer(workspace["tokenizer"])._tokenizer.encode(text, add_special_tokens=False).ids
+    # the end token training appended to every document is eos in the tokenizer and both configs
+    # (not LlamaConfig's default eos 2, an ordinary token of this vocabulary); no bos or pad of
+    # its own here, so both are eos
+    end = tokenizer.convert_tokens_to_ids("</s>")
+    assert tokenizer.eos_token == "</s>" and tokenizer.bos_token == "</s>" and tokenizer.pad_token == "</s>"
+    assert hf.config.eos_token_id == hf.config.bos_token_id == hf.config.pad_token_id == end
+    assert hf.generation_config.eos_token_id == end
+    quote = tokenizer.convert_tokens_to_ids('"')
+    prompt = torch.tensor([ids[:16]])
+    forced = hf.generate(  # a quotation mark first, then free: it runs on past it
+        prompt,
+        max_new_tokens=8,
+        do_sample=False,
+        prefix_allowed_tokens_fn=lambda _b, seq: [quote] if len(seq) == 16 else list(range(hf.config.vocab_size)),
+        bad_words_ids=[[end]],
+    )
+    assert forced.shape[1] == 16 + 8 and forced[0, 16] == quote
 
     # dtnode's own model with θ_g from the checkpoint, read as a node reads one
     model, description = build_model(f"hf:{workspace['model']}", seed=0)
