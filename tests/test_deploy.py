@@ -167,3 +167,60 @@ def test_grafana_dashboard_parses_and_names_real_metrics(exported_names):
     for expr in exprs:
         unknown = _metric_names_in(expr) - exported_names
         assert not unknown, f"{expr} names metrics no node exports: {unknown}"
+
+
+# ---- what issue 34 found: the image, the systemd guide and the manifest as written -----------
+
+
+def _unit() -> configparser.SectionProxy:
+    unit = configparser.ConfigParser(strict=False, interpolation=None)
+    unit.read(DEPLOY / "dtnode.service")
+    return unit["Service"]
+
+
+def test_the_systemd_unit_s_exec_start_and_environment_parse_as_dtnode_settings(monkeypatch):
+    """ExecStart through the CLI's own parser, with the unit's Environment= (its config file the
+    example the guide installs), gives the settings the guide means."""
+    from dtnode.daemon.cli import _node_values
+    from dtnode.daemon.settings import load_settings
+
+    service = _unit()
+    for assignment in shlex.split(service["Environment"]):
+        name, value = assignment.split("=", 1)
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("DTNODE_CONFIG", str(DEPLOY / "node.example.toml"))  # installed to /etc/dtnode/node.toml
+    argv = shlex.split(service["ExecStart"])
+    assert argv[0] == "/opt/dtnode/.venv/bin/dtnode"
+    settings = load_settings(_node_values(build_parser().parse_args(argv[1:])))
+    assert settings.log_format == "json" and str(settings.state_dir) == "/var/lib/dtnode"
+    assert settings.model == "small" and settings.inner_steps == 500  # from the config file
+
+
+def test_the_systemd_guide_installs_from_a_clone_with_install_d():
+    guide = [line.lstrip("# ").strip() for line in (DEPLOY / "dtnode.service").read_text().splitlines()]
+    steps = [line for line in guide if line.startswith(("git ", "python3 ", "/opt/", "install ", "systemctl "))]
+    assert any(s.startswith("git clone ") for s in steps)
+    assert not any("pip install dtnode" in s for s in steps)  # not on a package index
+    assert any("pip install '/opt/dtnode/src[hf]'" in s for s in steps)
+    installs = [s for s in steps if s.startswith("install ")]
+    assert installs and all(" -D " in s for s in installs)  # creates /etc/dtnode
+    assert any(s.endswith("/etc/systemd/system/dtnode.service") for s in installs)
+
+
+def test_the_image_has_the_hf_extra_a_compiler_and_every_file_the_package_needs():
+    text = (DEPLOY / "Dockerfile").read_text()
+    assert 'pip install ".[hf]"' in text and re.search(r"apt-get install[^\n]* gcc g\+\+", text)
+    copied = {src for line in re.findall(r"^COPY (.+)$", text, re.MULTILINE) for src in line.split()[:-1]}
+    pyproject = tomllib.loads((DEPLOY.parent / "pyproject.toml").read_text())
+    packages = {p.split(".")[1] for p in pyproject["tool"]["setuptools"]["packages"] if "." in p}
+    assert packages <= copied and {"pyproject.toml", pyproject["project"]["readme"], "__init__.py"} <= copied
+
+
+def test_the_manifest_names_a_pushed_image_a_pull_policy_and_waits_for_tokenization():
+    docs = list(yaml.safe_load_all((DEPLOY / "kubernetes" / "statefulset.yaml").read_text()))
+    container = next(d for d in docs if d["kind"] == "StatefulSet")["spec"]["template"]["spec"]["containers"][0]
+    registry, _, rest = container["image"].partition("/")
+    assert "." in registry and rest and not container["image"].endswith(":latest")  # a registry, a release tag
+    assert container["imagePullPolicy"] in ("IfNotPresent", "Always")
+    startup = container["startupProbe"]
+    assert startup["periodSeconds"] * startup["failureThreshold"] >= 3600
