@@ -110,10 +110,26 @@ class Progress:
             self._bar.stop()
 
 
+class LocalDiskError(RuntimeError):
+    """This node's own disk refused the download (full, read-only, failing): no donor is at
+    fault, and no other donor would do better. Not an OSError, so no donor handler catches it."""
+
+
+def _local(what: str, path: Path, e: OSError) -> LocalDiskError:
+    return LocalDiskError(f"cannot {what} {path} on this node's disk: {e.strerror or e}")
+
+
 class PartialDownload:
-    """A file being assembled from ranges, with the list of finished pieces beside it."""
+    """A file being assembled from ranges, with the list of finished pieces beside it. Every
+    OSError of its own file becomes a LocalDiskError."""
 
     def __init__(self, scratch: Path, sha256: str, size: int):
+        try:
+            self._open(scratch, sha256, size)
+        except OSError as e:
+            raise _local("create", scratch, e) from None
+
+    def _open(self, scratch: Path, sha256: str, size: int) -> None:
         self.path = scratch / f".download-{sha256[:16]}.partial"
         self.ledger = scratch / f".download-{sha256[:16]}.json"
         self.size = size
@@ -132,21 +148,32 @@ class PartialDownload:
         self.fd = os.open(self.path, os.O_RDWR)
 
     def write(self, offset: int, data: bytes | bytearray) -> None:
-        os.pwrite(self.fd, data, offset)
+        try:
+            written = os.pwrite(self.fd, data, offset)
+        except OSError as e:
+            raise _local("write to", self.path, e) from None
+        if written != len(data):
+            raise LocalDiskError(f"cannot write to {self.path} on this node's disk: short write (disk full?)")
 
     def finish_piece(self, index: int) -> None:
         """Record a finished piece (called from worker threads: one temp file per piece)."""
         self.finished.add(index)
         tmp = self.ledger.with_name(f"{self.ledger.name}.{index}.tmp")
-        tmp.write_text(json.dumps({"size": self.size, "pieces": sorted(self.finished)}))
-        os.replace(tmp, self.ledger)
+        try:
+            tmp.write_text(json.dumps({"size": self.size, "pieces": sorted(self.finished)}))
+            os.replace(tmp, self.ledger)
+        except OSError as e:
+            raise _local("write", self.ledger, e) from None
 
     def sha256(self) -> str:
-        os.fsync(self.fd)
         digest = hashlib.sha256()
-        with open(self.path, "rb") as f:
-            while block := f.read(1 << 20):
-                digest.update(block)
+        try:
+            os.fsync(self.fd)
+            with open(self.path, "rb") as f:
+                while block := f.read(1 << 20):
+                    digest.update(block)
+        except OSError as e:
+            raise _local("read back", self.path, e) from None
         return digest.hexdigest()
 
     def close(self) -> None:
@@ -344,6 +371,8 @@ async def download_parallel(
                 await _fetch_patiently(session, offer, start, length, partial, progress, timeout, auth)
                 await asyncio.to_thread(partial.finish_piece, index)
                 in_flight.discard(index)
+            except LocalDiskError:
+                raise  # this node's disk: ends the download (the task group stops the other workers)
             except (TimeoutError, _Busy, DownloadError, aiohttp.ClientError, OSError) as e:
                 in_flight.discard(index)
                 todo.put_nowait(index)  # another donor takes this range
@@ -356,7 +385,13 @@ async def download_parallel(
                 return
 
     try:
-        await asyncio.gather(*(worker(o) for o in offers for _ in range(PER_DONOR)))
+        try:
+            async with asyncio.TaskGroup() as group:
+                for offer in offers:
+                    for _ in range(PER_DONOR):
+                        group.create_task(worker(offer))
+        except* LocalDiskError as errors:
+            raise errors.exceptions[0] from None
         if len(partial.finished) < len(partial.pieces):
             raise DownloadError(f"every donor failed: {failures}")
         digest = await asyncio.to_thread(partial.sha256)
@@ -367,7 +402,10 @@ async def download_parallel(
         partial.discard()
         raise DownloadError("sha256 of the downloaded checkpoint does not match its metadata")
     dest = scratch / f".download-{first.sha256[:16]}.safetensors"
-    os.replace(partial.path, dest)
+    try:
+        os.replace(partial.path, dest)
+    except OSError as e:
+        raise _local("rename", partial.path, e) from None
     partial.ledger.unlink(missing_ok=True)
     log.info(
         "downloaded checkpoint %d from %d peer(s): %.1f MB in %.2fs",

@@ -94,7 +94,7 @@ class NodePresenter:
             round_checkpoint=st.start_step if st.in_round else -1,
             dht_addrs=self.addr.dht_addrs,
             tokens_per_step=trainer.tokens_per_step,
-            progress_at=get_dht_time(),
+            progress_at=self._counted_at(trainer.running, trainer.progress_at),
             bandwidth_mbps=s.bandwidth_mbps,
             device=str(self.device),
             client_mode=s.client_mode,
@@ -103,6 +103,13 @@ class NodePresenter:
             recipe=self.workload.recipe.to_record(),
             tls_cert=encode_certificate(self.trust.own.cert_der) if self.trust is not None else "",
         )
+
+    @staticmethod
+    def _counted_at(running: bool, last_step_end: float) -> float:
+        """DHT time at which `round_tokens` was true: the end of the last inner step while the
+        training thread is in its steps (peers extrapolate from there), else now."""
+        now = get_dht_time()
+        return now - max(0.0, time.monotonic() - last_step_end) if running else now
 
     def status(self) -> NodeStatus:
         s, w = self.settings, self.worker

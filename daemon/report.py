@@ -354,7 +354,7 @@ class NodeStatus(BaseModel):
     recipe: SwarmRecipe  # what a peer must share with this swarm; `join --peer http://` takes it from here
     device: str
     client_mode: bool
-    reachability: Reachability | None  # a peer's dial-back of this node's announced addresses; None: not yet
+    reachability: Reachability | None = None  # a peer's dial-back of this node's announced addresses; None: not yet
     version: str
     last_round: LastRound | None
     deadlines: dict[str, float]

@@ -32,7 +32,7 @@ from .history import RoundHistory
 from .joiner import Joiner
 from .landing import Landing
 from .metrics import NodeMetrics, observe_device_memory
-from .pacer import FixedPacer, Pacer, SwarmPacer
+from .pacer import EXTRAPOLATE_HEARTBEATS, FixedPacer, Pacer, SwarmPacer
 from .report import Outcome, RoundSummary, RunStats
 from .round_state import Publisher, RoundState
 from .settings import NodeSettings
@@ -103,6 +103,7 @@ class RoundLoop:
                 settings.round_tokens,
                 joiner.closed_under_us,
                 on_progress=stats.show_progress,
+                max_extrapolation=EXTRAPOLATE_HEARTBEATS * settings.heartbeat_interval,
             )
         )
         self.strategy: RoundStrategy = OverlappedRound(self) if settings.overlap else PlainRound(self)
@@ -246,7 +247,7 @@ class RoundLoop:
         self.pacer.start_round()
         following = asyncio.ensure_future(self.pacer.follow(round_no))
         try:
-            return await self.worker.call(
+            inner = await self.worker.call(
                 self.worker.run_inner,
                 self.pacer.max_steps,
                 self.stop_flag,
@@ -256,6 +257,9 @@ class RoundLoop:
                 s.inner_steps,
                 after_step,
             )
+            if not self.stopping.is_set() and (deadline is None or time.monotonic() < deadline):
+                await self.pacer.wait_for_end(self.worker.trainer.step_seconds)
+            return inner
         finally:
             following.cancel()
             await asyncio.gather(following, return_exceptions=True)

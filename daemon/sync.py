@@ -25,7 +25,7 @@ from dtnode.peers.membership import PeerRecord
 from dtnode.peers.sidecar_address import PROBE_TIMEOUT_S
 
 from .checkpoint import CheckpointError, CheckpointInfo, Layout, LoadedCheckpoint, checkpoint_path, read_checkpoint
-from .download import PIECE_BYTES, DownloadError, Offer, auth_headers, download_parallel
+from .download import PIECE_BYTES, DownloadError, LocalDiskError, Offer, auth_headers, download_parallel
 
 __all__ = ["PIECE_BYTES", "SwarmPosition", "fetch_from_swarm", "open_round", "swarm_position", "swarm_step"]
 
@@ -213,11 +213,19 @@ async def fetch_from_swarm(
                     }
                     if keep:
                         final = checkpoint_path(scratch, loaded.step)
-                        await asyncio.to_thread(os.replace, path, final)
+                        try:
+                            await asyncio.to_thread(os.replace, path, final)
+                        except OSError as e:
+                            raise LocalDiskError(
+                                f"cannot keep {final.name} in the state dir: {e.strerror or e}"
+                            ) from None
                         loaded.file = CheckpointInfo(loaded.step, final, attempt[0].sha256, attempt[0].size)
                     for leftover in scratch.glob(".download-*"):
                         leftover.unlink(missing_ok=True)
                     return loaded
+                except LocalDiskError as e:  # no donor is at fault, and none would do better
+                    log.error("could not download a checkpoint: %s (free space in the state dir, or fix it)", e)
+                    return None
                 except (TimeoutError, DownloadError, CheckpointError, aiohttp.ClientError, OSError, ValueError) as e:
                     names = ", ".join(f"{o.donor.peer_id[-8:]} ({o.base})" for o in attempt)
                     log.warning("could not sync from %s: %s; trying the next peer", names, e)

@@ -8,12 +8,16 @@ steps of an average peer (H times the sum of the live peers' tokens per step). A
 takes more steps and a slow one fewer; each contributes Δ weighted by the tokens it
 processed, so nobody waits for the slowest and nobody is left out.
 
-Records may be extrapolated (`max_extrapolation` seconds at most past their count, so a peer
-that stopped reporting cannot end a round on its own), but the node does not: a peer counts
-itself exactly and others by their records, so any over-estimate of the others makes every
-peer stop early except the one that sees its own count, which is then left to train the
-rest of the round alone while the swarm waits. Counting records as published errs the safe
-way: the round runs at most about a heartbeat long. Pure functions, no I/O.
+Records are extrapolated at their published rate, `max_extrapolation` seconds at most past
+their count (a heartbeat and a half: a peer that stopped reporting cannot end a round on its
+own); a record's `progress_at` is when its count was true, the end of its last inner step (a
+slow peer's count is a whole step old half the time), and this peer's own count is
+extrapolated the same way. Counting them as published instead makes every round a heartbeat too long: with rounds
+of a few seconds, 20% more tokens than asked. An over-estimate of the others has its own risk:
+the peers stop, publish their exact counts, and the last one, seeing the total fall short,
+trains the rest alone while the others wait. So a round is also over for a peer as soon as
+another peer of the round has closed it (`closed`: it moved on to averaging, or with --overlap
+to the next round's steps) once the swarm is near its target. Pure functions, no I/O.
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ class Progress(Protocol):
 
 
 ACTIVE = ("training", "averaging")
+MAX_STEP_S = 600.0  # one step is extrapolated this long at most (a record with a tiny rate)
 
 
 @dataclass(frozen=True)
@@ -52,6 +57,7 @@ class SwarmProgress:
     done: float  # tokens processed so far, extrapolated to now
     rate: float  # tokens per second of the peers still training
     peers: int  # peers counted
+    closed: int = 0  # peers that ended their inner steps of the round (averaging it, or training the next)
 
     @property
     def reached(self) -> bool:
@@ -78,6 +84,16 @@ def round_target(records: Iterable[Progress], round: int, inner_steps: int, roun
     return max(inner_steps * per_step, 1)
 
 
+def _extrapolation_cap(r: Progress, max_extrapolation: float) -> float:
+    """How far past its count a record may be extrapolated: the record's own staleness
+    (`max_extrapolation`) plus one of its steps, since the count is as of its last step's end (a
+    peer 4x slower is a whole long step behind its count just before the step ends)."""
+    if max_extrapolation <= 0:
+        return 0.0
+    rate = max(r.tokens_per_s, 0.0)
+    return max_extrapolation + (min(r.tokens_per_step / rate, MAX_STEP_S) if rate > 0 else 0.0)
+
+
 def swarm_progress(
     records: Iterable[Progress],
     own: Progress,
@@ -93,14 +109,21 @@ def swarm_progress(
     """
     records = [r for r in records if r.peer_id != own.peer_id] + [own]
     members = {r.peer_id: r for r in records if r.round_in_training == round and r.state in ACTIVE}
+    closed = sum(
+        1
+        for r in records
+        if r is not own
+        and r.state in ACTIVE
+        and ((r.round_in_training == round and r.state != "training") or r.round_in_training == round + 1)
+    )
     done, rate = 0.0, 0.0
     for r in members.values():
         tokens = float(max(r.round_tokens, 0))
-        if r.state == "training" and r is not own:
-            elapsed = min(max(now - r.progress_at, 0.0), max_extrapolation)
+        if r.state == "training":  # own too: its count is as of its last step's end (progress_at)
+            elapsed = min(max(now - r.progress_at, 0.0), _extrapolation_cap(r, max_extrapolation))
             tokens += max(r.tokens_per_s, 0.0) * elapsed
         if r.state == "training":
             rate += max(r.tokens_per_s, 0.0)
         done += tokens
     target = round_target(records, round, inner_steps, round_tokens)
-    return SwarmProgress(target, done, rate, len(members))
+    return SwarmProgress(target, done, rate, len(members), closed)

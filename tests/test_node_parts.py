@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import time
 
 import pytest
 from prometheus_client import generate_latest
@@ -137,7 +138,10 @@ def test_the_swarm_pacer_ends_the_round_when_the_swarms_tokens_reach_the_target(
     async def view() -> dict[str, PeerRecord]:
         return records
 
-    pacer = SwarmPacer(view, lambda: own, inner_steps=10, round_tokens=None, clock=clock, dht_time=clock)
+    coin = [0.5]  # the straddling step's draw
+    pacer = SwarmPacer(
+        view, lambda: own, inner_steps=10, round_tokens=None, clock=clock, dht_time=clock, draw=lambda: coin[0]
+    )
     assert pacer.max_steps == 1000 and pacer.keep_going(1.0)  # nothing read yet: no end known
     pacer.round_end_at = clock.now - 5  # the last round's end, long past
     pacer.start_round()  # a new round: its first step never reads the old end
@@ -147,15 +151,56 @@ def test_the_swarm_pacer_ends_the_round_when_the_swarms_tokens_reach_the_target(
     assert pacer.progress is not None and pacer.progress.target == 2000
     assert pacer.round_end_at == pytest.approx(clock.now + 5.0)
     clock.now += 4.0
-    assert pacer.keep_going(1.0) and not pacer.keep_going(3.0)  # a step may end half a step past the end
+    # 1 s left: a 1 s step fits; a 4 s step straddles the end with 1/4 of it inside: taken when
+    # the draw falls under 1/4 (so a slow peer trains, in expectation, exactly the time left)
+    assert pacer.keep_going(1.0) and not pacer.keep_going(4.0)
+    coin[0] = 0.2
+    assert pacer.keep_going(4.0)
     records["b"] = other.model_copy(update={"round_tokens": 1900})
     asyncio.run(pacer.update(3))
-    # 100 tokens left at 400 tok/s: a 0.4 s step still ends within half a step of the end, a 1 s one does not
+    # 100 tokens left at 400 tok/s: 0.25 s
     assert pacer.round_end_at == pytest.approx(clock.now + 0.25)
-    assert pacer.keep_going(0.4) and not pacer.keep_going(1.0)
+    coin[0] = 0.3
+    assert pacer.keep_going(0.25) and not pacer.keep_going(1.0)  # the coin 0.3 is not under 0.25 / 1.0
     own = own.model_copy(update={"round_tokens": 100})
     asyncio.run(pacer.update(3))
     assert pacer.progress.reached and not pacer.keep_going(0.1)
+
+
+def test_the_swarm_pacer_extrapolates_records_and_ends_when_another_peer_closed_the_round():
+    clock = FakeClock()
+    own = PeerRecord(
+        peer_id="me", outer_step=3, state="training", tokens_per_s=100.0, tokens_per_step=100, progress_at=clock.now
+    )
+    # b counted 1000 tokens 2 s ago at 300 tok/s: with a 3 s cap it is at 1600 now, not 1000
+    b = PeerRecord(
+        peer_id="b",
+        outer_step=3,
+        state="training",
+        round_tokens=1000,
+        tokens_per_s=300.0,
+        tokens_per_step=100,
+        progress_at=clock.now - 2.0,
+    )
+    records = {"b": b}
+
+    async def view() -> dict[str, PeerRecord]:
+        return records
+
+    pacer = SwarmPacer(view, lambda: own, 10, None, clock=clock, dht_time=clock, max_extrapolation=3.0)
+    asyncio.run(pacer.update(3))
+    assert pacer.progress.done == pytest.approx(1600) and pacer.round_end_at == pytest.approx(clock.now + 1.0)
+    # b moved on to averaging round 3 (its exact count published) while this node counted 1750:
+    # the swarm is near its target, so the round is over here too
+    records["b"] = b.model_copy(update={"state": "averaging", "round_tokens": 1650, "progress_at": clock.now})
+    own = own.model_copy(update={"round_tokens": 150})
+    asyncio.run(pacer.update(3))
+    assert pacer.progress.closed == 1 and pacer.round_end_at == -math.inf and not pacer.keep_going(0.0)
+    # a peer that left early (far from the target) does not end the round for the others
+    records["b"] = b.model_copy(update={"state": "averaging", "round_tokens": 100, "progress_at": clock.now})
+    own = own.model_copy(update={"round_tokens": 0})
+    asyncio.run(pacer.update(3))
+    assert pacer.progress.closed == 1 and pacer.round_end_at > clock.now
 
 
 def test_a_joiner_whose_round_closed_under_it_stops_at_once_and_fixed_pacing_never_asks():
@@ -321,3 +366,25 @@ def test_status_carries_the_summary_and_the_condition_the_stats_give():
     assert shown["loss"] is None  # JSON has no NaN: the dashboard parses this
     assert shown["state"] == "training" and shown["condition"] == "failing"
     assert shown["last_round"]["bytes_sent"] == 10 and shown["last_round"]["group_size"] == 2
+
+
+def test_a_peer_whose_last_step_did_not_fit_waits_for_the_round_s_end_or_its_close():
+    """It reaches matchmaking with the swarm, not a step early: it idles until the expected end,
+    at most one step, and at once when another peer closes the round (follow sets -inf)."""
+
+    async def nothing() -> dict[str, PeerRecord]:
+        return {}
+
+    async def main() -> None:
+        pacer = SwarmPacer(nothing, lambda: PeerRecord(peer_id="me"), 10, None, poll_s=0.01)
+        pacer.round_end_at = time.monotonic() + 60.0
+        waiting = asyncio.ensure_future(pacer.wait_for_end(at_most=60.0))
+        await asyncio.sleep(0.05)
+        assert not waiting.done()  # the round's end is a minute away: still waiting
+        pacer.round_end_at = -math.inf  # another peer closed it
+        await asyncio.wait_for(waiting, 5)
+        pacer.round_end_at = time.monotonic() + 60.0
+        await asyncio.wait_for(pacer.wait_for_end(at_most=0.05), 5)  # one step at most
+        await asyncio.wait_for(FixedPacer(3).wait_for_end(60.0), 5)  # fixed pacing: the H-th step is the end
+
+    asyncio.run(main())

@@ -44,10 +44,10 @@ def test_progress_extrapolates_each_peer_from_its_last_report_and_caps_stale_one
     own = _peer("me", tokens=200, rate=100.0, at=110.0)
     fast = _peer("fast", tokens=300, rate=400.0, at=108.0)  # 2 s old: +800
     done = _peer("done", tokens=500, rate=400.0, at=100.0, state="averaging")  # finished: no extrapolation
-    paused = _peer("paused", tokens=100, rate=100.0, at=50.0)  # 60 s stale: capped at 10 s
+    paused = _peer("paused", tokens=100, rate=100.0, at=50.0)  # 60 s stale: capped at 10 s + one 1 s step
     p = swarm_progress([fast, done, paused, _peer("me", tokens=0)], own, 4, 10, None, now=110.0, max_extrapolation=10.0)
-    assert p.done == pytest.approx(200 + (300 + 800) + 500 + (100 + 1000))
-    as_published = swarm_progress([fast, done, paused], own, 4, 10, None, now=110.0)  # what a node uses
+    assert p.done == pytest.approx(200 + (300 + 800) + 500 + (100 + 1100))
+    as_published = swarm_progress([fast, done, paused], own, 4, 10, None, now=110.0)  # no extrapolation
     assert as_published.done == pytest.approx(200 + 300 + 500 + 100)
     assert p.rate == pytest.approx(100 + 400 + 100)
     assert p.target == 10 * 4 * 100 and p.peers == 4
@@ -76,3 +76,25 @@ def test_overlapped_peers_are_counted_in_the_round_they_train_not_their_outer_st
     p = swarm_progress([overlapped], plain, 4, 10, None, now=100.0)
     assert p.done == 500 and p.peers == 2 and p.target == 10 * 200
     assert swarm_progress([overlapped], plain, 3, 10, None, now=100.0).peers == 0  # not in its outer step's round
+
+
+def test_a_round_is_closed_by_a_peer_averaging_it_or_training_the_next_not_by_one_still_in_the_last():
+    own = _peer("me", step=4, tokens=100)
+    averaging = _peer("a", step=4, tokens=900, state="averaging")  # ended its steps of round 4
+    ahead = PeerRecord(peer_id="o", outer_step=4, training_round=5, state="training")  # --overlap: on to round 5
+    behind = _peer("b", step=3, state="averaging")  # still averaging round 3
+    training = _peer("t", step=4, tokens=500)
+    p = swarm_progress([averaging, ahead, behind, training], own, 4, 10, None, now=100.0)
+    assert p.closed == 2 and p.done == 1500
+    assert swarm_progress([behind, training], own, 4, 10, None, now=100.0).closed == 0
+
+
+def test_a_slow_peer_mid_step_is_extrapolated_through_its_step_not_just_the_heartbeat():
+    # 100 tokens per 4 s step: 3 s into its step it has counted nothing yet; with a 1.5 s
+    # heartbeat allowance plus one of its steps, all 3 s of it count (75 tokens)
+    slow = _peer("slow", tokens=0, rate=25.0, at=97.0, per_step=100)
+    own = _peer("me", tokens=0, rate=0.0, at=100.0)
+    p = swarm_progress([slow], own, 4, 10, None, now=100.0, max_extrapolation=1.5)
+    assert p.done == pytest.approx(75.0)
+    gone = _peer("slow", tokens=0, rate=25.0, at=80.0, per_step=100)  # 20 s silent: 1.5 + 4 s at most
+    assert swarm_progress([gone], own, 4, 10, None, now=100.0, max_extrapolation=1.5).done == pytest.approx(137.5)

@@ -172,6 +172,25 @@ def test_a_state_dir_that_cannot_be_written_is_one_line_and_exit_2(tmp_path):
     assert "Traceback" not in result.stderr
 
 
+def test_a_state_dir_on_a_read_only_file_system_is_one_line_and_exit_2(tmp_path):
+    """A real read-only file system (a tmpfs mounted ro; root needed to mount, as CI has)."""
+    mount = tmp_path / "ro"
+    mount.mkdir()
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(mount)], check=False, capture_output=True
+    )
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a read-only tmpfs here: {done.stderr.decode().strip()}")
+    try:
+        result = dtnode("join", *PORTS, "--state-dir", str(mount / "state"))
+    finally:
+        subprocess.run(["umount", str(mount)], check=True)
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("dtnode: error: --state-dir: cannot use"), result.stderr
+    assert "Read-only file system" in lines[0]
+
+
 def test_a_second_node_on_a_held_state_dir_is_refused(tmp_path):
     from nodes import NodeProcess
 

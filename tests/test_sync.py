@@ -508,3 +508,37 @@ def test_a_donor_whose_checkpoint_the_others_contradict_is_skipped(tmp_path, cap
         )  # ids are shown by their last 8 characters and "that 2 other peer(s) contradict" in caplog.text
 
     asyncio.run(main())
+
+
+def test_a_full_local_disk_is_reported_as_this_node_s_not_blamed_on_the_donors(tmp_path, caplog, monkeypatch):
+    """ENOSPC while writing the download (the disk fills up mid-transfer): one error naming this
+    node's disk, no donor marked failed, and no second donor tried (it would fail the same way)."""
+    import errno
+    import os
+
+    def full(fd, data, offset):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    async def main():
+        info, _ = _checkpoint(tmp_path / "src", 7)
+        body = info.path.read_bytes()
+        seen: dict[str, list] = {"a": [], "b": []}
+        runners, records = [], []
+        for name in ("a", "b"):
+            runner, url = await _serve(_liar(info, body, requests=seen[name]))
+            runners.append(runner)
+            records.append(_record(name, url, info))
+        monkeypatch.setattr(os, "pwrite", full)  # the disk, not our code: what the kernel answers when full
+        try:
+            return await fetch_from_swarm(
+                {r.peer_id: r for r in records}, "me", range(1, 10**9), MODEL, RUN, LAYOUT, tmp_path / "joiner", 20
+            )
+        finally:
+            for r in runners:
+                await r.cleanup()
+
+    with caplog.at_level(logging.WARNING):
+        assert asyncio.run(main()) is None
+    text = caplog.text
+    assert "No space left on device" in text and "on this node's disk" in text
+    assert "donor" not in text and "could not sync from" not in text

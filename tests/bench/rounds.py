@@ -11,6 +11,7 @@ Scenarios (real node processes on loopback):
   c        12 tiny peers, target group 4
   d        4 tiny peers, one paused (SIGSTOP) for 3 s during its inner steps in every round
   e        5 tiny peers, target group 2 (three hops, cells of 0 to 3), started 2 s apart
+  f        4 tiny peers, H=50 (the pacing check: tokens trained over tokens asked)
 
 Printed per scenario, over the rounds from --from-round on:
   full      fraction of rounds in which every peer took part and every group it joined held
@@ -20,7 +21,11 @@ Printed per scenario, over the rounds from --from-round on:
             for the a scenarios (one group, no per-round checkpoints) equal θ_g hashes
   same-hash fraction of rounds after which all θ_g hashes are equal
   downloads catch-up downloads; given-up inner steps (abandoned rounds); tokens per peer;
-  spread    final relative spread of θ_g; the unhandled exceptions in every node's log.
+  spread    final relative spread of θ_g; the unhandled exceptions in every node's log;
+  tokens/asked  the swarm's tokens over H x the peers' tokens per step, in the counted rounds
+            every peer trained (swarm pacing aims at 1.0);
+  slow x k  the slow peer's tokens over a fast peer's, times k (its slowness): 1.0 is its share;
+  by speed  the same with k measured: the fast peers' mean tok/s over the slow one's.
 Tiny nodes write a checkpoint every round (--checkpoint-every 1) so θ_g can be compared; every
 node writes one when it stops, for the final spread. `--device cuda` runs the a scenarios on a GPU.
 """
@@ -42,6 +47,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from nodes import NodeProcess, theta
 
+RATE_LINE = re.compile(r"round (\d+) \|.* \| (\d+) tok/s \|")
 ROUND_LINE = re.compile(r"round (\d+) \| groups ((?:\d+/\d+(?:\+\d+)? ?)+) \| (\d+) steps (\d+) tok .*params (\w+)")
 COMMON = [
     "--matchmaking-window",
@@ -105,7 +111,44 @@ def scenarios() -> dict[str, Scenario]:
             pause_victim=3,
         ),
         "e": Scenario("e", "5 tiny, group 2, 2 s apart", [Peer(TINY) for _ in range(5)], group=2, stagger=2.0),
+        "f": Scenario("f", "4 tiny, H=50", [Peer([*TINY, "--inner-steps", "50"]) for _ in range(4)], group=4),
     }
+
+
+def _flag(args: list[str], name: str) -> int:
+    """The value of the last `name` in a node's arguments (later flags win, as in argparse)."""
+    return int(args[len(args) - 1 - args[::-1].index(name) + 1])
+
+
+def pacing_figures(
+    scenario: Scenario,
+    per_node_args: list[list[str]],
+    round_tokens: dict[int, dict[str, int]],
+    counted: list[int],
+    rates: dict[str, float],
+) -> tuple[float, float | None, float | None]:
+    """(overshoot, slow share, slow share by speed): the swarm's tokens over the tokens asked (H
+    x the live peers' tokens per step, summed over the counted rounds every peer trained), and
+    for a scenario with a slower peer, its tokens over a fast peer's mean times k (1.0: exactly
+    its share), with k its nominal slowness, then with k the ratio of the measured rates (on a
+    shared host the slow peer's compute is slowed by the others too)."""
+    names = [f"n{i}" for i in range(len(scenario.peers))]
+    per_step = {n: _flag(a, "--batch-size") * _flag(a, "--seq-len") for n, a in zip(names, per_node_args)}
+    h = {n: _flag(a, "--inner-steps") for n, a in zip(names, per_node_args)}
+    whole = [r for r in counted if len(round_tokens.get(r, {})) == len(names)]
+    if not whole:
+        return float("nan"), None, None
+    done = sum(sum(round_tokens[r].values()) for r in whole)
+    asked = len(whole) * max(h.values()) * sum(per_step.values())
+    slow = [(n, float(p.env["DTNODE_TEST_SLOW_INNER"])) for n, p in zip(names, scenario.peers) if p.env]
+    if not slow:
+        return done / asked, None, None
+    name, k = slow[0]
+    fast = [n for n in names if n != name]
+    slow_tokens = sum(round_tokens[r][name] for r in whole)
+    fast_tokens = sum(round_tokens[r][n] for r in whole for n in fast) / len(fast)
+    measured_k = sum(rates[n] for n in fast) / len(fast) / max(rates[name], 1e-9)
+    return done / asked, (slow_tokens / fast_tokens) * k, (slow_tokens / fast_tokens) * measured_k
 
 
 def pause_every_round(node: NodeProcess, stop: threading.Event, seconds: float = 3.0) -> list[int]:
@@ -172,6 +215,7 @@ def run(
             node.kill()
     logs = {node.name: node.output for node in nodes}
     per_round: dict[int, dict[str, tuple[bool, str]]] = {}
+    round_tokens: dict[int, dict[str, int]] = {}
     tokens = {}
     for node in nodes:
         tokens[node.name] = 0
@@ -179,8 +223,18 @@ def run(
             hops = m.group(2).split()
             full = all(int(h.split("/")[0]) == int(h.split("/")[1].split("+")[0]) for h in hops)
             per_round.setdefault(int(m.group(1)), {})[node.name] = (full, m.group(5))
+            round_tokens.setdefault(int(m.group(1)), {})[node.name] = int(m.group(4))
             tokens[node.name] += int(m.group(4))
     counted = [r for r in range(from_round, rounds)]
+    rates = {}
+    for node in nodes:
+        found = [
+            float(m.group(2)) for m in RATE_LINE.finditer(logs[node.name]) if from_round <= int(m.group(1)) < rounds
+        ]
+        rates[node.name] = sum(found) / len(found) if found else float("nan")
+    overshoot, slow_share, slow_by_speed = pacing_figures(
+        scenario, [[*extra, *p.args] for p in scenario.peers], round_tokens, counted, rates
+    )
     full = agree = same = 0
     for r in counted:
         seen = per_round.get(r, {})
@@ -214,6 +268,9 @@ def run(
         "downloads": text.count("in sync at outer step"),
         "given_up": sum(int(k) for k in re.findall(r"abandoned after (\d+) inner steps", text)),
         "tokens": [tokens[n.name] for n in nodes],
+        "overshoot": overshoot,
+        "slow_share": slow_share,
+        "slow_by_speed": slow_by_speed,
         "spread": spread,
         "exceptions": text.count("Traceback") + text.count("Unhandled exception"),
         "round_failures": text.count("failed ("),
@@ -256,13 +313,16 @@ def main() -> None:
     )
     print(
         f"{'scenario':<34} {'rounds':>6} {'full':>6} {'agree':>6} {'same-hash':>9} {'downloads':>9} "
-        f"{'given-up':>8} {'spread':>9} {'exc':>4}  tokens per peer"
+        f"{'given-up':>8} {'spread':>9} {'exc':>4} {'tokens/asked':>12} {'slow x k':>8} {'by speed':>8}  tokens per peer"
     )
     for r in results:
         print(
             f"{r['scenario'] + ' ' + r['title']:<34} {r['rounds']:>6} {r['full']:>6.0%} {r['agree']:>6.0%} "
             f"{r['same_hash']:>9.0%} {r['downloads']:>9} {r['given_up']:>8} {r['spread']:>9.1e} "
-            f"{r['exceptions']:>4}  {' '.join(str(t) for t in r['tokens'])}"
+            f"{r['exceptions']:>4} {r['overshoot']:>12.3f} "
+            f"{'-' if r['slow_share'] is None else format(r['slow_share'], '.2f'):>8} "
+            f"{'-' if r['slow_by_speed'] is None else format(r['slow_by_speed'], '.2f'):>8}  "
+            f"{' '.join(str(t) for t in r['tokens'])}"
         )
 
 
