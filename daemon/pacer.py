@@ -121,8 +121,10 @@ class SwarmPacer:
         self.progress = progress
         self.on_progress(progress)
         self.round_end_at = self.clock() + progress.seconds_left()
-        if progress.closed and progress.done >= CLOSE_FRACTION * progress.target:
-            self.round_end_at = -math.inf  # another peer closed it: the swarm is averaging
+        if progress.closed and (
+            progress.done >= CLOSE_FRACTION * progress.target or 2 * progress.closed >= progress.peers
+        ):
+            self.round_end_at = -math.inf  # others closed it: the swarm is averaging, not waiting for this node
         if self.closed_under_us(view, round_no):
             self.round_end_at = -math.inf  # joined in the round's last seconds: see joiner.py
 

@@ -12,12 +12,15 @@ Records are extrapolated at their published rate, `max_extrapolation` seconds at
 their count (a heartbeat and a half: a peer that stopped reporting cannot end a round on its
 own); a record's `progress_at` is when its count was true, the end of its last inner step (a
 slow peer's count is a whole step old half the time), and this peer's own count is
-extrapolated the same way. Counting them as published instead makes every round a heartbeat too long: with rounds
+extrapolated the same way. Until a peer has two steps of the round in, its rate is an earlier
+round's (with other peers sharing its host, perhaps several times too high): it is extrapolated
+one step at most. Counting them as published instead makes every round a heartbeat too long: with rounds
 of a few seconds, 20% more tokens than asked. An over-estimate of the others has its own risk:
 the peers stop, publish their exact counts, and the last one, seeing the total fall short,
 trains the rest alone while the others wait. So a round is also over for a peer as soon as
 another peer of the round has closed it (`closed`: it moved on to averaging, or with --overlap
-to the next round's steps) once the swarm is near its target. Pure functions, no I/O.
+to the next round's steps) once the swarm is near its target, or once half its peers have. Pure
+functions, no I/O.
 """
 
 from __future__ import annotations
@@ -121,7 +124,10 @@ def swarm_progress(
         tokens = float(max(r.round_tokens, 0))
         if r.state == "training":  # own too: its count is as of its last step's end (progress_at)
             elapsed = min(max(now - r.progress_at, 0.0), _extrapolation_cap(r, max_extrapolation))
-            tokens += max(r.tokens_per_s, 0.0) * elapsed
+            extra = max(r.tokens_per_s, 0.0) * elapsed
+            if r.round_tokens < 2 * r.tokens_per_step:  # its rate is an earlier round's, not this one's yet
+                extra = min(extra, float(max(r.tokens_per_step, 0)))
+            tokens += extra
         if r.state == "training":
             rate += max(r.tokens_per_s, 0.0)
         done += tokens

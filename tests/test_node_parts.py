@@ -196,11 +196,16 @@ def test_the_swarm_pacer_extrapolates_records_and_ends_when_another_peer_closed_
     own = own.model_copy(update={"round_tokens": 150})
     asyncio.run(pacer.update(3))
     assert pacer.progress.closed == 1 and pacer.round_end_at == -math.inf and not pacer.keep_going(0.0)
-    # a peer that left early (far from the target) does not end the round for the others
-    records["b"] = b.model_copy(update={"state": "averaging", "round_tokens": 100, "progress_at": clock.now})
+    # one peer of three that left early (far from the target) does not end the round for the others
+    c = b.model_copy(update={"peer_id": "c", "round_tokens": 0, "progress_at": clock.now})
+    records.update(b=b.model_copy(update={"state": "averaging", "round_tokens": 100, "progress_at": clock.now}), c=c)
     own = own.model_copy(update={"round_tokens": 0})
     asyncio.run(pacer.update(3))
     assert pacer.progress.closed == 1 and pacer.round_end_at > clock.now
+    # half the round's peers did: the swarm is averaging, whatever this node counts
+    records["c"] = c.model_copy(update={"state": "averaging"})
+    asyncio.run(pacer.update(3))
+    assert pacer.progress.closed == 2 and pacer.round_end_at == -math.inf
 
 
 def test_a_joiner_whose_round_closed_under_it_stops_at_once_and_fixed_pacing_never_asks():

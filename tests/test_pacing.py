@@ -44,11 +44,11 @@ def test_progress_extrapolates_each_peer_from_its_last_report_and_caps_stale_one
     own = _peer("me", tokens=200, rate=100.0, at=110.0)
     fast = _peer("fast", tokens=300, rate=400.0, at=108.0)  # 2 s old: +800
     done = _peer("done", tokens=500, rate=400.0, at=100.0, state="averaging")  # finished: no extrapolation
-    paused = _peer("paused", tokens=100, rate=100.0, at=50.0)  # 60 s stale: capped at 10 s + one 1 s step
+    paused = _peer("paused", tokens=200, rate=100.0, at=50.0)  # 60 s stale: capped at 10 s + one 1 s step
     p = swarm_progress([fast, done, paused, _peer("me", tokens=0)], own, 4, 10, None, now=110.0, max_extrapolation=10.0)
-    assert p.done == pytest.approx(200 + (300 + 800) + 500 + (100 + 1100))
+    assert p.done == pytest.approx(200 + (300 + 800) + 500 + (200 + 1100))
     as_published = swarm_progress([fast, done, paused], own, 4, 10, None, now=110.0)  # no extrapolation
-    assert as_published.done == pytest.approx(200 + 300 + 500 + 100)
+    assert as_published.done == pytest.approx(200 + 300 + 500 + 200)
     assert p.rate == pytest.approx(100 + 400 + 100)
     assert p.target == 10 * 4 * 100 and p.peers == 4
     assert not p.reached and p.seconds_left() == pytest.approx((4000 - p.done) / 600)
@@ -90,11 +90,21 @@ def test_a_round_is_closed_by_a_peer_averaging_it_or_training_the_next_not_by_on
 
 
 def test_a_slow_peer_mid_step_is_extrapolated_through_its_step_not_just_the_heartbeat():
-    # 100 tokens per 4 s step: 3 s into its step it has counted nothing yet; with a 1.5 s
+    # 100 tokens per 4 s step, two steps in: 3 s into its third it has counted 200; with a 1.5 s
     # heartbeat allowance plus one of its steps, all 3 s of it count (75 tokens)
-    slow = _peer("slow", tokens=0, rate=25.0, at=97.0, per_step=100)
+    slow = _peer("slow", tokens=200, rate=25.0, at=97.0, per_step=100)
     own = _peer("me", tokens=0, rate=0.0, at=100.0)
     p = swarm_progress([slow], own, 4, 10, None, now=100.0, max_extrapolation=1.5)
-    assert p.done == pytest.approx(75.0)
-    gone = _peer("slow", tokens=0, rate=25.0, at=80.0, per_step=100)  # 20 s silent: 1.5 + 4 s at most
-    assert swarm_progress([gone], own, 4, 10, None, now=100.0, max_extrapolation=1.5).done == pytest.approx(137.5)
+    assert p.done == pytest.approx(275.0)
+    gone = _peer("slow", tokens=200, rate=25.0, at=80.0, per_step=100)  # 20 s silent: 1.5 + 4 s at most
+    assert swarm_progress([gone], own, 4, 10, None, now=100.0, max_extrapolation=1.5).done == pytest.approx(337.5)
+
+
+def test_a_peer_without_two_steps_of_the_round_is_extrapolated_one_step_at_most():
+    # its rate (5000 tok/s) is last round's, when it had the host to itself: 1 s of it is not
+    # 5000 tokens of this round but one step (100) at most until two of its steps are in
+    fresh = _peer("fresh", tokens=100, rate=5000.0, at=99.0, per_step=100)
+    running = _peer("running", tokens=200, rate=500.0, at=99.0, per_step=100)
+    own = _peer("me", tokens=0, rate=0.0, at=100.0)
+    p = swarm_progress([fresh, running], own, 4, 10, None, now=100.0, max_extrapolation=1.5)
+    assert p.done == pytest.approx((100 + 100) + (200 + 500))
