@@ -4,6 +4,7 @@ import re
 import signal
 import time
 
+import pytest
 from nodes import FAST, NodeProcess, theta, wait_until
 
 GRID = [*FAST, "--target-group-size", "3", "--allreduce-timeout", "10", "--matchmaking-window", "6"]
@@ -28,6 +29,7 @@ def _relative_spread(nodes: list[NodeProcess], step: int) -> float:
     return max(float((theta(n.state_dir, step) - reference).norm()) for n in nodes[1:]) / update
 
 
+@pytest.mark.nine_peers
 def test_nine_nodes_on_a_3x3_grid_stay_in_consensus(tmp_path, cleanup):
     """Two hops of groups of three: every node holds the global mean of Δ after each step,
     so all nine θ_g agree within the int8 error though no group ever held more than three."""

@@ -3,6 +3,7 @@ catch-up that keeps the inner optimizer. Real node processes on loopback."""
 
 import threading
 
+import pytest
 import torch
 from nodes import FAST, NodeProcess
 
@@ -35,9 +36,11 @@ def test_a_slower_peer_is_neither_waited_for_nor_left_out(tmp_path, cleanup):
         entries = [rounds[n.name][r] for n in nodes]
         assert all(e["groups"][0] == [3, 3] for e in entries), entries
         assert len({e["params_sha256"] for e in entries}) == 1, entries
-        # from round 1: the slow peer's first step (one-off initialisation, at 4x) may outlast
-        # round 0, but must not stand as its step time (it was paced out of every later round)
-        assert entries[2]["tokens"] > 0, entries
+    # from round 1: the slow peer's first step (one-off initialisation, at 4x) may outlast
+    # round 0, but must not stand as its step time (it was paced out of every later round); a
+    # round's last step that does not fit is taken by a coin (pacer.py), so it may miss one round
+    trained = [r for r in range(1, 5) if rounds["n2"][r]["tokens"] > 0]
+    assert len(trained) >= 3, [rounds["n2"][r] for r in range(1, 5)]
     tokens = {n.name: sum(rounds[n.name][r]["tokens"] for r in range(1, 5)) for n in nodes}
     assert tokens["n2"] < min(tokens["n0"], tokens["n1"]), tokens  # it contributes, and less
     for node in nodes:
@@ -82,6 +85,7 @@ def test_a_catch_up_keeps_the_inner_optimizer_of_a_training_node(tmp_path):
     assert worker.trainer.inner_state()[2] == 0 and worker.trainer.inner_step == 0
 
 
+@pytest.mark.nine_peers
 def test_every_node_stops_at_the_swarms_outer_step_however_late_it_joined(tmp_path, cleanup):
     """--max-rounds is the swarm's outer step: nine tiny peers in groups of three, one of them
     started after the others' round 1. Every node stops at outer step 5 (the late one after
