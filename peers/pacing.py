@@ -39,6 +39,10 @@ class Progress(Protocol):
     @property
     def state(self) -> str: ...
     @property
+    def round(self) -> int: ...
+    @property
+    def phase(self) -> str: ...
+    @property
     def round_in_training(self) -> int: ...
     @property
     def round_tokens(self) -> int: ...
@@ -51,6 +55,7 @@ class Progress(Protocol):
 
 
 ACTIVE = ("training", "averaging")
+CLOSED_PHASES = ("matchmaking", "averaging", "outer")  # a record's phase once its round's inner steps ended
 MAX_STEP_S = 600.0  # one step is extrapolated this long at most (a record with a tiny rate)
 
 
@@ -112,12 +117,15 @@ def swarm_progress(
     """
     records = [r for r in records if r.peer_id != own.peer_id] + [own]
     members = {r.peer_id: r for r in records if r.round_in_training == round and r.state in ACTIVE}
+    # closed: past this round's inner steps (its record's round and phase), or with --overlap
+    # training the next one; not a peer still applying the last round's outer step, whose outer
+    # step (and so round_in_training) already names this round
     closed = sum(
         1
         for r in records
         if r is not own
         and r.state in ACTIVE
-        and ((r.round_in_training == round and r.state != "training") or r.round_in_training == round + 1)
+        and ((r.round == round and r.phase in CLOSED_PHASES) or r.round_in_training == round + 1)
     )
     done, rate = 0.0, 0.0
     for r in members.values():

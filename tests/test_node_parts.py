@@ -192,18 +192,21 @@ def test_the_swarm_pacer_extrapolates_records_and_ends_when_another_peer_closed_
     assert pacer.progress.done == pytest.approx(1600) and pacer.round_end_at == pytest.approx(clock.now + 1.0)
     # b moved on to averaging round 3 (its exact count published) while this node counted 1750:
     # the swarm is near its target, so the round is over here too
-    records["b"] = b.model_copy(update={"state": "averaging", "round_tokens": 1650, "progress_at": clock.now})
+    records["b"] = b.model_copy(
+        update={"state": "averaging", "round": 3, "phase": "averaging", "round_tokens": 1650, "progress_at": clock.now}
+    )
     own = own.model_copy(update={"round_tokens": 150})
     asyncio.run(pacer.update(3))
     assert pacer.progress.closed == 1 and pacer.round_end_at == -math.inf and not pacer.keep_going(0.0)
     # one peer of three that left early (far from the target) does not end the round for the others
     c = b.model_copy(update={"peer_id": "c", "round_tokens": 0, "progress_at": clock.now})
-    records.update(b=b.model_copy(update={"state": "averaging", "round_tokens": 100, "progress_at": clock.now}), c=c)
+    early = {"state": "averaging", "round": 3, "phase": "averaging", "round_tokens": 100, "progress_at": clock.now}
+    records.update(b=b.model_copy(update=early), c=c)
     own = own.model_copy(update={"round_tokens": 0})
     asyncio.run(pacer.update(3))
     assert pacer.progress.closed == 1 and pacer.round_end_at > clock.now
     # half the round's peers did: the swarm is averaging, whatever this node counts
-    records["c"] = c.model_copy(update={"state": "averaging"})
+    records["c"] = c.model_copy(update={"state": "averaging", "round": 3, "phase": "matchmaking"})
     asyncio.run(pacer.update(3))
     assert pacer.progress.closed == 2 and pacer.round_end_at == -math.inf
 

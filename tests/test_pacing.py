@@ -80,13 +80,15 @@ def test_overlapped_peers_are_counted_in_the_round_they_train_not_their_outer_st
 
 def test_a_round_is_closed_by_a_peer_averaging_it_or_training_the_next_not_by_one_still_in_the_last():
     own = _peer("me", step=4, tokens=100)
-    averaging = _peer("a", step=4, tokens=900, state="averaging")  # ended its steps of round 4
+    averaging = _peer("a", step=4, tokens=900, state="averaging").model_copy(update={"round": 4, "phase": "averaging"})
     ahead = PeerRecord(peer_id="o", outer_step=4, training_round=5, state="training")  # --overlap: on to round 5
-    behind = _peer("b", step=3, state="averaging")  # still averaging round 3
-    training = _peer("t", step=4, tokens=500)
-    p = swarm_progress([averaging, ahead, behind, training], own, 4, 10, None, now=100.0)
+    behind = _peer("b", step=3, state="averaging").model_copy(update={"round": 3, "phase": "averaging"})
+    # applying round 3's outer step: its outer step already says 4, its round and phase say 3, outer
+    applying = _peer("c", step=4, state="averaging").model_copy(update={"round": 3, "phase": "outer"})
+    training = _peer("t", step=4, tokens=500).model_copy(update={"round": 4, "phase": "inner"})
+    p = swarm_progress([averaging, ahead, behind, applying, training], own, 4, 10, None, now=100.0)
     assert p.closed == 2 and p.done == 1500
-    assert swarm_progress([behind, training], own, 4, 10, None, now=100.0).closed == 0
+    assert swarm_progress([behind, applying, training], own, 4, 10, None, now=100.0).closed == 0
 
 
 def test_a_slow_peer_mid_step_is_extrapolated_through_its_step_not_just_the_heartbeat():
