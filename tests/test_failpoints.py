@@ -65,7 +65,7 @@ def test_a_pausing_failpoint_holds_the_caller_for_its_seconds_in_its_round_only(
 
 
 def test_healthz_turns_503_while_the_training_thread_is_frozen(tmp_path, cleanup):
-    """A hung training thread (the stall-training failpoint holds it 25 s in round 1): the node
+    """A hung training thread (the stall-training failpoint holds it 10 s in round 1): the node
     still answers HTTP, but /healthz says 503 with the reason once no step came for
     --health-stall-s, and 200 again once steps resume."""
     import json
@@ -75,7 +75,7 @@ def test_healthz_turns_503_while_the_training_thread_is_frozen(tmp_path, cleanup
     from nodes import FAST, NodeProcess, wait_until
 
     node = NodeProcess.join(
-        "frozen", tmp_path, *FAST, "--health-stall-s", "3", env={failpoints.ENV: "stall-training@1:25"}
+        "frozen", tmp_path, *FAST, "--health-stall-s", "3", env={failpoints.ENV: "stall-training@1:10"}
     )
     cleanup.append(node)
 

@@ -29,7 +29,7 @@ def _relative_spread(nodes: list[NodeProcess], step: int) -> float:
     return max(float((theta(n.state_dir, step) - reference).norm()) for n in nodes[1:]) / update
 
 
-@pytest.mark.nine_peers
+@pytest.mark.long_swarms
 def test_nine_nodes_on_a_3x3_grid_stay_in_consensus(tmp_path, cleanup):
     """Two hops of groups of three: every node holds the global mean of Δ after each step,
     so all nine θ_g agree within the int8 error though no group ever held more than three."""
@@ -57,6 +57,7 @@ def test_nine_nodes_on_a_3x3_grid_stay_in_consensus(tmp_path, cleanup):
     assert losses[-1] < losses[0]
 
 
+@pytest.mark.long_swarms
 def test_a_stalled_peer_costs_the_others_one_bounded_round_and_catches_up(tmp_path, cleanup):
     """SIGSTOP one of four nodes (groups of up to three) while it is matchmaking: the others finish that outer step
     without it (their windows and all-reduce deadlines bound the wait); after SIGCONT the

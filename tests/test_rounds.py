@@ -85,7 +85,7 @@ def test_a_catch_up_keeps_the_inner_optimizer_of_a_training_node(tmp_path):
     assert worker.trainer.inner_state()[2] == 0 and worker.trainer.inner_step == 0
 
 
-@pytest.mark.nine_peers
+@pytest.mark.long_swarms
 def test_every_node_stops_at_the_swarms_outer_step_however_late_it_joined(tmp_path, cleanup):
     """--max-rounds is the swarm's outer step: nine tiny peers in groups of three, one of them
     started after the others' round 1. Every node stops at outer step 5 (the late one after
