@@ -20,6 +20,21 @@ def _get(base: str, path: str, auth: SwarmAuth | None = None) -> Any:
         return json.load(resp)
 
 
+def _reachability(status: dict) -> str:
+    """A peer's dial-back of the node (reachability.py), as one cell."""
+    if status.get("client_mode"):
+        return "client mode (dialled by nobody)"
+    found = status.get("reachability")
+    if not isinstance(found, dict):
+        return "not checked yet (no live peer to ask)"
+    parts = [
+        f"{name} {'yes' if found.get(error) is None else 'NO: ' + str(found.get(error))}"
+        for name, addr, error in (("gRPC", "grpc_addr", "grpc_error"), ("HTTP", "http_addr", "http_error"))
+        if found.get(addr)
+    ]
+    return ", ".join(parts) + f" (by {str(found.get('checked_by', ''))[-10:]})"
+
+
 def show_status(url: str, as_json: bool = False, auth: SwarmAuth | None = None) -> int:
     base = url.rstrip("/")
     try:
@@ -58,6 +73,7 @@ def show_status(url: str, as_json: bool = False, auth: SwarmAuth | None = None) 
         ("uptime", f"{status['uptime_s']:.0f}s"),
         ("params sha256", status["params_sha256"][:16]),
         ("http", status["http_url"]),
+        ("reachable", _reachability(status)),
         (
             "last round",
             (
