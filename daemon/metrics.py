@@ -10,11 +10,16 @@ from __future__ import annotations
 
 import math
 import shutil
+from collections.abc import Iterable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import psutil
 import torch
 from prometheus_client import CollectorRegistry, Counter, Enum, Gauge, Histogram, Info, ProcessCollector
+
+if TYPE_CHECKING:
+    from .local_ranks import RankReport
 
 ROUND_OUTCOMES = ("full", "partial", "alone", "failed")
 NODE_STATES = ("joining", "syncing", "training", "averaging", "stopped")
@@ -42,6 +47,15 @@ def observe_device_memory(metrics: NodeMetrics, device: torch.device) -> None:
         metrics.device_memory.labels(device=str(device), kind="reserved").set(torch.cuda.memory_reserved(device))
     else:
         metrics.device_memory.labels(device=str(device), kind="resident").set(psutil.Process().memory_info().rss)
+
+
+def observe_ranks(metrics: NodeMetrics, reports: Iterable[RankReport]) -> None:
+    """Every local rank's throughput and memory (called at each round's end)."""
+    for report in reports:
+        labels = (str(report.rank), report.device)
+        metrics.rank_tokens_per_second.labels(*labels).set(report.tokens_per_s)
+        metrics.rank_memory.labels(*labels, "resident").set(report.memory_bytes)
+        metrics.rank_memory.labels(*labels, "device_peak").set(report.device_memory_bytes)
 
 
 def failure_reason(error: str) -> str:
@@ -156,6 +170,21 @@ class NodeMetrics:
             "Memory of the training device: allocated and reserved by torch on a GPU, resident on a CPU",
             ["device", "kind"],
             registry=r,
+        )
+        self.rank_tokens_per_second = Gauge(
+            "dtnode_rank_tokens_per_second",
+            "Tokens per second of each local training rank (its rows of the node's batch, last step)",
+            ["rank", "device"],
+            registry=r,
+        )
+        self.rank_memory = Gauge(
+            "dtnode_rank_memory_bytes",
+            "Memory of each local training rank: resident (its process) and device_peak (its GPU)",
+            ["rank", "device", "kind"],
+            registry=r,
+        )
+        self.rank_restarts = Counter(
+            "dtnode_local_rank_restarts", "Restarts of this host's local ranks after one of them failed", registry=r
         )
         self.catchups = Counter("dtnode_catchups", "Downloads of the swarm's state to join or catch up", registry=r)
         self.peers_live = Gauge(

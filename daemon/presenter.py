@@ -26,7 +26,7 @@ from .history import RoundHistory
 from .memory_checkpoint import MemoryCheckpoint
 from .metrics import NodeMetrics
 from .reachability import DialBack, Reachability
-from .report import Health, NodeStatus, RoundProgress, RunStats
+from .report import Health, NodeStatus, RankStatus, RoundProgress, RunStats
 from .round_state import RoundState
 from .settings import NodeSettings
 from .store import CheckpointStore
@@ -96,13 +96,18 @@ class NodePresenter:
             tokens_per_step=trainer.tokens_per_step,
             progress_at=self._counted_at(trainer.running, trainer.progress_at),
             bandwidth_mbps=s.bandwidth_mbps,
-            device=str(self.device),
+            device=self._devices(),
             client_mode=s.client_mode,
             model_hash=self.workload.model_hash,
             version=__version__,
             recipe=self.workload.recipe.to_record(),
             tls_cert=encode_certificate(self.trust.own.cert_der) if self.trust is not None else "",
         )
+
+    def _devices(self) -> str:
+        """The record's device: `cuda:0`, or `8xcuda` for a host training on several."""
+        ranks = self.worker.ranks
+        return f"{ranks.world_size}x{self.device.type}" if ranks is not None else str(self.device)
 
     @staticmethod
     def _counted_at(running: bool, last_step_end: float) -> float:
@@ -140,7 +145,7 @@ class NodePresenter:
             model=s.model,
             model_hash=self.workload.model_hash,
             recipe=self.workload.recipe,
-            device=str(self.device),
+            device=self._devices(),
             client_mode=s.client_mode,
             reachability=self.reachability,
             version=__version__,
@@ -153,6 +158,7 @@ class NodePresenter:
             round_failures=self.stats.round_failures,
             condition=condition,
             condition_detail=detail,
+            ranks=[RankStatus.of(r) for r in w.rank_reports()],
             round_progress=None
             if progress is None
             else RoundProgress(

@@ -2,7 +2,9 @@
 
 θ_g stays on the training device next to θ_l; the pseudo-gradient Δ = θ_g − θ_l is staged
 in a (pinned, on CUDA) CPU buffer for the network, and the averaged Δ comes back the same
-way. After the outer step θ_l is reset to θ_g; the inner optimizer state is kept.
+way. After the outer step θ_l is reset to θ_g; the inner optimizer state is kept. Every write to
+θ_l here flags it for the host's other local ranks (`ranks_need_params`), which get it before
+their next inner step.
 
 On CUDA the device-to-host copy of Δ runs on a copy stream of its own: the training thread
 does not wait for it, the next inner steps (with --overlap) and the group's matchmaking run
@@ -89,6 +91,7 @@ class Replica:
         self._delta_device.copy_(mean_delta_cpu, non_blocking=True)
         self.outer.step(self.theta_g, self._delta_device)
         self.trainer.parameters_flat.copy_(self.theta_g)
+        self.trainer.ranks_need_params = True
         self.outer_step += 1
         self._sha256 = ""
 
@@ -108,6 +111,7 @@ class Replica:
         self.theta_g.copy_(state_cpu[:n])
         self.outer.momentum_buffer.copy_(state_cpu[n:])
         self.trainer.parameters_flat.copy_(self.theta_g)
+        self.trainer.ranks_need_params = True
         self._sha256 = ""
 
     @torch.no_grad()
@@ -116,6 +120,7 @@ class Replica:
         self.theta_g.copy_(theta_g)
         self.outer.load_state_dict({"outer_momentum": momentum})
         self.trainer.parameters_flat.copy_(self.theta_g)
+        self.trainer.ranks_need_params = True
         self.outer_step = outer_step
         self._sha256 = ""
 
@@ -127,6 +132,7 @@ class Replica:
             torch.sub(self.theta_g, self._in_flight_buffer(), out=self.trainer.parameters_flat)
         else:
             self.trainer.parameters_flat.copy_(self.theta_g)
+        self.trainer.ranks_need_params = True
 
     @torch.no_grad()
     def land(self, mean_cpu: torch.Tensor | None, consensus_cpu: torch.Tensor | None) -> None:
@@ -159,6 +165,7 @@ class Replica:
             self.outer_step += 1
             self._sha256 = ""
         torch.sub(self.theta_g, self._delta_device, out=flat)
+        self.trainer.ranks_need_params = True
         self.has_in_flight = False
 
     @torch.no_grad()
@@ -186,6 +193,7 @@ class Replica:
     def theta_g_into_model(self) -> None:
         """Put θ_g in the model (to evaluate it); restore_local() puts θ_l back."""
         self.trainer.parameters_flat.copy_(self.theta_g)
+        self.trainer.ranks_need_params = True
 
     @torch.no_grad()
     def restore_local(self) -> None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import collections
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from enum import StrEnum
 from functools import cached_property
 from typing import Any
@@ -23,6 +23,7 @@ from rich.filesize import decimal as human_bytes
 from dtnode.peers.averager import AveragingResult, HopReport
 from dtnode.peers.pacing import SwarmProgress
 
+from .local_ranks import RankReport
 from .metrics import NodeMetrics, failure_reason
 from .reachability import Reachability
 from .recipe import SwarmRecipe
@@ -318,6 +319,24 @@ class Health(BaseModel):
     detail: str = ""
 
 
+class RankStatus(BaseModel):
+    """One local training rank of this host (rank 0 is the node process itself)."""
+
+    rank: int
+    device: str
+    state: str  # starting, training, idle or failed
+    pid: int
+    tokens_per_s: float  # this rank's rows of the node's batch, over its last step's time
+    step_seconds: float
+    memory_bytes: int  # resident memory of its process
+    device_memory_bytes: int  # its peak allocation on its GPU (0 on a CPU)
+    restarts: int  # times the host restarted it after a rank failed
+
+    @classmethod
+    def of(cls, report: RankReport) -> RankStatus:
+        return cls(**{**asdict(report), "state": report.state.name.lower()})
+
+
 class RoundProgress(BaseModel):
     target_tokens: int
     swarm_tokens: int
@@ -364,6 +383,7 @@ class NodeStatus(BaseModel):
     condition: Condition
     condition_detail: str
     round_progress: RoundProgress | None
+    ranks: list[RankStatus]  # this host's local training ranks, rank 0 first
 
     @field_validator("loss", "eval_loss")
     @classmethod

@@ -31,7 +31,8 @@ from dtnode.peers.membership import Membership
 from .history import RoundHistory
 from .joiner import Joiner
 from .landing import Landing
-from .metrics import NodeMetrics, observe_device_memory
+from .local_ranks import LocalRankFailure, RankOutOfMemory
+from .metrics import NodeMetrics, observe_device_memory, observe_ranks
 from .pacer import EXTRAPOLATE_HEARTBEATS, FixedPacer, Pacer, SwarmPacer
 from .report import Outcome, RoundSummary, RunStats
 from .round_state import Publisher, RoundState
@@ -174,7 +175,7 @@ class RoundLoop:
         """One round behind the error boundary (see the module docstring)."""
         try:
             await self.strategy.run_round()
-        except (asyncio.CancelledError, KeyboardInterrupt):
+        except (asyncio.CancelledError, KeyboardInterrupt, RankOutOfMemory):
             raise
         except Exception as e:
             reason = type(e).__name__
@@ -188,13 +189,26 @@ class RoundLoop:
                 reason,
                 e,
                 outer,
-                exc_info=e,
+                exc_info=None if isinstance(e, LocalRankFailure) else e,  # a known cause, said in full
             )
             self.needs_resync = True
             self.state.enter_round(outer + (1 if self.landing.in_flight else 0), outer)
             if isinstance(e, FloatingPointError):  # θ_l (and its optimizer state) are unusable
                 await self.worker.call(self.worker.reset_local)
+            if isinstance(e, LocalRankFailure):
+                await self.restart_ranks()
             await self.pause(FAILED_ROUND_BACKOFF_S)
+
+    async def restart_ranks(self) -> None:
+        """A local rank died: the host starts all of them again from θ_g, as the same peer."""
+        if self.stopping.is_set():
+            return
+        try:
+            await self.worker.call(self.worker.restart_ranks)
+            self.metrics.rank_restarts.inc()
+            log.warning("restarted the local ranks from θ_g of outer step %d", self.worker.outer_step)
+        except LocalRankFailure as e:  # tried again after the next round's first step fails
+            log.error("could not restart the local ranks (%s); trying again next round", e)
 
     async def drain(self) -> None:
         await self.strategy.drain()
@@ -318,6 +332,7 @@ class RoundLoop:
         m.tokens_per_second.set(self.stats.tokens_per_s)
         m.compute_utilization.set(self.stats.utilization() or 0.0)
         observe_device_memory(m, self.worker.device)
+        observe_ranks(m, self.worker.rank_reports())
         self.tokens_total += inner.tokens
         entry = summary.history_entry(self.tokens_total, self.stats.tokens_per_s)
         line = summary.log_line(self.stats.tokens_per_s, self.loss_floor)

@@ -155,7 +155,34 @@ class NodeSettings(BaseSettings):
         "time the round does not train: with short "
         "rounds, evaluate less often.",
     )
-    device: str = Field("auto", description="Torch device: auto, cpu, cuda, cuda:N or mps.")
+    device: str = Field(
+        "auto",
+        description="Torch device: auto, cpu, cuda, cuda:N or mps. With cuda (or auto on a "
+        "GPU host) the node starts one training rank per GPU that --gpus selects; cuda:N "
+        "trains on that one GPU.",
+    )
+    gpus: str = Field(
+        "all",
+        pattern=r"^(all|[1-9]\d*|\d+(,\d+)*,)$|^\d+(,\d+)+$",
+        description="The GPUs this node trains on, one local rank each: all, a count N (the "
+        "first N), or a list of indices (0,3,5; a single index as 3,). The host stays one "
+        "peer of the swarm whatever the count.",
+    )
+    nproc_per_node: int | None = Field(
+        None,
+        ge=1,
+        le=64,
+        description="Local training ranks: on a CPU, N data-parallel ranks over gloo (how "
+        "tests exercise a multi-GPU host); on GPUs, the first N of --gpus. Default: one per "
+        "selected GPU, or 1 on a CPU.",
+    )
+    threads_per_rank: int | None = Field(
+        None,
+        ge=1,
+        le=1024,
+        description="CPU threads of each local rank's torch (default: torch's own with one "
+        "rank; the host's cores divided by the ranks with several).",
+    )
     compile: bool = Field(
         False,
         description="Compile the model with torch.compile (faster inner steps on a "
@@ -164,7 +191,12 @@ class NodeSettings(BaseSettings):
     seed: int = Field(
         0, ge=0, description="Seed of the initial weights and the synthetic language (combined with the run id)."
     )
-    batch_size: int = Field(16, ge=1, le=65536, description="Sequences per inner step.")
+    batch_size: int = Field(
+        16,
+        ge=1,
+        le=65536,
+        description="Sequences per inner step and local rank (a node with N ranks takes N times as many per step).",
+    )
     seq_len: int | None = Field(None, ge=2, le=65536, description="Tokens per sequence (default: the model's context).")
     # DiLoCo
     inner_steps: int = Field(
@@ -416,6 +448,8 @@ class NodeSettings(BaseSettings):
 
     @model_validator(mode="after")
     def _consistent(self) -> NodeSettings:
+        if (self.device == "mps" or self.device.startswith("cuda:")) and (self.nproc_per_node or 1) > 1:
+            raise ValueError(f"nproc_per_node: --device {self.device} is one device; use --gpus to train on several")
         if self.chunk_elements % self.quant_block_size:
             raise ValueError("chunk_elements: must be a multiple of --quant-block-size")
         if self.matchmaking_window_min > self.matchmaking_window:

@@ -30,6 +30,7 @@ from dtnode.ops.flat import FlatParameters
 from dtnode.peers import failpoints
 
 from .data import DataStream
+from .local_ranks import LocalRankFailure, LocalRanks, RankOutOfMemory, out_of_memory_line
 from .schedule import LearningRateSchedule
 
 EVAL_CHUNK = 64  # eval sequences per forward pass
@@ -54,12 +55,17 @@ class Trainer:
         weight_decay: float,
         grad_clip: float,
         compile: bool = False,
+        ranks: LocalRanks | None = None,
     ):
         self.device = device
         self.model = model.to(device)
         self.flat = FlatParameters(self.model.named_parameters(), learned_buffers(self.model))
-        # the compiled module shares the (already flattened) parameters; nothing re-points them after this
-        self.forward_model = torch.compile(self.model) if compile else self.model
+        self.compile = compile
+        self.ranks = ranks  # this host's other training ranks, when it has several (local_ranks.py)
+        self._trainable = ordered_parameters(self.model)
+        self.forward_model = self._forward_model()
+        self.ranks_need_params = True  # θ_l changed outside an inner step: the other ranks need it
+        self.ranks_need_inner = False  # the AdamW state was replaced: the other ranks need it
         self.stream = stream
         self.schedule = schedule
         self.lr = schedule(0)  # the rate of the last step taken (or of the first)
@@ -83,7 +89,7 @@ class Trainer:
         self.eval_seconds = 0.0  # wall time in eval_loss since the node last took it (a round's phase)
         self.running = False  # inner steps under way (/healthz: a thread stuck in one is unhealthy)
         self.progress_at = time.monotonic()  # when the last inner step ended, or the last run began
-        self.tokens_per_step = stream.batch_size * stream.seq_len
+        self.tokens_per_step = stream.batch_size * stream.seq_len  # the node's batch: all its ranks' rows
         self.slowdown = _slowdown_from_env()
         # a test hook: seconds added to this process's first step (a cold start: allocation, autotuning)
         self.first_step_delay = float(os.environ.get("DTNODE_TEST_FIRST_STEP_DELAY", "0") or 0)
@@ -100,6 +106,23 @@ class Trainer:
                 self._optimizer_started = True
                 threading.Thread(target=self._build_optimizer, name="inner-optimizer", daemon=True).start()
         return self._optimizer_built
+
+    def _forward_model(self) -> Callable[[torch.Tensor], torch.Tensor]:
+        """The module a step calls: the model, behind DDP with several ranks, compiled with
+        --compile (the compiled module shares the already flattened parameters)."""
+        model = self.ranks.wrap(self.model) if self.ranks is not None else self.model
+        return torch.compile(model) if self.compile else model
+
+    def restart_ranks(self) -> None:
+        """After a rank failed: new children, wrapped anew, sent θ_l and the AdamW state."""
+        assert self.ranks is not None
+        self.ranks.restart()
+        self.forward_model = self._forward_model()
+        self.ranks_need_params = self.ranks_need_inner = True
+
+    def stop_ranks(self) -> None:
+        if self.ranks is not None:
+            self.ranks.stop()
 
     def _build_optimizer(self) -> None:
         try:
@@ -120,9 +143,6 @@ class Trainer:
         self.lr = self.schedule(position, self.adam_steps)
         for group in self.optimizer.param_groups:
             group["lr"] = self.lr
-
-    def _loss(self, batch: torch.Tensor) -> torch.Tensor:
-        return next_token_loss(self.forward_model, batch, self.device)
 
     def run(
         self,
@@ -173,15 +193,9 @@ class Trainer:
             step_started = time.monotonic()
             batch = self.stream.next_batch()
             self._set_lr(position + min(done, span - 1))
-            loss = self._loss(batch)
-            self.optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            if self.grad_clip:
-                torch.nn.utils.clip_grad_norm_(self._ordered_parameters(), self.grad_clip)
-            self.optimizer.step()
+            loss_value = self._step(batch, step_started)
             first = not self.first_step_done.is_set()
             self.first_step_done.set()
-            loss_value = loss.detach().item()
             if not math.isfinite(loss_value):
                 raise FloatingPointError(f"inner loss became {loss_value} at inner step {self.inner_step}")
             if self.slowdown > 1:
@@ -207,9 +221,37 @@ class Trainer:
             self.last_loss = mean
         return InnerResult(done, tokens, mean, time.monotonic() - started)
 
-    def _ordered_parameters(self) -> list[torch.nn.Parameter]:
-        """The trainable parameters, in the flat buffer's order (frozen ones have no optimizer state)."""
-        return [p for _, p in self.model.named_parameters() if p.requires_grad]
+    def _step(self, batch: torch.Tensor, started: float) -> float:
+        """One AdamW step on the node's batch (its rows spread over the local ranks); the loss."""
+        try:
+            if self.ranks is None:
+                return inner_step(
+                    self.forward_model, self.optimizer, batch, self.device, self.grad_clip, self._trainable
+                )
+            return self._step_on_ranks(self.ranks, batch, started)
+        except torch.cuda.OutOfMemoryError as e:
+            raise RankOutOfMemory(out_of_memory_line(0, self.device, e)) from None
+
+    def _step_on_ranks(self, ranks: LocalRanks, batch: torch.Tensor, started: float) -> float:
+        if not ranks.running:  # a restart failed: the round fails and the next restart is tried
+            raise LocalRankFailure("the local ranks are not running")
+        try:
+            if self.ranks_need_inner:
+                ranks.send_inner(*self.inner_state())
+                self.ranks_need_inner = False
+            if self.ranks_need_params:
+                ranks.send_params(self.flat.buffer)
+                self.ranks_need_params = False
+            rows = ranks.send_step(self.lr, batch)
+            loss = inner_step(self.forward_model, self.optimizer, rows, self.device, self.grad_clip, self._trainable)
+            return ranks.collect(loss, time.monotonic() - started, rows[:, 1:].numel())
+        except torch.cuda.OutOfMemoryError:
+            raise
+        except (RuntimeError, OSError) as e:
+            why = ranks.failure()
+            if why is None:
+                raise
+            raise LocalRankFailure(why) from e
 
     @torch.no_grad()
     def inner_state(self) -> tuple[torch.Tensor, torch.Tensor, int]:
@@ -218,7 +260,7 @@ class Trainer:
         exp_avg = torch.zeros(self.flat.numel)
         exp_avg_sq = torch.zeros(self.flat.numel)
         steps, offset = 0, 0
-        for p in self._ordered_parameters():
+        for p in self._trainable:
             n = p.numel()
             state = self.optimizer.state.get(p)
             if state and "exp_avg" in state:
@@ -232,19 +274,10 @@ class Trainer:
     def load_inner_state(self, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, steps: int) -> None:
         """Install AdamW moments (a resumed node's own), or with steps 0 start them fresh."""
         self.adam_steps = max(steps, 0)
-        if steps <= 0:
-            if self._optimizer_built.done():  # one still being made starts with no state anyway
-                self.optimizer.state.clear()
+        self.ranks_need_inner = self.ranks is not None
+        if steps <= 0 and not self._optimizer_built.done():  # one still being made starts with no state anyway
             return
-        offset = 0
-        for p in self._ordered_parameters():
-            n = p.numel()
-            self.optimizer.state[p] = {
-                "step": torch.tensor(float(steps), dtype=torch.float32),
-                "exp_avg": exp_avg[offset : offset + n].view_as(p).to(p.device, copy=True),
-                "exp_avg_sq": exp_avg_sq[offset : offset + n].view_as(p).to(p.device, copy=True),
-            }
-            offset += n
+        install_adam_state(self.optimizer, self.model, exp_avg, exp_avg_sq, steps)
 
     def eval_loss(self) -> float | None:
         """Mean loss on the swarm-wide held-out eval set (comparable across peers); None without one."""
@@ -255,6 +288,52 @@ class Trainer:
             return held_out_loss(self.model, self.stream.eval_set, self.device)
         finally:
             self.eval_seconds += time.monotonic() - started
+
+
+def inner_step(
+    model: Callable[[torch.Tensor], torch.Tensor],
+    optimizer: torch.optim.Optimizer,
+    batch: torch.Tensor,
+    device: torch.device,
+    grad_clip: float,
+    parameters: list[torch.nn.Parameter],
+) -> float:
+    """One AdamW step on `batch` (every local rank runs this, on its rows); the loss."""
+    loss = next_token_loss(model, batch, device)
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    if grad_clip:
+        torch.nn.utils.clip_grad_norm_(parameters, grad_clip)
+    optimizer.step()
+    return loss.detach().item()
+
+
+def ordered_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:
+    """The trainable parameters, in the flat buffer's order (frozen ones have no optimizer state)."""
+    return [p for _, p in model.named_parameters() if p.requires_grad]
+
+
+@torch.no_grad()
+def install_adam_state(
+    optimizer: torch.optim.Optimizer,
+    model: torch.nn.Module,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    steps: int,
+) -> None:
+    """AdamW moments (flat, in parameter order) into `optimizer`; steps 0 clears its state."""
+    if steps <= 0:
+        optimizer.state.clear()
+        return
+    offset = 0
+    for p in ordered_parameters(model):
+        n = p.numel()
+        optimizer.state[p] = {
+            "step": torch.tensor(float(steps), dtype=torch.float32),
+            "exp_avg": exp_avg[offset : offset + n].view_as(p).to(p.device, copy=True),
+            "exp_avg_sq": exp_avg_sq[offset : offset + n].view_as(p).to(p.device, copy=True),
+        }
+        offset += n
 
 
 def next_token_loss(

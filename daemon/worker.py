@@ -14,6 +14,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import logging
+import os
 import threading
 from collections.abc import Callable, Iterator
 from functools import partial
@@ -25,9 +26,10 @@ from dtnode.peers.averager import AveragingResult
 
 from .checkpoint import Layout, LoadedCheckpoint, LocalState, TrainingState
 from .data import DataStream
+from .local_ranks import LocalRankFailure, LocalRanks, RankReport, RankState, own_memory, plan_ranks
 from .replica import Replica
 from .schedule import LearningRateSchedule
-from .settings import NodeSettings
+from .settings import NodeSettings, SettingsError
 from .trainer import InnerResult, Trainer
 from .workload import Workload
 
@@ -59,7 +61,20 @@ class ModelWorker:
     def build(self, peer_id: str) -> None:
         """Put the model on its device with its optimizers and data stream (training thread)."""
         s, w = self.settings, self.workload
-        stream = DataStream(w.sources, s.run_id, peer_id, s.batch_size, w.seq_len, s.eval_sequences)
+        plan = plan_ranks(s)
+        if plan.threads is not None:
+            torch.set_num_threads(plan.threads)
+        # one stream for the node: each step's batch holds every rank's rows, so the data
+        # position is the node's whatever its rank count
+        rows = s.batch_size * plan.world_size
+        stream = DataStream(w.sources, s.run_id, peer_id, rows, w.seq_len, s.eval_sequences)
+        ranks = LocalRanks(plan, s) if plan.world_size > 1 else None
+        if ranks is not None:
+            try:
+                ranks.start()
+            except LocalRankFailure as e:
+                option = "--gpus" if plan.backend == "nccl" else "--nproc-per-node"
+                raise SettingsError(option, str(e)) from None
         schedule = LearningRateSchedule(s.inner_lr, s.warmup_steps, s.total_steps, s.lr_schedule, s.min_lr_ratio)
         trainer = Trainer(
             w.model,
@@ -69,6 +84,7 @@ class ModelWorker:
             weight_decay=s.inner_weight_decay,
             grad_clip=s.grad_clip,
             compile=s.compile,
+            ranks=ranks,
         )
         self._replica = Replica(trainer, s.outer_lr, s.outer_momentum)
         self._trainer = trainer
@@ -106,6 +122,39 @@ class ModelWorker:
 
     def shutdown(self) -> None:
         self.thread.shutdown(wait=True, cancel_futures=True)
+        if self._trainer is not None:
+            self._trainer.stop_ranks()
+
+    @property
+    def ranks(self) -> LocalRanks | None:
+        return self._trainer.ranks if self._trainer is not None else None
+
+    def rank_reports(self) -> list[RankReport]:
+        """Every local rank's last figures; a one-rank node's from its own trainer."""
+        if self._trainer is None:
+            return []
+        if self._trainer.ranks is not None:
+            return list(self._trainer.ranks.reports)
+        trainer = self._trainer
+        rss, peak = own_memory(self.device)
+        return [
+            RankReport(
+                0,
+                str(self.device),
+                RankState.TRAINING if trainer.running else RankState.IDLE,
+                os.getpid(),
+                trainer.step_seconds,
+                trainer.tokens_per_step / trainer.step_seconds if trainer.step_seconds > 0 else 0.0,
+                int(rss),
+                int(peak),
+            )
+        ]
+
+    def restart_ranks(self) -> None:
+        """A local rank failed (training thread): all of them anew, from θ_g. The round's
+        steps are lost with θ_l; the inner AdamW state is kept, as through any outer step."""
+        self.trainer.restart_ranks()
+        self.replica.reset_local()
 
     @contextlib.contextmanager
     def theta_changing(self) -> Iterator[None]:

@@ -134,6 +134,10 @@ class NodeProcess:
     def http_url(self) -> str:
         return self.wait_for_line(r"status (http://\S+)/status").group(1)
 
+    def get_text(self, path: str) -> str:
+        with urllib.request.urlopen(self.http_url + path, timeout=5) as resp:
+            return resp.read().decode()
+
     def get(self, path: str) -> Any:
         with urllib.request.urlopen(self.http_url + path, timeout=5) as resp:
             return json.load(resp)

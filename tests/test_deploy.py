@@ -65,14 +65,16 @@ def _dtnode_commands() -> dict[str, list[str]]:
     compose = yaml.safe_load((DEPLOY / "docker-compose.yml").read_text())
     for name, service in compose["services"].items():
         out[f"compose {name}"] = service["command"]
-    docs = list(yaml.safe_load_all((DEPLOY / "kubernetes" / "statefulset.yaml").read_text()))
-    sts = next(d for d in docs if d["kind"] == "StatefulSet")
-    script = sts["spec"]["template"]["spec"]["containers"][0]["args"][0]
-    for i, line in enumerate(re.findall(r"exec dtnode (join[^\n]*)", script)):
-        out[f"statefulset line {i}"] = shlex.split(line.replace('"$POD_IP"', "10.0.0.1"))
-    unit = configparser.ConfigParser(strict=False, interpolation=None)
-    unit.read(DEPLOY / "dtnode.service")
-    out["systemd"] = shlex.split(unit["Service"]["ExecStart"])[1:]
+    for manifest in ("statefulset.yaml", "gpu-host.yaml"):
+        docs = list(yaml.safe_load_all((DEPLOY / "kubernetes" / manifest).read_text()))
+        sts = next(d for d in docs if d["kind"] == "StatefulSet")
+        script = sts["spec"]["template"]["spec"]["containers"][0]["args"][0]
+        for i, line in enumerate(re.findall(r"exec dtnode (join[^\n]*)", script)):
+            out[f"{manifest} line {i}"] = shlex.split(line.replace('"$POD_IP"', "10.0.0.1"))
+    for unit_file in ("dtnode.service", "dtnode-gpu-host.service"):
+        unit = configparser.ConfigParser(strict=False, interpolation=None)
+        unit.read(DEPLOY / unit_file)
+        out[unit_file] = shlex.split(unit["Service"]["ExecStart"])[1:]
     cmd = re.search(r"^CMD (\[.*\])$", (DEPLOY / "Dockerfile").read_text(), re.MULTILINE).group(1)
     out["Dockerfile"] = json.loads(cmd)
     return out
@@ -133,6 +135,30 @@ def test_statefulset_requests_a_gpu_keeps_state_and_probes_the_sidecar():
     for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
         assert container[probe]["httpGet"]["path"] == "/healthz"
     assert sts["spec"]["template"]["spec"]["securityContext"]["runAsNonRoot"] is True
+
+
+def test_the_gpu_host_unit_and_manifest_give_one_peer_every_gpu():
+    """A multi-GPU host: DTNODE_GPUS=all, the node alone gets SIGTERM (it kills its ranks), the
+    pod asks for its 8 GPUs in requests and limits alike and gives NCCL a memory-backed /dev/shm."""
+    unit = configparser.ConfigParser(strict=False, interpolation=None)
+    unit.read(DEPLOY / "dtnode-gpu-host.service")
+    service = unit["Service"]
+    assert "DTNODE_GPUS=all" in service["Environment"] and service["KillMode"] == "mixed"
+    assert service["NoNewPrivileges"] == "yes" and service["TimeoutStopSec"] == "120"
+    docs = list(yaml.safe_load_all((DEPLOY / "kubernetes" / "gpu-host.yaml").read_text()))
+    sts = next(d for d in docs if d["kind"] == "StatefulSet")
+    pod = sts["spec"]["template"]["spec"]
+    container = pod["containers"][0]
+    assert (
+        container["resources"]["requests"]["nvidia.com/gpu"] == container["resources"]["limits"]["nvidia.com/gpu"] == 8
+    )
+    assert {"name": "DTNODE_GPUS", "value": "all"} in container["env"]
+    shm = next(v for v in pod["volumes"] if v["name"] == "shm")
+    assert (
+        shm["emptyDir"]["medium"] == "Memory" and {"name": "shm", "mountPath": "/dev/shm"} in container["volumeMounts"]
+    )
+    service_doc = next(d for d in docs if d["kind"] == "Service")
+    assert sts["spec"]["serviceName"] == service_doc["metadata"]["name"] == "dtnode-gpu"
 
 
 def _metric_names_in(text: str) -> set[str]:

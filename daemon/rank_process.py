@@ -1,0 +1,138 @@
+"""A child training rank of a multi-rank host (`python -m dtnode.daemon.rank_process`).
+
+It holds a DDP replica of the model and does what rank 0 (the node process) says, one command
+at a time (see local_ranks.py): an inner step on the rows it is sent, θ_l or the AdamW state
+from rank 0. It has no network, no data and no state of its own: everything it holds comes
+from rank 0, so killing it loses nothing, and the node restarts it from its θ_g.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import time
+from collections.abc import Callable
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from dtnode.ops.flat import FlatParameters
+
+from .local_ranks import (
+    CONTROL_TIMEOUT,
+    OOM_EXIT,
+    SPEC_ENV,
+    Command,
+    RankSpec,
+    die_with_parent,
+    out_of_memory_line,
+    own_memory,
+)
+from .model import build_model
+from .trainer import inner_optimizer, inner_step, install_adam_state, learned_buffers, ordered_parameters
+
+log = logging.getLogger("dtnode")
+
+
+class ChildRank:
+    def __init__(self, spec: RankSpec):
+        self.spec = spec
+        self.device = torch.device(spec.device)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        if spec.threads is not None:
+            torch.set_num_threads(spec.threads)
+        dist.init_process_group(
+            spec.backend,
+            init_method=f"tcp://127.0.0.1:{spec.port}",
+            rank=spec.rank,
+            world_size=spec.world_size,
+            timeout=timedelta(seconds=spec.timeout_s),
+            device_id=self.device if spec.backend == "nccl" else None,
+        )
+        self.control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
+        model, _ = build_model(spec.model, 0)  # its weights come from rank 0 when DDP wraps it
+        self.model = model.to(self.device)
+        self.flat = FlatParameters(self.model.named_parameters(), learned_buffers(self.model))
+        from torch.nn.parallel import DistributedDataParallel
+
+        ids = [self.device.index] if self.device.type == "cuda" else None
+        wrapped = DistributedDataParallel(self.model, device_ids=ids, forward_sync_buffers=False)
+        self.forward_model: Callable[[torch.Tensor], torch.Tensor] = torch.compile(wrapped) if spec.compile else wrapped
+        self.optimizer = inner_optimizer(self.model, 0.0, spec.weight_decay)
+        self.trainable = ordered_parameters(self.model)
+
+    def serve(self) -> None:
+        """Commands until rank 0 goes away (its socket closes) or kills this process."""
+        header = torch.zeros(4, dtype=torch.float64)
+        while True:
+            dist.broadcast(header, 0, group=self.control)
+            command = Command(int(header[0]))
+            if command is Command.STEP:
+                self._step(float(header[1]), int(header[2]), int(header[3]))
+            elif command is Command.PARAMS:
+                dist.broadcast(self.flat.buffer, 0)
+            elif command is Command.INNER:
+                self._inner(int(header[1]))
+
+    def _step(self, lr: float, rows: int, width: int) -> None:
+        started = time.monotonic()
+        batch = torch.empty(rows, width, dtype=torch.long)
+        dist.scatter(batch, None, src=0, group=self.control)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        try:
+            loss = inner_step(
+                self.forward_model, self.optimizer, batch, self.device, self.spec.grad_clip, self.trainable
+            )
+        except torch.cuda.OutOfMemoryError as e:
+            report_out_of_memory(self.spec, e)
+        report = torch.tensor([loss, time.monotonic() - started, *own_memory(self.device)], dtype=torch.float64)
+        dist.gather(report, None, dst=0, group=self.control)
+
+    def _inner(self, steps: int) -> None:
+        n = self.flat.numel
+        exp_avg = torch.zeros(n, device=self.device)
+        exp_avg_sq = torch.zeros(n, device=self.device)
+        if steps > 0:
+            if self.spec.backend == "nccl":
+                dist.broadcast(exp_avg, 0)
+                dist.broadcast(exp_avg_sq, 0)
+            else:
+                cpu_avg, cpu_sq = torch.zeros(n), torch.zeros(n)
+                dist.broadcast(cpu_avg, 0)
+                dist.broadcast(cpu_sq, 0)
+                exp_avg, exp_avg_sq = cpu_avg, cpu_sq
+        install_adam_state(self.optimizer, self.model, exp_avg, exp_avg_sq, steps)
+
+
+def report_out_of_memory(spec: RankSpec, e: torch.cuda.OutOfMemoryError) -> None:
+    """One line for rank 0 to show (on this process's stdout, a pipe to it), then exit."""
+    print(out_of_memory_line(spec.rank, spec.device, e), flush=True)
+    os._exit(OOM_EXIT)
+
+
+def main() -> None:
+    spec = RankSpec.model_validate_json(os.environ[SPEC_ENV])
+    die_with_parent(spec.parent_pid)
+    # Ctrl-C reaches the whole process group and systemd signals the whole cgroup: the node
+    # stops its round first, then kills this process
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    logging.basicConfig(level=logging.WARNING, format=f"%(asctime)s rank {spec.rank} %(levelname)s %(message)s")
+    try:
+        rank = ChildRank(spec)
+    except torch.cuda.OutOfMemoryError as e:
+        report_out_of_memory(spec, e)
+    try:
+        rank.serve()
+    except RuntimeError as e:  # rank 0 went away (it stopped, or restarts its ranks): nothing to save
+        log.debug("rank 0 is gone (%s)", e)
+        sys.exit(0)
+
+
+if __name__ == "__main__":
+    main()

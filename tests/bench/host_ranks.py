@@ -1,0 +1,117 @@
+"""Multi-rank host benchmark: a node with 1 local rank against a node with 2 (issue 32).
+
+    .venv/bin/python -m tests.bench.host_ranks                      # small, CPU, gloo, 1 thread per rank
+    .venv/bin/python -m tests.bench.host_ranks --model tiny --rounds 3
+
+Each configuration is a real two-host swarm on loopback: the host under test (1 or 2 ranks,
+`--nproc-per-node`, `--threads-per-rank 1`) and a 1-rank partner, `--pacing fixed` so that
+every round has the same H inner steps on both hosts. The host's figures come from its own
+/history (tokens/s per host, bytes on the wire per round, all-reduce seconds, the median
+over its rounds after the first) and from sampling the resident memory of its processes
+(peak RSS per rank, rank 0 being the node process with its DHT, gRPC and sidecar). On a
+2-core machine the 2-rank host's two ranks and the partner share the cores: tokens/s per
+host measures the overhead of the rank protocol, not the speed-up GPUs would give.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import psutil
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from nodes import NodeProcess
+
+
+def _flags(model: str, rounds: int, inner_steps: int, batch: int, seq_len: int) -> list[str]:
+    return [
+        "--model", model, "--device", "cpu", "--threads-per-rank", "1", "--pacing", "fixed",
+        "--inner-steps", str(inner_steps), "--batch-size", str(batch), "--seq-len", str(seq_len),
+        "--max-rounds", str(rounds), "--no-fused-kernels", "--keep-checkpoints", "2",
+        "--checkpoint-every", "100", "--matchmaking-window", "30",
+    ]  # fmt: skip
+
+
+def _sample_peaks(node: NodeProcess, peaks: dict[int, int], stop: threading.Event) -> None:
+    """The peak RSS of the node process (rank 0) and of each child rank, by rank."""
+    while not stop.is_set() and node.proc.poll() is None:
+        try:
+            parent = psutil.Process(node.proc.pid)
+            ranks = [parent] + [c for c in parent.children() if "dtnode.daemon.rank_process" in c.cmdline()]
+            for rank, process in enumerate(ranks):
+                peaks[rank] = max(peaks.get(rank, 0), process.memory_info().rss)
+        except psutil.Error:
+            pass
+        time.sleep(0.2)
+
+
+def run_config(tmp: Path, ranks: int, flags: list[str]) -> dict[str, float | list[int]]:
+    host = NodeProcess.join(f"host{ranks}", tmp, *flags, "--nproc-per-node", str(ranks), "--min-peers", "2")
+    partner = NodeProcess.join(f"partner{ranks}", tmp, *flags, "--peer", host.join_address)
+    peaks: dict[int, int] = {}
+    stop = threading.Event()
+    sampler = threading.Thread(target=_sample_peaks, args=(host, peaks, stop), daemon=True)
+    sampler.start()
+    try:
+        for node in (host, partner):
+            code = node.wait(3600)
+            if code != 0:
+                raise SystemExit(f"{node.name} exited with {code}:\n{node.output[-3000:]}")
+    finally:
+        stop.set()
+        host.kill()
+        partner.kill()
+    rounds = [r for r in host.rounds if r["outcome"] != "failed"][1:]  # the first carries start-up
+    if not rounds:
+        raise SystemExit(f"host{ranks} finished no rounds:\n{host.output[-3000:]}")
+    full = sum(r["groups"] == [[2, 2]] for r in rounds)
+    return {
+        "tokens_per_s": statistics.median(r["tokens_per_s"] for r in rounds),
+        "bytes_per_round": statistics.median(r["bytes_sent"] + r["bytes_received"] for r in rounds),
+        "allreduce_s": statistics.median(r["phases_s"].get("allreduce", 0.0) for r in rounds),
+        "full": full / len(rounds),
+        "peak_rss": [peaks[r] for r in sorted(peaks)],
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="small")
+    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--inner-steps", type=int, default=4)
+    parser.add_argument("--batch-size", type=int, default=2, help="per rank")
+    parser.add_argument("--seq-len", type=int, default=128)
+    args = parser.parse_args()
+    flags = _flags(args.model, args.rounds, args.inner_steps, args.batch_size, args.seq_len)
+    tmp = Path(tempfile.mkdtemp(prefix="dtnode-bench-ranks-"))
+    results = {}
+    try:
+        for ranks in (1, 2):
+            results[ranks] = run_config(tmp, ranks, flags)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    print(
+        f"model {args.model}, CPU gloo, 1 thread per rank, batch {args.batch_size} per rank, seq {args.seq_len}, "
+        f"H={args.inner_steps}, {args.rounds} rounds against a 1-rank partner (medians over rounds 2..)"
+    )
+    print(f"{'host':<8} {'tokens/s':>10} {'bytes/round':>13} {'allreduce s':>12} {'full':>6}  peak RSS per rank (MB)")
+    for ranks, r in results.items():
+        rss = ", ".join(f"{v / 1e6:.0f}" for v in r["peak_rss"])  # type: ignore[union-attr]
+        print(
+            f"{ranks}-rank  {r['tokens_per_s']:>10.0f} {r['bytes_per_round']:>13.0f} {r['allreduce_s']:>12.3f} "
+            f"{r['full']:>6.0%}  {rss}"
+        )
+    one, two = results[1], results[2]
+    ratio = float(two["bytes_per_round"]) / float(one["bytes_per_round"])  # type: ignore[arg-type]
+    print(f"bytes per round, 2-rank / 1-rank: {ratio:.4f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,201 @@
+"""A host with several local training ranks is one peer: exact DDP steps, mixed swarms, a
+rank's failure, checkpoints that do not depend on the rank count (issue 32).
+
+The ranks here are real processes over gloo on the CPU (`--nproc-per-node`), as on a CI
+machine; the swarm tests start real nodes and carry the `multi_rank` marker (.ci/run runs
+them after the default suite)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+from nodes import FAST, NodeProcess, wait_until
+
+from dtnode.daemon.local_ranks import RankOutOfMemory, out_of_memory_line, plan_ranks, selected_gpus
+from dtnode.daemon.settings import NodeSettings, SettingsError
+from dtnode.daemon.worker import ModelWorker
+from dtnode.daemon.workload import build_workload
+
+ARGS = [*FAST, "--device", "cpu", "--threads-per-rank", "1"]
+
+
+def _one_round(tmp: Path, ranks: int, batch: int, steps: int = 4) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """θ_g after one round alone (H steps, the outer step of its own Δ) and θ_l after a few
+    more steps, on a worker with `ranks` local ranks at per-rank `batch`; the tokens counted."""
+    settings = NodeSettings(
+        state_dir=tmp,
+        model="tiny",
+        batch_size=batch,
+        seq_len=16,
+        fused_kernels=False,
+        device="cpu",
+        nproc_per_node=ranks,
+        threads_per_rank=1,
+    )
+    worker = ModelWorker(settings, build_workload(settings, tmp), torch.device("cpu"))
+    try:
+        worker.build("one-peer-id")  # the same id: the same token order
+        first = worker.trainer.run(steps, threading.Event())
+        worker.replica.apply_outer_step(worker.pseudo_gradient().clone())
+        worker.trainer.run(steps, threading.Event())  # θ_l after the outer step reached every rank
+        return worker.replica.theta_g.clone(), worker.trainer.parameters_flat.clone(), first.tokens
+    finally:
+        worker.shutdown()
+
+
+def test_two_ranks_at_batch_b_take_the_step_of_one_rank_at_batch_2b(tmp_path):
+    """DDP inside the host: 2 ranks at per-rank batch 4 end a round with the θ_g of 1 rank at
+    batch 8 on the same token order (fp32 tolerance), count the same tokens, and keep every
+    rank on the θ_l the outer step set (the steps after it agree too)."""
+    one_theta, one_local, one_tokens = _one_round(tmp_path / "one", 1, 8)
+    two_theta, two_local, two_tokens = _one_round(tmp_path / "two", 2, 4)
+    assert one_tokens == two_tokens == 4 * 8 * 16  # steps × rows × (seq_len targets)
+    scale = one_theta.abs().max()
+    torch.testing.assert_close(two_theta, one_theta, rtol=0, atol=1e-6 * float(scale))
+    torch.testing.assert_close(two_local, one_local, rtol=0, atol=1e-6 * float(scale))
+
+
+def test_gpu_selection_is_checked_against_the_host():
+    assert selected_gpus("all", 4) == [0, 1, 2, 3]
+    assert selected_gpus("2", 4) == [0, 1]
+    assert selected_gpus("0,3", 4) == [0, 3]
+    assert selected_gpus("3,", 4) == [3]
+    for spec, message in (("5", "5 GPUs asked"), ("1,1", "twice"), ("0,7", "no GPU 7")):
+        with pytest.raises(SettingsError, match=message):
+            selected_gpus(spec, 4)
+    with pytest.raises(ValueError):
+        NodeSettings(gpus="zero")
+
+
+def test_cpu_ranks_share_the_cores_and_a_single_device_has_one_rank(tmp_path):
+    plan = plan_ranks(NodeSettings(state_dir=tmp_path, device="cpu", nproc_per_node=2))
+    assert plan.world_size == 2 and plan.backend == "gloo" and plan.threads == max(1, (os.cpu_count() or 1) // 2)
+    assert plan_ranks(NodeSettings(state_dir=tmp_path, device="cpu")).world_size == 1
+    with pytest.raises(ValueError, match="nproc_per_node: --device cuda:0 is one device"):
+        NodeSettings(state_dir=tmp_path, device="cuda:0", nproc_per_node=2)
+
+
+def test_an_out_of_memory_line_names_the_rank_device_and_size():
+    error = torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.50 GiB. GPU 1 has ...")
+    line = out_of_memory_line(1, "cuda:1", error)
+    assert "local rank 1 on cuda:1" in line and "2.50 GiB" in line and "--batch-size" in line
+    assert str(RankOutOfMemory(line)).startswith("--batch-size: local rank 1")
+
+
+def _rank_children(node: NodeProcess) -> list[psutil.Process]:
+    return [c for c in psutil.Process(node.proc.pid).children() if "dtnode.daemon.rank_process" in c.cmdline()]
+
+
+@pytest.mark.multi_rank
+def test_hosts_of_one_and_two_ranks_average_in_one_group(tmp_path, cleanup):
+    """Three hosts with 1, 2 and 2 ranks, 6 rounds in one group: every round full, the θ_g
+    hashes agree, the same bytes per round from every host, each host one member whose
+    /status lists its ranks, and no traceback in any log (the ranks log into their node's)."""
+    args = [*ARGS, "--max-rounds", "6", "--target-group-size", "3"]
+    a = NodeProcess.join("a", tmp_path, *args, "--min-peers", "3")
+    cleanup.append(a)
+    b = NodeProcess.join("b", tmp_path, *args, "--nproc-per-node", "2", "--peer", a.join_address)
+    c = NodeProcess.join("c", tmp_path, *args, "--nproc-per-node", "2", "--peer", a.join_address)
+    cleanup.extend([b, c])
+    status = wait_until(
+        lambda: (s := b.status()) and s["ranks"] and s["ranks"][1]["step_seconds"] > 0 and s, 120, "b's ranks"
+    )
+    assert [r["rank"] for r in status["ranks"]] == [0, 1] and status["device"] == "2xcpu"
+    assert all(r["memory_bytes"] > 0 and r["tokens_per_s"] > 0 for r in status["ranks"]), status["ranks"]
+    assert len(_rank_children(b)) == 1
+    b.wait_for_round(timeout=120)
+    assert 'dtnode_rank_tokens_per_second{device="cpu",rank="1"}' in b.get_text("/metrics").replace(
+        'rank="1",device="cpu"', 'device="cpu",rank="1"'
+    )
+    for node in (a, b, c):
+        assert node.wait(300) == 0, node.output
+    histories = [{r["round"]: r for r in node.rounds} for node in (a, b, c)]
+    for number in range(6):
+        entries = [h[number] for h in histories]
+        assert all(e["groups"] == [[3, 3]] for e in entries), entries
+        assert len({e["params_sha256"] for e in entries}) == 1, entries
+    for number in range(6):  # a host's bytes on the wire do not depend on its rank count
+        sent = [h[number]["bytes_sent"] for h in histories]
+        assert max(sent) <= 1.02 * min(sent), sent
+    for node in (a, b, c):
+        assert "Traceback" not in node.output, node.output
+
+
+@pytest.mark.multi_rank
+def test_a_killed_rank_is_restarted_and_its_host_averages_again(tmp_path, cleanup):
+    """kill -9 of one local rank mid-round: the host restarts its ranks from θ_g as the same
+    peer and is averaging again within two rounds; the other host never misses a round; a
+    kill -9 of the node leaves no orphaned rank."""
+    args = [*ARGS, "--max-rounds", "8"]
+    a = NodeProcess.join("a", tmp_path, *args, "--min-peers", "2")
+    cleanup.append(a)
+    b = NodeProcess.join("b", tmp_path, *args, "--nproc-per-node", "2", "--peer", a.join_address)
+    cleanup.append(b)
+    b.wait_for_round(lambda r: r["round"] >= 2, timeout=120)
+    peer_id = b.status()["peer_id"]
+    (child,) = _rank_children(b)
+    child.send_signal(signal.SIGKILL)
+    b.wait_for_line(r"round \d+ failed \(LocalRankFailure: local rank 1 \(cpu\) exited with signal 9\)", 60)
+    failed_at = len(b.rounds)
+    b.wait_for_line(r"restarted the local ranks from θ_g", 60)
+    back = b.wait_for_round(lambda r: r["groups"] == [[2, 2]], timeout=120, after=failed_at)
+    assert back["round"] <= b.rounds[failed_at - 1]["round"] + 3, b.output  # averaging again within two rounds
+    assert b.status()["peer_id"] == peer_id and b.status()["ranks"][1]["restarts"] == 1
+    assert "dtnode_local_rank_restarts_total 1.0" in b.get_text("/metrics")
+    a.wait_for_round(lambda r: r["round"] >= back["round"], timeout=120)
+    assert all(r["outcome"] != "failed" for r in a.rounds), a.rounds  # the other host kept its rounds
+    children = _rank_children(b)
+    b.proc.send_signal(signal.SIGKILL)
+    b.proc.wait(10)
+    wait_until(
+        lambda: not any(c.is_running() and c.status() != psutil.STATUS_ZOMBIE for c in children), 10, "no orphan"
+    )
+    assert "Traceback" not in a.output + b.output, b.output
+
+
+@pytest.mark.multi_rank
+def test_checkpoints_move_between_hosts_of_any_rank_count(tmp_path, cleanup):
+    """A 2-rank host's checkpoint restores on a 1-rank joiner, and a 3-rank joiner restores
+    what that swarm serves: both join in step, and all three then hold the same θ_g."""
+    args = [*ARGS, "--join-timeout", "120"]
+    a = NodeProcess.join("a", tmp_path, *args, "--nproc-per-node", "2", "--min-peers", "1")
+    cleanup.append(a)
+    a.wait_for_round(lambda r: r["round"] >= 1, timeout=120)
+    b = NodeProcess.join("b", tmp_path, *args, "--peer", a.join_address)
+    cleanup.append(b)
+    b.wait_for_round(timeout=120)
+    c = NodeProcess.join("c", tmp_path, *args, "--nproc-per-node", "3", "--peer", b.join_address)
+    cleanup.append(c)
+    first = c.wait_for_round(timeout=120)["round"]
+    together = c.wait_for_round(lambda r: r["round"] > first and r["groups"] == [[3, 3]], timeout=120)
+    b.wait_for_round(lambda r: r["round"] >= together["round"], timeout=60)
+    a.wait_for_round(lambda r: r["round"] >= together["round"], timeout=60)
+    for node in (a, b, c):
+        node.proc.send_signal(signal.SIGTERM)
+    for node in (a, b, c):
+        assert node.wait(60) == 0, node.output
+    assert "downloading" in b.output and "downloading" in c.output, (b.output, c.output)
+    same = {node.name: node.round(together["round"])["params_sha256"] for node in (a, b, c)}
+    assert len(set(same.values())) == 1, same
+    assert "Traceback" not in a.output + b.output + c.output
+
+
+def test_a_node_with_ranks_stops_them_when_it_stops(tmp_path, cleanup):
+    """SIGTERM ends a multi-rank node cleanly (exit 0, its children gone, no traceback)."""
+    node = NodeProcess.join("solo", tmp_path, *ARGS, "--nproc-per-node", "2", "--min-peers", "1")
+    cleanup.append(node)
+    node.wait_for_round(timeout=120)
+    children = _rank_children(node)
+    assert len(children) == 1
+    node.proc.send_signal(signal.SIGTERM)
+    assert node.wait(60) == 0, node.output
+    time.sleep(0.5)
+    assert not any(c.is_running() and c.status() != psutil.STATUS_ZOMBIE for c in children)
+    assert "Traceback" not in node.output, node.output
