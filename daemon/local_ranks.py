@@ -27,6 +27,7 @@ The children are started with the parent's death signal set, ignore SIGINT and S
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
@@ -241,12 +242,7 @@ class LocalRanks:
         )
 
     def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
-        """The model behind DDP (every rank wraps its replica at the same point)."""
-        from torch.nn.parallel import DistributedDataParallel
-
-        device = self.plan.devices[0]
-        ids = [device.index] if device.type == "cuda" else None
-        return DistributedDataParallel(model, device_ids=ids, forward_sync_buffers=False)
+        return ddp_replica(model, self.plan.devices[0])
 
     def stop(self) -> None:
         """Kill the children and leave the process group (a stopping node's, or a restart's)."""
@@ -276,7 +272,7 @@ class LocalRanks:
     def failure(self) -> str | None:
         """What went wrong with a child, if one has exited (raises RankOutOfMemory for an OOM)."""
         deadline = time.monotonic() + 1.0  # a collective may see the broken socket before wait() sees the exit
-        while True:
+        while self._children:
             for rank, child in enumerate(self._children, start=1):
                 code = child.poll()
                 if code is None:
@@ -287,9 +283,12 @@ class LocalRanks:
                     raise RankOutOfMemory(said or f"local rank {rank} ran out of device memory")
                 how = f"signal {-code}" if code < 0 else f"code {code}"
                 return f"local rank {rank} ({self.plan.devices[rank]}) exited with {how}"
-            if time.monotonic() > deadline:
-                return None
-            time.sleep(0.05)
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self._children[0].wait(min(0.05, left))
+        return None
 
     # ---- commands (training thread) ----------------------------------------------------------
     def _header(self, command: Command, *values: float) -> None:
@@ -335,6 +334,15 @@ class LocalRanks:
             report.tokens_per_s = tokens_per_rank / report.step_seconds if report.step_seconds > 0 else 0.0
             report.memory_bytes, report.device_memory_bytes = int(values[2]), int(values[3])
         return float(torch.stack([g[0] for g in gathered]).mean())
+
+
+def ddp_replica(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+    """A rank's model behind DDP (every rank wraps its replica at the same point: DDP's
+    constructor is a collective that also copies rank 0's weights to the others)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    ids = [device.index] if device.type == "cuda" else None
+    return DistributedDataParallel(model, device_ids=ids, forward_sync_buffers=False)
 
 
 def own_memory(device: torch.device) -> tuple[float, float]:

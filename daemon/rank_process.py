@@ -27,6 +27,7 @@ from .local_ranks import (
     SPEC_ENV,
     Command,
     RankSpec,
+    ddp_replica,
     die_with_parent,
     out_of_memory_line,
     own_memory,
@@ -57,10 +58,7 @@ class ChildRank:
         model, _ = build_model(spec.model, 0)  # its weights come from rank 0 when DDP wraps it
         self.model = model.to(self.device)
         self.flat = FlatParameters(self.model.named_parameters(), learned_buffers(self.model))
-        from torch.nn.parallel import DistributedDataParallel
-
-        ids = [self.device.index] if self.device.type == "cuda" else None
-        wrapped = DistributedDataParallel(self.model, device_ids=ids, forward_sync_buffers=False)
+        wrapped = ddp_replica(self.model, self.device)
         self.forward_model: Callable[[torch.Tensor], torch.Tensor] = torch.compile(wrapped) if spec.compile else wrapped
         self.optimizer = inner_optimizer(self.model, 0.0, spec.weight_decay)
         self.trainable = ordered_parameters(self.model)
@@ -94,19 +92,13 @@ class ChildRank:
         dist.gather(report, None, dst=0, group=self.control)
 
     def _inner(self, steps: int) -> None:
-        n = self.flat.numel
-        exp_avg = torch.zeros(n, device=self.device)
-        exp_avg_sq = torch.zeros(n, device=self.device)
+        """Rank 0's AdamW moments, received where its backend sends them (the GPU over NCCL)."""
+        where = self.device if self.spec.backend == "nccl" else torch.device("cpu")
+        moments = [torch.zeros(self.flat.numel, device=where) for _ in range(2)]
         if steps > 0:
-            if self.spec.backend == "nccl":
-                dist.broadcast(exp_avg, 0)
-                dist.broadcast(exp_avg_sq, 0)
-            else:
-                cpu_avg, cpu_sq = torch.zeros(n), torch.zeros(n)
-                dist.broadcast(cpu_avg, 0)
-                dist.broadcast(cpu_sq, 0)
-                exp_avg, exp_avg_sq = cpu_avg, cpu_sq
-        install_adam_state(self.optimizer, self.model, exp_avg, exp_avg_sq, steps)
+            for buffer in moments:
+                dist.broadcast(buffer, 0)
+        install_adam_state(self.optimizer, self.model, moments[0], moments[1], steps)
 
 
 def report_out_of_memory(spec: RankSpec, e: torch.cuda.OutOfMemoryError) -> None:

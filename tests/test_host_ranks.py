@@ -2,8 +2,8 @@
 rank's failure, checkpoints that do not depend on the rank count (issue 32).
 
 The ranks here are real processes over gloo on the CPU (`--nproc-per-node`), as on a CI
-machine; the swarm tests start real nodes and carry the `multi_rank` marker (.ci/run runs
-them after the default suite)."""
+machine. Every test that starts ranks carries the `multi_rank` marker (.ci/run runs them after
+the default suite, which must stay under 10 minutes on 2 cores)."""
 
 from __future__ import annotations
 
@@ -50,6 +50,7 @@ def _one_round(tmp: Path, ranks: int, batch: int, steps: int = 4) -> tuple[torch
         worker.shutdown()
 
 
+@pytest.mark.multi_rank
 def test_two_ranks_at_batch_b_take_the_step_of_one_rank_at_batch_2b(tmp_path):
     """DDP inside the host: 2 ranks at per-rank batch 4 end a round with the θ_g of 1 rank at
     batch 8 on the same token order (fp32 tolerance), count the same tokens, and keep every
@@ -187,6 +188,7 @@ def test_checkpoints_move_between_hosts_of_any_rank_count(tmp_path, cleanup):
     assert "Traceback" not in a.output + b.output + c.output
 
 
+@pytest.mark.multi_rank
 def test_a_node_with_ranks_stops_them_when_it_stops(tmp_path, cleanup):
     """SIGTERM ends a multi-rank node cleanly (exit 0, its children gone, no traceback)."""
     node = NodeProcess.join("solo", tmp_path, *ARGS, "--nproc-per-node", "2", "--min-peers", "1")

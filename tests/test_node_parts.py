@@ -369,6 +369,7 @@ def test_status_carries_the_summary_and_the_condition_the_stats_give():
         condition=condition,
         condition_detail=detail,
         round_progress=None,
+        ranks=[],
     )
     shown = status.model_dump(mode="json")
     assert shown["loss"] is None  # JSON has no NaN: the dashboard parses this
