@@ -165,11 +165,16 @@ def cmd_join(args: argparse.Namespace) -> int:
     # The event loop serves peers (streams, DHT, HTTP) while other threads run Python (torch's
     # imports, checkpoint work): it waits for the GIL at most this long instead of 5 ms a time.
     sys.setswitchinterval(0.001)
+    from .local_ranks import HostRestartNeeded
+
     try:
         return uvloop.run(run_node(settings))
     except JoinError as e:
         print(f"dtnode: error: {e}", file=sys.stderr)
         return EXIT_JOIN
+    except HostRestartNeeded as e:  # a supervisor restarts it (exit 1, unlike a usage error's 2)
+        print(f"dtnode: error: {e}", file=sys.stderr)
+        return 1
 
 
 def cmd_local(args: argparse.Namespace) -> int:

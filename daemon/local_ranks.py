@@ -60,6 +60,9 @@ class Command(IntEnum):
     STEP = 1
     PARAMS = 2
     INNER = 3
+    GATHER = 4  # --shard: every rank's shards of θ_l to rank 0
+    GATHER_INNER = 5  # --shard: every rank's shards of the AdamW moments to rank 0
+    EVAL = 6  # --shard: the held-out loss, every rank running the forward passes
 
 
 class RankState(IntEnum):
@@ -136,6 +139,7 @@ class RankSpec(BaseModel):
     grad_clip: float
     weight_decay: float
     threads: int | None
+    shard: bool
     parent_pid: int
     timeout_s: float
 
@@ -157,6 +161,11 @@ class RankReport:
 
 class LocalRankFailure(RuntimeError):
     """A child rank died or a collective with it broke: the host restarts its ranks."""
+
+
+class HostRestartNeeded(RuntimeError):
+    """A rank failed where the ranks cannot be restarted in place (--shard): the node exits
+    with code 1 and one line, and its supervisor starts it again from its newest checkpoint."""
 
 
 class RankOutOfMemory(SettingsError):
@@ -189,6 +198,19 @@ class LocalRanks:
     def running(self) -> bool:
         return self._control is not None
 
+    @property
+    def shard(self) -> bool:
+        return self.settings.shard
+
+    @property
+    def device(self) -> torch.device:
+        return self.plan.devices[0]
+
+    @property
+    def control(self) -> dist.ProcessGroup:
+        assert self._control is not None
+        return self._control
+
     # ---- lifecycle ---------------------------------------------------------------------------
     def start(self) -> None:
         """Spawn ranks 1..N-1 and form the process group with them (blocks until they joined)."""
@@ -205,6 +227,7 @@ class LocalRanks:
                 grad_clip=self.settings.grad_clip,
                 weight_decay=self.settings.inner_weight_decay,
                 threads=self.plan.threads,
+                shard=self.shard,
                 parent_pid=os.getpid(),
                 timeout_s=self.collective_timeout_s,
             )
@@ -291,7 +314,8 @@ class LocalRanks:
         return None
 
     # ---- commands (training thread) ----------------------------------------------------------
-    def _header(self, command: Command, *values: float) -> None:
+    def command(self, command: Command, *values: float) -> None:
+        """Tell every child what comes next (what follows is the collective it names)."""
         header = torch.zeros(4, dtype=torch.float64)
         header[0] = float(command)
         for i, value in enumerate(values, start=1):
@@ -300,12 +324,12 @@ class LocalRanks:
 
     def send_params(self, flat: torch.Tensor) -> None:
         """θ_l (rank 0's flat buffer) to every rank."""
-        self._header(Command.PARAMS)
+        self.command(Command.PARAMS)
         dist.broadcast(flat, 0)
 
     def send_inner(self, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, steps: int) -> None:
         """Rank 0's AdamW moments (flat, parameter order) and step count; steps 0: fresh."""
-        self._header(Command.INNER, float(steps))
+        self.command(Command.INNER, float(steps))
         if steps > 0:
             device = self.plan.devices[0]
             for moments in (exp_avg, exp_avg_sq):
@@ -315,7 +339,7 @@ class LocalRanks:
     def send_step(self, lr: float, batch: torch.Tensor) -> torch.Tensor:
         """Start an inner step on every rank: its rows of the node's batch; rank 0's rows returned."""
         rows = batch.shape[0] // self.world_size
-        self._header(Command.STEP, lr, float(rows), float(batch.shape[1]))
+        self.command(Command.STEP, lr, float(rows), float(batch.shape[1]))
         parts = list(batch.split(rows))
         own = torch.empty_like(parts[0])
         dist.scatter(own, [p.contiguous() for p in parts], src=0, group=self._control)

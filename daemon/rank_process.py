@@ -19,7 +19,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from dtnode.ops.flat import FlatParameters
+from dtnode.ops.flat import FlatParameters, flat_names
 
 from .local_ranks import (
     CONTROL_TIMEOUT,
@@ -33,7 +33,15 @@ from .local_ranks import (
     own_memory,
 )
 from .model import build_model
-from .trainer import inner_optimizer, inner_step, install_adam_state, learned_buffers, ordered_parameters
+from .sharded import gather_moments, gather_params, scatter_moments, scatter_params, shard_model, shared_eval_set
+from .trainer import (
+    held_out_loss,
+    inner_optimizer,
+    inner_step,
+    install_adam_state,
+    learned_buffers,
+    ordered_parameters,
+)
 
 log = logging.getLogger("dtnode")
 
@@ -55,10 +63,17 @@ class ChildRank:
             device_id=self.device if spec.backend == "nccl" else None,
         )
         self.control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
-        model, _ = build_model(spec.model, 0)  # its weights come from rank 0 when DDP wraps it
+        model, _ = build_model(spec.model, 0)  # its weights come from rank 0 (DDP's wrap, or PARAMS)
+        names = flat_names(model.named_parameters(), learned_buffers(model))  # rank 0's order of θ_l
         self.model = model.to(self.device)
-        self.flat = FlatParameters(self.model.named_parameters(), learned_buffers(self.model))
-        wrapped = ddp_replica(self.model, self.device)
+        wrapped: torch.nn.Module
+        if spec.shard:
+            wrapped = shard_model(self.model)
+        else:
+            self.flat = FlatParameters(self.model.named_parameters(), learned_buffers(self.model))
+            wrapped = ddp_replica(self.model, self.device)
+        found = dict(self.model.named_parameters()) | dict(self.model.named_buffers())
+        self.synced = [found[name] for name in names]
         self.forward_model: Callable[[torch.Tensor], torch.Tensor] = torch.compile(wrapped) if spec.compile else wrapped
         self.optimizer = inner_optimizer(self.model, 0.0, spec.weight_decay)
         self.trainable = ordered_parameters(self.model)
@@ -71,10 +86,21 @@ class ChildRank:
             command = Command(int(header[0]))
             if command is Command.STEP:
                 self._step(float(header[1]), int(header[2]), int(header[3]))
+            elif command is Command.PARAMS and self.spec.shard:
+                scatter_params(self.synced, None, self.device)
             elif command is Command.PARAMS:
                 dist.broadcast(self.flat.buffer, 0)
+            elif command is Command.INNER and self.spec.shard:
+                scatter_moments(self.optimizer, self.trainable, None, int(header[1]), self.device)
             elif command is Command.INNER:
                 self._inner(int(header[1]))
+            elif command is Command.GATHER:
+                gather_params(self.synced, None)
+            elif command is Command.GATHER_INNER:
+                gather_moments(self.optimizer, self.trainable, None)
+            elif command is Command.EVAL:
+                tokens = shared_eval_set(None, (int(header[1]), int(header[2])), self.control)
+                held_out_loss(self.model, tokens, self.device)
 
     def _step(self, lr: float, rows: int, width: int) -> None:
         started = time.monotonic()
@@ -94,7 +120,7 @@ class ChildRank:
     def _inner(self, steps: int) -> None:
         """Rank 0's AdamW moments, received where its backend sends them (the GPU over NCCL)."""
         where = self.device if self.spec.backend == "nccl" else torch.device("cpu")
-        moments = [torch.zeros(self.flat.numel, device=where) for _ in range(2)]
+        moments = [torch.zeros(self.flat.numel, device=where) for _ in range(2)]  # (DDP: self.flat exists)
         if steps > 0:
             for buffer in moments:
                 dist.broadcast(buffer, 0)

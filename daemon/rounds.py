@@ -31,7 +31,7 @@ from dtnode.peers.membership import Membership
 from .history import RoundHistory
 from .joiner import Joiner
 from .landing import Landing
-from .local_ranks import LocalRankFailure, RankOutOfMemory
+from .local_ranks import HostRestartNeeded, LocalRankFailure, RankOutOfMemory
 from .metrics import NodeMetrics, observe_device_memory, observe_ranks
 from .pacer import EXTRAPOLATE_HEARTBEATS, FixedPacer, Pacer, SwarmPacer
 from .report import Outcome, RoundSummary, RunStats
@@ -175,7 +175,7 @@ class RoundLoop:
         """One round behind the error boundary (see the module docstring)."""
         try:
             await self.strategy.run_round()
-        except (asyncio.CancelledError, KeyboardInterrupt, RankOutOfMemory):
+        except (asyncio.CancelledError, KeyboardInterrupt, RankOutOfMemory, HostRestartNeeded):
             raise
         except Exception as e:
             reason = type(e).__name__

@@ -176,6 +176,12 @@ class NodeSettings(BaseSettings):
         "tests exercise a multi-GPU host); on GPUs, the first N of --gpus. Default: one per "
         "selected GPU, or 1 on a CPU.",
     )
+    shard: bool = Field(
+        False,
+        description="Split the model's weights, gradients and AdamW state over the local ranks "
+        "(FSDP2 fully_shard) instead of a full replica per rank: for models that do not fit "
+        "one device. Rank 0 keeps the node's θ_l, θ_g and outer state in host memory.",
+    )
     threads_per_rank: int | None = Field(
         None,
         ge=1,

@@ -8,6 +8,7 @@ import urllib.error
 import urllib.request
 from typing import Any
 
+from rich import filesize
 from rich.console import Console
 from rich.table import Table
 
@@ -86,6 +87,23 @@ def show_status(url: str, as_json: bool = False, auth: SwarmAuth | None = None) 
     for key, value in rows:
         node.add_row(key, str(value))
     console.print(node)
+    ranks = status.get("ranks") or []
+    if len(ranks) > 1:  # a host training on several devices: one row per local rank
+        table = Table(title=f"local ranks: {len(ranks)}")
+        for col in ("rank", "device", "state", "tokens/s", "step", "memory", "GPU peak", "restarts"):
+            table.add_column(col)
+        for r in ranks:
+            table.add_row(
+                str(r["rank"]),
+                r["device"],
+                r["state"],
+                f"{r['tokens_per_s']:.0f}",
+                f"{r['step_seconds']:.3f}s",
+                filesize.decimal(r["memory_bytes"]),
+                filesize.decimal(r["device_memory_bytes"]) if r["device_memory_bytes"] else "-",
+                str(r["restarts"]),
+            )
+        console.print(table)
     if peers is None:
         console.print(
             "swarm: this node's swarm is closed; pass --swarm-key-file (or set DTNODE_SWARM_KEY) to list its peers"

@@ -30,8 +30,9 @@ from dtnode.ops.flat import FlatParameters
 from dtnode.peers import failpoints
 
 from .data import DataStream
-from .local_ranks import LocalRankFailure, LocalRanks, RankOutOfMemory, out_of_memory_line
+from .local_ranks import HostRestartNeeded, LocalRankFailure, LocalRanks, RankOutOfMemory, out_of_memory_line
 from .schedule import LearningRateSchedule
+from .sharded import HostShards
 
 EVAL_CHUNK = 64  # eval sequences per forward pass
 
@@ -58,10 +59,16 @@ class Trainer:
         ranks: LocalRanks | None = None,
     ):
         self.device = device
-        self.model = model.to(device)
-        self.flat = FlatParameters(self.model.named_parameters(), learned_buffers(self.model))
         self.compile = compile
         self.ranks = ranks  # this host's other training ranks, when it has several (local_ranks.py)
+        self.shards: HostShards | None = None
+        if ranks is not None and ranks.shard:  # the flat buffer is θ_l's copy in host memory
+            self.flat = FlatParameters(model.named_parameters(), learned_buffers(model))
+            self.model = model.to(device)
+            self.shards = HostShards(ranks, self.flat, self.model, device)
+        else:
+            self.model = model.to(device)
+            self.flat = FlatParameters(self.model.named_parameters(), learned_buffers(self.model))
         self._trainable = ordered_parameters(self.model)
         self.forward_model = self._forward_model()
         self.ranks_need_params = True  # θ_l changed outside an inner step: the other ranks need it
@@ -110,12 +117,17 @@ class Trainer:
     def _forward_model(self) -> Callable[[torch.Tensor], torch.Tensor]:
         """The module a step calls: the model, behind DDP with several ranks, compiled with
         --compile (the compiled module shares the already flattened parameters)."""
-        model = self.ranks.wrap(self.model) if self.ranks is not None else self.model
+        model = self.ranks.wrap(self.model) if self.ranks is not None and self.shards is None else self.model
         return torch.compile(model) if self.compile else model
 
     def restart_ranks(self) -> None:
-        """After a rank failed: new children, wrapped anew, sent θ_l and the AdamW state."""
+        """After a rank failed: new children, wrapped anew, sent θ_l and the AdamW state.
+        A sharded model cannot be taken back from its process group: the node stops instead,
+        and its supervisor restarts it from its newest checkpoint."""
         assert self.ranks is not None
+        if self.shards is not None:
+            self.ranks.stop()  # what the shards held is lost: nothing is asked of them any more
+            raise HostRestartNeeded("a local rank failed under --shard; the node stops so that it restarts whole")
         self.ranks.restart()
         self.forward_model = self._forward_model()
         self.ranks_need_params = self.ranks_need_inner = True
@@ -136,7 +148,10 @@ class Trainer:
 
     @property
     def parameters_flat(self) -> torch.Tensor:
-        """θ_l: every parameter lives in this one buffer."""
+        """θ_l: every parameter lives in this one buffer (with --shard, its copy in host
+        memory, refreshed from the ranks' shards here when steps changed them)."""
+        if self.shards is not None:
+            self.shards.refresh()
         return self.flat.buffer
 
     def _set_lr(self, position: int) -> None:
@@ -237,12 +252,20 @@ class Trainer:
             raise LocalRankFailure("the local ranks are not running")
         try:
             if self.ranks_need_inner:
-                ranks.send_inner(*self.inner_state())
+                if self.shards is not None:
+                    self.shards.push_inner(self.optimizer)
+                else:
+                    ranks.send_inner(*self.inner_state())
                 self.ranks_need_inner = False
             if self.ranks_need_params:
-                ranks.send_params(self.flat.buffer)
+                if self.shards is not None:
+                    self.shards.push_params()
+                else:
+                    ranks.send_params(self.flat.buffer)
                 self.ranks_need_params = False
             rows = ranks.send_step(self.lr, batch)
+            if self.shards is not None:
+                self.shards.stale = True
             loss = inner_step(self.forward_model, self.optimizer, rows, self.device, self.grad_clip, self._trainable)
             return ranks.collect(loss, time.monotonic() - started, rows[:, 1:].numel())
         except torch.cuda.OutOfMemoryError:
@@ -257,6 +280,8 @@ class Trainer:
     def inner_state(self) -> tuple[torch.Tensor, torch.Tensor, int]:
         """AdamW's moments flattened in parameter order (CPU copies; zeros over the learned
         buffers at the flat buffer's end), and its step count."""
+        if self.shards is not None:
+            return self.shards.gather_inner(self.optimizer)
         exp_avg = torch.zeros(self.flat.numel)
         exp_avg_sq = torch.zeros(self.flat.numel)
         steps, offset = 0, 0
@@ -275,6 +300,9 @@ class Trainer:
         """Install AdamW moments (a resumed node's own), or with steps 0 start them fresh."""
         self.adam_steps = max(steps, 0)
         self.ranks_need_inner = self.ranks is not None
+        if self.shards is not None:  # every rank takes its shard of them before the next step
+            self.shards.pending_inner = (exp_avg, exp_avg_sq, steps)
+            return
         if steps <= 0 and not self._optimizer_built.done():  # one still being made starts with no state anyway
             return
         install_adam_state(self.optimizer, self.model, exp_avg, exp_avg_sq, steps)
@@ -285,6 +313,11 @@ class Trainer:
             return None
         started = time.monotonic()
         try:
+            if self.shards is not None:  # every rank runs the forward passes, on θ_l as the host holds it
+                if self.ranks_need_params:
+                    self.shards.push_params()
+                    self.ranks_need_params = False
+                return held_out_loss(self.model, self.shards.eval_tokens(self.stream.eval_set), self.device)
             return held_out_loss(self.model, self.stream.eval_set, self.device)
         finally:
             self.eval_seconds += time.monotonic() - started

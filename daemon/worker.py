@@ -261,7 +261,11 @@ class ModelWorker:
         own = None
         if local:
             trainer = self.trainer
-            exp_avg, exp_avg_sq, adam_steps = trainer.inner_state()
+            try:
+                exp_avg, exp_avg_sq, adam_steps = trainer.inner_state()
+            except LocalRankFailure as e:  # --shard after a rank died: θ_g is whole, the moments are not
+                log.warning("writing θ_g without this node's inner optimizer state (%s)", e)
+                return step, TrainingState(theta, momentum, None)
             generator, batches = trainer.stream.position()
             own = LocalState(exp_avg, exp_avg_sq, generator, trainer.inner_step, adam_steps, batches)
         return step, TrainingState(theta, momentum, own)

@@ -29,7 +29,7 @@ class FlatParameters:
         params: list[tuple[str, torch.Tensor]] = [(name, p) for name, p in named_parameters if p.requires_grad]
         if not params:
             raise ValueError("model has no trainable parameters")
-        params += [(name, b) for name, b in named_buffers]
+        params += list(named_buffers)
         device = params[0][1].device
         self.names = [name for name, _ in params]
         self.shapes = [tuple(p.shape) for _, p in params]
@@ -65,6 +65,13 @@ class FlatParameters:
             if tuple(src.shape) != tuple(view.shape) or src.dtype != torch.float32:
                 raise ValueError(f"{name}: expected float32{list(view.shape)}, got {src.dtype}{list(src.shape)}")
             view.copy_(src)
+
+
+def flat_names(
+    named_parameters: Iterable[tuple[str, torch.nn.Parameter]], named_buffers: Iterable[tuple[str, torch.Tensor]] = ()
+) -> list[str]:
+    """The names FlatParameters would lay out, in its order, without building the buffer."""
+    return [name for name, p in named_parameters if p.requires_grad] + [name for name, _ in named_buffers]
 
 
 def _prod(shape: tuple[int, ...]) -> int:

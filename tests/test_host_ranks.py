@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -18,6 +20,7 @@ import pytest
 import torch
 from nodes import FAST, NodeProcess, wait_until
 
+from dtnode.daemon.checkpoint import list_checkpoints
 from dtnode.daemon.local_ranks import RankOutOfMemory, out_of_memory_line, plan_ranks, selected_gpus
 from dtnode.daemon.settings import NodeSettings, SettingsError
 from dtnode.daemon.worker import ModelWorker
@@ -26,10 +29,15 @@ from dtnode.daemon.workload import build_workload
 ARGS = [*FAST, "--device", "cpu", "--threads-per-rank", "1"]
 
 
-def _one_round(tmp: Path, ranks: int, batch: int, steps: int = 4) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """θ_g after one round alone (H steps, the outer step of its own Δ) and θ_l after a few
-    more steps, on a worker with `ranks` local ranks at per-rank `batch`; the tokens counted."""
+def _one_round(
+    tmp: Path, ranks: int, batch: int, shard: bool = False, steps: int = 4
+) -> tuple[torch.Tensor, torch.Tensor, int, float | None, torch.Tensor]:
+    """θ_g after one round alone (H steps, the outer step of its own Δ), θ_l after a few more
+    steps, the tokens counted, the held-out loss of θ_g and the AdamW moments, on a worker
+    with `ranks` local ranks at per-rank `batch`."""
     settings = NodeSettings(
+        shard=shard,
+        eval_sequences=8,
         state_dir=tmp,
         model="tiny",
         batch_size=batch,
@@ -44,23 +52,31 @@ def _one_round(tmp: Path, ranks: int, batch: int, steps: int = 4) -> tuple[torch
         worker.build("one-peer-id")  # the same id: the same token order
         first = worker.trainer.run(steps, threading.Event())
         worker.replica.apply_outer_step(worker.pseudo_gradient().clone())
+        eval_loss = worker.trainer.eval_loss()
+        moments = worker.trainer.inner_state()
+        worker.trainer.load_inner_state(*moments)  # a resume's path: the moments go back to every rank
         worker.trainer.run(steps, threading.Event())  # θ_l after the outer step reached every rank
-        return worker.replica.theta_g.clone(), worker.trainer.parameters_flat.clone(), first.tokens
+        theta, local = worker.replica.theta_g.clone(), worker.trainer.parameters_flat.clone()
+        return theta, local, first.tokens, eval_loss, moments[0]
     finally:
         worker.shutdown()
 
 
 @pytest.mark.multi_rank
-def test_two_ranks_at_batch_b_take_the_step_of_one_rank_at_batch_2b(tmp_path):
-    """DDP inside the host: 2 ranks at per-rank batch 4 end a round with the θ_g of 1 rank at
-    batch 8 on the same token order (fp32 tolerance), count the same tokens, and keep every
-    rank on the θ_l the outer step set (the steps after it agree too)."""
-    one_theta, one_local, one_tokens = _one_round(tmp_path / "one", 1, 8)
-    two_theta, two_local, two_tokens = _one_round(tmp_path / "two", 2, 4)
+@pytest.mark.parametrize("shard", [False, True], ids=["ddp", "shard"])
+def test_two_ranks_at_batch_b_take_the_step_of_one_rank_at_batch_2b(tmp_path, shard):
+    """2 ranks at per-rank batch 4 (DDP replicas, or FSDP2 shards with --shard) end a round
+    with the θ_g of 1 rank at batch 8 on the same token order (fp32 tolerance), count the same
+    tokens, evaluate the same held-out loss, hold the same AdamW moments, and keep every rank
+    on the θ_l the outer step set (the steps after it agree too)."""
+    one_theta, one_local, one_tokens, one_eval, one_moments = _one_round(tmp_path / "one", 1, 8)
+    two_theta, two_local, two_tokens, two_eval, two_moments = _one_round(tmp_path / "two", 2, 4, shard)
     assert one_tokens == two_tokens == 4 * 8 * 16  # steps × rows × (seq_len targets)
-    scale = one_theta.abs().max()
-    torch.testing.assert_close(two_theta, one_theta, rtol=0, atol=1e-6 * float(scale))
-    torch.testing.assert_close(two_local, one_local, rtol=0, atol=1e-6 * float(scale))
+    scale = float(one_theta.abs().max())
+    torch.testing.assert_close(two_theta, one_theta, rtol=0, atol=1e-6 * scale)
+    torch.testing.assert_close(two_local, one_local, rtol=0, atol=1e-6 * scale)
+    assert one_eval is not None and two_eval == pytest.approx(one_eval, rel=1e-6)
+    torch.testing.assert_close(two_moments, one_moments, rtol=1e-4, atol=1e-9)
 
 
 def test_gpu_selection_is_checked_against_the_host():
@@ -96,14 +112,14 @@ def _rank_children(node: NodeProcess) -> list[psutil.Process]:
 
 @pytest.mark.multi_rank
 def test_hosts_of_one_and_two_ranks_average_in_one_group(tmp_path, cleanup):
-    """Three hosts with 1, 2 and 2 ranks, 6 rounds in one group: every round full, the θ_g
-    hashes agree, the same bytes per round from every host, each host one member whose
+    """Three hosts with 1, 2 and 2 ranks (the last sharded, --shard), 6 rounds in one group:
+    every round full, the θ_g hashes agree, the same bytes per round from every host, each host one member whose
     /status lists its ranks, and no traceback in any log (the ranks log into their node's)."""
     args = [*ARGS, "--max-rounds", "6", "--target-group-size", "3"]
     a = NodeProcess.join("a", tmp_path, *args, "--min-peers", "3")
     cleanup.append(a)
     b = NodeProcess.join("b", tmp_path, *args, "--nproc-per-node", "2", "--peer", a.join_address)
-    c = NodeProcess.join("c", tmp_path, *args, "--nproc-per-node", "2", "--peer", a.join_address)
+    c = NodeProcess.join("c", tmp_path, *args, "--nproc-per-node", "2", "--shard", "--peer", a.join_address)
     cleanup.extend([b, c])
     status = wait_until(
         lambda: (s := b.status()) and s["ranks"] and s["ranks"][1]["step_seconds"] > 0 and s, 120, "b's ranks"
@@ -115,6 +131,15 @@ def test_hosts_of_one_and_two_ranks_average_in_one_group(tmp_path, cleanup):
     assert 'dtnode_rank_tokens_per_second{device="cpu",rank="1"}' in b.get_text("/metrics").replace(
         'rank="1",device="cpu"', 'device="cpu",rank="1"'
     )
+    shown = subprocess.run(
+        [sys.executable, "-m", "dtnode", "status", "--url", b.http_url],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "COLUMNS": "200"},
+    )
+    assert shown.returncode == 0 and "local ranks: 2" in shown.stdout, shown.stdout + shown.stderr
     for node in (a, b, c):
         assert node.wait(300) == 0, node.output
     histories = [{r["round"]: r for r in node.rounds} for node in (a, b, c)]
@@ -186,6 +211,22 @@ def test_checkpoints_move_between_hosts_of_any_rank_count(tmp_path, cleanup):
     same = {node.name: node.round(together["round"])["params_sha256"] for node in (a, b, c)}
     assert len(set(same.values())) == 1, same
     assert "Traceback" not in a.output + b.output + c.output
+
+
+@pytest.mark.multi_rank
+def test_a_sharded_host_whose_rank_dies_exits_for_its_supervisor(tmp_path, cleanup):
+    """Under --shard the ranks cannot be restarted in place: the node says so in one line and
+    exits 1 (not 2, which systemd's unit does not restart), leaving no rank behind."""
+    node = NodeProcess.join("solo", tmp_path, *ARGS, "--nproc-per-node", "2", "--shard", "--min-peers", "1")
+    cleanup.append(node)
+    node.wait_for_round(timeout=120)
+    (child,) = _rank_children(node)
+    child.send_signal(signal.SIGKILL)
+    assert node.wait(60) == 1, node.output
+    assert "dtnode: error: a local rank failed under --shard" in node.output, node.output
+    assert "Traceback" not in node.output, node.output
+    steps = [step for step, _ in list_checkpoints(node.state_dir)]
+    assert steps and max(steps) == node.rounds[-1]["step"], (steps, node.output)  # θ_g written on the way out
 
 
 @pytest.mark.multi_rank

@@ -3,8 +3,8 @@
     .venv/bin/python -m tests.bench.host_ranks                      # small, CPU, gloo, 1 thread per rank
     .venv/bin/python -m tests.bench.host_ranks --model tiny --rounds 3
 
-Each configuration is a real two-host swarm on loopback: the host under test (1 or 2 ranks,
-`--nproc-per-node`, `--threads-per-rank 1`) and a 1-rank partner, `--pacing fixed` so that
+Each configuration is a real two-host swarm on loopback: the host under test (1 rank, 2 DDP
+ranks, or 2 ranks with `--shard`; `--threads-per-rank 1`) and a 1-rank partner, `--pacing fixed` so that
 every round has the same H inner steps on both hosts. The host's figures come from its own
 /history (tokens/s per host, bytes on the wire per round, all-reduce seconds, the median
 over its rounds after the first) and from sampling the resident memory of its processes
@@ -52,9 +52,11 @@ def _sample_peaks(node: NodeProcess, peaks: dict[int, int], stop: threading.Even
         time.sleep(0.2)
 
 
-def run_config(tmp: Path, ranks: int, flags: list[str]) -> dict[str, float | list[int]]:
-    host = NodeProcess.join(f"host{ranks}", tmp, *flags, "--nproc-per-node", str(ranks), "--min-peers", "2")
-    partner = NodeProcess.join(f"partner{ranks}", tmp, *flags, "--peer", host.join_address)
+def run_config(tmp: Path, ranks: int, shard: bool, flags: list[str]) -> dict[str, float | list[int]]:
+    name = f"{ranks}{'s' if shard else ''}"
+    extra = ["--shard"] if shard else []
+    host = NodeProcess.join(f"host{name}", tmp, *flags, *extra, "--nproc-per-node", str(ranks), "--min-peers", "2")
+    partner = NodeProcess.join(f"partner{name}", tmp, *flags, "--peer", host.join_address)
     peaks: dict[int, int] = {}
     stop = threading.Event()
     sampler = threading.Thread(target=_sample_peaks, args=(host, peaks, stop), daemon=True)
@@ -70,7 +72,7 @@ def run_config(tmp: Path, ranks: int, flags: list[str]) -> dict[str, float | lis
         partner.kill()
     rounds = [r for r in host.rounds if r["outcome"] != "failed"][1:]  # the first carries start-up
     if not rounds:
-        raise SystemExit(f"host{ranks} finished no rounds:\n{host.output[-3000:]}")
+        raise SystemExit(f"host{name} finished no rounds:\n{host.output[-3000:]}")
     full = sum(r["groups"] == [[2, 2]] for r in rounds)
     return {
         "tokens_per_s": statistics.median(r["tokens_per_s"] for r in rounds),
@@ -93,24 +95,24 @@ def main() -> None:
     tmp = Path(tempfile.mkdtemp(prefix="dtnode-bench-ranks-"))
     results = {}
     try:
-        for ranks in (1, 2):
-            results[ranks] = run_config(tmp, ranks, flags)
+        for ranks, shard in ((1, False), (2, False), (2, True)):
+            results[f"{ranks}-rank{' --shard' if shard else ''}"] = run_config(tmp, ranks, shard, flags)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     print(
         f"model {args.model}, CPU gloo, 1 thread per rank, batch {args.batch_size} per rank, seq {args.seq_len}, "
         f"H={args.inner_steps}, {args.rounds} rounds against a 1-rank partner (medians over rounds 2..)"
     )
-    print(f"{'host':<8} {'tokens/s':>10} {'bytes/round':>13} {'allreduce s':>12} {'full':>6}  peak RSS per rank (MB)")
-    for ranks, r in results.items():
+    print(f"{'host':<16} {'tokens/s':>10} {'bytes/round':>13} {'allreduce s':>12} {'full':>6}  peak RSS per rank (MB)")
+    for name, r in results.items():
         rss = ", ".join(f"{v / 1e6:.0f}" for v in r["peak_rss"])  # type: ignore[union-attr]
         print(
-            f"{ranks}-rank  {r['tokens_per_s']:>10.0f} {r['bytes_per_round']:>13.0f} {r['allreduce_s']:>12.3f} "
+            f"{name:<16} {r['tokens_per_s']:>10.0f} {r['bytes_per_round']:>13.0f} {r['allreduce_s']:>12.3f} "
             f"{r['full']:>6.0%}  {rss}"
         )
-    one, two = results[1], results[2]
-    ratio = float(two["bytes_per_round"]) / float(one["bytes_per_round"])  # type: ignore[arg-type]
-    print(f"bytes per round, 2-rank / 1-rank: {ratio:.4f}")
+    one = float(results["1-rank"]["bytes_per_round"])  # type: ignore[arg-type]
+    for name in ("2-rank", "2-rank --shard"):
+        print(f"bytes per round, {name} / 1-rank: {float(results[name]['bytes_per_round']) / one:.4f}")  # type: ignore[arg-type]
 
 
 if __name__ == "__main__":

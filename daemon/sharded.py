@@ -1,0 +1,182 @@
+"""`--shard`: the model's weights, gradients and AdamW state split over a host's local ranks
+with FSDP2 (`fully_shard`), for models that do not fit one device.
+
+Every function here is a collective: every local rank calls it, in the same order, with the
+same parameters (rank 0 passes the data, the others None). Rank 0 keeps the node's view of
+θ_l as one flat fp32 buffer in host memory (the replica's θ_g, Δ and the outer step work on
+it as on a one-device node); it is refreshed from the shards when the node reads θ_l
+(`gather_params`) and written back to them before the next inner step (`scatter_params`).
+A shard is rows of a parameter along its first dimension, as `torch.chunk` cuts them: what
+FSDP2 keeps on each rank.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+
+from dtnode.ops.flat import FlatParameters
+
+from .local_ranks import Command, LocalRankFailure, LocalRanks
+
+
+def shard_model(model: torch.nn.Module) -> torch.nn.Module:
+    """FSDP2 over the model: each element of its block lists (a transformer's layers) one unit,
+    the rest in the root's. Returns the model (now an FSDP module, called as before)."""
+    for module in list(model.modules()):
+        if isinstance(module, torch.nn.ModuleList):
+            for block in module:
+                fully_shard(block)
+    fully_shard(model)
+    return model
+
+
+def own_rows(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """This rank's rows of a full tensor, as FSDP2 cuts them for the parameter `like`."""
+    if not isinstance(like, DTensor):
+        return full
+    chunks = full.chunk(dist.get_world_size(), dim=0)
+    rank = dist.get_rank()
+    return chunks[rank] if rank < len(chunks) else full[:0]
+
+
+def _as_local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+@torch.no_grad()
+def scatter_params(params: Sequence[torch.Tensor], sources: list[torch.Tensor] | None, device: torch.device) -> None:
+    """Rank 0's full values (`sources`, views of its flat buffer) into every rank's shards."""
+    for i, param in enumerate(params):
+        full = torch.empty(param.shape, dtype=param.dtype, device=device)
+        if sources is not None:
+            full.copy_(sources[i])
+        dist.broadcast(full, 0)
+        _as_local(param).copy_(own_rows(full, param))
+
+
+@torch.no_grad()
+def gather_params(params: Sequence[torch.Tensor], into: list[torch.Tensor] | None) -> None:
+    """Every rank's shards into rank 0's full views (`into`), one parameter at a time."""
+    for i, param in enumerate(params):
+        full = param.full_tensor() if isinstance(param, DTensor) else param
+        if into is not None:
+            into[i].copy_(full)
+
+
+@torch.no_grad()
+def scatter_moments(
+    optimizer: torch.optim.Optimizer,
+    params: Sequence[torch.Tensor],
+    moments: tuple[list[torch.Tensor], list[torch.Tensor]] | None,
+    steps: int,
+    device: torch.device,
+) -> None:
+    """Rank 0's AdamW moments (full, per parameter) into every rank's optimizer state, as
+    shards like the parameters'; steps 0 clears the state everywhere."""
+    optimizer.state.clear()
+    if steps <= 0:
+        return
+    for i, param in enumerate(params):
+        state: dict[str, torch.Tensor] = {"step": torch.tensor(float(steps), dtype=torch.float32)}
+        for name, which in (("exp_avg", 0), ("exp_avg_sq", 1)):
+            full = torch.empty(param.shape, dtype=torch.float32, device=device)
+            if moments is not None:
+                full.copy_(moments[which][i])
+            dist.broadcast(full, 0)
+            rows = own_rows(full, param).clone()
+            if isinstance(param, DTensor):
+                state[name] = DTensor.from_local(
+                    rows, param.device_mesh, param.placements, shape=param.shape, stride=param.stride()
+                )
+            else:
+                state[name] = rows
+        optimizer.state[param] = state
+
+
+@torch.no_grad()
+def gather_moments(
+    optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor], into: tuple[torch.Tensor, torch.Tensor] | None
+) -> int:
+    """Every rank's AdamW moments into rank 0's flat buffers (`into`, parameter order); the step count."""
+    steps, offset = 0, 0
+    for param in params:
+        state = optimizer.state.get(param)
+        n = param.numel()
+        if state and "exp_avg" in state:
+            for name, which in (("exp_avg", 0), ("exp_avg_sq", 1)):
+                value = state[name]
+                full = value.full_tensor() if isinstance(value, DTensor) else value
+                if into is not None:
+                    into[which][offset : offset + n] = full.reshape(-1).float().cpu()
+            steps = int(state["step"])
+        offset += n
+    return steps
+
+
+def shared_eval_set(eval_set: torch.Tensor | None, shape: tuple[int, int], group: dist.ProcessGroup) -> torch.Tensor:
+    """Rank 0's eval set on every rank: a sharded model's forward passes are collectives, so
+    every rank runs them, on the same tokens (over the gloo control `group`: CPU tensors)."""
+    tokens = eval_set.contiguous() if eval_set is not None else torch.empty(shape, dtype=torch.long)
+    dist.broadcast(tokens, 0, group=group)
+    return tokens
+
+
+class HostShards:
+    """Rank 0's side of a sharded host: its flat host copy of θ_l and the commands that keep
+    it and the ranks' shards in step."""
+
+    def __init__(self, ranks: LocalRanks, flat: FlatParameters, model: torch.nn.Module, device: torch.device):
+        self.ranks, self.flat, self.device = ranks, flat, device
+        shard_model(model)
+        found = dict(model.named_parameters()) | dict(model.named_buffers())
+        self.synced = [found[name] for name in flat.names]  # the flat buffer's tensors, sharded or not
+        self.params = [p for _, p in model.named_parameters() if p.requires_grad]
+        self.views = list(flat.views(flat.buffer).values())
+        self.stale = False  # the shards moved on (inner steps) since the host copy was taken
+        self.pending_inner: tuple[torch.Tensor, torch.Tensor, int] | None = None  # loaded, not yet sent
+
+    def refresh(self) -> None:
+        """The host copy of θ_l from the shards, when a step changed them since."""
+        if self.stale:
+            self.ranks.command(Command.GATHER)
+            gather_params(self.synced, self.views)
+            self.stale = False
+
+    def push_params(self) -> None:
+        """The host copy of θ_l (changed by the outer step, a load, a reset) into the shards."""
+        self.ranks.command(Command.PARAMS)
+        scatter_params(self.synced, self.views, self.device)
+
+    def push_inner(self, optimizer: torch.optim.Optimizer) -> None:
+        """The AdamW moments loaded last (a resume's, or none) into every rank's shards."""
+        exp_avg, exp_avg_sq, steps = self.pending_inner or (torch.empty(0), torch.empty(0), 0)
+        self.ranks.command(Command.INNER, float(steps))
+        per_param = None
+        if steps > 0:
+            per_param = (self._split(exp_avg), self._split(exp_avg_sq))
+        scatter_moments(optimizer, self.params, per_param, steps, self.device)
+        self.pending_inner = None
+
+    def _split(self, flat_values: torch.Tensor) -> list[torch.Tensor]:
+        return list(self.flat.views(flat_values).values())[: len(self.params)]
+
+    def gather_inner(self, optimizer: torch.optim.Optimizer) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """Every rank's AdamW moments, flat in parameter order on the host (a local checkpoint's)."""
+        if self.pending_inner is not None:
+            return self.pending_inner
+        if not self.ranks.running:
+            raise LocalRankFailure("the local ranks are down: their AdamW shards are lost")
+        exp_avg, exp_avg_sq = torch.zeros(self.flat.numel), torch.zeros(self.flat.numel)
+        self.ranks.command(Command.GATHER_INNER)
+        steps = gather_moments(optimizer, self.params, (exp_avg, exp_avg_sq))
+        return exp_avg, exp_avg_sq, steps
+
+    def eval_tokens(self, eval_set: torch.Tensor) -> torch.Tensor:
+        """Start a held-out eval on every rank; the tokens rank 0 evaluates too."""
+        self.ranks.command(Command.EVAL, float(eval_set.shape[0]), float(eval_set.shape[1]))
+        return shared_eval_set(eval_set, (eval_set.shape[0], eval_set.shape[1]), self.ranks.control)
