@@ -110,7 +110,8 @@ class LocalState:
     generator_state: torch.Tensor  # uint8
     inner_step: int
     adam_steps: int
-    batches_drawn: int
+    batches_drawn: int  # of the batch size it was written with (files before sequences_drawn)
+    sequences_drawn: int | None = None  # the data position; None in a file that predates it
 
 
 @dataclass
@@ -182,6 +183,8 @@ def write_checkpoint(
             "adam_steps": str(local.adam_steps),
             "data_batches_drawn": str(local.batches_drawn),
         }
+        if local.sequences_drawn is not None:
+            local_meta["data_sequences_drawn"] = str(local.sequences_drawn)
         n = 4 * layout.numel
         header = _entries(
             [
@@ -379,7 +382,10 @@ def read_local_state(directory: Path, step: int, layout: Layout, run_id: str, mo
         if not raw.isdigit() or len(raw) > 18:
             raise CheckpointError(f"{path.name}: {key} is not a non-negative integer")
         counts.append(int(raw))
-    return LocalState(exp_avg, exp_avg_sq, generator_state, *counts)
+    sequences = str(meta.get("data_sequences_drawn", ""))
+    if sequences and (not sequences.isdigit() or len(sequences) > 18):
+        raise CheckpointError(f"{path.name}: data_sequences_drawn is not a non-negative integer")
+    return LocalState(exp_avg, exp_avg_sq, generator_state, *counts, int(sequences) if sequences else None)
 
 
 def _check_metadata(path: Path, meta: dict[str, str], run_id: str, model_hash: str, fmt: str) -> None:

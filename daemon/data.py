@@ -161,22 +161,23 @@ class DataStream:
             if sources.eval is not None and eval_sequences
             else None
         )
-        self.batches_drawn = 0
+        self.sequences_drawn = 0  # counted in sequences, not batches: a node restarted with another
+        # rank count (another batch) goes on from the same place in its corpus
 
     def next_batch(self) -> torch.Tensor:
         """[B, seq_len + 1] tokens: inputs are [:, :-1], targets [:, 1:]."""
-        first = self.batches_drawn * self.batch_size
-        self.batches_drawn += 1
+        first = self.sequences_drawn
+        self.sequences_drawn += self.batch_size
         if self.reader is not None:
             return self.reader.batch(first, self.batch_size)
         assert isinstance(self.source, MarkovLanguage)  # a token corpus always has a reader
         return self.source.sample(self.batch_size, self.seq_len + 1, self.gen)
 
     def position(self) -> tuple[torch.Tensor, int]:
-        """Where this stream is: its generator state and the batches drawn so far."""
-        return self.gen.get_state(), self.batches_drawn
+        """Where this stream is: its generator state and the sequences drawn so far."""
+        return self.gen.get_state(), self.sequences_drawn
 
-    def seek(self, generator_state: torch.Tensor, batches_drawn: int) -> None:
+    def seek(self, generator_state: torch.Tensor, sequences_drawn: int) -> None:
         """Continue exactly where a saved position left off (this peer's own stream only)."""
         self.gen.set_state(generator_state.to(torch.uint8).contiguous())
-        self.batches_drawn = batches_drawn
+        self.sequences_drawn = sequences_drawn

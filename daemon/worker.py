@@ -193,7 +193,10 @@ class ModelWorker:
         trainer.load_inner_state(local.exp_avg, local.exp_avg_sq, local.adam_steps)
         trainer.inner_step = local.inner_step
         try:
-            trainer.stream.seek(local.generator_state, local.batches_drawn)
+            sequences = local.sequences_drawn
+            if sequences is None:  # an older file: its batches were of this node's size, we assume
+                sequences = local.batches_drawn * trainer.stream.batch_size
+            trainer.stream.seek(local.generator_state, sequences)
         except (RuntimeError, ValueError) as e:  # a generator state from another torch build
             log.warning("could not restore the data position (%s); continuing from a fresh one", e)
 
@@ -266,6 +269,7 @@ class ModelWorker:
             except LocalRankFailure as e:  # --shard after a rank died: θ_g is whole, the moments are not
                 log.warning("writing θ_g without this node's inner optimizer state (%s)", e)
                 return step, TrainingState(theta, momentum, None)
-            generator, batches = trainer.stream.position()
-            own = LocalState(exp_avg, exp_avg_sq, generator, trainer.inner_step, adam_steps, batches)
+            generator, sequences = trainer.stream.position()
+            batches = sequences // trainer.stream.batch_size
+            own = LocalState(exp_avg, exp_avg_sq, generator, trainer.inner_step, adam_steps, batches, sequences)
         return step, TrainingState(theta, momentum, own)

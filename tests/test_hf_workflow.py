@@ -131,9 +131,11 @@ def test_sources_give_peers_disjoint_ordered_shards_and_the_position_survives_a_
 
     # the position goes into the node's own checkpoint and comes back after a restart
     layout = Layout(("w",), ((4,),))
-    generator, batches = a.position()
+    generator, sequences = a.position()
     zeros = torch.zeros(4)
-    local = LocalState(zeros, zeros, generator, inner_step=5, adam_steps=5, batches_drawn=batches)
+    local = LocalState(
+        zeros, zeros, generator, inner_step=5, adam_steps=5, batches_drawn=sequences // 4, sequences_drawn=sequences
+    )
     write_checkpoint(
         tmp_path / "state", 1, layout, TrainingState(zeros, zeros, local), {"run_id": "run", "model_hash": "m"}
     )
@@ -155,7 +157,8 @@ def test_sources_give_peers_disjoint_ordered_shards_and_the_position_survives_a_
         4,
         32,
     )
-    again.seek(restored.generator_state, restored.batches_drawn)
+    assert restored.sequences_drawn == sequences
+    again.seek(restored.generator_state, restored.sequences_drawn)
     assert torch.equal(again.next_batch(), a.next_batch())
 
 

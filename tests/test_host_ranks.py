@@ -20,7 +20,15 @@ import pytest
 import torch
 from nodes import FAST, NodeProcess, wait_until
 
-from dtnode.daemon.checkpoint import list_checkpoints
+from dtnode.daemon.checkpoint import (
+    Layout,
+    LocalState,
+    TrainingState,
+    list_checkpoints,
+    read_local_state,
+    write_checkpoint,
+)
+from dtnode.daemon.data import DataStream, open_sources
 from dtnode.daemon.local_ranks import RankOutOfMemory, out_of_memory_line, plan_ranks, selected_gpus
 from dtnode.daemon.settings import NodeSettings, SettingsError
 from dtnode.daemon.worker import ModelWorker
@@ -242,3 +250,28 @@ def test_a_node_with_ranks_stops_them_when_it_stops(tmp_path, cleanup):
     time.sleep(0.5)
     assert not any(c.is_running() and c.status() != psutil.STATUS_ZOMBIE for c in children)
     assert "Traceback" not in node.output, node.output
+
+
+def test_the_data_position_does_not_depend_on_the_rank_count(tmp_path):
+    """A node's place in its corpus is counted in sequences: restarted with half the ranks
+    (half the node's batch), it reads on from the same sequence, through its local checkpoint."""
+    text = tmp_path / "corpus.txt"
+    text.write_text("".join(chr(97 + (i * 7) % 26) for i in range(20_000)))
+    sources = open_sources("run", 0, text, seq_len=16, cache_dir=tmp_path / "cache")
+    two_ranks = DataStream(sources, "run", "peer", 8, 16)
+    for _ in range(3):
+        two_ranks.next_batch()
+    generator, sequences = two_ranks.position()
+    assert sequences == 24
+    layout = Layout(("w",), ((4,),))
+    zeros = torch.zeros(4)
+    local = LocalState(zeros, zeros, generator, 3, 3, batches_drawn=3, sequences_drawn=sequences)
+    write_checkpoint(
+        tmp_path / "state", 1, layout, TrainingState(zeros, zeros, local), {"run_id": "r", "model_hash": "m"}
+    )
+    restored = read_local_state(tmp_path / "state", 1, layout, "r", "m")
+    one_rank = DataStream(sources, "run", "peer", 4, 16)
+    one_rank.seek(restored.generator_state, restored.sequences_drawn)
+    reference = DataStream(sources, "run", "peer", 4, 16)
+    expected = [reference.next_batch() for _ in range(7)][6]  # sequences 24..27
+    assert torch.equal(one_rank.next_batch(), expected)
