@@ -385,7 +385,10 @@ def read_local_state(directory: Path, step: int, layout: Layout, run_id: str, mo
     sequences = str(meta.get("data_sequences_drawn", ""))
     if sequences and (not sequences.isdigit() or len(sequences) > 18):
         raise CheckpointError(f"{path.name}: data_sequences_drawn is not a non-negative integer")
-    return LocalState(exp_avg, exp_avg_sq, generator_state, *counts, int(sequences) if sequences else None)
+    inner_step, adam_steps, batches = counts
+    return LocalState(
+        exp_avg, exp_avg_sq, generator_state, inner_step, adam_steps, batches, int(sequences) if sequences else None
+    )
 
 
 def _check_metadata(path: Path, meta: dict[str, str], run_id: str, model_hash: str, fmt: str) -> None:
