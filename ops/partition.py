@@ -41,3 +41,31 @@ def plan_parts(total: int, shares: list[float], align: int = 1) -> list[tuple[in
         parts.append((start, stop - start))
         offset += nblocks
     return parts
+
+
+def capped_shares(shares: list[float], cap: float) -> list[float]:
+    """`shares` as fractions of 1, none above `cap` (water-filling: what a capped share loses
+    goes to the others in proportion to theirs). Zero shares stay zero; a cap below an even
+    split is raised to it. A pure function of its inputs, so every member derives the same parts.
+
+    Why: a member's part of Δ is proportional to the bandwidth it advertises, and a reducer
+    sees and answers for its whole part; without a cap one member claiming 1e9 Mbit/s would
+    reduce (and could bend) nearly all of Δ."""
+    positive = [i for i, s in enumerate(shares) if s > 0]
+    if not positive or any(s < 0 or math.isnan(s) for s in shares):
+        raise ValueError("need a positive share and no negative ones")
+    cap = max(cap, 1.0 / len(positive))
+    capped: set[int] = set()
+    while True:
+        free = [i for i in positive if i not in capped]
+        budget = 1.0 - cap * len(capped)
+        total = sum(shares[i] for i in free)
+        over = [i for i in free if shares[i] / total * budget > cap]
+        if not over:
+            out = [0.0] * len(shares)
+            for i in free:
+                out[i] = shares[i] / total * budget
+            for i in capped:
+                out[i] = cap
+            return out
+        capped.update(over)

@@ -16,10 +16,14 @@ import torch
 
 
 def trim_count(contributors: int, fraction: float) -> int:
-    """Values dropped at each end per coordinate: floor(fraction·n), keeping at least one."""
+    """Values dropped at each end per coordinate: floor(fraction·n), at least one from 3
+    contributors up (a group of 3 or 4 is where moshpit groups live, and floor(0.2·4) would
+    trim nothing there: one hostile member would move the mean as far as it liked), keeping
+    at least one value."""
     if contributors < 1 or not 0 <= fraction < 0.5:
         raise ValueError("need at least one contributor and 0 <= fraction < 0.5")
-    return min(int(contributors * fraction), (contributors - 1) // 2)
+    floor = 1 if contributors >= 3 and fraction > 0 else 0
+    return min(max(int(contributors * fraction), floor), (contributors - 1) // 2)
 
 
 def trimmed_mean(stacked: torch.Tensor, trim: int, out: torch.Tensor | None = None) -> torch.Tensor:

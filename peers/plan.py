@@ -10,8 +10,12 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass, field
 
-from dtnode.ops.partition import plan_parts
+from dtnode.ops.partition import capped_shares, plan_parts
 from dtnode.proto import averaging_pb2 as pb
+
+# no reducer takes more than this many times an even split of Δ (with 4 reducers, half; in a
+# pair, whose two members see each other's whole Δ anyway, bandwidth alone decides)
+MAX_PART_FACTOR = 2.0
 
 INT8 = pb.CODEC_INT8_BLOCK
 FP32 = pb.CODEC_FP32
@@ -62,7 +66,8 @@ def make_plan(
 ) -> GroupPlan:
     """Build the plan every member derives identically from the same member list.
 
-    Parts are proportional to advertised bandwidth (client-mode members get none) and
+    Parts are proportional to advertised bandwidth (client-mode members get none), but none
+    is over MAX_PART_FACTOR / reducers of Δ whatever bandwidth its member claims, and they are
     aligned to the quantization block so no block straddles two reducers. `key` (the
     group's matchmaking key) keeps two groups of one hop with the same members apart.
     """
@@ -72,6 +77,9 @@ def make_plan(
     if chunk_elements < block_size or chunk_elements % block_size:
         raise ValueError("chunk_elements must be a positive multiple of block_size")
     shares = [0.0 if m.client_mode else max(m.bandwidth, 1e-9) for m in ordered]
+    reducers = sum(1 for share in shares if share > 0)
+    if reducers:  # none: plan_parts says so
+        shares = capped_shares(shares, MAX_PART_FACTOR / reducers)
     parts = tuple(plan_parts(numel, shares, align=block_size))
     digest = hashlib.sha256()
     for item in (run_id, round, hop, key, numel, block_size, chunk_elements, codec, *[m.peer_id for m in ordered]):

@@ -198,3 +198,34 @@ def test_trimmed_mean_keeps_every_coordinate_within_the_honest_range():
     assert trim_count(5, 0.2) == 1 and trim_count(2, 0.4) == 0 and trim_count(1, 0.0) == 0
     with pytest.raises(ValueError):
         trimmed_mean(torch.tensor([[1.0], [float("nan")]]), 0)
+
+
+def test_no_reducer_takes_most_of_delta_whatever_bandwidth_it_claims():
+    """Issue 31, finding 6: a member advertising 1e9 Mbit/s among three at 100 reduced 25M of
+    25M elements. Now no part is over twice an even split (half of Δ among 4); honest
+    differences in bandwidth still shape the parts below the cap, and the parts cover Δ."""
+    from dtnode.ops.partition import capped_shares
+    from dtnode.peers.plan import Member, make_plan
+
+    members = [Member(f"peer{i}", "127.0.0.1:1", bandwidth=1e9 if i == 0 else 100.0) for i in range(4)]
+    plan = make_plan("run", 0, 0, members, 25_000_000, 1024, 65536)
+    lengths = [length for _, length in plan.parts]
+    assert sum(lengths) == 25_000_000 and max(lengths) <= 25_000_000 // 2 + 1024, lengths
+    assert capped_shares([1e9, 1, 1, 1], 0.5) == pytest.approx([0.5, 1 / 6, 1 / 6, 1 / 6])
+    assert capped_shares([3, 1, 0], 0.5) == pytest.approx([0.5, 0.5, 0.0])  # two reducers: at most half each
+    assert capped_shares([2, 1, 1, 1, 1, 1], 2 / 6) == pytest.approx([2 / 7, *[1 / 7] * 5])  # under the cap: as asked
+    assert capped_shares([0, 5], 0.5) == pytest.approx([0.0, 1.0])  # one reducer takes it all
+    three = make_plan("run", 0, 0, members[:3], 3 << 20, 1024, 65536)
+    assert max(length for _, length in three.parts) <= (2 << 20) + 1024  # 2/3 of Δ
+
+
+def test_a_trimmed_mean_of_three_or_four_trims_one_value_at_each_end():
+    """Issue 31, finding 8: with --robust 0.2 a group of 4 trimmed nothing (floor(0.8) = 0),
+    so one member's 1e6 moved the mean by 2.5e5. Now one value goes at each end from 3 up."""
+    from dtnode.ops.robust import trim_count, trimmed_mean
+
+    assert [trim_count(n, 0.2) for n in (1, 2, 3, 4, 5, 10, 11)] == [0, 0, 1, 1, 1, 2, 2]
+    assert trim_count(4, 0.0) == 0  # robust aggregation off: a plain mean
+    honest = torch.tensor([[1.0, -1.0], [1.2, -0.8], [0.8, -1.2]])
+    result = trimmed_mean(torch.cat([honest, torch.tensor([[1e6, -1e6]])]), trim_count(4, 0.2))
+    assert float(result.abs().max()) <= 1.2  # within the honest values, coordinate by coordinate
