@@ -43,12 +43,16 @@ def _frombuffer(data: bytes, dtype: torch.dtype) -> torch.Tensor:
         return torch.frombuffer(data, dtype=dtype)
 
 
+# the largest scale whose every code (down to -128) decodes to a finite float32
+MAX_SCALE = torch.finfo(torch.float32).max / 128
+
+
 def decode_chunk(chunk: pb.PartChunk, plan: GroupPlan, part_length: int, expected_offset: int) -> Payload:
     """Validate a chunk's payload against the plan; return int8 blocks or fp32 values.
 
-    Every int8 code (including -128) decodes to a finite value within 128/127 of its
-    block's scale, so codes need no check beyond their count; scales must be finite and
-    non-negative, fp32 values finite.
+    Every int8 code (including -128) decodes to within 128 times its block's scale, so codes
+    need no check beyond their count; scales must be finite, non-negative and at most
+    MAX_SCALE (so that the decoded values are finite too), fp32 values finite.
     """
     n = chunk.length
     if chunk.offset != expected_offset:
@@ -73,6 +77,8 @@ def decode_chunk(chunk: pb.PartChunk, plan: GroupPlan, part_length: int, expecte
     scales = _frombuffer(scale_bytes, torch.float32)
     if not bool(torch.isfinite(scales).all()) or bool((scales < 0).any()):
         raise ChunkError("non-finite or negative scales")
+    if bool((scales > MAX_SCALE).any()):  # a code of -128 would decode to inf
+        raise ChunkError(f"a scale over {MAX_SCALE:.3g}: its block would decode to non-finite values")
     return QuantizedBlocks(_frombuffer(values, torch.int8), scales, plan.block_size)
 
 

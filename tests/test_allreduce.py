@@ -396,3 +396,50 @@ def test_robust_mode_bounds_a_hostile_peer_scaling_its_pseudo_gradient_by_1e6():
         assert rel(plain, honest_mean) > 1e4 and max(rel(out, honest_mean) for out in outs[:4]) < 2.0
 
     run(main())
+
+
+class _LyingReducer(pb_grpc.AveragingServicer):
+    """A reducer whose answer for its part is well-formed but has a scale of 3e38: every code
+    of -128 in it would decode to -inf."""
+
+    def __init__(self, plan, part: int):
+        self.plan, self.part = plan, part
+
+    async def Reduce(self, request_iterator, context):
+        async for chunk in request_iterator:
+            if chunk.last:
+                break
+        length = self.plan.parts[self.part][1]
+        answer = _chunk(self.plan, self.part, "peer-liar", 0, -torch.ones(length))
+        answer.scales = torch.full((len(answer.scales) // 4,), 3e38).numpy().tobytes()
+        answer.included.extend(sorted(self.plan.member_ids))
+        answer.total_weight = 2.0
+        yield answer
+
+
+def test_a_result_whose_scale_would_decode_to_inf_is_refused():
+    """Issue 31, finding 7: a result scale of 3e38 passed the checks and decoded to -inf,
+    which the outer step applied. Now the member refuses that part and keeps its own values."""
+
+    async def main():
+        (honest,) = await start_peers(1)
+        server = grpc.aio.server()
+        port = server.add_insecure_port("127.0.0.1:0")
+        liar = Member("peer-liar", f"127.0.0.1:{port}")
+        plan = make_plan("test-run", 0, 0, [honest.member, liar], 8192, 64, 4096, INT8)
+        pb_grpc.add_AveragingServicer_to_server(_LyingReducer(plan, plan.index_of("peer-liar")), server)
+        await server.start()
+        values, out = torch.randn(8192), torch.empty(8192)
+        try:
+            report = await butterfly_allreduce(
+                plan, honest.member.peer_id, values, 1.0, out, honest.registry, honest.channels, timeout=5.0
+            )
+        finally:
+            await server.stop(None)
+            await stop_peers([honest])
+        assert bool(torch.isfinite(out).all())
+        assert [p.reducer for p in report.failed_parts] == ["peer-liar"]
+        offset, length = plan.parts[plan.index_of("peer-liar")]
+        assert torch.equal(out[offset : offset + length], values[offset : offset + length])  # its own values kept
+
+    run(main())
