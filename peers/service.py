@@ -28,6 +28,13 @@ from .wire import ChunkError, chunk_message, decode_chunk, payload_size
 log = logging.getLogger(__name__)
 
 
+# streams open at once on one node, from all senders together (a group of g members sends
+# g - 1 per part and hop; moshpit chains and retries multiply that by a few)
+MAX_STREAMS = 128
+# a sender opens its stream with its first chunk ready (quantized while the stream starts)
+FIRST_MESSAGE_TIMEOUT_S = 30.0
+
+
 def _remote_host(peer: str) -> str:
     """'ipv4:1.2.3.4:5678' -> 'ipv4:1.2.3.4' (ports change per connection; hosts do not)."""
     return peer.rsplit(":", 1)[0] if peer and peer.count(":") >= 2 else peer or "?"
@@ -62,6 +69,8 @@ class AveragingService(pb_grpc.AveragingServicer):
         auth: SwarmAuth | None = None,
         max_streams_per_peer: int = 16,
         trust: TrustStore | None = None,
+        max_streams: int = MAX_STREAMS,
+        first_message_timeout: float = FIRST_MESSAGE_TIMEOUT_S,
     ):
         self.registry = registry
         self.trust = trust
@@ -69,27 +78,38 @@ class AveragingService(pb_grpc.AveragingServicer):
         self.registration_wait = registration_wait
         self.auth = auth
         self.max_streams_per_peer = max_streams_per_peer
+        self.max_streams = max_streams
+        self.first_message_timeout = first_message_timeout
         self._open: dict[str, int] = {}  # streams per remote host: a flood from one host stays bounded
+        self._open_total = 0  # ...and from all hosts together: a flood from many hosts too
 
     async def Reduce(self, request_iterator: AsyncIterator[pb.PartChunk], context: grpc.aio.ServicerContext):
         host = _remote_host(context.peer())
         if self._open.get(host, 0) >= self.max_streams_per_peer:
             await _abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED, "too many concurrent streams from this peer")
+        if self._open_total >= self.max_streams:
+            await _abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED, "too many concurrent streams on this node")
         self._open[host] = self._open.get(host, 0) + 1
+        self._open_total += 1
         try:
             async for msg in self._reduce(request_iterator, context):
                 yield msg
         finally:
+            self._open_total -= 1
             self._open[host] -= 1
             if not self._open[host]:
                 del self._open[host]
 
     async def _reduce(self, request_iterator: AsyncIterator[pb.PartChunk], context: grpc.aio.ServicerContext):
         requests = aiter(request_iterator)
-        try:
-            first = await anext(requests)
+        try:  # a stream that says nothing must not hold a slot until the client's deadline
+            first = await asyncio.wait_for(anext(requests), self.first_message_timeout)
         except StopAsyncIteration:
             await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, "empty stream")
+        except TimeoutError:
+            await _abort(
+                context, grpc.StatusCode.DEADLINE_EXCEEDED, f"no first chunk within {self.first_message_timeout:g}s"
+            )
         if first.run_id != self.run_id:
             await _abort(context, grpc.StatusCode.PERMISSION_DENIED, f"run {first.run_id!r} is not this node's run")
         if self.auth is not None:

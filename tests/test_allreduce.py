@@ -443,3 +443,48 @@ def test_a_result_whose_scale_would_decode_to_inf_is_refused():
         assert torch.equal(out[offset : offset + length], values[offset : offset + length])  # its own values kept
 
     run(main())
+
+
+def test_silent_streams_are_closed_and_the_node_caps_streams_from_all_hosts():
+    """Issue 31, finding 12: a stream that never sends its first chunk held its slot until the
+    client's own deadline, and only a per-host cap bounded how many were open. Now a silent
+    stream is ended after the first-message timeout, and a server-wide cap holds whatever
+    the number of hosts (all on 127.0.0.1 here, so the per-host cap is set out of the way)."""
+    from dtnode.peers.reducer import ReductionRegistry
+    from dtnode.peers.server import start_grpc_server
+    from dtnode.peers.service import AveragingService
+    from dtnode.peers.wire import max_message_bytes
+
+    async def main():
+        service = AveragingService(
+            ReductionRegistry(), "test-run", max_streams_per_peer=100, max_streams=2, first_message_timeout=1.0
+        )
+        server, port = await start_grpc_server(service, "127.0.0.1", 0, max_message_bytes(4096))
+        never = asyncio.Event()
+
+        async def silent():
+            await never.wait()
+            yield pb.PartChunk()  # never reached
+
+        async def status_of(call) -> grpc.StatusCode:
+            try:
+                async for _ in call:
+                    pass
+            except grpc.aio.AioRpcError as e:
+                return e.code()
+            return grpc.StatusCode.OK
+
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                stub = pb_grpc.AveragingStub(channel)
+                first = [stub.Reduce(silent(), timeout=30) for _ in range(2)]
+                await asyncio.sleep(0.3)  # both are open on the server
+                third = await status_of(stub.Reduce(silent(), timeout=30))
+                held = await asyncio.gather(*(status_of(call) for call in first))
+        finally:
+            never.set()
+            await server.stop(None)
+        assert third == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert held == [grpc.StatusCode.DEADLINE_EXCEEDED] * 2  # ended by the server after 1 s, not 30
+
+    run(main())
