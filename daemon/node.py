@@ -156,6 +156,12 @@ class Node:
             )
         except AuthError as e:
             raise SettingsError("--swarm-key-file", str(e)) from None
+        if key is None and s.require_swarm_key:
+            raise SettingsError(
+                "--require-swarm-key",
+                "no swarm key was given (--swarm-key-file or DTNODE_SWARM_KEY; in Kubernetes, the "
+                "dtnode-swarm-key secret); refusing to start an open swarm",
+            )
         record_key = await asyncio.to_thread(load_record_key, self.state_dir / "record.key")
         validator = RSASignatureValidator(record_key)
         identity = (self.state_dir / "identity.key").resolve()

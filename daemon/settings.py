@@ -79,6 +79,12 @@ class NodeSettings(BaseSettings):
         None,
         description="The swarm key itself; set it through the environment (DTNODE_SWARM_KEY), never on a command line.",
     )
+    require_swarm_key: bool = Field(
+        False,
+        description="Refuse to start without a swarm key. The deploy files set it: a key secret "
+        "missing from a cluster then fails the start instead of silently running an open "
+        "swarm. Set it false there for an open swarm on purpose.",
+    )
     insecure_data_plane: bool = Field(
         False,
         description="Average over plaintext gRPC instead of mutual TLS "

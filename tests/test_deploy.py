@@ -137,6 +137,17 @@ def test_statefulset_requests_a_gpu_keeps_state_and_probes_the_sidecar():
     assert sts["spec"]["template"]["spec"]["securityContext"]["runAsNonRoot"] is True
 
 
+@pytest.mark.parametrize("manifest", ["statefulset.yaml", "gpu-host.yaml"])
+def test_a_missing_swarm_key_secret_fails_the_start(manifest):
+    """Issue 31, finding 15: the key secret is optional (a pod still starts without it), so the
+    manifests ask the node to refuse to start without a key rather than run an open swarm."""
+    docs = list(yaml.safe_load_all((DEPLOY / "kubernetes" / manifest).read_text()))
+    sts = next(d for d in docs if d["kind"] == "StatefulSet")
+    env = {e["name"]: e for e in sts["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert env["DTNODE_SWARM_KEY"]["valueFrom"]["secretKeyRef"]["name"] == "dtnode-swarm-key"
+    assert env["DTNODE_REQUIRE_SWARM_KEY"]["value"] == "true"
+
+
 def test_the_gpu_host_unit_and_manifest_give_one_peer_every_gpu():
     """A multi-GPU host: DTNODE_GPUS=all, the node alone gets SIGTERM (it kills its ranks), the
     pod asks for its 8 GPUs in requests and limits alike and gives NCCL a memory-backed /dev/shm."""

@@ -208,3 +208,14 @@ def test_a_second_node_on_a_held_state_dir_is_refused(tmp_path):
         ]
     finally:
         first.kill()
+
+
+def test_a_node_that_requires_a_swarm_key_refuses_to_start_without_one(tmp_path):
+    """Issue 31, finding 15: a cluster whose key secret is missing must not start an open swarm
+    (the manifests set DTNODE_REQUIRE_SWARM_KEY): one line, exit 2, before any network starts."""
+    env = {"DTNODE_REQUIRE_SWARM_KEY": "true", "DTNODE_SWARM_KEY": ""}
+    result = dtnode("join", *PORTS, "--model", "tiny", "--state-dir", str(tmp_path / "s"), env=env, timeout=120)
+    assert result.returncode == 2, result.stderr
+    errors = [line for line in result.stderr.splitlines() if line.startswith("dtnode: error:")]
+    assert errors and errors[0].startswith("dtnode: error: --require-swarm-key: no swarm key"), result.stderr
+    assert "Traceback" not in result.stderr
