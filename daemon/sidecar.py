@@ -12,11 +12,13 @@ import asyncio
 import importlib.resources
 import logging
 import time
+from collections.abc import Coroutine
 from pathlib import Path
 from typing import Any, Protocol
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from rich.filesize import decimal
 
 from dtnode.peers.auth import HTTP_HEADER, AuthError, SwarmAuth
 
@@ -31,6 +33,10 @@ log = logging.getLogger(__name__)
 
 MAX_STEP = 1 << 62
 MEMORY_CHUNK = 1 << 20  # bytes of a checkpoint served from memory per write
+# A download slot is held at most DOWNLOAD_GRACE_S plus the size at MIN_DOWNLOAD_RATE: a reader
+# slower than that (4 Mbit/s), or one that stopped reading, is cut and its slot freed
+MIN_DOWNLOAD_RATE = 512 * 1024  # bytes per second
+DOWNLOAD_GRACE_S = 30.0
 SERVED_RECENTLY_S = 120.0  # a checkpoint asked for within this long is not pruned
 PROTECTED = ("/checkpoint", "/peers", "/dialback")
 HISTORY_PAGE = 5000  # rounds per /history answer
@@ -94,12 +100,19 @@ class _HeldFileResponse(web.FileResponse):
 
 class Sidecar:
     def __init__(
-        self, node: NodeView, max_downloads: int = 4, auth: SwarmAuth | None = None, served: ServedSteps | None = None
+        self,
+        node: NodeView,
+        max_downloads: int = 4,
+        auth: SwarmAuth | None = None,
+        served: ServedSteps | None = None,
+        min_download_rate: float = MIN_DOWNLOAD_RATE,
+        download_grace: float = DOWNLOAD_GRACE_S,
     ):
         self.node = node
         self.served = served or ServedSteps()
         self.auth = auth
         self.downloads = asyncio.Semaphore(max_downloads)
+        self.min_download_rate, self.download_grace = min_download_rate, download_grace
         self.app = web.Application(middlewares=[self._require_key])
         self.app.add_routes(
             [
@@ -203,7 +216,7 @@ class Sidecar:
             raise web.HTTPServiceUnavailable(text="too many downloads in progress", headers={"Retry-After": "2"})
         if memory is not None:
             async with self.downloads:
-                return await self._serve_from_memory(request, memory)
+                return await self._in_time(request, memory.size, self._serve_from_memory(request, memory))
         assert on_disk is not None
         async with self.downloads:
             response = _HeldFileResponse(
@@ -215,9 +228,32 @@ class Sidecar:
                     "Content-Type": "application/octet-stream",
                 },
             )
-            await response.prepare(request)  # sends the whole file while we hold the slot
-            self.node.metrics.checkpoint_served.inc(response.content_length or 0)
-            return response
+
+            async def send() -> web.StreamResponse:
+                await response.prepare(request)  # sends the whole file while we hold the slot
+                self.node.metrics.checkpoint_served.inc(response.content_length or 0)
+                return response
+
+            return await self._in_time(request, on_disk.size_bytes, send())
+
+    async def _in_time(
+        self, request: web.Request, size: int, sending: Coroutine[Any, Any, web.StreamResponse]
+    ) -> web.StreamResponse:
+        """Send within the slot's time (the grace plus `size` at the minimum rate), or cut the
+        connection: a reader that is too slow, or stopped reading, must not keep a slot."""
+        allowed = self.download_grace + size / self.min_download_rate
+        try:
+            return await asyncio.wait_for(sending, allowed)
+        except TimeoutError:
+            log.warning(
+                "cut a checkpoint download to %s after %.0fs: slower than %s/s",
+                request.remote,
+                allowed,
+                decimal(int(self.min_download_rate)),
+            )
+            if request.transport is not None:
+                request.transport.abort()
+            raise web.HTTPRequestTimeout(text="the download was too slow") from None
 
     async def _serve_from_memory(self, request: web.Request, memory: MemoryCheckpoint) -> web.StreamResponse:
         """The file's bytes (a Range of them, as a file would answer) from θ_g in memory."""

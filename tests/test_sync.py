@@ -542,3 +542,42 @@ def test_a_full_local_disk_is_reported_as_this_node_s_not_blamed_on_the_donors(t
     text = caplog.text
     assert "No space left on device" in text and "on this node's disk" in text
     assert "donor" not in text and "could not sync from" not in text
+
+
+@pytest.mark.parametrize("from_memory", [False, True], ids=["file", "memory"])
+def test_four_slow_readers_lose_their_slots_and_a_joiner_is_served(tmp_path, from_memory):
+    """Issue 31, finding 11: four clients that ask for the checkpoint and never read held all
+    four download slots forever (a joiner got 503 until they left). Now a download has the
+    grace plus its size at the minimum rate: the silent readers are cut, a joiner is served."""
+    import socket
+
+    import aiohttp
+
+    async def main():
+        info, _ = _checkpoint(tmp_path / "src", 3)
+        view = FileView([], [_in_memory(info)]) if from_memory else FileView([info])
+        # 44 MB at 22 MB/s plus 1 s: 3 s a download, whatever the reader does
+        sidecar = Sidecar(view, min_download_rate=22e6, download_grace=1.0)
+        port = await sidecar.start("127.0.0.1", 0)
+        readers = []
+        try:
+            for _ in range(4):  # ask, then never read: the socket buffers fill and the send stalls
+                reader = socket.create_connection(("127.0.0.1", port))
+                reader.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+                reader.sendall(b"GET /checkpoint/3 HTTP/1.1\r\nHost: x\r\n\r\n")
+                readers.append(reader)
+            await asyncio.sleep(0.5)
+            async with aiohttp.ClientSession() as session:
+                async with session.get(f"http://127.0.0.1:{port}/checkpoint/3") as busy:
+                    assert busy.status == 503  # every slot is held
+                await asyncio.sleep(4.0)  # past the slots' time
+                async with session.get(f"http://127.0.0.1:{port}/checkpoint/3") as resp:
+                    assert resp.status == 200
+                    body = await resp.read()
+            assert len(body) == info.size_bytes
+        finally:
+            for reader in readers:
+                reader.close()
+            await sidecar.stop()
+
+    asyncio.run(main())
