@@ -11,12 +11,14 @@ then to each donor of the group alone (to skip a liar).
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import json
 import logging
 import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import aiohttp
 
@@ -67,24 +69,41 @@ async def probe(
     return Offer(donor, base, step, sha256.lower(), size, latency)
 
 
-def group_offers(offers: list[Offer]) -> list[list[Offer]]:
-    """Donors serving the same file together, only the files the most donors serve (newest
-    step first, then fastest).
+def voter(offer: Offer) -> str:
+    """Who an offer's vote belongs to: the host serving it. Records are cheap to make (a DHT
+    node can write many under made-up ids) and may all point at one server; hosts are not.
+    On a loopback address only local processes can listen, so each port there is a host of
+    its own (several nodes of one machine, as in tests and `dtnode local`)."""
+    url = urlsplit(offer.base)
+    host = (url.hostname or offer.base).lower()
+    try:
+        loopback = ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        loopback = host == "localhost"
+    return f"{host}:{url.port}" if loopback else host
 
-    One vote per donor: a donor whose file no other donor vouches for, while another file has
-    more donors, is never used, so one lying donor cannot hand a joiner a model of its own,
-    not even by announcing a newer step than the rest. Ties stay eligible: groups of a moshpit
-    swarm legitimately hold different θ_g of one step, and at a round's end one donor may be a
-    step ahead of another; a joiner taking the older step then downloads again."""
+
+def group_offers(offers: list[Offer]) -> list[list[Offer]]:
+    """Donors serving the same file together, only the files the most distinct hosts serve
+    (oldest step first among equals, then fastest).
+
+    One vote per serving host (`voter`): a file no other host vouches for, while another file
+    has more hosts behind it, is never used, so one lying donor cannot hand a joiner a model of
+    its own, not by announcing a newer step than the rest, nor through Sybil records that all
+    point at its server. Ties stay eligible (groups of a moshpit swarm legitimately hold
+    different θ_g of one step), but never go to the newer step: at a round's end an honest donor
+    may be a step ahead of another, and a liar one step ahead of a lone honest donor would win a
+    tie otherwise; a joiner taking the older step downloads again if the swarm moved on."""
     by_file: dict[tuple[int, str, int], list[Offer]] = {}
     for offer in offers:
         by_file.setdefault((offer.step, offer.sha256, offer.size), []).append(offer)
-    most = max((len(g) for g in by_file.values()), default=0)
+    votes = {key: len({voter(o) for o in group}) for key, group in by_file.items()}
+    most = max(votes.values(), default=0)
     groups = []
-    for group in by_file.values():
-        if len(group) < most:
+    for key, group in by_file.items():
+        if votes[key] < most:
             log.warning(
-                "skipping %s: %s a checkpoint of step %d (sha256 %s) that %d other peer(s) contradict",
+                "skipping %s: %s a checkpoint of step %d (sha256 %s) that %d other host(s) contradict",
                 ", ".join(f"peer {o.donor.peer_id[-8:]} ({o.base})" for o in group),
                 "they serve" if len(group) > 1 else "it serves",
                 group[0].step,
@@ -93,7 +112,7 @@ def group_offers(offers: list[Offer]) -> list[list[Offer]]:
             )
             continue
         groups.append(sorted(group, key=lambda o: o.latency))
-    return sorted(groups, key=lambda g: (-g[0].step, g[0].latency))
+    return sorted(groups, key=lambda g: (g[0].step, g[0].latency))
 
 
 def swarm_step(steps: list[int]) -> int:

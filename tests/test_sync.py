@@ -21,12 +21,13 @@ from dtnode.daemon.checkpoint import (
     read_checkpoint,
     write_checkpoint,
 )
+from dtnode.daemon.download import Offer
 from dtnode.daemon.memory_checkpoint import MemoryCheckpoint
 from dtnode.daemon.metrics import NodeMetrics
 from dtnode.daemon.report import Health
 from dtnode.daemon.round_state import NodeState
 from dtnode.daemon.sidecar import Sidecar
-from dtnode.daemon.sync import PIECE_BYTES, fetch_from_swarm, swarm_step
+from dtnode.daemon.sync import PIECE_BYTES, fetch_from_swarm, group_offers, swarm_step
 from dtnode.peers.membership import PeerRecord
 
 LAYOUT = Layout(("w", "b"), ((5_500_000,), (10,)))  # ~44 MB files: eleven 4 MB ranges
@@ -158,12 +159,13 @@ async def _honest(tmp_path, name, info) -> tuple[Sidecar, str]:
 
 
 def test_hostile_donors_are_refused_and_the_joiner_ends_on_the_honest_checkpoint(tmp_path, caplog):
-    """Four donors announce newer checkpoints than the honest one and each lies differently:
-    corrupt bytes (bad hash), a truncated range, a file of another run, a wrong-shaped
-    tensor. The joiner refuses each, falls back, and loads the honest donor's state."""
+    """Four donors announce older checkpoints than the honest one (ties of one vote each go to
+    the older step, so each is tried first) and each lies differently: corrupt bytes (bad
+    hash), a truncated range, a file of another run, a wrong-shaped tensor. The joiner refuses
+    each, falls back, and loads the honest donor's state."""
 
     async def main():
-        honest_info, honest_theta = _checkpoint(tmp_path / "honest", 5)
+        honest_info, honest_theta = _checkpoint(tmp_path / "honest", 14)
         good_13, _ = _checkpoint(tmp_path / "c13", 13, seed=13)
         corrupt = bytearray(good_13.path.read_bytes())
         corrupt[-100] ^= 0xFF
@@ -199,7 +201,7 @@ def test_hostile_donors_are_refused_and_the_joiner_ends_on_the_honest_checkpoint
             await sidecar.stop()
             for runner in servers:
                 await runner.cleanup()
-        assert loaded is not None and loaded.step == 5
+        assert loaded is not None and loaded.step == 14
         assert torch.equal(loaded.theta_g, honest_theta)
         text = caplog.text
         assert "sha256 of the downloaded checkpoint does not match" in text
@@ -505,7 +507,7 @@ def test_a_donor_whose_checkpoint_the_others_contradict_is_skipped(tmp_path, cap
         assert loaded is not None and torch.equal(loaded.theta_g, theta)
         assert (
             "skipping peer eer-liar" in caplog.text
-        )  # ids are shown by their last 8 characters and "that 2 other peer(s) contradict" in caplog.text
+        )  # ids are shown by their last 8 characters and "that 2 other host(s) contradict" in caplog.text
 
     asyncio.run(main())
 
@@ -581,3 +583,27 @@ def test_four_slow_readers_lose_their_slots_and_a_joiner_is_served(tmp_path, fro
             await sidecar.stop()
 
     asyncio.run(main())
+
+
+def _offer(name: str, base: str, step: int, sha: str) -> Offer:
+    record = PeerRecord(peer_id=f"peer-{name}", http_addr=base, state="training", outer_step=step, model_hash=MODEL)
+    return Offer(record, base, step, sha * 64, 1000, 0.01)
+
+
+def test_a_checkpoint_vote_counts_hosts_and_a_tie_never_goes_to_the_newer_step():
+    """Issue 31, finding 9: votes counted records, so three Sybil records pointing at one server
+    outvoted two honest hosts, and one liar announcing step + 1 tied with a lone honest donor
+    and won (ties went to the newer step). Now a host votes once, and a tie goes to the older
+    step. On loopback each port is a host (only local processes listen there)."""
+    sybils = [_offer(f"sybil{i}", f"http://203.0.113.9:{7702 + i}", 10, "e") for i in range(3)]
+    honest = [_offer("a", "http://198.51.100.1:7702", 10, "a"), _offer("b", "http://198.51.100.2:7702", 10, "a")]
+    (chosen,) = group_offers(sybils + honest)
+    assert {o.donor.peer_id for o in chosen} == {"peer-a", "peer-b"}
+
+    liar = _offer("liar", "http://203.0.113.9:7702", 11, "f")
+    lone = _offer("lone", "http://198.51.100.1:7702", 10, "a")
+    assert [g[0].donor.peer_id for g in group_offers([liar, lone])] == ["peer-lone", "peer-liar"]
+
+    local = [_offer(f"n{i}", f"http://127.0.0.1:{8000 + i}", 5, "c") for i in range(2)]
+    (kept,) = group_offers([*local, _offer("odd", "http://127.0.0.1:9000", 5, "d")])
+    assert len(kept) == 2  # two local nodes outvote one

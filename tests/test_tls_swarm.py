@@ -238,7 +238,7 @@ def test_a_joiner_skips_a_donor_whose_checkpoint_the_others_contradict(swarm, tm
         joiner.kill()
         Path(str(joiner.state_dir) + ".log").write_text(joiner.output)
     b_id = b.get("/status")["peer_id"]
-    assert re.search(rf"skipping peer {b_id[-8:]} .* a checkpoint of step \d+ .* that 2 other peer", joiner.output), (
+    assert re.search(rf"skipping peer {b_id[-8:]} .* a checkpoint of step \d+ .* that 2 other host", joiner.output), (
         joiner.output
     )
     step = int(re.search(r"in sync at outer step (\d+)", joiner.output).group(1))
