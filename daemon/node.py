@@ -38,9 +38,10 @@ from dtnode.peers.auth import ENV_KEY, AuthError, SwarmAuth, load_swarm_key
 from dtnode.peers.averager import AveragingConfig, MoshpitAverager
 from dtnode.peers.butterfly import ChannelPool
 from dtnode.peers.deadlines import AdaptiveDeadlines
+from dtnode.peers.identity import identity_key
 from dtnode.peers.known_peers import own_peer_id
 from dtnode.peers.matchmaking import Matchmaker
-from dtnode.peers.membership import JoinError, Membership, load_record_key, public_maddrs
+from dtnode.peers.membership import JoinError, Membership, public_maddrs
 from dtnode.peers.plan import Member
 from dtnode.peers.reducer import ReductionRegistry
 from dtnode.peers.server import GrpcPortError, port_in_use, start_grpc_server
@@ -162,12 +163,13 @@ class Node:
                 "no swarm key was given (--swarm-key-file or DTNODE_SWARM_KEY; in Kubernetes, the "
                 "dtnode-swarm-key secret); refusing to start an open swarm",
             )
-        record_key = await asyncio.to_thread(load_record_key, self.state_dir / "record.key")
-        validator = RSASignatureValidator(record_key)
         identity = (self.state_dir / "identity.key").resolve()
         fresh_identity = not identity.exists()
         if fresh_identity:  # made here rather than by hivemind: the peer id is known before the DHT runs
             await asyncio.to_thread(P2P.generate_identity, str(identity))
+        # the key that names this peer also signs its records: readers check the one against the other
+        record_key = await asyncio.to_thread(identity_key, identity)
+        validator = RSASignatureValidator(record_key)
         known_id = await asyncio.to_thread(own_peer_id, identity)
         self.addr.peer_id = known_id or ""
         stack.callback(self.worker.shutdown)

@@ -4,9 +4,10 @@ Each node keeps one record under `{run_id}.peers`, subkey its peer id followed b
 public key, refreshed by a heartbeat and expiring `ttl` seconds after the last one: a
 crashed node drops out by itself. The DHT runs hivemind's RSA signature validator, so a
 subkey that names a public key can only be written with that key's signature: nobody can
-overwrite another peer's record. A reader also remembers the first key it saw for each
-peer id and ignores records that claim the id under another key; with a swarm key, each
-record also carries a tag only key holders can make. Records read back are untrusted input
+overwrite another peer's record. That key is the peer's identity key, whose hash is its
+peer id (identity.py): a reader accepts a record only under its own peer's key, so nobody
+can file a record for an id they do not hold; with a swarm key, each record also carries a
+tag only key holders can make. Records read back are untrusted input
 and validated field by field; a malformed record is skipped, never allowed to break the
 reader.
 
@@ -31,19 +32,17 @@ import socket
 import time
 from collections.abc import Callable
 from functools import partial
-from pathlib import Path
 
 import psutil
-from cryptography.hazmat.primitives import serialization
 from hivemind.dht import DHT, DHTNode
 from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.p2p import PeerID
 from hivemind.utils import get_dht_time
-from hivemind.utils.crypto import RSAPrivateKey
 from hivemind.utils.multiaddr import Multiaddr
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from .auth import AuthError, SwarmAuth
+from .identity import peer_id_of_owner
 from .tls import MAX_CERT_CHARS, TrustStore
 
 log = logging.getLogger(__name__)
@@ -111,22 +110,6 @@ def _proto(host: str) -> str:
 
 def _maddr(host: str, port: int) -> str:
     return f"/{_proto(host)}/{host}/tcp/{port}"
-
-
-def load_record_key(path: Path) -> RSAPrivateKey:
-    """This node's RSA key for signing its DHT records, created on first start (mode 0600)."""
-    key = RSAPrivateKey.__new__(RSAPrivateKey)
-    if path.exists():
-        key._private_key = serialization.load_der_private_key(path.read_bytes(), password=None)
-        return key
-    fresh = RSAPrivateKey()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "wb") as f:
-        f.write(fresh.to_bytes())
-    os.replace(tmp, path)
-    return fresh
 
 
 def _die_with_parent() -> None:
@@ -308,7 +291,6 @@ class Membership:
         self.auth = auth
         owner = validator.local_public_key if validator is not None else b""
         self.subkey = self.peer_id.encode() + owner
-        self._owners: dict[str, bytes] = {}
         self._records: dict[str, tuple[float, PeerRecord]] = {}  # peer id -> (its expiry, the record)
         self._seen: dict[str, float] = {}  # peer id -> when its record was last read (monotonic)
         self._isolated = False
@@ -329,17 +311,13 @@ class Membership:
         )
 
     def _accept(self, subkey: object, record: PeerRecord) -> bool:
-        """Filed under its own peer id, under the key first seen for that id, tagged when keyed."""
+        """Filed under its own peer id and that id's own key (identity.py), tagged when keyed."""
         if isinstance(subkey, str):
             subkey = subkey.encode()
         if not isinstance(subkey, bytes) or not subkey.startswith(record.peer_id.encode()):
             return False
-        owner = subkey[len(record.peer_id.encode()) :]
-        if owner and not owner.startswith(b"[owner:"):
-            return False
-        known = self._owners.setdefault(record.peer_id, owner)
-        if known != owner:
-            log.debug("ignoring a record for %s under another owner key", record.peer_id)
+        if peer_id_of_owner(subkey[len(record.peer_id.encode()) :]) != record.peer_id:
+            log.debug("ignoring a record for %s not signed with that peer's own key", record.peer_id)
             return False
         if self.auth is not None:
             try:

@@ -9,11 +9,12 @@ import pytest
 import torch
 from allreduce_harness import Peer, stop_peers, stream_status
 from hivemind.dht.crypto import RSASignatureValidator
+from hivemind.p2p import P2P
 from hivemind.utils import get_dht_time
-from hivemind.utils.crypto import RSAPrivateKey
 
 from dtnode.peers.auth import GRPC_METADATA, HTTP_HEADER, AuthError, SwarmAuth, load_swarm_key
 from dtnode.peers.butterfly import ChannelPool, butterfly_allreduce
+from dtnode.peers.identity import identity_key
 from dtnode.peers.membership import Membership, PeerRecord
 from dtnode.peers.plan import INT8, Member, make_plan
 from dtnode.peers.reducer import ReductionRegistry
@@ -151,46 +152,55 @@ def test_sidecar_requires_the_key_for_state_and_membership_but_not_for_health(tm
     asyncio.run(main())
 
 
-def test_a_forged_membership_record_is_rejected():
-    """Mallory overwrites Alice's record (her subkey, Mallory's signature) and files a record
-    claiming Alice's id under his own key: readers keep Alice's."""
-    alice_key, mallory_key = RSAPrivateKey(), RSAPrivateKey()
-    alice_validator, mallory_validator = RSASignatureValidator(alice_key), RSASignatureValidator(mallory_key)
-    alice_dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], record_validators=[alice_validator])
-    mallory_dht = hivemind.DHT(
+def _dht_with_identity(tmp_path, name: str, initial_peers=()) -> tuple[hivemind.DHT, RSASignatureValidator]:
+    """A DHT whose records are signed with its own identity key, as a node's are."""
+    path = tmp_path / f"{name}.key"
+    P2P.generate_identity(str(path))
+    validator = RSASignatureValidator(identity_key(path))
+    dht = hivemind.DHT(
         start=True,
         host_maddrs=["/ip4/127.0.0.1/tcp/0"],
-        initial_peers=[str(a) for a in alice_dht.get_visible_maddrs()],
-        record_validators=[mallory_validator],
+        initial_peers=list(initial_peers),
+        identity_path=str(path),
+        record_validators=[validator],
+    )
+    return dht, validator
+
+
+def test_a_forged_membership_record_is_rejected(tmp_path):
+    """Issue 31, findings 1 and 2. Mallory files records for Alice's id before Alice announces:
+    one under his own key, one under no key at all; a fresh reader ignores both (the peer id is
+    the hash of the key that must sign its record). Then Alice announces, and Mallory tries to
+    overwrite her record (her subkey, his signature): everyone keeps Alice's."""
+    alice_dht, alice_validator = _dht_with_identity(tmp_path, "alice")
+    mallory_dht, mallory_validator = _dht_with_identity(
+        tmp_path, "mallory", [str(a) for a in alice_dht.get_visible_maddrs()]
     )
     try:
 
         async def main():
             alice = Membership(alice_dht, "run", ttl=60, interval=1, validator=alice_validator)
-            reader = Membership(mallory_dht, "run", ttl=60, interval=1, validator=mallory_validator)
             honest = PeerRecord(
                 peer_id=alice.peer_id, grpc_addr="10.0.0.1:7701", http_addr="http://10.0.0.1:7702", state="training"
             )
-            assert await alice.announce(honest)
-            assert (await reader.members())[alice.peer_id].grpc_addr == "10.0.0.1:7701"
             forged = honest.model_copy(update={"grpc_addr": "6.6.6.6:7701"}).model_dump()
-            # 1) Alice's own subkey, written by Mallory: the signature cannot match Alice's key
+            expires = get_dht_time() + 120
+            for subkey in (alice.peer_id.encode() + mallory_validator.local_public_key, alice.peer_id.encode()):
+                await mallory_dht.store(
+                    alice.key, subkey=subkey, value=forged, expiration_time=expires, return_future=True
+                )
+            first_reader = Membership(mallory_dht, "run", ttl=60, interval=1, validator=mallory_validator)
+            assert alice.peer_id not in await first_reader.members()  # the forged-first records count for nothing
+            assert await alice.announce(honest)
             overwrite = await mallory_dht.store(
-                alice.key, subkey=alice.subkey, value=forged, expiration_time=get_dht_time() + 120, return_future=True
+                alice.key, subkey=alice.subkey, value=forged, expiration_time=expires, return_future=True
             )
-            # 2) Alice's id under Mallory's key: a different subkey, which readers refuse
-            await mallory_dht.store(
-                alice.key,
-                subkey=alice.peer_id.encode() + mallory_validator.local_public_key,
-                value=forged,
-                expiration_time=get_dht_time() + 120,
-                return_future=True,
-            )
-            assert not overwrite
-            for dht in (alice_dht, mallory_dht):
-                view = await Membership(dht, "run", 60, 1, validator=alice_validator).members()
+            assert not overwrite  # the signature cannot match Alice's key
+            first_reader._read_at = -1.0
+            assert (await first_reader.members())[alice.peer_id].grpc_addr == "10.0.0.1:7701"
+            for dht, validator in ((alice_dht, alice_validator), (mallory_dht, mallory_validator)):
+                view = await Membership(dht, "run", 60, 1, validator=validator).members()
                 assert view[alice.peer_id].grpc_addr == "10.0.0.1:7701"
-            assert (await reader.members())[alice.peer_id].grpc_addr == "10.0.0.1:7701"
 
         asyncio.run(main())
     finally:
@@ -198,13 +208,13 @@ def test_a_forged_membership_record_is_rejected():
         alice_dht.shutdown()
 
 
-def test_unkeyed_records_are_invisible_to_a_keyed_swarm():
-    dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+def test_unkeyed_records_are_invisible_to_a_keyed_swarm(tmp_path):
+    dht, validator = _dht_with_identity(tmp_path, "node")
     try:
 
         async def main():
-            keyed = Membership(dht, "run2", 60, 1, auth=SwarmAuth(KEY, str(dht.peer_id)))
-            open_reader = Membership(dht, "run2", 60, 1)
+            keyed = Membership(dht, "run2", 60, 1, validator=validator, auth=SwarmAuth(KEY, str(dht.peer_id)))
+            open_reader = Membership(dht, "run2", 60, 1, validator=validator)
             await open_reader.announce(PeerRecord(peer_id=str(dht.peer_id), state="training"))
             assert str(dht.peer_id) in await open_reader.members()
             assert await keyed.members() == {}

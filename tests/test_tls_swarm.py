@@ -27,7 +27,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from dtnode.daemon.cli import EXIT_JOIN
 from dtnode.peers.auth import GRPC_METADATA, SwarmAuth, load_swarm_key, stream_subject
-from dtnode.peers.membership import load_record_key
+from dtnode.peers.identity import identity_key
 from dtnode.peers.tls import TLS_NAME, NodeIdentity, pem
 from dtnode.proto import averaging_pb2 as pb
 from dtnode.proto import averaging_pb2_grpc as pb_grpc
@@ -215,7 +215,7 @@ def test_a_key_holder_cannot_speak_as_another_peer_nor_connect_with_another_cert
     c_id, b_id = c.get("/status")["peer_id"], b.get("/status")["peer_id"]
     key = load_swarm_key(None, KEY)
     # b's own key and certificate (a member's), and a valid swarm-key tag for c's id: refused
-    b_identity = NodeIdentity.from_key(load_record_key(b.state_dir / "record.key")._private_key, b_id)
+    b_identity = NodeIdentity.from_key(identity_key(b.state_dir / "identity.key")._private_key, b_id)
     assert pem(b_identity.cert_der) == (b.state_dir / "tls.crt").read_bytes()
     assert _stream(target, b_identity, a_cert, c_id, SwarmAuth(key, c_id)) == grpc.StatusCode.PERMISSION_DENIED
     # the same stream as b itself passes the certificate check (and finds no such round)

@@ -1,0 +1,54 @@
+"""A peer id bound to the key that signs its records.
+
+A libp2p peer id is the sha256 multihash of its RSA public key. A node signs its DHT records
+with that same key (its identity key, `state-dir/identity.key`), and its records are filed
+under a subkey naming the public key (hivemind's `[owner:...]` marker, whose signature the
+DHT's validator checks). A reader recomputes the peer id from that public key: a record for
+peer X is accepted only under X's own key. Nobody can file a record for an id they do not hold
+the key of, whatever order records are seen in, and a record with no owner key is no record.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from functools import lru_cache
+from pathlib import Path
+
+import multihash
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric import rsa
+from hivemind.dht.crypto import RSASignatureValidator
+from hivemind.p2p import PeerID
+from hivemind.p2p.p2p_daemon_bindings.datastructures import crypto_pb2
+from hivemind.utils.crypto import RSAPrivateKey
+
+OWNER_PREFIX, OWNER_SUFFIX = RSASignatureValidator.PUBLIC_KEY_FORMAT.split(b"_key_")
+
+
+def identity_key(identity_path: Path) -> RSAPrivateKey:
+    """The RSA key of a libp2p identity file (what `P2P.generate_identity` writes): the key
+    that both names the peer and signs its records."""
+    stored = crypto_pb2.PrivateKey.FromString(identity_path.read_bytes())
+    if stored.key_type != crypto_pb2.RSA:
+        raise ValueError(f"{identity_path} holds a {crypto_pb2.KeyType.Name(stored.key_type)} key, not RSA")
+    key = RSAPrivateKey.__new__(RSAPrivateKey)
+    key._private_key = serialization.load_der_private_key(stored.data, password=None)
+    return key
+
+
+@lru_cache(maxsize=4096)
+def peer_id_of_owner(owner: bytes) -> str | None:
+    """The peer id whose key an `[owner:ssh-rsa ...]` marker names (None if it names none)."""
+    if not (owner.startswith(OWNER_PREFIX) and owner.endswith(OWNER_SUFFIX)):
+        return None
+    try:
+        public = serialization.load_ssh_public_key(owner[len(OWNER_PREFIX) : -len(OWNER_SUFFIX)])
+    except (ValueError, TypeError):
+        return None
+    if not isinstance(public, rsa.RSAPublicKey):
+        return None
+    encoded = crypto_pb2.PublicKey(
+        key_type=crypto_pb2.RSA,
+        data=public.public_bytes(serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo),
+    ).SerializeToString()
+    return str(PeerID(multihash.encode(hashlib.sha256(encoded).digest(), multihash.coerce_code("sha2-256"))))
