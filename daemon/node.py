@@ -277,6 +277,7 @@ class Node:
             s.run_id,
             Member(self.addr.peer_id, self.addr.grpc_addr, s.client_mode, s.bandwidth_mbps),
             auth=self.auth,
+            owner=self.validator.local_public_key,
         )
         config = AveragingConfig(
             s.run_id,

@@ -52,3 +52,26 @@ def peer_id_of_owner(owner: bytes) -> str | None:
         data=public.public_bytes(serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo),
     ).SerializeToString()
     return str(PeerID(multihash.encode(hashlib.sha256(encoded).digest(), multihash.coerce_code("sha2-256"))))
+
+
+def signed_subkey(peer_id: str, owner: bytes) -> bytes:
+    """The DHT subkey of an entry `peer_id` writes with the key `owner` names: the validator
+    makes only that key's holder able to write it, and readers check it names `peer_id`'s key."""
+    return peer_id.encode() + owner
+
+
+def writer_of(subkey: object) -> str | None:
+    """The peer id a signed subkey's entry belongs to, if its owner key is that peer's own
+    (None for a plain subkey, a malformed one, or a key of another peer)."""
+    if isinstance(subkey, str):
+        subkey = subkey.encode()
+    if not isinstance(subkey, bytes) or len(subkey) > 4096:
+        return None
+    at = subkey.find(OWNER_PREFIX)
+    if at <= 0:
+        return None
+    try:
+        peer_id = subkey[:at].decode("ascii")
+    except UnicodeDecodeError:
+        return None
+    return peer_id if peer_id_of_owner(subkey[at:]) == peer_id else None

@@ -35,6 +35,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from .auth import AuthError, SwarmAuth
 from .grid import split_groups
+from .identity import signed_subkey, writer_of
 from .plan import Member
 
 log = logging.getLogger(__name__)
@@ -98,6 +99,7 @@ class Matchmaker:
         poll_interval: float = 0.15,
         auth: SwarmAuth | None = None,
         settle_s: float = 0.5,
+        owner: bytes | None = None,
     ):
         self.dht = dht
         self.run_id = run_id
@@ -105,6 +107,18 @@ class Matchmaker:
         self.poll_interval = poll_interval
         self.auth = auth
         self.settle_s = settle_s  # how long a closed list waits for lists closed at the same time
+        # with `owner` (this peer's `[owner:...]` key marker, as a node has), registrations and
+        # member lists are written under subkeys only this peer can sign, and entries of other
+        # peers count only under their own keys (identity.py): nobody overwrites another's
+        # registration or list, nor writes one for an id whose key they lack
+        self.owner = owner
+        self.subkey: str | bytes = signed_subkey(own.peer_id, owner) if owner is not None else own.peer_id
+
+    def _writer(self, subkey: object) -> str | None:
+        """Whose entry a subkey holds: signed by its peer's own key, or (without `owner`) as named."""
+        if self.owner is not None:
+            return writer_of(subkey)
+        return subkey if isinstance(subkey, str) and len(subkey) <= 128 else None
 
     def _authentic(self, purpose: str, subject: str, tag: str, peer_id: str) -> bool:
         if self.auth is None:
@@ -122,12 +136,13 @@ class Matchmaker:
         found = await self.dht.get(key, latest=True, return_future=True)
         entries = found.value if found is not None and isinstance(found.value, dict) else {}
         members = {}
-        for peer_id, item in list(entries.items())[:MAX_REGISTRANTS]:
+        for subkey, item in list(entries.items())[:MAX_REGISTRANTS]:
+            peer_id = self._writer(subkey)
             try:
                 reg = Registration.model_validate(item.value)
             except (ValidationError, AttributeError, TypeError):
                 continue
-            if not isinstance(peer_id, str) or len(peer_id) > 128 or (not reg.client_mode and not reg.grpc_addr):
+            if peer_id is None or (not reg.client_mode and not reg.grpc_addr):
                 continue
             if not self._authentic("register", reg.subject(key), reg.auth, peer_id):
                 continue  # without the swarm key nobody joins our groups
@@ -142,13 +157,14 @@ class Matchmaker:
         found = await self.dht.get(f"{key}.{purpose}", latest=True, return_future=True)
         entries = found.value if found is not None and isinstance(found.value, dict) else {}
         lists = {}
-        for peer_id, item in list(entries.items())[:MAX_REGISTRANTS]:
+        for subkey, item in list(entries.items())[:MAX_REGISTRANTS]:
+            peer_id = self._writer(subkey)
             value = getattr(item, "value", None)
             if not isinstance(value, dict):
                 continue
             members, at = value.get("members"), value.get("at")
             if not (
-                isinstance(peer_id, str)
+                peer_id is not None
                 and isinstance(members, (list, tuple))
                 and len(members) <= MAX_REGISTRANTS
                 and peer_id in members
@@ -175,7 +191,7 @@ class Matchmaker:
         tag = self.auth.issue(purpose, entry.subject(key)) if self.auth else ""
         await self.dht.store(
             f"{key}.{purpose}",
-            subkey=self.own.peer_id,
+            subkey=self.subkey,
             value={
                 "members": list(members),
                 "at": entry.published_at,
@@ -231,7 +247,7 @@ class Matchmaker:
         reg = reg.model_copy(update={"auth": self.auth.issue("register", reg.subject(key)) if self.auth else ""})
         await self.dht.store(
             key,
-            subkey=me,
+            subkey=self.subkey,
             value=reg.model_dump(),
             expiration_time=get_dht_time() + window + REGISTRATION_TTL_S,
             return_future=True,

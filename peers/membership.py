@@ -42,7 +42,7 @@ from hivemind.utils.multiaddr import Multiaddr
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from .auth import AuthError, SwarmAuth
-from .identity import peer_id_of_owner
+from .identity import signed_subkey, writer_of
 from .tls import MAX_CERT_CHARS, TrustStore
 
 log = logging.getLogger(__name__)
@@ -289,8 +289,7 @@ class Membership:
         self.interval = interval
         self.peer_id = str(dht.peer_id)
         self.auth = auth
-        owner = validator.local_public_key if validator is not None else b""
-        self.subkey = self.peer_id.encode() + owner
+        self.subkey = signed_subkey(self.peer_id, validator.local_public_key if validator is not None else b"")
         self._records: dict[str, tuple[float, PeerRecord]] = {}  # peer id -> (its expiry, the record)
         self._seen: dict[str, float] = {}  # peer id -> when its record was last read (monotonic)
         self._isolated = False
@@ -312,11 +311,7 @@ class Membership:
 
     def _accept(self, subkey: object, record: PeerRecord) -> bool:
         """Filed under its own peer id and that id's own key (identity.py), tagged when keyed."""
-        if isinstance(subkey, str):
-            subkey = subkey.encode()
-        if not isinstance(subkey, bytes) or not subkey.startswith(record.peer_id.encode()):
-            return False
-        if peer_id_of_owner(subkey[len(record.peer_id.encode()) :]) != record.peer_id:
+        if writer_of(subkey) != record.peer_id:
             log.debug("ignoring a record for %s not signed with that peer's own key", record.peer_id)
             return False
         if self.auth is not None:

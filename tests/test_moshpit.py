@@ -385,3 +385,73 @@ def test_the_average_reads_delta_only_once_its_copy_from_the_device_is_in(dht):
         assert torch.equal(results[0].mean, results[1].mean)
 
     asyncio.run(main())
+
+
+def test_nobody_writes_another_peers_registration_or_member_list(tmp_path):
+    """Issue 31, finding 3: registrations and member lists lived under plain subkeys, so anyone
+    could publish `{members: [victim], at: 0}` as the victim's closed list and make it average
+    alone. A node's entries now sit under subkeys only its identity key can sign, and readers
+    count an entry only under its own peer's key: the attacker's entries, under the victim's
+    name plainly or under the attacker's key, are ignored, and the two honest peers meet."""
+    from hivemind.dht.crypto import RSASignatureValidator
+    from hivemind.p2p import P2P
+
+    from dtnode.peers.identity import identity_key
+
+    dhts, validators = [], []
+    for name in ("victim", "honest", "attacker"):
+        path = tmp_path / f"{name}.key"
+        P2P.generate_identity(str(path))
+        validators.append(RSASignatureValidator(identity_key(path)))
+        dhts.append(
+            hivemind.DHT(
+                start=True,
+                host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+                initial_peers=[str(a) for a in dhts[0].get_visible_maddrs()] if dhts else [],
+                identity_path=str(path),
+                record_validators=[validators[-1]],
+            )
+        )
+    try:
+
+        async def main():
+            victim, honest, attacker = (
+                Matchmaker(dht, "mm-signed", _member(str(dht.peer_id)), poll_interval=0.05, owner=v.local_public_key)
+                for dht, v in zip(dhts, validators)
+            )
+            key = victim.group_key(0, 0)
+            lie = {"members": [victim.own.peer_id], "at": 0.0, "complete": True, "resync": False, "auth": ""}
+            for purpose in ("closed", "formed"):
+                for subkey in (victim.own.peer_id, victim.own.peer_id.encode() + validators[2].local_public_key):
+                    await attacker.dht.store(
+                        f"{key}.{purpose}",
+                        subkey=subkey,
+                        value=lie,
+                        expiration_time=get_dht_time() + 60,
+                        return_future=True,
+                    )
+            fake = Registration(grpc_addr="6.6.6.6:1", registered_at=round_time(get_dht_time()), closes_by=1e10)
+            await attacker.dht.store(  # a registration in the honest peer's name
+                key,
+                subkey=honest.own.peer_id,
+                value=fake.model_dump(),
+                expiration_time=get_dht_time() + 60,
+                return_future=True,
+            )
+            pair = {victim.own.peer_id, honest.own.peer_id}
+
+            async def expected():
+                return pair
+
+            groups = await asyncio.gather(
+                *(m.form_group(0, 0, expected, window=10, target_size=2) for m in (victim, honest))
+            )
+            for group in groups:
+                assert {m.peer_id for m in group.members} == pair
+                assert {m.grpc_addr for m in group.members} == {victim.own.grpc_addr, honest.own.grpc_addr}
+            assert set(await victim.formed(key)) <= pair  # the attacker's lists are no one's
+
+        asyncio.run(main())
+    finally:
+        for dht in reversed(dhts):
+            dht.shutdown()
