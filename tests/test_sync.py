@@ -558,8 +558,8 @@ def test_four_slow_readers_lose_their_slots_and_a_joiner_is_served(tmp_path, fro
     async def main():
         info, _ = _checkpoint(tmp_path / "src", 3)
         view = FileView([], [_in_memory(info)]) if from_memory else FileView([info])
-        # 44 MB at 22 MB/s plus 1 s: 3 s a download, whatever the reader does
-        sidecar = Sidecar(view, min_download_rate=22e6, download_grace=1.0)
+        # 44 MB at 44 MB/s plus 1 s: 2 s a download, whatever the reader does
+        sidecar = Sidecar(view, min_download_rate=44e6, download_grace=1.0)
         port = await sidecar.start("127.0.0.1", 0)
         readers = []
         try:
@@ -572,7 +572,7 @@ def test_four_slow_readers_lose_their_slots_and_a_joiner_is_served(tmp_path, fro
             async with aiohttp.ClientSession() as session:
                 async with session.get(f"http://127.0.0.1:{port}/checkpoint/3") as busy:
                     assert busy.status == 503  # every slot is held
-                await asyncio.sleep(4.0)  # past the slots' time
+                await asyncio.sleep(2.5)  # past the slots' time
                 async with session.get(f"http://127.0.0.1:{port}/checkpoint/3") as resp:
                     assert resp.status == 200
                     body = await resp.read()
