@@ -92,6 +92,7 @@ def test_known_peers_are_bounded_aged_checked_and_never_include_this_node(tmp_pa
     assert KnownPeers(path).load().peers == {}  # a torn file is ignored, never fatal
 
 
+@pytest.mark.long_swarms  # about 35 s each: outside the default suite's 10 minutes, run by .ci/run
 def test_a_joiner_arriving_in_the_outer_phase_starts_with_the_next_round_not_a_closed_one(tmp_path, cleanup):
     """Both donors hold their outer phase of round 2 for 8 s (a pausing failpoint, as a long
     eval or checkpoint write would); a joiner started then takes θ_g of step 3 and trains
@@ -122,6 +123,7 @@ def test_a_joiner_arriving_in_the_outer_phase_starts_with_the_next_round_not_a_c
         assert "Traceback" not in node.output, node.output
 
 
+@pytest.mark.long_swarms  # about 35 s each: outside the default suite's 10 minutes, run by .ci/run
 def test_a_joiner_whose_round_closes_during_its_first_step_takes_the_next_round(tmp_path, cleanup):
     """A joiner enters the swarm's open round, but its first step is slow (a cold start, here
     14 s) and the donors average that round without it (they hold their door open 10 s at most).
