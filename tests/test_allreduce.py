@@ -5,7 +5,7 @@ import asyncio
 import grpc
 import pytest
 import torch
-from allreduce_harness import allreduce, start_peers, stop_peers
+from allreduce_harness import allreduce, start_peers, stop_peers, stream_status
 
 from dtnode.ops.quantization import quantize
 from dtnode.peers.butterfly import butterfly_allreduce
@@ -466,21 +466,13 @@ def test_silent_streams_are_closed_and_the_node_caps_streams_from_all_hosts():
             await never.wait()
             yield pb.PartChunk()  # never reached
 
-        async def status_of(call) -> grpc.StatusCode:
-            try:
-                async for _ in call:
-                    pass
-            except grpc.aio.AioRpcError as e:
-                return e.code()
-            return grpc.StatusCode.OK
-
         try:
             async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
                 stub = pb_grpc.AveragingStub(channel)
                 first = [stub.Reduce(silent(), timeout=30) for _ in range(2)]
                 await asyncio.sleep(0.3)  # both are open on the server
-                third = await status_of(stub.Reduce(silent(), timeout=30))
-                held = await asyncio.gather(*(status_of(call) for call in first))
+                third = await stream_status(stub.Reduce(silent(), timeout=30))
+                held = await asyncio.gather(*(stream_status(call) for call in first))
         finally:
             never.set()
             await server.stop(None)
