@@ -3,8 +3,9 @@
     .venv/bin/python -m tests.bench.moshpit
     .venv/bin/python -m tests.bench.moshpit --peers 16,64 --group-sizes 2,4 --fail 0,0.1
 
-The grouping is the daemon's own (`dtnode.peers.grid`: coordinates reshuffled every outer
-step, d hops per step, oversized groups split like the matchmaker splits them); the
+The grouping is the daemon's own (`dtnode.peers.grid`: hashed cells reshuffled every outer
+step, then the classes each group hands out, d hops per step, oversized groups split like the
+matchmaker splits them); the
 averaging is the exact weighted mean of each group's (mean, weight) pairs, as the butterfly
 computes it before int8. A peer that fails a hop keeps its value and weight for that hop.
 Printed: RMS distance of the peers' values to the initial global mean, relative to the
@@ -17,11 +18,12 @@ consensus: with failures the swarm agrees on a mean that is slightly off the exa
 from __future__ import annotations
 
 import argparse
+from dataclasses import replace
 
 import torch
 
-from dtnode.peers.grid import coordinates, grid_shape, hop_groups
-from dtnode.peers.matchmaking import split_groups
+from dtnode.peers.averager import MAX_CHAINS
+from dtnode.peers.grid import coordinates, first_slot, grid_shape, hop_key, next_slots, split_groups
 
 
 def distance(values: torch.Tensor, target: torch.Tensor, start: float) -> float:
@@ -38,26 +40,61 @@ def average_groups(values: torch.Tensor, weights: torch.Tensor, groups: list[lis
         weights[idx] = w.sum()
 
 
-def moshpit(values, weights, group_size, fail, hops, gen) -> list[float]:
+def moshpit(values, weights, group_size, fail, hops, gen) -> list[torch.Tensor]:
+    """The daemon's grouping (`dtnode.peers.grid`): hop 0 by hashed cells, later hops by the
+    classes each group hands out (a member of a small group stands in several classes and
+    carries each result on, its own being the first); oversized groups split as the
+    matchmaker splits them; a member brings its weight times its slot's share."""
     n = values.shape[0]
     ids = [f"peer{i:05d}" for i in range(n)]
     index = {p: i for i, p in enumerate(ids)}
     side, dims = grid_shape(n, group_size)
-    curve, step, hop = [], 0, 0
-    coords = coordinates(ids, step, side, dims)
+    curve: list[torch.Tensor] = []
+    step = 0
     while len(curve) < hops:
-        alive = torch.rand(n, generator=gen) >= fail
-        groups = []
-        for members in hop_groups(coords, hop).values():
-            live = [m for m in members if alive[index[m]]]
-            groups.extend([index[p] for p in g] for g in split_groups(live, side))
-        average_groups(values, weights, groups)
-        curve.append(values.clone())
-        hop += 1
-        if hop == dims:
-            hop, step = 0, step + 1
-            coords = coordinates(ids, step, side, dims)
-            weights.fill_(1.0)  # a new outer step starts from fresh token weights
+        # each peer's chains: (slot, values, weight); hop 0 starts from its own
+        chains = {p: [(first_slot(coordinates(p, step, side, dims)), values[index[p]].clone(), 1.0)] for p in ids}
+        for hop in range(dims):
+            alive = torch.rand(n, generator=gen) >= fail
+            by_key: dict[str, list[tuple[str, int]]] = {}
+            for p in ids:
+                if alive[index[p]]:
+                    for c, (slot, _, _) in enumerate(chains[p]):
+                        by_key.setdefault(slot.key, []).append((p, c))
+            after = {p: list(chains[p]) for p in ids}
+            groups: dict[tuple[str, int], list[str]] = {}
+            for entries in by_key.values():
+                owners = {p: c for p, c in entries}  # one chain per peer and key
+                for members in split_groups(owners, side):
+                    contributions = [chains[p][owners[p]] for p in members]
+                    w = torch.tensor([weight * slot.share for slot, _, weight in contributions])
+                    stacked = torch.stack([v for _, v, _ in contributions])
+                    mean = (stacked * w[:, None]).sum(0) / w.sum()
+                    for p in members:
+                        slot = chains[p][owners[p]][0]
+                        after[p][owners[p]] = (slot, mean, float(w.sum()))
+                        groups[(p, owners[p])] = members
+            if hop + 1 < dims:
+                chains = {
+                    p: [
+                        (nxt, v, weight)
+                        for c, (slot, v, weight) in enumerate(after[p])
+                        for nxt in (
+                            next_slots(slot.coords, hop + 1, groups[(p, c)], p, side)
+                            if (p, c) in groups
+                            else [replace(slot, key=hop_key(slot.coords, hop + 1), share=1.0)]
+                        )
+                    ][:MAX_CHAINS]
+                    for p in ids
+                }
+            else:
+                chains = after
+            for p in ids:
+                values[index[p]] = chains[p][0][1]
+            curve.append(values.clone())
+            if len(curve) >= hops:
+                break
+        step += 1
     return curve
 
 
