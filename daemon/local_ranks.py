@@ -38,13 +38,16 @@ import time
 from dataclasses import dataclass, field
 from datetime import timedelta
 from enum import IntEnum
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
 from pydantic import BaseModel
 
+from dtnode.ops.flat import FlatParameters
 from dtnode.peers.membership import free_port
 
+from .adam_state import flat_moments, install_adam_state, ordered_parameters
 from .settings import NodeSettings, SettingsError
 from .workload import resolve_device
 
@@ -367,6 +370,72 @@ def ddp_replica(model: torch.nn.Module, device: torch.device) -> torch.nn.Module
 
     ids = [device.index] if device.type == "cuda" else None
     return DistributedDataParallel(model, device_ids=ids, forward_sync_buffers=False)
+
+
+class RankSync(Protocol):
+    """How rank 0 keeps the other local ranks' replicas in step with its flat θ_l and its
+    AdamW state: `ReplicatedRanks` (DDP, every rank holds everything) or, with --shard,
+    `sharded.HostShards`. The trainer calls these on its thread, between inner steps."""
+
+    evaluates_together: bool  # the held-out eval runs on every rank (its forward passes are collectives)
+
+    def refresh(self) -> None:
+        """Rank 0's flat θ_l is current (called before it is read)."""
+
+    def stepped(self) -> None:
+        """An inner step went to every rank: θ_l moved on all of them."""
+
+    def push_params(self) -> None:
+        """Rank 0's flat θ_l (changed outside an inner step) to every rank."""
+
+    def push_inner(self, optimizer: torch.optim.Optimizer) -> None:
+        """The AdamW state loaded last (or rank 0's own) to every rank."""
+
+    def gather_inner(self, optimizer: torch.optim.Optimizer) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """The node's AdamW moments, flat in parameter order, and the step count."""
+        ...
+
+    def load_inner(self, optimizer: torch.optim.Optimizer, model: torch.nn.Module, moments: FlatMoments) -> None:
+        """Take these moments as the node's (sent to the ranks by the next `push_inner`)."""
+
+    def eval_tokens(self, eval_set: torch.Tensor) -> torch.Tensor:
+        """The tokens rank 0 evaluates (telling the ranks to evaluate them too, if together)."""
+        ...
+
+
+FlatMoments = tuple[torch.Tensor, torch.Tensor, int]
+
+
+@dataclass
+class ReplicatedRanks:
+    """DDP ranks: each holds all of θ_l and its own AdamW state, kept equal to rank 0's by
+    identical steps; rank 0 sends them θ_l or the moments only when those changed otherwise."""
+
+    ranks: LocalRanks
+    flat: FlatParameters
+    model: torch.nn.Module
+    evaluates_together: bool = False  # rank 0 holds the whole model: it evaluates alone
+
+    def refresh(self) -> None:
+        pass  # rank 0's flat buffer is θ_l itself
+
+    def stepped(self) -> None:
+        pass
+
+    def push_params(self) -> None:
+        self.ranks.send_params(self.flat.buffer)
+
+    def push_inner(self, optimizer: torch.optim.Optimizer) -> None:
+        self.ranks.send_inner(*self.gather_inner(optimizer))
+
+    def gather_inner(self, optimizer: torch.optim.Optimizer) -> FlatMoments:
+        return flat_moments(optimizer, ordered_parameters(self.model), self.flat.numel)
+
+    def load_inner(self, optimizer: torch.optim.Optimizer, model: torch.nn.Module, moments: FlatMoments) -> None:
+        install_adam_state(optimizer, model, *moments)
+
+    def eval_tokens(self, eval_set: torch.Tensor) -> torch.Tensor:
+        return eval_set
 
 
 def own_memory(device: torch.device) -> tuple[float, float]:

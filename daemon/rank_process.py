@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from dtnode.ops.flat import FlatParameters, flat_names
 
+from .adam_state import install_adam_state, ordered_parameters
 from .local_ranks import (
     CONTROL_TIMEOUT,
     OOM_EXIT,
@@ -38,9 +39,7 @@ from .trainer import (
     held_out_loss,
     inner_optimizer,
     inner_step,
-    install_adam_state,
     learned_buffers,
-    ordered_parameters,
 )
 
 log = logging.getLogger("dtnode")

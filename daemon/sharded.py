@@ -21,7 +21,7 @@ from torch.distributed.tensor import DTensor
 
 from dtnode.ops.flat import FlatParameters
 
-from .local_ranks import Command, LocalRankFailure, LocalRanks
+from .local_ranks import Command, FlatMoments, LocalRankFailure, LocalRanks
 
 
 def shard_model(model: torch.nn.Module) -> torch.nn.Module:
@@ -138,7 +138,14 @@ class HostShards:
         self.params = [p for _, p in model.named_parameters() if p.requires_grad]
         self.views = list(flat.views(flat.buffer).values())
         self.stale = False  # the shards moved on (inner steps) since the host copy was taken
-        self.pending_inner: tuple[torch.Tensor, torch.Tensor, int] | None = None  # loaded, not yet sent
+        self.pending_inner: FlatMoments | None = None  # loaded, not yet sent
+        self.evaluates_together = True  # a forward pass gathers each unit's weights from every rank
+
+    def stepped(self) -> None:
+        self.stale = True
+
+    def load_inner(self, optimizer: torch.optim.Optimizer, model: torch.nn.Module, moments: FlatMoments) -> None:
+        self.pending_inner = moments  # every rank takes its shard of them before the next step
 
     def refresh(self) -> None:
         """The host copy of θ_l from the shards, when a step changed them since."""
@@ -165,7 +172,7 @@ class HostShards:
     def _split(self, flat_values: torch.Tensor) -> list[torch.Tensor]:
         return list(self.flat.views(flat_values).values())[: len(self.params)]
 
-    def gather_inner(self, optimizer: torch.optim.Optimizer) -> tuple[torch.Tensor, torch.Tensor, int]:
+    def gather_inner(self, optimizer: torch.optim.Optimizer) -> FlatMoments:
         """Every rank's AdamW moments, flat in parameter order on the host (a local checkpoint's)."""
         if self.pending_inner is not None:
             return self.pending_inner

@@ -29,8 +29,17 @@ import torch.nn.functional as F
 from dtnode.ops.flat import FlatParameters
 from dtnode.peers import failpoints
 
+from .adam_state import flat_moments, install_adam_state, ordered_parameters
 from .data import DataStream
-from .local_ranks import HostRestartNeeded, LocalRankFailure, LocalRanks, RankOutOfMemory, out_of_memory_line
+from .local_ranks import (
+    HostRestartNeeded,
+    LocalRankFailure,
+    LocalRanks,
+    RankOutOfMemory,
+    RankSync,
+    ReplicatedRanks,
+    out_of_memory_line,
+)
 from .schedule import LearningRateSchedule
 from .sharded import HostShards
 
@@ -61,14 +70,15 @@ class Trainer:
         self.device = device
         self.compile = compile
         self.ranks = ranks  # this host's other training ranks, when it has several (local_ranks.py)
-        self.shards: HostShards | None = None
+        self.sync: RankSync | None = None  # how the other ranks follow rank 0 (None: one device)
         if ranks is not None and ranks.shard:  # the flat buffer is θ_l's copy in host memory
             self.flat = FlatParameters(model.named_parameters(), learned_buffers(model))
             self.model = model.to(device)
-            self.shards = HostShards(ranks, self.flat, self.model, device)
+            self.sync = HostShards(ranks, self.flat, self.model, device)
         else:
             self.model = model.to(device)
             self.flat = FlatParameters(self.model.named_parameters(), learned_buffers(self.model))
+            self.sync = ReplicatedRanks(ranks, self.flat, self.model) if ranks is not None else None
         self._trainable = ordered_parameters(self.model)
         self.forward_model = self._forward_model()
         self.ranks_need_params = True  # θ_l changed outside an inner step: the other ranks need it
@@ -117,7 +127,7 @@ class Trainer:
     def _forward_model(self) -> Callable[[torch.Tensor], torch.Tensor]:
         """The module a step calls: the model, behind DDP with several ranks, compiled with
         --compile (the compiled module shares the already flattened parameters)."""
-        model = self.ranks.wrap(self.model) if self.ranks is not None and self.shards is None else self.model
+        model = self.sync.ranks.wrap(self.model) if isinstance(self.sync, ReplicatedRanks) else self.model
         return torch.compile(model) if self.compile else model
 
     def restart_ranks(self) -> None:
@@ -125,7 +135,7 @@ class Trainer:
         A sharded model cannot be taken back from its process group: the node stops instead,
         and its supervisor restarts it from its newest checkpoint."""
         assert self.ranks is not None
-        if self.shards is not None:
+        if isinstance(self.sync, HostShards):
             self.ranks.stop()  # what the shards held is lost: nothing is asked of them any more
             raise HostRestartNeeded("a local rank failed under --shard; the node stops so that it restarts whole")
         self.ranks.restart()
@@ -150,8 +160,8 @@ class Trainer:
     def parameters_flat(self) -> torch.Tensor:
         """θ_l: every parameter lives in this one buffer (with --shard, its copy in host
         memory, refreshed from the ranks' shards here when steps changed them)."""
-        if self.shards is not None:
-            self.shards.refresh()
+        if self.sync is not None:
+            self.sync.refresh()
         return self.flat.buffer
 
     def _set_lr(self, position: int) -> None:
@@ -243,29 +253,23 @@ class Trainer:
                 return inner_step(
                     self.forward_model, self.optimizer, batch, self.device, self.grad_clip, self._trainable
                 )
-            return self._step_on_ranks(self.ranks, batch, started)
+            assert self.sync is not None  # present whenever ranks are
+            return self._step_on_ranks(self.ranks, self.sync, batch, started)
         except torch.cuda.OutOfMemoryError as e:
             raise RankOutOfMemory(out_of_memory_line(0, self.device, e)) from None
 
-    def _step_on_ranks(self, ranks: LocalRanks, batch: torch.Tensor, started: float) -> float:
+    def _step_on_ranks(self, ranks: LocalRanks, sync: RankSync, batch: torch.Tensor, started: float) -> float:
         if not ranks.running:  # a restart failed: the round fails and the next restart is tried
             raise LocalRankFailure("the local ranks are not running")
         try:
             if self.ranks_need_inner:
-                if self.shards is not None:
-                    self.shards.push_inner(self.optimizer)
-                else:
-                    ranks.send_inner(*self.inner_state())
+                sync.push_inner(self.optimizer)
                 self.ranks_need_inner = False
             if self.ranks_need_params:
-                if self.shards is not None:
-                    self.shards.push_params()
-                else:
-                    ranks.send_params(self.flat.buffer)
+                sync.push_params()
                 self.ranks_need_params = False
             rows = ranks.send_step(self.lr, batch)
-            if self.shards is not None:
-                self.shards.stale = True
+            sync.stepped()
             loss = inner_step(self.forward_model, self.optimizer, rows, self.device, self.grad_clip, self._trainable)
             return ranks.collect(loss, time.monotonic() - started, rows[:, 1:].numel())
         except torch.cuda.OutOfMemoryError:
@@ -280,28 +284,17 @@ class Trainer:
     def inner_state(self) -> tuple[torch.Tensor, torch.Tensor, int]:
         """AdamW's moments flattened in parameter order (CPU copies; zeros over the learned
         buffers at the flat buffer's end), and its step count."""
-        if self.shards is not None:
-            return self.shards.gather_inner(self.optimizer)
-        exp_avg = torch.zeros(self.flat.numel)
-        exp_avg_sq = torch.zeros(self.flat.numel)
-        steps, offset = 0, 0
-        for p in self._trainable:
-            n = p.numel()
-            state = self.optimizer.state.get(p)
-            if state and "exp_avg" in state:
-                exp_avg[offset : offset + n] = state["exp_avg"].reshape(-1).float().cpu()
-                exp_avg_sq[offset : offset + n] = state["exp_avg_sq"].reshape(-1).float().cpu()
-                steps = int(state["step"])
-            offset += n
-        return exp_avg, exp_avg_sq, steps
+        if self.sync is not None:
+            return self.sync.gather_inner(self.optimizer)
+        return flat_moments(self.optimizer, self._trainable, self.flat.numel)
 
     @torch.no_grad()
     def load_inner_state(self, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, steps: int) -> None:
         """Install AdamW moments (a resumed node's own), or with steps 0 start them fresh."""
         self.adam_steps = max(steps, 0)
-        self.ranks_need_inner = self.ranks is not None
-        if self.shards is not None:  # every rank takes its shard of them before the next step
-            self.shards.pending_inner = (exp_avg, exp_avg_sq, steps)
+        if self.sync is not None:  # the other ranks take them before the next step
+            self.ranks_need_inner = True
+            self.sync.load_inner(self.optimizer, self.model, (exp_avg, exp_avg_sq, steps))
             return
         if steps <= 0 and not self._optimizer_built.done():  # one still being made starts with no state anyway
             return
@@ -313,12 +306,12 @@ class Trainer:
             return None
         started = time.monotonic()
         try:
-            if self.shards is not None:  # every rank runs the forward passes, on θ_l as the host holds it
-                if self.ranks_need_params:
-                    self.shards.push_params()
-                    self.ranks_need_params = False
-                return held_out_loss(self.model, self.shards.eval_tokens(self.stream.eval_set), self.device)
-            return held_out_loss(self.model, self.stream.eval_set, self.device)
+            if self.sync is None:
+                return held_out_loss(self.model, self.stream.eval_set, self.device)
+            if self.sync.evaluates_together and self.ranks_need_params:  # on θ_l as rank 0 holds it
+                self.sync.push_params()
+                self.ranks_need_params = False
+            return held_out_loss(self.model, self.sync.eval_tokens(self.stream.eval_set), self.device)
         finally:
             self.eval_seconds += time.monotonic() - started
 
@@ -339,34 +332,6 @@ def inner_step(
         torch.nn.utils.clip_grad_norm_(parameters, grad_clip)
     optimizer.step()
     return loss.detach().item()
-
-
-def ordered_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:
-    """The trainable parameters, in the flat buffer's order (frozen ones have no optimizer state)."""
-    return [p for _, p in model.named_parameters() if p.requires_grad]
-
-
-@torch.no_grad()
-def install_adam_state(
-    optimizer: torch.optim.Optimizer,
-    model: torch.nn.Module,
-    exp_avg: torch.Tensor,
-    exp_avg_sq: torch.Tensor,
-    steps: int,
-) -> None:
-    """AdamW moments (flat, in parameter order) into `optimizer`; steps 0 clears its state."""
-    if steps <= 0:
-        optimizer.state.clear()
-        return
-    offset = 0
-    for p in ordered_parameters(model):
-        n = p.numel()
-        optimizer.state[p] = {
-            "step": torch.tensor(float(steps), dtype=torch.float32),
-            "exp_avg": exp_avg[offset : offset + n].view_as(p).to(p.device, copy=True),
-            "exp_avg_sq": exp_avg_sq[offset : offset + n].view_as(p).to(p.device, copy=True),
-        }
-        offset += n
 
 
 def next_token_loss(
