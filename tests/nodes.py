@@ -41,6 +41,19 @@ FAST = [
 ]
 
 
+def dtnode_status(url: str, *extra: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """`dtnode status --url URL` as a user runs it (the environment given, or this one), in a
+    terminal wide enough for every column of its tables."""
+    return subprocess.run(
+        [sys.executable, "-m", "dtnode", "status", "--url", url, *extra],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+        env={**(os.environ if env is None else env), "COLUMNS": "200"},
+    )
+
+
 def wait_until(condition: Callable[[], T | None], timeout: float, what: str) -> T:
     """Poll `condition` until it returns something truthy; AssertionError naming `what` after
     `timeout` seconds (a hang guard: generous, never a speed check)."""

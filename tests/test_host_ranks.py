@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -18,7 +16,7 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
-from nodes import FAST, NodeProcess, wait_until
+from nodes import FAST, NodeProcess, dtnode_status, wait_until
 
 from dtnode.daemon.checkpoint import (
     Layout,
@@ -139,14 +137,7 @@ def test_hosts_of_one_and_two_ranks_average_in_one_group(tmp_path, cleanup):
     assert 'dtnode_rank_tokens_per_second{device="cpu",rank="1"}' in b.get_text("/metrics").replace(
         'rank="1",device="cpu"', 'device="cpu",rank="1"'
     )
-    shown = subprocess.run(
-        [sys.executable, "-m", "dtnode", "status", "--url", b.http_url],
-        check=False,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env={**os.environ, "COLUMNS": "200"},
-    )
+    shown = dtnode_status(b.http_url)
     assert shown.returncode == 0 and "local ranks: 2" in shown.stdout, shown.stdout + shown.stderr
     for node in (a, b, c):
         assert node.wait(300) == 0, node.output

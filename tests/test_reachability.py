@@ -9,13 +9,10 @@ serves no joiner."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import urllib.request
 from pathlib import Path
 
-from nodes import FAST, NodeProcess, wait_until
+from nodes import FAST, NodeProcess, dtnode_status, wait_until
 from prometheus_client.parser import text_string_to_metric_families
 
 from dtnode.daemon.reachability import announce_warning
@@ -62,14 +59,7 @@ def test_two_nodes_on_two_addresses_announce_them_and_dial_each_other_back(tmp_p
             assert found["grpc_error"] is None and found["http_error"] is None, found
             assert found["checked_by"] != status["peer_id"]
             assert "announces" not in node.output  # the address was chosen: no warning
-            shown = subprocess.run(
-                [sys.executable, "-m", "dtnode", "status", "--url", node.http_url],
-                capture_output=True,
-                text=True,
-                timeout=60,
-                check=False,
-                env={**os.environ, "COLUMNS": "200"},
-            )
+            shown = dtnode_status(node.http_url)
             assert "gRPC yes, HTTP yes" in shown.stdout, shown.stdout + shown.stderr  # `dtnode status` too
     finally:
         _keep(*(n for n in (a, b) if n is not None))

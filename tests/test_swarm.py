@@ -8,7 +8,7 @@ import sys
 import time
 
 import torch
-from nodes import FAST, NodeProcess
+from nodes import FAST, NodeProcess, dtnode_status
 from nodes import theta as checkpoint_theta
 
 from dtnode.daemon.checkpoint import Layout, checkpoint_path, read_checkpoint
@@ -73,13 +73,7 @@ def test_three_joined_processes_train_in_consensus(tmp_path, cleanup):
     peers = first.get("/peers")
     assert peers and all(RECORD_FIELDS <= set(p) for p in peers)
     assert status["peer_id"] in {p["peer_id"] for p in peers}
-    table = subprocess.run(
-        [sys.executable, "-m", "dtnode", "status", "--url", first.http_url],
-        capture_output=True,
-        text=True,
-        timeout=30,
-        check=False,
-    )
+    table = dtnode_status(first.http_url)
     assert table.returncode == 0 and status["peer_id"] in table.stdout and "swarm:" in table.stdout
     first.stop(signal.SIGTERM)
     assert first.wait(30) == 0, first.output

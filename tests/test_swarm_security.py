@@ -3,11 +3,9 @@
 import asyncio
 import json
 import os
-import subprocess
-import sys
 
 import grpc
-from nodes import FAST, NodeProcess, wait_until
+from nodes import FAST, NodeProcess, dtnode_status, wait_until
 
 from dtnode.proto import averaging_pb2 as pb
 from dtnode.proto import averaging_pb2_grpc as pb_grpc
@@ -31,23 +29,9 @@ def test_a_node_without_the_key_neither_joins_groups_nor_downloads_state(tmp_pat
     assert all(r["groups"][0][0] == 2 for r in a.rounds if r["round"] > 1), a.output
     # an operator without the key sees the node but not the closed swarm; with it, the peers
     env = {k: v for k, v in os.environ.items() if k != "DTNODE_SWARM_KEY"}
-    table = subprocess.run(
-        [sys.executable, "-m", "dtnode", "status", "--url", a.http_url],
-        capture_output=True,
-        text=True,
-        timeout=30,
-        env=env,
-        check=False,
-    )
+    table = dtnode_status(a.http_url, env=env)
     assert table.returncode == 0 and "swarm is closed" in table.stdout, table.stdout + table.stderr
-    table = subprocess.run(
-        [sys.executable, "-m", "dtnode", "status", "--url", a.http_url, "--json"],
-        capture_output=True,
-        text=True,
-        timeout=30,
-        env={**env, **KEY},
-        check=False,
-    )
+    table = dtnode_status(a.http_url, "--json", env={**env, **KEY})
     assert table.returncode == 0 and len(json.loads(table.stdout)["peers"]) == 2, table.stdout
     for node in (a, b):
         node.stop()

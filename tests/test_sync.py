@@ -213,16 +213,22 @@ def test_hostile_donors_are_refused_and_the_joiner_ends_on_the_honest_checkpoint
     asyncio.run(main())
 
 
+async def _two_donors(info: CheckpointInfo, body: bytes) -> tuple[list, list[PeerRecord], dict[str, list]]:
+    """Donors a and b serving the same file, each logging the ranges it was asked for."""
+    seen: dict[str, list] = {"a": [], "b": []}
+    runners, records = [], []
+    for name in ("a", "b"):
+        runner, url = await _serve(_liar(info, body, requests=seen[name]))
+        runners.append(runner)
+        records.append(_record(name, url, info))
+    return runners, records, seen
+
+
 def test_ranges_come_from_every_donor_of_the_same_file_and_a_donor_leaving_costs_only_its_ranges(tmp_path):
     async def main():
         info, theta = _checkpoint(tmp_path / "src", 7)
         body = info.path.read_bytes()
-        seen: dict[str, list] = {"a": [], "b": []}
-        runners, records = [], []
-        for name in ("a", "b"):
-            runner, url = await _serve(_liar(info, body, requests=seen[name]))
-            runners.append(runner)
-            records.append(_record(name, url, info))
+        runners, records, seen = await _two_donors(info, body)
 
         flaky = _liar(info, body, vanish=True)
         runner, url = await _serve(flaky)
@@ -524,12 +530,7 @@ def test_a_full_local_disk_is_reported_as_this_node_s_not_blamed_on_the_donors(t
     async def main():
         info, _ = _checkpoint(tmp_path / "src", 7)
         body = info.path.read_bytes()
-        seen: dict[str, list] = {"a": [], "b": []}
-        runners, records = [], []
-        for name in ("a", "b"):
-            runner, url = await _serve(_liar(info, body, requests=seen[name]))
-            runners.append(runner)
-            records.append(_record(name, url, info))
+        runners, records, _ = await _two_donors(info, body)
         monkeypatch.setattr(os, "pwrite", full)  # the disk, not our code: what the kernel answers when full
         try:
             return await fetch_from_swarm(
