@@ -284,11 +284,11 @@ class Node:
             self.workload.model_hash,
             s.target_group_size,
             s.grid_dims,
-            s.compression == "int8",
-            s.quant_block_size,
+            s.wire_format(),
             s.chunk_elements,
             s.in_flight_chunks,
             s.trim_fraction if s.aggregation == "trimmed-mean" else None,
+            s.feedback_decay,
         )
         averager = MoshpitAverager(
             config,

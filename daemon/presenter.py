@@ -187,9 +187,7 @@ class NodePresenter:
         if not self.worker.built:
             return 0
         s = self.settings
-        return expected_payload_bytes(
-            self.worker.replica.numel, max(group_size, 2), s.compression == "int8", s.quant_block_size
-        )
+        return expected_payload_bytes(self.worker.replica.numel, max(group_size, 2), s.wire_format())
 
     async def peer_records(self) -> list[dict[str, Any]]:
         """The swarm's records, with what a reader wants from them: seconds since each was

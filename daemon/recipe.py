@@ -26,7 +26,7 @@ from typing import Any
 
 import aiohttp
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from dtnode.peers.membership import JoinError
 from dtnode.peers.sidecar_address import PROBE_TIMEOUT_S, SidecarAddressError, fetch_status, is_sidecar_address
@@ -59,8 +59,16 @@ class SwarmRecipe(BaseModel):
     min_lr_ratio: float = Field(ge=0, le=1)
     outer_lr: float = Field(gt=0, le=10)
     outer_momentum: float = Field(ge=0, lt=1)
-    compression: str = Field(pattern=r"^(int8|none)$")
+    compression: str = Field(pattern=r"^(int8|sparse|fp32)$")
     quant_block_size: int = Field(ge=8, le=1 << 20)
+    sparse_block_size: int = Field(4096, ge=16, le=4096)
+    sparse_top_k: int = Field(64, ge=1, le=4096)
+    feedback_decay: float = Field(1.0, gt=0, le=1)
+
+    @field_validator("compression", mode="before")
+    @classmethod
+    def _compression_alias(cls, value: object) -> object:
+        return "fp32" if value == "none" else value  # what peers before sparse called fp32
 
     def to_record(self) -> str:
         return self.model_dump_json()

@@ -18,6 +18,8 @@ from pydantic import Field, SecretStr, ValidationError, field_validator, model_v
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, TomlConfigSettingsSource
 from pydantic_settings import SettingsError as PydanticSettingsError
 
+from dtnode.peers.plan import Compression, WireFormat
+
 ENV_PREFIX = "DTNODE_"
 _DEVICE = re.compile(r"^(auto|cpu|mps|cuda(:\d+)?)$")
 
@@ -349,7 +351,9 @@ class NodeSettings(BaseSettings):
         description="With --aggregation trimmed-mean: fraction of values dropped at each end, per coordinate.",
     )
     error_feedback: bool = Field(
-        False, description="Carry the int8 quantization residual of this node's pseudo-gradient into the next round."
+        False,
+        description="Carry the int8 quantization residual of this node's pseudo-gradient into the next round "
+        "(--compression sparse always carries what it did not send).",
     )
     in_flight_chunks: int = Field(
         4, ge=1, le=64, description="Encoded chunks a stream may hold ahead of the network (bounds sender memory)."
@@ -366,8 +370,27 @@ class NodeSettings(BaseSettings):
     )
     compression: str = Field(
         "int8",
-        pattern=r"^(int8|none)$",
-        description="Wire format of pseudo-gradients: int8 (blockwise) or none (fp32).",
+        pattern=r"^(int8|sparse|fp32)$",
+        description="Wire format of pseudo-gradients: int8 (blockwise, 1 byte per parameter), sparse (top-k "
+        "per block with 2-bit values and error feedback, about 0.03 bytes per parameter) or fp32. "
+        "'none' is read as fp32.",
+    )
+    sparse_block_size: int = Field(
+        4096, ge=16, le=4096, description="With --compression sparse: values per top-k block (at most 4096)."
+    )
+    sparse_top_k: int = Field(
+        64,
+        ge=1,
+        le=4096,
+        description="With --compression sparse: values kept (sent) per block; the rest wait in "
+        "the error-feedback buffer.",
+    )
+    feedback_decay: float = Field(
+        1.0,
+        gt=0,
+        le=1,
+        description="With --compression sparse: the error-feedback buffer is multiplied by this each round "
+        "before it joins the next Δ (1 keeps all of it).",
     )
     bandwidth_mbps: float = Field(
         1000.0, gt=0, description="This node's bandwidth in Mbit/s, used to size the part it reduces."
@@ -430,6 +453,18 @@ class NodeSettings(BaseSettings):
                 )
         return peers
 
+    @field_validator("compression", mode="before")
+    @classmethod
+    def _compression_alias(cls, value: object) -> object:
+        return "fp32" if value == "none" else value  # the name before sparse existed
+
+    def wire_format(self) -> WireFormat:
+        """How this node's Δ travels, for the averager and the status figures."""
+        compression = Compression(self.compression)
+        if compression == Compression.SPARSE:
+            return WireFormat(compression, self.sparse_block_size, self.sparse_top_k)
+        return WireFormat(compression, self.quant_block_size)
+
     @field_validator("device")
     @classmethod
     def _known_device(cls, value: str) -> str:
@@ -464,6 +499,10 @@ class NodeSettings(BaseSettings):
             raise ValueError(f"nproc_per_node: --device {self.device} is one device; use --gpus to train on several")
         if self.chunk_elements % self.quant_block_size:
             raise ValueError("chunk_elements: must be a multiple of --quant-block-size")
+        if self.compression == "sparse" and self.chunk_elements % self.sparse_block_size:
+            raise ValueError("chunk_elements: must be a multiple of --sparse-block-size")
+        if self.compression == "sparse" and self.sparse_top_k > self.sparse_block_size:
+            raise ValueError("sparse_top_k: must not exceed --sparse-block-size")
         if self.matchmaking_window_min > self.matchmaking_window:
             raise ValueError("matchmaking_window_min: must not exceed --matchmaking-window")
         if self.allreduce_timeout_min > self.allreduce_timeout:

@@ -55,7 +55,8 @@ class ModelWorker:
         self.eval_step: int | None = None  # the outer step whose θ_g eval_loss is of (--eval-every)
         self._trainer: Trainer | None = None
         self._replica: Replica | None = None
-        self.residual: torch.Tensor | None = None  # int8 error feedback, when enabled
+        # error feedback: what the wire code did not carry yet (int8 when enabled; sparse always)
+        self.residual: torch.Tensor | None = None
 
     # ---- set-up ----------------------------------------------------------------------------
     def build(self, peer_id: str) -> None:
@@ -88,7 +89,7 @@ class ModelWorker:
         )
         self._replica = Replica(trainer, s.outer_lr, s.outer_momentum)
         self._trainer = trainer
-        if s.error_feedback and s.compression == "int8":
+        if (s.error_feedback and s.compression == "int8") or s.compression == "sparse":
             self.residual = torch.zeros(self._replica.numel, dtype=torch.float32)
 
     @property

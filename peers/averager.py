@@ -18,19 +18,19 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 
 from .auth import SwarmAuth
-from .butterfly import AllReduceReport, ChannelPool, butterfly_allreduce
+from .butterfly import AllReduceReport, ChannelPool, Feedback, butterfly_allreduce
 from .deadlines import AdaptiveDeadlines, expected_payload_bytes
 from .expectations import GroupExpectations
 from .grid import Slot, cells, coordinates, first_slot, grid_shape, next_slots
 from .matchmaking import FormedGroup, Matchmaker
 from .membership import PeerRecord
 from .outcome import AveragingResult, HopReport
-from .plan import FP32, INT8, make_plan
+from .plan import FP32, Compression, WireFormat, make_plan
 from .reducer import ReductionRegistry
 
 __all__ = ["AveragingConfig", "AveragingResult", "HopReport", "MoshpitAverager"]
@@ -44,13 +44,14 @@ class AveragingConfig:
     model_hash: str
     target_group_size: int
     grid_dims: int = 0
-    int8: bool = True
-    block_size: int = 256
+    wire: WireFormat = field(default_factory=WireFormat)
     chunk_elements: int = 1 << 20
     in_flight: int = 4
     trim_fraction: float | None = None
+    feedback_decay: float = 1.0  # the error-feedback buffer's decay per round (sparse)
 
 
+FP32_WIRE = WireFormat(Compression.FP32)
 MAX_CHAINS = 16  # classes one peer carries through a hop at most (each holds a model-sized buffer)
 
 
@@ -75,7 +76,7 @@ class _Hop:
     window: float
     asked: bool  # this node asks its groups to re-sync θ_g
     theta_weight: float
-    residual: torch.Tensor | None  # error feedback: hop 0's primary slot only
+    feedback: Feedback | None  # error feedback, for the primary slot
     delta_ready: Callable[[], Awaitable[None]] | None  # hop 0 only
     fetch_theta: Callable[[], Awaitable[torch.Tensor]]
 
@@ -162,7 +163,7 @@ class MoshpitAverager:
                 window,
                 asked,
                 theta_weight,
-                residual if hop == 0 else None,
+                self._feedback(residual, hop),
                 delta_ready if hop == 0 else None,
                 fetch_theta,
             )
@@ -275,10 +276,21 @@ class MoshpitAverager:
             theta_in,
             h.theta_weight,
             theta_out,
-            h.residual if slot.primary else None,
+            h.feedback if slot.primary else None,
             report,
         )
         return group, result, theta_out
+
+    def _feedback(self, residual: torch.Tensor | None, hop: int) -> Feedback | None:
+        """int8 feeds its rounding error back at hop 0 only. A sparse code drops most of Δ: at
+        hop 0 the buffer joins Δ, and at later hops (whose input is a group's mean) it
+        collects what top-k dropped of that mean, which every member of the group then owes
+        in its next Δ: together they put back the mass the group's mean lost."""
+        if residual is None:
+            return None
+        if self.config.wire.compression == Compression.SPARSE:
+            return Feedback(residual, inject=hop == 0, decay=self.config.feedback_decay if hop == 0 else 1.0)
+        return Feedback(residual) if hop == 0 else None
 
     def _outputs(self, inputs: list[torch.Tensor], own: list[torch.Tensor]) -> list[torch.Tensor]:
         """One output buffer per chain, none of them an input still being read this hop."""
@@ -312,14 +324,14 @@ class MoshpitAverager:
         theta: torch.Tensor | None,
         theta_weight: float,
         theta_out: torch.Tensor | None,
-        residual: torch.Tensor | None,
+        feedback: Feedback | None,
         report: HopReport,
     ) -> AllReduceReport | None:
         """All-reduce Δ (and θ_g when the group re-syncs) in one group; counts into `report`."""
         if len(group.members) <= 1:
             return None
         c = self.config
-        expected = expected_payload_bytes(values.numel(), len(group.members), c.int8, c.block_size)
+        expected = expected_payload_bytes(values.numel(), len(group.members), c.wire)
         timeout = self.deadlines.allreduce_timeout(expected)
         plan = make_plan(
             c.run_id,
@@ -327,10 +339,11 @@ class MoshpitAverager:
             hop,
             group.members,
             values.numel(),
-            c.block_size,
+            c.wire.block_size,
             c.chunk_elements,
-            INT8 if c.int8 else FP32,
+            c.wire.codec,
             key=group.key,
+            top_k=c.wire.plan_top_k,
         )
         result = await butterfly_allreduce(
             plan,
@@ -342,7 +355,7 @@ class MoshpitAverager:
             self.channels,
             timeout,
             in_flight=c.in_flight,
-            residual=residual,
+            feedback=feedback,
             auth=self.auth,
             trim_fraction=c.trim_fraction,
         )
@@ -363,7 +376,7 @@ class MoshpitAverager:
                 theta_hop,
                 group.members,
                 theta.numel(),
-                c.block_size,
+                c.wire.block_size,
                 c.chunk_elements,
                 FP32,
                 key=group.key,
@@ -376,7 +389,9 @@ class MoshpitAverager:
                 theta_out,
                 self.registry,
                 self.channels,
-                self.deadlines.allreduce_timeout(8 * expected),
+                self.deadlines.allreduce_timeout(
+                    2 * expected_payload_bytes(theta.numel(), len(group.members), FP32_WIRE)
+                ),
                 in_flight=c.in_flight,
                 auth=self.auth,
             )

@@ -25,13 +25,14 @@ import grpc
 import torch
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception, stop_after_attempt
 
+from dtnode.ops import sparse
 from dtnode.ops.quantization import QuantizedBlocks, dequantize, quantize, quantize_with_feedback
 from dtnode.proto import averaging_pb2 as pb
 from dtnode.proto import averaging_pb2_grpc as pb_grpc
 
 from . import failpoints
 from .auth import GRPC_METADATA, SwarmAuth, stream_subject
-from .plan import INT8, GroupPlan, chunk_spans
+from .plan import INT8, SPARSE, GroupPlan, chunk_spans
 from .reducer import PartReduction, ReductionFailed, ReductionRegistry, maybe_thread
 from .tls import TLS_NAME, TlsError, TrustStore
 from .wire import MAX_WEIGHT, ChunkError, Payload, chunk_message, decode_chunk, payload_size
@@ -119,12 +120,55 @@ class ChannelPool:
         await asyncio.gather(*(c.close() for c in channels), return_exceptions=True)
 
 
-def _encode(plan: GroupPlan, values: torch.Tensor, residual: torch.Tensor | None) -> Payload:
+@dataclass(frozen=True)
+class Feedback:
+    """This member's error-feedback buffer for the values it sends.
+
+    `inject` (a hop's own Δ): what is sent is values + decay x buffer, and the buffer keeps
+    what the code could not carry. Not `inject` (a later moshpit hop, whose values are a
+    group's mean that already holds the buffer's mass): the buffer only collects what the
+    code dropped, for the next round's Δ."""
+
+    buffer: torch.Tensor
+    inject: bool = True
+    decay: float = 1.0
+
+
+def _encode(plan: GroupPlan, values: torch.Tensor, residual: torch.Tensor | None, feedback: Feedback | None) -> Payload:
+    """Encode a chunk for the plan's codec; `residual` is the chunk's slice of the feedback buffer."""
+    if plan.codec == SPARSE:
+        if residual is None or feedback is None:
+            return sparse.encode(values, plan.block_size, plan.top_k)
+        if feedback.inject:
+            return sparse.encode_with_feedback(values, residual, plan.block_size, plan.top_k, feedback.decay)
+        payload = sparse.encode(values, plan.block_size, plan.top_k)
+        residual.add_(values).sub_(sparse.decode(payload))
+        return payload
     if plan.codec != INT8:
         return values
     if residual is not None:
         return quantize_with_feedback(values, residual, plan.block_size)
     return quantize(values, plan.block_size)
+
+
+def _keep_own(
+    target: torch.Tensor,
+    mine: torch.Tensor,
+    residual: torch.Tensor | None,
+    before: torch.Tensor | None,
+    feedback: Feedback | None,
+) -> None:
+    """A part whose reducer failed: this member applies its own values there exactly, with the
+    feedback it would have sent (that buffer is then spent), or, at a later hop, its buffer
+    goes back to what it held before this part was encoded."""
+    target.copy_(mine)
+    if residual is None or before is None or feedback is None:
+        return
+    if feedback.inject:
+        target.add_(before, alpha=feedback.decay)
+        residual.zero_()
+    else:
+        residual.copy_(before)
 
 
 STREAM_ATTEMPTS = 2  # a stream that broke before any result came back is sent once more
@@ -159,8 +203,17 @@ def _implausible(result: torch.Tensor, own: torch.Tensor) -> bool:
 def _decode_into(payload: Payload, target: torch.Tensor) -> None:
     if isinstance(payload, QuantizedBlocks):
         dequantize(payload, out=target)
+    elif isinstance(payload, sparse.SparseBlocks):
+        sparse.decode(payload, out=target)
     else:
         target.copy_(payload)
+
+
+def _sparsify_own(plan: GroupPlan, own: torch.Tensor, residual: torch.Tensor | None, feedback: Feedback | None):
+    """The reducer's own values as the group sees everyone's: through the same top-k code."""
+    payload = _encode(plan, own, residual, feedback)
+    assert isinstance(payload, sparse.SparseBlocks)  # a sparse plan's code
+    return sparse.decode(payload)
 
 
 async def butterfly_allreduce(
@@ -173,7 +226,7 @@ async def butterfly_allreduce(
     channels: ChannelPool,
     timeout: float,
     in_flight: int = 4,
-    residual: torch.Tensor | None = None,
+    feedback: Feedback | None = None,
     auth: SwarmAuth | None = None,
     trim_fraction: float | None = None,
 ) -> AllReduceReport:
@@ -181,10 +234,14 @@ async def butterfly_allreduce(
 
     Parts whose reducer fails keep this member's own values in `out`. With `trim_fraction`,
     the part this member reduces is a coordinate-wise trimmed mean (robust to a minority of
-    hostile senders; see ops/robust.py) instead of the weighted mean. With `residual`
-    (error feedback), what int8 could not carry of this member's parts is added to the next
-    call's values instead of being lost; the residual of parts that stay exact is spent.
+    hostile senders; see ops/robust.py) instead of the weighted mean. With `feedback`
+    (error feedback), what the code (int8, or sparse top-k) could not carry of this member's
+    parts is added to the next call's values instead of being lost; int8's feedback of parts
+    that stay exact is spent. In a sparse plan every member, the reducer of a part included,
+    contributes its values through the same top-k code, so the mean is sparse on the union
+    of what the members kept.
     """
+    residual = feedback.buffer if feedback is not None else None
     if values.numel() != plan.numel or out.numel() != plan.numel:
         raise ValueError("buffer size differs from the plan")
     if residual is not None and residual.numel() != plan.numel:
@@ -201,10 +258,14 @@ async def butterfly_allreduce(
 
     async def reduce_own_part() -> PartOutcome:
         offset, length = plan.parts[me]
-        own = values[offset : offset + length]
-        if residual is not None:  # own part is averaged exactly: spend its residual now
-            own = own + residual[offset : offset + length]
-            residual[offset : offset + length].zero_()
+        own = mine = values[offset : offset + length]
+        own_residual = residual[offset : offset + length] if residual is not None else None
+        own_before = own_residual.clone() if own_residual is not None and plan.codec == SPARSE else None
+        if plan.codec == SPARSE:
+            own = await maybe_thread(_sparsify_own, plan, own, own_residual, feedback, size=length)
+        elif own_residual is not None:  # own part is averaged exactly: spend its residual now
+            own = own + own_residual
+            own_residual.zero_()
         reduction = await maybe_thread(
             PartReduction, plan, own_id, own, weight, reducer_deadline, trim_fraction, size=length
         )
@@ -215,7 +276,10 @@ async def butterfly_allreduce(
                 try:
                     payload = await reduction.wait_chunk(index)
                 except ReductionFailed as e:  # logged by the reduction; its senders keep their own values too
-                    target.copy_(own)
+                    if plan.codec == SPARSE:
+                        _keep_own(target, mine, own_residual, own_before, feedback)
+                    else:
+                        target.copy_(own)
                     return PartOutcome(me, own_id, False, [], 0.0, length, f"REDUCTION_FAILED: {e}")
                 await maybe_thread(_decode_into, payload, target[off : off + n], size=n)
             try:  # let the last result chunks leave before counting them
@@ -277,9 +341,7 @@ async def butterfly_allreduce(
             code, detail = _code(e)
             if isinstance(e, EncodingError):
                 log.error("round %s hop %s: encoding part %s failed", plan.round, plan.hop, part, exc_info=e.__cause__)
-            target.copy_(mine)  # a failed reducer: keep our own values for its part
-            if mine_residual is not None:
-                mine_residual.zero_()  # those values were applied exactly
+            _keep_own(target, mine, mine_residual, residual_before, feedback)  # a failed reducer
             log.warning(
                 "round %s hop %s: part %s from reducer %s failed (%s: %s); keeping own values",
                 plan.round,
@@ -307,7 +369,7 @@ async def butterfly_allreduce(
         async def produce() -> None:
             for i, (off, n) in enumerate(spans):
                 chunk_residual = mine_residual[off : off + n] if mine_residual is not None else None
-                payload = await maybe_thread(_encode, plan, mine[off : off + n], chunk_residual, size=n)
+                payload = await maybe_thread(_encode, plan, mine[off : off + n], chunk_residual, feedback, size=n)
                 msg = chunk_message(plan, part, own_id, weight, off, payload)
                 msg.last = i == len(spans) - 1
                 await queue.put((msg, payload_size(payload)))
@@ -344,7 +406,7 @@ async def butterfly_allreduce(
                     or msg.sender != reducer.peer_id
                 ):
                     raise ChunkError("result chunk names another round, group, part or reducer")
-                payload = decode_chunk(msg, plan, length, received[0])
+                payload = decode_chunk(msg, plan, length, received[0], result=True)
                 report.bytes_received += payload_size(payload)
                 await maybe_thread(
                     _decode_into, payload, target[received[0] : received[0] + msg.length], size=msg.length

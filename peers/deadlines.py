@@ -12,6 +12,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+from .plan import WireFormat
+
 
 @dataclass
 class AdaptiveDeadlines:
@@ -67,9 +69,10 @@ def _clamp(value: float, low: float, high: float) -> float:
     return min(max(value, low), high)
 
 
-def expected_payload_bytes(numel: int, group_size: int, int8: bool, block_size: int) -> int:
-    """Payload a member sends plus receives in one butterfly all-reduce of `numel` values."""
+def expected_payload_bytes(numel: int, group_size: int, wire: WireFormat) -> int:
+    """Payload a member sends plus receives in one butterfly all-reduce of `numel` values
+    (at most: a sparse mean is assumed to hold every member's positions)."""
     if group_size <= 1:
         return 0
-    per_value = 1 + 4 / block_size if int8 else 4
-    return int(2 * numel * per_value * (group_size - 1) / group_size)
+    per_value = wire.sent_per_value() + wire.result_per_value(group_size)
+    return int(numel * per_value * (group_size - 1) / group_size)

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass, field
+from enum import StrEnum
 
+from dtnode.ops import sparse
 from dtnode.ops.partition import capped_shares, plan_parts
 from dtnode.proto import averaging_pb2 as pb
 
@@ -19,6 +21,52 @@ MAX_PART_FACTOR = 2.0
 
 INT8 = pb.CODEC_INT8_BLOCK
 FP32 = pb.CODEC_FP32
+SPARSE = pb.CODEC_SPARSE_TOPK  # what senders send in a sparse plan
+SPARSE_RESULT = pb.CODEC_SPARSE_SUPPORT  # what its reducers return
+
+
+class Compression(StrEnum):
+    """How a node's Δ travels (--compression)."""
+
+    INT8 = "int8"
+    SPARSE = "sparse"
+    FP32 = "fp32"
+
+
+@dataclass(frozen=True)
+class WireFormat:
+    """The codec of Δ on the wire, its block, and (sparse) the values kept per block."""
+
+    compression: Compression = Compression.INT8
+    block_size: int = 256
+    top_k: int = 0
+
+    def __post_init__(self) -> None:
+        if self.compression == Compression.SPARSE:
+            sparse.check_block_size(self.block_size)
+            if self.top_k < 1:
+                raise ValueError("a sparse wire format keeps top_k >= 1 values per block")
+
+    @property
+    def codec(self) -> pb.Codec:
+        return {Compression.INT8: INT8, Compression.SPARSE: SPARSE, Compression.FP32: FP32}[self.compression]
+
+    @property
+    def plan_top_k(self) -> int:
+        return self.top_k if self.compression == Compression.SPARSE else 0
+
+    def sent_per_value(self) -> float:
+        """Bytes one member's Δ costs per parameter."""
+        if self.compression == Compression.SPARSE:
+            return sparse.bytes_per_value(self.block_size, self.top_k)
+        return 1 + 4 / self.block_size if self.compression == Compression.INT8 else 4.0
+
+    def result_per_value(self, group_size: int) -> float:
+        """Bytes per parameter of a reducer's mean: a sparse mean holds up to every member's positions."""
+        if self.compression != Compression.SPARSE:
+            return self.sent_per_value()
+        kept = min(group_size * self.top_k, self.block_size)
+        return (2 + 3 * kept / 2 + kept + 4) / self.block_size
 
 
 @dataclass(frozen=True)
@@ -41,6 +89,12 @@ class GroupPlan:
     codec: pb.Codec
     parts: tuple[tuple[int, int], ...]
     group_id: bytes = field(default=b"")
+    top_k: int = 0  # sparse plans: values kept per block
+
+    @property
+    def result_codec(self) -> pb.Codec:
+        """What reducers return: the mean of sparse payloads is sparse on their union."""
+        return SPARSE_RESULT if self.codec == SPARSE else self.codec
 
     def index_of(self, peer_id: str) -> int:
         for i, m in enumerate(self.members):
@@ -63,6 +117,7 @@ def make_plan(
     chunk_elements: int,
     codec: pb.Codec = INT8,
     key: str = "",
+    top_k: int = 0,
 ) -> GroupPlan:
     """Build the plan every member derives identically from the same member list.
 
@@ -70,23 +125,40 @@ def make_plan(
     is over MAX_PART_FACTOR / reducers of Δ whatever bandwidth its member claims, and they are
     aligned to the quantization block so no block straddles two reducers. `key` (the
     group's matchmaking key) keeps two groups of one hop with the same members apart.
+    A sparse plan's block is the sparse block (so no block straddles two parts or chunks)
+    and `top_k` its kept values per block.
     """
     ordered = tuple(sorted(members, key=lambda m: m.peer_id))
     if len({m.peer_id for m in ordered}) != len(ordered):
         raise ValueError("duplicate peer ids in group")
     if chunk_elements < block_size or chunk_elements % block_size:
         raise ValueError("chunk_elements must be a positive multiple of block_size")
+    if (codec == SPARSE) != (top_k > 0):
+        raise ValueError("a sparse plan needs top_k > 0, and only a sparse plan has one")
     shares = [0.0 if m.client_mode else max(m.bandwidth, 1e-9) for m in ordered]
     reducers = sum(1 for share in shares if share > 0)
     if reducers:  # none: plan_parts says so
         shares = capped_shares(shares, MAX_PART_FACTOR / reducers)
     parts = tuple(plan_parts(numel, shares, align=block_size))
     digest = hashlib.sha256()
-    for item in (run_id, round, hop, key, numel, block_size, chunk_elements, codec, *[m.peer_id for m in ordered]):
+    for item in (
+        run_id,
+        round,
+        hop,
+        key,
+        numel,
+        block_size,
+        chunk_elements,
+        codec,
+        top_k,
+        *[m.peer_id for m in ordered],
+    ):
         digest.update(str(item).encode() + b"\0")
     for offset, length in parts:
         digest.update(f"{offset}:{length};".encode())
-    return GroupPlan(run_id, round, hop, ordered, numel, block_size, chunk_elements, codec, parts, digest.digest())
+    return GroupPlan(
+        run_id, round, hop, ordered, numel, block_size, chunk_elements, codec, parts, digest.digest(), top_k
+    )
 
 
 def chunk_spans(plan: GroupPlan, part: int) -> list[tuple[int, int]]:

@@ -26,6 +26,7 @@ from collections.abc import Callable
 
 import torch
 
+from dtnode.ops import sparse
 from dtnode.ops.quantization import (
     NonFiniteError,
     QuantizedBlocks,
@@ -37,7 +38,7 @@ from dtnode.ops.quantization import (
 from dtnode.ops.robust import trim_count, trimmed_mean
 
 from . import failpoints
-from .plan import FP32, GroupPlan, chunk_spans
+from .plan import FP32, SPARSE, GroupPlan, chunk_spans
 from .wire import (
     MAX_WEIGHT,
     ChunkError,
@@ -68,7 +69,19 @@ def largest_magnitude(payload: Payload) -> float:
         return 0.0
     if isinstance(payload, QuantizedBlocks):
         return float(payload.scales.max()) * 128 if payload.scales.numel() else 0.0
+    if isinstance(payload, sparse.SparseBlocks):
+        levels = 1.0 if payload.value_bits == sparse.TWO_BIT else 128.0
+        return float(payload.scales.max()) * levels if payload.scales.numel() else 0.0
     return float(payload.abs().max())
+
+
+def decode_payload(payload: Payload) -> torch.Tensor:
+    """A payload as dense fp32 values (a new tensor)."""
+    if isinstance(payload, QuantizedBlocks):
+        return dequantize(payload)
+    if isinstance(payload, sparse.SparseBlocks):
+        return sparse.decode(payload)
+    return payload.clone()
 
 
 async def maybe_thread(fn: Callable, *args, size: int):
@@ -111,8 +124,10 @@ class PartReduction:
         self.committed: list[str] = []
         self.failed: set[str] = set()
         self.finalized = 0  # chunks of the result that are final
-        if plan.codec == FP32:
-            self.result: Payload = self.accumulator
+        # a sparse mean is returned chunk by chunk on its support, encoded when final
+        self.sparse_results: dict[int, sparse.SparseBlocks] = {}
+        if plan.codec in (FP32, SPARSE):
+            self.result: QuantizedBlocks | torch.Tensor = self.accumulator
         else:
             self.result = QuantizedBlocks(
                 torch.empty(self.length, dtype=torch.int8),
@@ -204,12 +219,13 @@ class PartReduction:
         if not largest_magnitude(payload) * scale <= MAX_CONTRIBUTION:
             raise ChunkError(f"values x weight exceed {MAX_CONTRIBUTION:g}: the sum would overflow")
         if self.trim_fraction is not None:
-            decoded = dequantize(payload) if isinstance(payload, QuantizedBlocks) else payload.clone()
-            self.pending.setdefault(index, []).append(decoded)
+            self.pending.setdefault(index, []).append(decode_payload(payload))
             return
         target = self.accumulator[offset : offset + numel_of(payload)]
         if isinstance(payload, QuantizedBlocks):
             dequantize_accumulate(payload, target, weight)
+        elif isinstance(payload, sparse.SparseBlocks):
+            sparse.decode_accumulate(payload, target, weight)
         else:
             target.add_(payload, alpha=weight)
 
@@ -267,7 +283,9 @@ class PartReduction:
         else:
             stacked = torch.stack([mean, *self.pending.pop(index, [])])
             trimmed_mean(stacked, trim_count(stacked.shape[0], self.trim_fraction), out=mean)
-        if isinstance(self.result, QuantizedBlocks):
+        if self.plan.codec == SPARSE:
+            self.sparse_results[index] = sparse.encode_support(mean, self.plan.block_size)
+        elif isinstance(self.result, QuantizedBlocks):
             quantize(mean, self.plan.block_size, out=slice_payload(self.result, offset, length, self.plan.block_size))
 
     async def wait_chunk(self, index: int) -> Payload:
@@ -277,6 +295,8 @@ class PartReduction:
         if self.finalized <= index:
             assert self.failure is not None  # the wait ends on a final chunk or a failure
             raise self.failure
+        if self.plan.codec == SPARSE:
+            return self.sparse_results[index]
         offset, length = self.spans[index]
         return slice_payload(self.result, offset, length, self.plan.block_size)
 

@@ -11,6 +11,7 @@ from the part; nothing it sent is kept beyond the chunks already folded in full.
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 from collections.abc import AsyncIterator
 from typing import NoReturn
@@ -23,7 +24,7 @@ from dtnode.proto import averaging_pb2_grpc as pb_grpc
 from .auth import GRPC_METADATA, AuthError, SwarmAuth, stream_subject
 from .reducer import PartReduction, ReductionFailed, ReductionRegistry
 from .tls import TrustStore, client_fingerprint
-from .wire import ChunkError, chunk_message, decode_chunk, payload_size
+from .wire import ChunkError, RefusalReason, chunk_message, decode_chunk, payload_size
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +81,8 @@ class AveragingService(pb_grpc.AveragingServicer):
         self.max_streams_per_peer = max_streams_per_peer
         self.max_streams = max_streams
         self.first_message_timeout = first_message_timeout
+        # streams refused for what they carried, by ChunkError reason (exported as a metric)
+        self.refused: collections.Counter[str] = collections.Counter()
         self._open: dict[str, int] = {}  # streams per remote host: a flood from one host stays bounded
         self._open_total = 0  # ...and from all hosts together: a flood from many hosts too
 
@@ -161,6 +164,7 @@ class AveragingService(pb_grpc.AveragingServicer):
                         await _abort(context, grpc.StatusCode.ABORTED, str(reduction.failure))
                     error = reader.exception()
                     log.warning("rejected stream from %s: %s", sender, error)
+                    self.refused[getattr(error, "reason", RefusalReason.MALFORMED)] += 1
                     await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(error))
                 try:
                     payload = await waiter

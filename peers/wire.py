@@ -2,7 +2,9 @@
 
 Nothing a peer sends is trusted. A chunk must name the plan's codec and block size, fit
 inside its part at the expected offset, carry exactly the bytes its length implies and
-only finite, non-negative scales; anything else raises `ChunkError`.
+only finite, non-negative scales; a sparse chunk must also keep the plan's count per block,
+at positions inside their block, each once and in ascending order. Anything else raises
+`ChunkError`, whose `reason` is what the refusal is counted by.
 """
 
 from __future__ import annotations
@@ -12,17 +14,34 @@ from typing import overload
 
 import torch
 
+from dtnode.ops import sparse
 from dtnode.ops.quantization import QuantizedBlocks, num_blocks
+from dtnode.ops.sparse import SparseBlocks
 from dtnode.proto import averaging_pb2 as pb
 
-from .plan import FP32, GroupPlan
+from .plan import FP32, SPARSE, SPARSE_RESULT, GroupPlan
 
 MAX_WEIGHT = 1e12  # a weight is a token count; anything larger is a hostile or broken peer
-Payload = QuantizedBlocks | torch.Tensor
+Payload = QuantizedBlocks | SparseBlocks | torch.Tensor
+
+
+class RefusalReason:
+    """Why a chunk was refused: the label it is counted by."""
+
+    MALFORMED = "malformed"
+    INDEX_OUT_OF_RANGE = "index_out_of_range"
+    DUPLICATE_INDEX = "duplicate_index"
+    WRONG_COUNT = "wrong_count"
+    BAD_SCALE = "bad_scale"
+    NON_FINITE = "non_finite"
 
 
 class ChunkError(ValueError):
     """A chunk that does not match the plan; its sender's stream is refused."""
+
+    def __init__(self, message: str, reason: str = RefusalReason.MALFORMED):
+        super().__init__(message)
+        self.reason = reason
 
 
 def max_message_bytes(chunk_elements: int) -> int:
@@ -31,7 +50,7 @@ def max_message_bytes(chunk_elements: int) -> int:
 
 
 def numel_of(payload: Payload) -> int:
-    return payload.numel if isinstance(payload, QuantizedBlocks) else payload.numel()
+    return payload.numel if isinstance(payload, QuantizedBlocks | SparseBlocks) else payload.numel()
 
 
 def _frombuffer(data: bytes, dtype: torch.dtype) -> torch.Tensor:
@@ -47,7 +66,9 @@ def _frombuffer(data: bytes, dtype: torch.dtype) -> torch.Tensor:
 MAX_SCALE = torch.finfo(torch.float32).max / 128
 
 
-def decode_chunk(chunk: pb.PartChunk, plan: GroupPlan, part_length: int, expected_offset: int) -> Payload:
+def decode_chunk(
+    chunk: pb.PartChunk, plan: GroupPlan, part_length: int, expected_offset: int, result: bool = False
+) -> Payload:
     """Validate a chunk's payload against the plan; return int8 blocks or fp32 values.
 
     Every int8 code (including -128) decodes to within 128 times its block's scale, so codes
@@ -59,33 +80,84 @@ def decode_chunk(chunk: pb.PartChunk, plan: GroupPlan, part_length: int, expecte
         raise ChunkError(f"chunk offset {chunk.offset}, expected {expected_offset}")
     if n == 0 or n > plan.chunk_elements or chunk.offset + n > part_length:
         raise ChunkError(f"chunk length {n} at offset {chunk.offset} does not fit part of {part_length}")
-    if chunk.codec != plan.codec:
-        raise ChunkError(f"codec {chunk.codec}, plan uses {plan.codec}")
+    codec = plan.result_codec if result else plan.codec
+    if chunk.codec != codec:
+        raise ChunkError(f"codec {chunk.codec}, plan uses {codec}")
     values = chunk.values  # each access of a bytes field copies it: read once
     if plan.codec == FP32:
         if len(values) != 4 * n or len(chunk.scales):
             raise ChunkError("fp32 chunk has the wrong byte count")
         decoded = _frombuffer(values, torch.float32)
         if not bool(torch.isfinite(decoded).all()):
-            raise ChunkError("non-finite values")
+            raise ChunkError("non-finite values", RefusalReason.NON_FINITE)
         return decoded
     if chunk.block_size != plan.block_size:
         raise ChunkError(f"block size {chunk.block_size}, plan uses {plan.block_size}")
+    if plan.codec == SPARSE:
+        return _decode_sparse(chunk, plan, n, values, result)
     scale_bytes = chunk.scales
     if len(values) != n or len(scale_bytes) != 4 * num_blocks(n, plan.block_size):
         raise ChunkError("int8 chunk has the wrong byte count")
     scales = _frombuffer(scale_bytes, torch.float32)
-    if not bool(torch.isfinite(scales).all()) or bool((scales < 0).any()):
-        raise ChunkError("non-finite or negative scales")
-    if bool((scales > MAX_SCALE).any()):  # a code of -128 would decode to inf
-        raise ChunkError(f"a scale over {MAX_SCALE:.3g}: its block would decode to non-finite values")
+    _check_scales(scales)
     return QuantizedBlocks(_frombuffer(values, torch.int8), scales, plan.block_size)
+
+
+def _check_scales(scales: torch.Tensor) -> None:
+    if not bool(torch.isfinite(scales).all()) or bool((scales < 0).any()):
+        raise ChunkError("non-finite or negative scales", RefusalReason.BAD_SCALE)
+    if bool((scales > MAX_SCALE).any()):  # a code of -128 would decode to inf
+        raise ChunkError(
+            f"a scale over {MAX_SCALE:.3g}: its block would decode to non-finite values", RefusalReason.BAD_SCALE
+        )
+
+
+def _decode_sparse(chunk: pb.PartChunk, plan: GroupPlan, n: int, values: bytes, result: bool) -> SparseBlocks:
+    """A sender's top-k chunk (exactly the plan's count per block) or a reducer's mean (at
+    most every member's count per block), positions strictly ascending inside each block."""
+    block = plan.block_size
+    nb = num_blocks(n, block)
+    lengths = sparse.block_lengths(n, block)
+    count_bytes = chunk.counts
+    if len(count_bytes) != 2 * nb:
+        raise ChunkError(f"{len(count_bytes)} bytes of counts for {nb} blocks", RefusalReason.WRONG_COUNT)
+    counts = _frombuffer(count_bytes, torch.int16).to(torch.int64) & 0xFFFF
+    if result:
+        allowed = lengths.clamp_max(len(plan.members) * plan.top_k)
+        if chunk.top_k != 0 or bool((counts > allowed).any()):
+            raise ChunkError("a result block holds more values than its members kept", RefusalReason.WRONG_COUNT)
+    elif chunk.top_k != plan.top_k or not torch.equal(counts, lengths.clamp_max(plan.top_k)):
+        raise ChunkError(f"a block does not keep exactly top_k={plan.top_k} values", RefusalReason.WRONG_COUNT)
+    total = int(counts.sum())
+    index_bytes = chunk.indices
+    if len(index_bytes) != sparse.packed_index_bytes(total):
+        raise ChunkError("sparse chunk has the wrong byte count of positions", RefusalReason.WRONG_COUNT)
+    indices = sparse.unpack_indices(_frombuffer(index_bytes, torch.uint8), total)
+    owner = torch.repeat_interleave(torch.arange(nb), counts, output_size=total)
+    if bool((indices >= lengths[owner]).any()):
+        raise ChunkError("a position outside its block", RefusalReason.INDEX_OUT_OF_RANGE)
+    same_block = owner[1:] == owner[:-1]
+    if bool((same_block & (indices[1:] <= indices[:-1])).any()):
+        raise ChunkError("a position repeated, or out of order, in its block", RefusalReason.DUPLICATE_INDEX)
+    bits = sparse.EIGHT_BIT if result else sparse.TWO_BIT
+    levels = 1 if result else 2
+    code_bytes = total if result else sparse.packed_two_bit_bytes(total)
+    scale_bytes = chunk.scales
+    if len(values) != code_bytes or len(scale_bytes) != 4 * levels * nb:
+        raise ChunkError("sparse chunk has the wrong byte count of values or scales", RefusalReason.WRONG_COUNT)
+    scales = _frombuffer(scale_bytes, torch.float32).view(nb, levels)
+    _check_scales(scales)
+    raw = _frombuffer(values, torch.int8 if result else torch.uint8)
+    codes = raw if result else sparse.unpack_two_bit(raw, total)
+    return SparseBlocks(counts, indices, codes, scales, n, block, bits)
 
 
 def payload_size(payload: Payload) -> int:
     """Wire bytes of a decoded payload (without copying the message's bytes again)."""
     if isinstance(payload, QuantizedBlocks):
         return payload.codes.numel() + 4 * payload.scales.numel()
+    if isinstance(payload, SparseBlocks):
+        return sparse.wire_bytes(payload)
     return 4 * payload.numel()
 
 
@@ -104,7 +176,17 @@ def chunk_message(
         length=numel_of(payload),
         codec=plan.codec,
     )
-    if isinstance(payload, QuantizedBlocks):
+    if isinstance(payload, SparseBlocks):
+        result = payload.value_bits == sparse.EIGHT_BIT
+        msg.codec = SPARSE_RESULT if result else SPARSE
+        msg.block_size = payload.block_size
+        msg.top_k = 0 if result else plan.top_k
+        msg.counts = payload.counts.to(torch.int16).numpy().tobytes()  # counts <= 4096 fit
+        msg.indices = sparse.pack_indices(payload.indices).numpy().tobytes()
+        codes = payload.codes if result else sparse.pack_two_bit(payload.codes)
+        msg.values = codes.numpy().tobytes()
+        msg.scales = payload.scales.contiguous().numpy().tobytes()
+    elif isinstance(payload, QuantizedBlocks):
         msg.block_size = plan.block_size
         msg.values = payload.codes.numpy().tobytes()
         msg.scales = payload.scales.numpy().tobytes()
@@ -117,8 +199,10 @@ def chunk_message(
 def slice_payload(payload: QuantizedBlocks, offset: int, length: int, block_size: int) -> QuantizedBlocks: ...
 @overload
 def slice_payload(payload: torch.Tensor, offset: int, length: int, block_size: int) -> torch.Tensor: ...
-def slice_payload(payload: Payload, offset: int, length: int, block_size: int) -> Payload:
-    """A block-aligned slice of a payload (views, no copies)."""
+def slice_payload(
+    payload: QuantizedBlocks | torch.Tensor, offset: int, length: int, block_size: int
+) -> QuantizedBlocks | torch.Tensor:
+    """A block-aligned slice of a dense payload (views, no copies)."""
     if isinstance(payload, QuantizedBlocks):
         first = offset // block_size
         return QuantizedBlocks(

@@ -12,12 +12,16 @@ class Codec(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     CODEC_UNSPECIFIED: _ClassVar[Codec]
     CODEC_INT8_BLOCK: _ClassVar[Codec]
     CODEC_FP32: _ClassVar[Codec]
+    CODEC_SPARSE_TOPK: _ClassVar[Codec]
+    CODEC_SPARSE_SUPPORT: _ClassVar[Codec]
 CODEC_UNSPECIFIED: Codec
 CODEC_INT8_BLOCK: Codec
 CODEC_FP32: Codec
+CODEC_SPARSE_TOPK: Codec
+CODEC_SPARSE_SUPPORT: Codec
 
 class PartChunk(_message.Message):
-    __slots__ = ("run_id", "round", "hop", "group_id", "part", "sender", "weight", "offset", "length", "codec", "block_size", "values", "scales", "last", "included", "total_weight")
+    __slots__ = ("run_id", "round", "hop", "group_id", "part", "sender", "weight", "offset", "length", "codec", "block_size", "values", "scales", "last", "included", "total_weight", "counts", "indices", "top_k")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     HOP_FIELD_NUMBER: _ClassVar[int]
@@ -34,6 +38,9 @@ class PartChunk(_message.Message):
     LAST_FIELD_NUMBER: _ClassVar[int]
     INCLUDED_FIELD_NUMBER: _ClassVar[int]
     TOTAL_WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    COUNTS_FIELD_NUMBER: _ClassVar[int]
+    INDICES_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     round: int
     hop: int
@@ -50,4 +57,7 @@ class PartChunk(_message.Message):
     last: bool
     included: _containers.RepeatedScalarFieldContainer[str]
     total_weight: float
-    def __init__(self, run_id: _Optional[str] = ..., round: _Optional[int] = ..., hop: _Optional[int] = ..., group_id: _Optional[bytes] = ..., part: _Optional[int] = ..., sender: _Optional[str] = ..., weight: _Optional[float] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ..., codec: _Optional[_Union[Codec, str]] = ..., block_size: _Optional[int] = ..., values: _Optional[bytes] = ..., scales: _Optional[bytes] = ..., last: _Optional[bool] = ..., included: _Optional[_Iterable[str]] = ..., total_weight: _Optional[float] = ...) -> None: ...
+    counts: bytes
+    indices: bytes
+    top_k: int
+    def __init__(self, run_id: _Optional[str] = ..., round: _Optional[int] = ..., hop: _Optional[int] = ..., group_id: _Optional[bytes] = ..., part: _Optional[int] = ..., sender: _Optional[str] = ..., weight: _Optional[float] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ..., codec: _Optional[_Union[Codec, str]] = ..., block_size: _Optional[int] = ..., values: _Optional[bytes] = ..., scales: _Optional[bytes] = ..., last: _Optional[bool] = ..., included: _Optional[_Iterable[str]] = ..., total_weight: _Optional[float] = ..., counts: _Optional[bytes] = ..., indices: _Optional[bytes] = ..., top_k: _Optional[int] = ...) -> None: ...

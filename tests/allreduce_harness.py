@@ -9,7 +9,7 @@ import grpc
 import torch
 from cryptography.hazmat.primitives.asymmetric import rsa
 
-from dtnode.peers.butterfly import AllReduceReport, ChannelPool, butterfly_allreduce
+from dtnode.peers.butterfly import AllReduceReport, ChannelPool, Feedback, butterfly_allreduce
 from dtnode.peers.plan import INT8, Member, make_plan
 from dtnode.peers.reducer import ReductionRegistry
 from dtnode.peers.server import start_grpc_server
@@ -24,6 +24,7 @@ class Peer:
     registry: ReductionRegistry
     server: object
     channels: ChannelPool
+    service: AveragingService
 
 
 def tls_stores(peer_ids: list[str]) -> list[TrustStore]:
@@ -59,7 +60,7 @@ async def start_peers(
         member = Member(
             peer_id, f"127.0.0.1:{port}", client_mode=i in client_mode, bandwidth=bandwidths[i] if bandwidths else 1.0
         )
-        peers.append(Peer(member, registry, server, ChannelPool(max_message_bytes(chunk_elements), trust)))
+        peers.append(Peer(member, registry, server, ChannelPool(max_message_bytes(chunk_elements), trust), service))
     return peers
 
 
@@ -81,17 +82,28 @@ async def allreduce(
     codec: int = INT8,
     timeout: float = 10.0,
     members: list[Member] | None = None,
+    top_k: int = 0,
+    feedback: list[Feedback] | None = None,
 ) -> tuple[list[torch.Tensor], list[AllReduceReport]]:
     """One all-reduce among `peers`; `members` overrides the plan's member list (addresses a
     test reroutes, or a member that is not there)."""
     plan = make_plan(
-        run_id, round, 0, members or [p.member for p in peers], values[0].numel(), block_size, chunk_elements, codec
+        run_id,
+        round,
+        0,
+        members or [p.member for p in peers],
+        values[0].numel(),
+        block_size,
+        chunk_elements,
+        codec,
+        top_k=top_k,
     )
     outs = [torch.empty_like(v) for v in values]
+    feedbacks: list[Feedback | None] = list(feedback) if feedback else [None] * len(peers)
     reports = await asyncio.gather(
         *(
-            butterfly_allreduce(plan, p.member.peer_id, v, w, o, p.registry, p.channels, timeout)
-            for p, v, w, o in zip(peers, values, weights, outs)
+            butterfly_allreduce(plan, p.member.peer_id, v, w, o, p.registry, p.channels, timeout, feedback=f)
+            for p, v, w, o, f in zip(peers, values, weights, outs, feedbacks)
         )
     )
     return outs, list(reports)

@@ -8,7 +8,7 @@ import torch
 from allreduce_harness import allreduce, start_peers, stop_peers, stream_status
 
 from dtnode.ops.quantization import quantize
-from dtnode.peers.butterfly import butterfly_allreduce
+from dtnode.peers.butterfly import Feedback, butterfly_allreduce
 from dtnode.peers.plan import FP32, INT8, Member, make_plan
 from dtnode.peers.wire import chunk_message
 from dtnode.proto import averaging_pb2 as pb
@@ -345,7 +345,7 @@ def test_error_feedback_bounds_the_error_of_many_rounds():
                                 p.registry,
                                 p.channels,
                                 10.0,
-                                residual=res if feedback else None,
+                                feedback=Feedback(res) if feedback else None,
                             )
                             for p, v, o, res in zip(peers, values, outs, residuals)
                         )

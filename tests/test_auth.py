@@ -68,7 +68,9 @@ async def _keyed_peers(n: int, auth_for) -> list[Peer]:
         service = AveragingService(registry, "run", registration_wait=1.0, auth=auth_for(f"peer{i}"))
         server, port = await start_grpc_server(service, "127.0.0.1", 0, max_message_bytes(4096))
         peers.append(
-            Peer(Member(f"peer{i}", f"127.0.0.1:{port}"), registry, server, ChannelPool(max_message_bytes(4096)))
+            Peer(
+                Member(f"peer{i}", f"127.0.0.1:{port}"), registry, server, ChannelPool(max_message_bytes(4096)), service
+            )
         )
     return peers
 

@@ -24,7 +24,7 @@ from dtnode.peers.grid import (
 )
 from dtnode.peers.matchmaking import Matchmaker, Registration, round_time
 from dtnode.peers.membership import PeerRecord
-from dtnode.peers.plan import Member
+from dtnode.peers.plan import Compression, Member, WireFormat
 
 
 @pytest.mark.parametrize("n,m,d", [(9, 3, 2), (16, 4, 2), (64, 4, 3), (8, 2, 3), (5, 16, 1), (17, 16, 2)])
@@ -138,8 +138,10 @@ def test_deadlines_follow_measurements_within_bounds():
     assert d.allreduce_timeout(10**6) == 3.0  # clamped to the lower bound
     assert d.allreduce_timeout(10**9) == pytest.approx(31.0)
     assert d.allreduce_timeout(10**11) == 60.0
-    assert expected_payload_bytes(1000, 1, True, 256) == 0
-    assert expected_payload_bytes(1000, 2, False, 256) == 4000
+    assert expected_payload_bytes(1000, 1, WireFormat(Compression.INT8, 256)) == 0
+    assert expected_payload_bytes(1000, 2, WireFormat(Compression.FP32, 256)) == 4000
+    # a sparse round moves about 0.03 bytes per value out and at most a union's worth back
+    assert 0 < expected_payload_bytes(4096 * 100, 4, WireFormat(Compression.SPARSE, 4096, 64)) < 0.2 * 4096 * 100
 
 
 @pytest.fixture(scope="module")
@@ -357,7 +359,7 @@ def test_the_average_reads_delta_only_once_its_copy_from_the_device_is_in(dht):
         async def run(i: int, peer):
             maker = Matchmaker(dht, "ready-run", peer.member, poll_interval=0.05)
             averager = MoshpitAverager(
-                AveragingConfig("ready-run", "m", 4, block_size=64, chunk_elements=1024),
+                AveragingConfig("ready-run", "m", 4, wire=WireFormat(Compression.INT8, 64), chunk_elements=1024),
                 ids[i],
                 view,
                 maker,

@@ -1,0 +1,256 @@
+"""Sparse pseudo-gradients: the top-k codec, its error feedback, its wire validation, and the
+butterfly averaging sparse payloads on real loopback gRPC servers."""
+
+import asyncio
+
+import grpc
+import pytest
+import torch
+from allreduce_harness import allreduce, start_peers, stop_peers
+
+from dtnode.ops import sparse
+from dtnode.peers.butterfly import Feedback, butterfly_allreduce
+from dtnode.peers.plan import SPARSE, Member, make_plan
+from dtnode.peers.wire import ChunkError, RefusalReason, chunk_message, decode_chunk
+from dtnode.proto import averaging_pb2_grpc as pb_grpc
+
+BLOCK, K = 4096, 64
+
+
+def rel(a, b):
+    return float((a - b).norm() / b.norm())
+
+
+def test_codec_keeps_the_k_largest_of_every_block_with_two_bit_values():
+    x = torch.randn(3 * BLOCK + 1000, generator=torch.Generator().manual_seed(0))
+    payload = sparse.encode(x, BLOCK, K)
+    assert payload.counts.tolist() == [K, K, K, K]
+    decoded = sparse.decode(payload)
+    for b in range(4):
+        block = x[b * BLOCK : (b + 1) * BLOCK]
+        kept = set((decoded[b * BLOCK : (b + 1) * BLOCK] != 0).nonzero().squeeze(1).tolist())
+        assert kept == set(block.abs().topk(K).indices.tolist())
+    where = sparse.positions(payload)
+    assert torch.equal(torch.sign(decoded[where]), torch.sign(x[where]))
+    for b in range(4):  # two magnitudes per block: its low and high means
+        in_block = where[(where >= b * BLOCK) & (where < (b + 1) * BLOCK)]
+        assert decoded[in_block].abs().unique().numel() <= 2
+    assert sparse.wire_bytes(payload) / x.numel() < 0.04  # 12-bit positions and 2-bit values
+    # a shorter last block than k keeps all of its values
+    short = sparse.encode(torch.randn(BLOCK + 10), BLOCK, K)
+    assert short.counts.tolist() == [K, 10]
+
+
+def test_packed_positions_and_codes_round_trip():
+    indices = torch.randint(0, BLOCK, (1001,))
+    assert torch.equal(sparse.unpack_indices(sparse.pack_indices(indices), 1001), indices)
+    codes = torch.randint(0, 4, (1003,), dtype=torch.int8)
+    assert torch.equal(sparse.unpack_two_bit(sparse.pack_two_bit(codes), 1003), codes)
+
+
+def test_error_feedback_makes_the_sum_of_what_is_sent_follow_the_sum_of_the_deltas():
+    """Pseudo-gradients share a direction round to round; what top-k drops of it waits in the
+    buffer and goes out later, so the running sum of what was sent converges to that of the
+    Δs. Without feedback ~98% of every Δ is lost for good."""
+    gen = torch.Generator().manual_seed(1)
+    direction = torch.randn(8 * BLOCK, generator=gen)
+    residual = torch.zeros(8 * BLOCK)
+    sent, total, plain = torch.zeros(8 * BLOCK), torch.zeros(8 * BLOCK), torch.zeros(8 * BLOCK)
+    errors = []
+    for r in range(1, 201):
+        delta = direction + torch.randn(8 * BLOCK, generator=gen)
+        total += delta
+        sent += sparse.decode(sparse.encode_with_feedback(delta, residual, BLOCK, K))
+        plain += sparse.decode(sparse.encode(delta, BLOCK, K))
+        torch.testing.assert_close(sent + residual, total, rtol=0, atol=1e-3)  # nothing is lost
+        if r in (20, 200):
+            errors.append(rel(sent, total))
+    assert errors[1] < 0.5 * errors[0], errors
+    assert errors[1] < 0.15, errors
+    assert rel(plain, total) > 0.8
+
+
+def test_the_mean_of_sparse_payloads_is_returned_on_its_support():
+    x = torch.zeros(2 * BLOCK + 7)
+    x[[3, 17, BLOCK + 5, 2 * BLOCK + 6]] = torch.tensor([0.5, -0.25, 1e-3, 2.0])
+    payload = sparse.encode_support(x, BLOCK)
+    assert payload.counts.tolist() == [2, 1, 1]
+    torch.testing.assert_close(sparse.decode(payload), x, rtol=0.01, atol=0)
+
+
+# ---- wire ---------------------------------------------------------------------------------
+def _plan(members=("a", "b", "c")):
+    return make_plan("run", 0, 0, [Member(m, "") for m in members], 4 * BLOCK, BLOCK, 2 * BLOCK, SPARSE, top_k=K)
+
+
+def _chunk(plan):
+    """An honest chunk of a full block and a short one of 100 values."""
+    return chunk_message(plan, 0, "b", 1.0, 0, sparse.encode(torch.randn(BLOCK + 100), BLOCK, K))
+
+
+def _with_indices(chunk, change):
+    count = sum(sparse.block_lengths(chunk.length, BLOCK).clamp_max(K).tolist())
+    indices = sparse.unpack_indices(torch.frombuffer(bytearray(chunk.indices), dtype=torch.uint8), count)
+    change(indices)
+    chunk.indices = sparse.pack_indices(indices).numpy().tobytes()
+
+
+def _with_scales(chunk, value):
+    scales = torch.frombuffer(bytearray(chunk.scales), dtype=torch.float32).clone()
+    scales[1] = value
+    chunk.scales = scales.numpy().tobytes()
+
+
+MALFORMED = {
+    "position outside its block": (
+        lambda c: _with_indices(c, lambda i: i.__setitem__(K + 3, 200)),  # the short block has 100
+        RefusalReason.INDEX_OUT_OF_RANGE,
+    ),
+    "duplicate position": (lambda c: _with_indices(c, lambda i: i.__setitem__(1, i[0])), RefusalReason.DUPLICATE_INDEX),
+    "positions out of order": (
+        lambda c: _with_indices(c, lambda i: i[:2].copy_(i[:2].flip(0))),
+        RefusalReason.DUPLICATE_INDEX,
+    ),
+    "a block with fewer values": (
+        lambda c: c.__setattr__("counts", torch.tensor([K - 1, K], dtype=torch.int16).numpy().tobytes()),
+        RefusalReason.WRONG_COUNT,
+    ),
+    "another top_k": (lambda c: c.__setattr__("top_k", 2 * K), RefusalReason.WRONG_COUNT),
+    "missing positions": (lambda c: c.__setattr__("indices", c.indices[:-3]), RefusalReason.WRONG_COUNT),
+    "missing codes": (lambda c: c.__setattr__("values", c.values[:-1]), RefusalReason.WRONG_COUNT),
+    "NaN scale": (lambda c: _with_scales(c, float("nan")), RefusalReason.BAD_SCALE),
+    "infinite scale": (lambda c: _with_scales(c, float("inf")), RefusalReason.BAD_SCALE),
+    "negative scale": (lambda c: _with_scales(c, -1.0), RefusalReason.BAD_SCALE),
+}
+
+
+@pytest.mark.parametrize("attack", sorted(MALFORMED))
+def test_a_malformed_sparse_chunk_is_refused_with_its_reason(attack):
+    plan = _plan()
+    chunk = _chunk(plan)
+    decode_chunk(chunk, plan, 2 * BLOCK, 0)  # the honest chunk passes
+    change, reason = MALFORMED[attack]
+    change(chunk)
+    with pytest.raises(ChunkError) as refused:
+        decode_chunk(chunk, plan, 2 * BLOCK, 0)
+    assert refused.value.reason == reason
+
+
+def test_a_result_may_not_hold_more_values_per_block_than_all_members_kept():
+    plan = _plan(("a", "b"))
+    dense = torch.randn(2 * BLOCK)
+    result = chunk_message(plan, 0, "a", 0.0, 0, sparse.encode_support(dense, BLOCK))
+    with pytest.raises(ChunkError) as refused:
+        decode_chunk(result, plan, 2 * BLOCK, 0, result=True)
+    assert refused.value.reason == RefusalReason.WRONG_COUNT
+    dense[dense.abs() < 2.4] = 0  # about 1.6% of the values: within two members' 2 x 64
+    decoded = decode_chunk(
+        chunk_message(plan, 0, "a", 0.0, 0, sparse.encode_support(dense, BLOCK)), plan, 2 * BLOCK, 0, result=True
+    )
+    torch.testing.assert_close(sparse.decode(decoded), dense, rtol=0.01, atol=0)
+
+
+# ---- the data plane -----------------------------------------------------------------------
+def test_sparse_allreduce_gives_every_member_the_same_mean_of_what_the_members_kept():
+    async def main():
+        peers = await start_peers(3, chunk_elements=2 * BLOCK)
+        gen = torch.Generator().manual_seed(3)
+        numel = 5 * BLOCK + 123
+        values = [torch.randn(numel, generator=gen) for _ in range(3)]
+        weights = [100.0, 200.0, 300.0]
+        try:
+            outs, reports = await allreduce(
+                peers, values, weights, block_size=BLOCK, chunk_elements=2 * BLOCK, codec=SPARSE, top_k=K
+            )
+        finally:
+            await stop_peers(peers)
+        kept = [sparse.decode(sparse.encode(v, BLOCK, K)) for v in values]
+        expected = sum(w * k for w, k in zip(weights, kept)) / sum(weights)
+        assert torch.equal(outs[0], outs[1]) and torch.equal(outs[1], outs[2])  # bit for bit
+        assert rel(outs[0], expected) < 0.01  # the int8 code of the returned mean
+        assert set(outs[0].nonzero().squeeze(1).tolist()) == set(expected.nonzero().squeeze(1).tolist())
+        for report in reports:
+            assert not report.failed_parts
+            assert report.included_peers == ["peer00", "peer01", "peer02"]
+            assert report.bytes_sent < 0.2 * numel  # int8 would send ~0.7 bytes per value here
+
+    asyncio.run(main())
+
+
+def test_sparse_allreduce_with_error_feedback_loses_nothing_and_closes_in_on_the_exact_mean():
+    async def main():
+        peers = await start_peers(3, chunk_elements=2 * BLOCK)
+        gen = torch.Generator().manual_seed(4)
+        numel = 4 * BLOCK
+        directions = [torch.randn(numel, generator=gen) for _ in range(3)]
+        buffers = [torch.zeros(numel) for _ in range(3)]
+        applied, exact = torch.zeros(numel), torch.zeros(numel)
+        errors = []
+        try:
+            for r in range(40):
+                values = [d + torch.randn(numel, generator=gen) for d in directions]
+                outs, _ = await allreduce(
+                    peers,
+                    values,
+                    [1.0] * 3,
+                    round=r,
+                    block_size=BLOCK,
+                    chunk_elements=2 * BLOCK,
+                    codec=SPARSE,
+                    top_k=K,
+                    feedback=[Feedback(b) for b in buffers],
+                )
+                applied += outs[0]
+                exact += sum(values) / 3
+                # nothing is lost: what was applied and what the members still owe make up the exact sum
+                assert rel(applied + sum(buffers) / 3, exact) < 0.01
+                if r + 1 in (10, 40):
+                    errors.append(rel(applied, exact))
+        finally:
+            await stop_peers(peers)
+        assert errors[1] < 0.75 * errors[0], errors
+
+    asyncio.run(main())
+
+
+def test_a_hostile_sparse_sender_is_refused_counted_by_reason_and_leaves_the_mean_alone():
+    async def main():
+        peers = await start_peers(2, chunk_elements=2 * BLOCK)
+        hostile = Member("peer-hostile", "", client_mode=True)
+        numel = 2 * BLOCK
+        plan = make_plan("test-run", 5, 0, [*(p.member for p in peers), hostile], numel, BLOCK, 2 * BLOCK, SPARSE, top_k=K)
+        values = [torch.randn(numel) for _ in range(2)]
+        outs = [torch.empty(numel) for _ in range(2)]
+
+        async def attacker():
+            for peer in peers:
+                part = plan.index_of(peer.member.peer_id)
+                offset, length = plan.parts[part]
+                chunk = chunk_message(plan, part, "peer-hostile", 1.0, 0, sparse.encode(torch.randn(length), BLOCK, K))
+                chunk.last = True
+                _with_indices(chunk, lambda i: i.__setitem__(1, i[0]))  # a duplicate position
+                async with grpc.aio.insecure_channel(peer.member.grpc_addr) as channel:
+                    call = pb_grpc.AveragingStub(channel).Reduce(iter([chunk]), timeout=5)
+                    with pytest.raises(grpc.aio.AioRpcError) as refused:
+                        async for _ in call:
+                            pass
+                    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+        try:
+            *reports, _ = await asyncio.gather(
+                *(
+                    butterfly_allreduce(plan, p.member.peer_id, v, 1.0, o, p.registry, p.channels, timeout=5.0)
+                    for p, v, o in zip(peers, values, outs)
+                ),
+                attacker(),
+            )
+        finally:
+            await stop_peers(peers)
+        kept = [sparse.decode(sparse.encode(v, BLOCK, K)) for v in values]
+        assert rel(outs[0], (kept[0] + kept[1]) / 2) < 0.01
+        assert torch.equal(outs[0], outs[1])
+        for peer, report in zip(peers, reports):
+            assert "peer-hostile" not in report.included_peers
+            assert peer.service.refused == {RefusalReason.DUPLICATE_INDEX: 1}
+
+    asyncio.run(main())
