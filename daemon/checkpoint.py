@@ -39,6 +39,7 @@ log = logging.getLogger(__name__)
 FORMAT = "dtnode-checkpoint-v2"
 INNER = ("inner/exp_avg", "inner/exp_avg_sq")
 GENERATOR = "data/generator_state"
+FEEDBACK = "outer/error_feedback"  # what the wire code has not sent yet (sparse; int8 with --error-feedback)
 GENERATOR_LIMIT = 1 << 16  # bytes; a CPU torch.Generator state is about 5 kB
 _NAME = re.compile(r"^ckpt-(\d{8,})\.safetensors$")
 LOCAL_FORMAT = "dtnode-local-state-v1"
@@ -112,6 +113,7 @@ class LocalState:
     adam_steps: int
     batches_drawn: int  # of the batch size it was written with (files before sequences_drawn)
     sequences_drawn: int | None = None  # the data position; None in a file that predates it
+    error_feedback: torch.Tensor | None = None  # owed to the swarm: not sent yet, not in θ_g
 
 
 @dataclass
@@ -186,15 +188,18 @@ def write_checkpoint(
         if local.sequences_drawn is not None:
             local_meta["data_sequences_drawn"] = str(local.sequences_drawn)
         n = 4 * layout.numel
-        header = _entries(
-            [
-                (INNER[0], "F32", [layout.numel], n),
-                (INNER[1], "F32", [layout.numel], n),
-                (GENERATOR, "U8", [generator.numel()], generator.numel()),
-            ],
-            local_meta,
-        )
-        _write_atomic(local_state_path(directory, step), header, [local.exp_avg, local.exp_avg_sq, generator])
+        entries = [
+            (INNER[0], "F32", [layout.numel], n),
+            (INNER[1], "F32", [layout.numel], n),
+            (GENERATOR, "U8", [generator.numel()], generator.numel()),
+        ]
+        buffers = [local.exp_avg, local.exp_avg_sq, generator]
+        if local.error_feedback is not None:
+            if local.error_feedback.numel() != layout.numel:
+                raise ValueError("error-feedback buffer does not match the layout")
+            entries.append((FEEDBACK, "F32", [layout.numel], n))
+            buffers.append(local.error_feedback)
+        _write_atomic(local_state_path(directory, step), _entries(entries, local_meta), buffers)
     final = checkpoint_path(directory, step)
     sha256, size = _write_atomic(final, shared_header(step, layout, metadata), [state.theta_g, state.momentum])
     return CheckpointInfo(step, final, sha256, size)
@@ -354,10 +359,12 @@ def read_local_state(directory: Path, step: int, layout: Layout, run_id: str, mo
     """This node's own inner state saved with checkpoint `step` (raises CheckpointError)."""
     path = local_state_path(directory, step)
     try:
-        with _open_checked(path, 2 * 4 * layout.numel + GENERATOR_LIMIT + HEADER_LIMIT + 8) as f:
+        with _open_checked(path, 3 * 4 * layout.numel + GENERATOR_LIMIT + HEADER_LIMIT + 8) as f:
             meta = f.metadata() or {}
-            if set(f.keys()) != {*INNER, GENERATOR}:
+            names = set(f.keys())
+            if names - {FEEDBACK} != {*INNER, GENERATOR}:
                 raise CheckpointError(f"{path.name}: tensor names differ from a local state's")
+            feedback = _checked(f, FEEDBACK, (layout.numel,)) if FEEDBACK in names else None
             _check_metadata(path, meta, run_id, model_hash, LOCAL_FORMAT)
             if meta["outer_step"] != str(step):
                 raise CheckpointError(f"{path.name} names outer step {meta['outer_step']}")
@@ -387,7 +394,14 @@ def read_local_state(directory: Path, step: int, layout: Layout, run_id: str, mo
         raise CheckpointError(f"{path.name}: data_sequences_drawn is not a non-negative integer")
     inner_step, adam_steps, batches = counts
     return LocalState(
-        exp_avg, exp_avg_sq, generator_state, inner_step, adam_steps, batches, int(sequences) if sequences else None
+        exp_avg,
+        exp_avg_sq,
+        generator_state,
+        inner_step,
+        adam_steps,
+        batches,
+        int(sequences) if sequences else None,
+        feedback,
     )
 
 

@@ -10,13 +10,15 @@ from __future__ import annotations
 
 import math
 import shutil
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import psutil
 import torch
 from prometheus_client import CollectorRegistry, Counter, Enum, Gauge, Histogram, Info, ProcessCollector
+from prometheus_client.core import CounterMetricFamily
+from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
     from .local_ranks import RankReport
@@ -64,6 +66,23 @@ def failure_reason(error: str) -> str:
     return "".join(c for c in code if c.isalnum() or c == "_")[:40] or "unknown"
 
 
+class RefusalCollector(Collector):
+    """`dtnode_refused_streams_total{reason}`: streams this node's reducer refused for what they
+    carried (a position out of range, a repeated one, a wrong count, a bad scale, ...), read
+    from the data plane's counter at each scrape."""
+
+    def __init__(self, counts: Mapping[str, int]):
+        self.counts = counts
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        family = CounterMetricFamily(
+            "dtnode_refused_streams", "Streams refused for what they carried, by reason", labels=["reason"]
+        )
+        for reason, count in sorted(self.counts.items()):
+            family.add_metric([reason], count)
+        yield family
+
+
 class NodeMetrics:
     """What an operator scrapes and alerts on: progress, round health, traffic, checkpoints, peers."""
 
@@ -86,6 +105,20 @@ class NodeMetrics:
             registry=r,
         )
         self.group_size = Gauge("dtnode_group_size", "Size of the last round's first averaging group", registry=r)
+        self.wire_bytes_per_param = Gauge(
+            "dtnode_wire_bytes_per_param",
+            "Bytes this node sent in the last round per parameter of Δ, by --compression",
+            ["compression"],
+            registry=r,
+        )
+        self.wire_density = Gauge(
+            "dtnode_wire_density", "Share of Δ's values a sender puts on the wire (sparse: top-k / block)", registry=r
+        )
+        self.feedback_norm = Gauge(
+            "dtnode_error_feedback_norm",
+            "L2 norm of what this node's code has not sent yet (NaN: none kept)",
+            registry=r,
+        )
         self.rounds = Counter(
             "dtnode_rounds",
             "Outer rounds ended, by outcome (full: every group whole; "

@@ -55,7 +55,7 @@ from .history import FILE_NAME as HISTORY_FILE
 from .history import RoundHistory
 from .joiner import Joiner
 from .landing import Landing
-from .metrics import NodeMetrics, watch_state_dir
+from .metrics import NodeMetrics, RefusalCollector, watch_state_dir
 from .presenter import Addresses, NodePresenter
 from .reachability import DialBack, announce_warning, ask_dial_back
 from .recipe import take_recipe_from_peer
@@ -220,6 +220,7 @@ class Node:
                 auth=self.auth,
                 trust=self.trust,
             )
+            self.metrics.registry.register(RefusalCollector(service.refused))
             credentials = self.trust.server_credentials() if self.trust is not None else None
             try:
                 server, grpc_port = await start_grpc_server(

@@ -83,6 +83,20 @@ class LastRound(BaseModel):
     eval_loss: float | None
     inner_lr: float
     landed_after_steps: int | None
+    compression: str = "int8"
+    bytes_per_param: float = 0.0  # this node's bytes sent in the round, per parameter of Δ
+    density: float = 1.0  # share of Δ's values a sender puts on the wire (sparse: top_k / block)
+    feedback_norm: float | None = None  # L2 norm of what this node has not sent yet
+
+
+@dataclass(frozen=True)
+class WireStats:
+    """How the round's Δ travelled: what `/status`, `/metrics` and the round line show."""
+
+    compression: str
+    numel: int
+    density: float
+    feedback_norm: float | None
 
 
 @dataclass(frozen=True)
@@ -103,6 +117,11 @@ class RoundSummary:
     inner_lr: float
     landed_after_steps: int | None
     peer_id: str
+    wire: WireStats | None = None
+
+    @property
+    def bytes_per_param(self) -> float:
+        return self.bytes_sent / self.wire.numel if self.wire is not None and self.wire.numel else 0.0
 
     @property
     def hops(self) -> list[HopReport]:
@@ -177,6 +196,16 @@ class RoundSummary:
             eval_loss=self.eval_loss,
             inner_lr=self.inner_lr,
             landed_after_steps=self.landed_after_steps,
+            **(
+                {
+                    "compression": self.wire.compression,
+                    "bytes_per_param": round(self.bytes_per_param, 5),
+                    "density": self.wire.density,
+                    "feedback_norm": self.wire.feedback_norm,
+                }
+                if self.wire is not None
+                else {}
+            ),
         )
 
     def history_entry(self, tokens_total: int, tokens_per_s: float) -> dict[str, Any]:
@@ -213,8 +242,19 @@ class RoundSummary:
         return (
             f"round {self.round_no} | groups {self.groups} | {self.inner.steps} steps {self.inner.tokens} tok | "
             f"lr {self.inner_lr:.3g} | loss {loss} | eval {held_out}{floor} | allreduce {allreduce:.3f}s "
-            f"({human_bytes(self.bytes_sent)} sent) | {tokens_per_s:.0f} tok/s | params "
+            f"({human_bytes(self.bytes_sent)} sent) | {self._wire_text()}{tokens_per_s:.0f} tok/s | params "
         )
+
+    def _wire_text(self) -> str:
+        w = self.wire
+        if w is None:
+            return ""
+        text = f"{w.compression} {self.bytes_per_param:.3g} B/param"
+        if w.density < 1:
+            text += f", {w.density:.2%} kept"
+        if w.feedback_norm is not None:
+            text += f", feedback {w.feedback_norm:.3g}"
+        return text + " | "
 
     def observe(self, m: NodeMetrics) -> None:
         """The round into the metrics (the gauges that span rounds are set by the caller)."""
@@ -227,6 +267,10 @@ class RoundSummary:
         m.eval_loss.set(self.eval_loss if self.eval_loss is not None else math.nan)
         m.tokens.inc(self.inner.tokens)
         m.group_size.set(self.hops[0].group_size if self.hops else 1)
+        if self.wire is not None:
+            m.wire_bytes_per_param.labels(compression=self.wire.compression).set(self.bytes_per_param)
+            m.wire_density.set(self.wire.density)
+            m.feedback_norm.set(self.wire.feedback_norm if self.wire.feedback_norm is not None else math.nan)
         m.round_seconds.observe(self.duration_s)
         m.last_round_at.set(time.time())
         for phase, seconds in self.phases.items():

@@ -34,7 +34,7 @@ from .landing import Landing
 from .local_ranks import HostRestartNeeded, LocalRankFailure, RankOutOfMemory
 from .metrics import NodeMetrics, observe_device_memory, observe_ranks
 from .pacer import EXTRAPOLATE_HEARTBEATS, FixedPacer, Pacer, SwarmPacer
-from .report import Outcome, RoundSummary, RunStats
+from .report import Outcome, RoundSummary, RunStats, WireStats
 from .round_state import Publisher, RoundState
 from .settings import NodeSettings
 from .store import CheckpointStore
@@ -297,6 +297,12 @@ class RoundLoop:
             )
         )
 
+    def _wire_stats(self) -> WireStats:
+        s, worker = self.settings, self.worker
+        wire = s.wire_format()
+        density = min(wire.top_k, wire.block_size) / wire.block_size if s.compression == "sparse" else 1.0
+        return WireStats(s.compression, worker.replica.numel, density, worker.feedback_norm)
+
     def finish(
         self,
         round_no: int,
@@ -321,6 +327,7 @@ class RoundLoop:
             trainer.lr,
             landed_after,
             self.peer_id,
+            self._wire_stats(),
         )
         trainer.eval_seconds = 0.0
         self.stats.last = summary

@@ -57,6 +57,7 @@ class ModelWorker:
         self._replica: Replica | None = None
         # error feedback: what the wire code did not carry yet (int8 when enabled; sparse always)
         self.residual: torch.Tensor | None = None
+        self.feedback_norm: float | None = None  # of `residual`, after the last outer step
 
     # ---- set-up ----------------------------------------------------------------------------
     def build(self, peer_id: str) -> None:
@@ -190,9 +191,18 @@ class ModelWorker:
         if local is None:
             trainer.load_inner_state(torch.empty(0), torch.empty(0), 0)
             trainer.inner_step = 0
+            if self.residual is not None:  # a donor's θ_g: this node owes the swarm nothing yet
+                self.residual.zero_()
             return
         trainer.load_inner_state(local.exp_avg, local.exp_avg_sq, local.adam_steps)
         trainer.inner_step = local.inner_step
+        if self.residual is not None:  # what this node owed the swarm when it stopped (none: a fresh buffer)
+            if local.error_feedback is not None:
+                self.residual.copy_(local.error_feedback)
+            else:
+                self.residual.zero_()
+            self.measure_feedback()
+            log.info("error feedback restored: norm %.6g", self.feedback_norm)
         try:
             sequences = local.sequences_drawn
             if sequences is None:  # an older file: its batches were of this node's size, we assume
@@ -221,11 +231,19 @@ class ModelWorker:
             if result.theta is not None:
                 self.replica.adopt_consensus_state(result.theta)
             self.replica.apply_outer_step(result.mean)
+        self.measure_feedback()
+
+    def measure_feedback(self) -> None:
+        """The error-feedback buffer's norm, for the round line and /status (training thread:
+        a pass over a model-sized buffer stays off the event loop)."""
+        if self.residual is not None:
+            self.feedback_norm = float(torch.linalg.vector_norm(self.residual))
 
     def land(self, result: AveragingResult | None) -> None:
         """--overlap: the outer step of the average in flight (None: it failed)."""
         with self.theta_changing():
             self.replica.land(None if result is None else result.mean, None if result is None else result.theta)
+        self.measure_feedback()
 
     def adopt_downloaded(self, loaded: LoadedCheckpoint) -> torch.Tensor:
         """--overlap catch-up: the swarm's θ_g of the next step in place of an outer step of our
@@ -272,5 +290,8 @@ class ModelWorker:
                 return step, TrainingState(theta, momentum, None)
             generator, sequences = trainer.stream.position()
             batches = sequences // trainer.stream.batch_size
-            own = LocalState(exp_avg, exp_avg_sq, generator, trainer.inner_step, adam_steps, batches, sequences)
+            feedback = self.residual.clone() if self.residual is not None else None
+            own = LocalState(
+                exp_avg, exp_avg_sq, generator, trainer.inner_step, adam_steps, batches, sequences, feedback
+            )
         return step, TrainingState(theta, momentum, own)

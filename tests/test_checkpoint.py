@@ -50,6 +50,23 @@ def test_round_trip_is_bit_identical_and_standard_safetensors(tmp_path):
     assert set(plain) == {"theta_g/a.weight", "theta_g/b.bias", "outer_momentum"}  # the shared file only
 
 
+def test_the_error_feedback_buffer_is_kept_in_the_local_state_only(tmp_path):
+    """What a sparse node has not sent yet is its own debt to the swarm: it survives a restart
+    (the local file) and is never served to a joiner (the shared file), who starts without one."""
+    state = _state()
+    owed = torch.randn(LAYOUT.numel)
+    state.local.error_feedback = owed
+    info = write_checkpoint(tmp_path, 3, LAYOUT, state, {"run_id": "run", "model_hash": "h"})
+    assert "outer/error_feedback" not in load_file(str(info.path))
+    assert torch.equal(read_local_state(tmp_path, 3, LAYOUT, "run", "h").error_feedback, owed)
+    _write(tmp_path, step=4)  # a node without a buffer writes none
+    assert read_local_state(tmp_path, 4, LAYOUT, "run", "h").error_feedback is None
+    state.local.error_feedback = torch.full((LAYOUT.numel,), float("nan"))
+    write_checkpoint(tmp_path, 5, LAYOUT, state, {"run_id": "run", "model_hash": "h"})
+    with pytest.raises(CheckpointError, match="non-finite"):
+        read_local_state(tmp_path, 5, LAYOUT, "run", "h")
+
+
 @pytest.mark.parametrize("damage", ["truncate", "garbage_header", "empty"])
 def test_torn_or_corrupt_files_are_refused(tmp_path, damage):
     info, _, _ = _write(tmp_path)

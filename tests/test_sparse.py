@@ -218,14 +218,16 @@ def test_a_hostile_sparse_sender_is_refused_counted_by_reason_and_leaves_the_mea
         peers = await start_peers(2, chunk_elements=2 * BLOCK)
         hostile = Member("peer-hostile", "", client_mode=True)
         numel = 2 * BLOCK
-        plan = make_plan("test-run", 5, 0, [*(p.member for p in peers), hostile], numel, BLOCK, 2 * BLOCK, SPARSE, top_k=K)
+        plan = make_plan(
+            "test-run", 5, 0, [*(p.member for p in peers), hostile], numel, BLOCK, 2 * BLOCK, SPARSE, top_k=K
+        )
         values = [torch.randn(numel) for _ in range(2)]
         outs = [torch.empty(numel) for _ in range(2)]
 
         async def attacker():
             for peer in peers:
                 part = plan.index_of(peer.member.peer_id)
-                offset, length = plan.parts[part]
+                _, length = plan.parts[part]
                 chunk = chunk_message(plan, part, "peer-hostile", 1.0, 0, sparse.encode(torch.randn(length), BLOCK, K))
                 chunk.last = True
                 _with_indices(chunk, lambda i: i.__setitem__(1, i[0]))  # a duplicate position

@@ -11,9 +11,11 @@ trained by:
                   gradients all-reduced every step (the baseline)
   solo            one worker alone, W x the steps
   dp-lrX, solo-lrX  the same with peak learning rate X (W x the batch may want a higher rate)
-  fp32-hH/int8-hH dtnode: W real node processes on loopback, one group, H inner steps per
-                  round (--pacing fixed), Δ sent in fp32 or int8
+  fp32-hH/int8-hH/sparse-hH
+                  dtnode: W real node processes on loopback, one group, H inner steps per
+                  round (--pacing fixed), Δ sent in fp32, int8 or sparse (top-k, 2-bit values)
   moshpit-int8-h50 dtnode with groups of 2 (two hops per round)
+  ...-efdX        (suffix) a sparse run with error-feedback decay X (--feedback-decay)
   diloco-hH       reference DiLoCo in W processes over gloo: the same inner loop, fp32 Δ
                   all-reduced every H steps, torch's Nesterov SGD as the outer step. What
                   DiLoCo itself gives, with dtnode's network, int8 and matchmaking left out
@@ -35,7 +37,7 @@ loss floor is printed). Each run's held-out loss is computed by the same functio
 same eval set: dtnode's final θ_g is read from node 0's last checkpoint.
 
 Printed: final held-out loss, its ratio to dp's (and to the best dp-lrX run's), payload bytes
-sent per worker (dp: a ring all-reduce's 2(W-1)/W x 4 bytes x parameters per step, computed;
+sent per worker, those bytes per parameter per exchange (dp: per step; dtnode: per round) (dp: a ring all-reduce's 2(W-1)/W x 4 bytes x parameters per step, computed;
 dtnode: the all-reduce payload every node reports), wall time, and for dtnode the fraction of
 averages in which every group held every peer it expected (a busy host makes peers late to
 matchmaking; then the figures are not those of a healthy swarm), and for --overlap runs how many
@@ -80,9 +82,12 @@ GROUPS = re.compile(r"round \d+ \| groups ([^|]+?) \|")
 UNITS = {"B": 1, "kB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12}
 LR = r"\d+(?:\.\d+)?(?:e-?\d+)?"
 OUTER = rf"(?:-lr({LR}))?(?:-olr({LR}))?(?:-om({LR}))?"  # a DiLoCo run's rates and outer momentum
-RUN_NAME = re.compile(rf"(moshpit-)?(fp32|int8)-h(\d+){OUTER}(-overlap)?")
+RUN_NAME = re.compile(rf"(moshpit-)?(fp32|int8|sparse)-h(\d+){OUTER}(?:-efd({LR}))?(-overlap)?")
 OUTER_MOMENTUM = 0.9
-DEFAULT_RUNS = "dp,solo,fp32-h10,fp32-h50,fp32-h100,int8-h10,int8-h50,int8-h100,int8-h50-overlap,moshpit-int8-h50"
+DEFAULT_RUNS = (
+    "dp,dp-lr0.002,dp-lr0.004,solo,fp32-h50,int8-h10,int8-h50,int8-h100,int8-h50-overlap,moshpit-int8-h50,"
+    "sparse-h50,moshpit-sparse-h50"
+)
 
 
 @dataclass
@@ -110,6 +115,7 @@ class Result:
     wall_s: float
     tokens: int
     curve: list[tuple[int, float]] = field(default_factory=list)
+    exchanges: int = 0  # all-reduces per worker: dp's steps, dtnode's rounds
     full_rounds: float | None = None  # dtnode: fraction of averages in which every group held every peer expected
     landed_after: float | None = None  # --overlap: mean inner steps into a round before the last average landed
 
@@ -257,7 +263,8 @@ def run_synchronous(
     mp.spawn(_worker, args=(world, cfg, dataset, files, port, str(out), h, momentum, delay), nprocs=world, join=True)
     data = json.loads(out.read_text())
     curve = [tuple(p) for p in data["curve"]]
-    return Result(name, dataset, curve[-1][1], data["bytes"], data["wall_s"], curve[-1][0], curve)
+    exchanges = cfg.steps * cfg.workers // world // h if h else cfg.steps * cfg.workers // world
+    return Result(name, dataset, curve[-1][1], data["bytes"], data["wall_s"], curve[-1][0], curve, exchanges)
 
 
 # ---- dtnode ------------------------------------------------------------------------------
@@ -273,6 +280,7 @@ def run_dtnode(
     dataset: str,
     files,
     workdir: Path,
+    feedback_decay: float = 1.0,
 ) -> Result:
     rounds = cfg.steps // h
     args = [
@@ -306,6 +314,8 @@ def run_dtnode(
         str(momentum),
         "--compression",
         compression,
+        "--feedback-decay",
+        str(feedback_decay),
         "--target-group-size",
         str(group_size),
         "--min-peers",
@@ -362,6 +372,7 @@ def run_dtnode(
         wall,
         rounds * tokens_per_round,
         curve,
+        rounds,
         full / max(len(averages), 1),
         sum(landed) / len(landed) if overlap and landed else None,
     )
@@ -414,15 +425,16 @@ def run_one(name: str, cfg: Config, dataset: str, files, workdir: Path) -> Resul
     return run_dtnode(
         name,
         int(m.group(3)),
-        "none" if m.group(2) == "fp32" else "int8",
+        m.group(2),
         group,
         outer_lr,
         float(m.group(6) or OUTER_MOMENTUM),
-        bool(m.group(7)),
+        bool(m.group(8)),
         tuned,
         dataset,
         files,
         workdir,
+        float(m.group(7) or 1.0),
     )
 
 
@@ -452,9 +464,11 @@ def report(results: list[Result], cfg: Config, floors: dict[str, float | None]) 
         )
         print(
             f"  {'run':<22} {'held-out loss':>13} {'/ dp':>7} {'/ best dp':>9} {'sent per worker':>16} "
-            f"{'dp bytes /':>11} {'wall':>8} {'full rounds':>11} {'lands after':>11}"
+            f"{'dp bytes /':>11} {'B/param/xchg':>12} {'wall':>8} {'full rounds':>11} {'lands after':>11}"
         )
+        numel = sum(p.numel() for p in build_model(cfg.model, 0)[0].parameters())
         for r in rows:
+            per_param = f"{r.bytes_per_worker / numel / r.exchanges:.4f}" if r.exchanges else "-"
             ratio = f"{r.final_loss / dp.final_loss:.4f}" if dp else "-"
             to_best = f"{r.final_loss / best.final_loss:.4f}" if best else "-"
             less = f"{dp.bytes_per_worker / r.bytes_per_worker:.0f}x" if dp and r.bytes_per_worker else "-"
@@ -462,7 +476,7 @@ def report(results: list[Result], cfg: Config, floors: dict[str, float | None]) 
             landed = "-" if r.landed_after is None else f"{r.landed_after:.1f} steps"
             print(
                 f"  {r.run:<22} {r.final_loss:>13.4f} {ratio:>7} {to_best:>9} {_bytes(r.bytes_per_worker):>16} "
-                f"{less:>11} {r.wall_s:>7.1f}s {full:>11} {landed:>11}"
+                f"{less:>11} {per_param:>12} {r.wall_s:>7.1f}s {full:>11} {landed:>11}"
             )
 
 

@@ -1,0 +1,46 @@
+"""A swarm of whole node processes with --compression sparse: real DHT, gRPC and checkpoints."""
+
+import re
+
+import pytest
+import torch
+from nodes import FAST, NodeProcess, run_swarm
+from nodes import theta as checkpoint_theta
+from safetensors.torch import load_file
+
+from dtnode.daemon.checkpoint import FEEDBACK, local_state_path
+
+SPARSE = ["--compression", "sparse", "--sparse-top-k", "32", "--run-id", "sparse-swarm"]
+
+
+@pytest.mark.long_swarms  # about 60 s: outside the default suite's 10 minutes, run by .ci/run
+def test_a_sparse_swarm_agrees_on_theta_g_and_a_restart_keeps_what_it_had_not_sent(tmp_path):
+    args = [*FAST, *SPARSE, "--min-peers", "3", "--max-rounds", "5"]
+    nodes = run_swarm(
+        NodeProcess.join("a", tmp_path, *args),
+        lambda address: [NodeProcess.join(name, tmp_path, *args, "--peer", address) for name in ("b", "c")],
+        timeout=300,
+    )
+    for node in nodes:
+        assert "Traceback" not in node.output, node.output
+        rounds = node.rounds[:5]
+        assert [r["round"] for r in rounds] == [0, 1, 2, 3, 4], node.output
+        assert all(r["groups"] == [[3, 3]] for r in rounds), node.output
+        # the round line says how Δ travelled: 32 of 4096 values kept, and the buffer's norm
+        assert re.search(r"\| sparse [\d.e-]+ B/param, 0\.78% kept, feedback [\d.e+-]+ \|", node.output), node.output
+    for step in range(1, 6):  # every member applies the same bytes: θ_g is bit-identical
+        reference = checkpoint_theta(nodes[0].state_dir, step)
+        for node in nodes[1:]:
+            assert torch.equal(checkpoint_theta(node.state_dir, step), reference), (node.name, step)
+    assert len({r["params_sha256"] for node in nodes for r in node.rounds[4:5]}) == 1
+
+    # what a node had not sent yet is in its own checkpoint, and a restart takes it back
+    owed = load_file(str(local_state_path(nodes[0].state_dir, 5)))[FEEDBACK]
+    assert float(owed.norm()) > 0
+    again = NodeProcess.join("a", tmp_path, *FAST, *SPARSE, "--min-peers", "1")
+    try:
+        restored = float(again.wait_for_line(r"error feedback restored: norm (\S+)").group(1))
+        again.wait_for_line(r"resumed from ckpt-00000005")
+    finally:
+        again.kill()
+    assert restored == pytest.approx(float(owed.norm()), rel=1e-5)
