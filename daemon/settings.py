@@ -503,6 +503,11 @@ class NodeSettings(BaseSettings):
             raise ValueError("chunk_elements: must be a multiple of --sparse-block-size")
         if self.compression == "sparse" and self.sparse_top_k > self.sparse_block_size:
             raise ValueError("sparse_top_k: must not exceed --sparse-block-size")
+        if self.compression == "sparse" and self.aggregation == "trimmed-mean":
+            raise ValueError(
+                "aggregation: trimmed-mean does not combine with --compression sparse (a value only a few "
+                "members kept would be trimmed away, and their error feedback would count it as sent)"
+            )
         if self.matchmaking_window_min > self.matchmaking_window:
             raise ValueError("matchmaking_window_min: must not exceed --matchmaking-window")
         if self.allreduce_timeout_min > self.allreduce_timeout:

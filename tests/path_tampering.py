@@ -28,3 +28,22 @@ async def forward(
         pass
     finally:
         dst.close()
+
+
+class FlippingProxy:
+    """A TCP proxy on the path that flips one byte of the client's stream at `offset`."""
+
+    def __init__(self, target_port: int, offset: int):
+        self.target_port, self.offset, self.flipped_event = target_port, offset, threading.Event()
+
+    @property
+    def flipped(self) -> bool:
+        return self.flipped_event.is_set()
+
+    async def start(self) -> int:
+        self.server = await asyncio.start_server(self._handle, "127.0.0.1", 0)
+        return self.server.sockets[0].getsockname()[1]
+
+    async def _handle(self, reader, writer):
+        up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.target_port)
+        await asyncio.gather(forward(reader, up_writer, self.offset, self.flipped_event), forward(up_reader, writer))

@@ -33,12 +33,24 @@ def test_precedence_defaults_toml_env_cli(tmp_path, monkeypatch):
         ({"config": "/nonexistent/x.toml"}, "--config"),
         ({"model": "huge"}, "--model"),
         ({"chunk_elements": "1000", "quant_block_size": "256"}, "--chunk-elements"),
+        ({"compression": "zstd"}, "--compression"),
+        ({"compression": "sparse", "sparse_block_size": "8192"}, "--sparse-block-size"),
+        ({"compression": "sparse", "sparse_block_size": "1024", "sparse_top_k": "2048"}, "--sparse-top-k"),
+        ({"compression": "sparse", "chunk_elements": "6144"}, "--chunk-elements"),
+        ({"compression": "sparse", "aggregation": "trimmed-mean"}, "--aggregation"),
+        ({"feedback_decay": "0"}, "--feedback-decay"),
     ],
 )
 def test_bad_values_name_the_option(values, option):
     with pytest.raises(SettingsError) as e:
         load_settings(values)
     assert e.value.option == option
+
+
+def test_compression_names_a_wire_format_and_none_still_means_fp32():
+    assert load_settings({"compression": "none"}).compression == "fp32"
+    wire = load_settings({"compression": "sparse", "sparse_top_k": "32"}).wire_format()
+    assert (wire.compression, wire.block_size, wire.top_k) == ("sparse", 4096, 32)
 
 
 def test_bad_toml_and_unknown_keys(tmp_path):

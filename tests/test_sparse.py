@@ -7,6 +7,7 @@ import grpc
 import pytest
 import torch
 from allreduce_harness import allreduce, start_peers, stop_peers
+from path_tampering import FlippingProxy
 
 from dtnode.ops import sparse
 from dtnode.peers.butterfly import Feedback, butterfly_allreduce
@@ -254,5 +255,99 @@ def test_a_hostile_sparse_sender_is_refused_counted_by_reason_and_leaves_the_mea
         for peer, report in zip(peers, reports):
             assert "peer-hostile" not in report.included_peers
             assert peer.service.refused == {RefusalReason.DUPLICATE_INDEX: 1}
+
+    asyncio.run(main())
+
+
+def test_sparse_over_tls_with_a_client_mode_member_gives_everyone_the_same_mean():
+    async def main():
+        peers = await start_peers(3, tls=True, client_mode=(2,), chunk_elements=2 * BLOCK)
+        values = [torch.randn(6 * BLOCK) for _ in range(3)]
+        try:
+            outs, reports = await allreduce(
+                peers, values, [1.0, 2.0, 3.0], block_size=BLOCK, chunk_elements=2 * BLOCK, codec=SPARSE, top_k=K
+            )
+        finally:
+            await stop_peers(peers)
+        kept = [sparse.decode(sparse.encode(v, BLOCK, K)) for v in values]
+        assert rel(outs[0], (kept[0] + 2 * kept[1] + 3 * kept[2]) / 6) < 0.01
+        assert torch.equal(outs[0], outs[1]) and torch.equal(outs[1], outs[2])
+        assert all(not r.failed_parts for r in reports)
+
+    asyncio.run(main())
+
+
+def test_a_dead_reducer_leaves_a_sparse_member_its_own_values_and_nothing_owed_there():
+    """The part nobody could average is applied from the member's own Δ and what it owed, exactly
+    as int8 keeps its own values; the other parts keep what top-k did not send in the buffer."""
+
+    async def main():
+        peers = await start_peers(2, chunk_elements=2 * BLOCK)
+        members = [p.member for p in peers] + [Member("peer99", "127.0.0.1:1")]  # nobody listens there
+        numel = 6 * BLOCK
+        plan = make_plan("test-run", 0, 0, members, numel, BLOCK, 2 * BLOCK, SPARSE, top_k=K)
+        values = [torch.randn(numel) for _ in range(2)]
+        owed = [torch.randn(numel) * 0.1 for _ in range(2)]
+        buffers = [o.clone() for o in owed]
+        outs = [torch.empty(numel) for _ in range(2)]
+        try:
+            await asyncio.gather(
+                *(
+                    butterfly_allreduce(
+                        plan, p.member.peer_id, v, 1.0, o, p.registry, p.channels, 3.0, feedback=Feedback(b)
+                    )
+                    for p, v, o, b in zip(peers, values, outs, buffers)
+                )
+            )
+        finally:
+            await stop_peers(peers)
+        offset, length = plan.parts[plan.index_of("peer99")]
+        dead = slice(offset, offset + length)
+        for v, o, before, after in zip(values, outs, owed, buffers):
+            torch.testing.assert_close(o[dead], v[dead] + before[dead])
+            assert not after[dead].any()
+        live = torch.ones(numel, dtype=torch.bool)
+        live[dead] = False
+        exact = (values[0] + owed[0] + values[1] + owed[1]) / 2
+        assert rel(outs[0][live] + (buffers[0][live] + buffers[1][live]) / 2, exact[live]) < 0.01  # nothing lost
+
+    asyncio.run(main())
+
+
+def test_a_sparse_stream_broken_on_the_path_is_sent_again_from_the_same_feedback():
+    """A flipped byte breaks the TLS stream; it is sent again, encoded again from the buffer as
+    it was before the first try, so nothing is sent twice or lost."""
+
+    async def main():
+        peers = await start_peers(2, tls=True, chunk_elements=128 * BLOCK)  # a part in one chunk of ~16 kB
+        port = int(peers[0].member.grpc_addr.rsplit(":", 1)[1])
+        proxy = FlippingProxy(port, offset=6_000)  # past the handshake, inside the first chunk
+        proxy_port = await proxy.start()
+        via_proxy = [Member(peers[0].member.peer_id, f"127.0.0.1:{proxy_port}"), peers[1].member]
+        numel = 256 * BLOCK
+        values = [torch.randn(numel) for _ in range(2)]
+        buffers = [torch.zeros(numel) for _ in range(2)]
+        try:
+            outs, reports = await allreduce(
+                peers,
+                values,
+                [1.0, 1.0],
+                block_size=BLOCK,
+                chunk_elements=128 * BLOCK,
+                codec=SPARSE,
+                top_k=K,
+                timeout=10.0,
+                members=via_proxy,
+                feedback=[Feedback(b) for b in buffers],
+            )
+        finally:
+            proxy.server.close()
+            await stop_peers(peers)
+        assert proxy.flipped
+        assert len(reports[1].retried) == 1, reports[1]
+        assert not reports[0].failed_parts and not reports[1].failed_parts
+        assert torch.equal(outs[0], outs[1])
+        exact = (values[0] + values[1]) / 2
+        assert rel(outs[0] + (buffers[0] + buffers[1]) / 2, exact) < 0.01
 
     asyncio.run(main())

@@ -8,13 +8,12 @@ another member's id, and a stream whose bytes a proxy on the path altered.
 from __future__ import annotations
 
 import asyncio
-import threading
 
 import pytest
 import torch
 from allreduce_harness import allreduce, start_peers, stop_peers, tls_stores
 from cryptography.hazmat.primitives.asymmetric import rsa
-from path_tampering import forward
+from path_tampering import FlippingProxy
 
 from dtnode.peers.butterfly import ChannelPool, butterfly_allreduce
 from dtnode.peers.membership import PeerRecord
@@ -120,25 +119,6 @@ def test_a_server_that_is_not_the_pinned_peer_is_refused():
             await stop_peers(peers)
 
     asyncio.run(main())
-
-
-class FlippingProxy:
-    """A TCP proxy on the path that flips one byte of the client's stream at `offset`."""
-
-    def __init__(self, target_port: int, offset: int):
-        self.target_port, self.offset, self.flipped_event = target_port, offset, threading.Event()
-
-    @property
-    def flipped(self) -> bool:
-        return self.flipped_event.is_set()
-
-    async def start(self) -> int:
-        self.server = await asyncio.start_server(self._handle, "127.0.0.1", 0)
-        return self.server.sockets[0].getsockname()[1]
-
-    async def _handle(self, reader, writer):
-        up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.target_port)
-        await asyncio.gather(forward(reader, up_writer, self.offset, self.flipped_event), forward(up_reader, writer))
 
 
 def test_one_flipped_byte_on_the_path_breaks_the_stream_and_it_is_sent_again():

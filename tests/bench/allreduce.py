@@ -1,17 +1,19 @@
-"""Data-plane benchmark: our int8/fp32 butterfly all-reduce against gloo and hivemind.
+"""Data-plane benchmark: our int8/sparse/fp32 butterfly all-reduce against gloo and hivemind.
 
     .venv/bin/python -m tests.bench.allreduce            # 2 and 4 peers; 10, 100, 400 MB
     .venv/bin/python -m tests.bench.allreduce --peers 4 --sizes-mb 100 --reps 5
 
 Every peer is its own process on loopback, all systems average the same per-peer buffers
 in the same run (ours-robust: int8 with the trimmed-mean reducer, to price robust mode;
-`-tls`: over mutual TLS pinned to each peer's certificate, as nodes run by default).
+ours-sparse: --compression sparse, top 64 of every 4,096 values with 2-bit values, its error
+measured against the exact mean of what the peers kept, as the rest waits in their error-feedback
+buffers; `-tls`: over mutual TLS pinned to each peer's certificate, as nodes run by default).
 Wall time is the slowest peer's, median over `--reps` runs, started
 together behind a gloo barrier; matchmaking is excluded for hivemind (its step is armed,
 then triggered when the group is formed) as it is for ours. Error is relative L2 against
 the exact mean (gloo's fp32 sum over n: exact to fp32 rounding). Bytes are payload bytes all peers sent:
 counted for ours, by the algorithm's formula for gloo's ring and hivemind's butterfly.
-A second table compares int8 coding throughput with a memcpy of the same buffer.
+A second table compares int8 and sparse coding throughput with a memcpy of the same buffer.
 """
 
 from __future__ import annotations
@@ -28,7 +30,17 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-SYSTEMS = ("ours-int8", "ours-int8-tls", "ours-fp32", "ours-fp32-tls", "ours-robust", "gloo", "hivemind")
+SYSTEMS = (
+    "ours-int8",
+    "ours-int8-tls",
+    "ours-sparse",
+    "ours-fp32",
+    "ours-fp32-tls",
+    "ours-robust",
+    "gloo",
+    "hivemind",
+)
+SPARSE_BLOCK, SPARSE_K = 4096, 64
 
 
 def _barrier_time(t: float) -> float:
@@ -77,7 +89,7 @@ def _worker(rank: int, n: int, numel: int, reps: int, port: int, systems: tuple[
         del buf
         gc.collect()
 
-    for name in ("int8", "int8-tls", "fp32", "fp32-tls", "robust"):
+    for name in ("int8", "int8-tls", "sparse", "fp32", "fp32-tls", "robust"):
         if f"ours-{name}" in systems:
             row[f"ours-{name}"] = asyncio.run(_ours(rank, n, values, exact, reps, store, name))
 
@@ -90,9 +102,10 @@ def _worker(rank: int, n: int, numel: int, reps: int, port: int, systems: tuple[
 
 
 async def _ours(rank, n, values, exact, reps, store, codec_name) -> dict:
+    from dtnode.ops import sparse
     from dtnode.ops.quantization import use_fused_kernels
     from dtnode.peers.butterfly import ChannelPool, butterfly_allreduce
-    from dtnode.peers.plan import FP32, INT8, Member, make_plan
+    from dtnode.peers.plan import FP32, INT8, SPARSE, Member, make_plan
     from dtnode.peers.reducer import ReductionRegistry
     from dtnode.peers.server import start_grpc_server
     from dtnode.peers.service import AveragingService
@@ -123,9 +136,15 @@ async def _ours(rank, n, values, exact, reps, store, codec_name) -> dict:
     channels = ChannelPool(max_message_bytes(chunk), trust)
     out = torch.empty_like(values)
     times, sent = [], []
+    if codec_name == "sparse":  # the reference: the exact mean of what every peer kept
+        exact = sparse.decode(sparse.encode(values, SPARSE_BLOCK, SPARSE_K))
+        dist.all_reduce(exact)
+        exact /= n
+    codec = {"sparse": SPARSE, "fp32": FP32, "fp32-tls": FP32}.get(codec_name, INT8)
+    block = SPARSE_BLOCK if codec == SPARSE else 256
     for r in range(reps + 1):  # the first run warms channels up and is not counted
         plan = make_plan(
-            "bench", r, 0, members, values.numel(), 256, chunk, FP32 if codec_name.startswith("fp32") else INT8
+            "bench", r, 0, members, values.numel(), block, chunk, codec, top_k=SPARSE_K if codec == SPARSE else 0
         )
         dist.barrier()
         t = time.perf_counter()
@@ -240,7 +259,9 @@ def run_case(n: int, size_mb: int, reps: int, systems: tuple[str, ...]) -> dict:
 
 
 def coding_throughput(size_mb: int = 100, reps: int = 21) -> list[tuple[str, float]]:
-    """int8 quantize + dequantize of one buffer against copying it into a preallocated one."""
+    """int8 quantize + dequantize, and sparse encode + decode, of one buffer against copying it
+    into a preallocated one."""
+    from dtnode.ops import sparse
     from dtnode.ops.quantization import QuantizedBlocks, dequantize, num_blocks, quantize, use_fused_kernels
 
     numel = size_mb * 1_000_000 // 4
@@ -267,6 +288,14 @@ def coding_throughput(size_mb: int = 100, reps: int = 21) -> list[tuple[str, flo
     if use_fused_kernels(True):
         rows.append(("int8 quantize+dequantize, fused", timed(coding)))
     use_fused_kernels(False)
+    residual = torch.zeros_like(x)
+    rows.append(("sparse top-k encode+decode", timed(lambda: sparse.decode(sparse.encode(x), out=dst))))
+    rows.append(
+        (
+            "sparse encode (error feedback)+decode",
+            timed(lambda: sparse.decode(sparse.encode_with_feedback(x, residual), out=dst)),
+        )
+    )
     return [(name, 4 * numel / s / 1e9) for name, s in rows]
 
 
@@ -299,11 +328,11 @@ def main() -> None:
                 if f"ours-{codec}" in row and f"ours-{codec}-tls" in row:
                     cost = row[f"ours-{codec}-tls"]["s"] / row[f"ours-{codec}"]["s"] - 1
                     print(f"{'':>11} TLS costs ours-{codec} {cost:+.1%} of wall time", flush=True)
-    print("\nint8 coding throughput, 100 MB fp32 buffer (GB/s of fp32 input)")
+    print("\ncoding throughput, 100 MB fp32 buffer (GB/s of fp32 input)")
     rows = coding_throughput()
     memcpy = rows[0][1]
     for name, gbps in rows:
-        print(f"  {name:<34} {gbps:7.2f} GB/s  {gbps / memcpy:6.1%} of memcpy")
+        print(f"  {name:<38} {gbps:7.2f} GB/s  {gbps / memcpy:6.1%} of memcpy")
 
 
 if __name__ == "__main__":
