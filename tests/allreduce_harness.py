@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import grpc
 import torch
@@ -16,6 +18,9 @@ from dtnode.peers.server import start_grpc_server
 from dtnode.peers.service import AveragingService
 from dtnode.peers.tls import NodeIdentity, TrustStore, encode_certificate
 from dtnode.peers.wire import max_message_bytes
+from dtnode.proto import averaging_pb2_grpc as pb_grpc
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -107,6 +112,25 @@ async def allreduce(
         )
     )
     return outs, list(reports)
+
+
+async def send_stream(address: str, chunks: list, timeout: float = 5.0) -> grpc.StatusCode:
+    """One Reduce stream of the given chunks, as an outsider opens it; the status it ended with."""
+    async with grpc.aio.insecure_channel(address) as channel:
+        return await stream_status(pb_grpc.AveragingStub(channel).Reduce(iter(chunks), timeout=timeout))
+
+
+async def allreduce_beside(plan, peers: list[Peer], values, outs, beside: Awaitable[T]) -> tuple[list, T]:
+    """Every peer's all-reduce over `plan` (no feedback, weight 1) while `beside` (an attacker)
+    runs; the peers' reports and what `beside` returned."""
+    *reports, other = await asyncio.gather(
+        *(
+            butterfly_allreduce(plan, p.member.peer_id, v, 1.0, o, p.registry, p.channels, timeout=5.0)
+            for p, v, o in zip(peers, values, outs)
+        ),
+        beside,
+    )
+    return list(reports), other
 
 
 async def stream_status(call) -> grpc.StatusCode:

@@ -5,7 +5,7 @@ import asyncio
 import grpc
 import pytest
 import torch
-from allreduce_harness import allreduce, start_peers, stop_peers, stream_status
+from allreduce_harness import allreduce, allreduce_beside, send_stream, start_peers, stop_peers, stream_status
 
 from dtnode.ops.quantization import quantize
 from dtnode.peers.butterfly import Feedback, butterfly_allreduce
@@ -216,24 +216,11 @@ def test_hostile_member_is_rejected_and_others_unaffected(attack):
                 _, length = plan.parts[idx]
                 chunk = _chunk(plan, idx, "peer-hostile", 0, torch.randn(length))
                 HOSTILE[attack](chunk)
-                async with grpc.aio.insecure_channel(peer.member.grpc_addr) as channel:
-                    call = pb_grpc.AveragingStub(channel).Reduce(iter([chunk]), timeout=5)
-                    try:
-                        async for _ in call:
-                            pass
-                        codes.append(grpc.StatusCode.OK)
-                    except grpc.aio.AioRpcError as e:
-                        codes.append(e.code())
+                codes.append(await send_stream(peer.member.grpc_addr, [chunk]))
             return codes
 
         try:
-            *reports, codes = await asyncio.gather(
-                *(
-                    butterfly_allreduce(plan, p.member.peer_id, v, 1.0, o, p.registry, p.channels, timeout=5.0)
-                    for p, v, o in zip(peers, values, outs)
-                ),
-                attacker(),
-            )
+            reports, codes = await allreduce_beside(plan, peers, values, outs, attacker())
         finally:
             await stop_peers(peers)
         assert all(c in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION) for c in codes), codes

@@ -6,14 +6,13 @@ import asyncio
 import grpc
 import pytest
 import torch
-from allreduce_harness import allreduce, start_peers, stop_peers
+from allreduce_harness import allreduce, allreduce_beside, send_stream, start_peers, stop_peers
 from path_tampering import FlippingProxy
 
 from dtnode.ops import sparse
 from dtnode.peers.butterfly import Feedback, butterfly_allreduce
 from dtnode.peers.plan import SPARSE, Member, make_plan
 from dtnode.peers.wire import ChunkError, RefusalReason, chunk_message, decode_chunk
-from dtnode.proto import averaging_pb2_grpc as pb_grpc
 
 BLOCK, K = 4096, 64
 
@@ -226,29 +225,21 @@ def test_a_hostile_sparse_sender_is_refused_counted_by_reason_and_leaves_the_mea
         outs = [torch.empty(numel) for _ in range(2)]
 
         async def attacker():
+            codes = []
             for peer in peers:
                 part = plan.index_of(peer.member.peer_id)
                 _, length = plan.parts[part]
                 chunk = chunk_message(plan, part, "peer-hostile", 1.0, 0, sparse.encode(torch.randn(length), BLOCK, K))
                 chunk.last = True
                 _with_indices(chunk, lambda i: i.__setitem__(1, i[0]))  # a duplicate position
-                async with grpc.aio.insecure_channel(peer.member.grpc_addr) as channel:
-                    call = pb_grpc.AveragingStub(channel).Reduce(iter([chunk]), timeout=5)
-                    with pytest.raises(grpc.aio.AioRpcError) as refused:
-                        async for _ in call:
-                            pass
-                    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+                codes.append(await send_stream(peer.member.grpc_addr, [chunk]))
+            return codes
 
         try:
-            *reports, _ = await asyncio.gather(
-                *(
-                    butterfly_allreduce(plan, p.member.peer_id, v, 1.0, o, p.registry, p.channels, timeout=5.0)
-                    for p, v, o in zip(peers, values, outs)
-                ),
-                attacker(),
-            )
+            reports, codes = await allreduce_beside(plan, peers, values, outs, attacker())
         finally:
             await stop_peers(peers)
+        assert codes == [grpc.StatusCode.INVALID_ARGUMENT] * 2
         kept = [sparse.decode(sparse.encode(v, BLOCK, K)) for v in values]
         assert rel(outs[0], (kept[0] + kept[1]) / 2) < 0.01
         assert torch.equal(outs[0], outs[1])
