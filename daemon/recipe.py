@@ -63,7 +63,7 @@ class SwarmRecipe(BaseModel):
     quant_block_size: int = Field(ge=8, le=1 << 20)
     sparse_block_size: int = Field(4096, ge=16, le=4096)
     sparse_top_k: int = Field(64, ge=1, le=4096)
-    feedback_decay: float = Field(1.0, gt=0, le=1)
+    feedback_decay: float = Field(0.95, gt=0, le=1)
 
     @field_validator("compression", mode="before")
     @classmethod

@@ -16,6 +16,7 @@ trained by:
                   round (--pacing fixed), Δ sent in fp32, int8 or sparse (top-k, 2-bit values)
   moshpit-int8-h50 dtnode with groups of 2 (two hops per round)
   ...-efdX        (suffix) a sparse run with error-feedback decay X (--feedback-decay)
+  ...-kN          (suffix) a sparse run keeping N of every 4,096 values (--sparse-top-k)
   diloco-hH       reference DiLoCo in W processes over gloo: the same inner loop, fp32 Δ
                   all-reduced every H steps, torch's Nesterov SGD as the outer step. What
                   DiLoCo itself gives, with dtnode's network, int8 and matchmaking left out
@@ -26,6 +27,9 @@ trained by:
                   round's steps and its outer step lands when it is in ("lands after")
   diloco-hH-delayN the reference with the mean landing N inner steps into the next round
                   (N = H: a whole round late)
+  diloco-hH-sparse, diloco-hH-sparselocal (-efdX)
+                  the reference sending dtnode's sparse code (top 64 of 4096, 2-bit values),
+                  what was not sent kept in an error-feedback buffer, or in θ_l
 Every run takes `--steps` inner steps per worker (solo: W x as many) with the same AdamW, the
 same warmup and the same cosine decay over the run (dtnode: --total-steps). Inner AdamW
 settings are dtnode's defaults; the outer step is dtnode's (Nesterov SGD, --outer-lr).
@@ -75,6 +79,7 @@ from dtnode.daemon.data import DataSources, DataStream, MarkovLanguage, stable_s
 from dtnode.daemon.model import build_model
 from dtnode.daemon.schedule import LearningRateSchedule
 from dtnode.daemon.trainer import held_out_loss, inner_optimizer, next_token_loss
+from dtnode.ops import sparse as sparse_codec
 
 RUN_ID = "convergence"
 ROUND_LINE = re.compile(r"round (\d+) \|.*\| eval (\d+\.\d+).*\((\d+(?:\.\d+)?) (B|kB|MB|GB|TB) sent\)")
@@ -82,7 +87,7 @@ GROUPS = re.compile(r"round \d+ \| groups ([^|]+?) \|")
 UNITS = {"B": 1, "kB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12}
 LR = r"\d+(?:\.\d+)?(?:e-?\d+)?"
 OUTER = rf"(?:-lr({LR}))?(?:-olr({LR}))?(?:-om({LR}))?"  # a DiLoCo run's rates and outer momentum
-RUN_NAME = re.compile(rf"(moshpit-)?(fp32|int8|sparse)-h(\d+){OUTER}(?:-efd({LR}))?(-overlap)?")
+RUN_NAME = re.compile(rf"(moshpit-)?(fp32|int8|sparse)-h(\d+){OUTER}(?:-efd({LR}))?(?:-k(\d+))?(-overlap)?")
 OUTER_MOMENTUM = 0.9
 DEFAULT_RUNS = (
     "dp,dp-lr0.002,dp-lr0.004,solo,fp32-h50,int8-h10,int8-h50,int8-h100,int8-h50-overlap,moshpit-int8-h50,"
@@ -155,8 +160,16 @@ def _worker(
     h: int = 0,
     momentum: float = OUTER_MOMENTUM,
     delay: int = 0,
+    sparse: str = "",
+    feedback_decay: float = 1.0,
 ) -> None:
     """One synchronous worker; with h > 0 a reference DiLoCo replica instead of a DDP one.
+
+    With `sparse` the reference sends top-64-of-4096 2-bit Δ (dtnode's ops/sparse.py codec)
+    and all-reduces what was sent: `buffer` keeps what was not sent in an error-feedback buffer
+    added to the next Δ (SparseLoCo; θ_l restarts from θ_g), `local` keeps it in θ_l instead
+    (θ_l ← θ_g − what was not sent), so the next Δ holds it without the inner steps having to
+    find it again.
 
     The reference is the textbook algorithm in a few lines (fp32 Δ averaged by gloo's all-reduce,
     torch's own Nesterov SGD as the outer step), so a gap between dtnode and data-parallel can be
@@ -178,8 +191,9 @@ def _worker(
     params = list(model.parameters())
     if h:  # θ_g and the outer optimizer over it; θ_l = θ_g − (own Δ in flight) − progress since
         theta_g = torch.nn.Parameter(parameters_to_vector(params).detach().clone())
-        outer = torch.optim.SGD([theta_g], lr=cfg.outer_lr, momentum=momentum, nesterov=True)
+        outer = torch.optim.SGD([theta_g], lr=cfg.outer_lr, momentum=momentum, nesterov=momentum > 0)
         in_flight, pending = torch.zeros_like(theta_g), None  # own Δ, and the mean not yet applied
+        unsent = torch.zeros_like(theta_g)  # sparse: what this worker has not sent yet
     tokens_per_step = world * cfg.batch_size * cfg.seq_len
     eval_every = max(h, (steps // cfg.eval_points) // max(h, 1) * max(h, 1), 1)
     curve = []
@@ -191,7 +205,8 @@ def _worker(
         theta_g.grad = mean
         outer.step()
         in_flight.zero_()
-        _copy_into(theta_g.detach() - progress, params)
+        kept = unsent * feedback_decay if sparse == "local" else 0
+        _copy_into(theta_g.detach() - progress - kept, params)
 
     def evaluate() -> float:
         if not h:
@@ -218,7 +233,15 @@ def _worker(
         if h and (step + 1) % h == 0:
             with torch.no_grad():
                 in_flight.copy_(theta_g.detach() - parameters_to_vector(params))  # this round's Δ
-                pending = in_flight.clone()
+                if sparse == "buffer":
+                    pending = sparse_codec.decode(
+                        sparse_codec.encode_with_feedback(in_flight, unsent, decay=feedback_decay)
+                    )
+                elif sparse == "local":
+                    pending = sparse_codec.decode(sparse_codec.encode(in_flight))
+                    torch.sub(in_flight, pending, out=unsent)
+                else:
+                    pending = in_flight.clone()
                 dist.all_reduce(pending)
                 pending.div_(world)
             if not delay or step + 1 == steps:  # at once (the last round's too)
@@ -231,6 +254,8 @@ def _worker(
         numel = sum(p.numel() for p in params)
         exchanges = steps // h if h else steps
         sent = 2 * (world - 1) / world * 4 * numel * exchanges if world > 1 else 0.0
+        if sparse:  # an all-gather of every worker's sparse payload
+            sent = (world - 1) * sparse_codec.bytes_per_value(4096, 64) * numel * exchanges
         Path(out).write_text(json.dumps({"curve": curve, "wall_s": wall, "bytes": sent}))
     if world > 1:
         dist.destroy_process_group()
@@ -255,12 +280,19 @@ def run_synchronous(
     h: int = 0,
     momentum: float = OUTER_MOMENTUM,
     delay: int = 0,
+    sparse: str = "",
+    feedback_decay: float = 1.0,
 ) -> Result:
     out = workdir / f"{name}-{dataset}.json"
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.spawn(_worker, args=(world, cfg, dataset, files, port, str(out), h, momentum, delay), nprocs=world, join=True)
+    mp.spawn(
+        _worker,
+        args=(world, cfg, dataset, files, port, str(out), h, momentum, delay, sparse, feedback_decay),
+        nprocs=world,
+        join=True,
+    )
     data = json.loads(out.read_text())
     curve = [tuple(p) for p in data["curve"]]
     exchanges = cfg.steps * cfg.workers // world // h if h else cfg.steps * cfg.workers // world
@@ -273,14 +305,15 @@ def run_dtnode(
     h: int,
     compression: str,
     group_size: int,
-    outer_lr: float,
-    momentum: float,
+    outer_lr: float | None,
+    momentum: float | None,
     overlap: bool,
     cfg: Config,
     dataset: str,
     files,
     workdir: Path,
-    feedback_decay: float = 1.0,
+    feedback_decay: float | None = None,
+    top_k: int = 64,
 ) -> Result:
     rounds = cfg.steps // h
     args = [
@@ -308,14 +341,10 @@ def run_dtnode(
         str(cfg.warmup_steps),
         "--inner-lr",
         str(cfg.inner_lr),
-        "--outer-lr",
-        str(outer_lr),
-        "--outer-momentum",
-        str(momentum),
         "--compression",
         compression,
-        "--feedback-decay",
-        str(feedback_decay),
+        "--sparse-top-k",
+        str(top_k),
         "--target-group-size",
         str(group_size),
         "--min-peers",
@@ -330,6 +359,14 @@ def run_dtnode(
         "--allreduce-timeout",
         "120",
     ]
+    # a sparse run not told otherwise takes the node's sparse defaults (its outer step, its decay)
+    for option, value in (
+        ("--outer-lr", outer_lr),
+        ("--outer-momentum", momentum),
+        ("--feedback-decay", feedback_decay),
+    ):
+        if value is not None:
+            args += [option, str(value)]
     if dataset == "text":
         args += ["--data", str(files[0]), "--eval-data", str(files[1])]
     if overlap:
@@ -403,7 +440,7 @@ def run_one(name: str, cfg: Config, dataset: str, files, workdir: Path) -> Resul
     if m := re.fullmatch(rf"(dp|solo)(?:-lr({LR}))?", name):
         tuned = replace(cfg, inner_lr=float(m.group(2))) if m.group(2) else cfg
         return run_synchronous(name, cfg.workers if m.group(1) == "dp" else 1, tuned, dataset, files, workdir)
-    if m := re.fullmatch(rf"diloco-h(\d+){OUTER}(?:-delay(\d+))?", name):
+    if m := re.fullmatch(rf"diloco-h(\d+){OUTER}(?:-delay(\d+))?(-sparse(?:local)?)?(?:-efd({LR}))?", name):
         tuned = replace(cfg, inner_lr=float(m.group(2) or cfg.inner_lr), outer_lr=float(m.group(3) or cfg.outer_lr))
         return run_synchronous(
             name,
@@ -415,26 +452,30 @@ def run_one(name: str, cfg: Config, dataset: str, files, workdir: Path) -> Resul
             int(m.group(1)),
             float(m.group(4) or OUTER_MOMENTUM),
             int(m.group(5) or 0),
+            {None: "", "-sparse": "buffer", "-sparselocal": "local"}[m.group(6)],
+            float(m.group(7) or 1.0),
         )
     m = RUN_NAME.fullmatch(name)
     if not m:
         raise SystemExit(f"unknown run {name!r}")
     group = 2 if m.group(1) else cfg.workers
     tuned = replace(cfg, inner_lr=float(m.group(4))) if m.group(4) else cfg
-    outer_lr = float(m.group(5)) if m.group(5) else cfg.outer_lr
+    sparse = m.group(2) == "sparse"
+    outer_lr = float(m.group(5)) if m.group(5) else None if sparse else cfg.outer_lr
     return run_dtnode(
         name,
         int(m.group(3)),
         m.group(2),
         group,
         outer_lr,
-        float(m.group(6) or OUTER_MOMENTUM),
-        bool(m.group(8)),
+        float(m.group(6)) if m.group(6) else None if sparse else OUTER_MOMENTUM,
+        bool(m.group(9)),
         tuned,
         dataset,
         files,
         workdir,
-        float(m.group(7) or 1.0),
+        float(m.group(7)) if m.group(7) else None,
+        int(m.group(8) or 64),
     )
 
 
