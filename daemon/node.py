@@ -233,13 +233,22 @@ class Node:
         channels = ChannelPool(max_message_bytes(s.chunk_elements), self.trust)
         stack.push_async_callback(channels.close)
         self._build_round_parts(registry, channels, redial)
-        sidecar = Sidecar(self.presenter, served=served, auth=self.auth)
+        sidecar = Sidecar(self.presenter, served=served, auth=self.auth, separate_status=s.status_port is not None)
+        stack.push_async_callback(sidecar.stop)
         try:
             http_port = await sidecar.start(s.host, s.http_port)
         except OSError as e:
             raise SettingsError("--http-port", f"cannot listen on {s.host}:{s.http_port}: {e.strerror or e}") from None
-        stack.push_async_callback(sidecar.stop)
         self.addr.http_addr = f"http://{host}:{http_port}"
+        status_url = self.addr.http_addr
+        if s.status_port is not None:
+            try:
+                status_port = await sidecar.start_status(s.status_host, s.status_port)
+            except OSError as e:
+                raise SettingsError(
+                    "--status-port", f"cannot listen on {s.status_host}:{s.status_port}: {e.strerror or e}"
+                ) from None
+            status_url = f"http://{s.status_host}:{status_port}"
         await self.publisher.publish()
         heartbeat = asyncio.ensure_future(self.membership.heartbeat(self.presenter.record, self.stopping))
         stack.push_async_callback(self._final_announce, heartbeat)
@@ -253,7 +262,7 @@ class Node:
             checking = asyncio.ensure_future(self._check_reachable())
             stack.push_async_callback(_cancel, checking)
         self.addr.join_command = join_command(s, self.workload.recipe, public_maddrs(self.dht, s.announce_host)[0])
-        up = f"dtnode node {self.addr.peer_id} is up: status {self.addr.http_addr}/status, gRPC {self.addr.grpc_addr or 'client mode'}"
+        up = f"dtnode node {self.addr.peer_id} is up: status {status_url}/status, gRPC {self.addr.grpc_addr or 'client mode'}"
         if s.log_format == "json":  # every line a JSON object
             log.info("%s; to add a peer to this swarm: %s", up, self.addr.join_command)
         else:
@@ -413,20 +422,22 @@ async def _quietly(work: Awaitable[object], what: str) -> None:
 
 def check_ports(s: NodeSettings) -> None:
     """End at once, naming the option, when a port this node must listen on is taken."""
-    wanted = [("--dht-port", s.dht_port), ("--http-port", s.http_port)]
+    wanted = [("--dht-port", s.dht_port, s.host), ("--http-port", s.http_port, s.host)]
     if not s.client_mode:
-        wanted.append(("--grpc-port", s.grpc_port))
+        wanted.append(("--grpc-port", s.grpc_port, s.host))
+    if s.status_port:
+        wanted.append(("--status-port", s.status_port, s.status_host))
     seen: dict[int, str] = {}
-    for option, port in wanted:
+    for option, port, host in wanted:
         if not port:
             continue
         if port in seen:
             raise SettingsError(option, f"port {port} is also given to {seen[port]}; each needs its own")
         seen[port] = option
-        if port_in_use(s.host, port):
+        if port_in_use(host, port):
             raise SettingsError(
                 option,
-                f"port {port} on {s.host} is in use (another dtnode on this host? give "
+                f"port {port} on {host} is in use (another dtnode on this host? give "
                 f"each node its own ports, or 0 for any free one)",
             )
 

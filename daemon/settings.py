@@ -73,6 +73,20 @@ class NodeSettings(BaseSettings):
         7701, ge=0, le=65535, description="TCP port of the averaging gRPC server; 0 picks a free one."
     )
     http_port: int = Field(7702, ge=0, le=65535, description="TCP port of the HTTP sidecar; 0 picks a free one.")
+    status_port: int | None = Field(
+        None,
+        ge=0,
+        le=65535,
+        description="Serve the dashboard, /status, /history, /metrics and /peers on --status-host at this port "
+        "instead of --http-port, which then serves what peers need only (checkpoints, /healthz, /dialback); "
+        "0 picks a free one. A peer then joins through this node's multiaddr, not its sidecar address.",
+    )
+    status_host: str = Field(
+        "127.0.0.1",
+        min_length=1,
+        max_length=255,
+        description="With --status-port: the address the dashboard and status listen on (this host only by default).",
+    )
     client_mode: bool = Field(False, description="Behind NAT: open only outbound streams and reduce no part.")
     swarm_key_file: Path | None = Field(
         None,

@@ -1,5 +1,6 @@
 """The HTTP sidecar: health, status, history, peers, metrics, checkpoints and the dashboard
-on one aiohttp server.
+on one aiohttp server, or (--status-port) what operators read on a second one, apart from
+what peers need (checkpoints, /healthz, /dialback), so the public port shows no state.
 
 It runs on the node's event loop but never waits on training or averaging: every handler
 reads state the node has already published, and checkpoint files stream from disk, so a
@@ -107,6 +108,7 @@ class Sidecar:
         served: ServedSteps | None = None,
         min_download_rate: float = MIN_DOWNLOAD_RATE,
         download_grace: float = DOWNLOAD_GRACE_S,
+        separate_status: bool = False,
     ):
         self.node = node
         self.served = served or ServedSteps()
@@ -114,23 +116,36 @@ class Sidecar:
         self.downloads = asyncio.Semaphore(max_downloads)
         self.min_download_rate, self.download_grace = min_download_rate, download_grace
         self.app = web.Application(middlewares=[self._require_key])
-        self.app.add_routes(
-            [
-                web.get("/healthz", self.healthz),
-                web.get("/status", self.status),
-                web.get("/peers", self.peers),
-                web.get("/metrics", self.metrics),
-                web.get("/checkpoint", self.checkpoint_meta),
-                web.get("/checkpoint/{step}", self.checkpoint_file),
-                web.get("/history", self.history),
-                web.get("/dialback", self.dialback),
-                web.get("/", self.dashboard),
-            ]
-        )
+        self.app.add_routes(self._public_routes())
+        # --status-port: the operator's routes on a listener of their own (`start_status`)
+        self.status_app = web.Application(middlewares=[self._require_key]) if separate_status else self.app
+        if separate_status:
+            self.status_app.add_routes([web.get("/healthz", self.healthz)])
+        self.status_app.add_routes(self._status_routes())
         self.runner: web.AppRunner | None = None
+        self.status_runner: web.AppRunner | None = None
         self._dashboard = importlib.resources.files(__package__).joinpath("dashboard.html").read_text("utf-8")
         self.port = 0
         self._from_memory: set[int] = set()  # steps already logged as served from memory
+
+    def _public_routes(self) -> list[web.RouteDef]:
+        """What other peers ask of this node."""
+        return [
+            web.get("/healthz", self.healthz),
+            web.get("/checkpoint", self.checkpoint_meta),
+            web.get("/checkpoint/{step}", self.checkpoint_file),
+            web.get("/dialback", self.dialback),
+        ]
+
+    def _status_routes(self) -> list[web.RouteDef]:
+        """What an operator reads (and `join --peer http://` reads: /status)."""
+        return [
+            web.get("/status", self.status),
+            web.get("/peers", self.peers),
+            web.get("/metrics", self.metrics),
+            web.get("/history", self.history),
+            web.get("/", self.dashboard),
+        ]
 
     def steps_in_use(self) -> set[int]:
         return self.served.in_use()
@@ -146,16 +161,26 @@ class Sidecar:
         return await handler(request)
 
     async def start(self, host: str, port: int) -> int:
+        """Listen on host:port (0: a free port); returns the bound port."""
         self.runner = web.AppRunner(self.app, access_log=None, handle_signals=False)
         await self.runner.setup()
-        site = web.TCPSite(self.runner, host, port, reuse_address=True)
-        await site.start()
+        await web.TCPSite(self.runner, host, port, reuse_address=True).start()
         self.port = self.runner.addresses[0][1]  # the bound port when port was 0
         return self.port
 
+    async def start_status(self, host: str, port: int) -> int:
+        """With `separate_status`: the operator's listener; returns its bound port."""
+        if self.status_app is self.app:
+            raise RuntimeError("this sidecar serves its status on its one port")
+        self.status_runner = web.AppRunner(self.status_app, access_log=None, handle_signals=False)
+        await self.status_runner.setup()
+        await web.TCPSite(self.status_runner, host, port, reuse_address=True).start()
+        return self.status_runner.addresses[0][1]
+
     async def stop(self) -> None:
-        if self.runner is not None:
-            await self.runner.cleanup()
+        for runner in (self.status_runner, self.runner):
+            if runner is not None:
+                await runner.cleanup()
 
     async def healthz(self, request: web.Request) -> web.Response:
         health = self.node.health()

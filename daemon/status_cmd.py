@@ -21,6 +21,18 @@ def _get(base: str, path: str, auth: SwarmAuth | None = None) -> Any:
         return json.load(resp)
 
 
+def _wire(last: dict) -> str:
+    """How the last round's Δ travelled: the code, bytes per parameter, density, unsent norm."""
+    if "compression" not in last:
+        return "-"
+    text = f"{last['compression']}, {last.get('bytes_per_param', 0):.3g} B/param"
+    if last.get("density", 1) < 1:
+        text += f", {last['density']:.2%} kept"
+    if last.get("feedback_norm") is not None:
+        text += f", error feedback {last['feedback_norm']:.3g}"
+    return text
+
+
 def _reachability(status: dict) -> str:
     """A peer's dial-back of the node (reachability.py), as one cell."""
     if status.get("client_mode"):
@@ -83,6 +95,7 @@ def show_status(url: str, as_json: bool = False, auth: SwarmAuth | None = None) 
                 f"sent {last.get('bytes_sent', '-')} B"
             ),
         ),
+        ("wire", _wire(last)),
     ]
     for key, value in rows:
         node.add_row(key, str(value))

@@ -58,6 +58,9 @@ class ModelWorker:
         # error feedback: what the wire code did not carry yet (int8 when enabled; sparse always)
         self.residual: torch.Tensor | None = None
         self.feedback_norm: float | None = None  # of `residual`, after the last outer step
+        # `residual` as the last outer step left it: what a checkpoint of that θ_g saves (with
+        # --overlap the next average may be writing `residual` while the checkpoint is taken)
+        self._settled_feedback: torch.Tensor | None = None
 
     # ---- set-up ----------------------------------------------------------------------------
     def build(self, peer_id: str) -> None:
@@ -193,6 +196,7 @@ class ModelWorker:
             trainer.inner_step = 0
             if self.residual is not None:  # a donor's θ_g: this node owes the swarm nothing yet
                 self.residual.zero_()
+                self.measure_feedback()
             return
         trainer.load_inner_state(local.exp_avg, local.exp_avg_sq, local.adam_steps)
         trainer.inner_step = local.inner_step
@@ -238,6 +242,9 @@ class ModelWorker:
         a pass over a model-sized buffer stays off the event loop)."""
         if self.residual is not None:
             self.feedback_norm = float(torch.linalg.vector_norm(self.residual))
+            if self._settled_feedback is None:
+                self._settled_feedback = torch.empty_like(self.residual)
+            self._settled_feedback.copy_(self.residual)
 
     def land(self, result: AveragingResult | None) -> None:
         """--overlap: the outer step of the average in flight (None: it failed)."""
@@ -290,7 +297,8 @@ class ModelWorker:
                 return step, TrainingState(theta, momentum, None)
             generator, sequences = trainer.stream.position()
             batches = sequences // trainer.stream.batch_size
-            feedback = self.residual.clone() if self.residual is not None else None
+            settled = self._settled_feedback if self._settled_feedback is not None else self.residual
+            feedback = settled.clone() if settled is not None else None
             own = LocalState(
                 exp_avg, exp_avg_sq, generator, trainer.inner_step, adam_steps, batches, sequences, feedback
             )

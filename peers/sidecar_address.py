@@ -68,9 +68,16 @@ async def _ask(session: aiohttp.ClientSession, url: str, timeout: float) -> dict
     status_url = url.rstrip("/") + "/status"
     try:
         async with session.get(status_url, timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
+            if resp.status == 404:
+                raise SidecarAddressError(
+                    f"{status_url} answered HTTP 404: that node serves its status privately (--status-port); "
+                    "give its multiaddr instead"
+                )
             if resp.status != 200:
                 raise SidecarAddressError(f"{status_url} answered HTTP {resp.status}")
             status = json.loads(await resp.content.read(MAX_STATUS_BYTES))
+    except SidecarAddressError:
+        raise
     except (TimeoutError, aiohttp.ClientError, OSError) as e:
         raise SidecarAddressError(f"{status_url} is not reachable ({type(e).__name__}: {e})") from None
     except ValueError:

@@ -53,6 +53,18 @@ def test_compression_names_a_wire_format_and_none_still_means_fp32():
     assert (wire.compression, wire.block_size, wire.top_k) == ("sparse", 4096, 32)
 
 
+def test_sparse_takes_its_own_outer_step_unless_one_is_given(monkeypatch):
+    """Error feedback takes momentum's place (SparseLoCo), and no periodic fp32 re-sync spends
+    hundreds of sparse rounds' bytes; a value given by flag, env var or file still wins."""
+    s = load_settings({"compression": "sparse"})
+    assert (s.outer_lr, s.outer_momentum, s.consensus_every) == (1.0, 0.0, 0)
+    assert load_settings({"compression": "sparse", "outer_momentum": "0.5"}).outer_momentum == 0.5
+    plain = load_settings({})
+    assert (plain.outer_lr, plain.outer_momentum, plain.consensus_every) == (0.7, 0.9, 25)
+    monkeypatch.setenv("DTNODE_OUTER_LR", "2.0")
+    assert load_settings({"compression": "sparse"}).outer_lr == 2.0
+
+
 def test_bad_toml_and_unknown_keys(tmp_path):
     bad = tmp_path / "bad.toml"
     bad.write_text("inner_steps = [\n")

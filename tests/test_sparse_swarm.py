@@ -16,11 +16,22 @@ SPARSE = ["--compression", "sparse", "--sparse-top-k", "32", "--run-id", "sparse
 @pytest.mark.long_swarms  # about 60 s: outside the default suite's 10 minutes, run by .ci/run
 def test_a_sparse_swarm_agrees_on_theta_g_and_a_restart_keeps_what_it_had_not_sent(tmp_path):
     args = [*FAST, *SPARSE, "--min-peers", "3", "--max-rounds", "5"]
-    nodes = run_swarm(
-        NodeProcess.join("a", tmp_path, *args),
-        lambda address: [NodeProcess.join(name, tmp_path, *args, "--peer", address) for name in ("b", "c")],
-        timeout=300,
-    )
+    seen: dict = {}
+
+    def others(address: str) -> list[NodeProcess]:
+        joined = [NodeProcess.join(name, tmp_path, *args, "--peer", address) for name in ("b", "c")]
+        joined[0].wait_for_round(lambda r: r["round"] >= 1, timeout=180)
+        seen["status"], seen["metrics"] = joined[0].get("/status"), joined[0].get_text("/metrics")
+        return joined
+
+    nodes = run_swarm(NodeProcess.join("a", tmp_path, *args), others, timeout=300)
+    # /status and /metrics say how Δ travels
+    last = seen["status"]["last_round"]
+    assert last["compression"] == "sparse" and last["density"] == 32 / 4096, last
+    assert 0 < last["bytes_per_param"] < 0.5 and last["feedback_norm"] > 0, last
+    assert 'dtnode_wire_bytes_per_param{compression="sparse"}' in seen["metrics"]
+    assert "dtnode_wire_density 0.0078125" in seen["metrics"]
+    assert "dtnode_error_feedback_norm" in seen["metrics"] and "dtnode_refused_streams_total" in seen["metrics"]
     for node in nodes:
         assert "Traceback" not in node.output, node.output
         rounds = node.rounds[:5]

@@ -131,3 +131,42 @@ def test_a_flood_of_made_up_registrants_joins_no_group(tmp_path, cleanup):
         # the group is the two real nodes; the registrants counted include the made-up ones read
         assert all(r is not None and r["groups"][0][0] == 2 for r in flooded), (flooded, node.output)
         assert "127.0.0.1:9" not in node.output, node.output  # no part was ever sent to a made-up member
+
+
+def test_status_port_keeps_state_off_the_public_port(tmp_path, cleanup):
+    """--status-port: the dashboard, /status, /history, /metrics and /peers answer on the
+    operator's listener only; the public port serves peers (checkpoints, /healthz, /dialback)."""
+    import asyncio as _asyncio
+    import urllib.error
+    import urllib.request
+
+    import aiohttp
+    import pytest
+
+    from dtnode.peers.sidecar_address import SidecarAddressError, fetch_status
+
+    node = NodeProcess.join("private", tmp_path, *FAST, "--status-port", "0", "--max-own-rounds", "2")
+    cleanup.append(node)
+    node.wait_for_round(lambda r: r["round"] >= 0)
+    status = node.get("/status")  # http_url: the status listener, from the start-up line
+    assert node.http_url.startswith("http://127.0.0.1:") and status["http_url"] != node.http_url
+    for path in ("/history", "/metrics", "/peers", "/"):
+        urllib.request.urlopen(node.http_url + path, timeout=5).close()
+    public = status["http_url"].replace("0.0.0.0", "127.0.0.1")
+    urllib.request.urlopen(public + "/healthz", timeout=5).close()
+    urllib.request.urlopen(public + "/checkpoint", timeout=5).close()
+    for path in ("/status", "/history", "/metrics", "/peers", "/"):
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(public + path, timeout=5)
+        assert refused.value.code == 404, path
+
+    async def join_through_public() -> str:
+        async with aiohttp.ClientSession() as session:
+            try:
+                await fetch_status(session, public, timeout=1.0)
+            except SidecarAddressError as e:
+                return str(e)
+        return ""
+
+    assert "give its multiaddr" in _asyncio.run(join_through_public())
+    assert node.wait(60) == 0, node.output
