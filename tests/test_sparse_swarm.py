@@ -55,3 +55,20 @@ def test_a_sparse_swarm_agrees_on_theta_g_and_a_restart_keeps_what_it_had_not_se
     finally:
         again.kill()
     assert restored == pytest.approx(float(owed.norm()), rel=1e-5)
+
+
+@pytest.mark.long_swarms  # about 30 s
+def test_sparse_with_overlap_lands_the_same_bytes_on_every_member(tmp_path):
+    """--overlap sends a round's sparse Δ while the next round trains; the average lands between
+    two inner steps, and both members still hold the same θ_g at every step."""
+    args = [*FAST, *SPARSE, "--overlap", "--min-peers", "2", "--max-rounds", "4"]
+    nodes = run_swarm(
+        NodeProcess.join("a", tmp_path, *args),
+        lambda address: [NodeProcess.join("b", tmp_path, *args, "--peer", address)],
+        timeout=300,
+    )
+    for node in nodes:
+        assert "Traceback" not in node.output, node.output
+        assert all(r["groups"] in ([[2, 2]], []) for r in node.rounds[:4]), node.output
+    for step in range(1, 5):
+        assert torch.equal(checkpoint_theta(nodes[0].state_dir, step), checkpoint_theta(nodes[1].state_dir, step))
