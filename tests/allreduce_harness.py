@@ -120,6 +120,15 @@ async def send_stream(address: str, chunks: list, timeout: float = 5.0) -> grpc.
         return await stream_status(pb_grpc.AveragingStub(channel).Reduce(iter(chunks), timeout=timeout))
 
 
+async def send_to_each_reducer(plan, peers: list[Peer], chunk_for) -> list[grpc.StatusCode]:
+    """An outsider's one-chunk stream to each peer's part, `chunk_for(part, length)`; the statuses."""
+    codes = []
+    for peer in peers:
+        part = plan.index_of(peer.member.peer_id)
+        codes.append(await send_stream(peer.member.grpc_addr, [chunk_for(part, plan.parts[part][1])]))
+    return codes
+
+
 async def allreduce_beside(plan, peers: list[Peer], values, outs, beside: Awaitable[T]) -> tuple[list, T]:
     """Every peer's all-reduce over `plan` (no feedback, weight 1) while `beside` (an attacker)
     runs; the peers' reports and what `beside` returned."""

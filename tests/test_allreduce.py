@@ -5,7 +5,7 @@ import asyncio
 import grpc
 import pytest
 import torch
-from allreduce_harness import allreduce, allreduce_beside, send_stream, start_peers, stop_peers, stream_status
+from allreduce_harness import allreduce, allreduce_beside, send_to_each_reducer, start_peers, stop_peers, stream_status
 
 from dtnode.ops.quantization import quantize
 from dtnode.peers.butterfly import Feedback, butterfly_allreduce
@@ -209,18 +209,14 @@ def test_hostile_member_is_rejected_and_others_unaffected(attack):
         values = [torch.randn(4096) for _ in range(2)]
         outs = [torch.empty(4096) for _ in range(2)]
 
-        async def attacker():
-            codes = []
-            for peer in peers:
-                idx = plan.index_of(peer.member.peer_id)
-                _, length = plan.parts[idx]
-                chunk = _chunk(plan, idx, "peer-hostile", 0, torch.randn(length))
-                HOSTILE[attack](chunk)
-                codes.append(await send_stream(peer.member.grpc_addr, [chunk]))
-            return codes
+        def hostile(part, length):
+            chunk = _chunk(plan, part, "peer-hostile", 0, torch.randn(length))
+            HOSTILE[attack](chunk)
+            return chunk
 
         try:
-            reports, codes = await allreduce_beside(plan, peers, values, outs, attacker())
+            attacker = send_to_each_reducer(plan, peers, hostile)
+            reports, codes = await allreduce_beside(plan, peers, values, outs, attacker)
         finally:
             await stop_peers(peers)
         assert all(c in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION) for c in codes), codes

@@ -6,7 +6,7 @@ import asyncio
 import grpc
 import pytest
 import torch
-from allreduce_harness import allreduce, allreduce_beside, send_stream, start_peers, stop_peers
+from allreduce_harness import allreduce, allreduce_beside, send_to_each_reducer, start_peers, stop_peers
 from path_tampering import FlippingProxy
 
 from dtnode.ops import sparse
@@ -224,19 +224,15 @@ def test_a_hostile_sparse_sender_is_refused_counted_by_reason_and_leaves_the_mea
         values = [torch.randn(numel) for _ in range(2)]
         outs = [torch.empty(numel) for _ in range(2)]
 
-        async def attacker():
-            codes = []
-            for peer in peers:
-                part = plan.index_of(peer.member.peer_id)
-                _, length = plan.parts[part]
-                chunk = chunk_message(plan, part, "peer-hostile", 1.0, 0, sparse.encode(torch.randn(length), BLOCK, K))
-                chunk.last = True
-                _with_indices(chunk, lambda i: i.__setitem__(1, i[0]))  # a duplicate position
-                codes.append(await send_stream(peer.member.grpc_addr, [chunk]))
-            return codes
+        def duplicate_position(part, length):
+            chunk = chunk_message(plan, part, "peer-hostile", 1.0, 0, sparse.encode(torch.randn(length), BLOCK, K))
+            chunk.last = True
+            _with_indices(chunk, lambda i: i.__setitem__(1, i[0]))
+            return chunk
 
         try:
-            reports, codes = await allreduce_beside(plan, peers, values, outs, attacker())
+            attacker = send_to_each_reducer(plan, peers, duplicate_position)
+            reports, codes = await allreduce_beside(plan, peers, values, outs, attacker)
         finally:
             await stop_peers(peers)
         assert codes == [grpc.StatusCode.INVALID_ARGUMENT] * 2
