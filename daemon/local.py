@@ -40,6 +40,9 @@ async def _pump(name: str, index: int, stream: asyncio.StreamReader, on_line=Non
 
 
 async def _run(nodes: int, base_dir: str, values: dict[str, Any], http_port: int) -> int:
+    values = dict(values)
+    given = values.pop("status_port", None)  # like --http-port: one port per node, counting up
+    status_port = int(given) if given is not None else None  # checked by load_settings already
     common = _argv(values) + ["--host", "127.0.0.1", "--dht-port", "0", "--grpc-port", "0", "--min-peers", str(nodes)]
     procs: list[asyncio.subprocess.Process] = []
     pumps: list[asyncio.Task] = []
@@ -72,6 +75,7 @@ async def _run(nodes: int, base_dir: str, values: dict[str, Any], http_port: int
             str(state_dir),
             "--http-port",
             str(http_port + i if http_port else 0),
+            *(["--status-port", str(status_port + i if status_port else 0)] if status_port is not None else []),
             *extra,
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.STDOUT,
