@@ -19,15 +19,22 @@ of a few seconds, 20% more tokens than asked. An over-estimate of the others has
 the peers stop, publish their exact counts, and the last one, seeing the total fall short,
 trains the rest alone while the others wait. So a round is also over for a peer as soon as
 another peer of the round has closed it (`closed`: it moved on to averaging, or with --overlap
-to the next round's steps) once the swarm is near its target, or once half its peers have. Pure
-functions, no I/O.
+to the next round's steps) once the swarm is near its target, or once half its peers have.
+
+A record is signed by its peer, but what it reports is the peer's own word: one record with a
+huge `round_tokens` would end every round at once, a huge `tokens_per_step` stretch rounds to
+100 x H. So every report is clamped to `PACING_SPREAD` times the median of the peers' reports
+(`clamp_reports`): one peer can move the round's end by a bounded factor, never end or stall it
+alone. A rate or batch is bounded by the lower median, a token count by the median of the
+others' counts: in a pair, the honest peer's report bounds the other's. Pure functions, no I/O.
 """
 
 from __future__ import annotations
 
+import bisect
 import math
-from collections.abc import Iterable
-from dataclasses import dataclass
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 
@@ -57,6 +64,88 @@ class Progress(Protocol):
 ACTIVE = ("training", "averaging")
 CLOSED_PHASES = ("matchmaking", "averaging", "outer")  # a record's phase once its round's inner steps ended
 MAX_STEP_S = 600.0  # one step is extrapolated this long at most (a record with a tiny rate)
+# A report counts at most this many times the peers' median: a peer with an 8x bigger batch or
+# an 8x faster device counts in full, a lying one moves the round's end by a bounded factor.
+PACING_SPREAD = 8.0
+
+
+@dataclass(frozen=True)
+class Report:
+    """One peer's progress as pacing counts it: a record's fields, clamped (`clamp_reports`)."""
+
+    peer_id: str
+    state: str
+    round: int
+    phase: str
+    round_in_training: int
+    round_tokens: int
+    tokens_per_step: int
+    tokens_per_s: float
+    progress_at: float
+
+
+def _lower_median(values: Sequence[float]) -> float:
+    ordered = sorted(values)
+    return ordered[(len(ordered) - 1) // 2] if ordered else 0.0
+
+
+def _median_without(ordered: Sequence[int], value: int) -> float:
+    """The upper median of sorted `ordered` less one occurrence of `value` (if present)."""
+    at = bisect.bisect_left(ordered, value)
+    present = at < len(ordered) and ordered[at] == value
+    size = len(ordered) - present
+    if size <= 0:
+        return 0.0
+    k = size // 2
+    return float(ordered[k + 1] if present and at <= k else ordered[k])
+
+
+def clamp_reports(records: Iterable[Progress], round: int) -> list[Report]:
+    """The records as pacing counts them: each peer's `tokens_per_step` and `tokens_per_s` at
+    most PACING_SPREAD times the lower median of the live peers' (of those that report one).
+
+    A peer's `round_tokens` is bounded by the median count of the round's other peers (those
+    with one), and never below PACING_SPREAD steps of a median peer: early in a round, or beside
+    joiners, most counts are still 0."""
+    reports = [
+        Report(
+            r.peer_id,
+            r.state,
+            r.round,
+            r.phase,
+            r.round_in_training,
+            max(r.round_tokens, 0),
+            max(r.tokens_per_step, 0),
+            max(r.tokens_per_s, 0.0) if math.isfinite(r.tokens_per_s) else 0.0,
+            r.progress_at,
+        )
+        for r in records
+    ]
+    live = [r for r in reports if r.state in ACTIVE]
+    if len(live) < 2:
+        return reports
+    # medians of the peers that report one: a peer that just started has no rate yet
+    median_step = _lower_median([r.tokens_per_step for r in live if r.tokens_per_step > 0])
+    step_cap = PACING_SPREAD * median_step if median_step > 0 else math.inf
+    median_rate = _lower_median([r.tokens_per_s for r in live if r.tokens_per_s > 0])
+    rate_cap = PACING_SPREAD * median_rate if median_rate > 0 else math.inf
+    counts = sorted(r.round_tokens for r in live if r.round_in_training == round and r.round_tokens > 0)
+
+    def tokens_cap(own: int) -> float:
+        # the others' (upper) median count: a lone liar's claim is no reference for itself
+        return PACING_SPREAD * max(_median_without(counts, own), median_step) or math.inf
+
+    return [
+        replace(
+            r,
+            tokens_per_step=int(min(r.tokens_per_step, step_cap)),
+            tokens_per_s=min(r.tokens_per_s, rate_cap),
+            round_tokens=int(min(r.round_tokens, tokens_cap(r.round_tokens)))
+            if r.round_in_training == round
+            else r.round_tokens,
+        )
+        for r in reports
+    ]
 
 
 @dataclass(frozen=True)
@@ -113,9 +202,11 @@ def swarm_progress(
 ) -> SwarmProgress:
     """The swarm's progress in `round` as this peer sees it now (`now` in DHT time).
 
-    `own` is this peer's live progress, which replaces its (older) published record.
+    `own` is this peer's live progress, which replaces its (older) published record. Every
+    report, own included, is clamped first (`clamp_reports`): all peers count the same way.
     """
-    records = [r for r in records if r.peer_id != own.peer_id] + [own]
+    records = clamp_reports([r for r in records if r.peer_id != own.peer_id] + [own], round)
+    own = records[-1]
     members = {r.peer_id: r for r in records if r.round_in_training == round and r.state in ACTIVE}
     # closed: past this round's inner steps (its record's round and phase), or with --overlap
     # training the next one; not a peer still applying the last round's outer step, whose outer

@@ -5,7 +5,7 @@ import math
 import pytest
 
 from dtnode.peers.membership import PeerRecord
-from dtnode.peers.pacing import round_target, swarm_progress
+from dtnode.peers.pacing import PACING_SPREAD, round_target, swarm_progress
 
 
 def _peer(
@@ -110,3 +110,32 @@ def test_a_peer_without_two_steps_of_the_round_is_extrapolated_one_step_at_most(
     own = _peer("me", tokens=0, rate=0.0, at=100.0)
     p = swarm_progress([fresh, running], own, 4, 10, None, now=100.0, max_extrapolation=1.5)
     assert p.done == pytest.approx((100 + 100) + (200 + 500))
+
+
+def test_one_lying_record_can_neither_end_a_round_at_once_nor_stretch_it():
+    """Finding 10 of the security issue: pacing trusted record fields; now each is clamped to
+    PACING_SPREAD x the peers' lower median."""
+    honest = [_peer(f"h{i}", tokens=300, rate=100.0, at=100.0) for i in range(3)]
+    own = _peer("me", tokens=300, rate=100.0, at=100.0)
+    clean = swarm_progress(honest, own, 4, 10, None, now=100.0)
+    assert clean.target == 4000 and not clean.reached
+    ender = _peer("liar", tokens=10**18, rate=1e15, at=100.0)
+    p = swarm_progress([*honest, ender], own, 4, 10, None, now=100.0, max_extrapolation=2.0)
+    assert not p.reached  # was: 1e18 tokens reached every target at once
+    assert p.done <= 4 * 300 + PACING_SPREAD * 300 + 1
+    stretcher = _peer("liar", per_step=1 << 40)
+    target = swarm_progress([*honest, stretcher], own, 4, 10, None, now=100.0).target
+    assert target <= 10 * (4 * 100 + PACING_SPREAD * 100)  # was: 1e13 tokens, a round 100x H and more
+    # in a pair the lower median is the honest peer's: the liar counts PACING_SPREAD x at most
+    pair = swarm_progress([_peer("liar", tokens=10**18)], own, 4, 10, None, now=100.0)
+    assert pair.done == 300 + PACING_SPREAD * 300
+
+
+def test_uneven_honest_peers_count_in_full():
+    """A peer with an 8x bigger batch and an 8x faster rate is inside the clamp."""
+    small = [_peer(f"s{i}", tokens=100, rate=100.0) for i in range(2)]
+    big = _peer("big", tokens=800, rate=800.0, per_step=800)
+    own = _peer("me", tokens=100, rate=100.0)
+    p = swarm_progress([*small, big], own, 4, 10, None, now=100.0)
+    assert p.done == 3 * 100 + 800 and p.rate == 3 * 100 + 800
+    assert p.target == 10 * (3 * 100 + 800)

@@ -5,6 +5,7 @@ import json
 import os
 
 import grpc
+import pytest
 from nodes import FAST, NodeProcess, dtnode_status, wait_until
 
 from dtnode.proto import averaging_pb2 as pb
@@ -170,3 +171,65 @@ def test_status_port_keeps_state_off_the_public_port(tmp_path, cleanup):
 
     assert "give its multiaddr" in _asyncio.run(join_through_public())
     assert node.wait(60) == 0, node.output
+
+
+@pytest.mark.long_swarms  # about 40 s
+def test_a_record_with_a_huge_token_count_does_not_end_every_round(tmp_path, cleanup):
+    """Issue 31, finding 10. A peer with a signed record claims 1e15 tokens in every round
+    the swarm is in, and a batch of 2^40 tokens: before, the two honest nodes saw the round's
+    target reached and ended each round after their first step; now the claim counts
+    PACING_SPREAD x the median report at most, and the rounds keep most of their steps."""
+    import hivemind
+    from hivemind.dht.crypto import RSASignatureValidator
+    from hivemind.p2p import P2P
+    from hivemind.utils import get_dht_time
+
+    from dtnode.peers.identity import identity_key
+    from dtnode.peers.membership import Membership, PeerRecord
+
+    a = NodeProcess.join("a", tmp_path, *FAST, "--min-peers", "2", "--inner-steps", "40")
+    cleanup.append(a)
+    b = NodeProcess.join("b", tmp_path, *FAST, "--min-peers", "2", "--inner-steps", "40", "--peer", a.join_address)
+    cleanup.append(b)
+    a.wait_for_round(lambda r: r["groups"] == [[2, 2]], timeout=90)
+    key_path = tmp_path / "liar.key"
+    P2P.generate_identity(str(key_path))
+    validator = RSASignatureValidator(identity_key(key_path))
+    liar_dht = hivemind.DHT(
+        start=True,
+        initial_peers=[a.join_address],
+        host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+        identity_path=str(key_path),
+        record_validators=[validator],
+    )
+    run_id = a.get("/status")["run_id"]
+    lied_from = a.get("/status")["outer_step"] + 1
+
+    async def lie(until_round: int) -> None:
+        liar = Membership(liar_dht, run_id, ttl=10, interval=0.3, validator=validator)
+        while (step := a.get("/status")["outer_step"]) < until_round:
+            for current in (step, step + 1):  # the round in training, and the next (--overlap peers)
+                await liar.announce(
+                    PeerRecord(
+                        peer_id=liar.peer_id,
+                        state="training",
+                        outer_step=current,
+                        round=current,
+                        phase="inner",
+                        round_tokens=10**15,
+                        tokens_per_step=1 << 40,
+                        tokens_per_s=1e15,
+                        progress_at=get_dht_time(),
+                    )
+                )
+                await asyncio.sleep(0.15)
+
+    try:
+        asyncio.run(asyncio.wait_for(lie(lied_from + 3), timeout=240))
+    finally:
+        liar_dht.shutdown()
+    for node in (a, b):
+        lied = [node.round(r) for r in range(lied_from + 1, lied_from + 3)]
+        assert all(r is not None for r in lied), node.output
+        # a fair round is 40 steps each; the clamped liar may shorten it, never to 1 or 2 steps
+        assert all(r["inner_steps"] >= 4 for r in lied), ([r["inner_steps"] for r in lied], node.output)
