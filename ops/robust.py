@@ -6,8 +6,10 @@ smallest and the largest honest value of that coordinate, however large the host
 are. So with 1 of 5 peers hostile and trim = 1, the result is never farther from the honest
 mean, coordinate by coordinate, than the honest peer farthest from it. It is computed one
 chunk at a time with a sort over the (small) group dimension, so it streams like the plain
-mean. The price: it ignores token weights, and with no attacker it is slightly noisier
-than the mean (it drops 2·trim of n honest values per coordinate).
+mean. The values kept are averaged with their senders' token weights (which the group's plan
+has already capped, peers/plan.py): the guarantee holds for any weights, since a weighted mean
+of values inside the honest range stays inside it. The price: with no attacker it is slightly
+noisier than the mean (it drops 2·trim of n honest values per coordinate).
 """
 
 from __future__ import annotations
@@ -26,13 +28,23 @@ def trim_count(contributors: int, fraction: float) -> int:
     return min(max(int(contributors * fraction), floor), (contributors - 1) // 2)
 
 
-def trimmed_mean(stacked: torch.Tensor, trim: int, out: torch.Tensor | None = None) -> torch.Tensor:
+def trimmed_mean(
+    stacked: torch.Tensor, trim: int, out: torch.Tensor | None = None, weights: torch.Tensor | None = None
+) -> torch.Tensor:
     """Mean over dim 0 of `stacked` (contributors, values) after dropping the `trim` smallest
-    and `trim` largest value of every coordinate."""
+    and `trim` largest value of every coordinate; weighted by `weights` (one positive weight per
+    contributor) when given."""
     n = stacked.shape[0]
     if trim < 0 or n - 2 * trim < 1:
         raise ValueError(f"cannot trim {trim} from each end of {n} values")
     if not bool(torch.isfinite(stacked).all()):
         raise ValueError("non-finite values")
-    kept = stacked.sort(dim=0).values[trim : n - trim] if trim else stacked
-    return torch.mean(kept, dim=0, out=out) if out is not None else kept.mean(dim=0)
+    if weights is None:
+        kept = stacked.sort(dim=0).values[trim : n - trim] if trim else stacked
+        return torch.mean(kept, dim=0, out=out) if out is not None else kept.mean(dim=0)
+    if weights.shape != (n,) or not bool((weights > 0).all()) or not bool(torch.isfinite(weights).all()):
+        raise ValueError("need one finite, positive weight per contributor")
+    ordered, order = stacked.sort(dim=0)
+    w = weights.to(stacked.dtype)[order[trim : n - trim]]  # each kept value's sender's weight
+    total = (ordered[trim : n - trim] * w).sum(dim=0).div_(w.sum(dim=0))
+    return out.copy_(total) if out is not None else total

@@ -10,7 +10,9 @@ covers, which is what keeps the mean exact however unevenly the hashed cells fil
 Consensus re-sync: a node that wants θ_g re-synced (on schedule, after a failed part or
 hop, after a download) says so in its registration; a group in which any member asked also
 averages θ_g and the outer momentum in fp32 that hop, and its members ask again in the next
-hops, so the re-sync spreads over the grid like the mean of Δ does.
+hops, so the re-sync spreads over the grid like the mean of Δ does. The request is anyone's
+to make (a failure is not provable), so the re-sync itself is what is bounded: equal weights,
+the robust rule when one is set, and a drift limit on the result (`THETA_MAX_DRIFT`).
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ class AveragingConfig:
 
 
 FP32_WIRE = WireFormat(Compression.FP32)
+THETA_MAX_DRIFT = 0.25  # a θ_g re-sync may move a part of ours by this share of its norm at most
 MAX_CHAINS = 16  # classes one peer carries through a hop at most (each holds a model-sized buffer)
 
 
@@ -75,7 +78,6 @@ class _Hop:
     hop0_cells: dict[str, set[str]]
     window: float
     asked: bool  # this node asks its groups to re-sync θ_g
-    theta_weight: float
     feedback: Feedback | None  # error feedback, for the primary slot
     delta_ready: Callable[[], Awaitable[None]] | None  # hop 0 only
     fetch_theta: Callable[[], Awaitable[torch.Tensor]]
@@ -130,7 +132,6 @@ class MoshpitAverager:
         hop0_cells = cells(population, round_no, side, dims, salt=c.run_id)
         chains = [Chain(first_slot(coordinates(self.peer_id, round_no, side, dims, c.run_id)), delta, weight)]
         theta: torch.Tensor | None = None
-        theta_weight = 1.0
         hops: list[HopReport] = []
         theta_fetch = asyncio.Lock()
 
@@ -162,7 +163,6 @@ class MoshpitAverager:
                 hop0_cells,
                 window,
                 asked,
-                theta_weight,
                 self._feedback(residual, hop),
                 delta_ready if hop == 0 else None,
                 fetch_theta,
@@ -214,7 +214,6 @@ class MoshpitAverager:
             if first is not None:
                 report.included_peers = first.included_peers
             if theta is not None and theta_primary is not None:
-                theta_weight = theta_weight * len(primary.members)
                 theta.copy_(theta_primary)
             hops.append(report)
             # every group's result goes on, in every class this peer stands for in it: a class
@@ -255,7 +254,9 @@ class MoshpitAverager:
         """Form this chain's group and all-reduce in it at once: a member of several groups
         must not keep one waiting while another is still forming."""
         slot = chain.slot
-        group = await self.expect.form(h.round_no, h.hop, h.dims, h.side, slot, h.hop0_cells, h.window, h.asked)
+        group = await self.expect.form(
+            h.round_no, h.hop, h.dims, h.side, slot, h.hop0_cells, h.window, h.asked, chain.weight * slot.share
+        )
         if h.delta_ready is not None:  # hop 0's group formed; Δ is read from here on
             await h.delta_ready()
         if slot.primary:
@@ -274,7 +275,6 @@ class MoshpitAverager:
             chain.weight,
             out,
             theta_in,
-            h.theta_weight,
             theta_out,
             h.feedback if slot.primary else None,
             report,
@@ -322,7 +322,6 @@ class MoshpitAverager:
         weight: float,
         out: torch.Tensor,
         theta: torch.Tensor | None,
-        theta_weight: float,
         theta_out: torch.Tensor | None,
         feedback: Feedback | None,
         report: HopReport,
@@ -370,11 +369,15 @@ class MoshpitAverager:
         report.failure_codes += [p.error.split(":", 1)[0] for p in result.failed_parts]
         report.retried_codes += result.retried
         if theta is not None and theta_out is not None:
+            # θ_g re-sync: every member counts the same (weight 1, nobody's own word), by the
+            # same rule as Δ (a trimmed mean in robust mode), and a result that moves our θ_g
+            # by more than THETA_MAX_DRIFT of its norm is refused: honest θ_g differ by a few
+            # outer steps at most, so only a hostile member's could move it that far
             theta_plan = make_plan(
                 c.run_id,
                 round_no,
                 theta_hop,
-                group.members,
+                [replace(m, weight=1.0) for m in group.members],
                 theta.numel(),
                 c.wire.block_size,
                 c.chunk_elements,
@@ -385,7 +388,7 @@ class MoshpitAverager:
                 theta_plan,
                 self.peer_id,
                 theta,
-                theta_weight * slot.share,
+                1.0,
                 theta_out,
                 self.registry,
                 self.channels,
@@ -394,6 +397,8 @@ class MoshpitAverager:
                 ),
                 in_flight=c.in_flight,
                 auth=self.auth,
+                trim_fraction=c.trim_fraction,
+                max_drift=THETA_MAX_DRIFT,
             )
             report.theta_resync_s = round(sync.seconds, 4)
             report.bytes_sent += sync.bytes_sent

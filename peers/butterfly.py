@@ -35,7 +35,16 @@ from .auth import GRPC_METADATA, SwarmAuth, stream_subject
 from .plan import INT8, SPARSE, GroupPlan, chunk_spans
 from .reducer import PartReduction, ReductionFailed, ReductionRegistry, maybe_thread
 from .tls import TLS_NAME, TlsError, TrustStore
-from .wire import MAX_WEIGHT, ChunkError, Payload, chunk_message, decode_chunk, payload_size
+from .wire import (
+    MAX_WEIGHT,
+    WEIGHT_SLACK,
+    ChunkError,
+    Payload,
+    RefusalReason,
+    chunk_message,
+    decode_chunk,
+    payload_size,
+)
 
 log = logging.getLogger(__name__)
 
@@ -200,6 +209,11 @@ def _implausible(result: torch.Tensor, own: torch.Tensor) -> bool:
     return float(result.norm()) > RESULT_NORM_LIMIT * max(float(own.norm()), 1e-30)
 
 
+def _drifted(result: torch.Tensor, own: torch.Tensor, max_drift: float) -> bool:
+    """A mean of nearly equal states (θ_g re-sync) that moved ours by more than `max_drift` of its norm."""
+    return float((result - own).norm()) > max_drift * max(float(own.norm()), 1e-30)
+
+
 def _decode_into(payload: Payload, target: torch.Tensor) -> None:
     if isinstance(payload, QuantizedBlocks):
         dequantize(payload, out=target)
@@ -229,6 +243,7 @@ async def butterfly_allreduce(
     feedback: Feedback | None = None,
     auth: SwarmAuth | None = None,
     trim_fraction: float | None = None,
+    max_drift: float | None = None,
 ) -> AllReduceReport:
     """Average `values` (flat fp32, CPU) across the plan's members into `out`.
 
@@ -240,6 +255,12 @@ async def butterfly_allreduce(
     that stay exact is spent. In a sparse plan every member, the reducer of a part included,
     contributes its values through the same top-k code, so the mean is sparse on the union
     of what the members kept.
+
+    Every result is checked before it is kept: the reducer's total weight must be the sum of
+    the plan's counted weights of the senders it names (a plan from matchmaking bounds each
+    member's weight by its signed registration); in robust mode its norm must be within
+    RESULT_NORM_LIMIT x ours; with `max_drift` (a θ_g re-sync, whose inputs are nearly equal) it
+    must be within `max_drift` x our norm of our own values. A result that fails keeps ours.
     """
     residual = feedback.buffer if feedback is not None else None
     if values.numel() != plan.numel or out.numel() != plan.numel:
@@ -282,6 +303,9 @@ async def butterfly_allreduce(
                         target.copy_(own)
                     return PartOutcome(me, own_id, False, [], 0.0, length, f"REDUCTION_FAILED: {e}")
                 await maybe_thread(_decode_into, payload, target[off : off + n], size=n)
+            if max_drift is not None and await maybe_thread(_drifted, target, mine, max_drift, size=length):
+                target.copy_(mine)  # our senders refuse it too: nobody applies it
+                return PartOutcome(me, own_id, False, [], 0.0, length, "DRIFTED: the re-synced values moved too far")
             try:  # let the last result chunks leave before counting them
                 await asyncio.wait_for(reduction.streams_closed.wait(), RESULTS_FLUSH_S)
             except TimeoutError:
@@ -420,8 +444,16 @@ async def butterfly_allreduce(
                         raise ChunkError(f"reducer's included list {included} is not valid for us")
                     if not (math.isfinite(msg.total_weight) and 0 < msg.total_weight <= MAX_WEIGHT * len(plan.members)):
                         raise ChunkError(f"reducer's total weight {msg.total_weight} is out of range")
+                    expected = plan.expected_total_weight(included)
+                    if expected is not None and abs(msg.total_weight - expected) > WEIGHT_SLACK * expected:
+                        raise ChunkError(
+                            f"reducer's total weight {msg.total_weight:g} is not its senders' {expected:g}",
+                            RefusalReason.BAD_WEIGHT,
+                        )
                     if trim_fraction is not None and await maybe_thread(_implausible, target, mine, size=length):
                         raise ChunkError(f"result norm is more than {RESULT_NORM_LIMIT}x our own for this part")
+                    if max_drift is not None and await maybe_thread(_drifted, target, mine, max_drift, size=length):
+                        raise ChunkError(f"the result moved our values by more than {max_drift:g} of their norm")
                     return PartOutcome(part, reducer.peer_id, True, included, msg.total_weight, length)
             raise ChunkError("result stream ended without a last chunk")
         except (TimeoutError, grpc.aio.AioRpcError, ChunkError, TlsError):

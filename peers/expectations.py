@@ -93,6 +93,7 @@ class GroupExpectations:
         hop0_cells: dict[str, set[str]],
         window: float,
         resync: bool,
+        weight: float = 0.0,
     ) -> FormedGroup:
         if hop == 0:
             wanted = hop0_cells.get(slot.key, {UNKNOWN})
@@ -114,6 +115,7 @@ class GroupExpectations:
             cell=f"d{dims}.{slot.key}",
             resync=resync,
             admitted=self.admissible,
+            weight=weight,
         )
 
     async def on_the_way(

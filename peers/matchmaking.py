@@ -27,7 +27,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from hivemind.dht import DHT
 from hivemind.utils import get_dht_time
@@ -48,13 +48,17 @@ class Registration(BaseModel):
     client_mode: bool = False
     bandwidth_mbps: float = Field(1000.0, gt=0, le=1e9)
     resync: bool = False  # asks the group to also average θ_g this hop (after a failure, a join)
+    weight: float = Field(0.0, ge=0, le=1e12)  # its Δ's weight here (tokens): its streams may claim no more
     registered_at: float = Field(0.0, ge=0, le=1e11)  # DHT time; the earliest registrant leads the group
     closes_by: float = Field(0.0, ge=0, le=1e11)  # DHT time by which it closes the group if it leads
     auth: str = Field("", max_length=512)
 
     def subject(self, key: str) -> str:
         """What the swarm-key tag of this registration signs."""
-        return f"{key}|{self.grpc_addr}|{self.client_mode}|{self.registered_at!r}|{self.closes_by!r}"
+        return (
+            f"{key}|{self.grpc_addr}|{self.client_mode}|{self.bandwidth_mbps!r}|{self.resync}|{self.weight!r}|"
+            f"{self.registered_at!r}|{self.closes_by!r}"
+        )
 
 
 @dataclass(frozen=True)
@@ -146,7 +150,7 @@ class Matchmaker:
                 continue
             if not self._authentic("register", reg.subject(key), reg.auth, peer_id):
                 continue  # without the swarm key nobody joins our groups
-            members[peer_id] = (Member(peer_id, reg.grpc_addr, reg.client_mode, reg.bandwidth_mbps), reg)
+            members[peer_id] = (Member(peer_id, reg.grpc_addr, reg.client_mode, reg.bandwidth_mbps, reg.weight), reg)
         return members
 
     async def registered(self, key: str) -> set[str]:
@@ -223,6 +227,7 @@ class Matchmaker:
         cell: str = "all",
         resync: bool = False,
         admitted: Callable[[], Awaitable[set[str]]] | None = None,
+        weight: float = 0.0,
     ) -> FormedGroup:
         """Register for (round, hop, grid cell) and return this peer's group once it closes.
 
@@ -230,7 +235,9 @@ class Matchmaker:
         they have all registered, or when `window` ends); `admitted`, when given, names every
         peer that may be grouped with this one at all (the swarm's signed membership): anyone
         can write a registration under any id, so without it a flood of made-up registrants
-        would each get a part of the all-reduce and fail it.
+        would each get a part of the all-reduce and fail it. `weight` (the tokens this peer's Δ
+        stands for here) is announced in the signed registration: the group's plan bounds what
+        each member's streams may claim by it.
         """
         started = time.monotonic()
         key = self.group_key(round, hop, cell)
@@ -241,6 +248,7 @@ class Matchmaker:
             client_mode=self.own.client_mode,
             bandwidth_mbps=self.own.bandwidth,
             resync=resync,
+            weight=weight,
             registered_at=now_dht,
             closes_by=round_time(now_dht + window),
         )
@@ -253,7 +261,8 @@ class Matchmaker:
             return_future=True,
         )
         deadline = started + window
-        registrants: Registrants = {me: (self.own, reg)}
+        own = replace(self.own, weight=weight)
+        registrants: Registrants = {me: (own, reg)}
         closed: dict[str, ClosedList] = {}
         wanted: set[str] = {UNKNOWN}
         group: tuple[str, ...] = (me,)
@@ -306,7 +315,7 @@ class Matchmaker:
             group = (me,)
         members = [registrants[p][0] for p in group]
         if all(m.client_mode for m in members):
-            members = [self.own]  # nobody can reduce: average alone
+            members = [own]  # nobody can reduce: average alone
         # a list cut by the settling (a member went to an earlier list) is no longer whole
         complete = decided.complete and len(members) == len(decided.members)
         try:

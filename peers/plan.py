@@ -18,6 +18,10 @@ from dtnode.proto import averaging_pb2 as pb
 # no reducer takes more than this many times an even split of Δ (with 4 reducers, half; in a
 # pair, whose two members see each other's whole Δ anyway, bandwidth alone decides)
 MAX_PART_FACTOR = 2.0
+# no member's Δ weighs more than this many times the group's (lower) median announced weight: a
+# peer with an 8x bigger batch counts in full, one that lies about its tokens moves the mean by a
+# bounded share (the same spread pacing allows a peer's reports, peers/pacing.py)
+WEIGHT_SPREAD = 8.0
 
 INT8 = pb.CODEC_INT8_BLOCK
 FP32 = pb.CODEC_FP32
@@ -75,6 +79,9 @@ class Member:
     grpc_addr: str
     client_mode: bool = False
     bandwidth: float = 1.0
+    # the weight its Δ carries in this group, from its signed registration; 0: not announced
+    # (then weights are bounded by MAX_WEIGHT only, as in plans built outside matchmaking)
+    weight: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -90,6 +97,22 @@ class GroupPlan:
     parts: tuple[tuple[int, int], ...]
     group_id: bytes = field(default=b"")
     top_k: int = 0  # sparse plans: values kept per block
+    # per member (in `members` order): the weight its stream counts with, its announced weight
+    # capped at WEIGHT_SPREAD x the lower median announced; empty when a member announced none
+    weight_caps: tuple[float, ...] = ()
+
+    def announced_weight(self, peer_id: str) -> tuple[float, float] | None:
+        """(announced, counted) weight of a member, or None when this plan bounds no weights."""
+        if not self.weight_caps:
+            return None
+        i = self.index_of(peer_id)
+        return self.members[i].weight, self.weight_caps[i]
+
+    def expected_total_weight(self, included: list[str]) -> float | None:
+        """The total weight a reducer must report for these senders: the sum of their counted weights."""
+        if not self.weight_caps:
+            return None
+        return sum(self.weight_caps[self.index_of(p)] for p in included)
 
     @property
     def result_codec(self) -> pb.Codec:
@@ -123,7 +146,8 @@ def make_plan(
 
     Parts are proportional to advertised bandwidth (client-mode members get none), but none
     is over MAX_PART_FACTOR / reducers of Δ whatever bandwidth its member claims, and they are
-    aligned to the quantization block so no block straddles two reducers. `key` (the
+    aligned to the quantization block so no block straddles two reducers. Members' announced
+    weights are capped (`capped_weights`): what each stream may claim and counts with. `key` (the
     group's matchmaking key) keeps two groups of one hop with the same members apart.
     A sparse plan's block is the sparse block (so no block straddles two parts or chunks)
     and `top_k` its kept values per block.
@@ -140,6 +164,7 @@ def make_plan(
     if reducers:  # none: plan_parts says so
         shares = capped_shares(shares, MAX_PART_FACTOR / reducers)
     parts = tuple(plan_parts(numel, shares, align=block_size))
+    weight_caps = capped_weights([m.weight for m in ordered])
     digest = hashlib.sha256()
     for item in (
         run_id,
@@ -152,13 +177,35 @@ def make_plan(
         codec,
         top_k,
         *[m.peer_id for m in ordered],
+        *[repr(w) for w in weight_caps],
     ):
         digest.update(str(item).encode() + b"\0")
     for offset, length in parts:
         digest.update(f"{offset}:{length};".encode())
     return GroupPlan(
-        run_id, round, hop, ordered, numel, block_size, chunk_elements, codec, parts, digest.digest(), top_k
+        run_id,
+        round,
+        hop,
+        ordered,
+        numel,
+        block_size,
+        chunk_elements,
+        codec,
+        parts,
+        digest.digest(),
+        top_k,
+        weight_caps,
     )
+
+
+def capped_weights(announced: list[float]) -> tuple[float, ...]:
+    """Each announced weight, at most WEIGHT_SPREAD x the lower median of them all (in a pair,
+    the smaller: one member cannot outweigh the other more than WEIGHT_SPREAD times); empty when
+    one is not announced (0)."""
+    if not announced or min(announced) <= 0:
+        return ()
+    median = sorted(announced)[(len(announced) - 1) // 2]
+    return tuple(min(w, WEIGHT_SPREAD * median) for w in announced)
 
 
 def chunk_spans(plan: GroupPlan, part: int) -> list[tuple[int, int]]:

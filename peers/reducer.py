@@ -41,8 +41,10 @@ from . import failpoints
 from .plan import FP32, SPARSE, GroupPlan, chunk_spans
 from .wire import (
     MAX_WEIGHT,
+    WEIGHT_SLACK,
     ChunkError,
     Payload,
+    RefusalReason,
     numel_of,
     slice_payload,
 )
@@ -111,12 +113,14 @@ class PartReduction:
         # Robust mode keeps each sender's decoded chunk until the chunk is final (a few chunks
         # per sender at most, see `add`) and takes a trimmed mean instead of the weighted sum.
         self.trim_fraction = trim_fraction
-        self.pending: dict[int, list[torch.Tensor]] = {}
+        self.pending: dict[int, list[tuple[torch.Tensor, float]]] = {}  # chunk -> (values, weight) per sender
+        bound = plan.announced_weight(own_id)  # the reducer's own weight is bounded like a sender's
+        own_weight = float(own_weight) if bound is None else min(float(own_weight), bound[1])
+        self.own_weight = own_weight
         if trim_fraction is None:
             self.accumulator = own_values.to(torch.float32) * own_weight
         else:
             self.accumulator = own_values.to(torch.float32, copy=True)
-        self.own_weight = float(own_weight)
         self.chunk_weight = [self.own_weight] * len(self.spans)
         self.expected = {m.peer_id for m in plan.members} - {own_id}
         self.weights: dict[str, float] = {}
@@ -184,7 +188,14 @@ class PartReduction:
         if sender in self.progress:
             raise ChunkError(f"sender {sender} already streamed this part")
         if not (math.isfinite(weight) and 0 < weight <= MAX_WEIGHT):
-            raise ChunkError(f"weight {weight} out of range")
+            raise ChunkError(f"weight {weight} out of range", RefusalReason.BAD_WEIGHT)
+        if (bound := self.plan.announced_weight(sender)) is not None:
+            announced, counted = bound
+            if weight > announced * (1 + WEIGHT_SLACK):
+                raise ChunkError(
+                    f"weight {weight:g} is above the {announced:g} its registration announced", RefusalReason.BAD_WEIGHT
+                )
+            weight = min(weight, counted)  # what the plan lets it count: every member knows it
         if time.monotonic() > self.deadline:
             raise ChunkError("the reduction's deadline has passed")
         self.weights[sender] = weight
@@ -215,11 +226,10 @@ class PartReduction:
         await self._advance()
 
     def _fold(self, index: int, offset: int, payload: Payload, weight: float) -> None:
-        scale = 1.0 if self.trim_fraction is not None else weight  # a trimmed mean weighs no sender
-        if not largest_magnitude(payload) * scale <= MAX_CONTRIBUTION:
+        if not largest_magnitude(payload) * weight <= MAX_CONTRIBUTION:
             raise ChunkError(f"values x weight exceed {MAX_CONTRIBUTION:g}: the sum would overflow")
         if self.trim_fraction is not None:
-            self.pending.setdefault(index, []).append(decode_payload(payload))
+            self.pending.setdefault(index, []).append((decode_payload(payload), weight))
             return
         target = self.accumulator[offset : offset + numel_of(payload)]
         if isinstance(payload, QuantizedBlocks):
@@ -281,8 +291,10 @@ class PartReduction:
         if self.trim_fraction is None:
             mean.div_(weight)
         else:
-            stacked = torch.stack([mean, *self.pending.pop(index, [])])
-            trimmed_mean(stacked, trim_count(stacked.shape[0], self.trim_fraction), out=mean)
+            senders = self.pending.pop(index, [])
+            stacked = torch.stack([mean, *(values for values, _ in senders)])
+            weights = torch.tensor([self.own_weight, *(w for _, w in senders)], dtype=torch.float64)
+            trimmed_mean(stacked, trim_count(stacked.shape[0], self.trim_fraction), out=mean, weights=weights)
         if self.plan.codec == SPARSE:
             self.sparse_results[index] = sparse.encode_support(mean, self.plan.block_size)
         elif isinstance(self.result, QuantizedBlocks):

@@ -149,6 +149,10 @@ class AveragingService(pb_grpc.AveragingServicer):
         try:
             reduction.begin(sender, first.weight)
         except ChunkError as e:
+            if e.reason == RefusalReason.BAD_WEIGHT:  # what it carried: counted, and not waited for
+                log.warning("rejected stream from %s: %s", sender, e)
+                self.refused[e.reason] += 1
+                await reduction.fail(sender)
             await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
         reader = asyncio.ensure_future(self._consume(reduction, sender, first, requests))
         reduction.open_streams += 1

@@ -22,6 +22,7 @@ from dtnode.proto import averaging_pb2 as pb
 from .plan import FP32, SPARSE, SPARSE_RESULT, GroupPlan
 
 MAX_WEIGHT = 1e12  # a weight is a token count; anything larger is a hostile or broken peer
+WEIGHT_SLACK = 1e-9  # a stream's weight is its registration's, bit for bit: slack for float printing only
 Payload = QuantizedBlocks | SparseBlocks | torch.Tensor
 
 
@@ -34,6 +35,7 @@ class RefusalReason:
     WRONG_COUNT = "wrong_count"
     BAD_SCALE = "bad_scale"
     NON_FINITE = "non_finite"
+    BAD_WEIGHT = "bad_weight"
 
 
 class ChunkError(ValueError):
