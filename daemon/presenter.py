@@ -17,6 +17,7 @@ from prometheus_client import CollectorRegistry
 
 from dtnode import __version__
 from dtnode.ops.quantization import fused_kernels_active
+from dtnode.peers import failpoints
 from dtnode.peers.deadlines import AdaptiveDeadlines, expected_payload_bytes
 from dtnode.peers.membership import Membership, PeerRecord
 from dtnode.peers.tls import TrustStore, encode_certificate
@@ -78,6 +79,7 @@ class NodePresenter:
     def record(self) -> PeerRecord:
         s, st, trainer = self.settings, self.state, self.worker.trainer
         newest = self.store.newest()
+        lying = failpoints.hostile(self.worker.outer_step) == "hostile-pacing"  # a test's attacker
         return PeerRecord(
             peer_id=self.addr.peer_id,
             grpc_addr=self.addr.grpc_addr,
@@ -87,13 +89,13 @@ class NodePresenter:
             checkpoint_step=newest.step if newest else -1,
             checkpoint_sha256=newest.sha256 if newest else "",
             tokens_per_s=self.stats.live_rate(trainer.round_tokens, trainer.tokens_per_step, trainer.round_seconds),
-            round_tokens=trainer.round_tokens,
+            round_tokens=int(failpoints.HOSTILE_TOKENS) if lying else trainer.round_tokens,
             training_round=st.training_round if s.overlap else -1,
             round=st.round if st.in_round else -1,
             phase=st.published_phase().value,
             round_checkpoint=st.start_step if st.in_round else -1,
             dht_addrs=self.addr.dht_addrs,
-            tokens_per_step=trainer.tokens_per_step,
+            tokens_per_step=1 << 40 if lying else trainer.tokens_per_step,
             progress_at=self._counted_at(trainer.running, trainer.progress_at),
             bandwidth_mbps=s.bandwidth_mbps,
             device=self._devices(),

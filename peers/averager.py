@@ -24,6 +24,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from . import failpoints
 from .auth import SwarmAuth
 from .butterfly import AllReduceReport, ChannelPool, Feedback, butterfly_allreduce
 from .deadlines import AdaptiveDeadlines, expected_payload_bytes
@@ -127,6 +128,7 @@ class MoshpitAverager:
         `delta_ready`, when given, returns once `delta` holds Δ: its copy from the training
         device may still be under way when this starts, and hop 0's matchmaking hides it."""
         c = self.config
+        resync = resync or failpoints.hostile(round_no) == "hostile-resync"
         population = await self.expect.population(round_no)
         side, dims = grid_shape(len(population), c.target_group_size, c.grid_dims)
         hop0_cells = cells(population, round_no, side, dims, salt=c.run_id)
@@ -254,11 +256,18 @@ class MoshpitAverager:
         """Form this chain's group and all-reduce in it at once: a member of several groups
         must not keep one waiting while another is still forming."""
         slot = chain.slot
+        weight = announced = chain.weight * slot.share  # what its registration announces, and claims
+        attack = failpoints.hostile(h.round_no)
+        if attack == "hostile-weight":
+            announced, weight = failpoints.HOSTILE_TOKENS, failpoints.HOSTILE_CLAIM
         group = await self.expect.form(
-            h.round_no, h.hop, h.dims, h.side, slot, h.hop0_cells, h.window, h.asked, chain.weight * slot.share
+            h.round_no, h.hop, h.dims, h.side, slot, h.hop0_cells, h.window, h.asked, announced
         )
         if h.delta_ready is not None:  # hop 0's group formed; Δ is read from here on
             await h.delta_ready()
+        values = chain.values
+        if attack in ("hostile-delta", "hostile-weight", "hostile-bandwidth"):
+            values = values * failpoints.HOSTILE_SCALE
         if slot.primary:
             self.on_phase("allreduce")
         theta_in = theta_out = None
@@ -270,9 +279,8 @@ class MoshpitAverager:
             h.hop,
             h.hop + h.dims,
             group,
-            slot,
-            chain.values,
-            chain.weight,
+            values,
+            weight,
             out,
             theta_in,
             theta_out,
@@ -317,7 +325,6 @@ class MoshpitAverager:
         hop: int,
         theta_hop: int,
         group: FormedGroup,
-        slot: Slot,
         values: torch.Tensor,
         weight: float,
         out: torch.Tensor,
@@ -348,7 +355,7 @@ class MoshpitAverager:
             plan,
             self.peer_id,
             values,
-            weight * slot.share,
+            weight,
             out,
             self.registry,
             self.channels,
@@ -373,6 +380,7 @@ class MoshpitAverager:
             # same rule as Δ (a trimmed mean in robust mode), and a result that moves our θ_g
             # by more than THETA_MAX_DRIFT of its norm is refused: honest θ_g differ by a few
             # outer steps at most, so only a hostile member's could move it that far
+            hostile = failpoints.hostile(round_no) == "hostile-resync"  # a test's attacker
             theta_plan = make_plan(
                 c.run_id,
                 round_no,
@@ -387,8 +395,8 @@ class MoshpitAverager:
             sync = await butterfly_allreduce(
                 theta_plan,
                 self.peer_id,
-                theta,
-                1.0,
+                theta * failpoints.HOSTILE_SCALE if hostile else theta,
+                failpoints.HOSTILE_CLAIM if hostile else 1.0,
                 theta_out,
                 self.registry,
                 self.channels,

@@ -19,6 +19,17 @@ writes every checkpoint of step 1 and later with θ_g shifted, hashed and announ
 right, while the node itself trains on), so a test can show joiners skip a lying donor.
 One point freezes the training thread: `stall-training@1:30` holds it 30 s after round 1's
 first inner step, as a hung GPU would, so a test can see `/healthz` turn 503.
+
+Hostile points turn the node into an attacker from that round on, for the security tests and
+the hostile-peer benchmark (`tests.bench.hostile`); each runs the project's own code with
+one input changed, as a hostile build would:
+- `hostile-delta`: sends Δ x HOSTILE_SCALE at its honest weight;
+- `hostile-weight`: the same Δ, announcing HOSTILE_TOKENS in its registration and claiming
+  MAX_WEIGHT in its streams;
+- `hostile-resync`: asks every group for a θ_g re-sync and sends θ_g x HOSTILE_SCALE there,
+  claiming MAX_WEIGHT;
+- `hostile-bandwidth`: the scaled Δ, advertising HOSTILE_BANDWIDTH to reduce most of Δ;
+- `hostile-pacing`: its record claims HOSTILE_TOKENS tokens in the round and 2^40 per step.
 """
 
 from __future__ import annotations
@@ -30,7 +41,12 @@ import sys
 import time
 
 ENV = "DTNODE_TEST_FAILPOINT"
-POINTS = ("sending", "reducing", "round-error", "outer-phase", "wrong-checkpoint", "stall-training")
+HOSTILE = ("hostile-delta", "hostile-weight", "hostile-resync", "hostile-bandwidth", "hostile-pacing")
+POINTS = ("sending", "reducing", "round-error", "outer-phase", "wrong-checkpoint", "stall-training", *HOSTILE)
+HOSTILE_SCALE = 1000.0  # how far a hostile Δ or θ_g is from an honest one
+HOSTILE_TOKENS = 1e11  # a hostile token count (a registration may carry up to 1e12)
+HOSTILE_BANDWIDTH = 1e9  # Mbit/s, the largest a registration may carry
+HOSTILE_CLAIM = 1e12  # a hostile stream's weight: MAX_WEIGHT
 RAISING = ("round-error",)
 PAUSING = ("outer-phase", "stall-training")
 DEFAULT_PAUSE_S = 5.0
@@ -68,6 +84,11 @@ def reach(name: str, round_: int) -> None:
             raise FailpointError(f"failpoint {name}@{round_} reached")
         print(f"failpoint {name}@{round_} reached: killing this process", file=sys.stderr, flush=True)
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def hostile(round_: int) -> str | None:
+    """The hostile point armed for this round or an earlier one, if any (see the module)."""
+    return _armed[0] if _armed is not None and _armed[0] in HOSTILE and round_ >= _armed[1] else None
 
 
 def active_since(name: str, round_: int) -> bool:

@@ -33,6 +33,7 @@ from hivemind.dht import DHT
 from hivemind.utils import get_dht_time
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from . import failpoints
 from .auth import AuthError, SwarmAuth
 from .grid import split_groups
 from .identity import signed_subkey, writer_of
@@ -243,10 +244,13 @@ class Matchmaker:
         key = self.group_key(round, hop, cell)
         me = self.own.peer_id
         now_dht = round_time(get_dht_time())
+        bandwidth = self.own.bandwidth
+        if failpoints.hostile(round) == "hostile-bandwidth":  # a test's attacker
+            bandwidth = failpoints.HOSTILE_BANDWIDTH
         reg = Registration(
             grpc_addr=self.own.grpc_addr,
             client_mode=self.own.client_mode,
-            bandwidth_mbps=self.own.bandwidth,
+            bandwidth_mbps=bandwidth,
             resync=resync,
             weight=weight,
             registered_at=now_dht,
@@ -261,7 +265,7 @@ class Matchmaker:
             return_future=True,
         )
         deadline = started + window
-        own = replace(self.own, weight=weight)
+        own = replace(self.own, weight=weight, bandwidth=bandwidth)
         registrants: Registrants = {me: (own, reg)}
         closed: dict[str, ClosedList] = {}
         wanted: set[str] = {UNKNOWN}

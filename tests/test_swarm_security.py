@@ -6,7 +6,7 @@ import os
 
 import grpc
 import pytest
-from nodes import FAST, NodeProcess, dtnode_status, wait_until
+from nodes import FAST, NodeProcess, dtnode_status, theta, wait_until
 
 from dtnode.proto import averaging_pb2 as pb
 from dtnode.proto import averaging_pb2_grpc as pb_grpc
@@ -233,3 +233,35 @@ def test_a_record_with_a_huge_token_count_does_not_end_every_round(tmp_path, cle
         assert all(r is not None for r in lied), node.output
         # a fair round is 40 steps each; the clamped liar may shorten it, never to 1 or 2 steps
         assert all(r["inner_steps"] >= 4 for r in lied), ([r["inner_steps"] for r in lied], node.output)
+
+
+@pytest.mark.long_swarms  # about 40 s
+def test_a_member_forcing_a_1e12_weight_resync_cannot_replace_theta(tmp_path, cleanup):
+    """Issue 31, finding 4. A member (the project's build with the `hostile-resync` failpoint)
+    asks every group for a θ_g re-sync and sends θ_g x1000 there with weight 1e12: before, the
+    re-sync was a plain weighted mean and its θ_g became the group's. Now every member counts
+    the same in a re-sync, so its stream is refused, and the honest nodes keep one θ_g, of
+    the norm training gives it."""
+    import torch
+
+    common = [*FAST, "--min-peers", "3", "--max-rounds", "4", "--inner-steps", "10"]
+    a = NodeProcess.join("a", tmp_path, *common)
+    cleanup.append(a)
+    b = NodeProcess.join("b", tmp_path, *common, "--peer", a.join_address)
+    cleanup.append(b)
+    attacker = NodeProcess.join(
+        "attacker", tmp_path, *common, "--peer", a.join_address, env={"DTNODE_TEST_FAILPOINT": "hostile-resync@1"}
+    )
+    cleanup.append(attacker)
+    for node in (a, b):
+        assert node.wait(180) == 0, node.output
+        assert "Traceback" not in node.output, node.output
+    attacker.stop()
+    resynced = [r for r in a.rounds if r["round"] >= 1]
+    assert resynced and all(r["groups"][0][0] == 3 for r in resynced), resynced  # the attacker was in every group
+    assert "is above the 1 its registration announced" in a.output + b.output  # its 1e12 θ_g streams refused
+    last = max(r["step"] for r in a.rounds)
+    assert a.round(a.rounds[-1]["round"])["params_sha256"] == b.round(b.rounds[-1]["round"])["params_sha256"]
+    first, final = theta(a.state_dir, 1), theta(a.state_dir, last)
+    assert float(final.norm()) < 2 * float(first.norm()), (float(first.norm()), float(final.norm()))
+    assert bool(torch.isfinite(final).all())
