@@ -24,6 +24,7 @@ that mode. A "no" there is an attack the mode does not bound.
 from __future__ import annotations
 
 import argparse
+import itertools
 import sys
 import tempfile
 import time
@@ -102,7 +103,7 @@ def run(attack: str, mode: str, args: argparse.Namespace, workdir: Path, cfg: Co
     max_step = 0.0
     for node in honest:
         steps = sorted(int(p.stem.split("-")[-1]) for p in node.state_dir.glob("ckpt-*.safetensors"))
-        for a, b in zip(steps, steps[1:]):
+        for a, b in itertools.pairwise(steps):
             max_step = max(max_step, float((theta(node.state_dir, b) - theta(node.state_dir, a)).norm()))
     rounds = [node.rounds for node in honest]
     inner = [r["inner_steps"] for rs in rounds for r in rs if r.get("inner_steps") is not None]
