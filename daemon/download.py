@@ -61,6 +61,9 @@ class Offer:
     sha256: str
     size: int
     latency: float
+    # its step and sha256 are the ones the donor's signed record announces: only then does it
+    # vote (a plain-HTTP man in the middle can swap what a donor serves, not what it signed)
+    bound: bool = True
 
 
 def auth_headers(auth: SwarmAuth | None, path: str) -> dict[str, str]:

@@ -46,7 +46,8 @@ log = logging.getLogger("dtnode")
 
 MAX_SYNC_DOWNLOADS = 3  # downloads in a row while the swarm's round keeps closing under a joiner
 MAX_REENTRIES = 3  # a joiner's first rounds given up in a row because the swarm averaged them without it
-OPEN_POLL_S = 0.2  # how often a node waiting for the swarm's round to open re-reads the records
+OPEN_POLL_S = 0.2
+BIND_HEARTBEATS = 2.5  # how long a joiner waits for a donor's record to announce a file served on demand  # how often a node waiting for the swarm's round to open re-reads the records
 
 
 class SyncAction(StrEnum):
@@ -274,7 +275,7 @@ class Joiner:
                     own,
                 )
             started = time.monotonic()
-            if await self.download(view, position.start_step, own):
+            if await self.download(view, position.start_step, own, majority=not joining):
                 synced, lag = True, 0  # in step now, unless the round closed meanwhile: the loop checks
                 self.joined_at = started
                 # --overlap peers train round r from θ_g of step r-1: this node trains round r too
@@ -288,9 +289,12 @@ class Joiner:
         now = swarm_position((await self.membership.members()).values(), self.peer_id, self.model_hash)
         return now is not None and now.start_step != position.start_step
 
-    async def _fetch(self, view: dict[str, PeerRecord], steps: range) -> LoadedCheckpoint | None:
+    async def _fetch(
+        self, view: dict[str, PeerRecord], steps: range, majority: bool = False
+    ) -> LoadedCheckpoint | None:
         """The newest checkpoint with its step in `steps` that the swarm serves, kept as this
-        node's checkpoint of that step (the donors' bytes, verified)."""
+        node's checkpoint of that step (the donors' bytes, verified). With `majority` (a running
+        node replacing its own θ_g) a majority of the hosts it can verify must serve it."""
         s = self.settings
         return await fetch_from_swarm(
             view,
@@ -303,16 +307,20 @@ class Joiner:
             s.join_timeout,
             self.auth,
             keep=True,
+            majority=majority,
+            refresh=self.membership.members,
+            bind_wait=BIND_HEARTBEATS * s.heartbeat_interval,
         )
 
-    async def download(self, view: dict[str, PeerRecord], step: int, own: int) -> bool:
-        """Fetch and install the swarm's checkpoint of `step` (or the next, if the swarm moved on)."""
+    async def download(self, view: dict[str, PeerRecord], step: int, own: int, majority: bool = False) -> bool:
+        """Fetch and install the swarm's checkpoint of `step` (or the next, if the swarm moved on);
+        `majority`: see `_fetch`."""
         s = self.settings
         if self.landing.in_flight:  # the download replaces the θ_g that average was for
             await self.landing.settle(s.averaging_bound_s)
             self.landing.forget()
         with self.syncing():
-            loaded = await self._fetch(view, range(step, step + 2))
+            loaded = await self._fetch(view, range(step, step + 2), majority)
         if loaded is None:
             log.warning("no peer could serve the checkpoint of step %d; continuing from outer step %d", step, own)
             return False

@@ -78,7 +78,7 @@ class NodePresenter:
 
     def record(self) -> PeerRecord:
         s, st, trainer = self.settings, self.state, self.worker.trainer
-        newest = self.store.newest()
+        newest = self.store.announced()
         lying = failpoints.hostile(self.worker.outer_step) == "hostile-pacing"  # a test's attacker
         return PeerRecord(
             peer_id=self.addr.peer_id,

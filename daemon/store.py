@@ -83,6 +83,12 @@ class CheckpointStore:
     def newest(self) -> CheckpointInfo | None:
         return self.files[max(self.files)] if self.files else None
 
+    def announced(self) -> CheckpointInfo | None:
+        """The newest checkpoint this node serves whose hash is known: a file, or this step's copy
+        in memory. The record signs its step and sha256, which is what a joiner's vote binds."""
+        served = [self.newest(), *(m.info for m in self.memory.values() if m.sha256)]
+        return max((c for c in served if c is not None), key=lambda c: c.step, default=None)
+
     def get(self, step: int) -> CheckpointInfo | None:
         return self.files.get(step)
 

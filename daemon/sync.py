@@ -16,7 +16,8 @@ import json
 import logging
 import os
 import time
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, replace
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -66,16 +67,26 @@ async def probe(
         raise DownloadError("checkpoint hash differs from the donor's DHT record")
     if size > layout.file_size_bound():
         raise DownloadError(f"checkpoint of {size} bytes exceeds this model's bound of {layout.file_size_bound()}")
-    return Offer(donor, base, step, sha256.lower(), size, latency)
+    return Offer(donor, base, step, sha256.lower(), size, latency, bound=_signed(donor, step, sha256))
+
+
+def _signed(record: PeerRecord | None, step: int, sha256: str) -> bool:
+    """Whether a donor's signed record announces this very file."""
+    return record is not None and record.checkpoint_step == step and record.checkpoint_sha256.lower() == sha256.lower()
 
 
 def voter(offer: Offer) -> str:
-    """Who an offer's vote belongs to: the host serving it. Records are cheap to make (a DHT
-    node can write many under made-up ids) and may all point at one server; hosts are not.
-    On a loopback address only local processes can listen, so each port there is a host of
-    its own (several nodes of one machine, as in tests and `dtnode local`)."""
-    url = urlsplit(offer.base)
-    host = (url.hostname or offer.base).lower()
+    """Who an offer's vote belongs to: the host serving it (see `host_of`)."""
+    return host_of(offer.base)
+
+
+def host_of(base: str) -> str:
+    """The host behind a sidecar address. Records are cheap to make (a DHT node can write many
+    under made-up ids) and may all point at one server; hosts are not. On a loopback address
+    only local processes can listen, so each port there is a host of its own (several nodes of
+    one machine, as in tests and `dtnode local`)."""
+    url = urlsplit(base)
+    host = (url.hostname or base).lower()
     try:
         loopback = ipaddress.ip_address(host).is_loopback
     except ValueError:
@@ -83,7 +94,7 @@ def voter(offer: Offer) -> str:
     return f"{host}:{url.port}" if loopback else host
 
 
-def group_offers(offers: list[Offer]) -> list[list[Offer]]:
+def group_offers(offers: list[Offer], majority_of: int | None = None) -> list[list[Offer]]:
     """Donors serving the same file together, only the files the most distinct hosts serve
     (oldest step first among equals, then fastest).
 
@@ -93,14 +104,35 @@ def group_offers(offers: list[Offer]) -> list[list[Offer]]:
     point at its server. Ties stay eligible (groups of a moshpit swarm legitimately hold
     different θ_g of one step), but never go to the newer step: at a round's end an honest donor
     may be a step ahead of another, and a liar one step ahead of a lone honest donor would win a
-    tie otherwise; a joiner taking the older step downloads again if the swarm moved on."""
+    tie otherwise; a joiner taking the older step downloads again if the swarm moved on.
+
+    Only an offer that its donor's signed record announces (`Offer.bound`) votes: a file no
+    record vouches for is never used. With `majority_of` (a running node, which has a θ_g of
+    its own to lose) a file is used only when more than half of that many hosts serve it."""
     by_file: dict[tuple[int, str, int], list[Offer]] = {}
     for offer in offers:
         by_file.setdefault((offer.step, offer.sha256, offer.size), []).append(offer)
-    votes = {key: len({voter(o) for o in group}) for key, group in by_file.items()}
+    votes = {key: len({voter(o) for o in group if o.bound}) for key, group in by_file.items()}
     most = max(votes.values(), default=0)
     groups = []
     for key, group in by_file.items():
+        if not votes[key]:
+            log.warning(
+                "skipping step %d (sha256 %s) from %s: no signed record announces it",
+                group[0].step,
+                group[0].sha256[:12],
+                ", ".join(o.base for o in group),
+            )
+            continue
+        if majority_of is not None and 2 * votes[key] <= majority_of:
+            log.warning(
+                "not adopting step %d (sha256 %s): %d of the %d hosts this node can verify serve it, not a majority",
+                group[0].step,
+                group[0].sha256[:12],
+                votes[key],
+                majority_of,
+            )
+            continue
         if votes[key] < most:
             log.warning(
                 "skipping %s: %s a checkpoint of step %d (sha256 %s) that %d other host(s) contradict",
@@ -182,11 +214,18 @@ async def fetch_from_swarm(
     timeout: float,
     auth: SwarmAuth | None = None,
     keep: bool = False,
+    majority: bool = False,
+    refresh: Callable[[], Awaitable[dict[str, PeerRecord]]] | None = None,
+    bind_wait: float = 0.0,
 ) -> LoadedCheckpoint | None:
     """The newest checkpoint with its step in `steps` that members serve, or None.
 
     With `keep`, the verified file becomes this node's own checkpoint of that step in
-    `scratch` (its state dir): the bytes its group serves, not written a second time."""
+    `scratch` (its state dir): the bytes its group serves, not written a second time. With
+    `majority` (a running node) the file must be served by a majority of the distinct hosts
+    the members' records name. A donor may serve a step its record does not announce yet (a
+    checkpoint written on demand, announced at its next heartbeat): with `refresh`, the
+    records are read again for up to `bind_wait` seconds until one announces an offered file."""
     donors = [
         m
         for m in members.values()
@@ -211,11 +250,13 @@ async def fetch_from_swarm(
                     offers.append(result)
             else:
                 log.warning("peer %s (%s) offers no usable checkpoint: %s", donor.peer_id[-8:], donor.http_addr, result)
+        offers = await _bind(offers, refresh, bind_wait)
+        hosts = _verifiable_hosts(members, own_id, model_hash) if majority else None
         wanted = {o.sha256[:16] for o in offers}
         for stale in scratch.glob(".download-*"):  # partial files nobody offers any more
             if stale.name.split("-", 1)[1].split(".", 1)[0] not in wanted:
                 stale.unlink(missing_ok=True)
-        for group in group_offers(offers):
+        for group in group_offers(offers, hosts):
             # several donors first; if the assembled file is bad, each donor alone (to skip the liar)
             attempts = [group] + ([[o] for o in group] if len(group) > 1 else [])
             for attempt in attempts:
@@ -254,3 +295,34 @@ async def fetch_from_swarm(
                     if path is not None:
                         path.unlink(missing_ok=True)
     return None
+
+
+BIND_POLL_S = 0.5
+
+
+async def _bind(
+    offers: list[Offer], refresh: Callable[[], Awaitable[dict[str, PeerRecord]]] | None, wait: float
+) -> list[Offer]:
+    """The offers, each bound when its donor's newest signed record announces its file; while
+    none is, the records are read again (`refresh`) for up to `wait` seconds."""
+    deadline = time.monotonic() + wait
+    while offers and not any(o.bound for o in offers) and refresh is not None and time.monotonic() < deadline:
+        await asyncio.sleep(BIND_POLL_S)
+        fresh = await refresh()
+        offers = [replace(o, bound=_signed(fresh.get(o.donor.peer_id), o.step, o.sha256)) for o in offers]
+    return offers
+
+
+def _verifiable_hosts(members: dict[str, PeerRecord], own_id: str, model_hash: str) -> int:
+    """Distinct hosts whose signed records serve checkpoints of this model: what a majority is of."""
+    return len(
+        {
+            host_of(m.http_addr)
+            for m in members.values()
+            if m.peer_id != own_id
+            and m.model_hash == model_hash
+            and m.http_addr
+            and not m.client_mode
+            and m.state in ("training", "averaging")
+        }
+    )

@@ -26,7 +26,8 @@ huge `round_tokens` would end every round at once, a huge `tokens_per_step` stre
 100 x H. So every report is clamped to `PACING_SPREAD` times the median of the peers' reports
 (`clamp_reports`): one peer can move the round's end by a bounded factor, never end or stall it
 alone. A rate or batch is bounded by the lower median, a token count by the median of the
-others' counts: in a pair, the honest peer's report bounds the other's. Pure functions, no I/O.
+others' counts (or, while they have none, one average peer's whole round): in a pair, the
+honest peer's report bounds the other's. Pure functions, no I/O.
 """
 
 from __future__ import annotations
@@ -100,13 +101,14 @@ def _median_without(ordered: Sequence[int], value: int) -> float:
     return float(ordered[k + 1] if present and at <= k else ordered[k])
 
 
-def clamp_reports(records: Iterable[Progress], round: int) -> list[Report]:
+def clamp_reports(records: Iterable[Progress], round: int, inner_steps: int = 1) -> list[Report]:
     """The records as pacing counts them: each peer's `tokens_per_step` and `tokens_per_s` at
     most PACING_SPREAD times the lower median of the live peers' (of those that report one).
 
-    A peer's `round_tokens` is bounded by the median count of the round's other peers (those
-    with one), and never below PACING_SPREAD steps of a median peer: early in a round, or beside
-    joiners, most counts are still 0."""
+    A peer's `round_tokens` is bounded by PACING_SPREAD x the median count of the round's other
+    peers (those with one), and never below a whole round (`inner_steps`) of a median peer: early
+    in a round, beside a slow peer or joiners, most counts are still 0, and a lone liar then
+    counts as one peer that finished its round."""
     reports = [
         Report(
             r.peer_id,
@@ -133,7 +135,7 @@ def clamp_reports(records: Iterable[Progress], round: int) -> list[Report]:
 
     def tokens_cap(own: int) -> float:
         # the others' (upper) median count: a lone liar's claim is no reference for itself
-        return PACING_SPREAD * max(_median_without(counts, own), median_step) or math.inf
+        return max(PACING_SPREAD * _median_without(counts, own), inner_steps * median_step) or math.inf
 
     return [
         replace(
@@ -205,7 +207,7 @@ def swarm_progress(
     `own` is this peer's live progress, which replaces its (older) published record. Every
     report, own included, is clamped first (`clamp_reports`): all peers count the same way.
     """
-    records = clamp_reports([r for r in records if r.peer_id != own.peer_id] + [own], round)
+    records = clamp_reports([r for r in records if r.peer_id != own.peer_id] + [own], round, inner_steps)
     own = records[-1]
     members = {r.peer_id: r for r in records if r.round_in_training == round and r.state in ACTIVE}
     # closed: past this round's inner steps (its record's round and phase), or with --overlap

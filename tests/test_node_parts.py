@@ -156,13 +156,16 @@ def test_the_swarm_pacer_ends_the_round_when_the_swarms_tokens_reach_the_target(
     assert pacer.keep_going(1.0) and not pacer.keep_going(4.0)
     coin[0] = 0.2
     assert pacer.keep_going(4.0)
-    records["b"] = other.model_copy(update={"round_tokens": 1900})
+    # (a count is clamped to 8x the other peers' median, or one average peer's round while they
+    # have none: 1900 against our 0 would count as 1000, see peers/pacing.py)
+    records["b"] = other.model_copy(update={"round_tokens": 1600})
+    own = own.model_copy(update={"round_tokens": 300, "progress_at": clock.now})
     asyncio.run(pacer.update(3))
     # 100 tokens left at 400 tok/s: 0.25 s
     assert pacer.round_end_at == pytest.approx(clock.now + 0.25)
     coin[0] = 0.3
     assert pacer.keep_going(0.25) and not pacer.keep_going(1.0)  # the coin 0.3 is not under 0.25 / 1.0
-    own = own.model_copy(update={"round_tokens": 100})
+    own = own.model_copy(update={"round_tokens": 400})
     asyncio.run(pacer.update(3))
     assert pacer.progress.reached and not pacer.keep_going(0.1)
 

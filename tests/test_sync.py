@@ -8,6 +8,7 @@ under test is `fetch_from_swarm`, unchanged.
 import asyncio
 import json
 import logging
+from dataclasses import replace
 
 import pytest
 import torch
@@ -608,3 +609,47 @@ def test_a_checkpoint_vote_counts_hosts_and_a_tie_never_goes_to_the_newer_step()
     local = [_offer(f"n{i}", f"http://127.0.0.1:{8000 + i}", 5, "c") for i in range(2)]
     (kept,) = group_offers([*local, _offer("odd", "http://127.0.0.1:9000", 5, "d")])
     assert len(kept) == 2  # two local nodes outvote one
+
+
+def test_only_offers_a_signed_record_announces_vote_and_a_running_node_needs_a_majority():
+    """Issue 31, finding 9. A step served on demand was bound to nothing signed, so a plain-HTTP
+    man in the middle could swap its metadata and file; and a running node took whatever the
+    most hosts served, even a minority of the swarm. Now an offer votes only when its donor's
+    signed record announces that very step and sha256, and a running node adopts a file only
+    when a majority of the hosts it can verify serve it."""
+    honest = [_offer("a", "http://198.51.100.1:7702", 10, "a"), _offer("b", "http://198.51.100.2:7702", 10, "a")]
+    swapped = [replace(o, step=11, sha256="f" * 64, bound=False) for o in honest]  # rewritten on the path
+    (chosen,) = group_offers(honest[:1] + swapped[1:])
+    assert [o.donor.peer_id for o in chosen] == ["peer-a"]
+    assert group_offers(swapped) == []  # nothing signed vouches for it: never used
+    # a running node among 3 hosts: one liar's newer file is not a majority, two honest hosts are
+    liar = _offer("liar", "http://203.0.113.9:7702", 11, "e")
+    assert group_offers([liar], majority_of=3) == []
+    (kept,) = group_offers([*honest, liar], majority_of=3)
+    assert {o.donor.peer_id for o in kept} == {"peer-a", "peer-b"}
+
+
+def test_a_joiner_waits_for_the_record_to_announce_a_file_served_on_demand(tmp_path):
+    """The donor serves step 8 before its record says so (written on demand, announced at the
+    next heartbeat): the joiner reads the records again and downloads once it is announced."""
+
+    async def main():
+        info, theta = _checkpoint(tmp_path / "src", 8)
+        runner, url = await _serve(_liar(info, info.path.read_bytes()))
+        stale = _record("a", url, info).model_copy(update={"checkpoint_step": 7, "checkpoint_sha256": "0" * 64})
+        reads = []
+
+        async def refresh():
+            reads.append(1)
+            return {stale.peer_id: _record("a", url, info) if len(reads) >= 2 else stale}
+
+        try:
+            args = ({stale.peer_id: stale}, "me", range(1, 10**9), MODEL, RUN, LAYOUT, tmp_path / "joiner")
+            unbound = await fetch_from_swarm(*args, timeout=10)
+            loaded = await fetch_from_swarm(*args, timeout=10, refresh=refresh, bind_wait=5.0)
+        finally:
+            await runner.cleanup()
+        assert unbound is None  # no record announced it, and nobody read them again
+        assert loaded is not None and torch.equal(loaded.theta_g, theta) and len(reads) == 2
+
+    asyncio.run(main())

@@ -1,6 +1,6 @@
 """Hostile peer: what one attacker among honest peers does to their model, per attack and mode.
 
-    .venv/bin/python -m tests.bench.hostile                     # about 15 min on 2 cores
+    .venv/bin/python -m tests.bench.hostile                     # about 8 min on 2 cores
     .venv/bin/python -m tests.bench.hostile --modes mean --attacks clean,hostile-weight
 
 Each run is a swarm of `--honest` real `tiny` nodes and one more node running the same build
@@ -36,7 +36,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from nodes import NodeProcess, run_swarm, theta
 
-from tests.bench.convergence import Config, final_loss_of
+from tests.bench.convergence import RUN_ID, Config, final_loss_of
 
 ATTACKS = "clean,hostile-delta,hostile-weight,hostile-resync,hostile-bandwidth,hostile-pacing"
 BOUND = 4.0  # an honest outer step may be this many times the clean run's largest
@@ -56,7 +56,7 @@ class Outcome:
 def run(attack: str, mode: str, args: argparse.Namespace, workdir: Path, cfg: Config) -> Outcome:
     common = [
         "--run-id",
-        "hostile",
+        RUN_ID,  # the convergence benchmark's: its held-out set is of the same synthetic language
         "--model",
         args.model,
         "--batch-size",
@@ -99,6 +99,8 @@ def run(attack: str, mode: str, args: argparse.Namespace, workdir: Path, cfg: Co
         ],
     )
     wall = time.monotonic() - started
+    for node in nodes:
+        (node.state_dir / "node.log").write_text(node.output)
     honest = nodes[: args.honest]
     max_step = 0.0
     for node in honest:
@@ -127,8 +129,9 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--seq-len", type=int, default=64)
     parser.add_argument("--inner-steps", type=int, default=10)
-    parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--eval-sequences", type=int, default=128)
+    parser.add_argument("--keep", type=Path, help="keep every node's state dir and log here")
     args = parser.parse_args()
     cfg = Config(
         args.model, args.batch_size, args.seq_len, args.rounds * args.inner_steps, 1, 1e-3, 0.7, 0, 128, 1, "cpu"
@@ -139,9 +142,10 @@ def main() -> None:
         attacks.insert(0, "clean")
     outcomes: list[Outcome] = []
     with tempfile.TemporaryDirectory() as tmp:
+        workdir = args.keep or Path(tmp)
         for mode in args.modes.split(","):
             for attack in attacks:
-                outcome = run(attack, mode, args, Path(tmp), cfg)
+                outcome = run(attack, mode, args, workdir, cfg)
                 print(f"  {mode:<12} {attack:<18} held-out {outcome.loss:.4f}  {outcome.wall_s:.0f}s", flush=True)
                 outcomes.append(outcome)
     print(
