@@ -205,8 +205,21 @@ class EncodingError(RuntimeError):
 RESULT_NORM_LIMIT = 4.0
 
 
-def _implausible(result: torch.Tensor, own: torch.Tensor) -> bool:
-    return float(result.norm()) > RESULT_NORM_LIMIT * max(float(own.norm()), 1e-30)
+def _implausible(result: torch.Tensor, own: torch.Tensor, limit: float) -> bool:
+    """A result longer than `limit` x our own values (all zero: nothing to compare with)."""
+    own_norm = float(own.norm())
+    return own_norm > 0 and float(result.norm()) > limit * own_norm
+
+
+def norm_limit(plan: GroupPlan, own_id: str) -> float:
+    """How many times the norm of our own values a result may have: RESULT_NORM_LIMIT, more for
+    a member whose Δ weighs less than the group's median (fewer steps, a smaller Δ): a mean of
+    honest Δs is no longer than the longest of them."""
+    bound = plan.announced_weight(own_id)
+    if bound is None:
+        return RESULT_NORM_LIMIT
+    median = sorted(plan.weight_caps)[(len(plan.weight_caps) - 1) // 2]
+    return RESULT_NORM_LIMIT * max(1.0, median / max(bound[1], 1e-30))
 
 
 def _drifted(result: torch.Tensor, own: torch.Tensor, max_drift: float) -> bool:
@@ -258,9 +271,11 @@ async def butterfly_allreduce(
 
     Every result is checked before it is kept: the reducer's total weight must be the sum of
     the plan's counted weights of the senders it names (a plan from matchmaking bounds each
-    member's weight by its signed registration); in robust mode its norm must be within
-    RESULT_NORM_LIMIT x ours; with `max_drift` (a θ_g re-sync, whose inputs are nearly equal) it
-    must be within `max_drift` x our norm of our own values. A result that fails keeps ours.
+    member's weight by its signed registration); its norm must be within `norm_limit` x ours
+    (RESULT_NORM_LIMIT, more for a member lighter than the median), the mean of this member's own
+    part included; with `max_drift` (a θ_g re-sync, whose inputs are nearly equal) it must be
+    within `max_drift` x our norm of our own values. A result that fails keeps ours: a peer
+    sending a Δ far longer than the others' moves nobody, it only costs its groups their average.
     """
     residual = feedback.buffer if feedback is not None else None
     if values.numel() != plan.numel or out.numel() != plan.numel:
@@ -276,6 +291,7 @@ async def butterfly_allreduce(
     reducer_deadline = started + timeout * REDUCER_SHARE
     me = plan.index_of(own_id)
     report = AllReduceReport(parts=[])
+    limit = norm_limit(plan, own_id)
 
     async def reduce_own_part() -> PartOutcome:
         offset, length = plan.parts[me]
@@ -306,6 +322,11 @@ async def butterfly_allreduce(
             if max_drift is not None and await maybe_thread(_drifted, target, mine, max_drift, size=length):
                 target.copy_(mine)  # our senders refuse it too: nobody applies it
                 return PartOutcome(me, own_id, False, [], 0.0, length, "DRIFTED: the re-synced values moved too far")
+            if await maybe_thread(_implausible, target, mine, limit, size=length):
+                target.copy_(mine)  # a sender's values were far longer than ours: our senders refuse it too
+                return PartOutcome(
+                    me, own_id, False, [], 0.0, length, f"IMPLAUSIBLE: the mean is over {limit:g}x our norm"
+                )
             try:  # let the last result chunks leave before counting them
                 await asyncio.wait_for(reduction.streams_closed.wait(), RESULTS_FLUSH_S)
             except TimeoutError:
@@ -450,8 +471,8 @@ async def butterfly_allreduce(
                             f"reducer's total weight {msg.total_weight:g} is not its senders' {expected:g}",
                             RefusalReason.BAD_WEIGHT,
                         )
-                    if trim_fraction is not None and await maybe_thread(_implausible, target, mine, size=length):
-                        raise ChunkError(f"result norm is more than {RESULT_NORM_LIMIT}x our own for this part")
+                    if await maybe_thread(_implausible, target, mine, limit, size=length):
+                        raise ChunkError(f"result norm is more than {limit:g}x our own for this part")
                     if max_drift is not None and await maybe_thread(_drifted, target, mine, max_drift, size=length):
                         raise ChunkError(f"the result moved our values by more than {max_drift:g} of their norm")
                     return PartOutcome(part, reducer.peer_id, True, included, msg.total_weight, length)
