@@ -297,7 +297,7 @@ class Node:
             s.wire_format(),
             s.chunk_elements,
             s.in_flight_chunks,
-            s.trim_fraction if s.aggregation == "trimmed-mean" else None,
+            s.robust_trim(),
             s.feedback_decay,
         )
         averager = MoshpitAverager(

@@ -18,6 +18,7 @@ from pydantic import Field, SecretStr, ValidationError, field_validator, model_v
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, TomlConfigSettingsSource
 from pydantic_settings import SettingsError as PydanticSettingsError
 
+from dtnode.ops.robust import MEDIAN_FRACTION
 from dtnode.peers.plan import Compression, WireFormat
 
 ENV_PREFIX = "DTNODE_"
@@ -364,11 +365,10 @@ class NodeSettings(BaseSettings):
     )
     aggregation: str = Field(
         "mean",
-        pattern=r"^(mean|trimmed-mean)$",
-        description="How this node reduces its "
-        "part: mean (token-weighted) "
-        "or trimmed-mean (robust to a "
-        "minority of hostile peers).",
+        pattern=r"^(mean|trimmed-mean|median)$",
+        description="How this node reduces its part: mean (token-weighted), trimmed-mean (robust to "
+        "--trim-fraction of hostile members per group, at least one from 3 up) or median (the "
+        "coordinate-wise median: robust to a minority of hostile members, noisier).",
     )
     trim_fraction: float = Field(
         0.2,
@@ -484,6 +484,12 @@ class NodeSettings(BaseSettings):
     def _compression_alias(cls, value: object) -> object:
         return "fp32" if value == "none" else value  # the name before sparse existed
 
+    def robust_trim(self) -> float | None:
+        """The fraction of values the reducer trims at each end per coordinate; None: the plain mean."""
+        if self.aggregation == "median":
+            return MEDIAN_FRACTION
+        return self.trim_fraction if self.aggregation == "trimmed-mean" else None
+
     def wire_format(self) -> WireFormat:
         """How this node's Δ travels, for the averager and the status figures."""
         compression = Compression(self.compression)
@@ -533,9 +539,9 @@ class NodeSettings(BaseSettings):
             for name, value in SPARSE_DEFAULTS.items():  # what a user did not set follows the sparse recipe
                 if name not in self.model_fields_set:
                     setattr(self, name, value)
-        if self.compression == "sparse" and self.aggregation == "trimmed-mean":
+        if self.compression == "sparse" and self.aggregation != "mean":
             raise ValueError(
-                "aggregation: trimmed-mean does not combine with --compression sparse (a value only a few "
+                f"aggregation: {self.aggregation} does not combine with --compression sparse (a value only a few "
                 "members kept would be trimmed away, and their error feedback would count it as sent)"
             )
         if self.matchmaking_window_min > self.matchmaking_window:

@@ -10,11 +10,20 @@ mean. The values kept are averaged with their senders' token weights (which the 
 has already capped, peers/plan.py): the guarantee holds for any weights, since a weighted mean
 of values inside the honest range stays inside it. The price: with no attacker it is slightly
 noisier than the mean (it drops 2·trim of n honest values per coordinate).
+
+The coordinate-wise median (`--aggregation median`) is the same rule trimmed as far as it goes
+(MEDIAN_FRACTION): it bounds up to (n-1)/2 hostile members of a group of n, the trimmed mean
+floor(fraction·n) (at least one from 3 up), and it is noisier still without an attacker.
 """
 
 from __future__ import annotations
 
 import torch
+
+
+# `--aggregation median`: the most a trim may take (see trim_count), which leaves the middle
+# value (odd counts) or the two middle values (even counts): the coordinate-wise median
+MEDIAN_FRACTION = 0.4999
 
 
 def trim_count(contributors: int, fraction: float) -> int:

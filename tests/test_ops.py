@@ -229,3 +229,13 @@ def test_a_trimmed_mean_of_three_or_four_trims_one_value_at_each_end():
     honest = torch.tensor([[1.0, -1.0], [1.2, -0.8], [0.8, -1.2]])
     result = trimmed_mean(torch.cat([honest, torch.tensor([[1e6, -1e6]])]), trim_count(4, 0.2))
     assert float(result.abs().max()) <= 1.2  # within the honest values, coordinate by coordinate
+
+
+def test_the_median_aggregation_is_the_trimmed_mean_trimmed_as_far_as_it_goes():
+    from dtnode.ops.robust import MEDIAN_FRACTION, trim_count, trimmed_mean
+
+    assert [trim_count(n, MEDIAN_FRACTION) for n in (1, 2, 3, 4, 5, 8)] == [0, 0, 1, 1, 2, 3]
+    values = torch.tensor([[1.0], [2.0], [1e6], [3.0], [-1e6]])
+    assert float(trimmed_mean(values, trim_count(5, MEDIAN_FRACTION))) == 2.0  # two of five hostile: bounded
+    four = torch.tensor([[1.0], [2.0], [4.0], [1e6]])
+    assert float(trimmed_mean(four, trim_count(4, MEDIAN_FRACTION))) == 3.0  # the two middle values

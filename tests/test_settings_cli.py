@@ -38,6 +38,7 @@ def test_precedence_defaults_toml_env_cli(tmp_path, monkeypatch):
         ({"compression": "sparse", "sparse_block_size": "1024", "sparse_top_k": "2048"}, "--sparse-top-k"),
         ({"compression": "sparse", "chunk_elements": "6144"}, "--chunk-elements"),
         ({"compression": "sparse", "aggregation": "trimmed-mean"}, "--aggregation"),
+        ({"compression": "sparse", "aggregation": "median"}, "--aggregation"),
         ({"feedback_decay": "0"}, "--feedback-decay"),
     ],
 )
