@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import torch
 
-
 # `--aggregation median`: the most a trim may take (see trim_count), which leaves the middle
 # value (odd counts) or the two middle values (even counts): the coordinate-wise median
 MEDIAN_FRACTION = 0.4999
