@@ -88,6 +88,7 @@ class NodePresenter:
             outer_step=self.worker.outer_step,
             checkpoint_step=newest.step if newest else -1,
             checkpoint_sha256=newest.sha256 if newest else "",
+            served=tuple(f"{step}:{sha}" for step, sha in self.store.recently_served()),
             tokens_per_s=self.stats.live_rate(trainer.round_tokens, trainer.tokens_per_step, trainer.round_seconds),
             round_tokens=int(failpoints.HOSTILE_TOKENS) if lying else trainer.round_tokens,
             training_round=st.training_round if s.overlap else -1,

@@ -15,6 +15,7 @@ and costs that checkpoint, never the node.
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import logging
 import time
@@ -47,6 +48,7 @@ from .worker import ModelWorker
 
 log = logging.getLogger("dtnode")
 
+SERVED_IN_RECORD = 6  # checkpoints a membership record announces (peers/membership.py: `served`)
 HASH_WAIT_S = 30.0  # how long a joiner's request waits for the hash of the step it asks for
 ON_DEMAND_WRITE_S = 60.0  # how long a joiner's request waits for a checkpoint written for it
 ON_DEMAND_ATTEMPTS = 2  # a write already under way may be of an older step: then one more
@@ -73,6 +75,7 @@ class CheckpointStore:
         self.files: dict[int, CheckpointInfo] = {}
         self.memory: dict[int, MemoryCheckpoint] = {}
         self._pending_write: asyncio.Future | None = None
+        self._served: collections.deque[tuple[int, str]] = collections.deque(maxlen=SERVED_IN_RECORD)
         self._hash_task: asyncio.Future | None = None
         worker.on_theta_change = self._theta_changing
 
@@ -88,6 +91,15 @@ class CheckpointStore:
         in memory. The record signs its step and sha256, which is what a joiner's vote binds."""
         served = [self.newest(), *(m.info for m in self.memory.values() if m.sha256)]
         return max((c for c in served if c is not None), key=lambda c: c.step, default=None)
+
+    def recently_served(self) -> list[tuple[int, str]]:
+        """(step, sha256) of the newest checkpoints this node served or serves, up to
+        SERVED_IN_RECORD: the record signs them all, so a joiner that probed a step the node has
+        moved past by the next heartbeat still finds it announced (rounds can be shorter than one)."""
+        for info in (self.newest(), *(m.info for m in self.memory.values() if m.sha256)):
+            if info is not None and (info.step, info.sha256) not in self._served:
+                self._served.append((info.step, info.sha256))
+        return sorted(self._served)[-SERVED_IN_RECORD:]
 
     def get(self, step: int) -> CheckpointInfo | None:
         return self.files.get(step)
@@ -159,6 +171,7 @@ class CheckpointStore:
             log.error("could not write checkpoint %d to this node's state dir: %s", step, e)
             return
         self.files[step] = info
+        self._served.append((step, info.sha256))
         await self.prune()
 
     async def write_final(self) -> None:
@@ -280,6 +293,7 @@ class CheckpointStore:
         for old in [s for s in self.memory if s not in in_use]:
             del self.memory[old]
         self.memory[step] = memory
+        self._served.append((step, memory.sha256))
 
     def _theta_changing(self) -> None:
         """θ_g is about to change (under the worker's lock): a step a joiner asked for lately

@@ -72,7 +72,7 @@ async def probe(
 
 def _signed(record: PeerRecord | None, step: int, sha256: str) -> bool:
     """Whether a donor's signed record announces this very file."""
-    return record is not None and record.checkpoint_step == step and record.checkpoint_sha256.lower() == sha256.lower()
+    return record is not None and record.announces(step, sha256)
 
 
 def voter(offer: Offer) -> str:

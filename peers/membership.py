@@ -32,6 +32,7 @@ import socket
 import time
 from collections.abc import Callable
 from functools import partial
+from typing import Annotated
 
 import psutil
 from hivemind.dht import DHT, DHTNode
@@ -70,6 +71,9 @@ class PeerRecord(BaseModel):
     outer_step: int = Field(0, ge=0, le=1 << 62)
     checkpoint_step: int = Field(-1, ge=-1, le=1 << 62)
     checkpoint_sha256: str = Field("", max_length=64)
+    # "step:sha256" of the checkpoints it served lately (the newest one above included): what a
+    # joiner's vote binds an offer to, also after this peer moved on by the next heartbeat
+    served: tuple[Annotated[str, Field(max_length=96)], ...] = Field((), max_length=8)
     tokens_per_s: float = Field(0.0, ge=0, le=1e15)
     round_tokens: int = Field(0, ge=0, le=1 << 62)  # tokens processed so far in round `round_in_training`
     training_round: int = Field(-1, ge=-1, le=1 << 62)  # the round of those tokens; -1: `outer_step`
@@ -88,6 +92,13 @@ class PeerRecord(BaseModel):
     tls_cert: str = Field("", max_length=MAX_CERT_CHARS)  # base64 DER (peers/tls.py); empty: plaintext data plane
     auth: str = Field("", max_length=512)
     recipe: str = Field("", max_length=MAX_RECIPE_CHARS)  # JSON of what peers must share (daemon/recipe.py)
+
+    def announces(self, step: int, sha256: str) -> bool:
+        """Whether this (signed) record announces the checkpoint of `step` with this hash."""
+        sha256 = sha256.lower()
+        return (self.checkpoint_step == step and self.checkpoint_sha256.lower() == sha256) or (
+            f"{step}:{sha256}" in self.served
+        )
 
     @property
     def round_in_training(self) -> int:
