@@ -91,6 +91,7 @@ class RoundLoop:
         self.stop_flag = stop_flag  # seen by the training thread
         self.needs_resync = False  # set by a failed hop or round; cleared by a clean round
         self.rounds_done = 0
+        self._announcing: asyncio.Task | None = None  # the record published once a step's hash is in
         self.finished = False  # --max-rounds: the swarm's run is over
         self.model_hash = worker.workload.model_hash
         self.tokens_total = history.tokens_total  # over the whole record, across restarts
@@ -345,11 +346,20 @@ class RoundLoop:
         line = summary.log_line(self.stats.tokens_per_s, self.loss_floor)
         loop = asyncio.get_running_loop()
 
+        async def announce_hashed() -> None:
+            try:
+                await self.publisher.publish()
+            except Exception as e:  # noqa: BLE001  (hivemind's DHT stores fail with many types; the heartbeat retries)
+                log.debug("could not announce the hashed step at once: %s", e)
+
         def hashed() -> None:  # the round's θ_g hash is in: the history entry and the log line name it
             params = self.worker.replica.params_sha256()
             recorded = self.history.append({**entry, "params_sha256": params})
             loop.run_in_executor(self.store.io_thread, self.history.persist, recorded)
             log.info("%s%s", line, params[:12])
+            # the step's checkpoint is servable now: its signed record says so at once, not a
+            # heartbeat later (a joiner's vote binds only what a record announces, daemon/sync.py)
+            self._announcing = loop.create_task(announce_hashed())
 
         self.store.when_hashed(hashed)
         return summary

@@ -297,7 +297,7 @@ async def fetch_from_swarm(
     return None
 
 
-BIND_POLL_S = 0.5
+BIND_POLL_S = 0.1
 
 
 async def _bind(
@@ -306,10 +306,14 @@ async def _bind(
     """The offers, each bound when its donor's newest signed record announces its file; while
     none is, the records are read again (`refresh`) for up to `wait` seconds."""
     deadline = time.monotonic() + wait
-    while offers and not any(o.bound for o in offers) and refresh is not None and time.monotonic() < deadline:
-        await asyncio.sleep(BIND_POLL_S)
+    while offers and not any(o.bound for o in offers) and refresh is not None:
+        # read at once first: the view predates the probes, and a donor announces a step as soon
+        # as its hash is in, often before its metadata reached us
         fresh = await refresh()
         offers = [replace(o, bound=_signed(fresh.get(o.donor.peer_id), o.step, o.sha256)) for o in offers]
+        if any(o.bound for o in offers) or time.monotonic() >= deadline:
+            break
+        await asyncio.sleep(BIND_POLL_S)
     return offers
 
 
