@@ -203,6 +203,7 @@ class EncodingError(RuntimeError):
 # In robust mode a member refuses a part whose averaged result is this many times larger (L2)
 # than its own values there: a hostile reducer can then move that part by a bounded amount only.
 RESULT_NORM_LIMIT = 4.0
+LIGHT_MEMBER = 0.5  # a member weighing less than this share of its group's median (see norm_limit)
 
 
 def _implausible(result: torch.Tensor, own: torch.Tensor, limit: float) -> bool:
@@ -211,14 +212,20 @@ def _implausible(result: torch.Tensor, own: torch.Tensor, limit: float) -> bool:
     return own_norm > 0 and float(result.norm()) > limit * own_norm
 
 
-def norm_limit(plan: GroupPlan, own_id: str) -> float:
-    """How many times the norm of our own values a result may have: RESULT_NORM_LIMIT, more for
-    a member whose Δ weighs less than the group's median (fewer steps, a smaller Δ): a mean of
-    honest Δs is no longer than the longest of them."""
+def norm_limit(plan: GroupPlan, own_id: str, robust: bool) -> float | None:
+    """How many times the norm of our own values a result may have (None: not checked).
+
+    RESULT_NORM_LIMIT, more for a member whose Δ weighs less than the group's median (fewer
+    steps, a smaller Δ): a mean of honest Δs is no longer than the longest of them. Outside
+    robust mode a member under LIGHT_MEMBER x the median does not check at all: a joiner's first
+    round (its AdamW in warmup) or a slow peer's Δ can be 100x shorter than its group's mean, so
+    its own values are no reference; the heavier members check, and refuse a poisoned part."""
     bound = plan.announced_weight(own_id)
     if bound is None:
         return RESULT_NORM_LIMIT
     median = sorted(plan.weight_caps)[(len(plan.weight_caps) - 1) // 2]
+    if bound[1] < LIGHT_MEMBER * median and not robust:
+        return None
     return RESULT_NORM_LIMIT * max(1.0, median / max(bound[1], 1e-30))
 
 
@@ -291,7 +298,7 @@ async def butterfly_allreduce(
     reducer_deadline = started + timeout * REDUCER_SHARE
     me = plan.index_of(own_id)
     report = AllReduceReport(parts=[])
-    limit = norm_limit(plan, own_id)
+    limit = norm_limit(plan, own_id, trim_fraction is not None)
 
     async def reduce_own_part() -> PartOutcome:
         offset, length = plan.parts[me]
@@ -322,7 +329,7 @@ async def butterfly_allreduce(
             if max_drift is not None and await maybe_thread(_drifted, target, mine, max_drift, size=length):
                 target.copy_(mine)  # our senders refuse it too: nobody applies it
                 return PartOutcome(me, own_id, False, [], 0.0, length, "DRIFTED: the re-synced values moved too far")
-            if await maybe_thread(_implausible, target, mine, limit, size=length):
+            if limit is not None and await maybe_thread(_implausible, target, mine, limit, size=length):
                 target.copy_(mine)  # a sender's values were far longer than ours: our senders refuse it too
                 return PartOutcome(
                     me, own_id, False, [], 0.0, length, f"IMPLAUSIBLE: the mean is over {limit:g}x our norm"
@@ -471,7 +478,7 @@ async def butterfly_allreduce(
                             f"reducer's total weight {msg.total_weight:g} is not its senders' {expected:g}",
                             RefusalReason.BAD_WEIGHT,
                         )
-                    if await maybe_thread(_implausible, target, mine, limit, size=length):
+                    if limit is not None and await maybe_thread(_implausible, target, mine, limit, size=length):
                         raise ChunkError(f"result norm is more than {limit:g}x our own for this part")
                     if max_drift is not None and await maybe_thread(_drifted, target, mine, max_drift, size=length):
                         raise ChunkError(f"the result moved our values by more than {max_drift:g} of their norm")
