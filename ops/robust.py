@@ -18,11 +18,20 @@ floor(fraction·n) (at least one from 3 up), and it is noisier still without an 
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import torch
 
 # `--aggregation median`: the most a trim may take (see trim_count), which leaves the middle
 # value (odd counts) or the two middle values (even counts): the coordinate-wise median
 MEDIAN_FRACTION = 0.4999
+
+
+def lower_median(values: Iterable[float]) -> float:
+    """The lower median (of an even count, the smaller middle value; 0.0 of none): what a peer's
+    report or weight is bounded by, so that in a pair the smaller, honest one bounds the other."""
+    ordered = sorted(values)
+    return ordered[(len(ordered) - 1) // 2] if ordered else 0.0
 
 
 def trim_count(contributors: int, fraction: float) -> int:

@@ -223,7 +223,7 @@ def norm_limit(plan: GroupPlan, own_id: str, robust: bool) -> float | None:
     bound = plan.announced_weight(own_id)
     if bound is None:
         return RESULT_NORM_LIMIT
-    median = sorted(plan.weight_caps)[(len(plan.weight_caps) - 1) // 2]
+    median = plan.median_weight
     if bound[1] < LIGHT_MEMBER * median and not robust:
         return None
     return RESULT_NORM_LIMIT * max(1.0, median / max(bound[1], 1e-30))
@@ -231,7 +231,7 @@ def norm_limit(plan: GroupPlan, own_id: str, robust: bool) -> float | None:
 
 def _drifted(result: torch.Tensor, own: torch.Tensor, max_drift: float) -> bool:
     """A mean of nearly equal states (θ_g re-sync) that moved ours by more than `max_drift` of its norm."""
-    return float((result - own).norm()) > max_drift * max(float(own.norm()), 1e-30)
+    return float(torch.dist(result, own)) > max_drift * max(float(own.norm()), 1e-30)
 
 
 def _decode_into(payload: Payload, target: torch.Tensor) -> None:

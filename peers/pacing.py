@@ -38,6 +38,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import Protocol
 
+from dtnode.ops.robust import lower_median
+
 
 class Progress(Protocol):
     """The fields of a membership record that pacing reads."""
@@ -85,11 +87,6 @@ class Report:
     progress_at: float
 
 
-def _lower_median(values: Sequence[float]) -> float:
-    ordered = sorted(values)
-    return ordered[(len(ordered) - 1) // 2] if ordered else 0.0
-
-
 def _median_without(ordered: Sequence[int], value: int) -> float:
     """The upper median of sorted `ordered` less one occurrence of `value` (if present)."""
     at = bisect.bisect_left(ordered, value)
@@ -127,9 +124,9 @@ def clamp_reports(records: Iterable[Progress], round: int, inner_steps: int = 1)
     if len(live) < 2:
         return reports
     # medians of the peers that report one: a peer that just started has no rate yet
-    median_step = _lower_median([r.tokens_per_step for r in live if r.tokens_per_step > 0])
+    median_step = lower_median([r.tokens_per_step for r in live if r.tokens_per_step > 0])
     step_cap = PACING_SPREAD * median_step if median_step > 0 else math.inf
-    median_rate = _lower_median([r.tokens_per_s for r in live if r.tokens_per_s > 0])
+    median_rate = lower_median([r.tokens_per_s for r in live if r.tokens_per_s > 0])
     rate_cap = PACING_SPREAD * median_rate if median_rate > 0 else math.inf
     counts = sorted(r.round_tokens for r in live if r.round_in_training == round and r.round_tokens > 0)
 

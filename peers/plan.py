@@ -13,6 +13,7 @@ from enum import StrEnum
 
 from dtnode.ops import sparse
 from dtnode.ops.partition import capped_shares, plan_parts
+from dtnode.ops.robust import lower_median
 from dtnode.proto import averaging_pb2 as pb
 
 # no reducer takes more than this many times an even split of Δ (with 4 reducers, half; in a
@@ -107,6 +108,11 @@ class GroupPlan:
             return None
         i = self.index_of(peer_id)
         return self.members[i].weight, self.weight_caps[i]
+
+    @property
+    def median_weight(self) -> float:
+        """The lower median of the members' counted weights (0.0 when the plan bounds none)."""
+        return lower_median(self.weight_caps)
 
     def expected_total_weight(self, included: list[str]) -> float | None:
         """The total weight a reducer must report for these senders: the sum of their counted weights."""
@@ -204,7 +210,7 @@ def capped_weights(announced: list[float]) -> tuple[float, ...]:
     one is not announced (0)."""
     if not announced or min(announced) <= 0:
         return ()
-    median = sorted(announced)[(len(announced) - 1) // 2]
+    median = lower_median(announced)
     return tuple(min(w, WEIGHT_SPREAD * median) for w in announced)
 
 
