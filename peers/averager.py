@@ -55,7 +55,9 @@ class AveragingConfig:
 
 
 FP32_WIRE = WireFormat(Compression.FP32)
-THETA_MAX_DRIFT = 0.25  # a θ_g re-sync may move a part of ours by this share of its norm at most
+# a re-sync may move a part of ours by this many times its norm at most: the state is θ_g and
+# the outer momentum, and honest momenta legitimately differ by their own size after a failure
+THETA_MAX_DRIFT = 4.0
 MAX_CHAINS = 16  # classes one peer carries through a hop at most (each holds a model-sized buffer)
 
 
@@ -378,7 +380,7 @@ class MoshpitAverager:
         if theta is not None and theta_out is not None:
             # θ_g re-sync: every member counts the same (weight 1, nobody's own word), by the
             # same rule as Δ (a trimmed mean in robust mode), and a result that moves our θ_g
-            # by more than THETA_MAX_DRIFT of its norm is refused: honest θ_g differ by a few
+            # by more than THETA_MAX_DRIFT x its norm is refused: honest θ_g differ by a few
             # outer steps at most, so only a hostile member's could move it that far
             hostile = failpoints.hostile(round_no) == "hostile-resync"  # a test's attacker
             theta_plan = make_plan(

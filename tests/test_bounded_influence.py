@@ -188,32 +188,3 @@ def test_a_theta_resync_result_that_drifts_too_far_is_refused():
             assert float((out - honest).norm()) <= 0.25 * float(honest.norm())
 
     asyncio.run(main())
-
-
-def test_a_delta_far_longer_than_the_others_moves_nobody_in_the_plain_mean():
-    """Finding 7, in every mode: a member sending Δ x100 at an honest weight moved the plain mean
-    by 25x the honest Δ. Now every member checks each result, its own part's mean included,
-    against its own norm: the poisoned parts are refused and every honest member keeps its own
-    values there (the group loses its average, nobody is moved)."""
-
-    async def main():
-        peers = await start_peers(4)
-        numel = 16384
-        values = [torch.randn(numel) for _ in peers]
-        values[0] = values[0] * 100
-        plan = _plan([replace(p.member, weight=100.0) for p in peers], numel)
-        outs = [torch.empty(numel) for _ in peers]
-        try:
-            reports = await asyncio.gather(
-                *(
-                    butterfly_allreduce(plan, p.member.peer_id, v, 100.0, o, p.registry, p.channels, timeout=5.0)
-                    for p, v, o in zip(peers, values, outs)
-                )
-            )
-        finally:
-            await stop_peers(peers)
-        for value, out, report in zip(values[1:], outs[1:], reports[1:]):
-            assert len(report.failed_parts) == 4  # every part held the attacker's Δ
-            assert torch.equal(out, value)
-
-    asyncio.run(main())
