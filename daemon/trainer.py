@@ -69,6 +69,8 @@ class Trainer:
     ):
         self.device = device
         self.compile = compile
+        # on a GPU the next batch is drawn while the device runs the current step (DataStream.prefetch)
+        self.prefetch_batches = device.type == "cuda"
         self.ranks = ranks  # this host's other training ranks, when it has several (local_ranks.py)
         self.sync: RankSync | None = None  # how the other ranks follow rank 0 (None: one device)
         if ranks is not None and ranks.shard:  # the flat buffer is θ_l's copy in host memory
@@ -250,8 +252,9 @@ class Trainer:
         """One AdamW step on the node's batch (its rows spread over the local ranks); the loss."""
         try:
             if self.ranks is None:
+                ahead = self.stream.prefetch if self.prefetch_batches else None
                 return inner_step(
-                    self.forward_model, self.optimizer, batch, self.device, self.grad_clip, self._trainable
+                    self.forward_model, self.optimizer, batch, self.device, self.grad_clip, self._trainable, ahead
                 )
             assert self.sync is not None  # present whenever ranks are
             return self._step_on_ranks(self.ranks, self.sync, batch, started)
@@ -323,14 +326,19 @@ def inner_step(
     device: torch.device,
     grad_clip: float,
     parameters: list[torch.nn.Parameter],
+    while_device_runs: Callable[[], None] | None = None,
 ) -> float:
-    """One AdamW step on `batch` (every local rank runs this, on its rows); the loss."""
+    """One AdamW step on `batch` (every local rank runs this, on its rows); the loss.
+    `while_device_runs` is called once the step's kernels are queued, before the loss is
+    read back (on a GPU the CPU is otherwise idle until the step ends)."""
     loss = next_token_loss(model, batch, device)
     optimizer.zero_grad(set_to_none=True)
     loss.backward()
     if grad_clip:
         torch.nn.utils.clip_grad_norm_(parameters, grad_clip)
     optimizer.step()
+    if while_device_runs is not None:
+        while_device_runs()
     return loss.detach().item()
 
 

@@ -29,6 +29,35 @@ def test_peers_draw_different_streams_but_share_the_eval_batch():
     assert a.next_batch().shape == (4, 17)
 
 
+def test_a_batch_drawn_ahead_changes_neither_the_order_nor_the_saved_position(tmp_path):
+    """DataStream.prefetch (a GPU trainer draws the next batch while the device runs a step):
+    the same batches in the same order, and a position saved between the draw and its use
+    resumes with that very batch, on the synthetic language and on a corpus alike."""
+    (tmp_path / "train.txt").write_text("the quick brown fox jumps over the lazy dog. " * 200)
+    lang = MarkovLanguage(seed=1)
+    for sources in (
+        DataSources(lang, lang),
+        open_sources("run", 0, tmp_path / "train.txt", None, eval_fraction=0.1, seq_len=16),
+    ):
+        plain = DataStream(sources, "run", "peer", 4, 16)
+        expected = [plain.next_batch() for _ in range(6)]
+        ahead = DataStream(sources, "run", "peer", 4, 16)
+        got = []
+        for i in range(6):
+            got.append(ahead.next_batch())
+            ahead.prefetch()
+            ahead.prefetch()  # a second call draws nothing more
+            if i == 2:
+                state, sequences = ahead.position()
+                assert sequences == 12
+                resumed = DataStream(sources, "run", "peer", 4, 16)
+                resumed.seek(state, sequences)
+                assert torch.equal(resumed.next_batch(), expected[3])
+        assert all(torch.equal(a, b) for a, b in zip(got, expected))
+        ahead.seek(*plain.position())  # a seek drops the batch drawn ahead
+        assert torch.equal(ahead.next_batch(), plain.next_batch())
+
+
 def test_text_file_gives_byte_tokens(tmp_path):
     path = tmp_path / "corpus.txt"
     path.write_text("héllo wörld " * 100, encoding="utf-8")

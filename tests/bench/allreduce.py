@@ -258,23 +258,28 @@ def run_case(n: int, size_mb: int, reps: int, systems: tuple[str, ...]) -> dict:
     return row
 
 
-def coding_throughput(size_mb: int = 100, reps: int = 21) -> list[tuple[str, float]]:
+def coding_throughput(size_mb: int = 100, reps: int = 21, device: str = "cpu") -> list[tuple[str, float]]:
     """int8 quantize + dequantize, and sparse encode + decode, of one buffer against copying it
-    into a preallocated one."""
+    into a preallocated one, on `device` (on a GPU each timing waits for its kernels)."""
     from dtnode.ops import sparse
     from dtnode.ops.quantization import QuantizedBlocks, dequantize, num_blocks, quantize, use_fused_kernels
 
     numel = size_mb * 1_000_000 // 4
-    x = torch.randn(numel)
+    x = torch.randn(numel, device=device)
     dst = torch.empty_like(x)
-    q = QuantizedBlocks(torch.empty(numel, dtype=torch.int8), torch.empty(num_blocks(numel, 256)), 256)
+    q = QuantizedBlocks(
+        torch.empty(numel, dtype=torch.int8, device=device), torch.empty(num_blocks(numel, 256), device=device), 256
+    )
+    wait = torch.cuda.synchronize if x.is_cuda else (lambda: None)
 
     def timed(fn) -> float:
         fn()
         samples = []
         for _ in range(reps):
+            wait()
             t = time.perf_counter()
             fn()
+            wait()
             samples.append(time.perf_counter() - t)
         return statistics.median(samples)
 
@@ -305,7 +310,12 @@ def main() -> None:
     parser.add_argument("--sizes-mb", default="10,100,400", help="comma-separated fp32 buffer sizes in MB")
     parser.add_argument("--reps", type=int, default=3, help="timed runs per system (median reported)")
     parser.add_argument("--systems", default=",".join(SYSTEMS), help=f"subset of {','.join(SYSTEMS)}")
+    parser.add_argument("--coding-device", default="cpu", help="where the coding throughput table runs (cuda on a GPU)")
+    parser.add_argument("--coding-only", action="store_true", help="only the coding throughput table")
     args = parser.parse_args()
+    if args.coding_only:
+        print_coding_throughput(args.coding_device)
+        return
     systems = tuple(s for s in args.systems.split(",") if s)
     print(f"torch {torch.__version__}, {os.cpu_count()} CPUs, loopback; median of {args.reps} runs\n")
     header = f"{'peers':>5} {'MB':>5} {'system':<13} {'wall s':>8} {'MB sent':>9} {'x gloo':>7} {'rel err':>9}"
@@ -328,11 +338,16 @@ def main() -> None:
                 if f"ours-{codec}" in row and f"ours-{codec}-tls" in row:
                     cost = row[f"ours-{codec}-tls"]["s"] / row[f"ours-{codec}"]["s"] - 1
                     print(f"{'':>11} TLS costs ours-{codec} {cost:+.1%} of wall time", flush=True)
-    print("\ncoding throughput, 100 MB fp32 buffer (GB/s of fp32 input)")
-    rows = coding_throughput()
+    print_coding_throughput(args.coding_device)
+
+
+def print_coding_throughput(device: str) -> None:
+    name = torch.cuda.get_device_name(torch.device(device)) if device.startswith("cuda") else "CPU"
+    print(f"\ncoding throughput on {device} ({name}), 100 MB fp32 buffer (GB/s of fp32 input)")
+    rows = coding_throughput(device=device)
     memcpy = rows[0][1]
-    for name, gbps in rows:
-        print(f"  {name:<38} {gbps:7.2f} GB/s  {gbps / memcpy:6.1%} of memcpy")
+    for label, gbps in rows:
+        print(f"  {label:<38} {gbps:7.2f} GB/s  {gbps / memcpy:6.1%} of memcpy")
 
 
 if __name__ == "__main__":

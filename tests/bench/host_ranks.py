@@ -2,6 +2,7 @@
 
     .venv/bin/python -m tests.bench.host_ranks                      # small, CPU, gloo, 1 thread per rank
     .venv/bin/python -m tests.bench.host_ranks --model tiny --rounds 3
+    python3 -m tests.bench.host_ranks --device cuda --batch-size 16 --seq-len 512 --inner-steps 20   # NCCL
 
 Each configuration is a real two-host swarm on loopback: the host under test (1 rank, 2 DDP
 ranks, or 2 ranks with `--shard`; `--threads-per-rank 1`) and a 1-rank partner, `--pacing fixed` so that
@@ -11,6 +12,9 @@ over its rounds after the first) and from sampling the resident memory of its pr
 (peak RSS per rank, rank 0 being the node process with its DHT, gRPC and sidecar). On a
 2-core machine the 2-rank host's two ranks and the partner share the cores: tokens/s per
 host measures the overhead of the rank protocol, not the speed-up GPUs would give.
+
+`--device cuda` runs the same on the host's GPUs (one rank per GPU, NCCL between them, bf16): the
+1-rank host, and with 2 or more GPUs the 2-rank hosts too. The partner shares GPU 0.
 """
 
 from __future__ import annotations
@@ -30,9 +34,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from nodes import NodeProcess
 
 
-def _flags(model: str, rounds: int, inner_steps: int, batch: int, seq_len: int) -> list[str]:
+def _flags(model: str, rounds: int, inner_steps: int, batch: int, seq_len: int, device: str) -> list[str]:
     return [
-        "--model", model, "--device", "cpu", "--threads-per-rank", "1", "--pacing", "fixed",
+        "--model", model, "--device", device, "--threads-per-rank", "1", "--pacing", "fixed",
         "--inner-steps", str(inner_steps), "--batch-size", str(batch), "--seq-len", str(seq_len),
         "--max-rounds", str(rounds), "--no-fused-kernels", "--keep-checkpoints", "2",
         "--checkpoint-every", "100", "--matchmaking-window", "30",
@@ -56,7 +60,7 @@ def run_config(tmp: Path, ranks: int, shard: bool, flags: list[str]) -> dict[str
     name = f"{ranks}{'s' if shard else ''}"
     extra = ["--shard"] if shard else []
     host = NodeProcess.join(f"host{name}", tmp, *flags, *extra, "--nproc-per-node", str(ranks), "--min-peers", "2")
-    partner = NodeProcess.join(f"partner{name}", tmp, *flags, "--peer", host.join_address)
+    partner = NodeProcess.join(f"partner{name}", tmp, *flags, "--nproc-per-node", "1", "--peer", host.join_address)
     peaks: dict[int, int] = {}
     stop = threading.Event()
     sampler = threading.Thread(target=_sample_peaks, args=(host, peaks, stop), daemon=True)
@@ -90,17 +94,24 @@ def main() -> None:
     parser.add_argument("--inner-steps", type=int, default=4)
     parser.add_argument("--batch-size", type=int, default=2, help="per rank")
     parser.add_argument("--seq-len", type=int, default=128)
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="cuda: one rank per GPU, over NCCL")
     args = parser.parse_args()
-    flags = _flags(args.model, args.rounds, args.inner_steps, args.batch_size, args.seq_len)
+    flags = _flags(args.model, args.rounds, args.inner_steps, args.batch_size, args.seq_len, args.device)
+    configs = [(1, False), (2, False), (2, True)]
+    if args.device == "cuda":
+        import torch
+
+        configs = configs if torch.cuda.device_count() >= 2 else configs[:1]  # NCCL: one rank per GPU
     tmp = Path(tempfile.mkdtemp(prefix="dtnode-bench-ranks-"))
     results = {}
     try:
-        for ranks, shard in ((1, False), (2, False), (2, True)):
+        for ranks, shard in configs:
             results[f"{ranks}-rank{' --shard' if shard else ''}"] = run_config(tmp, ranks, shard, flags)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     print(
-        f"model {args.model}, CPU gloo, 1 thread per rank, batch {args.batch_size} per rank, seq {args.seq_len}, "
+        f"model {args.model}, {'CUDA NCCL' if args.device == 'cuda' else 'CPU gloo, 1 thread per rank'}, "
+        f"batch {args.batch_size} per rank, seq {args.seq_len}, "
         f"H={args.inner_steps}, {args.rounds} rounds against a 1-rank partner (medians over rounds 2..)"
     )
     print(f"{'host':<16} {'tokens/s':>10} {'bytes/round':>13} {'allreduce s':>12} {'full':>6}  peak RSS per rank (MB)")
@@ -111,7 +122,7 @@ def main() -> None:
             f"{r['full']:>6.0%}  {rss}"
         )
     one = float(results["1-rank"]["bytes_per_round"])  # type: ignore[arg-type]
-    for name in ("2-rank", "2-rank --shard"):
+    for name in [n for n in ("2-rank", "2-rank --shard") if n in results]:
         print(f"bytes per round, {name} / 1-rank: {float(results[name]['bytes_per_round']) / one:.4f}")  # type: ignore[arg-type]
 
 

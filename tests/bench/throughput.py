@@ -98,13 +98,16 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def measure(case: Case, device: torch.device, compile: bool, steps: int, warmup: int, scratch: Path) -> dict:
+def measure(
+    case: Case, device: torch.device, compile: bool, steps: int, warmup: int, scratch: Path, prefetch: bool = True
+) -> dict:
     model, _ = build_model(_model_spec(case, scratch), seed=0)
     language = MarkovLanguage(seed=1, vocab_size=256)
     stream = DataStream(DataSources(language, None), "bench", "peer", case.batch, case.seq_len, eval_sequences=0)
     trainer = Trainer(
         model, stream, device, schedule=LearningRateSchedule(3e-4), weight_decay=0.1, grad_clip=1.0, compile=compile
     )
+    trainer.prefetch_batches = prefetch and trainer.prefetch_batches  # on a GPU, unless the baseline row
     stop = threading.Event()
     started = time.perf_counter()
     trainer.run(warmup, stop)  # includes the compile
@@ -128,7 +131,7 @@ def measure(case: Case, device: torch.device, compile: bool, steps: int, warmup:
     tokens = case.batch * case.seq_len
     outer_s = statistics.median(outer)
     return {
-        "case": case.name,
+        "case": case.name + ("" if prefetch or device.type != "cuda" else ", no prefetch"),
         "compile": compile,
         "params_m": sum(p.numel() for p in model.parameters()) / 1e6,
         "step_s": step_s,
@@ -209,10 +212,11 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=3, help="inner steps before measuring (the compile runs here)")
     parser.add_argument("--no-compile-runs", action="store_true", help="skip the --compile runs")
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
+    parser.add_argument("--case", default="", help="only the cases whose name holds this text")
     args = parser.parse_args()
     device = torch.device(args.device)
     big = args.gpu_sizes or device.type == "cuda"
-    cases = GPU_CASES if big else CPU_CASES
+    cases = [c for c in (GPU_CASES if big else CPU_CASES) if args.case in c.name]
     if device.type == "cpu":
         torch.set_num_threads(torch.get_num_threads())
         print(
@@ -229,12 +233,14 @@ def main() -> None:
         for case in cases:
             for compile in (False, True)[: 1 if args.no_compile_runs else 2]:
                 rows.append(measure(case, device, compile, args.steps, args.warmup, Path(scratch)))
-    header = f"{'model':26s} {'compile':>7s} {'params':>8s} {'seq':>5s} {'tok/s':>10s} {'MFU meas.':>9s}"
+            if device.type == "cuda":  # the baseline: the next batch drawn after each step, not during it
+                rows.append(measure(case, device, False, args.steps, args.warmup, Path(scratch), prefetch=False))
+    header = f"{'model':32s} {'compile':>7s} {'params':>8s} {'seq':>5s} {'tok/s':>10s} {'MFU meas.':>9s}"
     header += f" {'MFU H100':>9s}" if device.type == "cuda" else ""
     print(header + f" {'warmup':>8s} {'outer':>8s} {'outer/H=100':>11s}")
     for row, case in zip(rows, [c for c in cases for _ in range(len(rows) // len(cases))]):
         line = (
-            f"{row['case']:26s} {row['compile']!s:>7s} {row['params_m']:7.1f}M {case.seq_len:5d} "
+            f"{row['case']:32s} {row['compile']!s:>7s} {row['params_m']:7.1f}M {case.seq_len:5d} "
             f"{row['tokens_per_s']:10.0f} {row['flops_per_s'] / peak:9.1%}"
         )
         if device.type == "cuda":

@@ -1,0 +1,132 @@
+"""The CUDA paths, on a GPU: the int8 and sparse codecs on the device, the trainer in bf16 with
+and without `torch.compile`, the outer step with θ_g on the device, and the `--shard` helpers
+over NCCL. Every test here skips on a host without CUDA (this project's CI); tests/bench/gpu.sh
+runs them on a GPU machine."""
+
+from __future__ import annotations
+
+import math
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from dtnode.daemon.data import DataSources, DataStream, MarkovLanguage
+from dtnode.daemon.model import build_model
+from dtnode.daemon.replica import Replica
+from dtnode.daemon.schedule import LearningRateSchedule
+from dtnode.daemon.trainer import Trainer
+from dtnode.ops import quantization, sparse
+from dtnode.ops.quantization import dequantize, quantize
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def _trainer(device: str, compile: bool = False, model: str = "tiny") -> Trainer:
+    net, _ = build_model(model, seed=1)
+    language = MarkovLanguage(seed=2)
+    stream = DataStream(DataSources(language, language), "run", "peer", 8, 64)
+    schedule = LearningRateSchedule(1e-3)
+    return Trainer(
+        net, stream, torch.device(device), schedule=schedule, weight_decay=0.1, grad_clip=1.0, compile=compile
+    )
+
+
+@pytest.mark.parametrize("block", [64, 256])
+def test_int8_codes_on_the_gpu_match_the_cpu_codes(block):
+    """The same codes up to rounding: a GPU divides differently in the last bit (seen on an
+    H100), so a code on a rounding boundary may differ by one. Every peer's wire codes are made
+    on its host (the node's path), so peers never compare device codes with host codes."""
+    x = torch.randn(1_000_003, generator=torch.Generator().manual_seed(0)) * 3
+    cpu = quantize(x, block)
+    gpu = quantize(x.cuda(), block)
+    torch.testing.assert_close(gpu.scales.cpu(), cpu.scales, rtol=1e-6, atol=0)
+    differ = (gpu.codes.cpu().int() - cpu.codes.int()).abs()
+    assert int(differ.max()) <= 1 and float((differ > 0).float().mean()) < 1e-3
+    error = (dequantize(gpu).cpu() - x).abs().reshape(-1)
+    assert float(error.max()) <= float(cpu.scales.max()) * 0.5001
+
+
+def test_the_fused_int8_kernels_on_the_gpu_equal_the_eager_ones():
+    x = torch.randn(300_001, device="cuda") * 10
+    eager = quantize(x, 256)
+    assert quantization.use_fused_kernels(True)
+    try:
+        fused = quantize(x, 256)
+        assert torch.equal(fused.codes, eager.codes) and torch.equal(fused.scales, eager.scales)
+        assert torch.equal(dequantize(fused), dequantize(eager))
+    finally:
+        quantization.use_fused_kernels(False)
+
+
+def test_the_sparse_codec_on_the_gpu_keeps_what_the_cpu_keeps():
+    x = torch.randn(4096 * 50 + 123, generator=torch.Generator().manual_seed(3))
+    cpu = sparse.decode(sparse.encode(x))
+    gpu = sparse.decode(sparse.encode(x.cuda()))
+    assert torch.equal((gpu != 0).cpu(), cpu != 0)  # the same support (random data: no ties)
+    torch.testing.assert_close(gpu.cpu(), cpu, rtol=1e-6, atol=0)
+    residual = torch.zeros_like(x, device="cuda")
+    sent = torch.zeros_like(x, device="cuda")
+    for _ in range(10):  # error feedback on the device: what was sent plus what is kept is every input
+        sent += sparse.decode(sparse.encode_with_feedback(x.cuda(), residual))
+    torch.testing.assert_close((sent + residual).cpu(), x * 10, rtol=0, atol=1e-4)
+    assert float(residual.norm()) < float(x.norm()) * 10
+
+
+@pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])
+def test_the_trainer_learns_in_bf16_on_the_gpu(compile):
+    trainer = _trainer("cuda", compile=compile)
+    first = trainer.run(5, threading.Event())
+    later = trainer.run(25, threading.Event())
+    assert math.isfinite(first.mean_loss) and later.mean_loss < first.mean_loss
+    assert trainer.parameters_flat.is_cuda and trainer.parameters_flat.dtype == torch.float32
+
+
+def test_the_outer_step_on_the_gpu_matches_the_cpu():
+    gpu, cpu = Replica(_trainer("cuda"), 0.7, 0.9), Replica(_trainer("cpu"), 0.7, 0.9)
+    cpu.trainer.parameters_flat.copy_(gpu.trainer.parameters_flat.cpu())
+    cpu.theta_g.copy_(gpu.theta_g.cpu())
+    for seed in range(3):
+        delta = torch.randn(gpu.theta_g.numel(), generator=torch.Generator().manual_seed(seed)) * 1e-3
+        gpu.apply_outer_step(delta.clone().pin_memory())
+        cpu.apply_outer_step(delta.clone())
+        torch.testing.assert_close(gpu.theta_g.cpu(), cpu.theta_g, rtol=0, atol=1e-6)
+
+
+def test_the_shard_helpers_round_trip_over_nccl(tmp_path: Path):
+    """`--shard`'s scatter and gather of θ_l and the AdamW moments, over NCCL with FSDP2 on the
+    GPU: a world of one rank here (NCCL refuses two ranks on one GPU), so the collectives and the
+    DTensor plumbing run, not the split itself (the gloo tests split it on the CPU)."""
+    from dtnode.daemon.sharded import gather_moments, gather_params, scatter_moments, scatter_params, shard_model
+
+    device = torch.device("cuda", 0)
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("nccl", store=store, rank=0, world_size=1, device_id=device)
+    try:
+        model, _ = build_model("tiny", seed=1)
+        model.to(device)
+        shard_model(model)
+        params = list(model.parameters())
+        sources = [torch.randn(p.shape, generator=torch.Generator().manual_seed(i)) for i, p in enumerate(params)]
+        scatter_params(params, sources, device)
+        into = [torch.empty_like(s) for s in sources]
+        gather_params(params, into)
+        assert all(torch.equal(a, b) for a, b in zip(into, sources))
+        optimizer = torch.optim.AdamW(params, lr=1e-3)
+        moments = ([s * 0.1 for s in sources], [s.abs() * 0.01 for s in sources])
+        scatter_moments(optimizer, params, moments, 7, device)
+        numel = sum(p.numel() for p in params)
+        flat = (torch.zeros(numel), torch.zeros(numel))
+        assert gather_moments(optimizer, params, flat) == 7
+        assert torch.equal(flat[0], torch.cat([m.reshape(-1) for m in moments[0]]))
+        tokens = torch.randint(0, model.vocab_size, (4, 33), device=device)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            logits = model(tokens[:, :-1])
+        loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
+        loss.backward()
+        optimizer.step()
+        assert math.isfinite(float(loss.detach()))
+    finally:
+        dist.destroy_process_group()
