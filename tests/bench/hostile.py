@@ -153,14 +153,14 @@ def main() -> None:
         f"batch {args.batch_size}x{args.seq_len}; bound: {BOUND:g}x the clean run's largest honest outer step"
     )
     print(
-        f"{'mode':<13}{'attack':<19}{'held-out':>9}{'vs clean':>9}{'steps/round':>12}"
+        f"{'mode':<13}{'attack':<19}{'held-out':>10}{'vs clean':>10}{'steps/round':>12}"
         f"{'max step':>10}{'bounded':>9}{'tracebacks':>11}"
     )
     for o in outcomes:
         clean = next(c for c in outcomes if c.mode == o.mode and c.attack == "clean")
         bounded = "yes" if o.max_step <= BOUND * clean.max_step else "NO"
         print(
-            f"{o.mode:<13}{o.attack:<19}{o.loss:>9.4f}{o.loss / clean.loss:>8.3f}x{o.steps_per_round:>12.1f}"
+            f"{o.mode:<13}{o.attack:<19}{o.loss:>10.5g}{o.loss / clean.loss:>9.4g}x{o.steps_per_round:>12.1f}"
             f"{o.max_step:>10.3g}{bounded:>9}{o.tracebacks:>11}"
         )
 
