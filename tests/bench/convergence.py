@@ -90,7 +90,7 @@ OUTER = rf"(?:-lr({LR}))?(?:-olr({LR}))?(?:-om({LR}))?"  # a DiLoCo run's rates 
 RUN_NAME = re.compile(rf"(moshpit-)?(fp32|int8|sparse)-h(\d+){OUTER}(?:-efd({LR}))?(?:-k(\d+))?(-overlap)?")
 OUTER_MOMENTUM = 0.9
 DEFAULT_RUNS = (
-    "dp,dp-lr0.002,dp-lr0.004,solo,fp32-h50,int8-h10,int8-h50,int8-h100,int8-h50-overlap,moshpit-int8-h50,"
+    "dp,dp-lr0.004,dp-lr0.008,dp-lr0.016,solo,fp32-h50,int8-h10,int8-h50,int8-h100,int8-h50-overlap,moshpit-int8-h50,"
     "sparse-h50,moshpit-sparse-h50"
 )
 
@@ -287,12 +287,22 @@ def run_synchronous(
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.spawn(
+    context = mp.spawn(
         _worker,
         args=(world, cfg, dataset, files, port, str(out), h, momentum, delay, sparse, feedback_decay),
         nprocs=world,
-        join=True,
+        join=False,
     )
+    written = None  # once rank 0 wrote its figures, a worker stuck in the teardown is ended
+    while not context.join(timeout=5):
+        if out.exists():
+            written = written or time.monotonic()
+            if time.monotonic() - written > 60:
+                print(f"  {name}: a worker did not exit 60 s after the figures were written; ending it")
+                for process in context.processes:
+                    if process.is_alive():
+                        process.kill()
+                break
     data = json.loads(out.read_text())
     curve = [tuple(p) for p in data["curve"]]
     exchanges = cfg.steps * cfg.workers // world // h if h else cfg.steps * cfg.workers // world
@@ -503,6 +513,11 @@ def report(results: list[Result], cfg: Config, floors: dict[str, float | None]) 
             + (f" (loss floor {floor:.4f})" if floor else "")
             + (f"; best dp: {best.run}" if best is not None and best is not dp else "")
         )
+        rates = sorted({_dp_rate(r.run, cfg) for r in rows if r.run.startswith("dp")})
+        if best is not None and len(rates) < 3:
+            print(f"  (dp ran at {len(rates)} learning rate(s): fewer than 3 cannot show its best)")
+        elif best is not None and _dp_rate(best.run, cfg) in (rates[0], rates[-1]):
+            print(f"  (the best dp rate is the edge of those tried, {rates[0]:g}..{rates[-1]:g}: try beyond it)")
         print(
             f"  {'run':<22} {'held-out loss':>13} {'/ dp':>7} {'/ best dp':>9} {'sent per worker':>16} "
             f"{'dp bytes /':>11} {'B/param/xchg':>12} {'wall':>8} {'full rounds':>11} {'lands after':>11}"
@@ -519,6 +534,11 @@ def report(results: list[Result], cfg: Config, floors: dict[str, float | None]) 
                 f"  {r.run:<22} {r.final_loss:>13.4f} {ratio:>7} {to_best:>9} {_bytes(r.bytes_per_worker):>16} "
                 f"{less:>11} {per_param:>12} {r.wall_s:>7.1f}s {full:>11} {landed:>11}"
             )
+
+
+def _dp_rate(run: str, cfg: Config) -> float:
+    """The peak learning rate of a dp run: `dp` runs at --inner-lr, `dp-lrX` at X."""
+    return float(run.removeprefix("dp-lr")) if run.startswith("dp-lr") else cfg.inner_lr
 
 
 def plot(results: list[Result], path: Path, floors: dict[str, float | None]) -> None:
