@@ -273,7 +273,10 @@ class Trainer:
                 self.ranks_need_params = False
             rows = ranks.send_step(self.lr, batch)
             sync.stepped()
-            loss = inner_step(self.forward_model, self.optimizer, rows, self.device, self.grad_clip, self._trainable)
+            ahead = self.stream.prefetch if self.prefetch_batches else None
+            loss = inner_step(
+                self.forward_model, self.optimizer, rows, self.device, self.grad_clip, self._trainable, ahead
+            )
             return ranks.collect(loss, time.monotonic() - started, rows[:, 1:].numel())
         except torch.cuda.OutOfMemoryError:
             raise

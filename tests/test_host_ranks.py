@@ -56,6 +56,7 @@ def _one_round(
     worker = ModelWorker(settings, build_workload(settings, tmp), torch.device("cpu"))
     try:
         worker.build("one-peer-id")  # the same id: the same token order
+        worker.trainer.prefetch_batches = ranks > 1  # a GPU host's batch drawn ahead: the order must not change
         first = worker.trainer.run(steps, threading.Event())
         worker.replica.apply_outer_step(worker.pseudo_gradient().clone())
         eval_loss = worker.trainer.eval_loss()
