@@ -46,8 +46,10 @@ log = logging.getLogger("dtnode")
 
 MAX_SYNC_DOWNLOADS = 3  # downloads in a row while the swarm's round keeps closing under a joiner
 MAX_REENTRIES = 3  # a joiner's first rounds given up in a row because the swarm averaged them without it
-OPEN_POLL_S = 0.2
-BIND_HEARTBEATS = 2.5  # how long a joiner waits for a donor's record to announce a file served on demand  # how often a node waiting for the swarm's round to open re-reads the records
+OPEN_POLL_S = 0.2  # how often a node waiting for the swarm's round to open re-reads the records
+# heartbeats a node waits for peers' records to catch up: a donor's to announce a file served
+# on demand, or a joiner whose average found no group for its peers' to show the round closed
+BIND_HEARTBEATS = 2.5
 
 
 class SyncAction(StrEnum):
@@ -373,12 +375,18 @@ class Joiner:
         position = swarm_position(view.values(), self.peer_id, self.model_hash)
         return position is not None and (alone or position.round > round_no)
 
-    async def enter_next_round(self, round_no: int, inner: InnerResult) -> bool:
+    async def enter_next_round(self, round_no: int, inner: InnerResult, alone: bool = False) -> bool:
         """A joiner that arrived in a round's last seconds, whose peers averaged it before its
         first steps were done: it takes the θ_g of the next round instead of averaging alone
         (a θ_g of its own that the swarm never had). Those few steps are a Δ nobody can average
         any more; they are dropped with the round. False (the round goes on as it is) when the
-        swarm turns out not to have moved on, or no peer served its θ_g."""
+        swarm turns out not to have moved on, or no peer served its θ_g.
+
+        `alone`: this node's average found no group. Its peers may have just closed the round
+        (a group formed without it a moment before), and their records show it up to a
+        heartbeat later: seen as a joiner that averaged its first round alone."""
+        if alone and not await self._swarm_moves_past(round_no):
+            return False
         self.reentries += 1
         if not await self.sync(joining=True):
             return False
@@ -389,6 +397,21 @@ class Joiner:
         )
         self.worker.end_round_count()
         return True
+
+    async def _swarm_moves_past(self, round_no: int) -> bool:
+        """Whether a peer's record shows the swarm past `round_no` within BIND_HEARTBEATS heartbeats."""
+        deadline = time.monotonic() + BIND_HEARTBEATS * self.settings.heartbeat_interval
+        while not self.stopping.is_set():
+            view = await self.membership.members()
+            position = swarm_position(view.values(), self.peer_id, self.model_hash)
+            if position is None:
+                return False
+            if position.round > round_no:
+                return True
+            if time.monotonic() >= deadline:
+                return False
+            await self._pause(OPEN_POLL_S)
+        return False
 
     async def catch_up(self, round_no: int) -> torch.Tensor | None:
         """--overlap, the first round after a download: this node entered round r from θ_g of

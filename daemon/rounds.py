@@ -391,7 +391,7 @@ class PlainRound:
         if (
             all(h.group_size <= 1 for h in result.hops)
             and joiner.closed_under_us(await lp.membership.members(), round_no, alone=True)
-            and await joiner.enter_next_round(round_no, inner)
+            and await joiner.enter_next_round(round_no, inner, alone=True)
         ):
             return  # the records it judged by were a heartbeat behind
         joiner.reentries = 0
