@@ -158,6 +158,7 @@ def test_overlapped_swarm_keeps_one_theta_and_learns(tmp_path, cleanup):
     assert len(evals) == 4 and evals[-1] < evals[0] - 0.2, nodes[0].output  # rounds 1-4 (round 0: no θ_g yet)
 
 
+@pytest.mark.long_swarms  # about 30 s: the default suite's slowest test, kept under its 10 minutes
 def test_a_joiner_of_an_overlapped_swarm_takes_its_delayed_step_from_the_swarm(tmp_path, cleanup):
     """--overlap peers start round r from θ_g of step r-1 while round r-1 is averaged, and move
     to θ_g of step r once that average lands. A joiner enters round r from the newest θ_g a peer

@@ -110,7 +110,7 @@ def main() -> None:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     print(
-        f"model {args.model}, {'CUDA NCCL' if args.device == 'cuda' else 'CPU gloo, 1 thread per rank'}, "
+        f"model {args.model}, {'CUDA, NCCL between ranks' if args.device == 'cuda' else 'CPU gloo, 1 thread per rank'}, "
         f"batch {args.batch_size} per rank, seq {args.seq_len}, "
         f"H={args.inner_steps}, {args.rounds} rounds against a 1-rank partner (medians over rounds 2..)"
     )
