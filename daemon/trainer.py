@@ -252,14 +252,18 @@ class Trainer:
         """One AdamW step on the node's batch (its rows spread over the local ranks); the loss."""
         try:
             if self.ranks is None:
-                ahead = self.stream.prefetch if self.prefetch_batches else None
                 return inner_step(
-                    self.forward_model, self.optimizer, batch, self.device, self.grad_clip, self._trainable, ahead
+                    self.forward_model, self.optimizer, batch, self.device, self.grad_clip, self._trainable, self._ahead
                 )
             assert self.sync is not None  # present whenever ranks are
             return self._step_on_ranks(self.ranks, self.sync, batch, started)
         except torch.cuda.OutOfMemoryError as e:
             raise RankOutOfMemory(out_of_memory_line(0, self.device, e)) from None
+
+    @property
+    def _ahead(self) -> Callable[[], None] | None:
+        """What a step runs once its kernels are queued: drawing the next batch, on a GPU."""
+        return self.stream.prefetch if self.prefetch_batches else None
 
     def _step_on_ranks(self, ranks: LocalRanks, sync: RankSync, batch: torch.Tensor, started: float) -> float:
         if not ranks.running:  # a restart failed: the round fails and the next restart is tried
@@ -273,9 +277,8 @@ class Trainer:
                 self.ranks_need_params = False
             rows = ranks.send_step(self.lr, batch)
             sync.stepped()
-            ahead = self.stream.prefetch if self.prefetch_batches else None
             loss = inner_step(
-                self.forward_model, self.optimizer, rows, self.device, self.grad_clip, self._trainable, ahead
+                self.forward_model, self.optimizer, rows, self.device, self.grad_clip, self._trainable, self._ahead
             )
             return ranks.collect(loss, time.monotonic() - started, rows[:, 1:].numel())
         except torch.cuda.OutOfMemoryError:
