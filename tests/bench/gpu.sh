@@ -2,7 +2,8 @@
 # The GPU checks of one device session, in order of value, each under its own time limit so that
 # one failure leaves the others' figures: the CUDA tests, the trainer's throughput (bf16, compile),
 # the codecs on the device, a CUDA node in a real two-host swarm. Needs a CUDA torch and dtnode's
-# dependencies on PYTHONPATH; logs go to $OUT (default /tmp/dtnode-gpu). SKIP names steps to leave out.
+# dependencies on PYTHONPATH (tests/bench/gpu_wheels.sh makes them wheels for a machine without a
+# package index); logs go to $OUT (default /tmp/dtnode-gpu). SKIP names steps to leave out.
 #
 #     OUT=/tmp/gpu bash tests/bench/gpu.sh
 #     SKIP="codecs throughput" bash tests/bench/gpu.sh
