@@ -38,7 +38,7 @@ from .landing import Landing
 from .recipe import SwarmRecipe, check_members, differences
 from .settings import NodeSettings
 from .store import CheckpointStore
-from .sync import SwarmPosition, fetch_from_swarm, swarm_position
+from .sync import SwarmPosition, fetch_from_swarm, swarm_moves_past, swarm_position
 from .trainer import InnerResult
 from .worker import ModelWorker
 
@@ -385,7 +385,10 @@ class Joiner:
         `alone`: this node's average found no group. Its peers may have just closed the round
         (a group formed without it a moment before), and their records show it up to a
         heartbeat later: seen as a joiner that averaged its first round alone."""
-        if alone and not await self._swarm_moves_past(round_no):
+        within = BIND_HEARTBEATS * self.settings.heartbeat_interval
+        if alone and not await swarm_moves_past(
+            self.membership.members, self.peer_id, self.model_hash, round_no, within, OPEN_POLL_S, self.stopping
+        ):
             return False
         self.reentries += 1
         if not await self.sync(joining=True):
@@ -397,21 +400,6 @@ class Joiner:
         )
         self.worker.end_round_count()
         return True
-
-    async def _swarm_moves_past(self, round_no: int) -> bool:
-        """Whether a peer's record shows the swarm past `round_no` within BIND_HEARTBEATS heartbeats."""
-        deadline = time.monotonic() + BIND_HEARTBEATS * self.settings.heartbeat_interval
-        while not self.stopping.is_set():
-            view = await self.membership.members()
-            position = swarm_position(view.values(), self.peer_id, self.model_hash)
-            if position is None:
-                return False
-            if position.round > round_no:
-                return True
-            if time.monotonic() >= deadline:
-                return False
-            await self._pause(OPEN_POLL_S)
-        return False
 
     async def catch_up(self, round_no: int) -> torch.Tensor | None:
         """--overlap, the first round after a download: this node entered round r from θ_g of

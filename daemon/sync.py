@@ -203,6 +203,34 @@ def swarm_position(records, own_id: str, model_hash: str) -> SwarmPosition | Non
     return SwarmPosition(target, start, ready, len(live))
 
 
+async def swarm_moves_past(
+    read: Callable[[], Awaitable[dict[str, PeerRecord]]],
+    own_id: str,
+    model_hash: str,
+    round_no: int,
+    within_s: float,
+    poll_s: float,
+    stopping: asyncio.Event,
+) -> bool:
+    """Whether the peers' records (`read`, re-read every `poll_s`) show the swarm's open round
+    past `round_no` within `within_s` seconds. A record lags its node by up to a heartbeat: a
+    node that just found no group may be looking at peers that closed the round a moment ago."""
+    deadline = time.monotonic() + within_s
+    while not stopping.is_set():
+        position = swarm_position((await read()).values(), own_id, model_hash)
+        if position is None:
+            return False
+        if position.round > round_no:
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        try:
+            await asyncio.wait_for(stopping.wait(), poll_s)
+        except TimeoutError:
+            pass
+    return False
+
+
 async def fetch_from_swarm(
     members: dict[str, PeerRecord],
     own_id: str,

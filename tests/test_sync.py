@@ -653,3 +653,40 @@ def test_a_joiner_waits_for_the_record_to_announce_a_file_served_on_demand(tmp_p
         assert loaded is not None and torch.equal(loaded.theta_g, theta) and len(reads) == 2
 
     asyncio.run(main())
+
+
+def test_a_node_that_found_no_group_waits_for_records_a_heartbeat_behind():
+    """A joiner's first average found no group: its donors may have formed theirs a moment
+    before, while their records still said round 3 in inner steps (seen in a long_swarms run:
+    the joiner then averaged its first round alone). It re-reads them for a while before it
+    concludes that the swarm has not moved on."""
+    from dtnode.daemon.sync import swarm_moves_past
+
+    def donor(name: str, phase: str, round_no: int, step: int) -> PeerRecord:
+        return PeerRecord(
+            peer_id=f"peer-{name}", state="training", outer_step=step, round=round_no, phase=phase, model_hash=MODEL
+        )
+
+    behind = {r.peer_id: r for r in (donor("a", "inner", 3, 3), donor("b", "inner", 3, 3))}
+    moved = {r.peer_id: r for r in (donor("a", "inner", 4, 4), donor("b", "averaging", 3, 3))}
+    reads: list[int] = []
+
+    async def records_catching_up() -> dict[str, PeerRecord]:
+        reads.append(1)
+        return behind if len(reads) < 4 else moved
+
+    async def records_staying() -> dict[str, PeerRecord]:
+        return behind
+
+    async def nobody() -> dict[str, PeerRecord]:
+        return {}
+
+    async def check(read, within: float) -> bool:
+        return await swarm_moves_past(read, "peer-joiner", MODEL, 3, within, 0.01, asyncio.Event())
+
+    assert asyncio.run(check(records_catching_up, 5.0)) and len(reads) == 4
+    assert not asyncio.run(check(records_staying, 0.05))  # a round still open: it averages alone
+    assert not asyncio.run(check(nobody, 5.0))
+    stopping = asyncio.Event()
+    stopping.set()
+    assert not asyncio.run(swarm_moves_past(records_staying, "peer-joiner", MODEL, 3, 5.0, 0.01, stopping))
