@@ -38,7 +38,7 @@ from .landing import Landing
 from .recipe import SwarmRecipe, check_members, differences
 from .settings import NodeSettings
 from .store import CheckpointStore
-from .sync import SwarmPosition, fetch_from_swarm, swarm_moves_past, swarm_position
+from .sync import SwarmPosition, fetch_from_swarm, pause, swarm_moves_past, swarm_position
 from .trainer import InnerResult
 from .worker import ModelWorker
 
@@ -197,10 +197,7 @@ class Joiner:
         return wanted
 
     async def _pause(self, seconds: float) -> None:
-        try:
-            await asyncio.wait_for(self.stopping.wait(), seconds)
-        except TimeoutError:
-            pass
+        await pause(self.stopping, seconds)
 
     async def sync(self, joining: bool = False) -> bool:
         """Put this node in the swarm's open round, downloading its θ_g when this node's differs
@@ -385,9 +382,14 @@ class Joiner:
         `alone`: this node's average found no group. Its peers may have just closed the round
         (a group formed without it a moment before), and their records show it up to a
         heartbeat later: seen as a joiner that averaged its first round alone."""
-        within = BIND_HEARTBEATS * self.settings.heartbeat_interval
         if alone and not await swarm_moves_past(
-            self.membership.members, self.peer_id, self.model_hash, round_no, within, OPEN_POLL_S, self.stopping
+            self.membership.members,
+            self.peer_id,
+            self.model_hash,
+            round_no,
+            BIND_HEARTBEATS * self.settings.heartbeat_interval,
+            OPEN_POLL_S,
+            self.stopping,
         ):
             return False
         self.reentries += 1

@@ -224,11 +224,16 @@ async def swarm_moves_past(
             return True
         if time.monotonic() >= deadline:
             return False
-        try:
-            await asyncio.wait_for(stopping.wait(), poll_s)
-        except TimeoutError:
-            pass
+        await pause(stopping, poll_s)
     return False
+
+
+async def pause(stopping: asyncio.Event, seconds: float) -> None:
+    """Sleep `seconds`, or less if the node starts stopping meanwhile."""
+    try:
+        await asyncio.wait_for(stopping.wait(), seconds)
+    except TimeoutError:
+        pass
 
 
 async def fetch_from_swarm(
