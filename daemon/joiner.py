@@ -186,7 +186,7 @@ class Joiner:
         self.stopping = stopping
         self.syncing = syncing  # the round loop's state move for the time of a download
         self.publish = publish
-        self.catch_up_round: int | None = None  # --overlap: a round entered from a download (see catch_up)
+        self.catch_up_round: int | None = None  # --overlap: a round entered from a download or a start (see catch_up)
         self.entered_round: int | None = None  # the round entered from a download (its first after it)
         self.reentries = 0  # rounds given up in a row for that reason (bounded: see closed_under_us)
         self.joined_at: float | None = None  # monotonic: when a download put this node in step (for the log)
@@ -222,7 +222,10 @@ class Joiner:
                 return synced
             assert position is not None
             if plan.action == SyncAction.IN_STEP:
-                if synced:  # from where the swarm is now: the download may have brought a newer step than asked
+                # from where the swarm is now: the download may have brought a newer step than asked.
+                # A node that just started from its own checkpoint is in the same place: in an
+                # overlapped round one past its θ_g, without the average the swarm has in flight
+                if synced or joining:
                     self.catch_up_round = position.round if position.round == own + 1 else None
                 return synced
             if plan.action == SyncAction.WAIT:
@@ -404,9 +407,9 @@ class Joiner:
         return True
 
     async def catch_up(self, round_no: int) -> torch.Tensor | None:
-        """--overlap, the first round after a download: this node entered round r from θ_g of
-        step r-1, as the swarm did, but took no part in the average of round r-1 that the
-        swarm applies now. So instead of an outer step of its own it takes the swarm's θ_g of
+        """--overlap, the first round after a download or a start from this node's own
+        checkpoint: this node entered round r from θ_g of step r-1, as the swarm did, but took
+        no part in the average of round r-1 that the swarm applies now. So instead of an outer step of its own it takes the swarm's θ_g of
         step r once a peer holds it (the delayed outer step, done by the swarm), and sends this
         round's Δ out with theirs. None when no peer could serve it in time (the round then
         goes on as after a failed average, and the next groups re-sync θ_g)."""
@@ -425,7 +428,10 @@ class Joiner:
                 await self.store.keep_downloaded(loaded)
                 delta = await self.worker.call(self.worker.adopt_downloaded, loaded)
                 log.info(
-                    "took the swarm's θ_g of step %d for round %d (entered from a download)", loaded.step, round_no
+                    "took the swarm's θ_g of step %d for round %d (entered without its average of round %d)",
+                    loaded.step,
+                    round_no,
+                    round_no - 1,
                 )
                 return delta
             await self._pause(OPEN_POLL_S)

@@ -35,6 +35,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import timedelta
 from enum import IntEnum
@@ -316,6 +317,20 @@ class LocalRanks:
                 self._children[0].wait(min(0.05, left))
         return None
 
+    @contextlib.contextmanager
+    def collective(self) -> Iterator[None]:
+        """Around work with the children (a command and its collectives): an error raised
+        because a child died (gloo's broken socket, NCCL's abort) becomes LocalRankFailure,
+        naming the rank, so the round loop restarts the ranks (or, under --shard, the node)."""
+        try:
+            yield
+        except torch.cuda.OutOfMemoryError:
+            raise
+        except (RuntimeError, OSError) as e:
+            if isinstance(e, LocalRankFailure) or (why := self.failure()) is None:
+                raise
+            raise LocalRankFailure(why) from e
+
     # ---- commands (training thread) ----------------------------------------------------------
     def command(self, command: Command, *values: float) -> None:
         """Tell every child what comes next (what follows is the collective it names)."""
@@ -423,10 +438,12 @@ class ReplicatedRanks:
         pass
 
     def push_params(self) -> None:
-        self.ranks.send_params(self.flat.buffer)
+        with self.ranks.collective():
+            self.ranks.send_params(self.flat.buffer)
 
     def push_inner(self, optimizer: torch.optim.Optimizer) -> None:
-        self.ranks.send_inner(*self.gather_inner(optimizer))
+        with self.ranks.collective():
+            self.ranks.send_inner(*self.gather_inner(optimizer))
 
     def gather_inner(self, optimizer: torch.optim.Optimizer) -> FlatMoments:
         return flat_moments(optimizer, ordered_parameters(self.model), self.flat.numel)

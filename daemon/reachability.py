@@ -31,6 +31,7 @@ from dtnode.peers.auth import HTTP_HEADER, SwarmAuth
 from dtnode.peers.membership import PeerRecord
 
 from .settings import NodeSettings
+from .sync import pause
 
 log = logging.getLogger("dtnode")
 
@@ -186,8 +187,5 @@ async def ask_dial_back(
                     answer.describe(),
                 )
             return answer
-        try:
-            await asyncio.wait_for(stopping.wait(), ASK_EVERY_S)
-        except TimeoutError:
-            pass
+        await pause(stopping, ASK_EVERY_S)
     return None

@@ -38,6 +38,7 @@ from .report import Outcome, RoundSummary, RunStats, WireStats
 from .round_state import Publisher, RoundState
 from .settings import NodeSettings
 from .store import CheckpointStore
+from .sync import pause
 from .trainer import InnerResult
 from .worker import ModelWorker
 
@@ -112,10 +113,7 @@ class RoundLoop:
 
     async def pause(self, seconds: float) -> None:
         """Sleep, or less if the node is stopping."""
-        try:
-            await asyncio.wait_for(self.stopping.wait(), seconds)
-        except TimeoutError:
-            pass
+        await pause(self.stopping, seconds)
 
     # ---- the loop ----------------------------------------------------------------------------
     async def join(self) -> None:

@@ -148,25 +148,34 @@ class HostShards:
         self.pending_inner = moments  # every rank takes its shard of them before the next step
 
     def refresh(self) -> None:
-        """The host copy of θ_l from the shards, when a step changed them since."""
+        """The host copy of θ_l from the shards, when a step changed them since. With the ranks
+        down (a rank failed, the node is on its way out to restart whole) the copy stays the
+        last one taken: the steps since are lost with the shards, and θ_g, which the outer step
+        and the final checkpoint need, never lived in them."""
+        if self.stale and not self.ranks.running:
+            self.stale = False
+            return
         if self.stale:
-            self.ranks.command(Command.GATHER)
-            gather_params(self.synced, self.views)
+            with self.ranks.collective():
+                self.ranks.command(Command.GATHER)
+                gather_params(self.synced, self.views)
             self.stale = False
 
     def push_params(self) -> None:
         """The host copy of θ_l (changed by the outer step, a load, a reset) into the shards."""
-        self.ranks.command(Command.PARAMS)
-        scatter_params(self.synced, self.views, self.device)
+        with self.ranks.collective():
+            self.ranks.command(Command.PARAMS)
+            scatter_params(self.synced, self.views, self.device)
 
     def push_inner(self, optimizer: torch.optim.Optimizer) -> None:
         """The AdamW moments loaded last (a resume's, or none) into every rank's shards."""
         exp_avg, exp_avg_sq, steps = self.pending_inner or (torch.empty(0), torch.empty(0), 0)
-        self.ranks.command(Command.INNER, float(steps))
         per_param = None
         if steps > 0:
             per_param = (self._split(exp_avg), self._split(exp_avg_sq))
-        scatter_moments(optimizer, self.params, per_param, steps, self.device)
+        with self.ranks.collective():
+            self.ranks.command(Command.INNER, float(steps))
+            scatter_moments(optimizer, self.params, per_param, steps, self.device)
         self.pending_inner = None
 
     def _split(self, flat_values: torch.Tensor) -> list[torch.Tensor]:
@@ -179,11 +188,13 @@ class HostShards:
         if not self.ranks.running:
             raise LocalRankFailure("the local ranks are down: their AdamW shards are lost")
         exp_avg, exp_avg_sq = torch.zeros(self.flat.numel), torch.zeros(self.flat.numel)
-        self.ranks.command(Command.GATHER_INNER)
-        steps = gather_moments(optimizer, self.params, (exp_avg, exp_avg_sq))
+        with self.ranks.collective():
+            self.ranks.command(Command.GATHER_INNER)
+            steps = gather_moments(optimizer, self.params, (exp_avg, exp_avg_sq))
         return exp_avg, exp_avg_sq, steps
 
     def eval_tokens(self, eval_set: torch.Tensor) -> torch.Tensor:
         """Start a held-out eval on every rank; the tokens rank 0 evaluates too."""
-        self.ranks.command(Command.EVAL, float(eval_set.shape[0]), float(eval_set.shape[1]))
-        return shared_eval_set(eval_set, (eval_set.shape[0], eval_set.shape[1]), self.ranks.control)
+        with self.ranks.collective():
+            self.ranks.command(Command.EVAL, float(eval_set.shape[0]), float(eval_set.shape[1]))
+            return shared_eval_set(eval_set, (eval_set.shape[0], eval_set.shape[1]), self.ranks.control)

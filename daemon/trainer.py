@@ -87,7 +87,7 @@ class Trainer:
         self.ranks_need_inner = False  # the AdamW state was replaced: the other ranks need it
         self.stream = stream
         self.schedule = schedule
-        self.lr = schedule(0)  # the rate of the last step taken (or of the first)
+        self.lr = schedule(0)  # the rate of the last step taken (or of the next one, before it)
         self.grad_clip = grad_clip
         self.weight_decay = weight_decay
         self._optimizer_built: concurrent.futures.Future = concurrent.futures.Future()
@@ -189,6 +189,9 @@ class Trainer:
         The learning rate of step i is the schedule's at `position + min(i, span - 1)`: the
         swarm's position (see schedule.py), which a fast peer's extra steps do not advance."""
         span = span or steps
+        # a round that takes no step (a restarted node arriving late) reports the rate its first
+        # step would have taken, not the rate of the process's first step (schedule position 0)
+        self.lr = self.schedule(position, self.adam_steps)
         self.model.train()
         started = self.progress_at = time.monotonic()
         self.round_tokens, self.round_seconds, self.round_steps = 0, 0.0, 0
@@ -268,7 +271,7 @@ class Trainer:
     def _step_on_ranks(self, ranks: LocalRanks, sync: RankSync, batch: torch.Tensor, started: float) -> float:
         if not ranks.running:  # a restart failed: the round fails and the next restart is tried
             raise LocalRankFailure("the local ranks are not running")
-        try:
+        with ranks.collective():
             if self.ranks_need_inner:
                 sync.push_inner(self.optimizer)
                 self.ranks_need_inner = False
@@ -281,13 +284,6 @@ class Trainer:
                 self.forward_model, self.optimizer, rows, self.device, self.grad_clip, self._trainable, self._ahead
             )
             return ranks.collect(loss, time.monotonic() - started, rows[:, 1:].numel())
-        except torch.cuda.OutOfMemoryError:
-            raise
-        except (RuntimeError, OSError) as e:
-            why = ranks.failure()
-            if why is None:
-                raise
-            raise LocalRankFailure(why) from e
 
     @torch.no_grad()
     def inner_state(self) -> tuple[torch.Tensor, torch.Tensor, int]:
@@ -317,10 +313,14 @@ class Trainer:
         try:
             if self.sync is None:
                 return held_out_loss(self.model, self.stream.eval_set, self.device)
+            if self.sync.evaluates_together and self.ranks is not None and not self.ranks.running:
+                return None  # a sharded model's forward passes need every rank, and they are down
             if self.sync.evaluates_together and self.ranks_need_params:  # on θ_l as rank 0 holds it
                 self.sync.push_params()
                 self.ranks_need_params = False
-            return held_out_loss(self.model, self.sync.eval_tokens(self.stream.eval_set), self.device)
+            assert self.ranks is not None
+            with self.ranks.collective():  # a sharded model's forward passes are collectives
+                return held_out_loss(self.model, self.sync.eval_tokens(self.stream.eval_set), self.device)
         finally:
             self.eval_seconds += time.monotonic() - started
 

@@ -198,3 +198,45 @@ def test_a_joiner_of_an_overlapped_swarm_takes_its_delayed_step_from_the_swarm(t
     )
     for node in (a, b, c):
         assert "Traceback" not in node.output, node.output
+
+
+@pytest.mark.long_swarms  # about 60 s
+def test_a_node_restarted_into_an_overlapped_swarm_takes_the_average_it_missed(tmp_path, cleanup):
+    """kill -9 of an --overlap peer, then a restart from its own checkpoint of step r while the
+    swarm trains round r+1 with the average of round r in flight: the restarted node took no
+    part in that average, so at its first round's end it takes the swarm's θ_g of step r+1 (as a
+    joiner from a download does) instead of an outer step of its own, and holds the swarm's θ_g
+    bit for bit from then on. (Before, it trained on from step r alone and kept a θ_g of its
+    own, which the groups never mended until the next --consensus-every re-sync.)"""
+    # rounds longer than a restart (a few seconds on a loaded host), so the node comes back into
+    # the round it left: one past its checkpoint's step
+    args = [*FAST, "--overlap", "--inner-steps", "150", "--join-timeout", "90"]
+    slow = {"DTNODE_TEST_SLOW_INNER": "3"}
+    a = NodeProcess.join("a", tmp_path, *args, "--min-peers", "3", env=slow)
+    cleanup.append(a)
+    b = NodeProcess.join("b", tmp_path, *args, "--min-peers", "3", "--peer", a.join_address, env=slow)
+    cleanup.append(b)
+    c = NodeProcess.join("c", tmp_path, *args, "--min-peers", "3", "--peer", a.join_address, env=slow)
+    cleanup.append(c)
+    c.wait_for_round(lambda r: r["round"] >= 1, timeout=120)
+    c.kill()
+    c = NodeProcess.join("c", tmp_path, *args, "--max-own-rounds", "2", "--peer", a.join_address, env=slow)
+    cleanup.append(c)
+    assert c.wait(120) == 0, c.output
+    resumed = int(c.wait_for_line(r"resumed from ckpt-\d+\.safetensors \(outer step (\d+)").group(1))
+    entered = c.rounds[-2]["round"]  # the first round after the restart
+    if entered == resumed + 1 and "downloading a checkpoint" not in c.output:  # the case of this test
+        took = c.wait_for_line(r"took the swarm's θ_g of step (\d+) for round (\d+)")
+        assert int(took.group(1)) == int(took.group(2)) == entered, c.output
+    last = int(c.wait_for_line(r"applied the last round's average: outer step (\d+)").group(1))
+    for node in (a, b):
+        node.wait_for_round(lambda r, last=last: r["round"] >= last, timeout=60)  # has applied step `last`
+        node.stop()
+        assert node.wait(60) == 0, node.output
+    assert (
+        sha256_of(theta(c.state_dir, last))
+        == sha256_of(theta(a.state_dir, last))
+        == sha256_of(theta(b.state_dir, last))
+    ), c.output
+    for node in (a, b, c):
+        assert "Traceback" not in node.output, node.output

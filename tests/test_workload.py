@@ -171,3 +171,24 @@ def test_learning_rate_schedule():
     assert cosine(60, own_steps=9) == pytest.approx(cosine(60))
     with pytest.raises(ValueError, match="unknown schedule"):
         LearningRateSchedule(1e-3, shape="step")
+
+
+def test_a_round_without_steps_reports_the_rate_its_first_step_would_take():
+    """A node restarted with its AdamW moments arrives late and takes no step in its first
+    round: that round's rate is the schedule's at the swarm's position, not warmup's first."""
+    import threading
+
+    from dtnode.daemon.trainer import Trainer
+
+    language = MarkovLanguage(seed=2)
+    stream = DataStream(DataSources(language, language), "run", "peer", 2, 16)
+    schedule = LearningRateSchedule(1e-3, warmup_steps=50)
+    trainer = Trainer(
+        build_model("tiny", seed=1)[0], stream, torch.device("cpu"), schedule=schedule, weight_decay=0.1, grad_clip=1.0
+    )
+    trainer.load_inner_state(torch.zeros(trainer.flat.numel), torch.zeros(trainer.flat.numel), 38)
+    stopped = threading.Event()
+    stopped.set()
+    result = trainer.run(10, stopped, position=50)
+    assert result.steps == 0
+    assert trainer.lr == pytest.approx(schedule(50, 38)) and trainer.lr == pytest.approx(0.78e-3)

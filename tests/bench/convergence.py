@@ -586,7 +586,10 @@ def main() -> None:
     parser.add_argument(
         "--include",
         type=Path,
-        help="an earlier run's convergence.json (same config) whose results join this run's table and plot",
+        action="append",
+        default=[],
+        help="an earlier run's convergence.json (same config) whose results join this run's table and plot "
+        "(repeatable; with --runs '' the merged report alone)",
     )
     args = parser.parse_args()
     cfg = Config(
@@ -609,23 +612,24 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     results: list[Result] = []
     floors: dict[str, float | None] = {}
-    if args.include:
-        earlier = json.loads(args.include.read_text())
+    for included in args.include:
+        earlier = json.loads(included.read_text())
         if earlier["config"] != asdict(cfg):
-            raise SystemExit(f"{args.include} was run with another configuration: {earlier['config']}")
-        results = [Result(**{**r, "curve": [tuple(p) for p in r["curve"]]}) for r in earlier["results"]]
-        floors = earlier.get("floors", {})
+            raise SystemExit(f"{included} was run with another configuration: {earlier['config']}")
+        results += [Result(**{**r, "curve": [tuple(p) for p in r["curve"]]}) for r in earlier["results"]]
+        floors |= earlier.get("floors", {})
+    runs = [name for name in args.runs.split(",") if name]
     with tempfile.TemporaryDirectory() as tmp:
         workdir = Path(tmp)
-        files = stdlib_text(workdir) if "text" in args.datasets.split(",") else None
+        files = stdlib_text(workdir) if runs and "text" in args.datasets.split(",") else None
         if files:
             print(
                 f"text: {files[0].stat().st_size / 1e6:.1f} MB train, {files[1].stat().st_size / 1e6:.1f} MB held out"
             )
-        for dataset in args.datasets.split(","):
+        for dataset in args.datasets.split(",") if runs else []:
             floors[dataset] = sources_for(dataset, files, cfg.seed).loss_floor
             initial = loss_of(build_model(cfg.model, stable_seed(RUN_ID, cfg.seed, "init"))[0], cfg, dataset, files)
-            for name in args.runs.split(","):
+            for name in runs:
                 result = run_one(name, cfg, dataset, files, workdir)
                 result.curve.insert(0, (0, initial))
                 print(
