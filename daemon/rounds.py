@@ -293,6 +293,7 @@ class RoundLoop:
                 lambda: consensus_on(replica.consensus_state),
                 self.worker.residual,
                 replica.delta_on_host,
+                replica.params_sha256(),  # "" while it is being computed: then a re-sync asked for happens
             )
         )
 

@@ -81,6 +81,7 @@ class _Hop:
     hop0_cells: dict[str, set[str]]
     window: float
     asked: bool  # this node asks its groups to re-sync θ_g
+    theta_sha256: str  # the θ_g it would re-sync from, as its registration announces it ("": not known)
     feedback: Feedback | None  # error feedback, for the primary slot
     delta_ready: Callable[[], Awaitable[None]] | None  # hop 0 only
     fetch_theta: Callable[[], Awaitable[torch.Tensor]]
@@ -124,13 +125,17 @@ class MoshpitAverager:
         consensus_state: Callable[[], Awaitable[torch.Tensor]],
         residual: torch.Tensor | None = None,
         delta_ready: Callable[[], Awaitable[None]] | None = None,
+        theta_sha256: str = "",
     ) -> AveragingResult:
         """Average Δ (`delta`, which `spare` and scratch buffers take turns with) over the grid.
 
         `delta_ready`, when given, returns once `delta` holds Δ: its copy from the training
-        device may still be under way when this starts, and hop 0's matchmaking hides it."""
+        device may still be under way when this starts, and hop 0's matchmaking hides it.
+        `theta_sha256` is the hash of the θ_g that `consensus_state` returns ("" if not known):
+        a group whose members all hold that θ_g skips a re-sync (`matchmaking.needs_resync`)."""
         c = self.config
-        resync = resync or failpoints.hostile(round_no) == "hostile-resync"
+        if failpoints.hostile(round_no) == "hostile-resync":  # a test's attacker: it must get its re-sync
+            resync, theta_sha256 = True, ""
         population = await self.expect.population(round_no)
         side, dims = grid_shape(len(population), c.target_group_size, c.grid_dims)
         hop0_cells = cells(population, round_no, side, dims, salt=c.run_id)
@@ -157,6 +162,8 @@ class MoshpitAverager:
                 )
             self.on_phase("matchmaking")
             asked = resync or theta is not None
+            # once a hop re-synced it, this node's θ is no longer the one its hash names
+            announced = theta_sha256 if theta is None else ""
             outputs = self._outputs([chain.values for chain in chains], [delta, spare])
 
             hop_ctx = _Hop(
@@ -167,6 +174,7 @@ class MoshpitAverager:
                 hop0_cells,
                 window,
                 asked,
+                announced,
                 self._feedback(residual, hop),
                 delta_ready if hop == 0 else None,
                 fetch_theta,
@@ -263,7 +271,7 @@ class MoshpitAverager:
         if attack == "hostile-weight":
             announced, weight = failpoints.HOSTILE_TOKENS, failpoints.HOSTILE_CLAIM
         group = await self.expect.form(
-            h.round_no, h.hop, h.dims, h.side, slot, h.hop0_cells, h.window, h.asked, announced
+            h.round_no, h.hop, h.dims, h.side, slot, h.hop0_cells, h.window, h.asked, announced, h.theta_sha256
         )
         if h.delta_ready is not None:  # hop 0's group formed; Δ is read from here on
             await h.delta_ready()

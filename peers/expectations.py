@@ -94,6 +94,7 @@ class GroupExpectations:
         window: float,
         resync: bool,
         weight: float = 0.0,
+        theta: str = "",
     ) -> FormedGroup:
         if hop == 0:
             wanted = hop0_cells.get(slot.key, {UNKNOWN})
@@ -116,6 +117,7 @@ class GroupExpectations:
             resync=resync,
             admitted=self.admissible,
             weight=weight,
+            theta=theta,
         )
 
     async def on_the_way(

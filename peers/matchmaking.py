@@ -49,6 +49,7 @@ class Registration(BaseModel):
     client_mode: bool = False
     bandwidth_mbps: float = Field(1000.0, gt=0, le=1e9)
     resync: bool = False  # asks the group to also average θ_g this hop (after a failure, a join)
+    theta: str = Field("", max_length=64)  # sha256 of the θ_g it would re-sync from ("": not known)
     weight: float = Field(0.0, ge=0, le=1e12)  # its Δ's weight here (tokens): its streams may claim no more
     registered_at: float = Field(0.0, ge=0, le=1e11)  # DHT time; the earliest registrant leads the group
     closes_by: float = Field(0.0, ge=0, le=1e11)  # DHT time by which it closes the group if it leads
@@ -57,8 +58,8 @@ class Registration(BaseModel):
     def subject(self, key: str) -> str:
         """What the swarm-key tag of this registration signs."""
         return (
-            f"{key}|{self.grpc_addr}|{self.client_mode}|{self.bandwidth_mbps!r}|{self.resync}|{self.weight!r}|"
-            f"{self.registered_at!r}|{self.closes_by!r}"
+            f"{key}|{self.grpc_addr}|{self.client_mode}|{self.bandwidth_mbps!r}|{self.resync}|{self.theta}|"
+            f"{self.weight!r}|{self.registered_at!r}|{self.closes_by!r}"
         )
 
 
@@ -67,7 +68,7 @@ class ClosedList:
     members: tuple[str, ...]
     published_at: float  # DHT time: the earliest list naming a peer is its group
     complete: bool = False  # its closer had every peer it expected (the window did not close it)
-    resync: bool = False  # some member asked to average θ_g too: decided once, by the closer, for all
+    resync: bool = False  # average θ_g too: decided once, by the closer, for all (`needs_resync`)
 
     def subject(self, key: str) -> str:
         """What the swarm-key tag of this list signs."""
@@ -93,6 +94,17 @@ class FormedGroup:
     last_arrival_lag: float = 0.0  # seconds from our registration to the last registrant's
     resync: bool = False  # some member asked the group to average θ_g too (all members see the same)
     expected: int = 0  # members it waited for when it closed
+
+
+def needs_resync(registrations: list[Registration]) -> bool:
+    """Whether a group also averages θ_g: when a member asked (after a failure, a download, on
+    schedule), unless every member announced the same θ_g, whose average is that θ_g again:
+    the fp32 re-sync (8 bytes per parameter each way, 60 rounds of sparse traffic) would
+    change nothing. A member that does not know its hash, or says another, gets the re-sync."""
+    if len(registrations) < 2 or not any(r.resync for r in registrations):
+        return False
+    hashes = {r.theta for r in registrations}
+    return len(hashes) > 1 or "" in hashes
 
 
 class Matchmaker:
@@ -229,6 +241,7 @@ class Matchmaker:
         resync: bool = False,
         admitted: Callable[[], Awaitable[set[str]]] | None = None,
         weight: float = 0.0,
+        theta: str = "",
     ) -> FormedGroup:
         """Register for (round, hop, grid cell) and return this peer's group once it closes.
 
@@ -238,7 +251,8 @@ class Matchmaker:
         can write a registration under any id, so without it a flood of made-up registrants
         would each get a part of the all-reduce and fail it. `weight` (the tokens this peer's Δ
         stands for here) is announced in the signed registration: the group's plan bounds what
-        each member's streams may claim by it.
+        each member's streams may claim by it. `theta` (the sha256 of the θ_g this peer would
+        re-sync from, "" if not known) lets the closer skip a re-sync that would change nothing.
         """
         started = time.monotonic()
         key = self.group_key(round, hop, cell)
@@ -252,6 +266,7 @@ class Matchmaker:
             client_mode=self.own.client_mode,
             bandwidth_mbps=bandwidth,
             resync=resync,
+            theta=theta,
             weight=weight,
             registered_at=now_dht,
             closes_by=round_time(now_dht + window),
@@ -303,7 +318,7 @@ class Matchmaker:
                 group,
                 0.0,
                 complete=UNKNOWN not in wanted and wanted <= set(candidates),
-                resync=any(registrants[p][1].resync for p in group),
+                resync=needs_resync([registrants[p][1] for p in group]),
             )
             # published alone too: latecomers must not wait for us
             await self._publish(key, "closed", group, decided.complete, decided.resync)

@@ -457,3 +457,73 @@ def test_nobody_writes_another_peers_registration_or_member_list(tmp_path):
     finally:
         for dht in reversed(dhts):
             dht.shutdown()
+
+
+def test_a_resync_is_asked_by_any_member_and_skipped_only_when_every_member_holds_the_same_theta():
+    from dtnode.peers.matchmaking import needs_resync
+
+    def reg(resync: bool, theta: str) -> Registration:
+        return Registration(resync=resync, theta=theta)
+
+    assert not needs_resync([reg(False, "a"), reg(False, "b")])  # nobody asked
+    assert not needs_resync([reg(True, "")])  # alone: nothing to average with
+    assert not needs_resync([reg(True, "a"), reg(False, "a"), reg(False, "a")])  # the average is θ_g again
+    assert needs_resync([reg(True, "a"), reg(False, "b")])
+    assert needs_resync([reg(False, "a"), reg(True, "")])  # a member that does not know its hash
+    assert needs_resync([reg(True, "a"), reg(False, "")])
+
+
+@pytest.mark.parametrize("same_theta", [True, False], ids=["same-theta", "other-theta"])
+def test_a_joiner_asking_for_a_resync_moves_only_theta_that_differs(dht, same_theta):
+    """A download asks the next groups to re-sync θ_g in fp32 (8 bytes per parameter each way).
+    Among members that announce the same θ_g hash the re-sync is skipped (its result would be
+    that θ_g), and no θ is even read; when one member's differs, every member gets the mean."""
+    from allreduce_harness import start_peers, stop_peers
+
+    async def main():
+        peers = await start_peers(3, run_id=f"resync-{same_theta}")
+        ids = [p.member.peer_id for p in peers]
+        numel = 2000
+        thetas = [torch.ones(2 * numel) * (1.0 if same_theta or i else 4.0) for i in range(3)]
+        hashes = ["h" * 64 if same_theta or i else "j" * 64 for i in range(3)]
+        read = []
+
+        async def view():
+            return {p: PeerRecord(peer_id=p, state="averaging", model_hash="m", outer_step=0) for p in ids}
+
+        async def run(i: int, peer):
+            maker = Matchmaker(dht, f"resync-{same_theta}", peer.member, poll_interval=0.05)
+            averager = MoshpitAverager(
+                AveragingConfig(
+                    f"resync-{same_theta}", "m", 4, wire=WireFormat(Compression.INT8, 64), chunk_elements=1024
+                ),
+                ids[i],
+                view,
+                maker,
+                peer.registry,
+                peer.channels,
+                AdaptiveDeadlines(2.0, 10.0, 5.0, 20.0),
+            )
+
+            async def state() -> torch.Tensor:
+                read.append(ids[i])
+                return thetas[i].clone()
+
+            delta = torch.randn(numel, generator=torch.Generator().manual_seed(i))
+            return await averager.average(0, delta, torch.empty(numel), 1.0, i == 0, state, theta_sha256=hashes[i])
+
+        try:
+            results = await asyncio.gather(*(run(i, p) for i, p in enumerate(peers)))
+        finally:
+            await stop_peers(peers)
+        for result in results:
+            assert result.clean and result.hops[0].group_size == 3
+        if same_theta:
+            assert read == [] and all(r.theta is None and r.hops[0].theta_resync_s is None for r in results)
+        else:
+            assert sorted(read) == sorted(ids)
+            for result in results:
+                assert result.theta is not None
+                torch.testing.assert_close(result.theta, torch.full((2 * numel,), 2.0))
+
+    asyncio.run(main())
