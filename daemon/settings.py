@@ -360,8 +360,8 @@ class NodeSettings(BaseSettings):
         "θ_g and the outer momentum (fp32) over the "
         "step's groups, so "
         "int8 differences between groups cannot "
-        "accumulate; 0 disables (the default with --compression sparse, where an fp32 re-sync would "
-        "cost 300 rounds of its traffic).",
+        "accumulate (a group whose members hold the same θ_g skips it); 0 disables (the default "
+        "with --compression sparse, where an fp32 re-sync would cost 300 rounds of its traffic).",
     )
     aggregation: str = Field(
         "mean",
