@@ -330,6 +330,19 @@ def test_a_later_hop_waits_for_exactly_the_peers_whose_path_leads_there(dht):
     asyncio.run(main())
 
 
+def _int8_averager(dht, run_id: str, peer, view) -> MoshpitAverager:
+    """An averager of a harness peer (`allreduce_harness.start_peers`): int8, groups of up to 4."""
+    return MoshpitAverager(
+        AveragingConfig(run_id, "m", 4, wire=WireFormat(Compression.INT8, 64), chunk_elements=1024),
+        peer.member.peer_id,
+        view,
+        Matchmaker(dht, run_id, peer.member, poll_interval=0.05),
+        peer.registry,
+        peer.channels,
+        AdaptiveDeadlines(2.0, 10.0, 5.0, 20.0),
+    )
+
+
 def test_the_average_reads_delta_only_once_its_copy_from_the_device_is_in(dht):
     """A node hands the averager Δ while its copy from the GPU may still be under way
     (daemon/replica.py): the averager must wait for `delta_ready` before any read. Here the
@@ -357,16 +370,7 @@ def test_the_average_reads_delta_only_once_its_copy_from_the_device_is_in(dht):
             return ready
 
         async def run(i: int, peer):
-            maker = Matchmaker(dht, "ready-run", peer.member, poll_interval=0.05)
-            averager = MoshpitAverager(
-                AveragingConfig("ready-run", "m", 4, wire=WireFormat(Compression.INT8, 64), chunk_elements=1024),
-                ids[i],
-                view,
-                maker,
-                peer.registry,
-                peer.channels,
-                AdaptiveDeadlines(2.0, 10.0, 5.0, 20.0),
-            )
+            averager = _int8_averager(dht, "ready-run", peer, view)
 
             async def no_state():
                 raise AssertionError("no re-sync was asked for")
@@ -492,18 +496,7 @@ def test_a_joiner_asking_for_a_resync_moves_only_theta_that_differs(dht, same_th
             return {p: PeerRecord(peer_id=p, state="averaging", model_hash="m", outer_step=0) for p in ids}
 
         async def run(i: int, peer):
-            maker = Matchmaker(dht, f"resync-{same_theta}", peer.member, poll_interval=0.05)
-            averager = MoshpitAverager(
-                AveragingConfig(
-                    f"resync-{same_theta}", "m", 4, wire=WireFormat(Compression.INT8, 64), chunk_elements=1024
-                ),
-                ids[i],
-                view,
-                maker,
-                peer.registry,
-                peer.channels,
-                AdaptiveDeadlines(2.0, 10.0, 5.0, 20.0),
-            )
+            averager = _int8_averager(dht, f"resync-{same_theta}", peer, view)
 
             async def state() -> torch.Tensor:
                 read.append(ids[i])
