@@ -234,7 +234,7 @@ def test_a_sharded_host_whose_rank_dies_exits_for_its_supervisor(tmp_path, clean
     last = node.rounds[-1]["step"]
     if overlap:  # the last round's average was in flight: it lands, and the checkpoint holds it
         last = int(re.search(r"applied the last round's average: outer step (\d+)", node.output).group(1))
-    assert steps and max(steps) == last, (steps, node.output)  # θ_g written on the way out
+    assert steps and max(steps) == last, f"checkpoints {steps}, expected step {last}; output:\n{node.output}"
 
 
 @pytest.mark.multi_rank
