@@ -409,9 +409,9 @@ class Joiner:
     async def catch_up(self, round_no: int) -> torch.Tensor | None:
         """--overlap, the first round after a download or a start from this node's own
         checkpoint: this node entered round r from θ_g of step r-1, as the swarm did, but took
-        no part in the average of round r-1 that the swarm applies now. So instead of an outer step of its own it takes the swarm's θ_g of
-        step r once a peer holds it (the delayed outer step, done by the swarm), and sends this
-        round's Δ out with theirs. None when no peer could serve it in time (the round then
+        no part in the average of round r-1 that the swarm applies now. So instead of an outer
+        step of its own it takes the swarm's θ_g of step r once a peer holds it (the delayed
+        outer step, done by the swarm), and sends this round's Δ out with theirs. None when no peer could serve it in time (the round then
         goes on as after a failed average, and the next groups re-sync θ_g)."""
         s = self.settings
         deadline = time.monotonic() + s.averaging_bound_s
