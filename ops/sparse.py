@@ -11,7 +11,8 @@ parameter costs 64 x (12 + 2) bits + 8 bytes of scales + 2 bytes of count per 4,
 
 The mean of several members' sparse payloads is supported on the union of their positions:
 `encode_support` sends it with 8-bit values (one absmax scale per block), so an averaged
-result is exact to int8 precision at every position any member kept.
+result is exact to int8 precision at every position any member kept. `encode_mean` sends at
+most k of such a mean's values per block, the same way (a later moshpit hop's input).
 
 Everything is vectorised over blocks (one `topk`, one sort, no Python loop over blocks) and
 runs on whatever device the input is on. Pure tensor math: no I/O, nothing about the wire
@@ -151,14 +152,8 @@ def top_k(x: torch.Tensor, block_size: int, k: int) -> tuple[torch.Tensor, torch
 
 def encode(x: torch.Tensor, block_size: int = DEFAULT_SPARSE_BLOCK, k: int = DEFAULT_TOP_K) -> SparseBlocks:
     """Top-k per block with 2-bit values (sign, and low or high mean magnitude of the block)."""
-    if x.dim() != 1:
-        raise ValueError("encode expects a flat tensor")
-    x = x.float()
-    counts, indices, values = top_k(x, block_size, k)
-    if values.numel() and not bool(torch.isfinite(values).all()):
-        raise NonFiniteError("cannot encode non-finite values")
+    counts, indices, values, owner = _kept(x, block_size, k)
     nb = counts.numel()
-    owner = torch.repeat_interleave(torch.arange(nb, device=x.device), counts, output_size=values.numel())
     magnitude = values.abs()
     per_block = counts.clamp_min(1).to(torch.float32)
     mean = torch.zeros(nb, device=x.device).index_add_(0, owner, magnitude) / per_block
@@ -170,6 +165,29 @@ def encode(x: torch.Tensor, block_size: int = DEFAULT_SPARSE_BLOCK, k: int = DEF
     scales = scales / members.clamp_min(1)
     codes = (high.to(torch.int8) << 1) | (values < 0).to(torch.int8)
     return SparseBlocks(counts, indices, codes, scales, x.numel(), block_size, TWO_BIT)
+
+
+def _kept(x: torch.Tensor, block_size: int, k: int) -> tuple[torch.Tensor, ...]:
+    """(counts, indices, values, owning block of each) of the top-k of flat, finite `x`."""
+    if x.dim() != 1:
+        raise ValueError("encode expects a flat tensor")
+    counts, indices, values = top_k(x.float(), block_size, k)
+    if values.numel() and not bool(torch.isfinite(values).all()):
+        raise NonFiniteError("cannot encode non-finite values")
+    owner = torch.repeat_interleave(torch.arange(counts.numel(), device=x.device), counts, output_size=values.numel())
+    return counts, indices, values, owner
+
+
+def encode_mean(x: torch.Tensor, block_size: int = DEFAULT_SPARSE_BLOCK, k: int = DEFAULT_TOP_K) -> SparseBlocks:
+    """At most k values per block, the largest, with 8-bit codes (blockwise absmax scale): how a
+    later moshpit hop sends a group's mean, which is already sparse (on its members' union) and
+    whose values are no longer two magnitudes. Values that code to 0 are not sent, so a block
+    whose mean holds fewer than k nonzeros sends just those."""
+    counts, indices, values, owner = _kept(x, block_size, k)
+    codes, scales = _eight_bit(values, owner, counts.numel())
+    sent = codes != 0
+    counts = torch.bincount(owner[sent], minlength=counts.numel())
+    return SparseBlocks(counts, indices[sent], codes[sent], scales, x.numel(), block_size, EIGHT_BIT)
 
 
 def encode_with_feedback(
@@ -208,13 +226,16 @@ def encode_support(x: torch.Tensor, block_size: int = DEFAULT_SPARSE_BLOCK) -> S
         raise NonFiniteError("cannot encode non-finite values")
     owner = torch.div(where, block_size, rounding_mode="floor")
     counts = torch.bincount(owner, minlength=nb)
-    absmax = torch.zeros(nb, device=x.device).scatter_reduce_(0, owner, values.abs(), "amax")
-    scales = absmax / INT8_MAX
+    codes, scales = _eight_bit(values, owner, nb)
+    return SparseBlocks(counts, where - owner * block_size, codes, scales, x.numel(), block_size, EIGHT_BIT)
+
+
+def _eight_bit(values: torch.Tensor, owner: torch.Tensor, nb: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """int8 codes of kept values and their blocks' scales (absmax / 127, shape (nb, 1))."""
+    absmax = torch.zeros(nb, device=values.device).scatter_reduce_(0, owner, values.abs(), "amax")
     inverse = torch.where(absmax > 0, INT8_MAX / absmax.clamp_min(torch.finfo(torch.float32).tiny), 0.0)
     codes = (values * inverse[owner]).round_().clamp_(-INT8_MAX, INT8_MAX).to(torch.int8)
-    return SparseBlocks(
-        counts, where - owner * block_size, codes, scales.unsqueeze(1), x.numel(), block_size, EIGHT_BIT
-    )
+    return codes, (absmax / INT8_MAX).unsqueeze(1)
 
 
 # ---- bytes -------------------------------------------------------------------------------

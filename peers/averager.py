@@ -301,9 +301,10 @@ class MoshpitAverager:
 
     def _feedback(self, residual: torch.Tensor | None, hop: int) -> Feedback | None:
         """int8 feeds its rounding error back at hop 0 only. A sparse code drops most of Δ: at
-        hop 0 the buffer joins Δ, and at later hops (whose input is a group's mean) it
-        collects what top-k dropped of that mean, which every member of the group then owes
-        in its next Δ: together they put back the mass the group's mean lost."""
+        hop 0 the buffer joins Δ, and at later hops (whose input is a group's mean, sent on its
+        support up to LATER_HOP_WIDTH x top_k values per block) it collects what that code
+        cut or rounded off, which every member of the group then owes in its next Δ: together
+        they put back the mass the group's mean lost."""
         if residual is None:
             return None
         if self.config.wire.compression == Compression.SPARSE:
@@ -347,7 +348,7 @@ class MoshpitAverager:
         if len(group.members) <= 1:
             return None
         c = self.config
-        expected = expected_payload_bytes(values.numel(), len(group.members), c.wire)
+        expected = expected_payload_bytes(values.numel(), len(group.members), c.wire, hop)
         timeout = self.deadlines.allreduce_timeout(expected)
         plan = make_plan(
             c.run_id,

@@ -146,12 +146,14 @@ class Feedback:
 def _encode(plan: GroupPlan, values: torch.Tensor, residual: torch.Tensor | None, feedback: Feedback | None) -> Payload:
     """Encode a chunk for the plan's codec; `residual` is the chunk's slice of the feedback buffer."""
     if plan.codec == SPARSE:
-        if residual is None or feedback is None:
-            return sparse.encode(values, plan.block_size, plan.top_k)
-        if feedback.inject:
+        if plan.later_sparse_hop:  # a group's mean: its largest values on their support, 8-bit
+            payload = sparse.encode_mean(values, plan.block_size, plan.sender_top_k)
+        elif residual is not None and feedback is not None and feedback.inject:
             return sparse.encode_with_feedback(values, residual, plan.block_size, plan.top_k, feedback.decay)
-        payload = sparse.encode(values, plan.block_size, plan.top_k)
-        residual.add_(values).sub_(sparse.decode(payload))
+        else:
+            payload = sparse.encode(values, plan.block_size, plan.top_k)
+        if residual is not None and feedback is not None:  # the buffer collects what was cut
+            residual.add_(values).sub_(sparse.decode(payload))
         return payload
     if plan.codec != INT8:
         return values

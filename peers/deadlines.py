@@ -69,10 +69,10 @@ def _clamp(value: float, low: float, high: float) -> float:
     return min(max(value, low), high)
 
 
-def expected_payload_bytes(numel: int, group_size: int, wire: WireFormat) -> int:
-    """Payload a member sends plus receives in one butterfly all-reduce of `numel` values
-    (at most: a sparse mean is assumed to hold every member's positions)."""
+def expected_payload_bytes(numel: int, group_size: int, wire: WireFormat, hop: int = 0) -> int:
+    """Payload a member sends plus receives in one butterfly all-reduce of `numel` values in a
+    hop (at most: a sparse mean is assumed to hold every member's positions)."""
     if group_size <= 1:
         return 0
-    per_value = wire.sent_per_value() + wire.result_per_value(group_size)
+    per_value = wire.sent_per_value(hop) + wire.result_per_value(group_size, hop)
     return int(numel * per_value * (group_size - 1) / group_size)

@@ -26,8 +26,12 @@ WEIGHT_SPREAD = 8.0
 
 INT8 = pb.CODEC_INT8_BLOCK
 FP32 = pb.CODEC_FP32
-SPARSE = pb.CODEC_SPARSE_TOPK  # what senders send in a sparse plan
-SPARSE_RESULT = pb.CODEC_SPARSE_SUPPORT  # what its reducers return
+SPARSE = pb.CODEC_SPARSE_TOPK  # what senders send in a sparse plan's first hop
+SPARSE_SUPPORT = pb.CODEC_SPARSE_SUPPORT  # what its reducers return, and senders of later hops send
+# A later moshpit hop's values are a group's mean, sparse on its members' union: its senders keep
+# up to this many times top_k values per block (all of a pair's union, so groups of 2 average
+# exactly what one group of 4 would), with 8-bit values.
+LATER_HOP_WIDTH = 2
 
 
 class Compression(StrEnum):
@@ -60,18 +64,29 @@ class WireFormat:
     def plan_top_k(self) -> int:
         return self.top_k if self.compression == Compression.SPARSE else 0
 
-    def sent_per_value(self) -> float:
-        """Bytes one member's Δ costs per parameter."""
+    def sent_per_value(self, hop: int = 0) -> float:
+        """Bytes one member's Δ costs per parameter (at most, in a later hop)."""
         if self.compression == Compression.SPARSE:
+            if hop:
+                return self._support_per_value(sender_top_k(self.top_k, self.block_size, hop))
             return sparse.bytes_per_value(self.block_size, self.top_k)
         return 1 + 4 / self.block_size if self.compression == Compression.INT8 else 4.0
 
-    def result_per_value(self, group_size: int) -> float:
+    def result_per_value(self, group_size: int, hop: int = 0) -> float:
         """Bytes per parameter of a reducer's mean: a sparse mean holds up to every member's positions."""
         if self.compression != Compression.SPARSE:
             return self.sent_per_value()
-        kept = min(group_size * self.top_k, self.block_size)
+        return self._support_per_value(group_size * sender_top_k(self.top_k, self.block_size, hop))
+
+    def _support_per_value(self, kept: int) -> float:
+        kept = min(kept, self.block_size)  # 12-bit positions, 8-bit values, a count and a scale
         return (2 + 3 * kept / 2 + kept + 4) / self.block_size
+
+
+def sender_top_k(top_k: int, block_size: int, hop: int) -> int:
+    """Values a sender keeps per block in a sparse plan's hop: top_k of its own Δ in hop 0, up to
+    LATER_HOP_WIDTH x top_k of its group's mean in later hops."""
+    return top_k if hop == 0 else min(block_size, LATER_HOP_WIDTH * top_k)
 
 
 @dataclass(frozen=True)
@@ -123,7 +138,21 @@ class GroupPlan:
     @property
     def result_codec(self) -> pb.Codec:
         """What reducers return: the mean of sparse payloads is sparse on their union."""
-        return SPARSE_RESULT if self.codec == SPARSE else self.codec
+        return SPARSE_SUPPORT if self.codec == SPARSE else self.codec
+
+    @property
+    def later_sparse_hop(self) -> bool:
+        """A sparse plan of a later moshpit hop: senders send their group's mean on its support."""
+        return self.codec == SPARSE and self.hop > 0
+
+    @property
+    def sender_codec(self) -> pb.Codec:
+        return SPARSE_SUPPORT if self.later_sparse_hop else self.codec
+
+    @property
+    def sender_top_k(self) -> int:
+        """Values a sender keeps per block (exactly, in hop 0; at most, in later hops)."""
+        return sender_top_k(self.top_k, self.block_size, self.hop) if self.codec == SPARSE else 0
 
     def index_of(self, peer_id: str) -> int:
         for i, m in enumerate(self.members):

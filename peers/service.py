@@ -174,7 +174,7 @@ class AveragingService(pb_grpc.AveragingServicer):
                     payload = await waiter
                 except ReductionFailed as e:
                     await _abort(context, grpc.StatusCode.ABORTED, str(e))
-                msg = chunk_message(reduction.plan, reduction.part, reduction.own_id, 0.0, offset, payload)
+                msg = chunk_message(reduction.plan, reduction.part, reduction.own_id, 0.0, offset, payload, result=True)
                 if index == len(reduction.spans) - 1:
                     msg.last = True
                     msg.included.extend(reduction.included)

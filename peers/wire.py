@@ -19,7 +19,7 @@ from dtnode.ops.quantization import QuantizedBlocks, num_blocks
 from dtnode.ops.sparse import SparseBlocks
 from dtnode.proto import averaging_pb2 as pb
 
-from .plan import FP32, SPARSE, SPARSE_RESULT, GroupPlan
+from .plan import FP32, SPARSE, SPARSE_SUPPORT, GroupPlan
 
 MAX_WEIGHT = 1e12  # a weight is a token count; anything larger is a hostile or broken peer
 WEIGHT_SLACK = 1e-9  # a stream's weight is its registration's, bit for bit: slack for float printing only
@@ -82,7 +82,7 @@ def decode_chunk(
         raise ChunkError(f"chunk offset {chunk.offset}, expected {expected_offset}")
     if n == 0 or n > plan.chunk_elements or chunk.offset + n > part_length:
         raise ChunkError(f"chunk length {n} at offset {chunk.offset} does not fit part of {part_length}")
-    codec = plan.result_codec if result else plan.codec
+    codec = plan.result_codec if result else plan.sender_codec
     if chunk.codec != codec:
         raise ChunkError(f"codec {chunk.codec}, plan uses {codec}")
     values = chunk.values  # each access of a bytes field copies it: read once
@@ -115,8 +115,9 @@ def _check_scales(scales: torch.Tensor) -> None:
 
 
 def _decode_sparse(chunk: pb.PartChunk, plan: GroupPlan, n: int, values: bytes, result: bool) -> SparseBlocks:
-    """A sender's top-k chunk (exactly the plan's count per block) or a reducer's mean (at
-    most every member's count per block), positions strictly ascending inside each block."""
+    """A sender's top-k chunk (exactly the plan's count per block, 2-bit values; at most its
+    count in a later hop, 8-bit values) or a reducer's mean (at most every member's count per
+    block, 8-bit values), positions strictly ascending inside each block."""
     block = plan.block_size
     nb = num_blocks(n, block)
     lengths = sparse.block_lengths(n, block)
@@ -124,10 +125,14 @@ def _decode_sparse(chunk: pb.PartChunk, plan: GroupPlan, n: int, values: bytes, 
     if len(count_bytes) != 2 * nb:
         raise ChunkError(f"{len(count_bytes)} bytes of counts for {nb} blocks", RefusalReason.WRONG_COUNT)
     counts = _frombuffer(count_bytes, torch.int16).to(torch.int64) & 0xFFFF
+    eight_bit = result or plan.later_sparse_hop
     if result:
-        allowed = lengths.clamp_max(len(plan.members) * plan.top_k)
+        allowed = lengths.clamp_max(len(plan.members) * plan.sender_top_k)
         if chunk.top_k != 0 or bool((counts > allowed).any()):
             raise ChunkError("a result block holds more values than its members kept", RefusalReason.WRONG_COUNT)
+    elif eight_bit:
+        if chunk.top_k != plan.sender_top_k or bool((counts > lengths.clamp_max(plan.sender_top_k)).any()):
+            raise ChunkError(f"a block keeps more than {plan.sender_top_k} values", RefusalReason.WRONG_COUNT)
     elif chunk.top_k != plan.top_k or not torch.equal(counts, lengths.clamp_max(plan.top_k)):
         raise ChunkError(f"a block does not keep exactly top_k={plan.top_k} values", RefusalReason.WRONG_COUNT)
     total = int(counts.sum())
@@ -141,16 +146,16 @@ def _decode_sparse(chunk: pb.PartChunk, plan: GroupPlan, n: int, values: bytes, 
     same_block = owner[1:] == owner[:-1]
     if bool((same_block & (indices[1:] <= indices[:-1])).any()):
         raise ChunkError("a position repeated, or out of order, in its block", RefusalReason.DUPLICATE_INDEX)
-    bits = sparse.EIGHT_BIT if result else sparse.TWO_BIT
-    levels = 1 if result else 2
-    code_bytes = total if result else sparse.packed_two_bit_bytes(total)
+    bits = sparse.EIGHT_BIT if eight_bit else sparse.TWO_BIT
+    levels = 1 if eight_bit else 2
+    code_bytes = total if eight_bit else sparse.packed_two_bit_bytes(total)
     scale_bytes = chunk.scales
     if len(values) != code_bytes or len(scale_bytes) != 4 * levels * nb:
         raise ChunkError("sparse chunk has the wrong byte count of values or scales", RefusalReason.WRONG_COUNT)
     scales = _frombuffer(scale_bytes, torch.float32).view(nb, levels)
     _check_scales(scales)
-    raw = _frombuffer(values, torch.int8 if result else torch.uint8)
-    codes = raw if result else sparse.unpack_two_bit(raw, total)
+    raw = _frombuffer(values, torch.int8 if eight_bit else torch.uint8)
+    codes = raw if eight_bit else sparse.unpack_two_bit(raw, total)
     return SparseBlocks(counts, indices, codes, scales, n, block, bits)
 
 
@@ -164,8 +169,9 @@ def payload_size(payload: Payload) -> int:
 
 
 def chunk_message(
-    plan: GroupPlan, part: int, sender: str, weight: float, offset: int, payload: Payload
+    plan: GroupPlan, part: int, sender: str, weight: float, offset: int, payload: Payload, result: bool = False
 ) -> pb.PartChunk:
+    """A sender's chunk, or (`result`) a reducer's chunk of the mean."""
     msg = pb.PartChunk(
         run_id=plan.run_id,
         round=plan.round,
@@ -176,16 +182,16 @@ def chunk_message(
         weight=weight,
         offset=offset,
         length=numel_of(payload),
-        codec=plan.codec,
+        codec=plan.result_codec if result else plan.sender_codec,
     )
     if isinstance(payload, SparseBlocks):
-        result = payload.value_bits == sparse.EIGHT_BIT
-        msg.codec = SPARSE_RESULT if result else SPARSE
+        eight_bit = payload.value_bits == sparse.EIGHT_BIT
+        msg.codec = SPARSE_SUPPORT if eight_bit else SPARSE
         msg.block_size = payload.block_size
-        msg.top_k = 0 if result else plan.top_k
+        msg.top_k = 0 if result else plan.sender_top_k
         msg.counts = payload.counts.to(torch.int16).numpy().tobytes()  # counts <= 4096 fit
         msg.indices = sparse.pack_indices(payload.indices).numpy().tobytes()
-        codes = payload.codes if result else sparse.pack_two_bit(payload.codes)
+        codes = payload.codes if eight_bit else sparse.pack_two_bit(payload.codes)
         msg.values = codes.numpy().tobytes()
         msg.scales = payload.scales.contiguous().numpy().tobytes()
     elif isinstance(payload, QuantizedBlocks):

@@ -82,6 +82,7 @@ async def allreduce(
     *,
     run_id: str = "test-run",
     round: int = 0,
+    hop: int = 0,
     block_size: int = 64,
     chunk_elements: int = 1 << 12,
     codec: int = INT8,
@@ -95,7 +96,7 @@ async def allreduce(
     plan = make_plan(
         run_id,
         round,
-        0,
+        hop,
         members or [p.member for p in peers],
         values[0].numel(),
         block_size,

@@ -73,6 +73,11 @@ def test_the_sparse_codec_on_the_gpu_keeps_what_the_cpu_keeps():
         sent += sparse.decode(sparse.encode_with_feedback(x.cuda(), residual))
     torch.testing.assert_close((sent + residual).cpu(), x * 10, rtol=0, atol=1e-4)
     assert float(residual.norm()) < float(x.norm()) * 10
+    # a later moshpit hop's code of a group's mean (8-bit values on its support), on the device
+    mean = cpu + sparse.decode(sparse.encode(torch.roll(x, 7)))
+    torch.testing.assert_close(
+        sparse.decode(sparse.encode_mean(mean.cuda(), k=128)).cpu(), sparse.decode(sparse.encode_mean(mean, k=128))
+    )
 
 
 @pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])

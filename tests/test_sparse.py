@@ -139,13 +139,17 @@ def test_a_malformed_sparse_chunk_is_refused_with_its_reason(attack):
 def test_a_result_may_not_hold_more_values_per_block_than_all_members_kept():
     plan = _plan(("a", "b"))
     dense = torch.randn(2 * BLOCK)
-    result = chunk_message(plan, 0, "a", 0.0, 0, sparse.encode_support(dense, BLOCK))
+    result = chunk_message(plan, 0, "a", 0.0, 0, sparse.encode_support(dense, BLOCK), result=True)
     with pytest.raises(ChunkError) as refused:
         decode_chunk(result, plan, 2 * BLOCK, 0, result=True)
     assert refused.value.reason == RefusalReason.WRONG_COUNT
     dense[dense.abs() < 2.4] = 0  # about 1.6% of the values: within two members' 2 x 64
     decoded = decode_chunk(
-        chunk_message(plan, 0, "a", 0.0, 0, sparse.encode_support(dense, BLOCK)), plan, 2 * BLOCK, 0, result=True
+        chunk_message(plan, 0, "a", 0.0, 0, sparse.encode_support(dense, BLOCK), result=True),
+        plan,
+        2 * BLOCK,
+        0,
+        result=True,
     )
     torch.testing.assert_close(sparse.decode(decoded), dense, rtol=0.01, atol=0)
 
@@ -175,6 +179,86 @@ def test_sparse_allreduce_gives_every_member_the_same_mean_of_what_the_members_k
             assert report.bytes_sent < 0.2 * numel  # int8 would send ~0.7 bytes per value here
 
     asyncio.run(main())
+
+
+def test_moshpit_groups_of_two_reach_the_mean_one_group_of_four_would():
+    """Hop 1's values are pair means, sparse on up to 2 x 64 positions per block: they travel on
+    their support with 8-bit values, so two hops of pairs end with what one group of 4 returns
+    (the mean of every member's top-k), not a top-k cut of it. With error feedback nothing is
+    lost: what was applied and what the members owe add up to the mean of their Δs."""
+
+    async def main():
+        peers = await start_peers(4, chunk_elements=2 * BLOCK)
+        gen = torch.Generator().manual_seed(5)
+        numel = 3 * BLOCK + 77
+        values = [torch.randn(numel, generator=gen) for _ in range(4)]
+        weights = [1.0, 2.0, 3.0, 4.0]
+        buffers = [torch.zeros(numel) for _ in range(4)]
+        feedback = [Feedback(b) for b in buffers]
+        common = {"block_size": BLOCK, "chunk_elements": 2 * BLOCK, "codec": SPARSE, "top_k": K}
+        try:
+            pairs: list[torch.Tensor | None] = [None] * 4
+            for group in ((0, 1), (2, 3)):
+                outs, _ = await allreduce(
+                    [peers[i] for i in group],
+                    [values[i] for i in group],
+                    [weights[i] for i in group],
+                    feedback=[feedback[i] for i in group],
+                    **common,
+                )
+                for i, out in zip(group, outs):
+                    pairs[i] = out
+            later = [Feedback(b, inject=False) for b in buffers]
+            final: list[torch.Tensor | None] = [None] * 4
+            for group in ((0, 2), (1, 3)):
+                pair_weights = [weights[0] + weights[1], weights[2] + weights[3]]
+                outs, reports = await allreduce(
+                    [peers[i] for i in group],
+                    [pairs[i] for i in group],
+                    pair_weights,
+                    hop=1,
+                    feedback=[later[i] for i in group],
+                    **common,
+                )
+                assert not any(r.failed_parts for r in reports)
+                assert all(r.bytes_sent < 0.15 * numel for r in reports)  # still sparse
+                for i, out in zip(group, outs):
+                    final[i] = out
+        finally:
+            await stop_peers(peers)
+        kept = [sparse.decode(sparse.encode(v, BLOCK, K)) for v in values]
+        one_group = sum(w * k for w, k in zip(weights, kept)) / sum(weights)
+        assert torch.equal(final[0], final[2]) and torch.equal(final[1], final[3])
+        assert rel(final[0], one_group) < 0.02  # int8 codes of means, twice; a top-k cut would lose ~half
+        assert rel(final[1], one_group) < 0.02
+        owed = sum(w * b for w, b in zip(weights, buffers)) / sum(weights)
+        exact = sum(w * v for w, v in zip(weights, values)) / sum(weights)
+        assert rel(final[0] + owed, exact) < 0.01  # nothing lost but the int8 rounding of the returned means
+
+    asyncio.run(main())
+
+
+def test_a_later_hop_sends_at_most_twice_top_k_eight_bit_values_per_block():
+    plan = make_plan("run", 0, 1, [Member(m, "") for m in "ab"], 2 * BLOCK, BLOCK, 2 * BLOCK, SPARSE, top_k=K)
+    assert plan.sender_top_k == 2 * K
+    mean = torch.zeros(2 * BLOCK)
+    mean[torch.randperm(2 * BLOCK)[:300]] = torch.randn(300)
+    payload = sparse.encode_mean(mean, BLOCK, plan.sender_top_k)
+    assert payload.counts.tolist() == [2 * K, 2 * K] and payload.value_bits == sparse.EIGHT_BIT
+    decoded = decode_chunk(chunk_message(plan, 0, "b", 1.0, 0, payload), plan, 2 * BLOCK, 0)
+    assert torch.equal(sparse.decode(decoded), sparse.decode(payload))
+    few = torch.zeros(2 * BLOCK)
+    few[[5, 9, BLOCK + 1]] = torch.tensor([1.0, -0.5, 0.25])
+    small = sparse.encode_mean(few, BLOCK, plan.sender_top_k)  # fewer nonzeros than k: just those
+    assert small.counts.tolist() == [2, 1]
+    torch.testing.assert_close(sparse.decode(small), few, rtol=0.01, atol=0)
+    too_many = sparse.encode_mean(torch.randn(2 * BLOCK), BLOCK, 3 * K)
+    with pytest.raises(ChunkError) as refused:
+        decode_chunk(chunk_message(plan, 0, "b", 1.0, 0, too_many), plan, 2 * BLOCK, 0)
+    assert refused.value.reason == RefusalReason.WRONG_COUNT
+    two_bit = sparse.encode(torch.randn(2 * BLOCK), BLOCK, K)  # hop 0's code is not a later hop's
+    with pytest.raises(ChunkError):
+        decode_chunk(chunk_message(plan, 0, "b", 1.0, 0, two_bit), plan, 2 * BLOCK, 0)
 
 
 def test_sparse_allreduce_with_error_feedback_loses_nothing_and_closes_in_on_the_exact_mean():

@@ -30,6 +30,10 @@ trained by:
   diloco-hH-sparse, diloco-hH-sparselocal (-efdX)
                   the reference sending dtnode's sparse code (top 64 of 4096, 2-bit values),
                   what was not sent kept in an error-feedback buffer, or in θ_l
+  diloco-hH-sparsemeanN, diloco-hH-sparsemeanrN (-efdX)
+                  -sparse with the mean cut to its N largest values per block (8-bit values,
+                  as a reducer could return it), what the cut dropped fed back by each worker
+                  (its own dropped share) or by the part's reducer (all of it, x the group's size)
 Every run takes `--steps` inner steps per worker (solo: W x as many) with the same AdamW, the
 same warmup and the same cosine decay over the run (dtnode: --total-steps). Inner AdamW
 settings are dtnode's defaults; the outer step is dtnode's (Nesterov SGD, --outer-lr).
@@ -233,10 +237,9 @@ def _worker(
         if h and (step + 1) % h == 0:
             with torch.no_grad():
                 in_flight.copy_(theta_g.detach() - parameters_to_vector(params))  # this round's Δ
-                if sparse == "buffer":
-                    pending = sparse_codec.decode(
-                        sparse_codec.encode_with_feedback(in_flight, unsent, decay=feedback_decay)
-                    )
+                if sparse == "buffer" or sparse.startswith("mean"):
+                    payload = sparse_codec.encode_with_feedback(in_flight, unsent, decay=feedback_decay)
+                    pending = sparse_codec.decode(payload)
                 elif sparse == "local":
                     pending = sparse_codec.decode(sparse_codec.encode(in_flight))
                     torch.sub(in_flight, pending, out=unsent)
@@ -244,6 +247,17 @@ def _worker(
                     pending = in_flight.clone()
                 dist.all_reduce(pending)
                 pending.div_(world)
+                if sparse.startswith("mean"):  # the mean cut to top-k again (int8 values), the cut mass fed back
+                    cut = int(sparse.split(":")[1])
+                    result = sparse_codec.encode_mean(pending, k=cut)
+                    if sparse.startswith("meanr"):  # by the part's reducer, for the whole group
+                        lost = pending - sparse_codec.decode(result)
+                        part = lost.numel() // world // 4096 * 4096
+                        lo, hi = rank * part, (lost.numel() if rank == world - 1 else (rank + 1) * part)
+                        unsent[lo:hi] += world * lost[lo:hi]
+                    else:
+                        _carry_dropped(payload, result, unsent)
+                    pending = sparse_codec.decode(result)
             if not delay or step + 1 == steps:  # at once (the last round's too)
                 land(pending)
                 pending = None
@@ -254,11 +268,24 @@ def _worker(
         numel = sum(p.numel() for p in params)
         exchanges = steps // h if h else steps
         sent = 2 * (world - 1) / world * 4 * numel * exchanges if world > 1 else 0.0
-        if sparse:  # an all-gather of every worker's sparse payload
+        if sparse.startswith("mean"):  # a reduce-scatter: payloads to the reducers, the cut means back
+            per_value = sparse_codec.bytes_per_value(4096, 64) + (2 + 4 + int(sparse.split(":")[1]) * 20 / 8) / 4096
+            sent = (world - 1) / world * per_value * numel * exchanges
+        elif sparse:  # an all-gather of every worker's sparse payload
             sent = (world - 1) * sparse_codec.bytes_per_value(4096, 64) * numel * exchanges
         Path(out).write_text(json.dumps({"curve": curve, "wall_s": wall, "bytes": sent}))
     if world > 1:
         dist.destroy_process_group()
+
+
+def _carry_dropped(sent: sparse_codec.SparseBlocks, result: sparse_codec.SparseBlocks, unsent: torch.Tensor) -> None:
+    """unsent += what `sent` carried at positions the cut mean `result` did not keep: each worker
+    takes back its own share of what the cut dropped (the shares sum to the mean there)."""
+    kept = torch.zeros(result.numel, dtype=torch.bool)
+    kept[sparse_codec.positions(result)] = True
+    where = sparse_codec.positions(sent)
+    dropped = ~kept[where]
+    unsent.index_add_(0, where[dropped], sparse_codec.values_of(sent)[dropped])
 
 
 @torch.no_grad()
@@ -446,11 +473,21 @@ def loss_of(model: torch.nn.Module, cfg: Config, dataset: str, files) -> float:
     return held_out_loss(model.to(device), stream.eval_set, device)
 
 
+def _reference_sparse(suffix: str | None) -> str:
+    """The reference's sparse mode from its run-name suffix (-sparse, -sparselocal, -sparsemeanN,
+    -sparsemeanrN: the mean cut to N values per block, the cut fed back by its senders or reducer)."""
+    if not suffix:
+        return ""
+    if m := re.fullmatch(r"-sparse(meanr?)(\d+)", suffix):
+        return f"{m.group(1)}:{m.group(2)}"
+    return {"-sparse": "buffer", "-sparselocal": "local"}[suffix]
+
+
 def run_one(name: str, cfg: Config, dataset: str, files, workdir: Path) -> Result:
     if m := re.fullmatch(rf"(dp|solo)(?:-lr({LR}))?", name):
         tuned = replace(cfg, inner_lr=float(m.group(2))) if m.group(2) else cfg
         return run_synchronous(name, cfg.workers if m.group(1) == "dp" else 1, tuned, dataset, files, workdir)
-    if m := re.fullmatch(rf"diloco-h(\d+){OUTER}(?:-delay(\d+))?(-sparse(?:local)?)?(?:-efd({LR}))?", name):
+    if m := re.fullmatch(rf"diloco-h(\d+){OUTER}(?:-delay(\d+))?(-sparse(?:local|meanr?\d+)?)?(?:-efd({LR}))?", name):
         tuned = replace(cfg, inner_lr=float(m.group(2) or cfg.inner_lr), outer_lr=float(m.group(3) or cfg.outer_lr))
         return run_synchronous(
             name,
@@ -462,7 +499,7 @@ def run_one(name: str, cfg: Config, dataset: str, files, workdir: Path) -> Resul
             int(m.group(1)),
             float(m.group(4) or OUTER_MOMENTUM),
             int(m.group(5) or 0),
-            {None: "", "-sparse": "buffer", "-sparselocal": "local"}[m.group(6)],
+            _reference_sparse(m.group(6)),
             float(m.group(7) or 1.0),
         )
     m = RUN_NAME.fullmatch(name)
