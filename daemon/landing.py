@@ -17,6 +17,7 @@ from collections.abc import Awaitable
 
 import torch
 
+from dtnode.peers import failpoints
 from dtnode.peers.averager import AveragingResult
 
 from .metrics import NodeMetrics
@@ -65,9 +66,13 @@ class Landing:
         loop.call_soon_threadsafe(self.store.rehash, host)
 
     def land(self, result: AveragingResult | None) -> None:
-        """On the training thread: the outer step of the average in flight (None: it failed)."""
-        self.landed = True
+        """On the training thread: the outer step of the average in flight (None: it failed).
+
+        It counts as landed once made: one that raises before (a local rank died while θ_l was
+        gathered) fails that round, and the round's end or the drain makes it then."""
+        failpoints.reach("landing-error", self.worker.outer_step)
         self.worker.land(result)
+        self.landed = True
 
     def land_and_stage(self, result: AveragingResult | None) -> torch.Tensor:
         """On the training thread, at a round's end: the outer step of the previous average if

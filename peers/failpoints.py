@@ -10,8 +10,10 @@ and SIGKILLs itself: no cleanup runs, exactly as after kill -9 from outside.
 
 Points: `sending` (this member handed a remote reducer at least one chunk and is about to
 send another), `reducing` (this member's reducer folded a remote sender's chunk and owes
-results). One point raises instead of killing: `round-error` (an exception in the round,
-after its inner steps), to show that the node's per-round error boundary holds. One point
+results). Two points raise instead of killing: `round-error` (an exception in the round,
+after its inner steps), to show that the node's per-round error boundary holds, and
+`landing-error` (--overlap: the outer step of round N's average fails as it lands, as when a
+local rank dies while θ_l is gathered), to show that the average lands later. One point
 pauses: `outer-phase` (`outer-phase@2:6` holds the node 6 s right after it applied round 2's
 outer step, without blocking its event loop), so a test can land a joiner in that phase.
 One point makes the node lie from that round on: `wrong-checkpoint` (`wrong-checkpoint@1`
@@ -42,12 +44,21 @@ import time
 
 ENV = "DTNODE_TEST_FAILPOINT"
 HOSTILE = ("hostile-delta", "hostile-weight", "hostile-resync", "hostile-bandwidth", "hostile-pacing")
-POINTS = ("sending", "reducing", "round-error", "outer-phase", "wrong-checkpoint", "stall-training", *HOSTILE)
+POINTS = (
+    "sending",
+    "reducing",
+    "round-error",
+    "landing-error",
+    "outer-phase",
+    "wrong-checkpoint",
+    "stall-training",
+    *HOSTILE,
+)
 HOSTILE_SCALE = 1000.0  # how far a hostile Δ or θ_g is from an honest one
 HOSTILE_TOKENS = 1e11  # a hostile token count (a registration may carry up to 1e12)
 HOSTILE_BANDWIDTH = 1e9  # Mbit/s, the largest a registration may carry
 HOSTILE_CLAIM = 1e12  # a hostile stream's weight: MAX_WEIGHT
-RAISING = ("round-error",)
+RAISING = ("round-error", "landing-error")
 PAUSING = ("outer-phase", "stall-training")
 DEFAULT_PAUSE_S = 5.0
 

@@ -159,6 +159,22 @@ def test_overlapped_swarm_keeps_one_theta_and_learns(tmp_path, cleanup):
     assert len(evals) == 4 and evals[-1] < evals[0] - 0.2, nodes[0].output  # rounds 1-4 (round 0: no θ_g yet)
 
 
+def test_an_average_whose_landing_fails_lands_at_the_end_of_the_next_round(tmp_path, cleanup):
+    """The outer step of round 1's average fails as it lands (`landing-error@1`, as when a local
+    rank dies while θ_l is gathered): that round fails, and the average, still in, lands at the
+    end of the next one. It once counted as landed though its step was never made, so the
+    node's θ_g lacked a round (and a sharded host's last checkpoint too)."""
+    args = [*FAST, "--overlap", "--min-peers", "1", "--max-rounds", "4"]
+    node = NodeProcess.join("solo", tmp_path, *args, env={"DTNODE_TEST_FAILPOINT": "landing-error@1"})
+    cleanup.append(node)
+    assert node.wait(120) == 0, node.output
+    assert "failed (FailpointError: failpoint landing-error@1 reached)" in node.output, node.output
+    # each round's line shows the step its previous round's average made: none is missing
+    assert [(r["round"], r["step"]) for r in node.rounds] == [(r, r) for r in range(4)], node.output
+    assert "applied the last round's average: outer step 4" in node.output, node.output
+    assert max(step for step, _ in list_checkpoints(node.state_dir)) == 4
+
+
 @pytest.mark.long_swarms  # about 30 s: the default suite's slowest test, kept under its 10 minutes
 def test_a_joiner_of_an_overlapped_swarm_takes_its_delayed_step_from_the_swarm(tmp_path, cleanup):
     """--overlap peers start round r from θ_g of step r-1 while round r-1 is averaged, and move
