@@ -182,7 +182,7 @@ def chunk_message(
         weight=weight,
         offset=offset,
         length=numel_of(payload),
-        codec=plan.result_codec if result else plan.sender_codec,
+        codec=plan.codec,  # a sparse payload names its own code below
     )
     if isinstance(payload, SparseBlocks):
         eight_bit = payload.value_bits == sparse.EIGHT_BIT
