@@ -20,6 +20,7 @@ that average lands as soon as it is in (`land`, between two inner steps), not a 
 from __future__ import annotations
 
 import asyncio
+from collections import deque
 
 import torch
 
@@ -27,6 +28,9 @@ from dtnode.ops.flat import sha256_of
 from dtnode.ops.outer_optimizer import NesterovOuterOptimizer
 
 from .trainer import Trainer
+
+DISTANCE_SLICE = 1 << 22  # values per slice of `distance_to`
+UPDATES_REMEMBERED = 8  # outer steps whose size `update_scale` takes the largest of
 
 
 class Replica:
@@ -46,6 +50,8 @@ class Replica:
         self.has_in_flight = False
         self._copy_stream = torch.cuda.Stream(local.device) if pin else None
         self._copied = torch.cuda.Event() if pin else None  # the last copy of Δ to the host is done
+        # bounds on the sizes of the last outer steps (0-d tensors, read only when asked)
+        self._update_sizes: deque[torch.Tensor] = deque(maxlen=UPDATES_REMEMBERED)
 
     @property
     def numel(self) -> int:
@@ -90,10 +96,32 @@ class Replica:
         self._after_copy()
         self._delta_device.copy_(mean_delta_cpu, non_blocking=True)
         self.outer.step(self.theta_g, self._delta_device)
+        self._update_sizes.append(self.outer.step_norm_bound(self._delta_device))
         self.trainer.parameters_flat.copy_(self.theta_g)
         self.trainer.ranks_need_params = True
         self.outer_step += 1
         self._sha256 = ""
+
+    def update_scale(self) -> float | None:
+        """The largest of the last few outer steps' sizes (a bound on ‖θ_g after − θ_g before‖),
+        or None before this process made one: how far θ_g moves in a step, which tells a
+        download that is this node's swarm a few steps on from one that is not."""
+        if not self._update_sizes:
+            return None
+        return float(torch.stack(list(self._update_sizes)).max())
+
+    @torch.no_grad()
+    def distance_to(self, theta_g: torch.Tensor) -> float:
+        """‖θ_g − theta_g‖ for a host tensor of θ_g's size, in slices on θ_g's device: no
+        model-sized temporary (training thread)."""
+        if theta_g.shape != self.theta_g.shape:
+            raise ValueError(f"θ_g of {theta_g.numel()} values, this model has {self.numel}")
+        total = 0.0
+        for start in range(0, self.numel, DISTANCE_SLICE):
+            own = self.theta_g[start : start + DISTANCE_SLICE]
+            other = theta_g[start : start + DISTANCE_SLICE].to(own.device, non_blocking=True)
+            total += float(torch.linalg.vector_norm(own - other)) ** 2
+        return total**0.5
 
     @torch.no_grad()
     def consensus_state(self) -> torch.Tensor:
@@ -162,6 +190,7 @@ class Replica:
         if mean_cpu is not None:
             in_flight.copy_(mean_cpu, non_blocking=True)  # a staging buffer here
             self.outer.step(self.theta_g, in_flight)
+            self._update_sizes.append(self.outer.step_norm_bound(in_flight))
             self.outer_step += 1
             self._sha256 = ""
         torch.sub(self.theta_g, self._delta_device, out=flat)

@@ -108,12 +108,15 @@ def group_offers(offers: list[Offer], majority_of: int | None = None) -> list[li
 
     Only an offer that its donor's signed record announces (`Offer.bound`) votes: a file no
     record vouches for is never used. With `majority_of` (a running node, which has a θ_g of
-    its own to lose) a file is used only when more than half of that many hosts serve it."""
+    its own to lose) a file is used only when more than half of that many hosts serve its
+    step. When they serve it split over several files (the groups of a moshpit swarm), the
+    caller must judge the file it downloads (`split_vote`, and `reach.py`)."""
     by_file: dict[tuple[int, str, int], list[Offer]] = {}
     for offer in offers:
         by_file.setdefault((offer.step, offer.sha256, offer.size), []).append(offer)
-    votes = {key: len({voter(o) for o in group if o.bound}) for key, group in by_file.items()}
+    votes = {key: host_votes(group) for key, group in by_file.items()}
     most = max(votes.values(), default=0)
+    step_votes = {step: host_votes([o for o in offers if o.step == step]) for step in {o.step for o in offers}}
     groups = []
     for key, group in by_file.items():
         if not votes[key]:
@@ -124,12 +127,13 @@ def group_offers(offers: list[Offer], majority_of: int | None = None) -> list[li
                 ", ".join(o.base for o in group),
             )
             continue
-        if majority_of is not None and 2 * votes[key] <= majority_of:
+        if majority_of is not None and 2 * step_votes[key[0]] <= majority_of:
             log.warning(
-                "not adopting step %d (sha256 %s): %d of the %d hosts this node can verify serve it, not a majority",
+                "not adopting step %d (sha256 %s): %d of the %d hosts this node can verify serve that step, "
+                "not a majority",
                 group[0].step,
                 group[0].sha256[:12],
-                votes[key],
+                step_votes[key[0]],
                 majority_of,
             )
             continue
@@ -145,6 +149,17 @@ def group_offers(offers: list[Offer], majority_of: int | None = None) -> list[li
             continue
         groups.append(sorted(group, key=lambda o: o.latency))
     return sorted(groups, key=lambda g: (g[0].step, g[0].latency))
+
+
+def host_votes(offers: list[Offer]) -> int:
+    """Distinct hosts among these offers whose signed records announce what they serve."""
+    return len({voter(o) for o in offers if o.bound})
+
+
+def split_vote(group: list[Offer], majority_of: int | None) -> bool:
+    """Whether a running node (`majority_of` hosts it can verify) was offered this file by no
+    majority of them: its step's majority is split over several files."""
+    return majority_of is not None and 2 * host_votes(group) <= majority_of
 
 
 def swarm_step(steps: list[int]) -> int:
@@ -250,13 +265,15 @@ async def fetch_from_swarm(
     majority: bool = False,
     refresh: Callable[[], Awaitable[dict[str, PeerRecord]]] | None = None,
     bind_wait: float = 0.0,
+    judge: Callable[[LoadedCheckpoint], Awaitable[str | None]] | None = None,
 ) -> LoadedCheckpoint | None:
     """The newest checkpoint with its step in `steps` that members serve, or None.
 
     With `keep`, the verified file becomes this node's own checkpoint of that step in
     `scratch` (its state dir): the bytes its group serves, not written a second time. With
-    `majority` (a running node) the file must be served by a majority of the distinct hosts
-    the members' records name. A donor may serve a step its record does not announce yet (a
+    `majority` (a running node) its step must be served by a majority of the distinct hosts
+    the members' records name; a file that no majority serves alone (a moshpit swarm's split
+    vote) is kept only when `judge` returns no reason to refuse it. A donor may serve a step its record does not announce yet (a
     checkpoint written on demand, announced at its next heartbeat): with `refresh`, the
     records are read again for up to `bind_wait` seconds until one announces an offered file."""
     donors = [
@@ -299,6 +316,19 @@ async def fetch_from_swarm(
                     path = await download_parallel(session, attempt, scratch, timeout, auth)
                     downloaded = time.monotonic()
                     loaded = await asyncio.to_thread(read_checkpoint, path, layout, run_id, model_hash)
+                    if split_vote(group, hosts):
+                        refusal = await judge(loaded) if judge is not None else "nothing to judge it by"
+                        if refusal is not None:
+                            log.warning(
+                                "not adopting step %d (sha256 %s), which %d of the %d hosts this node can verify "
+                                "serve: %s",
+                                loaded.step,
+                                group[0].sha256[:12],
+                                host_votes(group),
+                                hosts,
+                                refusal,
+                            )
+                            break  # the same verified bytes from any donor of the group
                     loaded.timings = {
                         "asking": asked - started,
                         "transfer": downloaded - asked,

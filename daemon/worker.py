@@ -61,6 +61,7 @@ class ModelWorker:
         # `residual` as the last outer step left it: what a checkpoint of that θ_g saves (with
         # --overlap the next average may be writing `residual` while the checkpoint is taken)
         self._settled_feedback: torch.Tensor | None = None
+        self.solo_steps = 0  # the latest outer steps made with no partner in any hop (see reach.py)
 
     # ---- set-up ----------------------------------------------------------------------------
     def build(self, peer_id: str) -> None:
@@ -188,6 +189,7 @@ class ModelWorker:
         fresh (with its warmup), or is kept (`keep_inner`) by a node that was training."""
         with self.theta_changing():
             self.replica.load(loaded.theta_g, loaded.momentum, loaded.step)
+        self.solo_steps = 0
         if keep_inner:
             return
         trainer = self.trainer
@@ -235,7 +237,12 @@ class ModelWorker:
             if result.theta is not None:
                 self.replica.adopt_consensus_state(result.theta)
             self.replica.apply_outer_step(result.mean)
+        self._count_solo(result)
         self.measure_feedback()
+
+    def _count_solo(self, result: AveragingResult) -> None:
+        alone = all(h.group_size <= 1 for h in result.hops)
+        self.solo_steps = self.solo_steps + 1 if alone else 0
 
     def measure_feedback(self) -> None:
         """The error-feedback buffer's norm, for the round line and /status (training thread:
@@ -250,6 +257,8 @@ class ModelWorker:
         """--overlap: the outer step of the average in flight (None: it failed)."""
         with self.theta_changing():
             self.replica.land(None if result is None else result.mean, None if result is None else result.theta)
+        if result is not None:
+            self._count_solo(result)
         self.measure_feedback()
 
     def adopt_downloaded(self, loaded: LoadedCheckpoint) -> torch.Tensor:
@@ -259,6 +268,7 @@ class ModelWorker:
         with self.theta_changing():
             delta = self.replica.delayed_outer_step(None, torch.cat([loaded.theta_g, loaded.momentum]))
             self.replica.outer_step = loaded.step
+        self.solo_steps = 0
         self.evaluate_theta_g()
         return delta
 

@@ -38,6 +38,16 @@ class NesterovOuterOptimizer:
         finally:
             self._theta.grad = None
 
+    @torch.no_grad()
+    def step_norm_bound(self, pseudo_gradient: torch.Tensor) -> torch.Tensor:
+        """An upper bound on how far the last `step` moved θ_g: lr·(‖Δ‖ + μ·‖buf‖) ≥ ‖lr·(Δ + μ·buf)‖
+        (for plain SGD, μ = 0, it is exact). A 0-d tensor on the buffers' device, so a caller on
+        CUDA does not wait for it until it reads it; two passes over flat buffers, no copy."""
+        bound = torch.linalg.vector_norm(pseudo_gradient)
+        if self.momentum > 0:
+            bound = bound + self.momentum * torch.linalg.vector_norm(self.momentum_buffer)
+        return self.lr * bound
+
     def state_dict(self) -> dict[str, torch.Tensor]:
         return {"outer_momentum": self.momentum_buffer}
 

@@ -1,4 +1,5 @@
-"""Moshpit averaging between real node processes: a 3x3 grid in consensus, and a stalled peer."""
+"""Moshpit averaging between real node processes: a 3x3 grid in consensus, a stalled peer, and a
+paused one in a swarm of several groups."""
 
 import re
 import signal
@@ -8,6 +9,7 @@ import pytest
 from nodes import FAST, NodeProcess, theta, wait_until
 
 GRID = [*FAST, "--target-group-size", "3", "--allreduce-timeout", "10", "--matchmaking-window", "6"]
+PAIRS = [*FAST, "--target-group-size", "2", "--allreduce-timeout", "10", "--matchmaking-window", "6"]
 
 
 def _start(tmp_path, cleanup, n: int, *extra: str) -> list[NodeProcess]:
@@ -80,3 +82,33 @@ def test_a_stalled_peer_costs_the_others_one_bounded_round_and_catches_up(tmp_pa
     # it came back in step with the swarm: groups with others in the steps after the stall
     later = [r for r in stalled.rounds if r["round"] > step]
     assert any(r["groups"][0][0] > 1 for r in later), stalled.output
+
+
+@pytest.mark.long_swarms
+def test_a_paused_node_of_a_swarm_of_several_groups_downloads_its_state_rather_than_training_alone(tmp_path, cleanup):
+    """Six nodes in groups of two: each step ends with several θ_g (one per last group), and
+    often no file has a majority of hosts. A node paused for a few rounds (SIGSTOP) refused
+    every such file, trained the rounds it missed alone (5 of them, measured), then averaged on
+    from a θ_g nobody shared. Now it takes the most-served file within reach of its own θ_g."""
+    nodes = []
+    for i in range(6):
+        extra = ["--peer", nodes[0].join_address] if nodes else []
+        node = NodeProcess.join(f"n{i}", tmp_path, *PAIRS, "--min-peers", "6", "--max-rounds", "10", *extra)
+        cleanup.append(node)
+        nodes.append(node)
+    paused = nodes[-1]
+    paused.wait_for_round(lambda r: r["round"] >= 2, timeout=240)
+    paused.stop(signal.SIGSTOP)
+    try:
+        left_at = paused.rounds[-1]["round"]
+        nodes[0].wait_for_round(lambda r: r["round"] >= left_at + 4, timeout=240)
+    finally:
+        paused.stop(signal.SIGCONT)
+    for node in nodes:
+        assert node.wait(300) == 0, node.output
+        assert "Traceback" not in node.output, node.output
+    caught_up = paused.wait_for_line(r"in sync at outer step (\d+)", timeout=1)
+    assert int(caught_up.group(1)) >= left_at + 4, paused.output
+    after = [r for r in paused.rounds if r["round"] > left_at]
+    alone = [r["round"] for r in after if all(size <= 1 for size, _ in r["groups"])]
+    assert len(alone) <= 1, (alone, paused.output)  # the round it was in when it stopped, at most

@@ -115,6 +115,22 @@ def test_outer_optimizer_keeps_its_momentum_in_the_buffer_it_checkpoints():
         ours.step(torch.zeros(3), torch.zeros(3))
 
 
+def test_outer_step_norm_bound_holds_every_step_and_is_exact_without_momentum():
+    """What a running node judges a split-vote download by (`daemon/reach.py`): a bound on how far
+    each outer step moved θ_g, from two norms and no copy of θ_g."""
+    torch.manual_seed(2)
+    for momentum in (0.0, 0.9):
+        opt = NesterovOuterOptimizer(256, lr=0.7, momentum=momentum)
+        theta = torch.randn(256)
+        for _ in range(5):
+            before, delta = theta.clone(), torch.randn(256)
+            opt.step(theta, delta)
+            moved, bound = float((theta - before).norm()), float(opt.step_norm_bound(delta))
+            assert moved <= bound * (1 + 1e-6)
+            if momentum == 0.0:
+                assert math.isclose(moved, bound, rel_tol=1e-5)
+
+
 @pytest.mark.parametrize(
     "total,shares,align",
     [(1000, [1, 1, 1], 64), (10, [1, 0, 2], 4), (0, [1, 1], 8), (12345, [1, 3, 0, 2], 256), (7, [5], 4)],

@@ -25,10 +25,11 @@ from dtnode.daemon.checkpoint import (
 from dtnode.daemon.download import Offer
 from dtnode.daemon.memory_checkpoint import MemoryCheckpoint
 from dtnode.daemon.metrics import NodeMetrics
+from dtnode.daemon.reach import REACH_FACTOR, Reach
 from dtnode.daemon.report import Health
 from dtnode.daemon.round_state import NodeState
 from dtnode.daemon.sidecar import Sidecar
-from dtnode.daemon.sync import PIECE_BYTES, fetch_from_swarm, group_offers, swarm_step
+from dtnode.daemon.sync import PIECE_BYTES, fetch_from_swarm, group_offers, split_vote, swarm_step
 from dtnode.peers.membership import PeerRecord
 
 LAYOUT = Layout(("w", "b"), ((5_500_000,), (10,)))  # ~44 MB files: eleven 4 MB ranges
@@ -690,3 +691,65 @@ def test_a_node_that_found_no_group_waits_for_records_a_heartbeat_behind():
     stopping = asyncio.Event()
     stopping.set()
     assert not asyncio.run(swarm_moves_past(records_staying, "peer-joiner", MODEL, 3, 5.0, 0.01, stopping))
+
+
+def test_a_running_node_takes_a_moshpit_swarms_split_vote_only_within_reach_of_its_own_theta(tmp_path, caplog):
+    """Groups of a moshpit swarm end a step with different θ_g: among 4 hosts two serve one
+    file, two another, and no file has a majority. A running node refused them all, trained
+    the missed rounds alone, and averaged on from a θ_g nobody shared (seen with 6 nodes in
+    groups of 2, one paused). Now it needs a majority for the step, takes the most-served
+    file, and keeps it only when the judge (its own θ_g's reach) finds no reason to refuse."""
+    hosts = [f"http://198.51.100.{i}:7702" for i in range(1, 6)]
+    a = [_offer("a1", hosts[0], 10, "a"), _offer("a2", hosts[1], 10, "a")]
+    b = [_offer("b1", hosts[2], 10, "b"), _offer("b2", hosts[3], 10, "b")]
+    liar = _offer("liar", hosts[4], 10, "c")
+    kept = group_offers([*a, *b, liar], majority_of=5)
+    assert sorted(g[0].sha256[0] for g in kept) == ["a", "b"]  # the liar's one vote is outvoted
+    assert all(split_vote(g, 5) for g in kept) and not split_vote(a, 3)
+    # 3 of 5 hosts serve the step, one vote each: a tie, the liar's file among them (the judge's case)
+    assert len(group_offers([a[0], b[0], liar], majority_of=5)) == 3
+    assert group_offers([a[0], b[0], liar], majority_of=6) == []  # 3 of 6 is no majority of the step
+    assert group_offers([_offer("ahead", hosts[4], 11, "d")], majority_of=5) == []
+
+    async def main():
+        first, _ = _checkpoint(tmp_path / "a", 6, seed=1)
+        second, _ = _checkpoint(tmp_path / "b", 6, seed=2)
+        servers, records = [], []
+        for name, info in [("a1", first), ("a2", first), ("b1", second), ("b2", second)]:
+            sidecar, url = await _honest(tmp_path, name, info)
+            servers.append(sidecar)
+            records.append(_record(name, url, info))
+        judged = []
+
+        async def far(loaded):
+            judged.append(loaded.step)
+            return "its θ_g is out of reach"
+
+        async def near(loaded):
+            judged.append(loaded.step)
+
+        args = ({r.peer_id: r for r in records}, "me", range(6, 8), MODEL, RUN, LAYOUT)
+        try:
+            with caplog.at_level(logging.WARNING):
+                refused = await fetch_from_swarm(*args, tmp_path / "r", timeout=10, majority=True, judge=far)
+                unjudged = await fetch_from_swarm(*args, tmp_path / "u", timeout=10, majority=True)
+            taken = await fetch_from_swarm(*args, tmp_path / "t", timeout=10, majority=True, judge=near)
+            joined = await fetch_from_swarm(*args, tmp_path / "j", timeout=10, judge=far)  # a joiner: no judge
+        finally:
+            for sidecar in servers:
+                await sidecar.stop()
+        assert refused is None and unjudged is None
+        assert "out of reach" in caplog.text and "nothing to judge it by" in caplog.text
+        assert taken is not None and taken.step == 6
+        assert joined is not None
+        assert judged == [6, 6, 6]  # both files refused by `far`, the first taken by `near`
+
+    asyncio.run(main())
+
+
+def test_the_reach_of_a_running_nodes_theta_grows_with_the_steps_it_missed_and_made_alone():
+    reach = Reach.of(update_scale=2.0, file_step=7, own_step=4, solo_steps=1)
+    assert reach.steps_apart == 5 and reach.radius == REACH_FACTOR * 5 * 2.0
+    assert reach.refusal(reach.radius) is None
+    assert "beyond" in (reach.refusal(reach.radius * 1.01) or "")
+    assert Reach.of(2.0, file_step=4, own_step=7, solo_steps=0).steps_apart == 4  # ahead: its solo rounds

@@ -1,0 +1,51 @@
+"""How far from its own θ_g a running node may adopt a download that no majority vouches for.
+
+In a moshpit swarm each group of a round ends with a θ_g of its own (different members, int8
+rounding, a partial group), so one step's checkpoints carry several hashes, and with more
+than two groups often none is served by a majority of hosts. A node that just started takes
+the most-served file: it has no θ_g to lose. A running node that fell behind (paused, stalled,
+cut off) does, and used to refuse every such file: it trained the missed rounds alone, then
+averaged on from a θ_g that no longer matched anyone's (with `--compression sparse`, which has
+no periodic re-sync, for the rest of the run).
+
+What it has is its own θ_g, which was the swarm's a few steps ago. The swarm's θ_g now is at
+most the outer steps in between away from it, plus the steps this node made alone, each no
+larger than the outer steps this node made recently. A file farther away than `REACH_FACTOR`
+times that is not its swarm's, whoever serves it. One that passes may still be a liar's, but
+it lies within a few outer steps of the honest θ_g, and the re-sync that follows a download
+averages it with the node's next group.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+REACH_FACTOR = 4.0  # slack over the step sizes seen: Δ grows during the inner-rate warmup
+
+
+@dataclass(frozen=True)
+class Reach:
+    """The distance a running node may move its θ_g by adopting a split-vote download."""
+
+    update_scale: float  # the largest of this node's recent outer steps (‖θ_g after − before‖ bound)
+    steps_apart: int  # outer steps between the file's θ_g and this node's, counted generously
+
+    @classmethod
+    def of(cls, update_scale: float, file_step: int, own_step: int, solo_steps: int) -> Reach:
+        """`solo_steps`: this node's latest outer steps made alone (no partner in any hop),
+        during which its θ_g and the swarm's went separate ways; one more for the groups'
+        differences within a step."""
+        return cls(update_scale, abs(file_step - own_step) + solo_steps + 1)
+
+    @property
+    def radius(self) -> float:
+        return REACH_FACTOR * self.steps_apart * self.update_scale
+
+    def refusal(self, distance: float) -> str | None:
+        """Why a θ_g `distance` from this node's is not adopted, or None when it is within reach."""
+        if distance <= self.radius:
+            return None
+        return (
+            f"its θ_g is {distance:.4g} from this node's, beyond the {self.radius:.4g} that {self.steps_apart} "
+            f"outer steps of up to {self.update_scale:.4g} reach (x{REACH_FACTOR:g})"
+        )
