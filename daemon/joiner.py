@@ -45,7 +45,7 @@ from .worker import ModelWorker
 
 log = logging.getLogger("dtnode")
 
-MAX_SYNC_DOWNLOADS = 3  # downloads in a row while the swarm's round keeps closing under a joiner
+MAX_SYNC_DOWNLOADS = 3  # downloads in a row that did not put a node in the swarm's round
 MAX_REENTRIES = 3  # a joiner's first rounds given up in a row because the swarm averaged them without it
 OPEN_POLL_S = 0.2  # how often a node waiting for the swarm's round to open re-reads the records
 # heartbeats a node waits for peers' records to catch up: a donor's to announce a file served
@@ -256,7 +256,8 @@ class Joiner:
                     )
                 else:
                     log.warning(
-                        "the swarm's round moved on during %d downloads in a row; training from outer step %d",
+                        "%d downloads in a row did not put this node in the swarm's round (it moved on, or "
+                        "no donor served its θ_g); training from outer step %d",
                         downloads,
                         own,
                     )
@@ -284,7 +285,11 @@ class Joiner:
                 # --overlap peers train round r from θ_g of step r-1: this node trains round r too
                 self.catch_up_round = position.round if position.round == self.worker.outer_step + 1 else None
             elif not await self._position_moved(position):
-                return synced
+                # the swarm's θ_g may be made but not served yet: its donors still hash it, or
+                # fewer than a majority of hosts hold it (the first groups out of their average).
+                # Training on from here would average the round alone and go on a step behind
+                # (seen on a graceful restart while the swarm averaged): ask again a heartbeat later
+                await self._pause(self.settings.heartbeat_interval)
         return synced
 
     async def _position_moved(self, position: SwarmPosition) -> bool:
@@ -346,7 +351,7 @@ class Joiner:
         with self.syncing():
             loaded = await self._fetch(view, range(step, step + 2), majority)
         if loaded is None:
-            log.warning("no peer could serve the checkpoint of step %d; continuing from outer step %d", step, own)
+            log.warning("no peer could serve the checkpoint of step %d yet (this node is at outer step %d)", step, own)
             return False
         keep_inner = self.worker.trainer.inner_step > 0
         installing = time.monotonic()

@@ -213,8 +213,9 @@ def swarm_position(records, own_id: str, model_hash: str) -> SwarmPosition | Non
         if open_round(r) == target and r.phase == "inner" and 0 <= r.round_checkpoint <= r.round
     ]
     start = target - (max(set(lags), key=lags.count) if lags else 0)
-    # a peer past `start` serves the newer θ_g (--overlap lands the round's average mid-round)
-    ready = any(r.outer_step >= start or r.checkpoint_step == start for r in live)
+    # a peer past `start` serves the newer θ_g (--overlap lands the round's average mid-round);
+    # a --client-mode peer serves nobody (its sidecar is not reachable)
+    ready = any((r.outer_step >= start or r.checkpoint_step == start) and not r.client_mode for r in live)
     return SwarmPosition(target, start, ready, len(live))
 
 

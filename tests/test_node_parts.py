@@ -93,6 +93,10 @@ def test_in_the_outer_phase_the_round_is_closed_and_it_waits_for_the_next_rounds
     # once a peer holds step 6 the node downloads it
     ready = dict(view, a=_peer("a", 6, "inner"))
     assert plan_sync(ready, _local(5)).action == SyncAction.DOWNLOAD
+    # ...but not while only a --client-mode peer does, which serves nobody (the download found no
+    # donor, and the node, restarted gracefully while the swarm averaged, trained that round alone)
+    client = _peer("a", 6, "inner").model_copy(update={"client_mode": True})
+    assert plan_sync(dict(view, a=client), _local(5)).action == SyncAction.WAIT
 
 
 def test_no_donor_means_no_swarm_and_too_many_downloads_give_up():
