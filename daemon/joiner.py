@@ -293,7 +293,8 @@ class Joiner:
         return synced
 
     async def _position_moved(self, position: SwarmPosition) -> bool:
-        """Whether the swarm's open round has changed since `position` (a failed download is then retried)."""
+        """Whether the swarm's open round has changed since `position` (a failed download is retried
+        at once then, a heartbeat later if not)."""
         now = swarm_position((await self.membership.members()).values(), self.peer_id, self.model_hash)
         return now is not None and now.start_step != position.start_step
 

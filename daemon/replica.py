@@ -116,12 +116,12 @@ class Replica:
         model-sized temporary (training thread)."""
         if theta_g.shape != self.theta_g.shape:
             raise ValueError(f"θ_g of {theta_g.numel()} values, this model has {self.numel}")
-        total = 0.0
+        squares = torch.zeros((), dtype=torch.float64, device=self.theta_g.device)  # one read at the end
         for start in range(0, self.numel, DISTANCE_SLICE):
             own = self.theta_g[start : start + DISTANCE_SLICE]
             other = theta_g[start : start + DISTANCE_SLICE].to(own.device, non_blocking=True)
-            total += float(torch.linalg.vector_norm(own - other)) ** 2
-        return total**0.5
+            squares += torch.dist(own, other).double() ** 2
+        return float(squares.sqrt())
 
     @torch.no_grad()
     def consensus_state(self) -> torch.Tensor:
