@@ -35,7 +35,7 @@ from dtnode.peers.tls import TrustStore
 
 from .checkpoint import LoadedCheckpoint
 from .landing import Landing
-from .reach import Reach
+from .reach import judge_split_vote
 from .recipe import SwarmRecipe, check_members, differences
 from .settings import NodeSettings
 from .store import CheckpointStore
@@ -323,24 +323,8 @@ class Joiner:
         )
 
     async def _within_reach(self, loaded: LoadedCheckpoint) -> str | None:
-        """Why a running node does not adopt a file that no majority of hosts serves alone (a
-        moshpit swarm's split vote), or None: it must lie within reach of its own θ_g."""
-        worker = self.worker
-        scale = await worker.call(worker.replica.update_scale)
-        if scale is None:
-            return "this node has made no outer step since it started, so nothing to judge its θ_g by"
-        reach = Reach.of(scale, loaded.step, worker.outer_step, worker.solo_steps)
-        distance = await worker.call(worker.replica.distance_to, loaded.theta_g)
-        refusal = reach.refusal(distance)
-        if refusal is None:
-            log.info(
-                "step %d's hosts are split between moshpit groups; adopting one at %.4g from this node's θ_g "
-                "(within %.4g)",
-                loaded.step,
-                distance,
-                reach.radius,
-            )
-        return refusal
+        """The judge of a split vote (a file no majority of hosts serves alone): see reach.py."""
+        return await judge_split_vote(self.worker, loaded)
 
     async def download(self, view: dict[str, PeerRecord], step: int, own: int, majority: bool = False) -> bool:
         """Fetch and install the swarm's checkpoint of `step` (or the next, if the swarm moved on);

@@ -18,7 +18,15 @@ averages it with the node's next group.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .checkpoint import LoadedCheckpoint
+    from .worker import ModelWorker
+
+log = logging.getLogger("dtnode")
 
 REACH_FACTOR = 4.0  # slack over the step sizes seen: Δ grows during the inner-rate warmup
 
@@ -49,3 +57,23 @@ class Reach:
             f"its θ_g is {distance:.4g} from this node's, beyond the {self.radius:.4g} that {self.steps_apart} "
             f"outer steps of up to {self.update_scale:.4g} reach (x{REACH_FACTOR:g})"
         )
+
+
+async def judge_split_vote(worker: ModelWorker, loaded: LoadedCheckpoint) -> str | None:
+    """Why a running node does not adopt a file that no majority of hosts serves alone (a
+    moshpit swarm's split vote), or None: it must lie within reach of the node's own θ_g.
+    The norms are taken on the worker's thread, where θ_g lives."""
+    scale = await worker.call(worker.replica.update_scale)
+    if scale is None:
+        return "this node has made no outer step since it started, so nothing to judge its θ_g by"
+    reach = Reach.of(scale, loaded.step, worker.outer_step, worker.solo_steps)
+    distance = await worker.call(worker.replica.distance_to, loaded.theta_g)
+    refusal = reach.refusal(distance)
+    if refusal is None:
+        log.info(
+            "step %d's hosts are split between moshpit groups; adopting one at %.4g from this node's θ_g (within %.4g)",
+            loaded.step,
+            distance,
+            reach.radius,
+        )
+    return refusal

@@ -17,6 +17,7 @@ from aiohttp import web
 from dtnode.daemon.checkpoint import (
     CheckpointInfo,
     Layout,
+    LoadedCheckpoint,
     TrainingState,
     file_sha256,
     read_checkpoint,
@@ -25,11 +26,14 @@ from dtnode.daemon.checkpoint import (
 from dtnode.daemon.download import Offer
 from dtnode.daemon.memory_checkpoint import MemoryCheckpoint
 from dtnode.daemon.metrics import NodeMetrics
-from dtnode.daemon.reach import REACH_FACTOR, Reach
+from dtnode.daemon.reach import REACH_FACTOR, Reach, judge_split_vote
 from dtnode.daemon.report import Health
 from dtnode.daemon.round_state import NodeState
+from dtnode.daemon.settings import NodeSettings
 from dtnode.daemon.sidecar import Sidecar
 from dtnode.daemon.sync import PIECE_BYTES, fetch_from_swarm, group_offers, split_vote, swarm_step
+from dtnode.daemon.worker import ModelWorker
+from dtnode.daemon.workload import build_workload
 from dtnode.peers.membership import PeerRecord
 
 LAYOUT = Layout(("w", "b"), ((5_500_000,), (10,)))  # ~44 MB files: eleven 4 MB ranges
@@ -753,3 +757,41 @@ def test_the_reach_of_a_running_nodes_theta_grows_with_the_steps_it_missed_and_m
     assert reach.refusal(reach.radius) is None
     assert "beyond" in (reach.refusal(reach.radius * 1.01) or "")
     assert Reach.of(2.0, file_step=4, own_step=7, solo_steps=0).steps_apart == 4  # ahead: its solo rounds
+
+
+def test_a_running_node_judges_a_split_vote_by_its_own_outer_steps(tmp_path, caplog):
+    """The judge a running node gives `fetch_from_swarm`, on a real tiny model: nothing to judge
+    by before its first outer step; then a file one outer step away is adopted and one many
+    steps' worth away refused, and each solo step it made widens the reach."""
+    settings = NodeSettings(state_dir=tmp_path, model="tiny", batch_size=4, seq_len=16, fused_kernels=False)
+    worker = ModelWorker(settings, build_workload(settings, tmp_path), torch.device("cpu"))
+    worker.build("a-peer")
+
+    def file(theta: torch.Tensor, step: int) -> LoadedCheckpoint:
+        return LoadedCheckpoint(step, TrainingState(theta, torch.zeros_like(theta)), {})
+
+    async def main():
+        replica = worker.replica
+        before = await judge_split_vote(worker, file(replica.theta_g.clone(), 1))
+        delta = torch.full((replica.numel,), 1e-3)
+        await worker.call(replica.apply_outer_step, delta)
+        scale = replica.update_scale()
+        assert scale is not None and scale > 0
+        own = replica.theta_g.clone()
+        with caplog.at_level(logging.INFO, logger="dtnode"):
+            near = await judge_split_vote(worker, file(own + delta * 0.5, 2))
+        direction = torch.ones(replica.numel) / replica.numel**0.5
+        radius = Reach.of(scale, 2, worker.outer_step, worker.solo_steps).radius
+        far = await judge_split_vote(worker, file(own + direction * radius * 1.5, 2))
+        worker.solo_steps += 2  # two rounds alone since: the swarm may have gone that much farther
+        wider = await judge_split_vote(worker, file(own + direction * radius * 1.5, 2))
+        return before, near, far, wider
+
+    try:
+        before, near, far, wider = asyncio.run(main())
+    finally:
+        worker.shutdown()
+    assert before is not None and "no outer step" in before
+    assert near is None and "hosts are split between moshpit groups; adopting" in caplog.text
+    assert far is not None and "beyond" in far
+    assert wider is None
