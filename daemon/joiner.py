@@ -36,7 +36,7 @@ from dtnode.peers.tls import TrustStore
 from .checkpoint import LoadedCheckpoint
 from .landing import Landing
 from .reach import judge_split_vote
-from .recipe import SwarmRecipe, check_members, differences
+from .recipe import SwarmRecipe, check_members, check_same_protocol, differences
 from .settings import NodeSettings
 from .store import CheckpointStore
 from .sync import SwarmPosition, fetch_from_swarm, pause, swarm_moves_past, swarm_position
@@ -212,6 +212,7 @@ class Joiner:
             view = await self.membership.members()
             if joining:
                 check_same_model(view, self.peer_id, self.model_hash)
+                check_same_protocol(r for p, r in view.items() if p != self.peer_id and r.state != "stopped")
                 check_same_recipe(view, self.peer_id, self.model_hash, self.worker.workload.recipe)
                 check_same_data_plane(view, self.peer_id, self.trust is not None)
             own = self.worker.outer_step

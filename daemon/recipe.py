@@ -28,7 +28,9 @@ import aiohttp
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from dtnode.peers.membership import JoinError
+from dtnode import __version__
+from dtnode.peers import wire
+from dtnode.peers.membership import JoinError, PeerRecord
 from dtnode.peers.sidecar_address import PROBE_TIMEOUT_S, SidecarAddressError, fetch_status, is_sidecar_address
 
 from .corpus import TokenCorpus, source_files
@@ -64,6 +66,8 @@ class SwarmRecipe(BaseModel):
     sparse_block_size: int = Field(4096, ge=16, le=4096)
     sparse_top_k: int = Field(64, ge=1, le=4096)
     feedback_decay: float = Field(0.95, gt=0, le=1)
+    # not a setting: the version's data-plane format (peers/wire.py); a record without it is older
+    wire_protocol: int = Field(1, ge=1, le=1_000_000)
 
     @field_validator("compression", mode="before")
     @classmethod
@@ -84,15 +88,17 @@ class SwarmRecipe(BaseModel):
             return None
 
 
-# the settings a joiner may take from a peer: all but the data, which each host brings itself
-ADOPTABLE = tuple(name for name in SwarmRecipe.model_fields if name != "data")
+# the settings a joiner may take from a peer: all but the data, which each host brings itself,
+# and the wire protocol, which its dtnode version fixes
+ADOPTABLE = tuple(name for name in SwarmRecipe.model_fields if name not in ("data", "wire_protocol"))
 _DATA_FIX = "--data (and --eval-fraction or --eval-data: what is held out is not trained on)"
+_PROTOCOL_FIX = "the dtnode version: run the one the swarm's peers run (`curl <peer>/status` shows it)"
 
 
 def recipe_of(settings: NodeSettings, seq_len: int, data: str) -> SwarmRecipe:
     """This node's recipe: its settings, its effective sequence length and its data's fingerprint."""
     values = {name: getattr(settings, name) for name in ADOPTABLE if name != "seq_len"}
-    return SwarmRecipe(data=data, seq_len=seq_len, **values)
+    return SwarmRecipe(data=data, seq_len=seq_len, wire_protocol=wire.PROTOCOL, **values)
 
 
 def data_fingerprint(sources: DataSources, data: Path | None, seed: int) -> str:
@@ -126,6 +132,8 @@ class RecipeDifference:
 
     @property
     def flag(self) -> str:
+        if self.name == "wire_protocol":
+            return _PROTOCOL_FIX
         return _DATA_FIX if self.name == "data" else flag(self.name)
 
     def line(self) -> str:
@@ -185,6 +193,27 @@ def check_members(ours: SwarmRecipe, published: Iterable[str]) -> tuple[SwarmRec
         return None
     theirs, count = Counter(recipes).most_common(1)[0]
     return theirs, count
+
+
+def check_same_protocol(records: Iterable[PeerRecord]) -> None:
+    """Refuse to join a swarm whose live peers all speak another data-plane protocol (another
+    dtnode version): their reducers would refuse this node's chunks, or it theirs, part after
+    part, every round. Peers that publish no readable recipe are not counted."""
+    ours = wire.PROTOCOL
+    theirs = Counter(
+        (recipe.wire_protocol, record.version)
+        for record in records
+        if (recipe := SwarmRecipe.from_record(record.recipe)) is not None
+    )
+    if not theirs or any(protocol == ours for protocol, _ in theirs):
+        return
+    (protocol, version), count = theirs.most_common(1)[0]
+    running = f", dtnode {version}" if version else ""
+    raise JoinError(
+        f"this swarm's peers average with data-plane protocol {protocol} ({count} peer(s){running}) and this "
+        f"node with protocol {ours} (dtnode {__version__}): peers of "
+        f"two protocols cannot average together; run the dtnode version the swarm runs, or upgrade every peer"
+    )
 
 
 def _from_peer(status: dict[str, Any]) -> tuple[str | None, str | None, SwarmRecipe | None]:

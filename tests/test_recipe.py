@@ -12,8 +12,18 @@ from pathlib import Path
 import pytest
 from nodes import NodeProcess, wait_until
 
-from dtnode.daemon.recipe import SwarmRecipe, adopted_settings, check_members, differences, recipe_flags
+from dtnode.daemon.recipe import (
+    SwarmRecipe,
+    adopted_settings,
+    check_members,
+    check_same_protocol,
+    differences,
+    recipe_flags,
+    recipe_of,
+)
 from dtnode.daemon.settings import NodeSettings
+from dtnode.peers import wire
+from dtnode.peers.membership import JoinError, PeerRecord
 
 # FAST's flags that are not part of the recipe: a joiner that takes the recipe from a peer gives only these
 NOT_RECIPE = [
@@ -78,6 +88,34 @@ def test_only_fields_not_given_are_adopted():
     theirs = _recipe(inner_steps=50, outer_lr=0.5, seq_len=24)
     given = NodeSettings(inner_steps=30)
     assert adopted_settings(given, theirs) == {"outer_lr": 0.5, "seq_len": 24}
+
+
+def test_a_swarm_of_another_wire_protocol_is_refused_with_both_versions_named():
+    """Peers of two data-plane protocols (two dtnode versions) cannot average: each refuses the
+    other's chunks. A joiner finds out at the door, in one line, not part after part."""
+    ours = recipe_of(NodeSettings(), 64, "synthetic (seed 0)")
+    assert ours.wire_protocol == wire.PROTOCOL
+    older = ours.model_copy(update={"wire_protocol": 1})
+    legacy = {k: v for k, v in ours.model_dump().items() if k != "wire_protocol"}  # a record of before the field
+    assert SwarmRecipe.model_validate(legacy).wire_protocol == 1
+
+    def peer(name: str, recipe: SwarmRecipe | None, version: str = "0.0.9") -> PeerRecord:
+        return PeerRecord(peer_id=name, version=version, recipe=recipe.to_record() if recipe else "")
+
+    with pytest.raises(JoinError) as refused:
+        check_same_protocol([peer("a", older), peer("b", older), peer("c", None)])
+    assert "data-plane protocol 1 (2 peer(s), dtnode 0.0.9)" in str(refused.value)
+    assert f"this node with protocol {wire.PROTOCOL}" in str(refused.value)
+    check_same_protocol([peer("a", older), peer("b", ours)])  # one peer speaks ours: a group can form
+    check_same_protocol([peer("c", None)])  # nobody says: the recipe check and the streams decide
+    check_same_protocol([])
+    # it names the version, not a flag; and a joiner never takes it from a peer's recipe
+    (difference,) = differences(ours, older)
+    assert difference.line().startswith(
+        f"  wire_protocol: this node {wire.PROTOCOL}, the swarm 1 (set by the dtnode version"
+    )
+    assert "wire_protocol" not in adopted_settings(NodeSettings(), older)
+    assert not any("protocol" in f for f in recipe_flags(older, None))
 
 
 def test_join_flags_carry_every_non_default_field_and_the_data(tmp_path):
