@@ -2,12 +2,13 @@
 
 A node is in step when it trains the swarm's open round from the θ_g that round starts
 from. `plan_sync` decides, from the peers' records and this node's position alone, whether
-to train on, wait for the round to open, download, or give up for now; it does no I/O, so
-every case is a unit test. `Joiner` reads the records, follows the plan and installs what it
-downloads. What happens when a download fails: `fetch_from_swarm` (sync.py) tries every
-group of donors and then each donor alone; if none serves, the plan is made again from
-fresh records (the round may have moved) and the node otherwise trains on from its own θ_g,
-asking its next groups to re-sync it.
+to train on, wait for the round to open, download, ask again later, or give up for now; it
+does no I/O, so every case is a unit test. `Joiner` reads the records, follows the plan and
+installs what it downloads. What happens when a download fails: `fetch_from_swarm` (sync.py)
+tries every group of donors and then each donor alone; if none serves, the plan is made
+again from fresh records: a round that moved is downloaded at once, one that has not is asked
+for again a heartbeat later (its θ_g may not be served yet), and after MAX_SYNC_DOWNLOADS
+the node trains on from its own θ_g, asking its next groups to re-sync it.
 
 The open round comes from the records (`swarm_position`): a round whose peers already
 average it is closed, so a node arriving then waits for the next round's θ_g instead of
@@ -58,6 +59,7 @@ class SyncAction(StrEnum):
     NO_SWARM = "no swarm"  # no other peer trains: train alone
     WAIT = "wait"  # the open round's θ_g is still being made (its peers apply the outer step)
     DOWNLOAD = "download"  # fetch the θ_g the open round starts from
+    RETRY = "retry"  # its download just found no donor, and the round has not moved: ask again a heartbeat later
     GIVE_UP = "give up"  # train on from this node's θ_g (the wait or the downloads ran out)
 
 
@@ -70,6 +72,7 @@ class LocalPosition:
     outer_step: int
     max_lag: int = 0  # outer steps it may trail the swarm and still train its own round
     downloads: int = 0  # downloads already made in this sync
+    failed_step: int = -1  # the θ_g step whose download just found no donor (-1: none)
     waited_too_long: bool = False  # the round has not opened within --join-timeout
 
 
@@ -105,6 +108,12 @@ def plan_sync(view: Mapping[str, PeerRecord], local: LocalPosition) -> SyncPlan:
         return SyncPlan(SyncAction.WAIT, position, ahead)
     if local.downloads >= MAX_SYNC_DOWNLOADS:
         return SyncPlan(SyncAction.GIVE_UP, position, ahead)
+    if local.failed_step == position.start_step:
+        # the round's θ_g is made but not served yet: its donors still hash it, or fewer than a
+        # majority of hosts hold it (the first groups out of their average). Training on from
+        # here would average the round alone and go on a step behind (seen on a graceful
+        # restart while the swarm averaged); a round that moved is downloaded at once
+        return SyncPlan(SyncAction.RETRY, position, ahead)
     return SyncPlan(SyncAction.DOWNLOAD, position, ahead)
 
 
@@ -207,7 +216,7 @@ class Joiner:
         state and data position through the download (no warmup restart)."""
         lag = 0 if joining else self.settings.max_lag
         deadline = time.monotonic() + self.settings.join_timeout
-        synced, downloads, waiting = False, 0, False
+        synced, downloads, waiting, failed_step = False, 0, False, -1
         while not self.stopping.is_set():
             view = await self.membership.members()
             if joining:
@@ -217,7 +226,10 @@ class Joiner:
                 check_same_data_plane(view, self.peer_id, self.trust is not None)
             own = self.worker.outer_step
             plan = plan_sync(
-                view, LocalPosition(self.peer_id, self.model_hash, own, lag, downloads, time.monotonic() > deadline)
+                view,
+                LocalPosition(
+                    self.peer_id, self.model_hash, own, lag, downloads, failed_step, time.monotonic() > deadline
+                ),
             )
             position = plan.position
             if plan.action == SyncAction.NO_SWARM:
@@ -263,6 +275,10 @@ class Joiner:
                         own,
                     )
                 return synced
+            if plan.action == SyncAction.RETRY:
+                await self._pause(self.settings.heartbeat_interval)
+                failed_step = -1
+                continue
             downloads += 1
             if plan.ahead:
                 log.warning(
@@ -285,19 +301,9 @@ class Joiner:
                 self.joined_at = started
                 # --overlap peers train round r from θ_g of step r-1: this node trains round r too
                 self.catch_up_round = position.round if position.round == self.worker.outer_step + 1 else None
-            elif not await self._position_moved(position):
-                # the swarm's θ_g may be made but not served yet: its donors still hash it, or
-                # fewer than a majority of hosts hold it (the first groups out of their average).
-                # Training on from here would average the round alone and go on a step behind
-                # (seen on a graceful restart while the swarm averaged): ask again a heartbeat later
-                await self._pause(self.settings.heartbeat_interval)
+            else:
+                failed_step = position.start_step  # the next plan says whether to ask again at once
         return synced
-
-    async def _position_moved(self, position: SwarmPosition) -> bool:
-        """Whether the swarm's open round has changed since `position` (a failed download is retried
-        at once then, a heartbeat later if not)."""
-        now = swarm_position((await self.membership.members()).values(), self.peer_id, self.model_hash)
-        return now is not None and now.start_step != position.start_step
 
     async def _fetch(
         self, view: dict[str, PeerRecord], steps: range, majority: bool = False

@@ -10,8 +10,11 @@ no periodic re-sync, for the rest of the run).
 
 What it has is its own θ_g, which was the swarm's a few steps ago. The swarm's θ_g now is at
 most the outer steps in between away from it, plus the steps this node made alone, each no
-larger than the outer steps this node made recently. A file farther away than `REACH_FACTOR`
-times that is not its swarm's, whoever serves it. One that passes may still be a liar's, but
+larger than the outer steps this node made recently, scaled to the inner learning rate of the
+steps in between (Δ grows with it: a node paused after its first rounds measured its steps
+during the rate's warmup, at a fraction of the swarm's steps since; seen with `--overlap`,
+where it refused honest files at 1.04x and 1.005x of an unscaled reach and trained alone). A
+file farther away than `REACH_FACTOR` times that is not its swarm's, whoever serves it. One that passes may still be a liar's, but
 it lies within a few outer steps of the honest θ_g, and the re-sync that follows a download
 averages it with the node's next group.
 """
@@ -28,7 +31,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("dtnode")
 
-REACH_FACTOR = 4.0  # slack over the step sizes seen: Δ grows during the inner-rate warmup
+REACH_FACTOR = 4.0  # slack over the step sizes seen (each scaled to the inner rate of the steps in between)
+RATE_STEPS = 32  # outer steps between the two θ_g whose inner rate is looked at, at most
 
 
 @dataclass(frozen=True)
@@ -63,10 +67,14 @@ async def judge_split_vote(worker: ModelWorker, loaded: LoadedCheckpoint) -> str
     """Why a running node does not adopt a file that no majority of hosts serves alone (a
     moshpit swarm's split vote), or None: it must lie within reach of the node's own θ_g.
     The norms are taken on the worker's thread, where θ_g lives."""
-    scale = await worker.call(worker.replica.update_scale)
+    own = worker.outer_step
+    low, high = min(own, loaded.step), max(own, loaded.step)
+    between = range(low, high + 1, max(1, -(-(high - low + 1) // RATE_STEPS)))
+    at_rate = max(worker.round_rate(step) for step in [*between, high])  # the fastest rate in between
+    scale = await worker.call(worker.replica.update_scale, worker.round_rate, at_rate)
     if scale is None:
         return "this node has made no outer step since it started, so nothing to judge its θ_g by"
-    reach = Reach.of(scale, loaded.step, worker.outer_step, worker.solo_steps)
+    reach = Reach.of(scale, loaded.step, own, worker.solo_steps)
     distance = await worker.call(worker.replica.distance_to, loaded.theta_g)
     refusal = reach.refusal(distance)
     if refusal is None:

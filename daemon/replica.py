@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
+from collections.abc import Callable
 
 import torch
 
@@ -50,8 +51,9 @@ class Replica:
         self.has_in_flight = False
         self._copy_stream = torch.cuda.Stream(local.device) if pin else None
         self._copied = torch.cuda.Event() if pin else None  # the last copy of Δ to the host is done
-        # bounds on the sizes of the last outer steps (0-d tensors, read only when asked)
-        self._update_sizes: deque[torch.Tensor] = deque(maxlen=UPDATES_REMEMBERED)
+        # bounds on the sizes of the last outer steps (0-d tensors, read only when asked), with the
+        # round each came from (its inner learning rate scales it: see update_scale)
+        self._update_sizes: deque[tuple[torch.Tensor, int]] = deque(maxlen=UPDATES_REMEMBERED)
 
     @property
     def numel(self) -> int:
@@ -96,19 +98,28 @@ class Replica:
         self._after_copy()
         self._delta_device.copy_(mean_delta_cpu, non_blocking=True)
         self.outer.step(self.theta_g, self._delta_device)
-        self._update_sizes.append(self.outer.step_norm_bound(self._delta_device))
+        self._update_sizes.append((self.outer.step_norm_bound(self._delta_device), self.outer_step))
         self.trainer.parameters_flat.copy_(self.theta_g)
         self.trainer.ranks_need_params = True
         self.outer_step += 1
         self._sha256 = ""
 
-    def update_scale(self) -> float | None:
+    def update_scale(self, rate_of: Callable[[int], float] | None = None, at_rate: float | None = None) -> float | None:
         """The largest of the last few outer steps' sizes (a bound on ‖θ_g after − θ_g before‖),
         or None before this process made one: how far θ_g moves in a step, which tells a
-        download that is this node's swarm a few steps on from one that is not."""
+        download that is this node's swarm a few steps on from one that is not.
+
+        With `rate_of` (a round's mean inner learning rate) and `at_rate`, each size is scaled
+        to that rate first: Δ grows with the inner rate, and steps measured during its warmup
+        (a node paused after its first rounds) are a fraction of the swarm's steps since."""
         if not self._update_sizes:
             return None
-        return float(torch.stack(list(self._update_sizes)).max())
+        sizes = torch.stack([size for size, _ in self._update_sizes])
+        if rate_of is not None and at_rate is not None:
+            rates = [rate_of(round_no) for _, round_no in self._update_sizes]
+            factors = [at_rate / rate if rate > 0 else 1.0 for rate in rates]
+            sizes = sizes * torch.tensor(factors, dtype=sizes.dtype, device=sizes.device)
+        return float(sizes.max())
 
     @torch.no_grad()
     def distance_to(self, theta_g: torch.Tensor) -> float:
@@ -190,7 +201,7 @@ class Replica:
         if mean_cpu is not None:
             in_flight.copy_(mean_cpu, non_blocking=True)  # a staging buffer here
             self.outer.step(self.theta_g, in_flight)
-            self._update_sizes.append(self.outer.step_norm_bound(in_flight))
+            self._update_sizes.append((self.outer.step_norm_bound(in_flight), self.outer_step))
             self.outer_step += 1
             self._sha256 = ""
         torch.sub(self.theta_g, self._delta_device, out=flat)

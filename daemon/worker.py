@@ -33,6 +33,7 @@ from .settings import NodeSettings, SettingsError
 from .trainer import InnerResult, Trainer
 from .workload import Workload
 
+RATE_SAMPLES = 32  # schedule positions a round's mean rate is taken over
 log = logging.getLogger("dtnode")
 
 T = TypeVar("T")
@@ -226,6 +227,14 @@ class ModelWorker:
         """This round's tokens are spent: a record must never show the next step with this
         round's tokens, which every peer would add to the next round's progress."""
         self.trainer.round_tokens, self.trainer.round_seconds = 0, 0.0
+
+    def round_rate(self, round_no: int) -> float:
+        """The swarm's mean inner learning rate over round `round_no` (schedule positions
+        round_no x H onwards, sampled at most RATE_SAMPLES times): what a round's Δ scales with."""
+        span = self.settings.inner_steps
+        positions = range(round_no * span, (round_no + 1) * span, max(1, -(-span // RATE_SAMPLES)))
+        schedule = self.trainer.schedule
+        return sum(schedule(p) for p in positions) / len(positions)
 
     def pseudo_gradient(self) -> torch.Tensor:
         return self.replica.pseudo_gradient()

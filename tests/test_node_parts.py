@@ -108,6 +108,22 @@ def test_no_donor_means_no_swarm_and_too_many_downloads_give_up():
     assert plan.action == SyncAction.GIVE_UP and not plan.waited_too_long
 
 
+def test_a_download_that_found_no_donor_is_asked_again_a_heartbeat_later_unless_the_round_moved():
+    """The swarm's θ_g of step 5 is made but not served yet (its donors still hash it, or no
+    majority holds it): the node asks again later instead of training round 5 alone (seen on
+    a graceful restart while the swarm averaged); a round that moved meanwhile is downloaded at
+    once, and the downloads still run out."""
+    view = {p.peer_id: p for p in (_peer("a", 5), _peer("b", 5))}
+    again = plan_sync(view, _local(4, downloads=1, failed_step=5))
+    assert again.action == SyncAction.RETRY and again.step == 5
+    assert plan_sync(view, _local(4, downloads=1)).action == SyncAction.DOWNLOAD  # after the pause
+    moved = {p.peer_id: p for p in (_peer("a", 6), _peer("b", 6))}
+    plan = plan_sync(moved, _local(4, downloads=1, failed_step=5))
+    assert plan.action == SyncAction.DOWNLOAD and plan.step == 6
+    assert plan_sync(view, _local(4, downloads=3, failed_step=5)).action == SyncAction.GIVE_UP
+    assert plan_sync(view, _local(5, failed_step=5)).action == SyncAction.IN_STEP  # in step after all
+
+
 # ---- the pacer --------------------------------------------------------------------------------
 class FakeClock:
     def __init__(self) -> None:

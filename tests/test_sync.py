@@ -759,32 +759,38 @@ def test_the_reach_of_a_running_nodes_theta_grows_with_the_steps_it_missed_and_m
     assert Reach.of(2.0, file_step=4, own_step=7, solo_steps=0).steps_apart == 4  # ahead: its solo rounds
 
 
-def test_a_running_node_judges_a_split_vote_by_its_own_outer_steps(tmp_path, caplog):
-    """The judge a running node gives `fetch_from_swarm`, on a real tiny model: nothing to judge
-    by before its first outer step; then a file one outer step away is adopted and one many
-    steps' worth away refused, and each solo step it made widens the reach."""
-    settings = NodeSettings(state_dir=tmp_path, model="tiny", batch_size=4, seq_len=16, fused_kernels=False)
-    worker = ModelWorker(settings, build_workload(settings, tmp_path), torch.device("cpu"))
+def _tiny_worker(tmp_path, **settings) -> ModelWorker:
+    s = NodeSettings(state_dir=tmp_path, model="tiny", batch_size=4, seq_len=16, fused_kernels=False, **settings)
+    worker = ModelWorker(s, build_workload(s, tmp_path), torch.device("cpu"))
     worker.build("a-peer")
+    return worker
 
-    def file(theta: torch.Tensor, step: int) -> LoadedCheckpoint:
-        return LoadedCheckpoint(step, TrainingState(theta, torch.zeros_like(theta)), {})
+
+def _file(theta: torch.Tensor, step: int) -> LoadedCheckpoint:
+    return LoadedCheckpoint(step, TrainingState(theta, torch.zeros_like(theta)), {})
+
+
+def test_a_running_node_judges_a_split_vote_by_its_own_outer_steps(tmp_path, caplog):
+    """The judge a running node gives `fetch_from_swarm`, on a real tiny model (a constant inner
+    rate): nothing to judge by before its first outer step; then a file one outer step away is
+    adopted and one many steps' worth away refused, and each solo step it made widens the reach."""
+    worker = _tiny_worker(tmp_path, warmup_steps=0, lr_schedule="constant")
 
     async def main():
         replica = worker.replica
-        before = await judge_split_vote(worker, file(replica.theta_g.clone(), 1))
+        before = await judge_split_vote(worker, _file(replica.theta_g.clone(), 1))
         delta = torch.full((replica.numel,), 1e-3)
         await worker.call(replica.apply_outer_step, delta)
         scale = replica.update_scale()
         assert scale is not None and scale > 0
         own = replica.theta_g.clone()
         with caplog.at_level(logging.INFO, logger="dtnode"):
-            near = await judge_split_vote(worker, file(own + delta * 0.5, 2))
+            near = await judge_split_vote(worker, _file(own + delta * 0.5, 2))
         direction = torch.ones(replica.numel) / replica.numel**0.5
         radius = Reach.of(scale, 2, worker.outer_step, worker.solo_steps).radius
-        far = await judge_split_vote(worker, file(own + direction * radius * 1.5, 2))
+        far = await judge_split_vote(worker, _file(own + direction * radius * 1.5, 2))
         worker.solo_steps += 2  # two rounds alone since: the swarm may have gone that much farther
-        wider = await judge_split_vote(worker, file(own + direction * radius * 1.5, 2))
+        wider = await judge_split_vote(worker, _file(own + direction * radius * 1.5, 2))
         return before, near, far, wider
 
     try:
@@ -795,3 +801,35 @@ def test_a_running_node_judges_a_split_vote_by_its_own_outer_steps(tmp_path, cap
     assert near is None and "hosts are split between moshpit groups; adopting" in caplog.text
     assert far is not None and "beyond" in far
     assert wider is None
+
+
+def test_outer_steps_measured_during_the_rate_warmup_are_scaled_to_the_swarms_rate_since(tmp_path):
+    """A node paused after its first round measured its one outer step at a fifth of the peak
+    inner rate (warm-up 50 steps, H=20): the swarm's steps since are about five times larger.
+    Unscaled, its reach refused the honest files of a `--overlap` swarm (at 1.04x and 1.005x of
+    it) and it trained alone; scaled to the rate in between, it takes them, and still refuses
+    a θ_g beyond the scaled reach."""
+    worker = _tiny_worker(tmp_path, warmup_steps=50, inner_steps=20)
+
+    async def main():
+        replica = worker.replica
+        await worker.call(replica.apply_outer_step, torch.full((replica.numel,), 1e-3))  # round 0's
+        own = replica.theta_g.clone()
+        unscaled = replica.update_scale()
+        assert unscaled is not None
+        peak, first = worker.round_rate(6), worker.round_rate(0)
+        assert first < 0.25 * peak and worker.round_rate(3) == peak  # warm-up over after 50 steps
+        scaled = replica.update_scale(worker.round_rate, peak)
+        assert scaled == pytest.approx(unscaled * peak / first, rel=1e-5)
+        direction = torch.ones(replica.numel) / replica.numel**0.5
+        radius = Reach.of(unscaled, 6, worker.outer_step, 0).radius
+        taken = await judge_split_vote(worker, _file(own + direction * radius * 1.05, 6))
+        beyond = await judge_split_vote(worker, _file(own + direction * radius * peak / first * 1.05, 6))
+        return taken, beyond
+
+    try:
+        taken, beyond = asyncio.run(main())
+    finally:
+        worker.shutdown()
+    assert taken is None
+    assert beyond is not None and "beyond" in beyond
