@@ -18,7 +18,7 @@ import asyncio
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from functools import partial
 from typing import Protocol
 
@@ -26,7 +26,7 @@ import torch
 
 from dtnode.peers import failpoints
 from dtnode.peers.averager import AveragingResult, MoshpitAverager
-from dtnode.peers.membership import Membership
+from dtnode.peers.membership import Membership, PeerRecord
 
 from .history import RoundHistory
 from .joiner import Joiner
@@ -364,6 +364,32 @@ class RoundLoop:
         return summary
 
 
+async def left_off_the_swarm(
+    view: Callable[[], Awaitable[dict[str, PeerRecord]]],
+    peer_id: str,
+    model_hash: str,
+    round_no: int,
+    result: AveragingResult | None,
+) -> bool:
+    """Whether this round's average found no partner in any hop while other peers of this
+    model train: θ_g then took a step nobody else took. Both sides may report the round
+    clean: a node paused past its record's expiry is not expected by peers that close the
+    round without it, and alone in its own view when it averages on its return. So its next
+    groups re-sync θ_g; before, it stayed off the swarm's until the scheduled
+    --consensus-every (a drill's paused peer had an eval loss 0.15 above its peers' for the
+    four rounds that followed)."""
+    if result is None or any(h.group_size > 1 for h in result.hops):
+        return False
+    records = await view()
+    others = sum(
+        r.peer_id != peer_id and r.model_hash == model_hash and r.state in ("training", "averaging")
+        for r in records.values()
+    )
+    if others:
+        log.info("round %d averaged alone while %d other peer(s) train: its next groups re-sync θ_g", round_no, others)
+    return others > 0
+
+
 class PlainRound:
     """Average this round's Δ, apply the outer step, then start the next round."""
 
@@ -386,7 +412,11 @@ class PlainRound:
         resync = lp.wants_resync(round_no)
         result = await lp.average(round_no, delta, inner, resync, worker.call)
         # a wanted re-sync that found nobody to sync with is still wanted next round
-        lp.needs_resync = not result.clean or (resync and result.theta is None)
+        lp.needs_resync = (
+            not result.clean
+            or (resync and result.theta is None)
+            or await left_off_the_swarm(lp.membership.members, lp.peer_id, lp.model_hash, round_no, result)
+        )
         if (
             all(h.group_size <= 1 for h in result.hops)
             and joiner.closed_under_us(await lp.membership.members(), round_no, alone=True)
@@ -440,7 +470,9 @@ class OverlappedRound:
             state.waiting_for_average()
         previous = await landing.settle()
         if had_average:
-            lp.needs_resync = landing.needs_resync(previous)
+            lp.needs_resync = landing.needs_resync(previous) or await left_off_the_swarm(
+                lp.membership.members, lp.peer_id, lp.model_hash, round_no - 1, previous
+            )
         state.applying_outer_step()
         await lp.store.settle_hash()
         delta = None

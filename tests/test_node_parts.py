@@ -9,6 +9,7 @@ import math
 import time
 
 import pytest
+import torch
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -18,6 +19,7 @@ from dtnode.daemon.pacer import FixedPacer, SwarmPacer
 from dtnode.daemon.recipe import recipe_of
 from dtnode.daemon.report import Condition, NodeStatus, Outcome, RoundSummary, RunStats
 from dtnode.daemon.round_state import IllegalTransition, NodeState, RecordPhase, RoundPhase, RoundState
+from dtnode.daemon.rounds import left_off_the_swarm
 from dtnode.daemon.settings import NodeSettings
 from dtnode.daemon.trainer import InnerResult
 from dtnode.peers.averager import AveragingResult, HopReport
@@ -280,6 +282,33 @@ def test_overlapped_rounds_keep_training_while_they_average():
     st.enter_round(1, 0)
     st.begin_averaging()
     assert st.state == NodeState.TRAINING and st.published_phase() == RecordPhase.AVERAGING
+
+
+def test_a_lone_average_while_peers_train_asks_the_next_groups_to_re_sync_theta(caplog):
+    """A node paused past its record's expiry: its peers closed the round without expecting it,
+    and on its return it averaged alone, both sides clean. Its θ_g took a step nobody took, so
+    its next groups re-sync θ_g (seen in a drill: without, its eval loss stayed 0.15 above its
+    peers' until the scheduled --consensus-every)."""
+    alone = AveragingResult(torch.zeros(1), 1.0, [_hop(1, 1, 0, 0), _hop(1, 1, 0, 0)], None)
+    paired = AveragingResult(torch.zeros(1), 1.0, [_hop(1, 1, 0, 0), _hop(2, 2, 10, 10)], None)
+
+    def records(*peers: PeerRecord):
+        async def view() -> dict[str, PeerRecord]:
+            return {p.peer_id: p for p in (_peer("me", 4), *peers)}
+
+        return view
+
+    def check(view, result) -> bool:
+        return asyncio.run(left_off_the_swarm(view, "me", MODEL, 3, result))
+
+    training = records(_peer("a", 4), _peer("b", 4, "averaging", state="averaging"))
+    with caplog.at_level("INFO", logger="dtnode"):
+        assert check(training, alone)
+    assert "round 3 averaged alone while 2 other peer(s) train: its next groups re-sync" in caplog.text
+    assert not check(training, paired)  # a partner in one hop: its group's θ_g is shared
+    assert not check(training, None)  # no average at all: the failure path re-syncs already
+    assert not check(records(), alone)  # alone in the swarm: nobody to be off from
+    assert not check(records(_peer("x", 4, model="other"), _peer("s", 4, state="stopped")), alone)
 
 
 # ---- the round summary ---------------------------------------------------------------------------

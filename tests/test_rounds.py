@@ -1,7 +1,9 @@
 """Rounds that hold: uneven peers paced by the swarm, the per-round error boundary, and a
 catch-up that keeps the inner optimizer. Real node processes on loopback."""
 
+import signal
 import threading
+import time
 
 import pytest
 import torch
@@ -122,3 +124,27 @@ def test_every_node_stops_at_the_swarms_outer_step_however_late_it_joined(tmp_pa
     assert float((final - mean).norm(dim=1).max()) < 0.05 * update, late.output
     for node in nodes:
         assert "Traceback" not in node.output, node.output
+
+
+@pytest.mark.long_swarms
+def test_a_peer_paused_past_its_records_expiry_is_re_synced_after_its_lone_round(tmp_path, cleanup):
+    """Three peers in one group; one is paused (SIGSTOP) at round 2's start for about a round
+    and a half, longer than its record lives. The other two close round 2 without expecting
+    it, clean; on its return it averages round 2 alone, clean too in its own view, and its θ_g
+    took a step nobody took. Its next group re-syncs θ_g, so the three end the run with one
+    θ_g. Before, nothing asked for a re-sync until --consensus-every (25 rounds). Should the
+    host be so slow that the pause spans two of the others' rounds, the paused peer downloads
+    instead, and the run still ends with one θ_g."""
+    slow = {"DTNODE_TEST_SLOW_INNER": "10"}  # rounds of about 8 s: the pause spans one round's end
+    args = ["--inner-steps", "60", "--target-group-size", "3", "--max-rounds", "7"]
+    nodes = _swarm(tmp_path, cleanup, [slow, slow, slow], *args)
+    paused = nodes[2]
+    paused.wait_for_round(lambda r: r["round"] >= 1, timeout=180)
+    paused.stop(signal.SIGSTOP)
+    time.sleep(12)  # --peer-ttl 4 and a heartbeat of 1 s: its record expires, the others close round 2
+    paused.stop(signal.SIGCONT)
+    for node in nodes:
+        assert node.wait(300) == 0, node.output
+        assert "Traceback" not in node.output, node.output
+    finals = {n.name: {r["round"]: r["params_sha256"] for r in n.rounds}[6] for n in nodes}
+    assert len(set(finals.values())) == 1, (finals, paused.output)
