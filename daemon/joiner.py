@@ -27,6 +27,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from enum import StrEnum
+from functools import partial
 
 import torch
 
@@ -326,12 +327,8 @@ class Joiner:
             majority=majority,
             refresh=self.membership.members,
             bind_wait=BIND_HEARTBEATS * s.heartbeat_interval,
-            judge=self._within_reach if majority else None,
+            judge=partial(judge_split_vote, self.worker) if majority else None,  # see reach.py
         )
-
-    async def _within_reach(self, loaded: LoadedCheckpoint) -> str | None:
-        """The judge of a split vote (a file no majority of hosts serves alone): see reach.py."""
-        return await judge_split_vote(self.worker, loaded)
 
     async def download(self, view: dict[str, PeerRecord], step: int, own: int, majority: bool = False) -> bool:
         """Fetch and install the swarm's checkpoint of `step` (or the next, if the swarm moved on);

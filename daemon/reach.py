@@ -13,10 +13,10 @@ most the outer steps in between away from it, plus the steps this node made alon
 larger than the outer steps this node made recently, scaled to the inner learning rate of the
 steps in between (Δ grows with it: a node paused after its first rounds measured its steps
 during the rate's warmup, at a fraction of the swarm's steps since; seen with `--overlap`,
-where it refused honest files at 1.04x and 1.005x of an unscaled reach and trained alone). A
-file farther away than `REACH_FACTOR` times that is not its swarm's, whoever serves it. One that passes may still be a liar's, but
-it lies within a few outer steps of the honest θ_g, and the re-sync that follows a download
-averages it with the node's next group.
+where it refused honest files at 1.04x and 1.005x of an unscaled reach and trained alone).
+A file farther away than `REACH_FACTOR` times that is not its swarm's, whoever serves it.
+One that passes may still be a liar's, but it lies within a few outer steps of the honest
+θ_g, and the re-sync that follows a download averages it with the node's next group.
 """
 
 from __future__ import annotations
