@@ -110,6 +110,7 @@ class Trainer:
         self.progress_at = time.monotonic()  # when the last inner step ended, or the last run began
         self.tokens_per_step = stream.batch_size * stream.seq_len  # the node's batch: all its ranks' rows
         self.slowdown = _slowdown_from_env()
+        self._unslowed_s = 0.0  # the last step's time before the slowdown hook stretched it
         # a test hook: seconds added to this process's first step (a cold start: allocation, autotuning)
         self.first_step_delay = float(os.environ.get("DTNODE_TEST_FIRST_STEP_DELAY", "0") or 0)
 
@@ -229,7 +230,7 @@ class Trainer:
             if not math.isfinite(loss_value):
                 raise FloatingPointError(f"inner loss became {loss_value} at inner step {self.inner_step}")
             if self.slowdown > 1:
-                stop.wait((self.slowdown - 1) * (time.monotonic() - step_started))
+                stop.wait((self.slowdown - 1) * self._unslowed_seconds(time.monotonic() - step_started))
             if first and self.first_step_delay > 0:
                 stop.wait(self.first_step_delay)
             self.inner_step += 1
@@ -250,6 +251,15 @@ class Trainer:
         if done:
             self.last_loss = mean
         return InnerResult(done, tokens, mean, time.monotonic() - started)
+
+    def _unslowed_seconds(self, took: float) -> float:
+        """What the slowdown hook stretches: this step's time, but at most SLOWED_OUTLIER times the
+        last one's. A step that a SIGSTOP held (a test's pause) is not stretched again: with
+        F=10 a 12 s pause became 108 s more, and the paused peer missed the rest of the run."""
+        if self._unslowed_s > 0:
+            took = min(took, SLOWED_OUTLIER * self._unslowed_s)
+        self._unslowed_s = took
+        return took
 
     def _step(self, batch: torch.Tensor, started: float) -> float:
         """One AdamW step on the node's batch (its rows spread over the local ranks); the loss."""
@@ -405,6 +415,9 @@ def learned_buffers(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
             seen.add(id(buffer))
             found.append((f"{module_name}.{name}" if module_name else name, buffer))
     return found
+
+
+SLOWED_OUTLIER = 4.0  # see Trainer._unslowed_seconds
 
 
 def _slowdown_from_env() -> float:
