@@ -220,6 +220,12 @@ class NodeMetrics:
             "dtnode_local_rank_restarts", "Restarts of this host's local ranks after one of them failed", registry=r
         )
         self.catchups = Counter("dtnode_catchups", "Downloads of the swarm's state to join or catch up", registry=r)
+        self.dropped_inner_steps = Counter(
+            "dtnode_dropped_inner_steps",
+            "Inner steps of a joiner's first round that the swarm averaged without it before they were done: "
+            "their Δ was dropped for the swarm's next θ_g (in dtnode_inner_step, not in dtnode_tokens_total)",
+            registry=r,
+        )
         self.peers_live = Gauge(
             "dtnode_peers_live", "Peers with a live record in the swarm, this node included", registry=r
         )

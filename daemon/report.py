@@ -153,9 +153,9 @@ class RoundSummary:
 
     @cached_property
     def outcome(self) -> Outcome:
-        if not self.hops or all(h.group_size <= 1 for h in self.hops):
+        if self.result is None or self.result.alone:
             return Outcome.ALONE
-        return Outcome.FULL if all(h.clean for h in self.hops) else Outcome.PARTIAL
+        return Outcome.FULL if self.result.clean else Outcome.PARTIAL
 
     @cached_property
     def reasons(self) -> list[str]:

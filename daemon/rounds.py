@@ -378,7 +378,7 @@ async def left_off_the_swarm(
     groups re-sync θ_g; before, it stayed off the swarm's until the scheduled
     --consensus-every (a drill's paused peer had an eval loss 0.15 above its peers' for the
     four rounds that followed)."""
-    if result is None or any(h.group_size > 1 for h in result.hops):
+    if result is None or not result.alone:
         return False
     records = await view()
     others = sum(
@@ -405,6 +405,7 @@ class PlainRound:
         if joiner.closed_under_us(await lp.membership.members(), round_no) and await joiner.enter_next_round(
             round_no, inner
         ):
+            lp.metrics.dropped_inner_steps.inc(inner.steps)
             return
         delta = await worker.call(worker.pseudo_gradient)
         state.begin_averaging()
@@ -418,10 +419,11 @@ class PlainRound:
             or await left_off_the_swarm(lp.membership.members, lp.peer_id, lp.model_hash, round_no, result)
         )
         if (
-            all(h.group_size <= 1 for h in result.hops)
+            result.alone
             and joiner.closed_under_us(await lp.membership.members(), round_no, alone=True)
             and await joiner.enter_next_round(round_no, inner, alone=True)
         ):
+            lp.metrics.dropped_inner_steps.inc(inner.steps)
             return  # the records it judged by were a heartbeat behind
         joiner.reentries = 0
         state.applying_outer_step()

@@ -250,8 +250,7 @@ class ModelWorker:
         self.measure_feedback()
 
     def _count_solo(self, result: AveragingResult) -> None:
-        alone = all(h.group_size <= 1 for h in result.hops)
-        self.solo_steps = self.solo_steps + 1 if alone else 0
+        self.solo_steps = self.solo_steps + 1 if result.alone else 0
 
     def measure_feedback(self) -> None:
         """The error-feedback buffer's norm, for the round line and /status (training thread:

@@ -52,3 +52,8 @@ class AveragingResult:
     @property
     def clean(self) -> bool:
         return all(h.clean for h in self.hops)
+
+    @property
+    def alone(self) -> bool:
+        """No hop found a partner (no hops at all included): θ_g takes this node's own Δ."""
+        return all(h.group_size <= 1 for h in self.hops)
