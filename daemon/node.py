@@ -150,19 +150,7 @@ class Node:
         """Start every part, pushing how to stop it (the stack stops them in reverse order)."""
         s = self.settings
         self.state_dir.mkdir(parents=True, exist_ok=True)
-        try:
-            key = load_swarm_key(
-                str(s.swarm_key_file) if s.swarm_key_file else None,
-                {ENV_KEY: s.swarm_key.get_secret_value()} if s.swarm_key else {},
-            )
-        except AuthError as e:
-            raise SettingsError("--swarm-key-file", str(e)) from None
-        if key is None and s.require_swarm_key:
-            raise SettingsError(
-                "--require-swarm-key",
-                "no swarm key was given (--swarm-key-file or DTNODE_SWARM_KEY; in Kubernetes, the "
-                "dtnode-swarm-key secret); refusing to start an open swarm",
-            )
+        key = _swarm_key(s)
         identity = (self.state_dir / "identity.key").resolve()
         fresh_identity = not identity.exists()
         if fresh_identity:  # made here rather than by hivemind: the peer id is known before the DHT runs
@@ -235,20 +223,9 @@ class Node:
         self._build_round_parts(registry, channels, redial)
         sidecar = Sidecar(self.presenter, served=served, auth=self.auth, separate_status=s.status_port is not None)
         stack.push_async_callback(sidecar.stop)
-        try:
-            http_port = await sidecar.start(s.host, s.http_port)
-        except OSError as e:
-            raise SettingsError("--http-port", f"cannot listen on {s.host}:{s.http_port}: {e.strerror or e}") from None
+        http_port, status_url = await _listen(sidecar, s)
         self.addr.http_addr = f"http://{host}:{http_port}"
-        status_url = self.addr.http_addr
-        if s.status_port is not None:
-            try:
-                status_port = await sidecar.start_status(s.status_host, s.status_port)
-            except OSError as e:
-                raise SettingsError(
-                    "--status-port", f"cannot listen on {s.status_host}:{s.status_port}: {e.strerror or e}"
-                ) from None
-            status_url = f"http://{s.status_host}:{status_port}"
+        status_url = status_url or self.addr.http_addr
         await self.publisher.publish()
         heartbeat = asyncio.ensure_future(self.membership.heartbeat(self.presenter.record, self.stopping))
         stack.push_async_callback(self._final_announce, heartbeat)
@@ -262,12 +239,7 @@ class Node:
             checking = asyncio.ensure_future(self._check_reachable())
             stack.push_async_callback(_cancel, checking)
         self.addr.join_command = join_command(s, self.workload.recipe, public_maddrs(self.dht, s.announce_host)[0])
-        up = f"dtnode node {self.addr.peer_id} is up: status {status_url}/status, gRPC {self.addr.grpc_addr or 'client mode'}"
-        if s.log_format == "json":  # every line a JSON object
-            log.info("%s; to add a peer to this swarm: %s", up, self.addr.join_command)
-        else:
-            print(up, flush=True)
-            print(f"To add a peer to this swarm, run on another host:\n  {self.addr.join_command}", flush=True)
+        _say_up(s, self.addr, status_url)
 
     def _build_round_parts(self, registry: ReductionRegistry, channels: ChannelPool, redial: list[str]) -> None:
         """The parts a round needs, each given the others it uses."""
@@ -410,6 +382,54 @@ class Node:
             if self.worker.trainer.first_step_done.wait(KERNEL_POLL_S):
                 use_fused_kernels(True)
                 return
+
+
+def _swarm_key(s: NodeSettings) -> bytes | None:
+    """The swarm key of --swarm-key-file or DTNODE_SWARM_KEY (None: an open swarm, refused
+    with --require-swarm-key); a bad key file ends the start with one line."""
+    try:
+        key = load_swarm_key(
+            str(s.swarm_key_file) if s.swarm_key_file else None,
+            {ENV_KEY: s.swarm_key.get_secret_value()} if s.swarm_key else {},
+        )
+    except AuthError as e:
+        raise SettingsError("--swarm-key-file", str(e)) from None
+    if key is None and s.require_swarm_key:
+        raise SettingsError(
+            "--require-swarm-key",
+            "no swarm key was given (--swarm-key-file or DTNODE_SWARM_KEY; in Kubernetes, the "
+            "dtnode-swarm-key secret); refusing to start an open swarm",
+        )
+    return key
+
+
+async def _listen(sidecar: Sidecar, s: NodeSettings) -> tuple[int, str | None]:
+    """Start the sidecar: its port, and the status listener's URL with --status-port (None:
+    /status is on the sidecar's port). A port that cannot be had ends the start with one line."""
+    try:
+        http_port = await sidecar.start(s.host, s.http_port)
+    except OSError as e:
+        raise SettingsError("--http-port", f"cannot listen on {s.host}:{s.http_port}: {e.strerror or e}") from None
+    if s.status_port is None:
+        return http_port, None
+    try:
+        status_port = await sidecar.start_status(s.status_host, s.status_port)
+    except OSError as e:
+        raise SettingsError(
+            "--status-port", f"cannot listen on {s.status_host}:{s.status_port}: {e.strerror or e}"
+        ) from None
+    return http_port, f"http://{s.status_host}:{status_port}"
+
+
+def _say_up(s: NodeSettings, addr: Addresses, status_url: str) -> None:
+    """The node is up: where its status is, and the command that adds a peer (one JSON log
+    line with --log-format json, else two lines on stdout for the person who started it)."""
+    up = f"dtnode node {addr.peer_id} is up: status {status_url}/status, gRPC {addr.grpc_addr or 'client mode'}"
+    if s.log_format == "json":  # every line a JSON object
+        log.info("%s; to add a peer to this swarm: %s", up, addr.join_command)
+    else:
+        print(up, flush=True)
+        print(f"To add a peer to this swarm, run on another host:\n  {addr.join_command}", flush=True)
 
 
 async def _quietly(work: Awaitable[object], what: str) -> None:

@@ -109,7 +109,7 @@ class MoshpitAverager:
         self.deadlines = deadlines
         self.auth = auth
         self.on_phase = on_phase
-        self._scratch: list[torch.Tensor] = []
+        self.scratch = ScratchBuffers()
         self.expect = GroupExpectations(
             config.run_id, config.model_hash, config.target_group_size, peer_id, view, matchmaker, deadlines
         )
@@ -164,7 +164,7 @@ class MoshpitAverager:
             asked = resync or theta is not None
             # once a hop re-synced it, this node's θ is no longer the one its hash names
             announced = theta_sha256 if theta is None else ""
-            outputs = self._outputs([chain.values for chain in chains], [delta, spare])
+            outputs = self.scratch.outputs([chain.values for chain in chains], [delta, spare])
 
             hop_ctx = _Hop(
                 round_no,
@@ -228,8 +228,6 @@ class MoshpitAverager:
             if theta is not None and theta_primary is not None:
                 theta.copy_(theta_primary)
             hops.append(report)
-            # every group's result goes on, in every class this peer stands for in it: a class
-            # left out would leave the groups of that class in the next hops without this slab
             after = [
                 Chain(
                     chain.slot,
@@ -238,26 +236,7 @@ class MoshpitAverager:
                 )
                 for chain, out, (_, result, _) in zip(chains, outputs, done)
             ]
-            if hop + 1 < dims:
-                chains = [
-                    Chain(slot, chain.values, chain.weight)
-                    for chain, group in zip(after, groups)
-                    for slot in next_slots(
-                        chain.slot.coords, hop + 1, [m.peer_id for m in group.members], self.peer_id, side
-                    )
-                ]
-                chains = [replace(chain, slot=replace(chain.slot, primary=i == 0)) for i, chain in enumerate(chains)]
-                if len(chains) > MAX_CHAINS:
-                    log.debug(
-                        "round %d: standing in %d classes of hop %d; carrying %d",
-                        round_no,
-                        len(chains),
-                        hop + 1,
-                        MAX_CHAINS,
-                    )
-                    chains = chains[:MAX_CHAINS]
-            else:
-                chains = after
+            chains = next_chains(after, groups, hop, self.peer_id, side) if hop + 1 < dims else after
         return AveragingResult(chains[0].values, chains[0].weight, hops, theta)
 
     async def _run_slot(
@@ -311,25 +290,6 @@ class MoshpitAverager:
             return Feedback(residual, inject=hop == 0, decay=self.config.feedback_decay if hop == 0 else 1.0)
         return Feedback(residual) if hop == 0 else None
 
-    def _outputs(self, inputs: list[torch.Tensor], own: list[torch.Tensor]) -> list[torch.Tensor]:
-        """One output buffer per chain, none of them an input still being read this hop."""
-        busy = {id(t) for t in inputs}
-        free = [t for t in own if id(t) not in busy]
-        index = 0
-        while len(free) < len(inputs):
-            buffer = self._scratch_buffer(index, inputs[0])
-            index += 1
-            if id(buffer) not in busy:
-                free.append(buffer)
-        return free[: len(inputs)]
-
-    def _scratch_buffer(self, index: int, like: torch.Tensor) -> torch.Tensor:
-        while len(self._scratch) <= index:
-            self._scratch.append(torch.empty_like(like))
-        if self._scratch[index].numel() != like.numel():
-            self._scratch[index] = torch.empty_like(like)
-        return self._scratch[index]
-
     async def _reduce(
         self,
         round_no: int,
@@ -381,11 +341,7 @@ class MoshpitAverager:
         )
         report.allreduce_s = round(max(report.allreduce_s, result.seconds), 4)
         report.timeout_s = round(timeout, 3)
-        report.bytes_sent += result.bytes_sent
-        report.bytes_received += result.bytes_received
-        report.failed_parts += [p.reducer for p in result.failed_parts]
-        report.failure_codes += [p.error.split(":", 1)[0] for p in result.failed_parts]
-        report.retried_codes += result.retried
+        _count_into(report, result)
         if theta is not None and theta_out is not None:
             # θ_g re-sync: every member counts the same (weight 1, nobody's own word), by the
             # same rule as Δ (a trimmed mean in robust mode), and a result that moves our θ_g
@@ -420,9 +376,57 @@ class MoshpitAverager:
                 max_drift=THETA_MAX_DRIFT,
             )
             report.theta_resync_s = round(sync.seconds, 4)
-            report.bytes_sent += sync.bytes_sent
-            report.bytes_received += sync.bytes_received
-            report.failed_parts += [p.reducer for p in sync.failed_parts]
-            report.failure_codes += [p.error.split(":", 1)[0] for p in sync.failed_parts]
-            report.retried_codes += sync.retried
+            _count_into(report, sync)
         return result
+
+
+def _count_into(report: HopReport, result: AllReduceReport) -> None:
+    """One all-reduce's bytes, failed parts and retried streams, added to its hop's report."""
+    report.bytes_sent += result.bytes_sent
+    report.bytes_received += result.bytes_received
+    report.failed_parts += [p.reducer for p in result.failed_parts]
+    report.failure_codes += [p.error.split(":", 1)[0] for p in result.failed_parts]
+    report.retried_codes += result.retried
+
+
+def next_chains(after: list[Chain], groups: list[FormedGroup], hop: int, peer_id: str, side: int) -> list[Chain]:
+    """The chains of hop `hop + 1`: every group's result goes on, in every class this peer
+    stands for in it (a class left out would leave the groups of that class in the next hops
+    without this slab); the first is primary, and at most MAX_CHAINS are carried."""
+    chains = [
+        Chain(slot, chain.values, chain.weight)
+        for chain, group in zip(after, groups, strict=True)
+        for slot in next_slots(chain.slot.coords, hop + 1, [m.peer_id for m in group.members], peer_id, side)
+    ]
+    chains = [replace(chain, slot=replace(chain.slot, primary=i == 0)) for i, chain in enumerate(chains)]
+    if len(chains) > MAX_CHAINS:
+        log.debug("standing in %d classes of hop %d; carrying %d", len(chains), hop + 1, MAX_CHAINS)
+        chains = chains[:MAX_CHAINS]
+    return chains
+
+
+class ScratchBuffers:
+    """Model-sized output buffers for the hops' groups, kept across rounds: each hop writes
+    its results into buffers that none of its inputs is still being read from."""
+
+    def __init__(self) -> None:
+        self._scratch: list[torch.Tensor] = []
+
+    def outputs(self, inputs: list[torch.Tensor], own: list[torch.Tensor]) -> list[torch.Tensor]:
+        """One output buffer per input: `own` first (Δ's and its spare), then scratch ones."""
+        busy = {id(t) for t in inputs}
+        free = [t for t in own if id(t) not in busy]
+        index = 0
+        while len(free) < len(inputs):
+            buffer = self._buffer(index, inputs[0])
+            index += 1
+            if id(buffer) not in busy:
+                free.append(buffer)
+        return free[: len(inputs)]
+
+    def _buffer(self, index: int, like: torch.Tensor) -> torch.Tensor:
+        while len(self._scratch) <= index:
+            self._scratch.append(torch.empty_like(like))
+        if self._scratch[index].numel() != like.numel():
+            self._scratch[index] = torch.empty_like(like)
+        return self._scratch[index]

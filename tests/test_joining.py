@@ -162,6 +162,7 @@ def test_a_joiner_whose_round_closes_during_its_first_step_takes_the_next_round(
         assert "Traceback" not in node.output, node.output
 
 
+@pytest.mark.long_swarms  # about 25 s: outside the default suite's 10 minutes, run by .ci/run
 def test_the_first_node_restarted_with_its_own_old_address_as_peer_finds_the_swarm(tmp_path, cleanup):
     """kill -9 of the node everyone joined through; it restarts on its state dir with
     --peer naming itself (as a script that started it that way would): it keeps its DHT

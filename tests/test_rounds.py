@@ -25,6 +25,7 @@ def _swarm(tmp_path, cleanup, envs: list[dict], *extra: str) -> list[NodeProcess
     return nodes
 
 
+@pytest.mark.long_swarms  # about 25 s: outside the default suite's 10 minutes, run by .ci/run
 def test_a_slower_peer_is_neither_waited_for_nor_left_out(tmp_path, cleanup):
     """Three peers, one 4x slower: every round ends for all of them together, in one full
     group, with one θ_g; the slow peer contributes about a quarter of a fast peer's tokens."""
