@@ -236,7 +236,7 @@ class MoshpitAverager:
                 )
                 for chain, out, (_, result, _) in zip(chains, outputs, done)
             ]
-            chains = next_chains(after, groups, hop, self.peer_id, side) if hop + 1 < dims else after
+            chains = next_chains(after, groups, round_no, hop, self.peer_id, side) if hop + 1 < dims else after
         return AveragingResult(chains[0].values, chains[0].weight, hops, theta)
 
     async def _run_slot(
@@ -389,7 +389,9 @@ def _count_into(report: HopReport, result: AllReduceReport) -> None:
     report.retried_codes += result.retried
 
 
-def next_chains(after: list[Chain], groups: list[FormedGroup], hop: int, peer_id: str, side: int) -> list[Chain]:
+def next_chains(
+    after: list[Chain], groups: list[FormedGroup], round_no: int, hop: int, peer_id: str, side: int
+) -> list[Chain]:
     """The chains of hop `hop + 1`: every group's result goes on, in every class this peer
     stands for in it (a class left out would leave the groups of that class in the next hops
     without this slab); the first is primary, and at most MAX_CHAINS are carried."""
@@ -400,7 +402,7 @@ def next_chains(after: list[Chain], groups: list[FormedGroup], hop: int, peer_id
     ]
     chains = [replace(chain, slot=replace(chain.slot, primary=i == 0)) for i, chain in enumerate(chains)]
     if len(chains) > MAX_CHAINS:
-        log.debug("standing in %d classes of hop %d; carrying %d", len(chains), hop + 1, MAX_CHAINS)
+        log.debug("round %d: standing in %d classes of hop %d; carrying %d", round_no, len(chains), hop + 1, MAX_CHAINS)
         chains = chains[:MAX_CHAINS]
     return chains
 
