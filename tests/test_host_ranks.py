@@ -124,7 +124,9 @@ def test_hosts_of_one_and_two_ranks_average_in_one_group(tmp_path, cleanup):
     every round full, the θ_g hashes agree, the same bytes per round from every host, each host one member whose
     /status lists its ranks, and no traceback in any log (the ranks log into their node's)."""
     args = [*ARGS, "--max-rounds", "6", "--target-group-size", "3"]
-    a = NodeProcess.join("a", tmp_path, *args, "--min-peers", "3")
+    # a waits for both hosts however slowly their ranks start (CI once saw them take 30 s, and a,
+    # at the default 30 s, then ran the 6 rounds alone and b and c stopped at step 0)
+    a = NodeProcess.join("a", tmp_path, *args, "--min-peers", "3", "--join-timeout", "120")
     cleanup.append(a)
     b = NodeProcess.join("b", tmp_path, *args, "--nproc-per-node", "2", "--peer", a.join_address)
     c = NodeProcess.join("c", tmp_path, *args, "--nproc-per-node", "2", "--shard", "--peer", a.join_address)
