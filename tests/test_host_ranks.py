@@ -163,7 +163,7 @@ def test_a_killed_rank_is_restarted_and_its_host_averages_again(tmp_path, cleanu
     peer and is averaging again within two rounds; the other host never misses a round; a
     kill -9 of the node leaves no orphaned rank."""
     args = [*ARGS, "--max-rounds", "8"]
-    a = NodeProcess.join("a", tmp_path, *args, "--min-peers", "2")
+    a = NodeProcess.join("a", tmp_path, *args, "--min-peers", "2", "--join-timeout", "120")  # see above
     cleanup.append(a)
     b = NodeProcess.join("b", tmp_path, *args, "--nproc-per-node", "2", "--peer", a.join_address)
     cleanup.append(b)
