@@ -83,7 +83,8 @@ class DhtBootstrap:
             client_mode=s.client_mode,
         )
         try:
-            return await start(named + known), named + self._redial(own)
+            # the peers it knew may all be gone: only --peer is dialled until --join-timeout
+            return await start(named + known, keep_trying=bool(named)), named + self._redial(own)
         except JoinError as e:
             if not known:
                 raise

@@ -40,9 +40,14 @@ class MarkovLanguage:
         self.transitions = transitions
         self.cumulative = transitions.cumsum(1).float()
         self.cumulative[:, -1] = 1.0
-        stationary = torch.full((vocab_size,), 1.0 / vocab_size, dtype=torch.float64)
-        for _ in range(2000):
-            stationary = stationary @ transitions
+        # the chain's long-run distribution: the uniform one after 2**11 steps, by squaring the
+        # transition matrix 11 times. Not 2000 vector-matrix products: each is a tiny parallel
+        # op, and where a host's processes outnumber its cores (a test's swarm on 2 cores) their
+        # threads' barriers turned this 0.02 s into 10-30 s of a joiner's start
+        power = transitions
+        for _ in range(11):
+            power = power @ power
+        stationary = torch.full((vocab_size,), 1.0 / vocab_size, dtype=torch.float64) @ power
         self.stationary = stationary / stationary.sum()
 
     @property

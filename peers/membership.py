@@ -27,6 +27,7 @@ import hashlib
 import ipaddress
 import logging
 import os
+import re
 import signal
 import socket
 import time
@@ -47,6 +48,8 @@ from .identity import signed_subkey, writer_of
 from .tls import MAX_CERT_CHARS, TrustStore
 
 log = logging.getLogger(__name__)
+BOOTSTRAP_FAILED = "failed to connect to bootstrap peers"  # how hivemind's p2pd says no initial peer answered
+BOOTSTRAP_RETRY_S = 2.0  # between a joiner's tries to reach its initial peers, within --join-timeout
 
 REMEMBER_PEERS_S = 600.0  # how long a peer seen once is worth a reconnection attempt
 VIEW_REUSE_S = 0.1  # matchmaking asks for the view twice per poll: one DHT read serves both
@@ -166,13 +169,15 @@ async def start_dht(
     validator: RSASignatureValidator | None = None,
     fresh_identity: bool = False,
     client_mode: bool = False,
+    keep_trying: bool = True,
 ) -> DHT:
     """Start hivemind's DHT process and reach the initial peers, or raise JoinError in bounded time.
 
     With `fresh_identity` (just generated) hivemind's check that no live peer uses it is skipped.
     With `client_mode` (behind NAT) the DHT only asks: other peers never store keys on it or
     route through it. An announced host needs a known port: port 0 becomes a free port first,
-    so the announced address (hivemind's and the record's) carries the port that is bound."""
+    so the announced address (hivemind's and the record's) carries the port that is bound.
+    With `keep_trying`, initial peers that do not answer are dialled again until `timeout`."""
     for addr in initial_peers:
         if not addr.startswith("/") or "/p2p/" not in addr:
             raise JoinError(f"--peer {addr!r} is not a multiaddr like /ip4/1.2.3.4/tcp/7700/p2p/Qm...")
@@ -180,7 +185,6 @@ async def start_dht(
         "start": True,
         "initial_peers": initial_peers,
         "host_maddrs": [_maddr(host, port)],
-        "startup_timeout": timeout,
         "await_ready": True,
     }
     global _HOOKED
@@ -201,18 +205,43 @@ async def start_dht(
         port = port or free_port(host)
         kwargs["host_maddrs"] = [_maddr(host, port)]
         kwargs["announce_maddrs"] = [_maddr(announce_host, port)]
-    try:
-        return await asyncio.wait_for(asyncio.to_thread(DHT, **kwargs), timeout + 5)
-    except TimeoutError:
-        raise JoinError(
-            f"no answer from the DHT or the initial peers within {timeout:.0f}s "
-            f"(--join-timeout); are {initial_peers} reachable?"
-        ) from None
-    except Exception as e:  # noqa: BLE001  (hivemind reports daemon failures with several exception types)
-        reason = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
-        if initial_peers:
-            raise JoinError(f"could not join through {', '.join(initial_peers)}: {reason}") from None
-        raise JoinError(f"could not start the DHT on {host}:{port}: {reason}") from None
+    deadline = time.monotonic() + timeout
+    while True:
+        left = max(deadline - time.monotonic(), 1.0)
+        try:
+            return await asyncio.wait_for(asyncio.to_thread(DHT, **{**kwargs, "startup_timeout": left}), left + 5)
+        except TimeoutError:
+            raise JoinError(
+                f"no answer from the DHT or the initial peers within {timeout:.0f}s "
+                f"(--join-timeout); are {initial_peers} reachable?"
+            ) from None
+        except Exception as e:  # noqa: BLE001  (hivemind reports daemon failures with several exception types)
+            reason = _daemon_reason(e)
+            again = keep_trying and deadline - time.monotonic() > BOOTSTRAP_RETRY_S
+            if initial_peers and BOOTSTRAP_FAILED in reason and again:
+                # one dial that failed (the peer still starting, or too busy to answer in time)
+                # is not the peer being gone: --join-timeout is how long to keep trying
+                log.warning(
+                    "could not reach %s yet (%s); trying again for up to %.0fs more (--join-timeout)",
+                    ", ".join(initial_peers),
+                    reason,
+                    deadline - time.monotonic(),
+                )
+                await asyncio.sleep(BOOTSTRAP_RETRY_S)
+                continue
+            if initial_peers:
+                ran_out = keep_trying and BOOTSTRAP_FAILED in reason  # dialled until the deadline
+                tried = f" (dialled for {timeout:.0f}s, --join-timeout)" if ran_out else ""
+                raise JoinError(f"could not join through {', '.join(initial_peers)}: {reason}{tried}") from None
+            raise JoinError(f"could not start the DHT on {host}:{port}: {reason}") from None
+
+
+def _daemon_reason(error: Exception) -> str:
+    """The last line of a DHT start failure, without the timestamp hivemind's p2pd puts in it."""
+    text = str(error).strip()
+    if not text:
+        return type(error).__name__
+    return re.sub(r"\d{4}/\d\d/\d\d \d\d:\d\d:\d\d ", "", text.splitlines()[-1])
 
 
 def free_port(host: str) -> int:

@@ -111,7 +111,13 @@ class NodeProcess:
         host: str = "127.0.0.1",
         prefix: list[str] | None = None,
     ) -> NodeProcess:
+        """`dtnode join` in `tmp / name`. Its --join-timeout is 120 s unless given: a first node
+        waiting for --min-peers gives up after it and trains alone, and on a busy CI host joiners
+        have come up more than 30 s (the default) after it (a test then failed on a's lone
+        rounds); a joiner dials its --peer until then. The wait ends as soon as the peers are in."""
         state_dir = tmp / name
+        if "--join-timeout" not in extra:
+            extra = (*extra, "--join-timeout", "120")
         return cls(
             name, ["join", "--host", host, *PORTS, "--state-dir", str(state_dir), *extra], state_dir, env, prefix
         )

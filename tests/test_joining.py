@@ -197,6 +197,29 @@ DEAD = "/ip4/127.0.0.1/tcp/1/p2p/12D3KooWHtocysUnWZKdxsM8xACZXMk7LHDHgwug2T9DkWu
 GONE = "/ip4/127.0.0.1/tcp/2/p2p/12D3KooWGo1eDuKfRycwGfHdy2NS5KinGm3pDx5GSBa1bU7fVnGz"
 
 
+@pytest.mark.long_swarms  # about 30 s: outside the default suite's 10 minutes, run by .ci/run
+def test_a_joiner_started_before_its_peer_listens_keeps_dialling_until_it_does(tmp_path, cleanup):
+    """`dtnode join --peer A` while A is down (a compose file starting both at once, A
+    restarting): one failed dial used to end the joiner with exit 3 at once (CI saw it when a
+    busy host answered a first dial too late). It dials again until --join-timeout, and joins
+    A's swarm once A is back at the address it had."""
+    args = [*FAST, "--min-peers", "2", "--max-rounds", "1", "--join-timeout", "120"]
+    first = NodeProcess.join("a", tmp_path, *args)
+    address = first.join_address
+    first.stop()
+    assert first.wait(60) == 0, first.output
+    joiner = NodeProcess.join("b", tmp_path, *args, "--peer", address)
+    cleanup.append(joiner)
+    joiner.wait_for_line(r"could not reach \S+ yet .*failed to connect to bootstrap peers\); trying again", 60)
+    again = NodeProcess.join("a", tmp_path, *args)  # its state dir keeps its peer id and DHT port
+    cleanup.append(again)
+    assert again.join_address == address
+    for node in (joiner, again):
+        assert node.wait(120) == 0, node.output
+        assert "Traceback" not in node.output, node.output
+    assert joiner.round(0)["groups"][0][0] == 2, joiner.rounds
+
+
 def _remembering(state_dir, addr: str) -> None:
     state_dir.mkdir(parents=True, exist_ok=True)
     (state_dir / "known-peers.json").write_text(
@@ -228,7 +251,7 @@ def test_a_node_whose_peer_and_known_peers_are_all_gone_says_which_it_tried(tmp_
             "--state-dir",
             str(tmp_path / "n"),
             "--join-timeout",
-            "10",
+            "4",  # --peer is dialled until then
         ],
         capture_output=True,
         text=True,
