@@ -115,7 +115,8 @@ class NodeSettings(BaseSettings):
         30.0,
         gt=0,
         le=3600,
-        description="Seconds to reach the DHT and the initial peers before giving up with an error.",
+        description="Seconds to reach the DHT and the initial peers before giving up with an error "
+        "(--peer is dialled again every 2 s until then: it may still be starting).",
     )
     min_peers: int = Field(
         1,
