@@ -179,14 +179,17 @@ def cmd_join(args: argparse.Namespace) -> int:
 
 def cmd_local(args: argparse.Namespace) -> int:
     values = _node_values(args)
-    load_settings(values)  # fail fast, before any process starts
+    settings = load_settings(values)  # fail fast, before any process starts
     if args.nodes < 1 or args.nodes > 64:
         raise SettingsError("--nodes", "must be between 1 and 64")
+    from .local import run_local, threads_per_rank
+
+    if settings.threads_per_rank is None:  # not given on the command line, in DTNODE_* or the TOML file
+        ranks = settings.nproc_per_node or 1
+        values["threads_per_rank"] = threads_per_rank(args.nodes, ranks, os.cpu_count() or 1)
     if args.http_port and not 1024 <= args.http_port <= 65535 - args.nodes:
         raise SettingsError("--http-port", f"must be 0 or 1024..{65535 - args.nodes}")
     from dtnode.peers.server import port_in_use
-
-    from .local import run_local
 
     for i in range(args.nodes if args.http_port else 0):
         if port_in_use("127.0.0.1", args.http_port + i):

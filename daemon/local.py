@@ -19,6 +19,14 @@ JOIN_LINE = re.compile(r"dtnode join --peer ([^\s\"]+)")  # plain or inside a JS
 COLORS = ["36", "33", "35", "32", "34", "31"]
 
 
+def threads_per_rank(nodes: int, ranks_per_node: int, cores: int) -> int:
+    """Torch threads for each rank of `dtnode local`'s nodes: the host's cores shared among
+    them all. Each torch takes every core by default, and N nodes on one host then run N x cores
+    threads whose parallel ops wait on each other (three tiny nodes on 2 cores: about 17k tok/s
+    each with torch's default, 27k with one thread each)."""
+    return max(1, cores // (nodes * ranks_per_node))
+
+
 def _argv(values: dict[str, Any]) -> list[str]:
     argv = []
     for name, value in values.items():

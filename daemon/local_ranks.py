@@ -46,6 +46,7 @@ import torch.distributed as dist
 from pydantic import BaseModel
 
 from dtnode.ops.flat import FlatParameters
+from dtnode.peers.forks import popen
 from dtnode.peers.membership import free_port
 
 from .adam_state import flat_moments, install_adam_state, ordered_parameters
@@ -236,7 +237,7 @@ class LocalRanks:
                 timeout_s=self.collective_timeout_s,
             )
             env = {**os.environ, SPEC_ENV: spec.model_dump_json()}
-            child = subprocess.Popen(
+            child = popen(  # not while the DHT forks: it would keep this Popen's pipes (forks.py)
                 [sys.executable, "-m", "dtnode.daemon.rank_process"],
                 env=env,
                 stdin=subprocess.DEVNULL,

@@ -214,7 +214,8 @@ class NodeSettings(BaseSettings):
         ge=1,
         le=1024,
         description="CPU threads of each local rank's torch (default: torch's own with one "
-        "rank; the host's cores divided by the ranks with several).",
+        "rank; the host's cores divided by the ranks with several; under `dtnode local`, "
+        "divided by its nodes' ranks).",
     )
     compile: bool = Field(
         False,

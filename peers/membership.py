@@ -44,6 +44,7 @@ from hivemind.utils.multiaddr import Multiaddr
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from .auth import AuthError, SwarmAuth
+from .forks import FORK_LOCK
 from .identity import signed_subkey, writer_of
 from .tls import MAX_CERT_CHARS, TrustStore
 
@@ -182,10 +183,8 @@ async def start_dht(
         if not addr.startswith("/") or "/p2p/" not in addr:
             raise JoinError(f"--peer {addr!r} is not a multiaddr like /ip4/1.2.3.4/tcp/7700/p2p/Qm...")
     kwargs: dict = {
-        "start": True,
         "initial_peers": initial_peers,
         "host_maddrs": [_maddr(host, port)],
-        "await_ready": True,
     }
     global _HOOKED
     if not _HOOKED:
@@ -209,7 +208,7 @@ async def start_dht(
     while True:
         left = max(deadline - time.monotonic(), 1.0)
         try:
-            return await asyncio.wait_for(asyncio.to_thread(DHT, **{**kwargs, "startup_timeout": left}), left + 5)
+            return await asyncio.to_thread(_forked_dht, {**kwargs, "startup_timeout": left}, left + 5)
         except TimeoutError:
             raise JoinError(
                 f"no answer from the DHT or the initial peers within {timeout:.0f}s "
@@ -234,6 +233,21 @@ async def start_dht(
                 tried = f" (dialled for {timeout:.0f}s, --join-timeout)" if ran_out else ""
                 raise JoinError(f"could not join through {', '.join(initial_peers)}: {reason}{tried}") from None
             raise JoinError(f"could not start the DHT on {host}:{port}: {reason}") from None
+
+
+def _forked_dht(kwargs: dict, wait_s: float) -> DHT:
+    """hivemind's DHT process, forked under FORK_LOCK (see forks.py) and ready within `wait_s`;
+    TimeoutError, with the process stopped, if it is not."""
+    dht = DHT(start=False, **kwargs)
+    with FORK_LOCK:
+        dht.run_in_background(await_ready=False)
+    try:
+        dht.wait_until_ready(wait_s)
+    except TimeoutError:
+        dht.terminate()
+        dht.join(5)
+        raise
+    return dht
 
 
 def _daemon_reason(error: Exception) -> str:

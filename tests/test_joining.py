@@ -220,6 +220,49 @@ def test_a_joiner_started_before_its_peer_listens_keeps_dialling_until_it_does(t
     assert joiner.round(0)["groups"][0][0] == 2, joiner.rounds
 
 
+def test_the_dht_is_never_forked_inside_another_threads_popen():
+    """hivemind's DHT is a forked child that never execs. A 2-rank node hung at its start (1 in
+    12 here, once in CI): the DHT was forked while the training thread's Popen started a rank,
+    kept that Popen's pipes open, and Popen waited for ever. The DHT now forks, and ranks start,
+    under one lock (peers/forks.py): threads starting processes without a pause go on while
+    DHTs start beside them. Without the lock this hangs at the first or second DHT."""
+    import asyncio
+    import subprocess
+    import threading
+
+    from dtnode.peers.forks import popen
+    from dtnode.peers.membership import start_dht
+
+    stop = threading.Event()
+    started: list[int] = []
+
+    def start_processes() -> None:
+        while not stop.is_set():
+            child = popen(["true"], stdout=subprocess.PIPE)
+            child.communicate()
+            started.append(child.returncode)
+
+    async def start_dhts() -> None:
+        for _ in range(4):
+            dht = await start_dht([], "127.0.0.1", 0, None, timeout=30)
+            try:
+                count = len(started)
+                await asyncio.to_thread(wait_until, lambda n=count: len(started) > n + 5, 10, "processes started")
+            finally:
+                await asyncio.to_thread(dht.shutdown)
+
+    spawners = [threading.Thread(target=start_processes, daemon=True) for _ in range(3)]
+    for spawner in spawners:
+        spawner.start()
+    try:
+        asyncio.run(start_dhts())
+    finally:
+        stop.set()
+        for spawner in spawners:
+            spawner.join(30)
+    assert not any(s.is_alive() for s in spawners) and set(started) == {0}
+
+
 def _remembering(state_dir, addr: str) -> None:
     state_dir.mkdir(parents=True, exist_ok=True)
     (state_dir / "known-peers.json").write_text(

@@ -244,3 +244,11 @@ def test_a_node_that_requires_a_swarm_key_refuses_to_start_without_one(tmp_path)
     errors = [line for line in result.stderr.splitlines() if line.startswith("dtnode: error:")]
     assert errors and errors[0].startswith("dtnode: error: --require-swarm-key: no swarm key"), result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_dtnode_local_shares_the_hosts_cores_among_its_nodes_ranks():
+    from dtnode.daemon.local import threads_per_rank
+
+    assert threads_per_rank(nodes=3, ranks_per_node=1, cores=2) == 1  # never 0
+    assert threads_per_rank(nodes=2, ranks_per_node=1, cores=16) == 8
+    assert threads_per_rank(nodes=2, ranks_per_node=2, cores=16) == 4

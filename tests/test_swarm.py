@@ -1,12 +1,14 @@
 """Whole nodes as separate processes: DHT, gRPC, HTTP and training, all real, on loopback."""
 
 import json
+import os
 import re
 import signal
 import subprocess
 import sys
 import time
 
+import psutil
 import torch
 from nodes import FAST, NodeProcess, dtnode_status
 from nodes import theta as checkpoint_theta
@@ -129,6 +131,10 @@ def test_local_swarm_trains_and_stops_on_ctrl_c(tmp_path):
             }
             if len(done) == 3 or time.monotonic() > deadline:
                 break
+        # the host's cores are shared among the nodes, not each node's torch taking all of them
+        nodes = [p.cmdline() for p in psutil.Process(proc.pid).children() if "join" in p.cmdline()]
+        threads = str(max(1, (os.cpu_count() or 1) // 3))
+        assert len(nodes) == 3 and all(c[c.index("--threads-per-rank") + 1] == threads for c in nodes), nodes
         proc.send_signal(signal.SIGINT)
         rest, _ = proc.communicate(timeout=60)
         lines.append(rest)
