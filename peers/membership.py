@@ -216,8 +216,8 @@ async def start_dht(
             ) from None
         except Exception as e:  # noqa: BLE001  (hivemind reports daemon failures with several exception types)
             reason = _daemon_reason(e)
-            again = keep_trying and deadline - time.monotonic() > BOOTSTRAP_RETRY_S
-            if initial_peers and BOOTSTRAP_FAILED in reason and again:
+            redial = bool(initial_peers) and keep_trying and BOOTSTRAP_FAILED in reason
+            if redial and deadline - time.monotonic() > BOOTSTRAP_RETRY_S:
                 # one dial that failed (the peer still starting, or too busy to answer in time)
                 # is not the peer being gone: --join-timeout is how long to keep trying
                 log.warning(
@@ -229,8 +229,7 @@ async def start_dht(
                 await asyncio.sleep(BOOTSTRAP_RETRY_S)
                 continue
             if initial_peers:
-                ran_out = keep_trying and BOOTSTRAP_FAILED in reason  # dialled until the deadline
-                tried = f" (dialled for {timeout:.0f}s, --join-timeout)" if ran_out else ""
+                tried = f" (dialled for {timeout:.0f}s, --join-timeout)" if redial else ""
                 raise JoinError(f"could not join through {', '.join(initial_peers)}: {reason}{tried}") from None
             raise JoinError(f"could not start the DHT on {host}:{port}: {reason}") from None
 

@@ -124,9 +124,7 @@ def test_hosts_of_one_and_two_ranks_average_in_one_group(tmp_path, cleanup):
     every round full, the θ_g hashes agree, the same bytes per round from every host, each host one member whose
     /status lists its ranks, and no traceback in any log (the ranks log into their node's)."""
     args = [*ARGS, "--max-rounds", "6", "--target-group-size", "3"]
-    # a waits for both hosts however slowly their ranks start (CI once saw them take 30 s, and a,
-    # at the default 30 s, then ran the 6 rounds alone and b and c stopped at step 0)
-    a = NodeProcess.join("a", tmp_path, *args, "--min-peers", "3", "--join-timeout", "120")
+    a = NodeProcess.join("a", tmp_path, *args, "--min-peers", "3")
     cleanup.append(a)
     b = NodeProcess.join("b", tmp_path, *args, "--nproc-per-node", "2", "--peer", a.join_address)
     c = NodeProcess.join("c", tmp_path, *args, "--nproc-per-node", "2", "--shard", "--peer", a.join_address)
@@ -163,7 +161,7 @@ def test_a_killed_rank_is_restarted_and_its_host_averages_again(tmp_path, cleanu
     peer and is averaging again within two rounds; the other host never misses a round; a
     kill -9 of the node leaves no orphaned rank."""
     args = [*ARGS, "--max-rounds", "8"]
-    a = NodeProcess.join("a", tmp_path, *args, "--min-peers", "2", "--join-timeout", "120")  # see above
+    a = NodeProcess.join("a", tmp_path, *args, "--min-peers", "2")
     cleanup.append(a)
     b = NodeProcess.join("b", tmp_path, *args, "--nproc-per-node", "2", "--peer", a.join_address)
     cleanup.append(b)
@@ -193,14 +191,13 @@ def test_a_killed_rank_is_restarted_and_its_host_averages_again(tmp_path, cleanu
 def test_checkpoints_move_between_hosts_of_any_rank_count(tmp_path, cleanup):
     """A 2-rank host's checkpoint restores on a 1-rank joiner, and a 3-rank joiner restores
     what that swarm serves: both join in step, and all three then hold the same θ_g."""
-    args = [*ARGS, "--join-timeout", "120"]
-    a = NodeProcess.join("a", tmp_path, *args, "--nproc-per-node", "2", "--min-peers", "1")
+    a = NodeProcess.join("a", tmp_path, *ARGS, "--nproc-per-node", "2", "--min-peers", "1")
     cleanup.append(a)
     a.wait_for_round(lambda r: r["round"] >= 1, timeout=120)
-    b = NodeProcess.join("b", tmp_path, *args, "--peer", a.join_address)
+    b = NodeProcess.join("b", tmp_path, *ARGS, "--peer", a.join_address)
     cleanup.append(b)
     b.wait_for_round(timeout=120)
-    c = NodeProcess.join("c", tmp_path, *args, "--nproc-per-node", "3", "--peer", b.join_address)
+    c = NodeProcess.join("c", tmp_path, *ARGS, "--nproc-per-node", "3", "--peer", b.join_address)
     cleanup.append(c)
     first = c.wait_for_round(timeout=120)["round"]
     together = c.wait_for_round(lambda r: r["round"] > first and r["groups"] == [[3, 3]], timeout=120)

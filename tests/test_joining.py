@@ -203,7 +203,7 @@ def test_a_joiner_started_before_its_peer_listens_keeps_dialling_until_it_does(t
     restarting): one failed dial used to end the joiner with exit 3 at once (CI saw it when a
     busy host answered a first dial too late). It dials again until --join-timeout, and joins
     A's swarm once A is back at the address it had."""
-    args = [*FAST, "--min-peers", "2", "--max-rounds", "1", "--join-timeout", "120"]
+    args = [*FAST, "--min-peers", "2", "--max-rounds", "1"]  # --join-timeout 120 (NodeProcess.join)
     first = NodeProcess.join("a", tmp_path, *args)
     address = first.join_address
     first.stop()

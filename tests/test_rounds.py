@@ -101,7 +101,7 @@ def test_every_node_stops_at_the_swarms_outer_step_however_late_it_joined(tmp_pa
     from nodes import theta
 
     last = 8
-    args = [*FAST, "--target-group-size", "3", "--max-rounds", str(last), "--join-timeout", "120"]
+    args = [*FAST, "--target-group-size", "3", "--max-rounds", str(last)]
     nodes = [NodeProcess.join("n0", tmp_path, *args, "--min-peers", "8")]
     cleanup.append(nodes[0])
     for i in range(1, 8):
