@@ -389,20 +389,14 @@ def ddp_replica(model: torch.nn.Module, device: torch.device) -> torch.nn.Module
 
 
 class RankSync(Protocol):
-    """How rank 0 keeps the other local ranks' replicas in step with its flat θ_l and its
+    """How rank 0 keeps the other local ranks' replicas in step with its θ_l and its
     AdamW state: `ReplicatedRanks` (DDP, every rank holds everything) or, with --shard,
     `sharded.HostShards`. The trainer calls these on its thread, between inner steps."""
 
     evaluates_together: bool  # the held-out eval runs on every rank (its forward passes are collectives)
 
-    def refresh(self) -> None:
-        """Rank 0's flat θ_l is current (called before it is read)."""
-
-    def stepped(self) -> None:
-        """An inner step went to every rank: θ_l moved on all of them."""
-
     def push_params(self) -> None:
-        """Rank 0's flat θ_l (changed outside an inner step) to every rank."""
+        """θ_l that rank 0 holds and the ranks do not yet (changed outside an inner step) to every rank."""
 
     def push_inner(self, optimizer: torch.optim.Optimizer) -> None:
         """The AdamW state loaded last (or rank 0's own) to every rank."""
@@ -431,12 +425,6 @@ class ReplicatedRanks:
     flat: FlatParameters
     model: torch.nn.Module
     evaluates_together: bool = False  # rank 0 holds the whole model: it evaluates alone
-
-    def refresh(self) -> None:
-        pass  # rank 0's flat buffer is θ_l itself
-
-    def stepped(self) -> None:
-        pass
 
     def push_params(self) -> None:
         with self.ranks.collective():

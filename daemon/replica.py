@@ -2,9 +2,14 @@
 
 θ_g stays on the training device next to θ_l; the pseudo-gradient Δ = θ_g − θ_l is staged
 in a (pinned, on CUDA) CPU buffer for the network, and the averaged Δ comes back the same
-way. After the outer step θ_l is reset to θ_g; the inner optimizer state is kept. Every write to
-θ_l here flags it for the host's other local ranks (`ranks_need_params`), which get it before
-their next inner step.
+way. On a CPU (and on a sharded host, whose θ_g is in host memory) Δ is computed straight
+into its staging buffer and the outer step reads the average where the network left it: no
+device-side buffer, which would be a third model-sized copy of Δ in the same memory.
+
+θ_l is read and written span by span through the trainer's `LocalWeights` (local_weights.py):
+the trainer's flat buffer on one device or DDP ranks, the parameters gathered from and sent to
+the shards one at a time on a sharded host, which holds no copy of θ_l of its own. After the outer step θ_l is reset to θ_g; the inner optimizer state is kept. Every write to
+θ_l here reaches the host's other local ranks before their next inner step.
 
 On CUDA the device-to-host copy of Δ runs on a copy stream of its own: the training thread
 does not wait for it, the next inner steps (with --overlap) and the group's matchmaking run
@@ -20,6 +25,7 @@ that average lands as soon as it is in (`land`, between two inner steps), not a 
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections import deque
 from collections.abc import Callable
 
@@ -28,7 +34,10 @@ import torch
 from dtnode.ops.flat import sha256_of
 from dtnode.ops.outer_optimizer import NesterovOuterOptimizer
 
+from .local_ranks import LocalRankFailure
 from .trainer import Trainer
+
+log = logging.getLogger("dtnode")
 
 DISTANCE_SLICE = 1 << 22  # values per slice of `distance_to`
 UPDATES_REMEMBERED = 8  # outer steps whose size `update_scale` takes the largest of
@@ -37,19 +46,22 @@ UPDATES_REMEMBERED = 8  # outer steps whose size `update_scale` takes the larges
 class Replica:
     def __init__(self, trainer: Trainer, outer_lr: float, outer_momentum: float):
         self.trainer = trainer
-        local = trainer.parameters_flat
-        self.theta_g = local.detach().clone()
-        self.outer = NesterovOuterOptimizer(local.numel(), outer_lr, outer_momentum, device=local.device)
+        self.local = trainer.local_weights
+        n, device = self.local.numel, self.local.span_device
+        self.theta_g = torch.empty(n, dtype=torch.float32, device=device)
+        self.local.read(lambda span, values: self.theta_g[span].copy_(values))
+        self.outer = NesterovOuterOptimizer(n, outer_lr, outer_momentum, device=device)
         self.outer_step = 0
-        pin = local.device.type == "cuda"
-        self.delta_cpu = torch.empty(local.numel(), dtype=torch.float32, pin_memory=pin)
-        self.mean_cpu = torch.empty(local.numel(), dtype=torch.float32, pin_memory=pin)
-        self._delta_device = torch.empty_like(local)
-        self._host_theta = torch.empty(local.numel(), dtype=local.dtype, pin_memory=pin) if pin else None
+        pin = device.type == "cuda"
+        self.delta_cpu = torch.empty(n, dtype=torch.float32, pin_memory=pin)
+        self.mean_cpu = torch.empty(n, dtype=torch.float32, pin_memory=pin)
+        # Δ on the device (CUDA only: on a CPU the staging buffers are on the device already)
+        self._delta_device = torch.empty(n, dtype=torch.float32, device=device) if pin else None
+        self._host_theta = torch.empty(n, dtype=torch.float32, pin_memory=pin) if pin else None
         self._sha256 = sha256_of(self.theta_g)
         self._in_flight: torch.Tensor | None = None  # --overlap: the Δ being averaged, on the device
         self.has_in_flight = False
-        self._copy_stream = torch.cuda.Stream(local.device) if pin else None
+        self._copy_stream = torch.cuda.Stream(device) if pin else None
         self._copied = torch.cuda.Event() if pin else None  # the last copy of Δ to the host is done
         # bounds on the sizes of the last outer steps (0-d tensors, read only when asked), with the
         # round each came from (its inner learning rate scales it: see update_scale)
@@ -63,9 +75,22 @@ class Replica:
     def pseudo_gradient(self) -> torch.Tensor:
         """Δ = θ_g − θ_l into the CPU staging buffer (returned; read it after `delta_on_host`)."""
         self._after_copy()
-        torch.sub(self.theta_g, self.trainer.parameters_flat, out=self._delta_device)
-        self._copy_to_host(self._delta_device)
+        target = self.delta_cpu if self._delta_device is None else self._delta_device
+        self._difference_into(target)
+        if self._delta_device is not None:
+            self._copy_to_host(self._delta_device)
         return self.delta_cpu
+
+    def _difference_into(self, target: torch.Tensor) -> None:
+        """target ← θ_g − θ_l."""
+        self.local.read(lambda span, values: torch.sub(self.theta_g[span], values, out=target[span]))
+
+    def _local_from(self, source: torch.Tensor, minus: torch.Tensor | None = None) -> None:
+        """θ_l ← source (− minus)."""
+        if minus is None:
+            self.local.write(lambda span, out: out.copy_(source[span]))
+        else:
+            self.local.write(lambda span, out: torch.sub(source[span], minus[span], out=out))
 
     def _copy_to_host(self, source: torch.Tensor) -> None:
         """Start Δ's copy into `delta_cpu`: at once on a CPU, on the copy stream on CUDA (after
@@ -93,14 +118,21 @@ class Replica:
         while not self.delta_copied():
             await asyncio.sleep(0.001)
 
+    def _mean_on_device(self, mean_cpu: torch.Tensor) -> torch.Tensor:
+        """The averaged Δ where θ_g is: in place on a CPU, else copied into the device buffer
+        (after the copy of Δ out of it)."""
+        if self._delta_device is None:
+            return mean_cpu
+        self._after_copy()
+        self._delta_device.copy_(mean_cpu, non_blocking=True)
+        return self._delta_device
+
     @torch.no_grad()
     def apply_outer_step(self, mean_delta_cpu: torch.Tensor) -> None:
-        self._after_copy()
-        self._delta_device.copy_(mean_delta_cpu, non_blocking=True)
-        self.outer.step(self.theta_g, self._delta_device)
-        self._update_sizes.append((self.outer.step_norm_bound(self._delta_device), self.outer_step))
-        self.trainer.parameters_flat.copy_(self.theta_g)
-        self.trainer.ranks_need_params = True
+        mean = self._mean_on_device(mean_delta_cpu)
+        self.outer.step(self.theta_g, mean)
+        self._update_sizes.append((self.outer.step_norm_bound(mean), self.outer_step))
+        self._local_from(self.theta_g)
         self.outer_step += 1
         self._sha256 = ""
 
@@ -149,8 +181,7 @@ class Replica:
         n = self.numel
         self.theta_g.copy_(state_cpu[:n])
         self.outer.momentum_buffer.copy_(state_cpu[n:])
-        self.trainer.parameters_flat.copy_(self.theta_g)
-        self.trainer.ranks_need_params = True
+        self._local_from(self.theta_g)
         self._sha256 = ""
 
     @torch.no_grad()
@@ -158,8 +189,7 @@ class Replica:
         self.has_in_flight = False  # any Δ still in flight belongs to the state this replaces
         self.theta_g.copy_(theta_g)
         self.outer.load_state_dict({"outer_momentum": momentum})
-        self.trainer.parameters_flat.copy_(self.theta_g)
-        self.trainer.ranks_need_params = True
+        self._local_from(self.theta_g)
         self.outer_step = outer_step
         self._sha256 = ""
 
@@ -167,11 +197,7 @@ class Replica:
     def reset_local(self) -> None:
         """θ_l ← θ_g: after a round that left θ_l unusable (a non-finite loss); minus the Δ
         still being averaged, which that average will add to θ_g."""
-        if self.has_in_flight:
-            torch.sub(self.theta_g, self._in_flight_buffer(), out=self.trainer.parameters_flat)
-        else:
-            self.trainer.parameters_flat.copy_(self.theta_g)
-        self.trainer.ranks_need_params = True
+        self._local_from(self.theta_g, self._in_flight_buffer() if self.has_in_flight else None)
 
     @torch.no_grad()
     def land(self, mean_cpu: torch.Tensor | None, consensus_cpu: torch.Tensor | None) -> None:
@@ -187,25 +213,37 @@ class Replica:
         Δ, the closer the run is to DiLoCo without overlap (the convergence benchmark's
         `diloco-hH-delayN` runs: a round late costs 5-10% of held-out loss, a few steps late
         nothing measurable)."""
-        flat = self.trainer.parameters_flat
-        in_flight = self._in_flight_buffer()
+        # the in-flight buffer is spent here: it takes minus the progress to keep, θ_l − θ_g (+ the
+        # Δ in flight, when its mean replaces it); θ_l is local, so no peer needs this rounding
+        lost = self._in_flight_buffer()
         self._after_copy()
-        torch.sub(self.theta_g, flat, out=self._delta_device)
-        if self.has_in_flight and mean_cpu is not None:
-            self._delta_device.sub_(in_flight)  # the progress since the Δ in flight was taken
+        replaced = self.has_in_flight and mean_cpu is not None
+
+        def progress(span: slice, values: torch.Tensor) -> None:
+            if replaced:
+                lost[span].sub_(self.theta_g[span]).add_(values)
+            else:
+                torch.sub(values, self.theta_g[span], out=lost[span])
+
+        try:
+            self.local.read(progress)
+            known = True
+        except LocalRankFailure as e:  # a sharded host whose rank died: θ_l is lost, θ_g lands whole
+            log.warning("landing the outer step without θ_l (%s): the node restarts from θ_g", e)
+            known = False
         if consensus_cpu is not None:
             n = self.numel
             self.theta_g.copy_(consensus_cpu[:n])
             self.outer.momentum_buffer.copy_(consensus_cpu[n:])
             self._sha256 = ""
         if mean_cpu is not None:
-            in_flight.copy_(mean_cpu, non_blocking=True)  # a staging buffer here
-            self.outer.step(self.theta_g, in_flight)
-            self._update_sizes.append((self.outer.step_norm_bound(in_flight), self.outer_step))
+            mean = self._mean_on_device(mean_cpu)
+            self.outer.step(self.theta_g, mean)
+            self._update_sizes.append((self.outer.step_norm_bound(mean), self.outer_step))
             self.outer_step += 1
             self._sha256 = ""
-        torch.sub(self.theta_g, self._delta_device, out=flat)
-        self.trainer.ranks_need_params = True
+        if known:
+            self.local.write(lambda span, out: torch.add(self.theta_g[span], lost[span], out=out))
         self.has_in_flight = False
 
     @torch.no_grad()
@@ -214,7 +252,7 @@ class Replica:
         flight, staged for the network (returned; read it after `delta_on_host`)."""
         in_flight = self._in_flight_buffer()
         self._after_copy()
-        torch.sub(self.theta_g, self.trainer.parameters_flat, out=in_flight)
+        self._difference_into(in_flight)
         self.has_in_flight = True
         self._copy_to_host(in_flight)
         return self.delta_cpu
@@ -226,14 +264,13 @@ class Replica:
 
     def _in_flight_buffer(self) -> torch.Tensor:
         if self._in_flight is None:
-            self._in_flight = torch.zeros_like(self.trainer.parameters_flat)
+            self._in_flight = torch.zeros_like(self.theta_g)
         return self._in_flight
 
     @torch.no_grad()
     def theta_g_into_model(self) -> None:
         """Put θ_g in the model (to evaluate it); restore_local() puts θ_l back."""
-        self.trainer.parameters_flat.copy_(self.theta_g)
-        self.trainer.ranks_need_params = True
+        self._local_from(self.theta_g)
 
     @torch.no_grad()
     def restore_local(self) -> None:

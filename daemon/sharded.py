@@ -2,17 +2,18 @@
 with FSDP2 (`fully_shard`), for models that do not fit one device.
 
 Every function here is a collective: every local rank calls it, in the same order, with the
-same parameters (rank 0 passes the data, the others None). Rank 0 keeps the node's view of
-θ_l as one flat fp32 buffer in host memory (the replica's θ_g, Δ and the outer step work on
-it as on a one-device node); it is refreshed from the shards when the node reads θ_l
-(`gather_params`) and written back to them before the next inner step (`scatter_params`).
-A shard is rows of a parameter along its first dimension, as `torch.chunk` cuts them: what
-FSDP2 keeps on each rank.
+same parameters (rank 0 passes the data, the others None). θ_l lives in the shards only. Rank 0
+reads it (`gather_params`) and writes it (`scatter_params`) one parameter at a time, as the
+replica's span-wise work asks (local_weights.py): Δ = θ_g − θ_l into the staging buffer,
+θ_l ← θ_g after the outer step. So rank 0 holds θ_g, the momentum and Δ's buffers in host
+memory, and of θ_l one parameter at a time, not a copy of the model (4 bytes per parameter
+less than a host copy of θ_l would take). A shard is rows of a parameter along its first
+dimension, as `torch.chunk` cuts them: what FSDP2 keeps on each rank.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -22,6 +23,7 @@ from torch.distributed.tensor import DTensor
 from dtnode.ops.flat import FlatParameters
 
 from .local_ranks import Command, FlatMoments, LocalRankFailure, LocalRanks
+from .local_weights import SpanWork
 
 
 def shard_model(model: torch.nn.Module) -> torch.nn.Module:
@@ -48,24 +50,28 @@ def _as_local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
+# rank 0's side of a parameter-wise read or write: (index, full values) for each parameter
+ParamWork = Callable[[int, torch.Tensor], object]
+
+
 @torch.no_grad()
-def scatter_params(params: Sequence[torch.Tensor], sources: list[torch.Tensor] | None, device: torch.device) -> None:
-    """Rank 0's full values (`sources`, views of its flat buffer) into every rank's shards."""
+def scatter_params(params: Sequence[torch.Tensor], fill: ParamWork | None, device: torch.device) -> None:
+    """Rank 0's full values of each parameter (`fill(i, full)` writes them) into every rank's shards."""
     for i, param in enumerate(params):
         full = torch.empty(param.shape, dtype=param.dtype, device=device)
-        if sources is not None:
-            full.copy_(sources[i])
+        if fill is not None:
+            fill(i, full)
         dist.broadcast(full, 0)
         _as_local(param).copy_(own_rows(full, param))
 
 
 @torch.no_grad()
-def gather_params(params: Sequence[torch.Tensor], into: list[torch.Tensor] | None) -> None:
-    """Every rank's shards into rank 0's full views (`into`), one parameter at a time."""
+def gather_params(params: Sequence[torch.Tensor], take: ParamWork | None) -> None:
+    """Every rank's shards of each parameter, whole on rank 0 (`take(i, full)`), one at a time."""
     for i, param in enumerate(params):
         full = param.full_tensor() if isinstance(param, DTensor) else param
-        if into is not None:
-            into[i].copy_(full)
+        if take is not None:
+            take(i, full)
 
 
 @torch.no_grad()
@@ -127,45 +133,68 @@ def shared_eval_set(eval_set: torch.Tensor | None, shape: tuple[int, int], group
 
 
 class HostShards:
-    """Rank 0's side of a sharded host: its flat host copy of θ_l and the commands that keep
-    it and the ranks' shards in step."""
+    """Rank 0's side of a sharded host: θ_l span by span (one span per parameter, see
+    local_weights.py) and the AdamW state, through commands to the ranks."""
 
     def __init__(self, ranks: LocalRanks, flat: FlatParameters, model: torch.nn.Module, device: torch.device):
         self.ranks, self.flat, self.device = ranks, flat, device
+        self.numel = flat.numel
+        self.span_device = torch.device("cpu")  # θ_l's spans are handed over in host memory, beside θ_g
         shard_model(model)
         found = dict(model.named_parameters()) | dict(model.named_buffers())
-        self.synced = [found[name] for name in flat.names]  # the flat buffer's tensors, sharded or not
+        self.synced = [found[name] for name in flat.names]  # the flat layout's tensors, sharded or not
         self.params = [p for _, p in model.named_parameters() if p.requires_grad]
-        self.views = list(flat.views(flat.buffer).values())
-        self.stale = False  # the shards moved on (inner steps) since the host copy was taken
+        self.spans = [slice(off, off + t.numel()) for off, t in zip(flat.offsets, self.synced, strict=True)]
+        # θ_l's first values (the model as built), until they reach the shards: then the buffer goes
+        self.initial: torch.Tensor | None = flat.buffer
         self.pending_inner: FlatMoments | None = None  # loaded, not yet sent
         self.evaluates_together = True  # a forward pass gathers each unit's weights from every rank
-
-    def stepped(self) -> None:
-        self.stale = True
 
     def load_inner(self, optimizer: torch.optim.Optimizer, model: torch.nn.Module, moments: FlatMoments) -> None:
         self.pending_inner = moments  # every rank takes its shard of them before the next step
 
-    def refresh(self) -> None:
-        """The host copy of θ_l from the shards, when a step changed them since. With the ranks
-        down (a rank failed, the node is on its way out to restart whole) the copy stays the
-        last one taken: the steps since are lost with the shards, and θ_g, which the outer step
-        and the final checkpoint need, never lived in them."""
-        if self.stale and not self.ranks.running:
-            self.stale = False
+    def read(self, work: SpanWork) -> None:
+        """θ_l parameter by parameter, gathered from the shards into host memory. With the ranks
+        down (a rank failed: the node is on its way out, to restart whole) θ_l is lost with the
+        shards: LocalRankFailure. θ_g, which the outer step and the final checkpoint need, never
+        lived in them."""
+        if self.initial is not None:
+            work(slice(0, self.numel), self.initial)
             return
-        if self.stale:
-            with self.ranks.collective():
-                self.ranks.command(Command.GATHER)
-                gather_params(self.synced, self.views)
-            self.stale = False
+        if not self.ranks.running:
+            raise LocalRankFailure("the local ranks are down: θ_l's shards are lost")
 
-    def push_params(self) -> None:
-        """The host copy of θ_l (changed by the outer step, a load, a reset) into the shards."""
+        def take(i: int, full: torch.Tensor) -> None:
+            work(self.spans[i], full.detach().reshape(-1).to("cpu"))
+
+        with self.ranks.collective():
+            self.ranks.command(Command.GATHER)
+            gather_params(self.synced, take)
+
+    def write(self, work: SpanWork) -> None:
+        """θ_l parameter by parameter into the shards, from a host buffer of one parameter. With
+        the ranks down there is nowhere to put it: the node restarts from θ_g."""
+        self.initial = None
+        self.flat.release()
+        if not self.ranks.running:
+            return
+        scratch = torch.empty(max(span.stop - span.start for span in self.spans), dtype=torch.float32)
+
+        def fill(i: int, full: torch.Tensor) -> None:
+            host = scratch[: full.numel()]
+            work(self.spans[i], host)
+            full.copy_(host.view(full.shape))
+
         with self.ranks.collective():
             self.ranks.command(Command.PARAMS)
-            scatter_params(self.synced, self.views, self.device)
+            scatter_params(self.synced, fill, self.device)
+
+    def push_params(self) -> None:
+        """θ_l's first values into the shards, if they are not there yet (every later change of
+        θ_l goes to them as it is made, `write`)."""
+        initial = self.initial
+        if initial is not None:
+            self.write(lambda span, out: out.copy_(initial[span]))
 
     def push_inner(self, optimizer: torch.optim.Optimizer) -> None:
         """The AdamW moments loaded last (a resume's, or none) into every rank's shards."""

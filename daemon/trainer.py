@@ -40,6 +40,7 @@ from .local_ranks import (
     ReplicatedRanks,
     out_of_memory_line,
 )
+from .local_weights import FlatLocal, LocalWeights
 from .schedule import LearningRateSchedule
 from .sharded import HostShards
 
@@ -73,14 +74,16 @@ class Trainer:
         self.prefetch_batches = device.type == "cuda"
         self.ranks = ranks  # this host's other training ranks, when it has several (local_ranks.py)
         self.sync: RankSync | None = None  # how the other ranks follow rank 0 (None: one device)
-        if ranks is not None and ranks.shard:  # the flat buffer is θ_l's copy in host memory
+        self.local_weights: LocalWeights  # θ_l as the replica reads and writes it
+        if ranks is not None and ranks.shard:  # the flat buffer holds θ_l's first values, until the shards do
             self.flat = FlatParameters(model.named_parameters(), learned_buffers(model))
             self.model = model.to(device)
-            self.sync = HostShards(ranks, self.flat, self.model, device)
+            self.sync = self.local_weights = HostShards(ranks, self.flat, self.model, device)
         else:
             self.model = model.to(device)
             self.flat = FlatParameters(self.model.named_parameters(), learned_buffers(self.model))
             self.sync = ReplicatedRanks(ranks, self.flat, self.model) if ranks is not None else None
+            self.local_weights = FlatLocal(self.flat.buffer, self._params_changed)
         self._trainable = ordered_parameters(self.model)
         self.forward_model = self._forward_model()
         self.ranks_need_params = True  # θ_l changed outside an inner step: the other ranks need it
@@ -159,13 +162,21 @@ class Trainer:
     def optimizer(self) -> torch.optim.AdamW:
         return self.build_optimizer_in_background().result()
 
+    def _params_changed(self) -> None:
+        self.ranks_need_params = True  # the other ranks take rank 0's θ_l before their next step
+
     @property
     def parameters_flat(self) -> torch.Tensor:
-        """θ_l: every parameter lives in this one buffer (with --shard, its copy in host
-        memory, refreshed from the ranks' shards here when steps changed them)."""
-        if self.sync is not None:
-            self.sync.refresh()
+        """θ_l: every parameter lives in this one buffer (not on a sharded host: see local_copy)."""
+        if isinstance(self.sync, HostShards):
+            raise TypeError("a sharded host keeps θ_l in its ranks' shards only: read it with local_weights")
         return self.flat.buffer
+
+    def local_copy(self) -> torch.Tensor:
+        """A flat copy of θ_l, on any host (tests and tools: on a sharded host it gathers the shards)."""
+        copy = torch.empty(self.local_weights.numel, dtype=torch.float32, device=self.local_weights.span_device)
+        self.local_weights.read(lambda span, values: copy[span].copy_(values))
+        return copy
 
     def _set_lr(self, position: int) -> None:
         self.lr = self.schedule(position, self.adam_steps)
@@ -289,7 +300,6 @@ class Trainer:
                 sync.push_params()
                 self.ranks_need_params = False
             rows = ranks.send_step(self.lr, batch)
-            sync.stepped()
             loss = inner_step(
                 self.forward_model, self.optimizer, rows, self.device, self.grad_clip, self._trainable, self._ahead
             )

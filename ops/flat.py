@@ -45,6 +45,11 @@ class FlatParameters:
             self.offsets.append(offset)
             offset += n
 
+    def release(self) -> None:
+        """Drop the buffer (a sharded host, once its first values are in the shards); the
+        layout (names, shapes, offsets) stays."""
+        self.buffer = torch.empty(0, dtype=torch.float32, device=self.buffer.device)
+
     def views(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
         """Named views of another flat buffer laid out like this one."""
         if flat.numel() != self.numel:
@@ -82,6 +87,7 @@ def _prod(shape: tuple[int, ...]) -> int:
 
 
 def sha256_of(flat: torch.Tensor) -> str:
-    """Hash of the raw bytes of a flat fp32 tensor: equal hashes mean bit-identical weights."""
+    """Hash of the raw bytes of a flat fp32 tensor: equal hashes mean bit-identical weights.
+    A CPU fp32 tensor is read in place (no bytes copy of the model's size)."""
     data = flat.detach().to("cpu", torch.float32).contiguous()
-    return hashlib.sha256(data.numpy().tobytes()).hexdigest()
+    return hashlib.sha256(data.numpy().data.cast("B")).hexdigest()

@@ -1,42 +1,59 @@
-"""DiLoCo outer optimizer: torch's SGD with Nesterov momentum, driven on flat buffers.
+"""DiLoCo outer optimizer: SGD with Nesterov momentum on flat buffers, in place and in slices.
 
-Given the averaged pseudo-gradient Δ (θ_g − θ_l, so it points downhill like a gradient),
-`torch.optim.SGD(nesterov=True)` makes buf ← μ·buf + Δ; θ_g ← θ_g − lr·(Δ + μ·buf). θ_g is
-the optimizer's one parameter and Δ its gradient; the momentum buffer is a tensor this class
-owns (checkpointed, averaged in a re-sync), installed as the optimizer's state. The update is
-in place and deterministic (the single-tensor kernel), so peers that enter with identical
-θ_g, momentum and Δ leave with identical θ_g.
+Given the averaged pseudo-gradient Δ (θ_g − θ_l, so it points downhill like a gradient), one
+step is buf ← μ·buf + Δ; θ_g ← θ_g − lr·(Δ + μ·buf): the rule of `torch.optim.SGD(nesterov=True)`
+with the same element-wise kernels in the same order (its single-tensor path), so the result
+is bit for bit torch's (tests/test_ops.py checks it). It is written out rather than driven
+through torch's optimizer because that one allocates Δ + μ·buf whole for the step (4 bytes
+per parameter more at the moment of the outer step, on a node whose memory is mostly these
+flat buffers) and wants a parameter of its own to hang the state on; here the temporary is one
+slice. The momentum buffer is a tensor this class owns (checkpointed, averaged in a re-sync).
+Peers that enter with identical θ_g, momentum and Δ leave with identical θ_g.
 """
 
 from __future__ import annotations
 
 import torch
 
+STEP_SLICE = 1 << 20  # values per slice of a step: the one temporary is this long
+
 
 class NesterovOuterOptimizer:
-    def __init__(self, numel: int, lr: float = 0.7, momentum: float = 0.9, device: str | torch.device = "cpu"):
+    def __init__(
+        self,
+        numel: int,
+        lr: float = 0.7,
+        momentum: float = 0.9,
+        device: str | torch.device = "cpu",
+        step_slice: int = STEP_SLICE,
+    ):
         if lr <= 0 or not 0 <= momentum < 1:
             raise ValueError("outer lr must be > 0 and momentum in [0, 1)")
+        if step_slice < 1:
+            raise ValueError("step_slice must be >= 1")
         self.lr = lr
         self.momentum = momentum
+        self.step_slice = step_slice
         self.momentum_buffer = torch.zeros(numel, dtype=torch.float32, device=device)
-        # θ_g, re-pointed at the buffer `step` is given (the replica passes the same one each time)
-        self._theta = torch.nn.Parameter(torch.zeros(numel, dtype=torch.float32, device=device), requires_grad=False)
-        # torch refuses Nesterov without momentum; with μ = 0 both are θ_g ← θ_g − lr·Δ
-        self._sgd = torch.optim.SGD([self._theta], lr=lr, momentum=momentum, nesterov=momentum > 0, foreach=False)
-        if momentum > 0:
-            self._sgd.state[self._theta]["momentum_buffer"] = self.momentum_buffer
 
     @torch.no_grad()
     def step(self, params: torch.Tensor, pseudo_gradient: torch.Tensor) -> None:
+        """θ_g (`params`) ← one step along Δ (`pseudo_gradient`, read only). With μ = 0 it is
+        θ_g ← θ_g − lr·Δ (torch refuses Nesterov without momentum; the buffer stays zero)."""
         if params.shape != pseudo_gradient.shape or params.shape != self.momentum_buffer.shape:
             raise ValueError("outer step buffers differ in shape")
-        self._theta.data = params
-        self._theta.grad = pseudo_gradient
-        try:
-            self._sgd.step()
-        finally:
-            self._theta.grad = None
+        n = params.numel()
+        scratch = torch.empty(min(n, self.step_slice), dtype=params.dtype, device=params.device)
+        for start in range(0, n, self.step_slice):
+            theta = params[start : start + self.step_slice]
+            delta = pseudo_gradient[start : start + self.step_slice]
+            if self.momentum == 0:
+                theta.add_(delta, alpha=-self.lr)
+                continue
+            buf = self.momentum_buffer[start : start + self.step_slice]
+            buf.mul_(self.momentum).add_(delta)
+            nesterov = torch.add(delta, buf, alpha=self.momentum, out=scratch[: theta.numel()])
+            theta.add_(nesterov, alpha=-self.lr)
 
     @torch.no_grad()
     def step_norm_bound(self, pseudo_gradient: torch.Tensor) -> torch.Tensor:

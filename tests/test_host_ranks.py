@@ -64,7 +64,7 @@ def _one_round(
         moments = worker.trainer.inner_state()
         worker.trainer.load_inner_state(*moments)  # a resume's path: the moments go back to every rank
         worker.trainer.run(steps, threading.Event())  # θ_l after the outer step reached every rank
-        theta, local = worker.replica.theta_g.clone(), worker.trainer.parameters_flat.clone()
+        theta, local = worker.replica.theta_g.clone(), worker.trainer.local_copy()
         return theta, local, first.tokens, eval_loss, moments[0]
     finally:
         worker.shutdown()

@@ -92,6 +92,31 @@ def test_outer_optimizer_matches_torch_nesterov_sgd():
     assert torch.allclose(theta, reference.detach(), atol=1e-6)
 
 
+@pytest.mark.parametrize("momentum", [0.0, 0.9])
+def test_outer_steps_in_slices_are_bit_for_bit_torchs_sgd(momentum):
+    """Members of a group must leave with bit-identical θ_g whatever the slice: the hand-written
+    step (one slice-sized temporary) equals torch's SGD exactly, slices that do not divide the
+    buffer (and vector-width tails) included, over several steps."""
+    torch.manual_seed(3)
+    n = 10_007
+    theta = torch.randn(n)
+    reference = torch.nn.Parameter(theta.clone())
+    sgd = torch.optim.SGD([reference], lr=0.7, momentum=momentum, nesterov=momentum > 0, foreach=False)
+    sliced = [(NesterovOuterOptimizer(n, 0.7, momentum, step_slice=size), theta.clone()) for size in (n, 1000, 333, 7)]
+    for _ in range(4):
+        delta = torch.randn(n)
+        reference.grad = delta.clone()
+        sgd.step()
+        for opt, values in sliced:
+            opt.step(values, delta)
+    for opt, values in sliced:
+        assert torch.equal(values, reference.detach())
+        if momentum:
+            assert torch.equal(opt.momentum_buffer, sgd.state[reference]["momentum_buffer"])
+    with pytest.raises(ValueError):
+        NesterovOuterOptimizer(4, step_slice=0)
+
+
 def test_outer_optimizer_keeps_its_momentum_in_the_buffer_it_checkpoints():
     """The momentum torch's SGD uses is the buffer a checkpoint saves and a re-sync overwrites:
     the same rule written out by hand (buf <- mu buf + d; theta <- theta - lr (d + mu buf))."""

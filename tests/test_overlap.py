@@ -49,6 +49,38 @@ def test_on_cuda_the_copy_of_delta_is_whole_though_the_training_stream_overwrite
     torch.cuda.synchronize()
 
 
+def _model_sized(*holders: object) -> set[int]:
+    """The storages of the model-sized tensors the objects hold as attributes."""
+    found = set()
+    for holder in holders:
+        for value in vars(holder).values():
+            if isinstance(value, torch.Tensor) and value.numel() >= 10_000:
+                found.add(value.untyped_storage().data_ptr())
+    return found
+
+
+def test_a_cpu_replica_holds_four_model_sized_buffers_through_its_rounds():
+    """Host memory per parameter is what decides the largest model a node trains (a sharded
+    host's rank 0 holds all of these in RAM): θ_g, the outer momentum, Δ's staging buffer and
+    the average's, and with --overlap the Δ in flight, nothing more; an outer step allocates one
+    slice at most, not another Δ."""
+    r = _replica("a")
+    flat = r.trainer.parameters_flat
+    held = _model_sized(r, r.outer)
+    assert held == {
+        t.untyped_storage().data_ptr() for t in (r.theta_g, r.outer.momentum_buffer, r.delta_cpu, r.mean_cpu)
+    }
+    flat.add_(0.01)
+    delta = r.pseudo_gradient()
+    assert delta.data_ptr() == r.delta_cpu.data_ptr() and torch.allclose(delta, torch.full_like(delta, -0.01))
+    r.mean_cpu.copy_(delta)
+    r.apply_outer_step(r.mean_cpu)
+    assert torch.equal(flat, r.theta_g) and _model_sized(r, r.outer) == held
+    r.stage_delta()  # --overlap
+    r.land(r.mean_cpu, None)
+    assert _model_sized(r, r.outer) == held | {r._in_flight_buffer().untyped_storage().data_ptr()}
+
+
 def test_a_replica_knows_how_far_its_outer_steps_move_theta_g_and_how_far_a_download_is():
     """The two figures a running node judges a split-vote download by (`daemon/reach.py`)."""
     r = _replica("a")

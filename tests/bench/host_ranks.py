@@ -9,7 +9,10 @@ ranks, or 2 ranks with `--shard`; `--threads-per-rank 1`) and a 1-rank partner, 
 every round has the same H inner steps on both hosts. The host's figures come from its own
 /history (tokens/s per host, bytes on the wire per round, all-reduce seconds, the median
 over its rounds after the first) and from sampling the resident memory of its processes
-(peak RSS per rank, rank 0 being the node process with its DHT, gRPC and sidecar). On a
+(peak RSS per rank, rank 0 being the node process with its DHT, gRPC and sidecar). The same
+hosts again with `--baseline-model` (tiny) give the bytes of peak RSS per parameter: the
+difference of the two peaks over the difference of the two models' sizes, which leaves out
+what does not grow with the model (the interpreter, torch, the DHT). On a
 2-core machine the 2-rank host's two ranks and the partner share the cores: tokens/s per
 host measures the overhead of the rank protocol, not the speed-up GPUs would give.
 
@@ -56,8 +59,15 @@ def _sample_peaks(node: NodeProcess, peaks: dict[int, int], stop: threading.Even
         time.sleep(0.2)
 
 
-def run_config(tmp: Path, ranks: int, shard: bool, flags: list[str]) -> dict[str, float | list[int]]:
-    name = f"{ranks}{'s' if shard else ''}"
+def parameter_count(model: str) -> int:
+    from dtnode.daemon.model import build_model
+
+    built, _ = build_model(model, 0)
+    return sum(p.numel() for p in built.parameters())
+
+
+def run_config(tmp: Path, ranks: int, shard: bool, flags: list[str], tag: str = "") -> dict[str, float | list[int]]:
+    name = f"{ranks}{'s' if shard else ''}{tag}"
     extra = ["--shard"] if shard else []
     host = NodeProcess.join(f"host{name}", tmp, *flags, *extra, "--nproc-per-node", str(ranks), "--min-peers", "2")
     partner = NodeProcess.join(f"partner{name}", tmp, *flags, "--nproc-per-node", "1", "--peer", host.join_address)
@@ -95,18 +105,26 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=2, help="per rank")
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="cuda: one rank per GPU, over NCCL")
+    parser.add_argument(
+        "--baseline-model", default="tiny", help="the smaller model of the bytes-per-parameter slope ('' to skip it)"
+    )
     args = parser.parse_args()
     flags = _flags(args.model, args.rounds, args.inner_steps, args.batch_size, args.seq_len, args.device)
+    small = None
+    if args.baseline_model and args.baseline_model != args.model:
+        small = _flags(args.baseline_model, 2, args.inner_steps, args.batch_size, args.seq_len, args.device)
     configs = [(1, False), (2, False), (2, True)]
     if args.device == "cuda":
         import torch
 
         configs = configs if torch.cuda.device_count() >= 2 else configs[:1]  # NCCL: one rank per GPU
     tmp = Path(tempfile.mkdtemp(prefix="dtnode-bench-ranks-"))
-    results = {}
+    results, baseline = {}, {}
     try:
         for ranks, shard in configs:
             results[f"{ranks}-rank{' --shard' if shard else ''}"] = run_config(tmp, ranks, shard, flags)
+            if small is not None:
+                baseline[f"{ranks}-rank{' --shard' if shard else ''}"] = run_config(tmp, ranks, shard, small, "b")
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     print(
@@ -121,6 +139,17 @@ def main() -> None:
             f"{name:<16} {r['tokens_per_s']:>10.0f} {r['bytes_per_round']:>13.0f} {r['allreduce_s']:>12.3f} "
             f"{r['full']:>6.0%}  {rss}"
         )
+    if baseline:
+        extra = parameter_count(args.model) - parameter_count(args.baseline_model)
+        print(
+            f"peak RSS per parameter, per rank ({args.model} against {args.baseline_model}, {extra} parameters apart):"
+        )
+        for name, r in results.items():
+            slopes = [
+                (big - little) / extra
+                for big, little in zip(r["peak_rss"], baseline[name]["peak_rss"], strict=True)  # type: ignore[arg-type]
+            ]
+            print(f"  {name:<16} " + ", ".join(f"{b:.1f} B" for b in slopes))
     one = float(results["1-rank"]["bytes_per_round"])  # type: ignore[arg-type]
     for name in [n for n in ("2-rank", "2-rank --shard") if n in results]:
         print(f"bytes per round, {name} / 1-rank: {float(results[name]['bytes_per_round']) / one:.4f}")  # type: ignore[arg-type]
