@@ -9,9 +9,10 @@ parameter order), the data stream's generator state and the inner step counts; o
 restart of the same node reads it (a joiner starts its own inner state fresh, with warmup).
 `local-N` is written first and `ckpt-N` last, so a whole `ckpt-N` means the step is whole. It is
 written by streaming the flat buffers straight into the file while hashing them (no second
-copy of the model in memory), to a temp file that is fsynced and renamed, so a kill -9 at
-any moment leaves the previous checkpoint whole. Reading never unpickles: safetensors only,
-and every name, shape, dtype and value is checked against this node's model.
+copy of the model in memory; on a CPU node θ_g and the momentum are read in place, see
+store.py), to a temp file that is fsynced and renamed, so a kill -9 at any moment leaves the
+previous checkpoint whole. Reading never unpickles: safetensors only, and every name, shape,
+dtype and value is checked against this node's model.
 """
 
 from __future__ import annotations
@@ -25,9 +26,10 @@ import secrets
 import shutil
 import struct
 import time
-from collections.abc import Collection
+from collections.abc import Collection, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 import torch
 from safetensors import safe_open
@@ -116,11 +118,20 @@ class LocalState:
     error_feedback: torch.Tensor | None = None  # owed to the swarm: not sent yet, not in θ_g
 
 
+class SharedBytes(Protocol):
+    """The bytes of a `ckpt-N` file, in order (memory_checkpoint.MemoryCheckpoint)."""
+
+    def pieces(self) -> Iterator[bytes | memoryview]: ...
+
+
 @dataclass
 class TrainingState:
     theta_g: torch.Tensor
     momentum: torch.Tensor
     local: LocalState | None = None
+    # `ckpt-N`'s bytes read from θ_g and the momentum in place (on a CPU), which are then the live
+    # tensors: no model-sized copy for the write, one only if they change while it lasts
+    live: SharedBytes | None = None
 
 
 def _entries(tensors: list[tuple[str, str, list[int], int]], metadata: dict[str, str]) -> bytes:
@@ -133,13 +144,17 @@ def _entries(tensors: list[tuple[str, str, list[int], int]], metadata: dict[str,
     return raw + b" " * (-len(raw) % 8)
 
 
-def _write_atomic(final: Path, header: bytes, buffers: list[torch.Tensor]) -> tuple[str, int]:
+def tensor_pieces(header: bytes, buffers: list[torch.Tensor]) -> list[bytes | memoryview]:
+    """A safetensors file's bytes: the header's length, the header, then the tensors' bytes in place."""
+    pieces: list[bytes | memoryview] = [struct.pack("<Q", len(header)), header]
+    return pieces + [t.detach().cpu().contiguous().numpy().data.cast("B") for t in buffers]
+
+
+def _write_atomic(final: Path, pieces: Iterable[bytes | memoryview]) -> tuple[str, int]:
     """temp file, fsync, rename, fsync the directory; returns (sha256, size)."""
     tmp = final.parent / f".{final.name}.tmp-{RUN_TOKEN}"
     digest = hashlib.sha256()
     size = 0
-    pieces: list[bytes | memoryview] = [struct.pack("<Q", len(header)), header]
-    pieces += [t.detach().cpu().contiguous().numpy().data.cast("B") for t in buffers]
     try:
         with open(tmp, "wb") as f:
             for piece in pieces:
@@ -199,9 +214,13 @@ def write_checkpoint(
                 raise ValueError("error-feedback buffer does not match the layout")
             entries.append((FEEDBACK, "F32", [layout.numel], n))
             buffers.append(local.error_feedback)
-        _write_atomic(local_state_path(directory, step), _entries(entries, local_meta), buffers)
+        _write_atomic(local_state_path(directory, step), tensor_pieces(_entries(entries, local_meta), buffers))
     final = checkpoint_path(directory, step)
-    sha256, size = _write_atomic(final, shared_header(step, layout, metadata), [state.theta_g, state.momentum])
+    if state.live is not None:
+        pieces: Iterable[bytes | memoryview] = state.live.pieces()
+    else:
+        pieces = tensor_pieces(shared_header(step, layout, metadata), [state.theta_g, state.momentum])
+    sha256, size = _write_atomic(final, pieces)
     return CheckpointInfo(step, final, sha256, size)
 
 

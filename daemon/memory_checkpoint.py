@@ -5,11 +5,14 @@ from __future__ import annotations
 import hashlib
 import struct
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 
 from .checkpoint import CheckpointInfo, Layout, shared_header
+
+WRITE_SLICE = 64 << 20  # bytes of the file read from the tensors at a time when it is written
 
 
 class MemoryCheckpoint:
@@ -54,6 +57,12 @@ class MemoryCheckpoint:
             if not self.detached:
                 self._tensors = [t.clone() for t in self._tensors]
                 self.detached = True
+
+    def pieces(self) -> Iterator[bytes]:
+        """The file's bytes in slices of WRITE_SLICE (a file write from the live tensors: `detach`
+        waits for the slice being read, and the rest comes from the copies)."""
+        for offset in range(0, self.size, WRITE_SLICE):
+            yield self.read(offset, WRITE_SLICE)
 
     def read(self, offset: int, length: int) -> bytes:
         """`length` bytes of the file from `offset` (clipped to its end)."""

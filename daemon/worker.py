@@ -4,8 +4,8 @@ the one training thread that changes them.
 Everything that touches the model runs on that thread, in order: inner steps, the outer
 step, a landing (--overlap), an install of a downloaded checkpoint, an eval. The event loop
 never waits on it except through `call`. θ_g and the outer momentum change only under
-`theta_changing()`, which also tells the checkpoint store (whose memory checkpoints read
-those tensors in place) and bumps a version a reader can compare.
+`theta_changing()`, which also tells the checkpoint store (whose memory checkpoints and
+file writes read those tensors in place) and bumps a version a reader can compare.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import torch
 
 from dtnode.peers.averager import AveragingResult
 
-from .checkpoint import Layout, LoadedCheckpoint, LocalState, TrainingState
+from .checkpoint import Layout, LoadedCheckpoint, LocalState, SharedBytes, TrainingState
 from .data import DataStream
 from .local_ranks import LocalRankFailure, LocalRanks, RankReport, RankState, own_memory, plan_ranks
 from .replica import Replica
@@ -298,13 +298,24 @@ class ModelWorker:
         finally:
             self.replica.restore_local()
 
-    def snapshot(self, local: bool) -> tuple[int, TrainingState]:
-        """θ_g and the momentum (with `local`, this node's inner state too: training thread only)."""
+    def snapshot(
+        self, local: bool, live: Callable[[int, torch.Tensor, torch.Tensor], SharedBytes] | None = None
+    ) -> tuple[int, TrainingState]:
+        """θ_g and the momentum (with `local`, this node's inner state too: training thread only).
+
+        With `live`, θ_g and the momentum in host memory are not copied: `live(step, θ_g,
+        momentum)` makes the reader of the file's bytes from them, under the lock, so that the
+        next change (`on_theta_change`) finds it and gives it copies if it is still reading.
+        On a GPU they are copied to the host, as they must be for the file anyway."""
         replica = self.replica
+        state_live: SharedBytes | None = None
         with self.theta_lock:
             step = replica.outer_step
-            theta = replica.theta_g.detach().to("cpu", copy=True)
-            momentum = replica.outer.momentum_buffer.to("cpu", copy=True)
+            theta, momentum = replica.theta_g.detach(), replica.outer.momentum_buffer
+            if live is not None and theta.device.type == "cpu" and momentum.device.type == "cpu":
+                state_live = live(step, theta, momentum)
+            else:
+                theta, momentum = theta.to("cpu", copy=True), momentum.to("cpu", copy=True)
         own = None
         if local:
             trainer = self.trainer
@@ -312,7 +323,7 @@ class ModelWorker:
                 exp_avg, exp_avg_sq, adam_steps = trainer.inner_state()
             except LocalRankFailure as e:  # --shard after a rank died: θ_g is whole, the moments are not
                 log.warning("writing θ_g without this node's inner optimizer state (%s)", e)
-                return step, TrainingState(theta, momentum, None)
+                return step, TrainingState(theta, momentum, None, state_live)
             generator, sequences = trainer.stream.position()
             batches = sequences // trainer.stream.batch_size
             settled = self._settled_feedback if self._settled_feedback is not None else self.residual
@@ -320,4 +331,4 @@ class ModelWorker:
             own = LocalState(
                 exp_avg, exp_avg_sq, generator, trainer.inner_step, adam_steps, batches, sequences, feedback
             )
-        return step, TrainingState(theta, momentum, own)
+        return step, TrainingState(theta, momentum, own, state_live)

@@ -180,6 +180,37 @@ def test_a_checkpoint_served_from_memory_is_the_file_byte_for_byte(tmp_path):
     assert memory.read(0, memory.size) == on_disk
 
 
+def test_a_checkpoint_written_from_the_live_theta_is_whole_though_theta_changes_during_the_write(tmp_path, monkeypatch):
+    """A CPU node writes `ckpt-N` from θ_g and the momentum in place (no model-sized copy): an
+    outer step that comes while the file is being written first gives the writer copies
+    (`detach`), so the file holds step N's values whole, byte for byte the file written from
+    copies, and the live tensors move on."""
+    from dtnode.daemon import memory_checkpoint
+    from dtnode.daemon.memory_checkpoint import MemoryCheckpoint
+
+    monkeypatch.setattr(memory_checkpoint, "WRITE_SLICE", 24)  # several slices, a change between two
+    layout = Layout(("a", "b"), ((3, 5), (7,)))
+    theta, momentum = torch.randn(layout.numel), torch.randn(layout.numel)
+    meta = {"run_id": "r", "model_hash": "h"}
+    expected = write_checkpoint(tmp_path / "copies", 4, layout, TrainingState(theta.clone(), momentum.clone()), meta)
+    live = MemoryCheckpoint(4, layout, theta, momentum, meta)
+    pieces = live.pieces()
+
+    class ChangesMidway:
+        def pieces(self):
+            for i, piece in enumerate(pieces):
+                if i == 3:
+                    live.detach()  # the store's hook, under the worker's lock, before the step
+                    theta.add_(1.0)
+                    momentum.mul_(0.5)
+                yield piece
+
+    state = TrainingState(theta, momentum, None, ChangesMidway())
+    written = write_checkpoint(tmp_path / "live", 4, layout, state, meta)
+    assert written.sha256 == expected.sha256 and written.path.read_bytes() == expected.path.read_bytes()
+    assert not torch.equal(read_checkpoint(written.path, layout, "r", "h").theta_g, theta)  # they moved on
+
+
 def test_stale_temp_files_are_swept_by_age_and_owner_even_under_pid_1(tmp_path):
     """In a container every run of the node is PID 1, so a dead writer's temp file names a pid
     that is alive (this one): it is swept once it is old, whoever's pid it names; a fresh one
@@ -201,3 +232,53 @@ def test_stale_temp_files_are_swept_by_age_and_owner_even_under_pid_1(tmp_path):
     prune_checkpoints(tmp_path, keep=3)
     assert not dead_run.exists() and not dead_tagged.exists()
     assert fresh.exists() and mine.exists()
+
+
+def test_the_store_writes_theta_g_in_place_and_an_outer_step_during_the_write_keeps_the_file_whole(
+    tmp_path, monkeypatch
+):
+    """The node's own checkpoint writes (CPU): θ_g and the momentum are read in place by the I/O
+    thread, and an outer step (under the worker's lock) during the write makes the store hand the
+    writer copies first: the file is the step's θ_g, the node's θ_g is the next one."""
+    import asyncio
+
+    from dtnode.daemon import memory_checkpoint
+    from dtnode.daemon.memory_checkpoint import MemoryCheckpoint
+    from dtnode.daemon.metrics import NodeMetrics
+    from dtnode.daemon.settings import NodeSettings
+    from dtnode.daemon.store import CheckpointStore
+    from dtnode.daemon.worker import ModelWorker
+    from dtnode.daemon.workload import build_workload
+
+    settings = NodeSettings(state_dir=tmp_path, model="tiny", seq_len=16, fused_kernels=False, device="cpu")
+    worker = ModelWorker(settings, build_workload(settings, tmp_path), torch.device("cpu"))
+    worker.build("peer")
+    store = CheckpointStore(
+        tmp_path, worker, {"run_id": "r", "model_hash": "h"}, 3, NodeMetrics("0", "r", "tiny", "cpu"), set
+    )
+    replica = worker.replica
+    replica.outer_step = 3
+    before = replica.theta_g.clone()
+    monkeypatch.setattr(memory_checkpoint, "WRITE_SLICE", 4096)
+    read_in_place = []
+    pieces = MemoryCheckpoint.pieces
+
+    def outer_step_midway(self):
+        read_in_place.append(self)
+        for i, piece in enumerate(pieces(self)):
+            if i == 2:
+                with worker.theta_changing():  # what an outer step landing now does first
+                    replica.theta_g.add_(1.0)
+                    replica.outer_step += 1
+            yield piece
+
+    monkeypatch.setattr(MemoryCheckpoint, "pieces", outer_step_midway)
+    try:
+        asyncio.run(store.write(local=False))
+    finally:
+        worker.shutdown()
+        store.shutdown()
+    assert read_in_place and read_in_place[0].detached
+    written = read_checkpoint(store.files[3].path, worker.layout, "r", "h")
+    assert torch.equal(written.theta_g, before) and torch.equal(replica.theta_g, before + 1.0)
+    assert not list(store._writing)  # the write let go of what it read
