@@ -68,8 +68,9 @@ class Landing:
     def land(self, result: AveragingResult | None) -> None:
         """On the training thread: the outer step of the average in flight (None: it failed).
 
-        It counts as landed once made: one that raises before (a local rank died while θ_l was
-        gathered) fails that round, and the round's end or the drain makes it then."""
+        It counts as landed once made: one that raises before fails that round, and the round's
+        end or the drain makes it then. (A sharded host whose rank died lands θ_g without θ_l,
+        which died with the shards: see Replica.land.)"""
         failpoints.reach("landing-error", self.worker.outer_step)
         self.worker.land(result)
         self.landed = True

@@ -8,8 +8,9 @@ device-side buffer, which would be a third model-sized copy of Δ in the same me
 
 θ_l is read and written span by span through the trainer's `LocalWeights` (local_weights.py):
 the trainer's flat buffer on one device or DDP ranks, the parameters gathered from and sent to
-the shards one at a time on a sharded host, which holds no copy of θ_l of its own. After the outer step θ_l is reset to θ_g; the inner optimizer state is kept. Every write to
-θ_l here reaches the host's other local ranks before their next inner step.
+the shards one at a time on a sharded host, which holds no copy of θ_l of its own. After the
+outer step θ_l is reset to θ_g; the inner optimizer state is kept. Every write to θ_l here
+reaches the host's other local ranks before their next inner step.
 
 On CUDA the device-to-host copy of Δ runs on a copy stream of its own: the training thread
 does not wait for it, the next inner steps (with --overlap) and the group's matchmaking run

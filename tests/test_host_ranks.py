@@ -59,6 +59,8 @@ def _one_round(
         worker.build("one-peer-id")  # the same id: the same token order
         worker.trainer.prefetch_batches = ranks > 1  # a GPU host's batch drawn ahead: the order must not change
         first = worker.trainer.run(steps, threading.Event())
+        if shard:  # θ_l lives in the shards only: rank 0 let go of the first values once they were sent
+            assert worker.trainer.flat.buffer.numel() == 0
         worker.replica.apply_outer_step(worker.pseudo_gradient().clone())
         eval_loss = worker.trainer.eval_loss()
         moments = worker.trainer.inner_state()
