@@ -129,7 +129,10 @@ class Replica:
         return self._delta_device
 
     @torch.no_grad()
-    def apply_outer_step(self, mean_delta_cpu: torch.Tensor) -> None:
+    def apply_outer_step(self, mean_delta_cpu: torch.Tensor, consensus_cpu: torch.Tensor | None = None) -> None:
+        """The outer step of the averaged Δ, on the swarm's re-synced θ_g and momentum first when
+        the round re-synced them (`consensus_cpu`); θ_l ← θ_g once, after both."""
+        self._take_consensus(consensus_cpu)
         mean = self._mean_on_device(mean_delta_cpu)
         self.outer.step(self.theta_g, mean)
         self._update_sizes.append((self.outer.step_norm_bound(mean), self.outer_step))
@@ -176,13 +179,13 @@ class Replica:
         """
         return torch.cat([self.theta_g.detach().to("cpu", torch.float32), self.outer.momentum_buffer.to("cpu")])
 
-    @torch.no_grad()
-    def adopt_consensus_state(self, state_cpu: torch.Tensor) -> None:
-        """Take the swarm's averaged θ_g and momentum (before this step's outer update)."""
+    def _take_consensus(self, state_cpu: torch.Tensor | None) -> None:
+        """The swarm's averaged θ_g and momentum (before this step's outer update), if re-synced."""
+        if state_cpu is None:
+            return
         n = self.numel
         self.theta_g.copy_(state_cpu[:n])
         self.outer.momentum_buffer.copy_(state_cpu[n:])
-        self._local_from(self.theta_g)
         self._sha256 = ""
 
     @torch.no_grad()
@@ -232,11 +235,7 @@ class Replica:
         except LocalRankFailure as e:  # a sharded host whose rank died: θ_l is lost, θ_g lands whole
             log.warning("landing the outer step without θ_l (%s): the node restarts from θ_g", e)
             known = False
-        if consensus_cpu is not None:
-            n = self.numel
-            self.theta_g.copy_(consensus_cpu[:n])
-            self.outer.momentum_buffer.copy_(consensus_cpu[n:])
-            self._sha256 = ""
+        self._take_consensus(consensus_cpu)
         if mean_cpu is not None:
             mean = self._mean_on_device(mean_cpu)
             self.outer.step(self.theta_g, mean)

@@ -243,9 +243,7 @@ class ModelWorker:
         """Adopt a re-synced θ_g if any, then the outer step of the averaged Δ."""
         self.end_round_count()
         with self.theta_changing():
-            if result.theta is not None:
-                self.replica.adopt_consensus_state(result.theta)
-            self.replica.apply_outer_step(result.mean)
+            self.replica.apply_outer_step(result.mean, result.theta)
         self._count_solo(result)
         self.measure_feedback()
 
