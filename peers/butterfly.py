@@ -26,14 +26,14 @@ import torch
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception, stop_after_attempt
 
 from dtnode.ops import sparse
-from dtnode.ops.quantization import QuantizedBlocks, dequantize, quantize, quantize_with_feedback
+from dtnode.ops.quantization import quantize, quantize_with_feedback
 from dtnode.proto import averaging_pb2 as pb
 from dtnode.proto import averaging_pb2_grpc as pb_grpc
 
 from . import failpoints
 from .auth import GRPC_METADATA, SwarmAuth, stream_subject
 from .plan import INT8, SPARSE, GroupPlan, chunk_spans
-from .reducer import PartReduction, ReductionFailed, ReductionRegistry, maybe_thread
+from .reducer import PartReduction, ReductionFailed, ReductionRegistry, decode_into, maybe_thread
 from .tls import TLS_NAME, TlsError, TrustStore
 from .wire import (
     MAX_WEIGHT,
@@ -234,15 +234,6 @@ def _drifted(result: torch.Tensor, own: torch.Tensor, max_drift: float) -> bool:
     return float(torch.dist(result, own)) > max_drift * max(float(own.norm()), 1e-30)
 
 
-def _decode_into(payload: Payload, target: torch.Tensor) -> None:
-    if isinstance(payload, QuantizedBlocks):
-        dequantize(payload, out=target)
-    elif isinstance(payload, sparse.SparseBlocks):
-        sparse.decode(payload, out=target)
-    else:
-        target.copy_(payload)
-
-
 def _sparsify_own(plan: GroupPlan, own: torch.Tensor, residual: torch.Tensor | None, feedback: Feedback | None):
     """The reducer's own values as the group sees everyone's: through the same top-k code."""
     payload = _encode(plan, own, residual, feedback)
@@ -325,7 +316,7 @@ async def butterfly_allreduce(
                     else:
                         target.copy_(own)
                     return PartOutcome(me, own_id, False, [], 0.0, length, f"REDUCTION_FAILED: {e}")
-                await maybe_thread(_decode_into, payload, target[off : off + n], size=n)
+                await maybe_thread(decode_into, payload, target[off : off + n], size=n)
             if max_drift is not None and await maybe_thread(_drifted, target, mine, max_drift, size=length):
                 target.copy_(mine)  # our senders refuse it too: nobody applies it
                 return PartOutcome(me, own_id, False, [], 0.0, length, "DRIFTED: the re-synced values moved too far")
@@ -461,7 +452,7 @@ async def butterfly_allreduce(
                 payload = decode_chunk(msg, plan, length, received[0], result=True)
                 report.bytes_received += payload_size(payload)
                 await maybe_thread(
-                    _decode_into, payload, target[received[0] : received[0] + msg.length], size=msg.length
+                    decode_into, payload, target[received[0] : received[0] + msg.length], size=msg.length
                 )
                 received[0] += msg.length
                 if msg.last:

@@ -1,7 +1,9 @@
 """Reducer side of the butterfly: one fp32 accumulator per part, finished chunk by chunk.
 
 Memory stays bounded: a reducer holds its fp32 accumulator, the int8 result it returns and,
-per sender stream, the chunk being folded; it never keeps a copy of any sender's part.
+per sender stream, the chunk being folded (in robust mode, and for fp32 and sparse plans, whose
+chunks are added in a fixed order once all are in, at most 4 chunks per sender); it never keeps
+a copy of any sender's part.
 Chunk k of the result is final as soon as every sender still in the group has delivered
 chunk k (or has failed), and it streams back to every sender at once, so sending, reducing
 and returning overlap across the whole part instead of running one after the other.
@@ -27,6 +29,7 @@ from collections.abc import Callable
 import torch
 
 from dtnode.ops import sparse
+from dtnode.ops.ordered_mean import ordered_weighted_mean
 from dtnode.ops.quantization import (
     NonFiniteError,
     QuantizedBlocks,
@@ -86,6 +89,16 @@ def decode_payload(payload: Payload) -> torch.Tensor:
     return payload.clone()
 
 
+def decode_into(payload: Payload, target: torch.Tensor) -> None:
+    """A payload's dense fp32 values, written into `target` (of its length)."""
+    if isinstance(payload, QuantizedBlocks):
+        dequantize(payload, out=target)
+    elif isinstance(payload, sparse.SparseBlocks):
+        sparse.decode(payload, out=target)
+    else:
+        target.copy_(payload)
+
+
 async def maybe_thread(fn: Callable, *args, size: int):
     if size >= THREAD_THRESHOLD:
         return await asyncio.to_thread(fn, *args)
@@ -112,12 +125,20 @@ class PartReduction:
         self.deadline = deadline
         # Robust mode keeps each sender's decoded chunk until the chunk is final (a few chunks
         # per sender at most, see `add`) and takes a trimmed mean instead of the weighted sum.
+        # A plan whose members' values all enter the sum as sent (fp32, and sparse, whose
+        # reducer puts its own values through the same code) keeps each sender's chunk too, and
+        # adds them in an order of their own values (`ordered_weighted_mean`): two moshpit
+        # groups that reduce the same contributions then return the same bits, whoever reduces
+        # and whatever arrives first. int8's reducer adds its own values unquantized, so two
+        # reducers differ anyway there, and its (model-sized) re-syncs keep the hashes together.
         self.trim_fraction = trim_fraction
-        self.pending: dict[int, list[tuple[torch.Tensor, float]]] = {}  # chunk -> (values, weight) per sender
+        self.ordered = trim_fraction is None and plan.codec in (FP32, SPARSE)
+        self.pending: dict[int, list[tuple[torch.Tensor, float]]] = {}  # robust: chunk -> (values, weight) per sender
+        self.held: dict[int, list[tuple[Payload, float]]] = {}  # ordered: chunk -> (payload, weight) per sender
         bound = plan.announced_weight(own_id)  # the reducer's own weight is bounded like a sender's
         own_weight = float(own_weight) if bound is None else min(float(own_weight), bound[1])
         self.own_weight = own_weight
-        if trim_fraction is None:
+        if trim_fraction is None and not self.ordered:
             self.accumulator = own_values.to(torch.float32) * own_weight
         else:
             self.accumulator = own_values.to(torch.float32, copy=True)
@@ -204,7 +225,7 @@ class PartReduction:
     async def add(self, sender: str, index: int, payload: Payload) -> None:
         """Fold chunk `index` of a sender into the accumulator (chunks arrive in order)."""
         offset, _ = self.spans[index]
-        if self.trim_fraction is not None:  # bounded buffering: a sender runs at most 4 chunks ahead
+        if self.buffers_senders:  # bounded buffering: a sender runs at most 4 chunks ahead
             async with self._changed:
                 await self._changed.wait_for(
                     lambda: index < self.finalized + 4 or sender in self.failed or self.failure is not None
@@ -228,6 +249,9 @@ class PartReduction:
     def _fold(self, index: int, offset: int, payload: Payload, weight: float) -> None:
         if not largest_magnitude(payload) * weight <= MAX_CONTRIBUTION:
             raise ChunkError(f"values x weight exceed {MAX_CONTRIBUTION:g}: the sum would overflow")
+        if self.ordered:
+            self.held.setdefault(index, []).append((payload, weight))
+            return
         if self.trim_fraction is not None:
             self.pending.setdefault(index, []).append((decode_payload(payload), weight))
             return
@@ -288,7 +312,14 @@ class PartReduction:
 
     def _finish_chunk(self, index: int, offset: int, length: int, weight: float) -> None:
         mean = self.accumulator[offset : offset + length]
-        if self.trim_fraction is None:
+        if self.ordered:
+            held = self.held.pop(index, [])
+            rows = torch.empty(1 + len(held), length)
+            rows[0].copy_(mean)
+            for row, (payload, _) in zip(rows[1:], held, strict=True):
+                decode_into(payload, row)
+            ordered_weighted_mean(rows, [self.own_weight, *(w for _, w in held)], out=mean)
+        elif self.trim_fraction is None:
             mean.div_(weight)
         else:
             senders = self.pending.pop(index, [])
@@ -318,8 +349,14 @@ class PartReduction:
         return sorted([self.own_id, *self.committed])
 
     @property
+    def buffers_senders(self) -> bool:
+        """Senders' chunks wait here until their chunk is final (robust or ordered mode)."""
+        return self.trim_fraction is not None or self.ordered
+
+    @property
     def total_weight(self) -> float:
-        return self.own_weight + sum(self.weights[s] for s in self.committed)
+        """The senders' weights summed smallest first: the same bits in any arrival order."""
+        return sum(sorted([self.own_weight, *(self.weights[s] for s in self.committed)]))
 
 
 class ReductionRegistry:

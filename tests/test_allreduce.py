@@ -7,9 +7,10 @@ import pytest
 import torch
 from allreduce_harness import allreduce, allreduce_beside, send_to_each_reducer, start_peers, stop_peers, stream_status
 
+from dtnode.ops import sparse
 from dtnode.ops.quantization import quantize
 from dtnode.peers.butterfly import Feedback, butterfly_allreduce
-from dtnode.peers.plan import FP32, INT8, Member, make_plan
+from dtnode.peers.plan import FP32, INT8, SPARSE, Member, make_plan
 from dtnode.peers.wire import chunk_message
 from dtnode.proto import averaging_pb2 as pb
 from dtnode.proto import averaging_pb2_grpc as pb_grpc
@@ -72,6 +73,42 @@ def test_fp32_codec_is_exact_to_float_rounding():
         finally:
             await stop_peers(peers)
         assert torch.allclose(outs[0], exact_mean(values, [1.0, 2.0, 3.0]), atol=1e-5)
+
+    run(main())
+
+
+@pytest.mark.parametrize("codec", [FP32, SPARSE])
+def test_two_groups_reducing_the_same_contributions_return_the_same_bits(codec):
+    """Moshpit can have two groups reduce the same values (a peer alone in one hop stands in
+    two classes of the next), with different reducers and arrival orders. fp32 sums in another
+    order differ in the last bit, which would leave the two groups with different θ_g hashes
+    and, with no scheduled re-sync (sparse), apart for good. Here the second group holds the
+    first one's values rotated by one member, so every part has another reducer."""
+
+    async def main():
+        numel = 3 * 4096 + 5
+        gen = torch.Generator().manual_seed(31)
+        common = torch.randn(numel, generator=gen)  # shared, so sparse members keep the same positions
+        values = [common + 0.1 * torch.randn(numel, generator=gen) for _ in range(3)]
+        weights = [0.3, 1.7, 2.9]
+        rotated = [2, 0, 1]
+        options = {"codec": codec, "block_size": 4096, "chunk_elements": 8192, "top_k": 512 if codec == SPARSE else 0}
+        first, second = await start_peers(3, run_id="group-a"), await start_peers(3, run_id="group-b")
+        try:
+            (outs_a, _), (outs_b, _) = await asyncio.gather(
+                allreduce(first, values, weights, run_id="group-a", **options),
+                allreduce(
+                    second, [values[i] for i in rotated], [weights[i] for i in rotated], run_id="group-b", **options
+                ),
+            )
+        finally:
+            await stop_peers(first + second)
+        assert all(torch.equal(out, outs_a[0]) for out in outs_a + outs_b)
+        if codec == FP32:
+            assert rel(outs_a[0], exact_mean(values, weights)) < 1e-6
+        else:  # the mean of what the members kept, in the 8-bit code of a returned mean
+            kept = [sparse.decode(sparse.encode(v, 4096, 512)) for v in values]
+            assert rel(outs_a[0], exact_mean(kept, weights)) < 0.01
 
     run(main())
 

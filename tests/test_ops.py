@@ -280,3 +280,26 @@ def test_the_median_aggregation_is_the_trimmed_mean_trimmed_as_far_as_it_goes():
     assert float(trimmed_mean(values, trim_count(5, MEDIAN_FRACTION))) == 2.0  # two of five hostile: bounded
     four = torch.tensor([[1.0], [2.0], [4.0], [1e6]])
     assert float(trimmed_mean(four, trim_count(4, MEDIAN_FRACTION))) == 3.0  # the two middle values
+
+
+def test_an_ordered_weighted_mean_has_the_same_bits_for_every_order_of_its_rows():
+    """What lets two moshpit groups that reduce the same contributions agree bit for bit."""
+    import itertools
+
+    from dtnode.ops.ordered_mean import ordered_weighted_mean
+
+    gen = torch.Generator().manual_seed(7)
+    rows = torch.randn(4, 50_000, generator=gen) * torch.tensor([[1.0], [1e-3], [1e3], [3.0]])
+    rows[:, :20_000] *= (torch.rand(4, 20_000, generator=gen) < 0.3).float()  # sparse columns, some all zero
+    rows[0, :10] = -0.0
+    weights = [0.3, 1.7, 2.9, 1e4]
+    results = []
+    for order in itertools.permutations(range(4)):
+        out = torch.empty(50_000)
+        ordered_weighted_mean(rows[list(order)].clone(), [weights[i] for i in order], out=out)
+        results.append(out)
+    assert all(torch.equal(r, results[0]) for r in results[1:])
+    exact = (rows.double() * torch.tensor(weights, dtype=torch.float64).unsqueeze(1)).sum(0) / sum(weights)
+    torch.testing.assert_close(results[0].double(), exact, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError):
+        ordered_weighted_mean(rows.clone(), [1.0, 0.0, 1.0, 1.0], out=torch.empty(50_000))

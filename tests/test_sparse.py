@@ -229,6 +229,8 @@ def test_moshpit_groups_of_two_reach_the_mean_one_group_of_four_would():
         kept = [sparse.decode(sparse.encode(v, BLOCK, K)) for v in values]
         one_group = sum(w * k for w, k in zip(weights, kept)) / sum(weights)
         assert torch.equal(final[0], final[2]) and torch.equal(final[1], final[3])
+        # the two groups of hop 1 reduced the same two pair means: all four apply the same bits
+        assert torch.equal(final[0], final[1])
         assert rel(final[0], one_group) < 0.02  # int8 codes of means, twice; a top-k cut would lose ~half
         assert rel(final[1], one_group) < 0.02
         owed = sum(w * b for w, b in zip(weights, buffers)) / sum(weights)
