@@ -26,7 +26,7 @@ import torch
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception, stop_after_attempt
 
 from dtnode.ops import sparse
-from dtnode.ops.quantization import quantize, quantize_with_feedback
+from dtnode.ops.quantization import dequantize, quantize, quantize_with_feedback
 from dtnode.proto import averaging_pb2 as pb
 from dtnode.proto import averaging_pb2_grpc as pb_grpc
 
@@ -234,6 +234,11 @@ def _drifted(result: torch.Tensor, own: torch.Tensor, max_drift: float) -> bool:
     return float(torch.dist(result, own)) > max_drift * max(float(own.norm()), 1e-30)
 
 
+def _through_int8(own: torch.Tensor, block_size: int) -> torch.Tensor:
+    """The reducer's own values as its senders' reach it: through the int8 code."""
+    return dequantize(quantize(own, block_size))
+
+
 def _sparsify_own(plan: GroupPlan, own: torch.Tensor, residual: torch.Tensor | None, feedback: Feedback | None):
     """The reducer's own values as the group sees everyone's: through the same top-k code."""
     payload = _encode(plan, own, residual, feedback)
@@ -298,6 +303,8 @@ async def butterfly_allreduce(
         own_before = own_residual.clone() if own_residual is not None and plan.codec == SPARSE else None
         if plan.codec == SPARSE:
             own = await maybe_thread(_sparsify_own, plan, own, own_residual, feedback, size=length)
+        elif plan.codec == INT8 and plan.hop > 0:  # as the group sees it (see PartReduction.ordered)
+            own = await maybe_thread(_through_int8, own, plan.block_size, size=length)
         elif own_residual is not None:  # own part is averaged exactly: spend its residual now
             own = own + own_residual
             own_residual.zero_()

@@ -1,9 +1,9 @@
 """Reducer side of the butterfly: one fp32 accumulator per part, finished chunk by chunk.
 
 Memory stays bounded: a reducer holds its fp32 accumulator, the int8 result it returns and,
-per sender stream, the chunk being folded (in robust mode, and for fp32 and sparse plans, whose
-chunks are added in a fixed order once all are in, at most 4 chunks per sender); it never keeps
-a copy of any sender's part.
+per sender stream, the chunk being folded (at most 4 chunks per sender in robust mode, and in
+the plans whose chunks are added in a fixed order once all are in: see `PartReduction`); it
+never keeps a copy of any sender's part.
 Chunk k of the result is final as soon as every sender still in the group has delivered
 chunk k (or has failed), and it streams back to every sender at once, so sending, reducing
 and returning overlap across the whole part instead of running one after the other.
@@ -125,14 +125,15 @@ class PartReduction:
         self.deadline = deadline
         # Robust mode keeps each sender's decoded chunk until the chunk is final (a few chunks
         # per sender at most, see `add`) and takes a trimmed mean instead of the weighted sum.
-        # A plan whose members' values all enter the sum as sent (fp32, and sparse, whose
-        # reducer puts its own values through the same code) keeps each sender's chunk too, and
-        # adds them in an order of their own values (`ordered_weighted_mean`): two moshpit
-        # groups that reduce the same contributions then return the same bits, whoever reduces
-        # and whatever arrives first. int8's reducer adds its own values unquantized, so two
-        # reducers differ anyway there, and its (model-sized) re-syncs keep the hashes together.
+        # A plan whose members' values all enter the sum as sent keeps each sender's chunk too,
+        # and adds them in an order of their own values (`ordered_weighted_mean`): two moshpit
+        # groups that reduce the same contributions (a peer alone in one hop stands in two
+        # classes of the next) then return the same bits, whoever reduces and whatever arrives
+        # first. That is fp32, sparse (whose reducer puts its own values through the same code)
+        # and int8 after hop 0 (likewise). At hop 0 no two groups share a contribution, and an
+        # int8 reducer adds its own values exactly, as they are, and folds as chunks arrive.
         self.trim_fraction = trim_fraction
-        self.ordered = trim_fraction is None and plan.codec in (FP32, SPARSE)
+        self.ordered = trim_fraction is None and (plan.codec in (FP32, SPARSE) or plan.hop > 0)
         self.pending: dict[int, list[tuple[torch.Tensor, float]]] = {}  # robust: chunk -> (values, weight) per sender
         self.held: dict[int, list[tuple[Payload, float]]] = {}  # ordered: chunk -> (payload, weight) per sender
         bound = plan.announced_weight(own_id)  # the reducer's own weight is bounded like a sender's

@@ -77,13 +77,14 @@ def test_fp32_codec_is_exact_to_float_rounding():
     run(main())
 
 
-@pytest.mark.parametrize("codec", [FP32, SPARSE])
-def test_two_groups_reducing_the_same_contributions_return_the_same_bits(codec):
+@pytest.mark.parametrize("codec,hop", [(FP32, 0), (SPARSE, 0), (INT8, 1)])
+def test_two_groups_reducing_the_same_contributions_return_the_same_bits(codec, hop):
     """Moshpit can have two groups reduce the same values (a peer alone in one hop stands in
     two classes of the next), with different reducers and arrival orders. fp32 sums in another
     order differ in the last bit, which would leave the two groups with different θ_g hashes
     and, with no scheduled re-sync (sparse), apart for good. Here the second group holds the
-    first one's values rotated by one member, so every part has another reducer."""
+    first one's values rotated by one member, so every part has another reducer. (int8 only
+    after hop 0: no two groups of hop 0 share a contribution.)"""
 
     async def main():
         numel = 3 * 4096 + 5
@@ -92,7 +93,13 @@ def test_two_groups_reducing_the_same_contributions_return_the_same_bits(codec):
         values = [common + 0.1 * torch.randn(numel, generator=gen) for _ in range(3)]
         weights = [0.3, 1.7, 2.9]
         rotated = [2, 0, 1]
-        options = {"codec": codec, "block_size": 4096, "chunk_elements": 8192, "top_k": 512 if codec == SPARSE else 0}
+        options = {
+            "codec": codec,
+            "hop": hop,
+            "block_size": 4096,
+            "chunk_elements": 8192,
+            "top_k": 512 if codec == SPARSE else 0,
+        }
         first, second = await start_peers(3, run_id="group-a"), await start_peers(3, run_id="group-b")
         try:
             (outs_a, _), (outs_b, _) = await asyncio.gather(
@@ -106,6 +113,8 @@ def test_two_groups_reducing_the_same_contributions_return_the_same_bits(codec):
         assert all(torch.equal(out, outs_a[0]) for out in outs_a + outs_b)
         if codec == FP32:
             assert rel(outs_a[0], exact_mean(values, weights)) < 1e-6
+        elif codec == INT8:
+            assert rel(outs_a[0], exact_mean(values, weights)) < INT8_BOUND
         else:  # the mean of what the members kept, in the 8-bit code of a returned mean
             kept = [sparse.decode(sparse.encode(v, 4096, 512)) for v in values]
             assert rel(outs_a[0], exact_mean(kept, weights)) < 0.01
