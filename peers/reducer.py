@@ -99,6 +99,28 @@ def decode_into(payload: Payload, target: torch.Tensor) -> None:
         target.copy_(payload)
 
 
+def ordered_mean_into(own: torch.Tensor, own_weight: float, held: list[tuple[Payload, float]]) -> None:
+    """own ← the weighted mean of `own` and the senders' chunks, added in a fixed order
+    (`ordered_weighted_mean`). Sparse chunks are laid out on their union support only: the
+    sort and the sums touch the few positions someone kept, not the whole chunk."""
+    weights = [own_weight, *(w for _, w in held)]
+    if held and all(isinstance(payload, sparse.SparseBlocks) for payload, _ in held):
+        kept = [(sparse.positions(p), sparse.values_of(p)) for p, _ in held if isinstance(p, sparse.SparseBlocks)]
+        support = torch.cat([own.nonzero().squeeze(1), *(at for at, _ in kept)]).unique()
+        rows = torch.zeros(len(weights), support.numel())
+        rows[0] = own[support]
+        for row, (at, values) in zip(rows[1:], kept, strict=True):
+            row[torch.searchsorted(support, at)] = values
+        own.zero_()
+        own[support] = ordered_weighted_mean(rows, weights, out=torch.empty(support.numel()), mostly_zero=True)
+        return
+    rows = torch.empty(len(weights), own.numel())
+    rows[0].copy_(own)
+    for row, (payload, _) in zip(rows[1:], held, strict=True):
+        decode_into(payload, row)
+    ordered_weighted_mean(rows, weights, out=own)
+
+
 async def maybe_thread(fn: Callable, *args, size: int):
     if size >= THREAD_THRESHOLD:
         return await asyncio.to_thread(fn, *args)
@@ -314,12 +336,7 @@ class PartReduction:
     def _finish_chunk(self, index: int, offset: int, length: int, weight: float) -> None:
         mean = self.accumulator[offset : offset + length]
         if self.ordered:
-            held = self.held.pop(index, [])
-            rows = torch.empty(1 + len(held), length)
-            rows[0].copy_(mean)
-            for row, (payload, _) in zip(rows[1:], held, strict=True):
-                decode_into(payload, row)
-            ordered_weighted_mean(rows, [self.own_weight, *(w for _, w in held)], out=mean)
+            ordered_mean_into(mean, self.own_weight, self.held.pop(index, []))
         elif self.trim_fraction is None:
             mean.div_(weight)
         else:

@@ -293,12 +293,20 @@ def test_an_ordered_weighted_mean_has_the_same_bits_for_every_order_of_its_rows(
     rows[:, :20_000] *= (torch.rand(4, 20_000, generator=gen) < 0.3).float()  # sparse columns, some all zero
     rows[0, :10] = -0.0
     weights = [0.3, 1.7, 2.9, 1e4]
-    results = []
-    for order in itertools.permutations(range(4)):
-        out = torch.empty(50_000)
-        ordered_weighted_mean(rows[list(order)].clone(), [weights[i] for i in order], out=out)
-        results.append(out)
-    assert all(torch.equal(r, results[0]) for r in results[1:])
+    for mostly_zero in (False, True):
+        results = []
+        for order in itertools.permutations(range(4)):
+            out = torch.empty(50_000)
+            ordered_weighted_mean(rows[list(order)].clone(), [weights[i] for i in order], out, mostly_zero)
+            results.append(out)
+        assert all(torch.equal(r, results[0]) for r in results[1:])
+    for count in (3, 5):  # a sorting network, and torch.sort
+        some = rows[:count] if count <= 4 else torch.cat([rows, rows[:1] * 0.5])
+        sums = [
+            ordered_weighted_mean(some[list(order)].clone(), [1.0] * count, torch.empty(50_000))
+            for order in itertools.permutations(range(count))
+        ]
+        assert all(torch.equal(s, sums[0]) for s in sums[1:])
     exact = (rows.double() * torch.tensor(weights, dtype=torch.float64).unsqueeze(1)).sum(0) / sum(weights)
     torch.testing.assert_close(results[0].double(), exact, rtol=1e-5, atol=1e-6)
     with pytest.raises(ValueError):

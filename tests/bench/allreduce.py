@@ -5,6 +5,7 @@
 
 Every peer is its own process on loopback, all systems average the same per-peer buffers
 in the same run (ours-robust: int8 with the trimmed-mean reducer, to price robust mode;
+ours-int8-hop1: int8 as a later moshpit hop averages, whose reducers add in a fixed order;
 ours-sparse: --compression sparse, top 64 of every 4,096 values with 2-bit values, its error
 measured against the exact mean of what the peers kept, as the rest waits in their error-feedback
 buffers; `-tls`: over mutual TLS pinned to each peer's certificate, as nodes run by default).
@@ -32,6 +33,7 @@ import torch.distributed as dist
 
 SYSTEMS = (
     "ours-int8",
+    "ours-int8-hop1",
     "ours-int8-tls",
     "ours-sparse",
     "ours-fp32",
@@ -89,7 +91,7 @@ def _worker(rank: int, n: int, numel: int, reps: int, port: int, systems: tuple[
         del buf
         gc.collect()
 
-    for name in ("int8", "int8-tls", "sparse", "fp32", "fp32-tls", "robust"):
+    for name in ("int8", "int8-hop1", "int8-tls", "sparse", "fp32", "fp32-tls", "robust"):
         if f"ours-{name}" in systems:
             row[f"ours-{name}"] = asyncio.run(_ours(rank, n, values, exact, reps, store, name))
 
@@ -143,8 +145,9 @@ async def _ours(rank, n, values, exact, reps, store, codec_name) -> dict:
     codec = {"sparse": SPARSE, "fp32": FP32, "fp32-tls": FP32}.get(codec_name, INT8)
     block = SPARSE_BLOCK if codec == SPARSE else 256
     for r in range(reps + 1):  # the first run warms channels up and is not counted
+        hop = 1 if codec_name.endswith("-hop1") else 0  # a later moshpit hop: its reducers add in a fixed order
         plan = make_plan(
-            "bench", r, 0, members, values.numel(), block, chunk, codec, top_k=SPARSE_K if codec == SPARSE else 0
+            "bench", r, hop, members, values.numel(), block, chunk, codec, top_k=SPARSE_K if codec == SPARSE else 0
         )
         dist.barrier()
         t = time.perf_counter()
