@@ -61,7 +61,12 @@ def trimmed_mean(
         return torch.mean(kept, dim=0, out=out) if out is not None else kept.mean(dim=0)
     if weights.shape != (n,) or not bool((weights > 0).all()) or not bool(torch.isfinite(weights).all()):
         raise ValueError("need one finite, positive weight per contributor")
-    ordered, order = stacked.sort(dim=0)
+    # rows by weight, then a stable sort by value: each coordinate's values in (value, weight)
+    # order, which does not depend on the order of the rows, so neither do the trimmed set and
+    # the sums' bits (two moshpit groups reducing the same contributions agree)
+    by_weight = torch.argsort(weights, stable=True)
+    stacked, weights = stacked[by_weight], weights[by_weight]
+    ordered, order = stacked.sort(dim=0, stable=True)
     w = weights.to(stacked.dtype)[order[trim : n - trim]]  # each kept value's sender's weight
     total = (ordered[trim : n - trim] * w).sum(dim=0).div_(w.sum(dim=0))
     return out.copy_(total) if out is not None else total

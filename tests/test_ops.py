@@ -311,3 +311,22 @@ def test_an_ordered_weighted_mean_has_the_same_bits_for_every_order_of_its_rows(
     torch.testing.assert_close(results[0].double(), exact, rtol=1e-5, atol=1e-6)
     with pytest.raises(ValueError):
         ordered_weighted_mean(rows.clone(), [1.0, 0.0, 1.0, 1.0], out=torch.empty(50_000))
+
+
+def test_a_weighted_trimmed_mean_has_the_same_bits_for_every_order_of_its_rows():
+    """Ties in value with different weights too: which one is trimmed, and the order of the sums,
+    must not depend on which member reduced or who arrived first."""
+    import itertools
+
+    from dtnode.ops.robust import trimmed_mean
+
+    gen = torch.Generator().manual_seed(11)
+    rows = torch.randn(5, 20_000, generator=gen)
+    rows[1, :5000] = rows[0, :5000]  # equal values, different weights
+    rows[3, 5000:9000] = rows[2, 5000:9000]
+    weights = torch.tensor([1.0, 3.0, 0.7, 2.5, 1.1], dtype=torch.float64)
+    results = [
+        trimmed_mean(rows[list(order)].clone(), 1, weights=weights[list(order)])
+        for order in itertools.permutations(range(5))
+    ]
+    assert all(torch.equal(r, results[0]) for r in results[1:])
