@@ -6,7 +6,9 @@
 
 Runs real node processes on loopback (tiny preset) and reads every node's checkpoint of
 every outer step. Printed per step: the largest distance between a node's θ_g and the
-swarm's mean θ_g, relative to |θ_g| and to the step's mean update |Δθ_g|. Bounded drift
+swarm's mean θ_g, relative to |θ_g| and to the step's mean update |Δθ_g| (the mean's own fp32
+rounding puts a floor of about 5e-8 under the first), and how many distinct θ_g the nodes
+hold (1: the same bits everywhere). Bounded drift
 is what moshpit averaging with one answer per group promises; growth would mean the int8
 errors of different groups accumulate.
 """
@@ -63,7 +65,7 @@ def main() -> None:
             f"{args.nodes} nodes, target group size {args.group_size}, {args.steps} outer steps, "
             f"error feedback {'on' if args.error_feedback else 'off'}, θ_g re-sync every {args.consensus_every or '-'}"
         )
-        print(f"{'step':>5} {'max |θ_i - mean| / |θ|':>24} {'/ |mean update|':>16} {'solo hops':>10}")
+        print(f"{'step':>5} {'max |θ_i - mean| / |θ|':>24} {'/ |mean update|':>16} {'distinct θ_g':>13}")
         rows = []
         previous = None
         for step in range(1, args.steps + 1):
@@ -78,23 +80,30 @@ def main() -> None:
             spread = float((stacked - mean).norm(dim=1).max())
             update = float((mean - previous).norm()) if previous is not None else float("nan")
             previous = mean
+            distinct = len({t.numpy().tobytes() for t in thetas})  # 1: every node holds the same bits
             rows.append(
-                (step, spread / float(mean.norm()), spread / update if not math.isnan(update) else float("nan"))
+                (
+                    step,
+                    spread / float(mean.norm()),
+                    spread / update if not math.isnan(update) else float("nan"),
+                    distinct,
+                )
             )
         solo = sum(len([1 for line in n.lines if "| groups 1/" in line]) for n in nodes)
-        for step, rel_theta, rel_update in rows:
+        for step, rel_theta, rel_update, distinct in rows:
             if (
                 step <= 3
                 or step % 10 == 0
                 or step == args.steps
                 or (args.consensus_every and step % args.consensus_every in (0, 1))
             ):
-                print(f"{step:>5} {rel_theta:24.2e} {rel_update:16.3f}")
+                print(f"{step:>5} {rel_theta:24.2e} {rel_update:16.3f} {distinct:>13}")
         late = [r[1] for r in rows[len(rows) // 2 :]]
         early = [r[1] for r in rows[1 : len(rows) // 2]]
         print(
             f"max over steps 2..{len(rows) // 2}: {max(early):.2e}; over the second half: {max(late):.2e}; "
-            f"rounds with a solo first hop (all nodes): {solo}"
+            f"rounds with a solo first hop (all nodes): {solo}; steps whose θ_g all nodes share bit for bit: "
+            f"{sum(r[3] == 1 for r in rows)} of {len(rows)}"
         )
 
 
