@@ -13,8 +13,8 @@ is a function of the multiset of (value x weight) per coordinate, and the diviso
 of the weights in ascending order. A coordinate with at most two non-zero terms is exact in
 any order (x + 0 = x, and a + b = b + a), so only coordinates with three or more non-zero
 terms need the sort: few in a sparse mean (whose caller passes its support only and says it is
-mostly zero); a dense mean sorts every column. Three or four terms go through a sorting network of element-wise min/max (about
-twice a plain sum's time), more through `torch.sort`.
+mostly zero); a dense mean sorts every column. Three or four terms go through a sorting
+network of element-wise min/max (about twice a plain sum's time), more through `torch.sort`.
 """
 
 from __future__ import annotations

@@ -82,11 +82,9 @@ def largest_magnitude(payload: Payload) -> float:
 
 def decode_payload(payload: Payload) -> torch.Tensor:
     """A payload as dense fp32 values (a new tensor)."""
-    if isinstance(payload, QuantizedBlocks):
-        return dequantize(payload)
-    if isinstance(payload, sparse.SparseBlocks):
-        return sparse.decode(payload)
-    return payload.clone()
+    values = torch.empty(numel_of(payload))
+    decode_into(payload, values)
+    return values
 
 
 def decode_into(payload: Payload, target: torch.Tensor) -> None:
@@ -104,8 +102,8 @@ def ordered_mean_into(own: torch.Tensor, own_weight: float, held: list[tuple[Pay
     (`ordered_weighted_mean`). Sparse chunks are laid out on their union support only: the
     sort and the sums touch the few positions someone kept, not the whole chunk."""
     weights = [own_weight, *(w for _, w in held)]
-    if held and all(isinstance(payload, sparse.SparseBlocks) for payload, _ in held):
-        kept = [(sparse.positions(p), sparse.values_of(p)) for p, _ in held if isinstance(p, sparse.SparseBlocks)]
+    kept = [(sparse.positions(p), sparse.values_of(p)) for p, _ in held if isinstance(p, sparse.SparseBlocks)]
+    if held and len(kept) == len(held):
         support = torch.cat([own.nonzero().squeeze(1), *(at for at, _ in kept)]).unique()
         rows = torch.zeros(len(weights), support.numel())
         rows[0] = own[support]
