@@ -133,10 +133,14 @@ class Replica:
         """The outer step of the averaged Δ, on the swarm's re-synced θ_g and momentum first when
         the round re-synced them (`consensus_cpu`); θ_l ← θ_g once, after both."""
         self._take_consensus(consensus_cpu)
-        mean = self._mean_on_device(mean_delta_cpu)
+        self._outer_step(mean_delta_cpu)
+        self._local_from(self.theta_g)
+
+    def _outer_step(self, mean_cpu: torch.Tensor) -> None:
+        """θ_g's outer step of the averaged Δ, and its size remembered (`update_scale`)."""
+        mean = self._mean_on_device(mean_cpu)
         self.outer.step(self.theta_g, mean)
         self._update_sizes.append((self.outer.step_norm_bound(mean), self.outer_step))
-        self._local_from(self.theta_g)
         self.outer_step += 1
         self._sha256 = ""
 
@@ -237,11 +241,7 @@ class Replica:
             known = False
         self._take_consensus(consensus_cpu)
         if mean_cpu is not None:
-            mean = self._mean_on_device(mean_cpu)
-            self.outer.step(self.theta_g, mean)
-            self._update_sizes.append((self.outer.step_norm_bound(mean), self.outer_step))
-            self.outer_step += 1
-            self._sha256 = ""
+            self._outer_step(mean_cpu)
         if known:
             self.local.write(lambda span, out: torch.add(self.theta_g[span], lost[span], out=out))
         self.has_in_flight = False

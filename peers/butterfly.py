@@ -303,7 +303,7 @@ async def butterfly_allreduce(
         own_before = own_residual.clone() if own_residual is not None and plan.codec == SPARSE else None
         if plan.codec == SPARSE:
             own = await maybe_thread(_sparsify_own, plan, own, own_residual, feedback, size=length)
-        elif plan.codec == INT8 and plan.hop > 0:  # as the group sees it (see PartReduction.ordered)
+        elif plan.codec == INT8 and plan.sums_as_sent:  # as the group sees it
             own = await maybe_thread(_through_int8, own, plan.block_size, size=length)
         elif own_residual is not None:  # own part is averaged exactly: spend its residual now
             own = own + own_residual

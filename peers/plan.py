@@ -141,6 +141,15 @@ class GroupPlan:
         return SPARSE_SUPPORT if self.codec == SPARSE else self.codec
 
     @property
+    def sums_as_sent(self) -> bool:
+        """Every contribution, the reducer's own included, enters the mean as the group sees it
+        (through the plan's code), so the reducer adds them in a fixed order and two groups that
+        average the same contributions return the same bits (reducer.PartReduction). fp32 and
+        sparse always; int8 after hop 0 (at hop 0 no two groups share a contribution, and the
+        reducer keeps its own slice exact)."""
+        return self.codec in (FP32, SPARSE) or self.hop > 0
+
+    @property
     def later_sparse_hop(self) -> bool:
         """A sparse plan of a later moshpit hop: senders send their group's mean on its support."""
         return self.codec == SPARSE and self.hop > 0

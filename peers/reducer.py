@@ -145,15 +145,13 @@ class PartReduction:
         self.deadline = deadline
         # Robust mode keeps each sender's decoded chunk until the chunk is final (a few chunks
         # per sender at most, see `add`) and takes a trimmed mean instead of the weighted sum.
-        # A plan whose members' values all enter the sum as sent keeps each sender's chunk too,
-        # and adds them in an order of their own values (`ordered_weighted_mean`): two moshpit
-        # groups that reduce the same contributions (a peer alone in one hop stands in two
-        # classes of the next) then return the same bits, whoever reduces and whatever arrives
-        # first. That is fp32, sparse (whose reducer puts its own values through the same code)
-        # and int8 after hop 0 (likewise). At hop 0 no two groups share a contribution, and an
-        # int8 reducer adds its own values exactly, as they are, and folds as chunks arrive.
+        # A plan whose members' values all enter the sum as sent (`plan.sums_as_sent`) keeps
+        # each sender's chunk too, and adds them in an order of their own values
+        # (`ordered_weighted_mean`): two moshpit groups that reduce the same contributions (a
+        # peer alone in one hop stands in two classes of the next) then return the same bits,
+        # whoever reduces and whatever arrives first.
         self.trim_fraction = trim_fraction
-        self.ordered = trim_fraction is None and (plan.codec in (FP32, SPARSE) or plan.hop > 0)
+        self.ordered = trim_fraction is None and plan.sums_as_sent
         self.pending: dict[int, list[tuple[torch.Tensor, float]]] = {}  # robust: chunk -> (values, weight) per sender
         self.held: dict[int, list[tuple[Payload, float]]] = {}  # ordered: chunk -> (payload, weight) per sender
         bound = plan.announced_weight(own_id)  # the reducer's own weight is bounded like a sender's
