@@ -74,9 +74,11 @@ def test_a_stalled_peer_costs_the_others_one_bounded_round_and_catches_up(tmp_pa
         stalled.stop(signal.SIGCONT)
     for node in nodes:
         assert node.wait(240) == 0, node.output
-    # it came back in step with the swarm: groups with others in the steps after the stall
+    # it came back in step with the swarm: groups with others in the steps after the stall. In
+    # any hop: cells are hashed from the peer ids, so a node may be alone in hop 0 every round
+    # (`groups 1/1 3/3`) and meet the others in hop 1
     later = [r for r in stalled.rounds if r["round"] > step]
-    assert any(r["groups"][0][0] > 1 for r in later), stalled.output
+    assert any(size > 1 for r in later for size, _ in r["groups"]), stalled.output
 
 
 @pytest.mark.long_swarms
