@@ -178,6 +178,7 @@ def test_an_average_landing_between_inner_steps_keeps_the_progress_around_it():
     torch.testing.assert_close(a.stage_delta(), in_flight + progress, rtol=0, atol=1e-6)
 
 
+@pytest.mark.long_swarms
 def test_overlapped_swarm_keeps_one_theta_and_learns(tmp_path, cleanup):
     # rounds of several heartbeats: pacing reads progress from records published once a second, and
     # rounds shorter than that (15 tiny steps) let a loaded host's peer miss a group now and then

@@ -12,6 +12,7 @@ import json
 import urllib.request
 from pathlib import Path
 
+import pytest
 from nodes import FAST, NodeProcess, dtnode_status, wait_until
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -40,6 +41,7 @@ def _keep(*nodes: NodeProcess) -> None:
             Path(str(node.state_dir) + ".log").write_text(node.output)
 
 
+@pytest.mark.long_swarms
 def test_two_nodes_on_two_addresses_announce_them_and_dial_each_other_back(tmp_path):
     a = NodeProcess.join("a", tmp_path, *FAST, "--announce-host", "127.0.0.2", host="127.0.0.2")
     b = None
@@ -103,6 +105,7 @@ def _served(node: NodeProcess) -> float:
         return sum(s.value for f in families for s in f.samples if s.name == "dtnode_checkpoint_served_bytes_total")
 
 
+@pytest.mark.long_swarms
 def test_a_client_mode_node_averages_and_is_never_a_donor(tmp_path):
     a = NodeProcess.join("a", tmp_path, *FAST)
     nat, late = None, None

@@ -50,6 +50,7 @@ def test_a_slower_peer_is_neither_waited_for_nor_left_out(tmp_path, cleanup):
         assert "Traceback" not in node.output, node.output
 
 
+@pytest.mark.long_swarms
 def test_an_exception_inside_a_round_does_not_end_the_node(tmp_path, cleanup):
     """An exception injected after round 1's inner steps: the node logs it with its cause,
     counts it, and goes on; it redoes round 1 at once (its peer's first group of the round,

@@ -14,6 +14,7 @@ from dtnode.proto import averaging_pb2_grpc as pb_grpc
 KEY = {"DTNODE_SWARM_KEY": "a closed swarm's shared secret"}
 
 
+@pytest.mark.long_swarms
 def test_a_node_without_the_key_neither_joins_groups_nor_downloads_state(tmp_path, cleanup):
     a = NodeProcess.join("a", tmp_path, *FAST, "--min-peers", "2", env=KEY)
     cleanup.append(a)
@@ -89,6 +90,7 @@ def test_a_flood_of_streams_and_requests_does_not_starve_training_or_status(tmp_
     node.wait_for_round(lambda r: r["step"] >= rounds_before + 3, timeout=240)
 
 
+@pytest.mark.long_swarms
 def test_a_flood_of_made_up_registrants_joins_no_group(tmp_path, cleanup):
     """Anyone can write a registration under any id in an open swarm. A flooder writes 150
     made-up registrants (pointing at a dead port) into each group key of the next rounds; the
