@@ -79,8 +79,7 @@ class WireFormat:
         return self._support_per_value(group_size * sender_top_k(self.top_k, self.block_size, hop))
 
     def _support_per_value(self, kept: int) -> float:
-        kept = min(kept, self.block_size)  # 12-bit positions, 8-bit values, a count and a scale
-        return (2 + 3 * kept / 2 + kept + 4) / self.block_size
+        return sparse.support_bytes_per_value(self.block_size, kept)
 
 
 def sender_top_k(top_k: int, block_size: int, hop: int) -> int:

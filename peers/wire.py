@@ -14,7 +14,7 @@ from typing import overload
 
 import torch
 
-from dtnode.ops import sparse
+from dtnode.ops import positions, sparse
 from dtnode.ops.quantization import QuantizedBlocks, num_blocks
 from dtnode.ops.sparse import SparseBlocks
 from dtnode.proto import averaging_pb2 as pb
@@ -144,9 +144,12 @@ def _decode_sparse(chunk: pb.PartChunk, plan: GroupPlan, n: int, values: bytes, 
         raise ChunkError(f"a block does not keep exactly top_k={plan.top_k} values", RefusalReason.WRONG_COUNT)
     total = int(counts.sum())
     index_bytes = chunk.indices
-    if len(index_bytes) != sparse.packed_index_bytes(total):
+    if len(index_bytes) != positions.packed_position_bytes(counts, lengths):
         raise ChunkError("sparse chunk has the wrong byte count of positions", RefusalReason.WRONG_COUNT)
-    indices = sparse.unpack_indices(_frombuffer(index_bytes, torch.uint8), total)
+    try:
+        indices = positions.unpack_positions(_frombuffer(index_bytes, torch.uint8), counts, lengths)
+    except ValueError as e:  # a block's bitvector that does not hold its count, or stray padding
+        raise ChunkError(f"malformed positions: {e}", RefusalReason.WRONG_COUNT) from e
     owner = torch.repeat_interleave(torch.arange(nb), counts, output_size=total)
     if bool((indices >= lengths[owner]).any()):
         raise ChunkError("a position outside its block", RefusalReason.INDEX_OUT_OF_RANGE)
@@ -197,7 +200,8 @@ def chunk_message(
         msg.block_size = payload.block_size
         msg.top_k = 0 if result else plan.sender_top_k
         msg.counts = payload.counts.to(torch.int16).numpy().tobytes()  # counts <= 4096 fit
-        msg.indices = sparse.pack_indices(payload.indices).numpy().tobytes()
+        lengths = sparse.block_lengths(payload.numel, payload.block_size)
+        msg.indices = positions.pack_positions(payload.indices, payload.counts, lengths).numpy().tobytes()
         codes = payload.codes if eight_bit else sparse.pack_two_bit(payload.codes)
         msg.values = codes.numpy().tobytes()
         msg.scales = payload.scales.contiguous().numpy().tobytes()

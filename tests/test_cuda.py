@@ -18,7 +18,7 @@ from dtnode.daemon.model import build_model
 from dtnode.daemon.replica import Replica
 from dtnode.daemon.schedule import LearningRateSchedule
 from dtnode.daemon.trainer import Trainer
-from dtnode.ops import quantization, sparse
+from dtnode.ops import positions, quantization, sparse
 from dtnode.ops.quantization import dequantize, quantize
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -78,6 +78,13 @@ def test_the_sparse_codec_on_the_gpu_keeps_what_the_cpu_keeps():
     torch.testing.assert_close(
         sparse.decode(sparse.encode_mean(mean.cuda(), k=128)).cpu(), sparse.decode(sparse.encode_mean(mean, k=128))
     )
+    # the positions' Elias-Fano bytes, written and read on the device, are the CPU's bytes
+    kept = sparse.encode(x)
+    lengths = sparse.block_lengths(kept.numel, kept.block_size)
+    on_cpu = positions.pack_positions(kept.indices, kept.counts, lengths)
+    on_gpu = positions.pack_positions(kept.indices.cuda(), kept.counts.cuda(), lengths.cuda())
+    assert torch.equal(on_gpu.cpu(), on_cpu)
+    assert torch.equal(positions.unpack_positions(on_gpu, kept.counts.cuda(), lengths.cuda()).cpu(), kept.indices)
 
 
 @pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])

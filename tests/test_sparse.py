@@ -9,7 +9,7 @@ import torch
 from allreduce_harness import allreduce, allreduce_beside, send_to_each_reducer, start_peers, stop_peers
 from path_tampering import FlippingProxy
 
-from dtnode.ops import sparse
+from dtnode.ops import positions, sparse
 from dtnode.peers.butterfly import Feedback, butterfly_allreduce
 from dtnode.peers.plan import SPARSE, Member, make_plan
 from dtnode.peers.wire import ChunkError, RefusalReason, chunk_message, decode_chunk
@@ -35,15 +35,26 @@ def test_codec_keeps_the_k_largest_of_every_block_with_two_bit_values():
     for b in range(4):  # two magnitudes per block: its low and high means
         in_block = where[(where >= b * BLOCK) & (where < (b + 1) * BLOCK)]
         assert decoded[in_block].abs().unique().numel() <= 2
-    assert sparse.wire_bytes(payload) / x.numel() < 0.04  # 12-bit positions and 2-bit values
+    assert sparse.wire_bytes(payload) / x.numel() < 0.027  # Elias-Fano positions and 2-bit values
+    assert sparse.bytes_per_value(BLOCK, K) < 0.022  # in full blocks: 8 bits a position, 2 a value
     # a shorter last block than k keeps all of its values
     short = sparse.encode(torch.randn(BLOCK + 10), BLOCK, K)
     assert short.counts.tolist() == [K, 10]
 
 
 def test_packed_positions_and_codes_round_trip():
-    indices = torch.randint(0, BLOCK, (1001,))
-    assert torch.equal(sparse.unpack_indices(sparse.pack_indices(indices), 1001), indices)
+    gen = torch.Generator().manual_seed(3)
+    lengths = torch.tensor([BLOCK, BLOCK, BLOCK, BLOCK, BLOCK, 100, 1])
+    counts = torch.tensor([K, 0, 1, BLOCK, 700, 100, 1])  # top-k, empty, lone, full, a union, short
+    indices = torch.cat(
+        [torch.randperm(int(n), generator=gen)[: int(c)].sort().values for c, n in zip(counts, lengths, strict=True)]
+    )
+    packed = positions.pack_positions(indices, counts, lengths)
+    assert packed.numel() == positions.packed_position_bytes(counts, lengths)
+    assert torch.equal(positions.unpack_positions(packed, counts, lengths), indices)
+    # 8 bits a position for 64 of 4,096 (12 as fixed-width), about 6 for a group of 4's union
+    assert positions.position_bits_per_block(K, BLOCK) == 8 * K
+    assert positions.position_bits_per_block(4 * K - 20, BLOCK) / (4 * K - 20) < 6.2
     codes = torch.randint(0, 4, (1003,), dtype=torch.int8)
     assert torch.equal(sparse.unpack_two_bit(sparse.pack_two_bit(codes), 1003), codes)
 
@@ -89,10 +100,39 @@ def _chunk(plan):
 
 
 def _with_indices(chunk, change):
-    count = sum(sparse.block_lengths(chunk.length, BLOCK).clamp_max(K).tolist())
-    indices = sparse.unpack_indices(torch.frombuffer(bytearray(chunk.indices), dtype=torch.uint8), count)
+    """Re-code the chunk's positions after `change`: any non-decreasing high parts can be coded,
+    so a sender can send positions out of range, repeated or (inside a bucket) out of order."""
+    lengths = sparse.block_lengths(chunk.length, BLOCK)
+    counts = lengths.clamp_max(K)
+    packed = torch.frombuffer(bytearray(chunk.indices), dtype=torch.uint8)
+    indices = positions.unpack_positions(packed, counts, lengths)
     change(indices)
-    chunk.indices = sparse.pack_indices(indices).numpy().tobytes()
+    chunk.indices = positions.pack_positions(indices, counts, lengths).numpy().tobytes()
+
+
+def _with_position_bits(chunk, change):
+    """Edit the chunk's position bits themselves (least significant bit of each byte first)."""
+    packed = torch.frombuffer(bytearray(chunk.indices), dtype=torch.uint8)
+    bits = ((packed.unsqueeze(1) >> torch.arange(8, dtype=torch.uint8)) & 1).reshape(-1)
+    change(bits)
+    chunk.indices = (bits.view(-1, 8) << torch.arange(8, dtype=torch.uint8)).sum(1, dtype=torch.uint8).numpy().tobytes()
+
+
+# the honest chunk's position bits: block 0 (64 of 4,096) has 6 low bits a position and a high
+# bitvector of 64 + 63 + 1 bits; the short block (64 of 100) no low bits and 64 + 99 + 1 bits
+LOW_BITS, HIGH_BITS_0, HIGH_BITS_1 = 6 * K, 2 * K, K + 100
+
+
+def _last_high_bit_of_block_0_moved_on(bits):
+    high_0, high_1 = LOW_BITS, LOW_BITS + HIGH_BITS_0
+    bits[high_0 + int(bits[high_0:high_1].nonzero().max())] = 0
+    bits[high_1 + int((bits[high_1 : high_1 + HIGH_BITS_1] == 0).nonzero()[0])] = 1
+
+
+def _bucket_mates_swapped(i):
+    """The first two positions of block 0, both in the second's bucket, the larger first."""
+    bucket = int(i[1]) >> 6  # 6 low bits for 64 of 4,096
+    i[0], i[1] = (bucket << 6) | 63, bucket << 6
 
 
 def _with_scales(chunk, value):
@@ -103,14 +143,20 @@ def _with_scales(chunk, value):
 
 MALFORMED = {
     "position outside its block": (
-        lambda c: _with_indices(c, lambda i: i.__setitem__(K + 3, 200)),  # the short block has 100
+        lambda c: _with_indices(c, lambda i: i.__setitem__(-1, 100)),  # the short block has 100
         RefusalReason.INDEX_OUT_OF_RANGE,
     ),
     "duplicate position": (lambda c: _with_indices(c, lambda i: i.__setitem__(1, i[0])), RefusalReason.DUPLICATE_INDEX),
-    "positions out of order": (
-        lambda c: _with_indices(c, lambda i: i[:2].copy_(i[:2].flip(0))),
-        RefusalReason.DUPLICATE_INDEX,
+    "positions out of order": (lambda c: _with_indices(c, _bucket_mates_swapped), RefusalReason.DUPLICATE_INDEX),
+    "a block's positions one too many": (
+        lambda c: _with_position_bits(c, lambda b: b.__setitem__(LOW_BITS + HIGH_BITS_0 - 1, 1)),  # never set honestly
+        RefusalReason.WRONG_COUNT,
     ),
+    "a position moved into the next block": (
+        lambda c: _with_position_bits(c, _last_high_bit_of_block_0_moved_on),
+        RefusalReason.WRONG_COUNT,
+    ),
+    "stray padding bits": (lambda c: _with_position_bits(c, lambda b: b.__setitem__(-1, 1)), RefusalReason.WRONG_COUNT),
     "a block with fewer values": (
         lambda c: c.__setattr__("counts", torch.tensor([K - 1, K], dtype=torch.int16).numpy().tobytes()),
         RefusalReason.WRONG_COUNT,
@@ -244,7 +290,8 @@ def test_a_later_hop_sends_at_most_twice_top_k_eight_bit_values_per_block():
     plan = make_plan("run", 0, 1, [Member(m, "") for m in "ab"], 2 * BLOCK, BLOCK, 2 * BLOCK, SPARSE, top_k=K)
     assert plan.sender_top_k == 2 * K
     mean = torch.zeros(2 * BLOCK)
-    mean[torch.randperm(2 * BLOCK)[:300]] = torch.randn(300)
+    gen = torch.Generator().manual_seed(5)  # 300 values over two blocks: at least 2 x 64 in each
+    mean[torch.randperm(2 * BLOCK, generator=gen)[:300]] = torch.randn(300, generator=gen)
     payload = sparse.encode_mean(mean, BLOCK, plan.sender_top_k)
     assert payload.counts.tolist() == [2 * K, 2 * K] and payload.value_bits == sparse.EIGHT_BIT
     decoded = decode_chunk(chunk_message(plan, 0, "b", 1.0, 0, payload), plan, 2 * BLOCK, 0)

@@ -269,7 +269,8 @@ def _worker(
         exchanges = steps // h if h else steps
         sent = 2 * (world - 1) / world * 4 * numel * exchanges if world > 1 else 0.0
         if sparse.startswith("mean"):  # a reduce-scatter: payloads to the reducers, the cut means back
-            per_value = sparse_codec.bytes_per_value(4096, 64) + (2 + 4 + int(sparse.split(":")[1]) * 20 / 8) / 4096
+            cut = sparse_codec.support_bytes_per_value(4096, int(sparse.split(":")[1]))
+            per_value = sparse_codec.bytes_per_value(4096, 64) + cut
             sent = (world - 1) / world * per_value * numel * exchanges
         elif sparse:  # an all-gather of every worker's sparse payload
             sent = (world - 1) * sparse_codec.bytes_per_value(4096, 64) * numel * exchanges
