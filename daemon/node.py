@@ -55,6 +55,7 @@ from .history import FILE_NAME as HISTORY_FILE
 from .history import RoundHistory
 from .joiner import Joiner
 from .landing import Landing
+from .local_ranks import plan_ranks
 from .metrics import NodeMetrics, RefusalCollector, watch_state_dir
 from .presenter import Addresses, NodePresenter
 from .reachability import DialBack, announce_warning, ask_dial_back
@@ -66,7 +67,7 @@ from .settings import NodeSettings, SettingsError
 from .sidecar import ServedSteps, Sidecar
 from .state_dir import claim_state_dir, startup_error
 from .store import CheckpointStore
-from .worker import ModelWorker
+from .worker import ModelWorker, limit_tensor_threads
 from .workload import build_workload, resolve_device
 
 log = logging.getLogger("dtnode")
@@ -472,6 +473,7 @@ async def run_node(settings: NodeSettings) -> int:
     one SettingsError line, never a traceback."""
     check_ports(settings)
     settings = await take_recipe_from_peer(settings)
+    limit_tensor_threads(plan_ranks(settings).threads)
     async with claim_state_dir(Path(settings.state_dir)):
         try:
             node = Node(settings)

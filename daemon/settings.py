@@ -400,7 +400,7 @@ class NodeSettings(BaseSettings):
         "int8",
         pattern=r"^(int8|sparse|fp32)$",
         description="Wire format of pseudo-gradients: int8 (blockwise, 1 byte per parameter), sparse (top-k "
-        "per block with 2-bit values and error feedback, about 0.03 bytes per parameter) or fp32. "
+        "per block with 2-bit values and error feedback, about 0.022 bytes per parameter) or fp32. "
         "'none' is read as fp32.",
     )
     sparse_block_size: int = Field(

@@ -43,6 +43,24 @@ class WorkerNotReady(RuntimeError):
     """The model is still being built (the node is starting)."""
 
 
+def limit_tensor_threads(threads: int | None) -> None:
+    """Apply `--threads-per-rank` to the event loop's thread and its default executor, where
+    the data plane codes and decodes chunks. Under OpenMP `torch.set_num_threads` holds for the
+    calling thread only: the training thread sets its own (`ModelWorker.build`), and before this
+    the loop's threads kept torch's default of every core. Their ops on tensors past torch's
+    grain size then opened parallel regions of every core, and with more busy threads than
+    cores (several nodes on one box, as in `dtnode local` and the drills) the spinning OpenMP
+    teams made a sparse chunk's decoding 10x slower (44 ms for a chunk of 1M values instead of
+    1.6 with one thread). Call on the loop's thread."""
+    if threads is None:
+        return
+    torch.set_num_threads(threads)
+    executor = concurrent.futures.ThreadPoolExecutor(
+        thread_name_prefix="tensor", initializer=torch.set_num_threads, initargs=(threads,)
+    )
+    asyncio.get_running_loop().set_default_executor(executor)
+
+
 class ModelWorker:
     def __init__(self, settings: NodeSettings, workload: Workload, device: torch.device):
         self.settings = settings
