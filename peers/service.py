@@ -188,6 +188,12 @@ class AveragingService(pb_grpc.AveragingServicer):
             if not reader.done():
                 reader.cancel()
                 await reduction.fail(sender)
+            elif not reader.cancelled():
+                # the stream ended on the reduction's failure or this sender's chunk that came
+                # after the deadline, while the reader failed too: both already said so (the
+                # reducer's log, the abort), and unretrieved the reader's error became an
+                # "exception was never retrieved" traceback in the log
+                reader.exception()
 
     async def _consume(
         self, reduction: PartReduction, sender: str, first: pb.PartChunk, requests: AsyncIterator[pb.PartChunk]
