@@ -1,8 +1,8 @@
 """Sparse pseudo-gradients: top-k per block, 2-bit values, Elias-Fano positions, error feedback.
 
-A pseudo-gradient is cut into blocks of `block_size` values (at most 4,096). Each block keeps its `k` largest values by magnitude; the rest
-are not sent and stay in the node's error-feedback buffer for the next round (SparseLoCo,
-arXiv:2508.15706). A kept value travels in 2 bits: its sign, and whether it is above the
+A pseudo-gradient is cut into blocks of `block_size` values (at most 4,096). Each block keeps
+its `k` largest values by magnitude; the rest are not sent and stay in the node's
+error-feedback buffer for the next round (SparseLoCo, arXiv:2508.15706). A kept value travels in 2 bits: its sign, and whether it is above the
 block's mean kept magnitude; the block sends the two mean magnitudes (below and above) as
 its scales, a one-step Lloyd-Max quantizer of the kept magnitudes. A block's positions travel
 Elias-Fano coded (positions.py): 8 bits each for 64 of 4,096, where fixed 12-bit positions
