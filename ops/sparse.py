@@ -1,13 +1,14 @@
 """Sparse pseudo-gradients: top-k per block, 2-bit values, Elias-Fano positions, error feedback.
 
 A pseudo-gradient is cut into blocks of `block_size` values (at most 4,096). Each block keeps
-its `k` largest values by magnitude; the rest are not sent and stay in the node's
-error-feedback buffer for the next round (SparseLoCo, arXiv:2508.15706). A kept value travels in 2 bits: its sign, and whether it is above the
-block's mean kept magnitude; the block sends the two mean magnitudes (below and above) as
-its scales, a one-step Lloyd-Max quantizer of the kept magnitudes. A block's positions travel
-Elias-Fano coded (positions.py): 8 bits each for 64 of 4,096, where fixed 12-bit positions
-took 12. With k = 64 of 4,096 a parameter costs 64 x (8 + 2) bits + 8 bytes of scales + 2 bytes
-of count per 4,096 values: 0.022 bytes, 182x less than fp32 (0.030 with 12-bit positions).
+its `k` largest values by magnitude; the rest are not sent and stay in the node's error-feedback
+buffer for the next round (SparseLoCo, arXiv:2508.15706). A kept value travels in 2 bits: its
+sign, and whether it is above the block's mean kept magnitude; the block sends the two mean
+magnitudes (below and above) as its scales, a one-step Lloyd-Max quantizer of the kept
+magnitudes. A block's positions travel Elias-Fano coded (positions.py): 8 bits each for 64 of
+4,096, where fixed 12-bit positions took 12. With k = 64 of 4,096 a parameter costs 64 x (8+2)
+bits + 8 bytes of scales + 2 bytes of count per 4,096 values: 0.022 bytes, 182x less than fp32
+(0.030 with 12-bit positions).
 
 The mean of several members' sparse payloads is supported on the union of their positions:
 `encode_support` sends it with 8-bit values (one absmax scale per block), so an averaged
