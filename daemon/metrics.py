@@ -144,6 +144,13 @@ class NodeMetrics:
             ["reason"],
             registry=r,
         )
+        self.theta_resyncs = Counter(
+            "dtnode_theta_resyncs",
+            "Hops whose group also averaged θ_g: asked (after a failure, a download, on schedule) "
+            "or diverged (no member asked, but their θ_g hashes differed)",
+            ["reason"],
+            registry=r,
+        )
         self.allreduce_sent = Counter("dtnode_allreduce_sent_bytes", "Payload bytes sent by all-reduces", registry=r)
         self.allreduce_received = Counter(
             "dtnode_allreduce_received_bytes", "Payload bytes received by all-reduces", registry=r
@@ -236,5 +243,7 @@ class NodeMetrics:
             self.rounds.labels(outcome=outcome)
         for reason in COMMON_FAILURES:
             self.hop_failures.labels(reason=reason)
+        for reason in ("asked", "diverged"):  # present at zero too, for rate()
+            self.theta_resyncs.labels(reason=reason)
         for phase in PHASES:
             self.phase_seconds.labels(phase=phase)

@@ -276,6 +276,8 @@ class RoundSummary:
         for phase, seconds in self.phases.items():
             m.phase_seconds.labels(phase=phase).observe(seconds)
         for h in self.hops:
+            if h.theta_resync_s is not None:
+                m.theta_resyncs.labels(reason="diverged" if h.unasked_resync else "asked").inc()
             m.allreduce_sent.inc(h.bytes_sent)
             m.allreduce_received.inc(h.bytes_received)
             if h.allreduce_s:

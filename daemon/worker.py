@@ -22,6 +22,7 @@ from typing import TypeVar
 
 import torch
 
+from dtnode.peers import failpoints
 from dtnode.peers.averager import AveragingResult
 
 from .checkpoint import Layout, LoadedCheckpoint, LocalState, SharedBytes, TrainingState
@@ -262,6 +263,8 @@ class ModelWorker:
         self.end_round_count()
         with self.theta_changing():
             self.replica.apply_outer_step(result.mean, result.theta)
+            if failpoints.take("diverge-theta", self.outer_step - 1):  # a test's fault: one θ_g bit off
+                self.replica.theta_g[0] = torch.nextafter(self.replica.theta_g[0], self.replica.theta_g[0] + 1)
         self._count_solo(result)
         self.measure_feedback()
 

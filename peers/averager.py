@@ -261,6 +261,15 @@ class MoshpitAverager:
             self.on_phase("allreduce")
         theta_in = theta_out = None
         if group.resync and len(group.members) > 1:
+            if group.unasked and slot.primary:  # a θ_g that left the swarm's, found by its hash
+                log.warning(
+                    "round %d hop %d: the group's members hold different θ_g (hashes %s) though none "
+                    "asked for a re-sync; re-syncing it",
+                    h.round_no,
+                    h.hop,
+                    ", ".join(t[:12] or "unknown" for t in group.theta_hashes),
+                )
+                report.unasked_resync = True
             theta_in = await h.fetch_theta()
             theta_out = torch.empty_like(theta_in)
         result = await self._reduce(

@@ -19,7 +19,10 @@ outer step, without blocking its event loop), so a test can land a joiner in tha
 One point makes the node lie from that round on: `wrong-checkpoint` (`wrong-checkpoint@1`
 writes every checkpoint of step 1 and later with θ_g shifted, hashed and announced as if
 right, while the node itself trains on), so a test can show joiners skip a lying donor.
-One point freezes the training thread: `stall-training@1:30` holds it 30 s after round 1's
+One point makes θ_g differ silently: `diverge-theta` (`diverge-theta@1` moves one value of
+θ_g by one ulp right after round 1's outer step, and the node announces its new hash as if
+nothing happened), as a result that came out in other bits would, so a test can see the
+next groups find the two hashes and re-sync. One point freezes the training thread: `stall-training@1:30` holds it 30 s after round 1's
 first inner step, as a hung GPU would, so a test can see `/healthz` turn 503.
 
 Hostile points turn the node into an attacker from that round on, for the security tests and
@@ -52,6 +55,7 @@ POINTS = (
     "outer-phase",
     "wrong-checkpoint",
     "stall-training",
+    "diverge-theta",
     *HOSTILE,
 )
 HOSTILE_SCALE = 1000.0  # how far a hostile Δ or θ_g is from an honest one
@@ -105,6 +109,16 @@ def hostile(round_: int) -> str | None:
 def active_since(name: str, round_: int) -> bool:
     """Whether the standing point `name` is armed for this round or an earlier one."""
     return _armed is not None and _armed[0] == name and round_ >= _armed[1]
+
+
+def take(name: str, round_: int) -> bool:
+    """Whether the point `name` is armed for this round; once (it is disarmed)."""
+    global _armed
+    if _armed is not None and _armed == (name, round_):
+        _armed = None
+        print(f"failpoint {name}@{round_} reached", file=sys.stderr, flush=True)
+        return True
+    return False
 
 
 def hold(name: str, round_: int) -> None:

@@ -92,19 +92,33 @@ class FormedGroup:
     seconds: float
     complete: bool = False  # its closer had every member it expected (the window did not close it)
     last_arrival_lag: float = 0.0  # seconds from our registration to the last registrant's
-    resync: bool = False  # some member asked the group to average θ_g too (all members see the same)
+    resync: bool = False  # the group averages θ_g too (decided by its closer: `needs_resync`)
     expected: int = 0  # members it waited for when it closed
+    theta_hashes: tuple[str, ...] = ()  # the distinct θ_g hashes its members announced
+    unasked: bool = False  # no member asked for a re-sync (one that happens: their hashes differed)
 
 
 def needs_resync(registrations: list[Registration]) -> bool:
-    """Whether a group also averages θ_g: when a member asked (after a failure, a download, on
-    schedule), unless every member announced the same θ_g, whose average is that θ_g again:
-    the fp32 re-sync (8 bytes per parameter each way, 60 rounds of sparse traffic) would
-    change nothing. A member that does not know its hash, or says another, gets the re-sync."""
-    if len(registrations) < 2 or not any(r.resync for r in registrations):
+    """Whether a group also averages θ_g.
+
+    - Members that announce two different θ_g hashes re-sync, asked or not: after a clean
+      round every member holds the same θ_g bits (the means are order-independent,
+      ops/ordered_mean.py), so two hashes mean one of them left the swarm's θ_g (a part that
+      failed in another group, a restart from an older checkpoint) and nothing else would
+      bring it back: sparse mode has no scheduled re-sync.
+    - A member that asked (after a failure, a download, on schedule) and one that does not
+      know its hash ("") re-sync too.
+    - Otherwise not: the average of equal θ_g is that θ_g again, and an fp32 re-sync costs 8
+      bytes per parameter each way, 60 rounds of sparse traffic.
+
+    A member can force a re-sync either way (by asking); its weight there is 1 like
+    everyone's, and a result that drifts too far is refused (peers/averager.py)."""
+    if len(registrations) < 2:
         return False
     hashes = {r.theta for r in registrations}
-    return len(hashes) > 1 or "" in hashes
+    if len(hashes - {""}) > 1:
+        return True
+    return "" in hashes and any(r.resync for r in registrations)
 
 
 class Matchmaker:
@@ -350,6 +364,8 @@ class Matchmaker:
             last_arrival - started,
             decided.resync and len(members) > 1,
             len(wanted - {UNKNOWN}),
+            tuple(sorted({registrants[m.peer_id][1].theta for m in members if m.peer_id in registrants})),
+            not any(registrants[m.peer_id][1].resync for m in members if m.peer_id in registrants),
         )
 
     async def _settle(

@@ -33,6 +33,7 @@ class HopReport:
     retried_codes: list[str] = field(default_factory=list)  # per stream that broke and was sent again: its code
     extra_groups: int = 0
     theta_resync_s: float | None = None
+    unasked_resync: bool = False  # θ_g re-synced because members' hashes differed, not on request
 
     @property
     def clean(self) -> bool:

@@ -463,13 +463,18 @@ def test_nobody_writes_another_peers_registration_or_member_list(tmp_path):
             dht.shutdown()
 
 
-def test_a_resync_is_asked_by_any_member_and_skipped_only_when_every_member_holds_the_same_theta():
+def test_a_resync_is_asked_by_any_member_or_found_by_differing_hashes_and_skipped_when_theta_is_one():
     from dtnode.peers.matchmaking import needs_resync
 
     def reg(resync: bool, theta: str) -> Registration:
         return Registration(resync=resync, theta=theta)
 
-    assert not needs_resync([reg(False, "a"), reg(False, "b")])  # nobody asked
+    assert not needs_resync([reg(False, "a"), reg(False, "a")])  # nobody asked, one θ_g
+    assert not needs_resync([reg(False, "a"), reg(False, "")])  # nobody asked, nothing differs that is known
+    # nobody asked, but one member's θ_g left the swarm's (a part failed in its other group, a
+    # restart from an older checkpoint): clean rounds would never bring it back
+    assert needs_resync([reg(False, "a"), reg(False, "b")])
+    assert needs_resync([reg(False, "a"), reg(False, "a"), reg(False, "b")])
     assert not needs_resync([reg(True, "")])  # alone: nothing to average with
     assert not needs_resync([reg(True, "a"), reg(False, "a"), reg(False, "a")])  # the average is θ_g again
     assert needs_resync([reg(True, "a"), reg(False, "b")])

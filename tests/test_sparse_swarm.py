@@ -72,3 +72,27 @@ def test_sparse_with_overlap_lands_the_same_bytes_on_every_member(tmp_path):
         assert all(r["groups"] in ([[2, 2]], []) for r in node.rounds[:4]), node.output
     for step in range(1, 5):
         assert torch.equal(checkpoint_theta(nodes[0].state_dir, step), checkpoint_theta(nodes[1].state_dir, step))
+
+
+def test_a_theta_g_that_differs_by_one_bit_is_found_by_its_hash_and_re_synced(tmp_path):
+    """Nothing tells a member that its θ_g came out in other bits than its peers' (a part that
+    failed in another group, a restart from an older checkpoint): its round was clean, so it
+    asks for nothing, and sparse mode has no scheduled re-sync. Its group sees two hashes in the
+    registrations and re-syncs anyway, so the swarm holds one θ_g again a round later."""
+    args = [*FAST, *SPARSE, "--min-peers", "2", "--max-rounds", "4"]
+    nodes = run_swarm(
+        NodeProcess.join("a", tmp_path, *args),
+        lambda address: [
+            NodeProcess.join("b", tmp_path, *args, "--peer", address, env={"DTNODE_TEST_FAILPOINT": "diverge-theta@1"})
+        ],
+        timeout=300,
+    )
+    a, b = nodes
+    assert "failpoint diverge-theta@1 reached" in b.output, b.output
+    hashes = [[r["params_sha256"] for r in node.rounds[:4]] for node in nodes]
+    assert hashes[0][0] == hashes[1][0] and hashes[0][1] != hashes[1][1], hashes  # the fault, after round 1
+    assert hashes[0][2:] == hashes[1][2:], hashes  # round 2's group re-synced: one θ_g again
+    for node in nodes:
+        assert "Traceback" not in node.output, node.output
+        assert re.search(r"round 2 hop 0: the group's members hold different θ_g \(hashes \w+, \w+\)", node.output)
+    assert torch.equal(checkpoint_theta(a.state_dir, 4), checkpoint_theta(b.state_dir, 4))
