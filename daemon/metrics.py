@@ -27,7 +27,14 @@ ROUND_OUTCOMES = ("full", "partial", "alone", "failed")
 NODE_STATES = ("joining", "syncing", "training", "averaging", "stopped")
 PHASES = ("inner", "matchmaking", "allreduce", "waiting", "eval", "outer")
 # how a part or hop fails: gRPC status codes seen by the client, and the data plane's own errors
-COMMON_FAILURES = ("deadline_exceeded", "unavailable", "chunkerror", "timeouterror", "incomplete_group")
+COMMON_FAILURES = (
+    "deadline_exceeded",
+    "unavailable",
+    "chunkerror",
+    "timeouterror",
+    "incomplete_group",
+    "dropped_sender",
+)
 
 
 def watch_state_dir(metrics: NodeMetrics, path: Path) -> None:
@@ -132,7 +139,8 @@ class NodeMetrics:
         )
         self.hop_failures = Counter(
             "dtnode_hop_failures",
-            "Failed parts and incomplete groups of averaging hops, by reason",
+            "Failed parts, incomplete groups and groups whose mean lacked a member in some part "
+            "(dropped_sender), of averaging hops, by reason",
             ["reason"],
             registry=r,
         )

@@ -159,9 +159,14 @@ class RoundSummary:
 
     @cached_property
     def reasons(self) -> list[str]:
-        """Why hops fell short: each failed part's code, and groups that lacked a member."""
+        """Why hops fell short: each failed part's code, groups that lacked a member, and groups
+        whose mean lacked one in some part."""
         found = [failure_reason(code) for h in self.hops for code in h.failure_codes]
-        return found + ["incomplete_group" for h in self.hops if not h.complete and h.group_size > 1]
+        return (
+            found
+            + ["incomplete_group" for h in self.hops if not h.complete and h.group_size > 1]
+            + ["dropped_sender" for h in self.hops if h.dropped_senders]
+        )
 
     @property
     def groups(self) -> str:

@@ -36,8 +36,17 @@ class HopReport:
     unasked_resync: bool = False  # θ_g re-synced because members' hashes differed, not on request
 
     @property
+    def dropped_senders(self) -> int:
+        """Members of the group missing from a part that succeeded: a reducer dropped them at its
+        deadline (or their stream failed), so the group's mean lacks them there while they kept
+        their own values. Their θ_g and the group's part ways, though every part succeeded."""
+        if self.group_size <= 1 or not self.included_peers:
+            return 0
+        return max(0, self.group_size - len(self.included_peers))
+
+    @property
     def clean(self) -> bool:
-        return self.complete and not self.failed_parts
+        return self.complete and not self.failed_parts and not self.dropped_senders
 
     def as_dict(self) -> dict:
         return asdict(self)

@@ -338,6 +338,18 @@ def _summary(hops: list[HopReport], overlap: bool = False) -> RoundSummary:
     return RoundSummary(7, 8, InnerResult(10, 2560, 2.5, 4.0), result, 6.0, 0.0, 0.5, overlap, 2.25, 8, 1e-3, None, "a")
 
 
+def test_a_hop_whose_mean_lacks_a_member_in_some_part_is_not_clean():
+    """Every part succeeded, but a reducer dropped a member at its deadline: the group's mean
+    lacks it there and the dropped member kept its own values, so the round was not whole."""
+    whole, dropped = _hop(3, 3, 100, 100), _hop(3, 3, 100, 100)
+    whole.included_peers, dropped.included_peers = ["a", "b", "c"], ["a", "b"]
+    assert whole.clean and whole.dropped_senders == 0
+    assert not dropped.clean and dropped.dropped_senders == 1
+    summary = _summary([dropped])
+    assert summary.outcome == Outcome.PARTIAL and summary.reasons == ["dropped_sender"]
+    assert _hop(1, 1, 0, 0).dropped_senders == 0  # alone: nobody to lack
+
+
 def test_a_round_summary_is_the_one_source_of_status_history_and_metrics():
     summary = _summary([_hop(2, 2, 1000, 900), _hop(2, 3, 500, 400, failed=["b"])])
     assert summary.bytes_sent == 1500 and summary.bytes_received == 1300
