@@ -22,8 +22,9 @@ right, while the node itself trains on), so a test can show joiners skip a lying
 One point makes θ_g differ silently: `diverge-theta` (`diverge-theta@1` moves one value of
 θ_g by one ulp right after round 1's outer step, and the node announces its new hash as if
 nothing happened), as a result that came out in other bits would, so a test can see the
-next groups find the two hashes and re-sync. One point freezes the training thread: `stall-training@1:30` holds it 30 s after round 1's
-first inner step, as a hung GPU would, so a test can see `/healthz` turn 503.
+next groups find the two hashes and re-sync. One point freezes the training thread:
+`stall-training@1:30` holds it 30 s after round 1's first inner step, as a hung GPU would,
+so a test can see `/healthz` turn 503.
 
 Hostile points turn the node into an attacker from that round on, for the security tests and
 the hostile-peer benchmark (`tests.bench.hostile`); each runs the project's own code with
