@@ -350,6 +350,21 @@ def test_a_hop_whose_mean_lacks_a_member_in_some_part_is_not_clean():
     assert _hop(1, 1, 0, 0).dropped_senders == 0  # alone: nobody to lack
 
 
+def test_theta_resyncs_are_counted_by_why_they_happened():
+    asked, diverged, none = _hop(2, 2, 10, 10), _hop(2, 2, 10, 10), _hop(2, 2, 10, 10)
+    asked.theta_resync_s = diverged.theta_resync_s = 0.5
+    diverged.unasked_resync = True
+    metrics = NodeMetrics("0", "run", "tiny", "cpu")
+    _summary([asked, diverged, none]).observe(metrics)
+    counted = {
+        s.labels["reason"]: s.value
+        for f in text_string_to_metric_families(generate_latest(metrics.registry).decode())
+        for s in f.samples
+        if s.name == "dtnode_theta_resyncs_total"
+    }
+    assert counted == {"asked": 1, "diverged": 1}
+
+
 def test_a_round_summary_is_the_one_source_of_status_history_and_metrics():
     summary = _summary([_hop(2, 2, 1000, 900), _hop(2, 3, 500, 400, failed=["b"])])
     assert summary.bytes_sent == 1500 and summary.bytes_received == 1300
