@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Swarm drills: real node processes on loopback, in the swarms users run, then every node's log
-# read for round lines, warnings, errors and tracebacks. Not a test (nothing is asserted): the
-# reader judges the logs. About 5-8 minutes each on 2 cores.
+# read for round lines, warnings, errors and tracebacks, and the θ_g hashes per round (marked
+# where the nodes differ). Not a test (nothing is asserted): the reader judges the logs. About
+# 5-8 minutes each on 2 cores.
 #
 #   bash tests/bench/drills.sh uneven          # `small`; a 2-rank host, a host with twice the batch,
 #                                              # a host 2x slower; groups of 2; a late joiner; one host
@@ -98,3 +99,12 @@ for log in "$D"/n*.log; do
     grep -v "no swarm key\|loopback address" | cut -c1-250
 done
 echo "tracebacks: $(cat "$D"/n*.log | grep -c Traceback)"
+# θ_g agreement: the hashes the nodes printed for each round (one per round when they agree)
+echo "θ_g hashes per round (nodes that printed each):"
+for log in "$D"/n*.log; do
+  grep -oP 'dtnode: round \K\d+ \|.*params \w+' "$log" | sed -E "s/^([0-9]+) \|.*params (\w+)$/\1 \2 $(basename "$log" .log)/"
+done | sort -k1,1n -k2,2 | awk '
+  { key = $1 " " $2; if (!(key in who)) { order[++n] = key }; who[key] = who[key] " " $3 }
+  END { for (i = 1; i <= n; i++) { split(order[i], k, " "); count[k[1]]++ }
+        for (i = 1; i <= n; i++) { split(order[i], k, " ");
+          printf "  round %s %s:%s%s\n", k[1], k[2], who[order[i]], (count[k[1]] > 1 ? "   <- differs" : "") } }'
