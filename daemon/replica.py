@@ -176,20 +176,29 @@ class Replica:
 
     @torch.no_grad()
     def consensus_state(self) -> torch.Tensor:
-        """θ_g and the outer momentum, one CPU buffer, for averaging them with peers.
+        """θ_g and the outer momentum, one CPU buffer (a copy), for averaging them with peers.
 
         Both drift apart when members of a group applied different values (a failed part):
-        θ_g alone would be pulled apart again by the next outer steps' momentum.
+        θ_g alone would be pulled apart again by the next outer steps' momentum. Without outer
+        momentum (plain SGD, sparse's default; the recipe makes it the swarm's) the buffer stays
+        zero, and the state is θ_g alone: a re-sync moves 4 bytes per parameter each way, not 8.
         """
-        return torch.cat([self.theta_g.detach().to("cpu", torch.float32), self.outer.momentum_buffer.to("cpu")])
+        theta = self.theta_g.detach().to("cpu", torch.float32, copy=True)
+        if self.outer.momentum == 0:
+            return theta
+        return torch.cat([theta, self.outer.momentum_buffer.to("cpu")])
 
     def _take_consensus(self, state_cpu: torch.Tensor | None) -> None:
-        """The swarm's averaged θ_g and momentum (before this step's outer update), if re-synced."""
+        """The swarm's averaged θ_g and momentum (before this step's outer update), if re-synced
+        (θ_g alone from a `consensus_state` without momentum)."""
         if state_cpu is None:
             return
         n = self.numel
+        if state_cpu.numel() not in (n, 2 * n):
+            raise ValueError(f"a consensus state holds θ_g and maybe the momentum: {state_cpu.numel()} values for {n}")
         self.theta_g.copy_(state_cpu[:n])
-        self.outer.momentum_buffer.copy_(state_cpu[n:])
+        if state_cpu.numel() == 2 * n:
+            self.outer.momentum_buffer.copy_(state_cpu[n:])
         self._sha256 = ""
 
     @torch.no_grad()

@@ -8,9 +8,10 @@ other slots make it stand for its previous group in classes nobody else of that 
 covers, which is what keeps the mean exact however unevenly the hashed cells filled.
 
 Consensus re-sync: a node that wants θ_g re-synced (on schedule, after a failed part or
-hop, after a download) says so in its registration; a group in which any member asked also
-averages θ_g and the outer momentum in fp32 that hop, and its members ask again in the next
-hops, so the re-sync spreads over the grid like the mean of Δ does. The request is anyone's
+hop, after a download) says so in its registration; a group in which any member asked, or
+whose members announced different θ_g hashes, also averages θ_g (and the outer momentum,
+when there is one) in fp32 that hop, and its members ask again in the next hops, so the
+re-sync spreads over the grid like the mean of Δ does. The request is anyone's
 to make (a failure is not provable), so the re-sync itself is what is bounded: equal weights,
 the robust rule when one is set, and a drift limit on the result (`THETA_MAX_DRIFT`).
 """

@@ -108,8 +108,8 @@ def needs_resync(registrations: list[Registration]) -> bool:
       bring it back: sparse mode has no scheduled re-sync.
     - A member that asked (after a failure, a download, on schedule) and one that does not
       know its hash ("") re-sync too.
-    - Otherwise not: the average of equal θ_g is that θ_g again, and an fp32 re-sync costs 8
-      bytes per parameter each way, 60 rounds of sparse traffic.
+    - Otherwise not: the average of equal θ_g is that θ_g again, and an fp32 re-sync costs 4
+      bytes per parameter each way (8 with an outer momentum), 30 rounds of sparse traffic.
 
     A member can force a re-sync either way (by asking); its weight there is 1 like
     everyone's, and a result that drifts too far is refused (peers/averager.py)."""

@@ -57,7 +57,7 @@ class AveragingResult:
     mean: torch.Tensor  # the buffer holding the averaged Δ
     weight: float  # the tokens the mean stands for
     hops: list[HopReport]
-    theta: torch.Tensor | None  # averaged θ_g and momentum, when a re-sync happened
+    theta: torch.Tensor | None  # averaged θ_g (and momentum, if any), when a re-sync happened
 
     @property
     def clean(self) -> bool:

@@ -27,8 +27,9 @@ from .plan import FP32, SPARSE, SPARSE_SUPPORT, GroupPlan
 # at the door (the swarm's recipe, daemon/recipe.py) rather than failing part after part.
 # 1: every version before this number was published; 2: a later moshpit hop's sparse chunks
 # carry its group's mean on its support (CODEC_SPARSE_SUPPORT); 3: sparse positions are
-# Elias-Fano coded (ops/positions.py), not 12 bits each.
-PROTOCOL = 3
+# Elias-Fano coded (ops/positions.py), not 12 bits each; 4: without outer momentum a θ_g
+# re-sync carries θ_g alone, not θ_g and a zero momentum (daemon/replica.py).
+PROTOCOL = 4
 MAX_WEIGHT = 1e12  # a weight is a token count; anything larger is a hostile or broken peer
 WEIGHT_SLACK = 1e-9  # a stream's weight is its registration's, bit for bit: slack for float printing only
 Payload = QuantizedBlocks | SparseBlocks | torch.Tensor

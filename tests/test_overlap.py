@@ -16,14 +16,14 @@ from dtnode.daemon.trainer import Trainer
 from dtnode.ops.flat import sha256_of
 
 
-def _replica(peer: str, device: str = "cpu") -> Replica:
+def _replica(peer: str, device: str = "cpu", outer_momentum: float = 0.9) -> Replica:
     model, _ = build_model("tiny", seed=1)
     language = MarkovLanguage(seed=2)
     stream = DataStream(DataSources(language, language), "run", peer, 4, 16)
     trainer = Trainer(
         model, stream, torch.device(device), schedule=LearningRateSchedule(1e-3), weight_decay=0.1, grad_clip=1.0
     )
-    return Replica(trainer, outer_lr=0.7, outer_momentum=0.9)
+    return Replica(trainer, outer_lr=0.7, outer_momentum=outer_momentum)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="Δ goes to the host on a copy stream on CUDA only")
@@ -96,6 +96,28 @@ def test_a_replica_knows_how_far_its_outer_steps_move_theta_g_and_how_far_a_down
     assert abs(r.distance_to(other) - (10 * 9) ** 0.5) < 1e-4
     with pytest.raises(ValueError):
         r.distance_to(other[:-1])
+
+
+@pytest.mark.parametrize("momentum", [0.9, 0.0])
+def test_a_re_sync_averages_the_outer_momentum_only_where_there_is_one(momentum):
+    """With outer momentum the consensus state is θ_g and the momentum; without (plain SGD,
+    sparse's default) the buffer stays zero and a re-sync moves θ_g alone, half the bytes.
+    Either way it is a copy: the averager writes the re-synced state into it, and θ_g may
+    change only in the outer step."""
+    r = _replica("a", outer_momentum=momentum)
+    n = r.numel
+    r.outer.momentum_buffer.fill_(0.5 if momentum else 0.0)
+    state = r.consensus_state()
+    assert state.numel() == (2 * n if momentum else n)
+    before = r.theta_g.clone()
+    state.add_(1.0)
+    assert torch.equal(r.theta_g, before)
+    r.apply_outer_step(torch.zeros(n), state)  # a zero Δ: only the momentum moves θ_g
+    buffer = 1.5 * momentum  # the re-synced momentum, one step of μ on
+    assert torch.allclose(r.outer.momentum_buffer, torch.full((n,), buffer))
+    assert torch.allclose(r.theta_g, before + 1.0 - 0.7 * momentum * buffer)
+    with pytest.raises(ValueError, match="consensus state"):
+        r.apply_outer_step(torch.zeros(n), torch.zeros(n + 1))
 
 
 def test_delayed_outer_step_keeps_own_progress_and_loses_no_delta():
