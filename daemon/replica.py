@@ -183,10 +183,9 @@ class Replica:
         momentum (plain SGD, sparse's default; the recipe makes it the swarm's) the buffer stays
         zero, and the state is θ_g alone: a re-sync moves 4 bytes per parameter each way, not 8.
         """
-        theta = self.theta_g.detach().to("cpu", torch.float32, copy=True)
         if self.outer.momentum == 0:
-            return theta
-        return torch.cat([theta, self.outer.momentum_buffer.to("cpu")])
+            return self.theta_g.detach().to("cpu", torch.float32, copy=True)
+        return torch.cat([self.theta_g.detach().to("cpu", torch.float32), self.outer.momentum_buffer.to("cpu")])
 
     def _take_consensus(self, state_cpu: torch.Tensor | None) -> None:
         """The swarm's averaged θ_g and momentum (before this step's outer update), if re-synced
