@@ -34,6 +34,14 @@ def flat_moments(
     return exp_avg, exp_avg_sq, steps
 
 
+def step_count(optimizer: torch.optim.Optimizer, steps: int, device: torch.device) -> torch.Tensor:
+    """AdamW's step count as its kernels want it: on the parameters' device for the fused and
+    capturable kernels (the fused CUDA kernel refuses a count on the host), on the host
+    otherwise (torch's own load_state_dict follows the same rule)."""
+    on_device = optimizer.defaults.get("fused") or optimizer.defaults.get("capturable")
+    return torch.tensor(float(steps), dtype=torch.float32, device=device if on_device else "cpu")
+
+
 @torch.no_grad()
 def install_adam_state(
     optimizer: torch.optim.Optimizer,
@@ -50,7 +58,7 @@ def install_adam_state(
     for p in ordered_parameters(model):
         n = p.numel()
         optimizer.state[p] = {
-            "step": torch.tensor(float(steps), dtype=torch.float32),
+            "step": step_count(optimizer, steps, p.device),
             "exp_avg": exp_avg[offset : offset + n].view_as(p).to(p.device, copy=True),
             "exp_avg_sq": exp_avg_sq[offset : offset + n].view_as(p).to(p.device, copy=True),
         }

@@ -22,6 +22,7 @@ from torch.distributed.tensor import DTensor
 
 from dtnode.ops.flat import FlatParameters
 
+from .adam_state import step_count
 from .local_ranks import Command, FlatMoments, LocalRankFailure, LocalRanks
 from .local_weights import SpanWork
 
@@ -88,7 +89,7 @@ def scatter_moments(
     if steps <= 0:
         return
     for i, param in enumerate(params):
-        state: dict[str, torch.Tensor] = {"step": torch.tensor(float(steps), dtype=torch.float32)}
+        state: dict[str, torch.Tensor] = {"step": step_count(optimizer, steps, device)}
         for name, which in (("exp_avg", 0), ("exp_avg_sq", 1)):
             full = torch.empty(param.shape, dtype=torch.float32, device=device)
             if moments is not None:

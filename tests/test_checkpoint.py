@@ -282,3 +282,16 @@ def test_the_store_writes_theta_g_in_place_and_an_outer_step_during_the_write_ke
     written = read_checkpoint(store.files[3].path, worker.layout, "r", "h")
     assert torch.equal(written.theta_g, before) and torch.equal(replica.theta_g, before + 1.0)
     assert not list(store._writing)  # the write let go of what it read
+
+
+@pytest.mark.parametrize("kernel", ["fused", "capturable", "foreach"])
+def test_a_restored_adamw_step_count_lies_where_the_kernel_reads_it(kernel):
+    """The fused and capturable AdamW kernels read the step count on the parameters' device (the
+    fused CUDA kernel refuses one on the host), the others on the host: as torch's own
+    load_state_dict puts it. ("meta" stands for a GPU here: the rule, not the kernel.)"""
+    from dtnode.daemon.adam_state import step_count
+
+    optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(4))], **{kernel: True})
+    count = step_count(optimizer, 7, torch.device("meta"))
+    assert count.dtype == torch.float32 and count.shape == ()
+    assert count.device.type == ("cpu" if kernel == "foreach" else "meta")
