@@ -28,6 +28,7 @@ from dtnode.peers import failpoints
 from dtnode.peers.averager import AveragingResult, MoshpitAverager
 from dtnode.peers.membership import Membership, PeerRecord
 
+from .failure_streak import FailureStreak
 from .history import RoundHistory
 from .joiner import Joiner
 from .landing import Landing
@@ -43,8 +44,6 @@ from .trainer import InnerResult
 from .worker import ModelWorker
 
 log = logging.getLogger("dtnode")
-
-FAILED_ROUND_BACKOFF_S = 1.0  # a fault that repeats must not spin
 
 
 class RoundStrategy(Protocol):
@@ -91,6 +90,7 @@ class RoundLoop:
         self.stopping = stopping
         self.stop_flag = stop_flag  # seen by the training thread
         self.needs_resync = False  # set by a failed hop or round; cleared by a clean round
+        self.failures = FailureStreak()  # rounds failed in a row: the pause before the next try
         self.rounds_done = 0
         self._announcing: asyncio.Task | None = None  # the record published once a step's hash is in
         self.finished = False  # --max-rounds: the swarm's run is over
@@ -174,6 +174,7 @@ class RoundLoop:
         """One round behind the error boundary (see the module docstring)."""
         try:
             await self.strategy.run_round()
+            self.failures.ended()
         except (asyncio.CancelledError, KeyboardInterrupt, RankOutOfMemory, HostRestartNeeded):
             raise
         except Exception as e:
@@ -182,21 +183,32 @@ class RoundLoop:
             self.stats.round_ended(Outcome.FAILED)
             self.metrics.round_failures.labels(reason=reason).inc()
             self.metrics.rounds.labels(outcome=Outcome.FAILED.value).inc()
-            log.error(
-                "round %d failed (%s: %s); continuing from outer step %d with a re-sync",
-                outer,
-                reason,
-                e,
-                outer,
-                exc_info=None if isinstance(e, LocalRankFailure) else e,  # a known cause, said in full
-            )
+            backoff, repeated = self.failures.failed(e)
+            if repeated:  # its traceback is in the log already
+                log.error(
+                    "round %d failed again (%s: %s), %d rounds in a row; trying again in %.0fs",
+                    outer,
+                    reason,
+                    e,
+                    self.failures.count,
+                    backoff,
+                )
+            else:
+                log.error(
+                    "round %d failed (%s: %s); continuing from outer step %d with a re-sync",
+                    outer,
+                    reason,
+                    e,
+                    outer,
+                    exc_info=None if isinstance(e, LocalRankFailure) else e,  # a known cause, said in full
+                )
             self.needs_resync = True
             self.state.enter_round(outer + (1 if self.landing.in_flight else 0), outer)
             if isinstance(e, FloatingPointError):  # θ_l (and its optimizer state) are unusable
                 await self.worker.call(self.worker.reset_local)
             if isinstance(e, LocalRankFailure):
                 await self.restart_ranks()
-            await self.pause(FAILED_ROUND_BACKOFF_S)
+            await self.pause(backoff)
 
     async def restart_ranks(self) -> None:
         """A local rank died: the host starts all of them again from θ_g, as the same peer."""

@@ -476,3 +476,18 @@ def test_a_peer_whose_last_step_did_not_fit_waits_for_the_round_s_end_or_its_clo
         await asyncio.wait_for(FixedPacer(3).wait_for_end(60.0), 5)  # fixed pacing: the H-th step is the end
 
     asyncio.run(main())
+
+
+def test_rounds_failing_in_a_row_wait_longer_and_log_a_repeated_failure_once():
+    """A fault met in every round (the GPU run's restored AdamW state, before its fix) waited 1 s
+    and logged a traceback each time, forever: now 3 quick tries, then doubling pauses up to a
+    cap, and a failure like the last one is said in one line. A round that ends well starts over."""
+    from dtnode.daemon.failure_streak import MAX_FAILED_ROUND_BACKOFF_S, FailureStreak
+
+    streak = FailureStreak()
+    same = [streak.failed(RuntimeError("state_steps is on cpu")) for _ in range(9)]
+    assert [pause for pause, _ in same] == [1, 1, 1, 2, 4, 8, 16, MAX_FAILED_ROUND_BACKOFF_S, 30]
+    assert [repeated for _, repeated in same] == [False] + [True] * 8
+    assert streak.failed(ValueError("another fault")) == (30, False)  # a new fault gets its traceback
+    streak.ended()
+    assert streak.failed(ValueError("another fault")) == (1, False)
