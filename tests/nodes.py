@@ -97,9 +97,19 @@ class NodeProcess:
         self._reader.start()
 
     def _read(self) -> None:
-        for line in self.proc.stdout:
-            self.times.append(time.monotonic())
-            self.lines.append(line.rstrip())
+        # DTNODE_TEST_LOG_DIR keeps every node's whole log, for reading after a run (tests/bench/gpu.sh
+        # counts the tracebacks in them): a test shows a node's output only when it fails.
+        log_dir = os.environ.get("DTNODE_TEST_LOG_DIR")
+        log = open(Path(log_dir) / f"{self.name}-{self.proc.pid}.log", "w", buffering=1) if log_dir else None  # noqa: SIM115
+        try:
+            for line in self.proc.stdout:
+                self.times.append(time.monotonic())
+                self.lines.append(line.rstrip())
+                if log is not None:
+                    log.write(line)
+        finally:
+            if log is not None:
+                log.close()
 
     @classmethod
     def join(

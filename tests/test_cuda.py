@@ -96,6 +96,20 @@ def test_the_trainer_learns_in_bf16_on_the_gpu(compile):
     assert trainer.parameters_flat.is_cuda and trainer.parameters_flat.dtype == torch.float32
 
 
+
+def test_a_restored_adamw_state_trains_on_with_the_fused_kernel():
+    """A checkpoint's or a download's AdamW moments installed on a GPU trainer: the fused CUDA
+    kernel needs the step count on the device (it was on the host: every round after a restart
+    or a late join failed, found by the swarm tests on an H100), and the steps go on from it."""
+    source = _trainer("cuda")
+    source.run(3, threading.Event())
+    exp_avg, exp_avg_sq, steps = source.inner_state()
+    restored = _trainer("cuda")
+    restored.load_inner_state(exp_avg, exp_avg_sq, steps)
+    later = restored.run(3, threading.Event())
+    assert math.isfinite(later.mean_loss)
+    assert restored.inner_state()[2] == steps + 3
+
 def test_the_outer_step_on_the_gpu_matches_the_cpu():
     gpu, cpu = Replica(_trainer("cuda"), 0.7, 0.9), Replica(_trainer("cpu"), 0.7, 0.9)
     cpu.trainer.parameters_flat.copy_(gpu.trainer.parameters_flat.cpu())
@@ -108,6 +122,24 @@ def test_the_outer_step_on_the_gpu_matches_the_cpu():
     # what a running node judges a split-vote download by, read back from the device
     assert math.isclose(gpu.update_scale() or 0.0, cpu.update_scale() or 1.0, rel_tol=1e-4)
     assert math.isclose(gpu.distance_to(cpu.theta_g), 0.0, abs_tol=1e-4)
+
+
+@pytest.mark.parametrize("momentum", [0.9, 0.0], ids=["momentum", "plain-sgd"])
+def test_a_re_sync_with_theta_g_on_the_gpu_moves_the_averaged_state_through_the_host(momentum):
+    """The consensus state leaves the device as a host copy (θ_g alone without momentum), and
+    the averaged one comes back into θ_g and the momentum on the device at the outer step."""
+    gpu = Replica(_trainer("cuda"), 0.7, momentum)
+    n = gpu.numel
+    gpu.outer.momentum_buffer.fill_(0.5 if momentum else 0.0)
+    state = gpu.consensus_state()
+    assert state.device.type == "cpu" and state.numel() == (2 * n if momentum else n)
+    before = gpu.theta_g.to("cpu", copy=True)
+    state.add_(1.0)  # what the group's average would write into it
+    assert torch.equal(gpu.theta_g.cpu(), before)
+    gpu.apply_outer_step(torch.zeros(n).pin_memory(), state)
+    buffer = 1.5 * momentum
+    torch.testing.assert_close(gpu.outer.momentum_buffer.cpu(), torch.full((n,), buffer))
+    torch.testing.assert_close(gpu.theta_g.cpu(), before + 1.0 - 0.7 * momentum * buffer)
 
 
 def test_the_shard_helpers_round_trip_over_nccl(tmp_path: Path):
