@@ -67,14 +67,21 @@ class CheckpointInfo:
 
 @dataclass(frozen=True)
 class Layout:
-    """Names and shapes of the parameters, in flat-buffer order."""
+    """Names and shapes of the parameters, in flat-buffer order, and whether the file holds the
+    outer momentum (not for a swarm without it, plain SGD: sparse's default)."""
 
     names: tuple[str, ...]
     shapes: tuple[tuple[int, ...], ...]
+    outer_momentum: bool = True
 
     @property
     def numel(self) -> int:
         return sum(_prod(s) for s in self.shapes)
+
+    @property
+    def momentum_numel(self) -> int:
+        """Values of the momentum in the file, and in a TrainingState (0: none, an empty tensor)."""
+        return self.numel if self.outer_momentum else 0
 
     def file_size_bound(self) -> int:
         """No honest checkpoint of this model is larger than this."""
@@ -127,7 +134,7 @@ class SharedBytes(Protocol):
 @dataclass
 class TrainingState:
     theta_g: torch.Tensor
-    momentum: torch.Tensor
+    momentum: torch.Tensor  # empty without outer momentum (Layout.outer_momentum)
     local: LocalState | None = None
     # `ckpt-N`'s bytes read from θ_g and the momentum in place (on a CPU), which are then the live
     # tensors: no model-sized copy for the write, one only if they change while it lasts
@@ -181,7 +188,7 @@ def write_checkpoint(
     """Atomically and durably write one checkpoint, local state first (blocking: call from a
     worker thread). Written on demand for a joiner too: a file this node serves and may resume
     from is never one a power loss could leave torn under its final name."""
-    if state.theta_g.numel() != layout.numel or state.momentum.numel() != layout.numel:
+    if state.theta_g.numel() != layout.numel or state.momentum.numel() != layout.momentum_numel:
         raise ValueError("buffers do not match the layout")
     directory.mkdir(parents=True, exist_ok=True)
     if state.local is not None:
@@ -219,18 +226,20 @@ def write_checkpoint(
     if state.live is not None:
         pieces: Iterable[bytes | memoryview] = state.live.pieces()
     else:
-        pieces = tensor_pieces(shared_header(step, layout, metadata), [state.theta_g, state.momentum])
+        buffers = [state.theta_g, state.momentum] if layout.outer_momentum else [state.theta_g]
+        pieces = tensor_pieces(shared_header(step, layout, metadata), buffers)
     sha256, size = _write_atomic(final, pieces)
     return CheckpointInfo(step, final, sha256, size)
 
 
 def shared_header(step: int, layout: Layout, metadata: dict[str, str]) -> bytes:
-    """The JSON header of `ckpt-N` (θ_g per parameter, then the momentum)."""
+    """The JSON header of `ckpt-N` (θ_g per parameter, then the momentum if the swarm has one)."""
     meta = {"format": FORMAT, "outer_step": str(step), "dtnode_version": __version__, **metadata}
     tensors = [
         (f"theta_g/{name}", "F32", list(shape), 4 * _prod(shape)) for name, shape in zip(layout.names, layout.shapes)
     ]
-    tensors.append(("outer_momentum", "F32", [layout.numel], 4 * layout.numel))
+    if layout.outer_momentum:
+        tensors.append(("outer_momentum", "F32", [layout.numel], 4 * layout.numel))
     return _entries(tensors, meta)
 
 
@@ -356,8 +365,10 @@ def read_checkpoint(path: Path, layout: Layout, run_id: str, model_hash: str) ->
     try:
         with _open_checked(path, layout.file_size_bound()) as f:
             meta = f.metadata() or {}
-            expected = {f"theta_g/{n}" for n in layout.names} | {"outer_momentum"}
-            if set(f.keys()) != expected:
+            # the momentum is optional either way: a swarm without it reads an older file of
+            # zeros (and ignores them), one with it starts from zero on a file without
+            theta_names, names = {f"theta_g/{n}" for n in layout.names}, set(f.keys())
+            if names - {"outer_momentum"} != theta_names:
                 raise CheckpointError(f"{path.name}: tensor names differ from this model's")
             _check_metadata(path, meta, run_id, model_hash, FORMAT)
             theta = torch.empty(layout.numel, dtype=torch.float32)
@@ -366,7 +377,9 @@ def read_checkpoint(path: Path, layout: Layout, run_id: str, model_hash: str) ->
                 tensor = _checked(f, f"theta_g/{name}", shape)
                 theta[offset : offset + tensor.numel()] = tensor.reshape(-1)
                 offset += tensor.numel()
-            momentum = _checked(f, "outer_momentum", (layout.numel,))
+            momentum = torch.empty(0)
+            if layout.outer_momentum and "outer_momentum" in names:
+                momentum = _checked(f, "outer_momentum", (layout.numel,))
     except CheckpointError:
         raise
     except Exception as e:  # noqa: BLE001  (safetensors raises its own errors for malformed files)

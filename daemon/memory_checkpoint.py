@@ -29,13 +29,13 @@ class MemoryCheckpoint:
     def __init__(
         self, step: int, layout: Layout, theta_g: torch.Tensor, momentum: torch.Tensor, metadata: dict[str, str]
     ):
-        if theta_g.numel() != layout.numel or momentum.numel() != layout.numel:
+        if theta_g.numel() != layout.numel or momentum.numel() != layout.momentum_numel:
             raise ValueError("buffers do not match the layout")
         header = shared_header(step, layout, metadata)
         self.step = step
         self._head = struct.pack("<Q", len(header)) + header
-        self._tensors = [theta_g.detach(), momentum.detach()]
-        self.size = len(self._head) + 8 * layout.numel
+        self._tensors = [theta_g.detach(), momentum.detach()] if layout.outer_momentum else [theta_g.detach()]
+        self.size = len(self._head) + 4 * (layout.numel + layout.momentum_numel)
         self.sha256 = ""  # set by `hash`, before the first joiner is told about it
         self.detached = False
         self._lock = threading.Lock()  # a read of the live tensors ends before `detach` lets them change

@@ -180,8 +180,8 @@ class Replica:
 
         Both drift apart when members of a group applied different values (a failed part):
         θ_g alone would be pulled apart again by the next outer steps' momentum. Without outer
-        momentum (plain SGD, sparse's default; the recipe makes it the swarm's) the buffer stays
-        zero, and the state is θ_g alone: a re-sync moves 4 bytes per parameter each way, not 8.
+        momentum (plain SGD, sparse's default; the recipe makes it the swarm's) there is no
+        buffer, and the state is θ_g alone: a re-sync moves 4 bytes per parameter each way, not 8.
         """
         if self.outer.momentum == 0:
             return self.theta_g.detach().to("cpu", torch.float32, copy=True)
@@ -196,7 +196,7 @@ class Replica:
         if state_cpu.numel() not in (n, 2 * n):
             raise ValueError(f"a consensus state holds θ_g and maybe the momentum: {state_cpu.numel()} values for {n}")
         self.theta_g.copy_(state_cpu[:n])
-        if state_cpu.numel() == 2 * n:
+        if state_cpu.numel() == 2 * n and self.outer.momentum > 0:
             self.outer.momentum_buffer.copy_(state_cpu[n:])
         self._sha256 = ""
 

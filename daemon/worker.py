@@ -136,7 +136,7 @@ class ModelWorker:
     @property
     def layout(self) -> Layout:
         flat = self.trainer.flat
-        return Layout(tuple(flat.names), tuple(flat.shapes))
+        return Layout(tuple(flat.names), tuple(flat.shapes), outer_momentum=self.settings.outer_momentum > 0)
 
     @property
     def outer_step(self) -> int:

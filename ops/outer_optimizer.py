@@ -34,13 +34,14 @@ class NesterovOuterOptimizer:
         self.lr = lr
         self.momentum = momentum
         self.step_slice = step_slice
-        self.momentum_buffer = torch.zeros(numel, dtype=torch.float32, device=device)
+        # without momentum (plain SGD) there is no buffer: an empty one, not 4 bytes per parameter of zeros
+        self.momentum_buffer = torch.zeros(numel if momentum > 0 else 0, dtype=torch.float32, device=device)
 
     @torch.no_grad()
     def step(self, params: torch.Tensor, pseudo_gradient: torch.Tensor) -> None:
         """θ_g (`params`) ← one step along Δ (`pseudo_gradient`, read only). With μ = 0 it is
-        θ_g ← θ_g − lr·Δ (torch refuses Nesterov without momentum; the buffer stays zero)."""
-        if params.shape != pseudo_gradient.shape or params.shape != self.momentum_buffer.shape:
+        θ_g ← θ_g − lr·Δ (torch refuses Nesterov without momentum; there is no buffer)."""
+        if params.shape != pseudo_gradient.shape or (self.momentum > 0 and params.shape != self.momentum_buffer.shape):
             raise ValueError("outer step buffers differ in shape")
         n = params.numel()
         scratch = torch.empty(min(n, self.step_slice), dtype=params.dtype, device=params.device)
@@ -69,7 +70,15 @@ class NesterovOuterOptimizer:
         return {"outer_momentum": self.momentum_buffer}
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """The momentum of a checkpoint. An empty one (a checkpoint of a swarm without momentum)
+        starts it at zero; without momentum any is ignored (a checkpoint written before plain
+        SGD dropped its buffer of zeros)."""
         src = state["outer_momentum"]
+        if self.momentum == 0:
+            return
+        if src.numel() == 0:
+            self.momentum_buffer.zero_()
+            return
         if src.shape != self.momentum_buffer.shape or src.dtype != torch.float32:
             raise ValueError("outer momentum buffer has the wrong shape or dtype")
         self.momentum_buffer.copy_(src)

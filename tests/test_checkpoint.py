@@ -158,15 +158,16 @@ def test_kill_9_during_a_write_leaves_the_previous_checkpoint_whole(tmp_path):
     assert not list(tmp_path.glob(".ckpt-*"))
 
 
-def test_a_checkpoint_served_from_memory_is_the_file_byte_for_byte(tmp_path):
+@pytest.mark.parametrize("outer_momentum", [True, False], ids=["momentum", "plain-sgd"])
+def test_a_checkpoint_served_from_memory_is_the_file_byte_for_byte(tmp_path, outer_momentum):
     """Donors serving the current step from memory and donors serving its file are one file to
     a joiner (same sha256, same bytes at every offset); after `detach` the bytes stay put while
     the live tensors change."""
     from dtnode.daemon.checkpoint import TrainingState, write_checkpoint
     from dtnode.daemon.memory_checkpoint import MemoryCheckpoint
 
-    layout = Layout(("a", "b"), ((3, 5), (7,)))
-    theta, momentum = torch.randn(layout.numel), torch.randn(layout.numel)
+    layout = Layout(("a", "b"), ((3, 5), (7,)), outer_momentum)
+    theta, momentum = torch.randn(layout.numel), torch.randn(layout.momentum_numel)
     meta = {"run_id": "r", "model_hash": "h"}
     info = write_checkpoint(tmp_path, 4, layout, TrainingState(theta.clone(), momentum.clone()), meta)
     memory = MemoryCheckpoint(4, layout, theta, momentum, meta)
@@ -295,3 +296,23 @@ def test_a_restored_adamw_step_count_lies_where_the_kernel_reads_it(kernel):
     count = step_count(optimizer, 7, torch.device("meta"))
     assert count.dtype == torch.float32 and count.shape == ()
     assert count.device.type == ("cpu" if kernel == "foreach" else "meta")
+
+
+def test_a_swarm_without_outer_momentum_writes_and_serves_theta_g_alone(tmp_path):
+    """Plain SGD (sparse's default) has no momentum: its file is θ_g alone, half the bytes a
+    joiner downloads. Files stay readable across the change: a swarm without momentum reads an
+    older file of zeros and ignores them, one with momentum starts it from zero on a file without."""
+    plain = Layout(LAYOUT.names, LAYOUT.shapes, outer_momentum=False)
+    theta = torch.randn(LAYOUT.numel)
+    state = TrainingState(theta.clone(), torch.empty(0))
+    info = write_checkpoint(tmp_path, 5, plain, state, {"run_id": "run", "model_hash": "h"})
+    assert set(load_file(str(info.path))) == {"theta_g/a.weight", "theta_g/b.bias"}
+    with_momentum, _, _ = _write(tmp_path, step=6)
+    assert info.size_bytes < with_momentum.size_bytes - 4 * LAYOUT.numel + 64  # the header differs a little
+    loaded = read_checkpoint(info.path, plain, "run", "h")
+    assert torch.equal(loaded.theta_g, theta) and loaded.momentum.numel() == 0
+    older = read_checkpoint(with_momentum.path, plain, "run", "h")  # written with momentum: not read
+    assert older.momentum.numel() == 0
+    assert read_checkpoint(info.path, LAYOUT, "run", "h").momentum.numel() == 0  # the outer optimizer zeroes it
+    with pytest.raises(ValueError, match="layout"):
+        write_checkpoint(tmp_path, 7, plain, TrainingState(theta, torch.zeros(LAYOUT.numel)), {})

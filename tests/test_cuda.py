@@ -96,7 +96,6 @@ def test_the_trainer_learns_in_bf16_on_the_gpu(compile):
     assert trainer.parameters_flat.is_cuda and trainer.parameters_flat.dtype == torch.float32
 
 
-
 def test_a_restored_adamw_state_trains_on_with_the_fused_kernel():
     """A checkpoint's or a download's AdamW moments installed on a GPU trainer: the fused CUDA
     kernel needs the step count on the device (it was on the host: every round after a restart
@@ -109,6 +108,7 @@ def test_a_restored_adamw_state_trains_on_with_the_fused_kernel():
     later = restored.run(3, threading.Event())
     assert math.isfinite(later.mean_loss)
     assert restored.inner_state()[2] == steps + 3
+
 
 def test_the_outer_step_on_the_gpu_matches_the_cpu():
     gpu, cpu = Replica(_trainer("cuda"), 0.7, 0.9), Replica(_trainer("cpu"), 0.7, 0.9)
@@ -130,7 +130,7 @@ def test_a_re_sync_with_theta_g_on_the_gpu_moves_the_averaged_state_through_the_
     the averaged one comes back into θ_g and the momentum on the device at the outer step."""
     gpu = Replica(_trainer("cuda"), 0.7, momentum)
     n = gpu.numel
-    gpu.outer.momentum_buffer.fill_(0.5 if momentum else 0.0)
+    gpu.outer.momentum_buffer.fill_(0.5)  # empty without momentum
     state = gpu.consensus_state()
     assert state.device.type == "cpu" and state.numel() == (2 * n if momentum else n)
     before = gpu.theta_g.to("cpu", copy=True)
@@ -138,7 +138,7 @@ def test_a_re_sync_with_theta_g_on_the_gpu_moves_the_averaged_state_through_the_
     assert torch.equal(gpu.theta_g.cpu(), before)
     gpu.apply_outer_step(torch.zeros(n).pin_memory(), state)
     buffer = 1.5 * momentum
-    torch.testing.assert_close(gpu.outer.momentum_buffer.cpu(), torch.full((n,), buffer))
+    torch.testing.assert_close(gpu.outer.momentum_buffer.cpu(), torch.full((n if momentum else 0,), buffer))
     torch.testing.assert_close(gpu.theta_g.cpu(), before + 1.0 - 0.7 * momentum * buffer)
 
 

@@ -135,7 +135,11 @@ def test_outer_optimizer_keeps_its_momentum_in_the_buffer_it_checkpoints():
     plain = NesterovOuterOptimizer(4, lr=0.5, momentum=0.0)  # torch refuses Nesterov at mu = 0: plain SGD
     x = torch.ones(4)
     plain.step(x, torch.full((4,), 2.0))
-    assert torch.equal(x, torch.zeros(4)) and torch.equal(plain.momentum_buffer, torch.zeros(4))
+    assert torch.equal(x, torch.zeros(4)) and plain.momentum_buffer.numel() == 0  # no buffer of zeros
+    plain.load_state_dict({"outer_momentum": torch.ones(4)})  # an older checkpoint's zeros, or anything: ignored
+    assert plain.momentum_buffer.numel() == 0
+    ours.load_state_dict({"outer_momentum": torch.empty(0)})  # a file of a swarm without momentum: from zero
+    assert torch.equal(ours.momentum_buffer, torch.zeros(64))
     with pytest.raises(ValueError):
         ours.step(torch.zeros(3), torch.zeros(3))
 

@@ -59,17 +59,21 @@ def _model_sized(*holders: object) -> set[int]:
     return found
 
 
-def test_a_cpu_replica_holds_four_model_sized_buffers_through_its_rounds():
+@pytest.mark.parametrize("momentum", [0.9, 0.0], ids=["momentum", "plain-sgd"])
+def test_a_cpu_replica_holds_four_model_sized_buffers_through_its_rounds(momentum):
     """Host memory per parameter is what decides the largest model a node trains (a sharded
     host's rank 0 holds all of these in RAM): θ_g, the outer momentum, Δ's staging buffer and
     the average's, and with --overlap the Δ in flight, nothing more; an outer step allocates one
-    slice at most, not another Δ."""
-    r = _replica("a")
+    slice at most, not another Δ. Without outer momentum, three: no buffer of zeros."""
+    r = _replica("a", outer_momentum=momentum)
     flat = r.trainer.parameters_flat
     held = _model_sized(r, r.outer)
-    assert held == {
-        t.untyped_storage().data_ptr() for t in (r.theta_g, r.outer.momentum_buffer, r.delta_cpu, r.mean_cpu)
-    }
+    buffers = (
+        (r.theta_g, r.outer.momentum_buffer, r.delta_cpu, r.mean_cpu)
+        if momentum
+        else (r.theta_g, r.delta_cpu, r.mean_cpu)
+    )
+    assert held == {t.untyped_storage().data_ptr() for t in buffers}
     flat.add_(0.01)
     delta = r.pseudo_gradient()
     assert delta.data_ptr() == r.delta_cpu.data_ptr() and torch.allclose(delta, torch.full_like(delta, -0.01))
@@ -101,12 +105,13 @@ def test_a_replica_knows_how_far_its_outer_steps_move_theta_g_and_how_far_a_down
 @pytest.mark.parametrize("momentum", [0.9, 0.0])
 def test_a_re_sync_averages_the_outer_momentum_only_where_there_is_one(momentum):
     """With outer momentum the consensus state is θ_g and the momentum; without (plain SGD,
-    sparse's default) the buffer stays zero and a re-sync moves θ_g alone, half the bytes.
+    sparse's default) there is no buffer and a re-sync moves θ_g alone, half the bytes.
     Either way it is a copy: the averager writes the re-synced state into it, and θ_g may
     change only in the outer step."""
     r = _replica("a", outer_momentum=momentum)
     n = r.numel
-    r.outer.momentum_buffer.fill_(0.5 if momentum else 0.0)
+    assert r.outer.momentum_buffer.numel() == (n if momentum else 0)  # no buffer of zeros without momentum
+    r.outer.momentum_buffer.fill_(0.5)
     state = r.consensus_state()
     assert state.numel() == (2 * n if momentum else n)
     before = r.theta_g.clone()
@@ -114,7 +119,7 @@ def test_a_re_sync_averages_the_outer_momentum_only_where_there_is_one(momentum)
     assert torch.equal(r.theta_g, before)
     r.apply_outer_step(torch.zeros(n), state)  # a zero Δ: only the momentum moves θ_g
     buffer = 1.5 * momentum  # the re-synced momentum, one step of μ on
-    assert torch.allclose(r.outer.momentum_buffer, torch.full((n,), buffer))
+    assert torch.allclose(r.outer.momentum_buffer, torch.full((n if momentum else 0,), buffer))
     assert torch.allclose(r.theta_g, before + 1.0 - 0.7 * momentum * buffer)
     with pytest.raises(ValueError, match="consensus state"):
         r.apply_outer_step(torch.zeros(n), torch.zeros(n + 1))

@@ -8,7 +8,7 @@ from nodes import FAST, NodeProcess, run_swarm
 from nodes import theta as checkpoint_theta
 from safetensors.torch import load_file
 
-from dtnode.daemon.checkpoint import FEEDBACK, local_state_path
+from dtnode.daemon.checkpoint import FEEDBACK, checkpoint_path, local_state_path
 
 SPARSE = ["--compression", "sparse", "--sparse-top-k", "32", "--run-id", "sparse-swarm"]
 
@@ -96,3 +96,28 @@ def test_a_theta_g_that_differs_by_one_bit_is_found_by_its_hash_and_re_synced(tm
         assert "Traceback" not in node.output, node.output
         assert re.search(r"round 2 hop 0: the group's members hold different θ_g \(hashes \w+, \w+\)", node.output)
     assert torch.equal(checkpoint_theta(a.state_dir, 4), checkpoint_theta(b.state_dir, 4))
+
+
+@pytest.mark.long_swarms  # about 40 s
+def test_a_joiner_of_a_sparse_swarm_downloads_theta_g_alone_and_averages_in_step(tmp_path):
+    """Without outer momentum (sparse's default) a checkpoint is θ_g alone: a joiner downloads
+    4 bytes per parameter, not 8 (the tiny model's file was 1.0 MB, now 0.5), and the swarm,
+    joiner included, ends on one θ_g."""
+    # rounds of a second or two (H=150), so that the joiner comes up while the swarm trains
+    args = [*FAST, *SPARSE, "--inner-steps", "150", "--min-peers", "2", "--max-rounds", "8"]
+
+    def others(address: str) -> list[NodeProcess]:
+        b = NodeProcess.join("b", tmp_path, *args, "--peer", address)
+        b.wait_for_round(lambda r: r["round"] >= 1, timeout=180)
+        return [b, NodeProcess.join("c", tmp_path, *args, "--peer", address)]
+
+    nodes = run_swarm(NodeProcess.join("a", tmp_path, *args), others, timeout=300)
+    c = nodes[2]
+    download = re.search(r"downloaded checkpoint \d+ from \d+ peer\(s\): ([\d.]+) MB", c.output)
+    assert download and float(download.group(1)) <= 0.5, c.output
+    assert any(r["groups"][0][0] == 3 for r in c.rounds), c.output  # it averaged with both
+    for node in nodes:
+        assert "Traceback" not in node.output, node.output
+        assert "outer_momentum" not in load_file(str(checkpoint_path(node.state_dir, 8)))
+    assert torch.equal(checkpoint_theta(nodes[0].state_dir, 8), checkpoint_theta(c.state_dir, 8))
+    assert torch.equal(checkpoint_theta(nodes[1].state_dir, 8), checkpoint_theta(c.state_dir, 8))
