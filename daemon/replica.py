@@ -54,8 +54,8 @@ class Replica:
         self.outer = NesterovOuterOptimizer(n, outer_lr, outer_momentum, device=device)
         self.outer_step = 0
         pin = device.type == "cuda"
+        # Δ for the network, and the average it comes back as (written in place, see PartResult)
         self.delta_cpu = torch.empty(n, dtype=torch.float32, pin_memory=pin)
-        self.mean_cpu = torch.empty(n, dtype=torch.float32, pin_memory=pin)
         # Δ on the device (CUDA only: on a CPU the staging buffers are on the device already)
         self._delta_device = torch.empty(n, dtype=torch.float32, device=device) if pin else None
         self._host_theta = torch.empty(n, dtype=torch.float32, pin_memory=pin) if pin else None

@@ -299,7 +299,6 @@ class RoundLoop:
             self.averager.average(
                 round_no,
                 delta,
-                replica.mean_cpu,
                 float(max(inner.tokens, 1)),
                 resync,
                 lambda: consensus_on(replica.consensus_state),

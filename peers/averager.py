@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
 
@@ -120,7 +121,6 @@ class MoshpitAverager:
         self,
         round_no: int,
         delta: torch.Tensor,
-        spare: torch.Tensor,
         weight: float,
         resync: bool,
         consensus_state: Callable[[], Awaitable[torch.Tensor]],
@@ -128,7 +128,8 @@ class MoshpitAverager:
         delta_ready: Callable[[], Awaitable[None]] | None = None,
         theta_sha256: str = "",
     ) -> AveragingResult:
-        """Average Δ (`delta`, which `spare` and scratch buffers take turns with) over the grid.
+        """Average Δ (`delta`) over the grid; the mean comes back in `delta` itself (in scratch
+        buffers when this node carried it into several groups of a hop).
 
         `delta_ready`, when given, returns once `delta` holds Δ: its copy from the training
         device may still be under way when this starts, and hop 0's matchmaking hides it.
@@ -165,7 +166,7 @@ class MoshpitAverager:
             asked = resync or theta is not None
             # once a hop re-synced it, this node's θ is no longer the one its hash names
             announced = theta_sha256 if theta is None else ""
-            outputs = self.scratch.outputs([chain.values for chain in chains], [delta, spare])
+            outputs = self.scratch.outputs([chain.values for chain in chains])
 
             hop_ctx = _Hop(
                 round_no,
@@ -418,23 +419,28 @@ def next_chains(
 
 
 class ScratchBuffers:
-    """Model-sized output buffers for the hops' groups, kept across rounds: each hop writes
-    its results into buffers that none of its inputs is still being read from."""
+    """Where each group of a hop writes its results: into its own input, in place (a part's
+    result replaces those values only once whole and checked, see `PartResult`), unless another
+    group of the hop reads the same input (a member of a small group carrying one mean into
+    several groups); then into model-sized scratch buffers, kept across rounds, that no input is."""
 
     def __init__(self) -> None:
         self._scratch: list[torch.Tensor] = []
 
-    def outputs(self, inputs: list[torch.Tensor], own: list[torch.Tensor]) -> list[torch.Tensor]:
-        """One output buffer per input: `own` first (Δ's and its spare), then scratch ones."""
+    def outputs(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+        """One output buffer per input."""
         busy = {id(t) for t in inputs}
-        free = [t for t in own if id(t) not in busy]
-        index = 0
-        while len(free) < len(inputs):
-            buffer = self._buffer(index, inputs[0])
+        readers = Counter(id(t) for t in inputs)
+        outputs, index = [], 0
+        for values in inputs:
+            if readers[id(values)] == 1:
+                outputs.append(values)
+                continue
+            while id(buffer := self._buffer(index, values)) in busy:
+                index += 1
+            outputs.append(buffer)
             index += 1
-            if id(buffer) not in busy:
-                free.append(buffer)
-        return free[: len(inputs)]
+        return outputs
 
     def _buffer(self, index: int, like: torch.Tensor) -> torch.Tensor:
         while len(self._scratch) <= index:

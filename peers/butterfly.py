@@ -32,8 +32,9 @@ from dtnode.proto import averaging_pb2_grpc as pb_grpc
 
 from . import failpoints
 from .auth import GRPC_METADATA, SwarmAuth, stream_subject
+from .part_result import PartResult
 from .plan import INT8, SPARSE, GroupPlan, chunk_spans
-from .reducer import PartReduction, ReductionFailed, ReductionRegistry, decode_into, maybe_thread
+from .reducer import PartReduction, ReductionFailed, ReductionRegistry, maybe_thread
 from .tls import TLS_NAME, TlsError, TrustStore
 from .wire import (
     MAX_WEIGHT,
@@ -207,12 +208,6 @@ class EncodingError(RuntimeError):
 RESULT_NORM_LIMIT = 4.0
 
 
-def _implausible(result: torch.Tensor, own: torch.Tensor, limit: float) -> bool:
-    """A result longer than `limit` x our own values (all zero: nothing to compare with)."""
-    own_norm = float(own.norm())
-    return own_norm > 0 and float(result.norm()) > limit * own_norm
-
-
 def norm_limit(plan: GroupPlan, own_id: str, robust: bool) -> float | None:
     """How many times the norm of our own values a result may have (None: not checked).
 
@@ -227,11 +222,6 @@ def norm_limit(plan: GroupPlan, own_id: str, robust: bool) -> float | None:
         return RESULT_NORM_LIMIT
     median = plan.median_weight
     return RESULT_NORM_LIMIT * max(1.0, median / max(bound[1], 1e-30))
-
-
-def _drifted(result: torch.Tensor, own: torch.Tensor, max_drift: float) -> bool:
-    """A mean of nearly equal states (θ_g re-sync) that moved ours by more than `max_drift` of its norm."""
-    return float(torch.dist(result, own)) > max_drift * max(float(own.norm()), 1e-30)
 
 
 def _through_int8(own: torch.Tensor, block_size: int) -> torch.Tensor:
@@ -261,7 +251,9 @@ async def butterfly_allreduce(
     trim_fraction: float | None = None,
     max_drift: float | None = None,
 ) -> AllReduceReport:
-    """Average `values` (flat fp32, CPU) across the plan's members into `out`.
+    """Average `values` (flat fp32, CPU) across the plan's members into `out`, which may be
+    `values` itself: a part's result is written only once the whole part is in and checked
+    (`PartResult`), so the values it replaces are read to the end.
 
     Parts whose reducer fails keep this member's own values in `out`. With `trim_fraction`,
     the part this member reduces is a coordinate-wise trimmed mean (robust to a minority of
@@ -313,6 +305,7 @@ async def butterfly_allreduce(
         )
         await registry.register(reduction)
         target = out[offset : offset + length]
+        result = PartResult(mine, limit, max_drift)  # written over `target` once whole and checked
         try:
             for index, (off, n) in enumerate(reduction.spans):
                 try:
@@ -323,15 +316,16 @@ async def butterfly_allreduce(
                     else:
                         target.copy_(own)
                     return PartOutcome(me, own_id, False, [], 0.0, length, f"REDUCTION_FAILED: {e}")
-                await maybe_thread(decode_into, payload, target[off : off + n], size=n)
-            if max_drift is not None and await maybe_thread(_drifted, target, mine, max_drift, size=length):
+                await maybe_thread(result.add, off, n, payload, size=n)
+            if result.drifted():
                 target.copy_(mine)  # our senders refuse it too: nobody applies it
                 return PartOutcome(me, own_id, False, [], 0.0, length, "DRIFTED: the re-synced values moved too far")
-            if limit is not None and await maybe_thread(_implausible, target, mine, limit, size=length):
+            if result.implausible():
                 target.copy_(mine)  # a sender's values were far longer than ours: our senders refuse it too
                 return PartOutcome(
                     me, own_id, False, [], 0.0, length, f"IMPLAUSIBLE: the mean is over {limit:g}x our norm"
                 )
+            await maybe_thread(result.commit, target, size=length)
             try:  # let the last result chunks leave before counting them
                 await asyncio.wait_for(reduction.streams_closed.wait(), RESULTS_FLUSH_S)
             except TimeoutError:
@@ -415,6 +409,7 @@ async def butterfly_allreduce(
         length = mine.numel()
         spans = chunk_spans(plan, part)
         queue: asyncio.Queue[tuple[pb.PartChunk, int]] = asyncio.Queue(maxsize=in_flight)
+        result = PartResult(mine, limit, max_drift)  # written over `target` once whole and checked
 
         async def produce() -> None:
             for i, (off, n) in enumerate(spans):
@@ -458,9 +453,7 @@ async def butterfly_allreduce(
                     raise ChunkError("result chunk names another round, group, part or reducer")
                 payload = decode_chunk(msg, plan, length, received[0], result=True)
                 report.bytes_received += payload_size(payload)
-                await maybe_thread(
-                    decode_into, payload, target[received[0] : received[0] + msg.length], size=msg.length
-                )
+                await maybe_thread(result.add, received[0], msg.length, payload, size=msg.length)
                 received[0] += msg.length
                 if msg.last:
                     if received[0] != length:
@@ -476,10 +469,11 @@ async def butterfly_allreduce(
                             f"reducer's total weight {msg.total_weight:g} is not its senders' {expected:g}",
                             RefusalReason.BAD_WEIGHT,
                         )
-                    if limit is not None and await maybe_thread(_implausible, target, mine, limit, size=length):
+                    if result.implausible():
                         raise ChunkError(f"result norm is more than {limit:g}x our own for this part")
-                    if max_drift is not None and await maybe_thread(_drifted, target, mine, max_drift, size=length):
+                    if result.drifted():
                         raise ChunkError(f"the result moved our values by more than {max_drift:g} of their norm")
+                    await maybe_thread(result.commit, target, size=length)
                     return PartOutcome(part, reducer.peer_id, True, included, msg.total_weight, length)
             raise ChunkError("result stream ended without a last chunk")
         except (TimeoutError, grpc.aio.AioRpcError, ChunkError, TlsError):

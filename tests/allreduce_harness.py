@@ -90,9 +90,11 @@ async def allreduce(
     members: list[Member] | None = None,
     top_k: int = 0,
     feedback: list[Feedback] | None = None,
+    in_place: bool = False,
 ) -> tuple[list[torch.Tensor], list[AllReduceReport]]:
     """One all-reduce among `peers`; `members` overrides the plan's member list (addresses a
-    test reroutes, or a member that is not there)."""
+    test reroutes, or a member that is not there); `in_place`: each result in its own values,
+    as a node takes it."""
     plan = make_plan(
         run_id,
         round,
@@ -104,7 +106,7 @@ async def allreduce(
         codec,
         top_k=top_k,
     )
-    outs = [torch.empty_like(v) for v in values]
+    outs = values if in_place else [torch.empty_like(v) for v in values]
     feedbacks: list[Feedback | None] = list(feedback) if feedback else [None] * len(peers)
     reports = await asyncio.gather(
         *(

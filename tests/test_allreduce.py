@@ -511,3 +511,68 @@ def test_silent_streams_are_closed_and_the_node_caps_streams_from_all_hosts():
         assert held == [grpc.StatusCode.DEADLINE_EXCEEDED] * 2  # ended by the server after 1 s, not 30
 
     run(main())
+
+
+@pytest.mark.parametrize("codec,hop", [(INT8, 1), (FP32, 0), (SPARSE, 0), (SPARSE, 1)])
+def test_a_mean_written_over_the_members_own_values_has_the_bits_of_one_written_beside_them(codec, hop):
+    """A node's Δ buffer takes its mean back (4 bytes per parameter less than a buffer for each):
+    every part's result is written over the member's values only once the whole part is in, so
+    what a reducer or a stream still reads is the member's own values to the end. (int8 after
+    hop 0: at hop 0 the reducer adds its own exact values in arrival order, and two runs differ
+    in the last bits anyway.)"""
+
+    async def averaged(values: list[torch.Tensor], in_place: bool) -> list[torch.Tensor]:
+        peers = await start_peers(3, bandwidths=[1.0, 2.5, 1.0], client_mode=(2,))
+        try:
+            outs, reports = await allreduce(
+                peers,
+                values,
+                [0.5, 1.0, 2.0],
+                codec=codec,
+                hop=hop,
+                block_size=1024,
+                chunk_elements=2048,
+                top_k=64 if codec == SPARSE else 0,
+                in_place=in_place,
+            )
+        finally:
+            await stop_peers(peers)
+        assert all(not r.failed_parts for r in reports)
+        return outs
+
+    gen = torch.Generator().manual_seed(5)
+    values = [torch.randn(3 * 5000 + 7, generator=gen) for _ in range(3)]
+    beside = run(averaged(values, False))
+    own = [v.clone() for v in values]
+    over = run(averaged(own, True))
+    for a, b, mine in zip(beside, over, own, strict=True):
+        assert b is mine and torch.equal(a, b)
+
+
+def test_a_result_refused_after_its_last_chunk_leaves_the_members_own_values_whole():
+    """A re-synced θ_g that would move a member's own by more than its bound is refused when its
+    last chunk is in: with the result written in place, none of its chunks may have reached the
+    member's values before that."""
+
+    async def main():
+        peers = await start_peers(2)
+        plan = make_plan("test-run", 0, 0, [p.member for p in peers], 9_000, 64, 1024, FP32)
+        values = [torch.randn(9_000), 1000 * torch.randn(9_000)]  # far apart: each mean moves both
+        before = [v.clone() for v in values]
+        try:
+            reports = await asyncio.gather(
+                *(
+                    butterfly_allreduce(
+                        plan, p.member.peer_id, v, 1.0, v, p.registry, p.channels, timeout=5.0, max_drift=0.5
+                    )
+                    for p, v in zip(peers, values)
+                )
+            )
+        finally:
+            await stop_peers(peers)
+        # the small member refuses both parts (the large one's values move less than half their norm)
+        assert len(reports[0].failed_parts) == 2, reports[0]
+        assert all("DRIFTED" in p.error or "moved our values" in p.error for p in reports[0].failed_parts)
+        assert torch.equal(values[0], before[0])
+
+    run(main())

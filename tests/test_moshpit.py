@@ -375,9 +375,7 @@ def test_the_average_reads_delta_only_once_its_copy_from_the_device_is_in(dht):
             async def no_state():
                 raise AssertionError("no re-sync was asked for")
 
-            return await averager.average(
-                0, deltas[i], torch.empty(numel), 1.0, False, no_state, delta_ready=ready_for(i)
-            )
+            return await averager.average(0, deltas[i], 1.0, False, no_state, delta_ready=ready_for(i))
 
         try:
             results = await asyncio.gather(*(run(i, p) for i, p in enumerate(peers)))
@@ -508,7 +506,7 @@ def test_a_joiner_asking_for_a_resync_moves_only_theta_that_differs(dht, same_th
                 return thetas[i].clone()
 
             delta = torch.randn(numel, generator=torch.Generator().manual_seed(i))
-            return await averager.average(0, delta, torch.empty(numel), 1.0, i == 0, state, theta_sha256=hashes[i])
+            return await averager.average(0, delta, 1.0, i == 0, state, theta_sha256=hashes[i])
 
         try:
             results = await asyncio.gather(*(run(i, p) for i, p in enumerate(peers)))

@@ -60,28 +60,24 @@ def _model_sized(*holders: object) -> set[int]:
 
 
 @pytest.mark.parametrize("momentum", [0.9, 0.0], ids=["momentum", "plain-sgd"])
-def test_a_cpu_replica_holds_four_model_sized_buffers_through_its_rounds(momentum):
+def test_a_cpu_replica_holds_three_model_sized_buffers_through_its_rounds(momentum):
     """Host memory per parameter is what decides the largest model a node trains (a sharded
-    host's rank 0 holds all of these in RAM): θ_g, the outer momentum, Δ's staging buffer and
-    the average's, and with --overlap the Δ in flight, nothing more; an outer step allocates one
-    slice at most, not another Δ. Without outer momentum, three: no buffer of zeros."""
+    host's rank 0 holds all of these in RAM): θ_g, the outer momentum and Δ's staging buffer,
+    which the average comes back in (the all-reduce writes a part's result over Δ there once
+    it is whole and checked), and with --overlap the Δ in flight, nothing more; an outer step
+    allocates one slice at most, not another Δ. Without outer momentum, two: no buffer of zeros."""
     r = _replica("a", outer_momentum=momentum)
     flat = r.trainer.parameters_flat
     held = _model_sized(r, r.outer)
-    buffers = (
-        (r.theta_g, r.outer.momentum_buffer, r.delta_cpu, r.mean_cpu)
-        if momentum
-        else (r.theta_g, r.delta_cpu, r.mean_cpu)
-    )
+    buffers = (r.theta_g, r.outer.momentum_buffer, r.delta_cpu) if momentum else (r.theta_g, r.delta_cpu)
     assert held == {t.untyped_storage().data_ptr() for t in buffers}
     flat.add_(0.01)
     delta = r.pseudo_gradient()
     assert delta.data_ptr() == r.delta_cpu.data_ptr() and torch.allclose(delta, torch.full_like(delta, -0.01))
-    r.mean_cpu.copy_(delta)
-    r.apply_outer_step(r.mean_cpu)
+    r.apply_outer_step(delta)  # the average, in Δ's buffer
     assert torch.equal(flat, r.theta_g) and _model_sized(r, r.outer) == held
-    r.stage_delta()  # --overlap
-    r.land(r.mean_cpu, None)
+    mean = r.stage_delta()  # --overlap
+    r.land(mean, None)
     assert _model_sized(r, r.outer) == held | {r._in_flight_buffer().untyped_storage().data_ptr()}
 
 

@@ -2,6 +2,7 @@
 
     .venv/bin/python -m tests.bench.host_ranks                      # small, CPU, gloo, 1 thread per rank
     .venv/bin/python -m tests.bench.host_ranks --model tiny --rounds 3
+    .venv/bin/python -m tests.bench.host_ranks --compression sparse --configs 1,2s   # plain SGD, error feedback
     python3 -m tests.bench.host_ranks --device cuda --batch-size 16 --seq-len 512 --inner-steps 20   # NCCL
 
 Each configuration is a real two-host swarm on loopback: the host under test (1 rank, 2 DDP
@@ -37,12 +38,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from nodes import NodeProcess
 
 
-def _flags(model: str, rounds: int, inner_steps: int, batch: int, seq_len: int, device: str) -> list[str]:
+def _flags(
+    model: str, rounds: int, inner_steps: int, batch: int, seq_len: int, device: str, compression: str
+) -> list[str]:
     return [
         "--model", model, "--device", device, "--threads-per-rank", "1", "--pacing", "fixed",
         "--inner-steps", str(inner_steps), "--batch-size", str(batch), "--seq-len", str(seq_len),
         "--max-rounds", str(rounds), "--no-fused-kernels", "--keep-checkpoints", "2",
-        "--checkpoint-every", "100", "--matchmaking-window", "30",
+        "--checkpoint-every", "100", "--matchmaking-window", "30", "--compression", compression,
     ]  # fmt: skip
 
 
@@ -108,12 +111,15 @@ def main() -> None:
     parser.add_argument(
         "--baseline-model", default="tiny", help="the smaller model of the bytes-per-parameter slope ('' to skip it)"
     )
+    parser.add_argument("--compression", default="int8", choices=["int8", "sparse", "fp32"])
+    parser.add_argument("--configs", default="1,2,2s", help="hosts to run: ranks, s for --shard (e.g. 1,2s)")
     args = parser.parse_args()
-    flags = _flags(args.model, args.rounds, args.inner_steps, args.batch_size, args.seq_len, args.device)
+    shape = (args.inner_steps, args.batch_size, args.seq_len, args.device, args.compression)
+    flags = _flags(args.model, args.rounds, *shape)
     small = None
     if args.baseline_model and args.baseline_model != args.model:
-        small = _flags(args.baseline_model, 2, args.inner_steps, args.batch_size, args.seq_len, args.device)
-    configs = [(1, False), (2, False), (2, True)]
+        small = _flags(args.baseline_model, 2, *shape)
+    configs = [(int(c.rstrip("s")), c.endswith("s")) for c in args.configs.split(",")]
     if args.device == "cuda":
         import torch
 
@@ -129,7 +135,7 @@ def main() -> None:
         shutil.rmtree(tmp, ignore_errors=True)
     print(
         f"model {args.model}, {'CUDA, NCCL between ranks' if args.device == 'cuda' else 'CPU gloo, 1 thread per rank'}, "
-        f"batch {args.batch_size} per rank, seq {args.seq_len}, "
+        f"{args.compression}, batch {args.batch_size} per rank, seq {args.seq_len}, "
         f"H={args.inner_steps}, {args.rounds} rounds against a 1-rank partner (medians over rounds 2..)"
     )
     print(f"{'host':<16} {'tokens/s':>10} {'bytes/round':>13} {'allreduce s':>12} {'full':>6}  peak RSS per rank (MB)")
@@ -150,6 +156,8 @@ def main() -> None:
                 for big, little in zip(r["peak_rss"], baseline[name]["peak_rss"], strict=True)  # type: ignore[arg-type]
             ]
             print(f"  {name:<16} " + ", ".join(f"{b:.1f} B" for b in slopes))
+    if "1-rank" not in results:
+        return
     one = float(results["1-rank"]["bytes_per_round"])  # type: ignore[arg-type]
     for name in [n for n in ("2-rank", "2-rank --shard") if n in results]:
         print(f"bytes per round, {name} / 1-rank: {float(results[name]['bytes_per_round']) / one:.4f}")  # type: ignore[arg-type]

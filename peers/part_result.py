@@ -1,0 +1,65 @@
+"""A part's averaged result, held as it arrives (still coded) until the whole part is in and
+checked, and only then written over this member's own values there.
+
+The all-reduce may write its results into the very buffer that holds this member's values
+(the node's Δ staging buffer is also its mean's: 4 bytes per parameter less on every node). A
+result that fails halfway (its reducer gone, a norm refused) must leave our own values in
+place, so nothing of a part is written before its last chunk passed the checks: the chunks
+wait coded (int8: about 1 byte per value, sparse: a few percent of that; fp32 results are
+their own size), and the checks read them decoded one chunk at a time.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .reducer import decode_into
+from .wire import Payload
+
+
+class PartResult:
+    def __init__(self, own: torch.Tensor, norm_limit: float | None = None, max_drift: float | None = None):
+        """`own`: this member's values in the part (read, never written, until `commit`).
+        `norm_limit`: the result may be at most this many times as long as `own` (robust
+        mode). `max_drift`: it may move `own` by at most this share of its norm (a re-sync)."""
+        self.own = own
+        self.norm_limit = norm_limit
+        self.max_drift = max_drift
+        self._chunks: list[tuple[int, int, Payload]] = []
+        self._result_sq = 0.0
+        self._moved_sq = 0.0
+
+    def add(self, offset: int, length: int, payload: Payload) -> None:
+        """One chunk of the result at `offset` in the part (decoded here only if a check needs
+        it: blocking work for a thread when the chunk is large)."""
+        self._chunks.append((offset, length, payload))
+        if self.norm_limit is None and self.max_drift is None:
+            return
+        values = torch.empty(length, dtype=torch.float32)
+        decode_into(payload, values)
+        self._result_sq += float(torch.linalg.vector_norm(values)) ** 2
+        if self.max_drift is not None:
+            own = self.own[offset : offset + length]
+            self._moved_sq += float(torch.linalg.vector_norm(values - own)) ** 2
+
+    def implausible(self) -> bool:
+        """Longer than `norm_limit` x our own values (all zero: nothing to compare with)."""
+        if self.norm_limit is None:
+            return False
+        own_norm = float(torch.linalg.vector_norm(self.own))
+        return own_norm > 0 and math.sqrt(self._result_sq) > self.norm_limit * own_norm
+
+    def drifted(self) -> bool:
+        """A mean of nearly equal states (a θ_g re-sync) that moved ours by more than `max_drift` of its norm."""
+        if self.max_drift is None:
+            return False
+        return math.sqrt(self._moved_sq) > self.max_drift * max(float(torch.linalg.vector_norm(self.own)), 1e-30)
+
+    def commit(self, target: torch.Tensor) -> None:
+        """The checked result into `target` (the part's slice of the output; `own` itself when
+        the output is the input), chunk by chunk."""
+        for offset, length, payload in self._chunks:
+            decode_into(payload, target[offset : offset + length])
+        self._chunks.clear()
