@@ -316,7 +316,7 @@ async def butterfly_allreduce(
                     else:
                         target.copy_(own)
                     return PartOutcome(me, own_id, False, [], 0.0, length, f"REDUCTION_FAILED: {e}")
-                await maybe_thread(result.add, off, n, payload, size=n)
+                await result.add(off, n, payload)
             if result.drifted():
                 target.copy_(mine)  # our senders refuse it too: nobody applies it
                 return PartOutcome(me, own_id, False, [], 0.0, length, "DRIFTED: the re-synced values moved too far")
@@ -325,7 +325,7 @@ async def butterfly_allreduce(
                 return PartOutcome(
                     me, own_id, False, [], 0.0, length, f"IMPLAUSIBLE: the mean is over {limit:g}x our norm"
                 )
-            await maybe_thread(result.commit, target, size=length)
+            await result.commit(target)
             try:  # let the last result chunks leave before counting them
                 await asyncio.wait_for(reduction.streams_closed.wait(), RESULTS_FLUSH_S)
             except TimeoutError:
@@ -453,7 +453,7 @@ async def butterfly_allreduce(
                     raise ChunkError("result chunk names another round, group, part or reducer")
                 payload = decode_chunk(msg, plan, length, received[0], result=True)
                 report.bytes_received += payload_size(payload)
-                await maybe_thread(result.add, received[0], msg.length, payload, size=msg.length)
+                await result.add(received[0], msg.length, payload)
                 received[0] += msg.length
                 if msg.last:
                     if received[0] != length:
@@ -473,7 +473,7 @@ async def butterfly_allreduce(
                         raise ChunkError(f"result norm is more than {limit:g}x our own for this part")
                     if result.drifted():
                         raise ChunkError(f"the result moved our values by more than {max_drift:g} of their norm")
-                    await maybe_thread(result.commit, target, size=length)
+                    await result.commit(target)
                     return PartOutcome(part, reducer.peer_id, True, included, msg.total_weight, length)
             raise ChunkError("result stream ended without a last chunk")
         except (TimeoutError, grpc.aio.AioRpcError, ChunkError, TlsError):

@@ -15,7 +15,7 @@ import math
 
 import torch
 
-from .reducer import decode_into
+from .reducer import decode_into, maybe_thread
 from .wire import Payload
 
 
@@ -31,12 +31,14 @@ class PartResult:
         self._result_sq = 0.0
         self._moved_sq = 0.0
 
-    def add(self, offset: int, length: int, payload: Payload) -> None:
-        """One chunk of the result at `offset` in the part (decoded here only if a check needs
-        it: blocking work for a thread when the chunk is large)."""
+    async def add(self, offset: int, length: int, payload: Payload) -> None:
+        """One chunk of the result at `offset` in the part: kept, and decoded now only if a
+        check needs it (in a thread when the chunk is large)."""
         self._chunks.append((offset, length, payload))
-        if self.norm_limit is None and self.max_drift is None:
-            return
+        if self.norm_limit is not None or self.max_drift is not None:
+            await maybe_thread(self._measure, offset, length, payload, size=length)
+
+    def _measure(self, offset: int, length: int, payload: Payload) -> None:
         values = torch.empty(length, dtype=torch.float32)
         decode_into(payload, values)
         self._result_sq += float(torch.linalg.vector_norm(values)) ** 2
@@ -57,9 +59,12 @@ class PartResult:
             return False
         return math.sqrt(self._moved_sq) > self.max_drift * max(float(torch.linalg.vector_norm(self.own)), 1e-30)
 
-    def commit(self, target: torch.Tensor) -> None:
+    async def commit(self, target: torch.Tensor) -> None:
         """The checked result into `target` (the part's slice of the output; `own` itself when
-        the output is the input), chunk by chunk."""
+        the output is the input), in a thread when the part is large."""
+        await maybe_thread(self._write, target, size=target.numel())
+
+    def _write(self, target: torch.Tensor) -> None:
         for offset, length, payload in self._chunks:
             decode_into(payload, target[offset : offset + length])
         self._chunks.clear()
