@@ -27,8 +27,8 @@ trained by:
                   round's steps and its outer step lands when it is in ("lands after")
   diloco-hH-delayN the reference with the mean landing N inner steps into the next round
                   (N = H: a whole round late)
-  diloco-hH-sparse, diloco-hH-sparselocal (-efdX)
-                  the reference sending dtnode's sparse code (top 64 of 4096, 2-bit values),
+  diloco-hH-sparse, diloco-hH-sparselocal (-efdX) (-kN)
+                  the reference sending dtnode's sparse code (top 64, or N, of 4096, 2-bit values),
                   what was not sent kept in an error-feedback buffer, or in θ_l
   diloco-hH-sparsemeanN, diloco-hH-sparsemeanrN (-efdX)
                   -sparse with the mean cut to its N largest values per block (8-bit values,
@@ -166,10 +166,11 @@ def _worker(
     delay: int = 0,
     sparse: str = "",
     feedback_decay: float = 1.0,
+    top_k: int = sparse_codec.DEFAULT_TOP_K,
 ) -> None:
     """One synchronous worker; with h > 0 a reference DiLoCo replica instead of a DDP one.
 
-    With `sparse` the reference sends top-64-of-4096 2-bit Δ (dtnode's ops/sparse.py codec)
+    With `sparse` the reference sends top-`top_k`-of-4096 2-bit Δ (dtnode's ops/sparse.py codec)
     and all-reduces what was sent: `buffer` keeps what was not sent in an error-feedback buffer
     added to the next Δ (SparseLoCo; θ_l restarts from θ_g), `local` keeps it in θ_l instead
     (θ_l ← θ_g − what was not sent), so the next Δ holds it without the inner steps having to
@@ -238,10 +239,10 @@ def _worker(
             with torch.no_grad():
                 in_flight.copy_(theta_g.detach() - parameters_to_vector(params))  # this round's Δ
                 if sparse == "buffer" or sparse.startswith("mean"):
-                    payload = sparse_codec.encode_with_feedback(in_flight, unsent, decay=feedback_decay)
+                    payload = sparse_codec.encode_with_feedback(in_flight, unsent, k=top_k, decay=feedback_decay)
                     pending = sparse_codec.decode(payload)
                 elif sparse == "local":
-                    pending = sparse_codec.decode(sparse_codec.encode(in_flight))
+                    pending = sparse_codec.decode(sparse_codec.encode(in_flight, k=top_k))
                     torch.sub(in_flight, pending, out=unsent)
                 else:
                     pending = in_flight.clone()
@@ -270,10 +271,10 @@ def _worker(
         sent = 2 * (world - 1) / world * 4 * numel * exchanges if world > 1 else 0.0
         if sparse.startswith("mean"):  # a reduce-scatter: payloads to the reducers, the cut means back
             cut = sparse_codec.support_bytes_per_value(4096, int(sparse.split(":")[1]))
-            per_value = sparse_codec.bytes_per_value(4096, 64) + cut
+            per_value = sparse_codec.bytes_per_value(4096, top_k) + cut
             sent = (world - 1) / world * per_value * numel * exchanges
         elif sparse:  # an all-gather of every worker's sparse payload
-            sent = (world - 1) * sparse_codec.bytes_per_value(4096, 64) * numel * exchanges
+            sent = (world - 1) * sparse_codec.bytes_per_value(4096, top_k) * numel * exchanges
         Path(out).write_text(json.dumps({"curve": curve, "wall_s": wall, "bytes": sent}))
     if world > 1:
         dist.destroy_process_group()
@@ -310,6 +311,7 @@ def run_synchronous(
     delay: int = 0,
     sparse: str = "",
     feedback_decay: float = 1.0,
+    top_k: int = sparse_codec.DEFAULT_TOP_K,
 ) -> Result:
     out = workdir / f"{name}-{dataset}.json"
     with socket.socket() as s:
@@ -317,7 +319,7 @@ def run_synchronous(
         port = s.getsockname()[1]
     context = mp.spawn(
         _worker,
-        args=(world, cfg, dataset, files, port, str(out), h, momentum, delay, sparse, feedback_decay),
+        args=(world, cfg, dataset, files, port, str(out), h, momentum, delay, sparse, feedback_decay, top_k),
         nprocs=world,
         join=False,
     )
@@ -488,7 +490,9 @@ def run_one(name: str, cfg: Config, dataset: str, files, workdir: Path) -> Resul
     if m := re.fullmatch(rf"(dp|solo)(?:-lr({LR}))?", name):
         tuned = replace(cfg, inner_lr=float(m.group(2))) if m.group(2) else cfg
         return run_synchronous(name, cfg.workers if m.group(1) == "dp" else 1, tuned, dataset, files, workdir)
-    if m := re.fullmatch(rf"diloco-h(\d+){OUTER}(?:-delay(\d+))?(-sparse(?:local|meanr?\d+)?)?(?:-efd({LR}))?", name):
+    if m := re.fullmatch(
+        rf"diloco-h(\d+){OUTER}(?:-delay(\d+))?(-sparse(?:local|meanr?\d+)?)?(?:-efd({LR}))?(?:-k(\d+))?", name
+    ):
         tuned = replace(cfg, inner_lr=float(m.group(2) or cfg.inner_lr), outer_lr=float(m.group(3) or cfg.outer_lr))
         return run_synchronous(
             name,
@@ -502,6 +506,7 @@ def run_one(name: str, cfg: Config, dataset: str, files, workdir: Path) -> Resul
             int(m.group(5) or 0),
             _reference_sparse(m.group(6)),
             float(m.group(7) or 1.0),
+            int(m.group(8) or sparse_codec.DEFAULT_TOP_K),
         )
     m = RUN_NAME.fullmatch(name)
     if not m:
