@@ -12,7 +12,8 @@
 #   bash tests/bench/drills.sh sparse          # --compression sparse; groups of 2; a --client-mode
 #                                              # host; a late joiner; a graceful restart
 #
-# Logs: $OUT (default /tmp/drill-SCENARIO), one file per node.
+# Logs: $OUT (default /tmp/drill-SCENARIO), one file per node. DRILL_FLAGS adds flags to every
+# node (DRILL_FLAGS="--sparse-top-k 128" bash tests/bench/drills.sh sparse).
 set -u
 cd "$(dirname "$0")/../.."
 SCENARIO=${1:?scenario: uneven, overlap-shard or sparse}
@@ -28,6 +29,8 @@ case $SCENARIO in
   sparse) COMMON+=(--compression sparse --target-group-size 2 --batch-size 4) ;;
   *) echo "unknown scenario $SCENARIO" >&2; exit 2 ;;
 esac
+read -r -a EXTRA <<<"${DRILL_FLAGS:-}"
+COMMON+=("${EXTRA[@]}")
 
 start() { # NAME [flags...]: a node in the background, its log in $D/NAME.log
   local name=$1
