@@ -493,6 +493,8 @@ def run_one(name: str, cfg: Config, dataset: str, files, workdir: Path) -> Resul
     if m := re.fullmatch(
         rf"diloco-h(\d+){OUTER}(?:-delay(\d+))?(-sparse(?:local|meanr?\d+)?)?(?:-efd({LR}))?(?:-k(\d+))?", name
     ):
+        if m.group(8) and not m.group(6):
+            raise SystemExit(f"run {name!r}: -kN sets the values a sparse run keeps; add -sparse")
         tuned = replace(cfg, inner_lr=float(m.group(2) or cfg.inner_lr), outer_lr=float(m.group(3) or cfg.outer_lr))
         return run_synchronous(
             name,
