@@ -31,6 +31,7 @@ from functools import partial
 
 import torch
 
+from dtnode.ops.coded import CodedDelta
 from dtnode.peers.auth import SwarmAuth
 from dtnode.peers.membership import JoinError, Membership, PeerRecord
 from dtnode.peers.tls import TrustStore
@@ -422,7 +423,7 @@ class Joiner:
         self.worker.end_round_count()
         return True
 
-    async def catch_up(self, round_no: int) -> torch.Tensor | None:
+    async def catch_up(self, round_no: int) -> torch.Tensor | CodedDelta | None:
         """--overlap, the first round after a download or a start from this node's own
         checkpoint: this node entered round r from θ_g of step r-1, as the swarm did, but took
         no part in the average of round r-1 that the swarm applies now. So instead of an outer

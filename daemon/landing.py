@@ -17,6 +17,7 @@ from collections.abc import Awaitable
 
 import torch
 
+from dtnode.ops.coded import CodedDelta
 from dtnode.peers import failpoints
 from dtnode.peers.averager import AveragingResult
 
@@ -75,7 +76,7 @@ class Landing:
         self.worker.land(result)
         self.landed = True
 
-    def land_and_stage(self, result: AveragingResult | None) -> torch.Tensor:
+    def land_and_stage(self, result: AveragingResult | None) -> torch.Tensor | CodedDelta:
         """On the training thread, at a round's end: the outer step of the previous average if
         it did not land during the steps, then this round's Δ staged (returned)."""
         self.worker.end_round_count()

@@ -4,7 +4,11 @@
 in a (pinned, on CUDA) CPU buffer for the network, and the averaged Δ comes back the same
 way. On a CPU (and on a sharded host, whose θ_g is in host memory) Δ is computed straight
 into its staging buffer and the outer step reads the average where the network left it: no
-device-side buffer, which would be a third model-sized copy of Δ in the same memory.
+device-side buffer, which would be a third model-sized copy of Δ in the same memory. There,
+with the int8 codec, the staging buffer holds Δ coded (ops/coded.py: 1 byte per parameter,
+not 4): it is coded as it is taken, a slice (or, sharded, a parameter) at a time, the wire
+carries those very codes, the group's mean comes back over them as the codes it arrived in,
+and the outer step decodes it a slice at a time. No model-sized fp32 Δ exists on such a node.
 
 θ_l is read and written span by span through the trainer's `LocalWeights` (local_weights.py):
 the trainer's flat buffer on one device or DDP ranks, the parameters gathered from and sent to
@@ -32,10 +36,13 @@ from collections.abc import Callable
 
 import torch
 
+from dtnode.ops.coded import DECODE_SLICE, CodedDelta, SpanEncoder
 from dtnode.ops.flat import sha256_of
 from dtnode.ops.outer_optimizer import NesterovOuterOptimizer
+from dtnode.ops.quantization import NonFiniteError
 
 from .local_ranks import LocalRankFailure
+from .local_weights import SpanWork
 from .trainer import Trainer
 
 log = logging.getLogger("dtnode")
@@ -45,7 +52,9 @@ UPDATES_REMEMBERED = 8  # outer steps whose size `update_scale` takes the larges
 
 
 class Replica:
-    def __init__(self, trainer: Trainer, outer_lr: float, outer_momentum: float):
+    def __init__(self, trainer: Trainer, outer_lr: float, outer_momentum: float, coded_block_size: int | None = None):
+        """`coded_block_size`: the int8 codec's block, to hold Δ coded where θ_g is in host
+        memory (None: Δ in fp32, as the other codecs and a GPU's device-side Δ need)."""
         self.trainer = trainer
         self.local = trainer.local_weights
         n, device = self.local.numel, self.local.span_device
@@ -55,7 +64,13 @@ class Replica:
         self.outer_step = 0
         pin = device.type == "cuda"
         # Δ for the network, and the average it comes back as (written in place, see PartResult)
-        self.delta_cpu = torch.empty(n, dtype=torch.float32, pin_memory=pin)
+        self.delta_cpu: torch.Tensor | CodedDelta
+        if coded_block_size is not None and not pin:
+            self.delta_cpu = CodedDelta(n, coded_block_size)
+        else:
+            self.delta_cpu = torch.empty(n, dtype=torch.float32, pin_memory=pin)
+        # int8 error feedback of a coded Δ (the worker's buffer): its rounding error goes here
+        self.feedback: torch.Tensor | None = None
         # Δ on the device (CUDA only: on a CPU the staging buffers are on the device already)
         self._delta_device = torch.empty(n, dtype=torch.float32, device=device) if pin else None
         self._host_theta = torch.empty(n, dtype=torch.float32, pin_memory=pin) if pin else None
@@ -72,15 +87,46 @@ class Replica:
     def numel(self) -> int:
         return self.theta_g.numel()
 
+    @property
+    def coded(self) -> bool:
+        """Δ is staged as int8 codes (see the module's docstring)."""
+        return isinstance(self.delta_cpu, CodedDelta)
+
     @torch.no_grad()
-    def pseudo_gradient(self) -> torch.Tensor:
+    def pseudo_gradient(self) -> torch.Tensor | CodedDelta:
         """Δ = θ_g − θ_l into the CPU staging buffer (returned; read it after `delta_on_host`)."""
+        if isinstance(self.delta_cpu, CodedDelta):
+            self._code_spans(self.local.read, self.delta_cpu)
+            return self.delta_cpu
         self._after_copy()
         target = self.delta_cpu if self._delta_device is None else self._delta_device
         self._difference_into(target)
         if self._delta_device is not None:
             self._copy_to_host(self._delta_device)
         return self.delta_cpu
+
+    def _code_spans(self, read: Callable[[SpanWork], object], target: CodedDelta, minus: bool = True) -> None:
+        """target ← θ_g − (each span `read` hands over), or the spans themselves (`minus`
+        False), coded a slice at a time (int8 feedback into `feedback`). A non-finite value is
+        a FloatingPointError: the round fails, θ_l goes back to θ_g, as for a non-finite loss."""
+        encoder = SpanEncoder(target, self.feedback)
+        scratch = torch.empty(min(DECODE_SLICE, self.numel), dtype=torch.float32)
+
+        def code(span: slice, values: torch.Tensor) -> None:
+            for at in range(0, values.numel(), DECODE_SLICE):
+                part = values[at : at + DECODE_SLICE]
+                if not minus:
+                    encoder.add(part)
+                    continue
+                start = span.start + at
+                out = scratch[: part.numel()]
+                encoder.add(torch.sub(self.theta_g[start : start + part.numel()], part, out=out))
+
+        try:
+            read(code)
+            encoder.finish()
+        except NonFiniteError as e:
+            raise FloatingPointError(f"the pseudo-gradient holds non-finite values ({e})") from e
 
     def _difference_into(self, target: torch.Tensor) -> None:
         """target ← θ_g − θ_l."""
@@ -94,8 +140,12 @@ class Replica:
             self.local.write(lambda span, out: torch.sub(source[span], minus[span], out=out))
 
     def _copy_to_host(self, source: torch.Tensor) -> None:
-        """Start Δ's copy into `delta_cpu`: at once on a CPU, on the copy stream on CUDA (after
-        the work queued so far on the training stream, which computed `source`)."""
+        """Start Δ's copy into `delta_cpu`: at once on a CPU (coded there, if Δ is), on the
+        copy stream on CUDA (after the work queued so far on the training stream, which
+        computed `source`)."""
+        if isinstance(self.delta_cpu, CodedDelta):
+            self._code_spans(lambda work: work(slice(0, self.numel), source), self.delta_cpu, minus=False)
+            return
         if self._copy_stream is None or self._copied is None:
             self.delta_cpu.copy_(source)
             return
@@ -119,24 +169,26 @@ class Replica:
         while not self.delta_copied():
             await asyncio.sleep(0.001)
 
-    def _mean_on_device(self, mean_cpu: torch.Tensor) -> torch.Tensor:
-        """The averaged Δ where θ_g is: in place on a CPU, else copied into the device buffer
-        (after the copy of Δ out of it)."""
-        if self._delta_device is None:
+    def _mean_on_device(self, mean_cpu: torch.Tensor | CodedDelta) -> torch.Tensor | CodedDelta:
+        """The averaged Δ where θ_g is: in place on a CPU (coded or not), else copied into the
+        device buffer (after the copy of Δ out of it)."""
+        if self._delta_device is None or isinstance(mean_cpu, CodedDelta):
             return mean_cpu
         self._after_copy()
         self._delta_device.copy_(mean_cpu, non_blocking=True)
         return self._delta_device
 
     @torch.no_grad()
-    def apply_outer_step(self, mean_delta_cpu: torch.Tensor, consensus_cpu: torch.Tensor | None = None) -> None:
+    def apply_outer_step(
+        self, mean_delta_cpu: torch.Tensor | CodedDelta, consensus_cpu: torch.Tensor | None = None
+    ) -> None:
         """The outer step of the averaged Δ, on the swarm's re-synced θ_g and momentum first when
         the round re-synced them (`consensus_cpu`); θ_l ← θ_g once, after both."""
         self._take_consensus(consensus_cpu)
         self._outer_step(mean_delta_cpu)
         self._local_from(self.theta_g)
 
-    def _outer_step(self, mean_cpu: torch.Tensor) -> None:
+    def _outer_step(self, mean_cpu: torch.Tensor | CodedDelta) -> None:
         """θ_g's outer step of the averaged Δ, and its size remembered (`update_scale`)."""
         mean = self._mean_on_device(mean_cpu)
         self.outer.step(self.theta_g, mean)
@@ -216,7 +268,7 @@ class Replica:
         self._local_from(self.theta_g, self._in_flight_buffer() if self.has_in_flight else None)
 
     @torch.no_grad()
-    def land(self, mean_cpu: torch.Tensor | None, consensus_cpu: torch.Tensor | None) -> None:
+    def land(self, mean_cpu: torch.Tensor | CodedDelta | None, consensus_cpu: torch.Tensor | None) -> None:
         """--overlap: the outer step of the Δ in flight, made once its average is in: between
         two inner steps of the next round (as soon as it arrives), or at that round's end.
 
@@ -255,7 +307,7 @@ class Replica:
         self.has_in_flight = False
 
     @torch.no_grad()
-    def stage_delta(self) -> torch.Tensor:
+    def stage_delta(self) -> torch.Tensor | CodedDelta:
         """--overlap, at a round's end, after `land`: this round's Δ = θ_g − θ_l becomes the Δ in
         flight, staged for the network (returned; read it after `delta_on_host`)."""
         in_flight = self._in_flight_buffer()
@@ -265,7 +317,9 @@ class Replica:
         self._copy_to_host(in_flight)
         return self.delta_cpu
 
-    def delayed_outer_step(self, mean_cpu: torch.Tensor | None, consensus_cpu: torch.Tensor | None) -> torch.Tensor:
+    def delayed_outer_step(
+        self, mean_cpu: torch.Tensor | CodedDelta | None, consensus_cpu: torch.Tensor | None
+    ) -> torch.Tensor | CodedDelta:
         """`land` then `stage_delta`: a round's end whose previous average had not landed yet."""
         self.land(mean_cpu, consensus_cpu)
         return self.stage_delta()

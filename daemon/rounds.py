@@ -24,6 +24,7 @@ from typing import Protocol
 
 import torch
 
+from dtnode.ops.coded import CodedDelta
 from dtnode.peers import failpoints
 from dtnode.peers.averager import AveragingResult, MoshpitAverager
 from dtnode.peers.membership import Membership, PeerRecord
@@ -290,7 +291,12 @@ class RoundLoop:
             await asyncio.gather(following, return_exceptions=True)
 
     def average(
-        self, round_no: int, delta: torch.Tensor, inner: InnerResult, resync: bool, consensus_on: Callable
+        self,
+        round_no: int,
+        delta: torch.Tensor | CodedDelta,
+        inner: InnerResult,
+        resync: bool,
+        consensus_on: Callable,
     ) -> asyncio.Future[AveragingResult]:
         """This round's Δ averaged over the swarm's groups (a peer that took no step still
         averages, with a negligible weight: its θ_g stays in step)."""
@@ -302,7 +308,7 @@ class RoundLoop:
                 float(max(inner.tokens, 1)),
                 resync,
                 lambda: consensus_on(replica.consensus_state),
-                self.worker.residual,
+                None if replica.coded else self.worker.residual,  # a coded Δ took its feedback already
                 replica.delta_on_host,
                 replica.params_sha256(),  # "" while it is being computed: then a re-sync asked for happens
             )

@@ -4,10 +4,11 @@ with FSDP2 (`fully_shard`), for models that do not fit one device.
 Every function here is a collective: every local rank calls it, in the same order, with the
 same parameters (rank 0 passes the data, the others None). θ_l lives in the shards only. Rank 0
 reads it (`gather_params`) and writes it (`scatter_params`) one parameter at a time, as the
-replica's span-wise work asks (local_weights.py): Δ = θ_g − θ_l into the staging buffer,
-θ_l ← θ_g after the outer step. So rank 0 holds θ_g, the momentum and Δ's buffers in host
-memory, and of θ_l one parameter at a time, not a copy of the model (4 bytes per parameter
-less than a host copy of θ_l would take). A shard is rows of a parameter along its first
+replica's span-wise work asks (local_weights.py): Δ = θ_g − θ_l into the staging buffer
+(int8 codes with the int8 codec, coded as each parameter comes: see replica.py), θ_l ← θ_g
+after the outer step. So rank 0 holds θ_g, the momentum and Δ in host memory, and of θ_l one
+parameter at a time, not a copy of the model (4 bytes per parameter less than a host copy of
+θ_l would take). A shard is rows of a parameter along its first
 dimension, as `torch.chunk` cuts them: what FSDP2 keeps on each rank.
 """
 

@@ -22,6 +22,7 @@ from typing import TypeVar
 
 import torch
 
+from dtnode.ops.coded import CodedDelta
 from dtnode.peers import failpoints
 from dtnode.peers.averager import AveragingResult
 
@@ -112,10 +113,13 @@ class ModelWorker:
             compile=s.compile,
             ranks=ranks,
         )
-        self._replica = Replica(trainer, s.outer_lr, s.outer_momentum)
+        coded = s.wire_format().block_size if s.compression == "int8" else None
+        self._replica = Replica(trainer, s.outer_lr, s.outer_momentum, coded_block_size=coded)
         self._trainer = trainer
         if (s.error_feedback and s.compression == "int8") or s.compression == "sparse":
             self.residual = torch.zeros(self._replica.numel, dtype=torch.float32)
+            if self._replica.coded:  # the rounding error arises as Δ is coded, not on the wire
+                self._replica.feedback = self.residual
 
     @property
     def built(self) -> bool:
@@ -255,7 +259,7 @@ class ModelWorker:
         schedule = self.trainer.schedule
         return sum(schedule(p) for p in positions) / len(positions)
 
-    def pseudo_gradient(self) -> torch.Tensor:
+    def pseudo_gradient(self) -> torch.Tensor | CodedDelta:
         return self.replica.pseudo_gradient()
 
     def apply(self, result: AveragingResult) -> None:
@@ -288,7 +292,7 @@ class ModelWorker:
             self._count_solo(result)
         self.measure_feedback()
 
-    def adopt_downloaded(self, loaded: LoadedCheckpoint) -> torch.Tensor:
+    def adopt_downloaded(self, loaded: LoadedCheckpoint) -> torch.Tensor | CodedDelta:
         """--overlap catch-up: the swarm's θ_g of the next step in place of an outer step of our
         own; this round's Δ staged from it (returned)."""
         self.end_round_count()

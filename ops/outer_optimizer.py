@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import torch
 
+from .coded import CodedDelta
+
 STEP_SLICE = 1 << 20  # values per slice of a step: the one temporary is this long
 
 
@@ -38,30 +40,44 @@ class NesterovOuterOptimizer:
         self.momentum_buffer = torch.zeros(numel if momentum > 0 else 0, dtype=torch.float32, device=device)
 
     @torch.no_grad()
-    def step(self, params: torch.Tensor, pseudo_gradient: torch.Tensor) -> None:
-        """θ_g (`params`) ← one step along Δ (`pseudo_gradient`, read only). With μ = 0 it is
-        θ_g ← θ_g − lr·Δ (torch refuses Nesterov without momentum; there is no buffer)."""
-        if params.shape != pseudo_gradient.shape or (self.momentum > 0 and params.shape != self.momentum_buffer.shape):
-            raise ValueError("outer step buffers differ in shape")
+    def step(self, params: torch.Tensor, pseudo_gradient: torch.Tensor | CodedDelta) -> None:
+        """θ_g (`params`) ← one step along Δ (`pseudo_gradient`, read only; a coded one is
+        decoded a slice at a time). With μ = 0 it is θ_g ← θ_g − lr·Δ (torch refuses Nesterov
+        without momentum; there is no buffer)."""
         n = params.numel()
-        scratch = torch.empty(min(n, self.step_slice), dtype=params.dtype, device=params.device)
-        for start in range(0, n, self.step_slice):
-            theta = params[start : start + self.step_slice]
-            delta = pseudo_gradient[start : start + self.step_slice]
+        if (
+            params.dim() != 1
+            or pseudo_gradient.numel() != n
+            or (self.momentum > 0 and params.shape != self.momentum_buffer.shape)
+        ):
+            raise ValueError("outer step buffers differ in shape")
+        width = self.step_slice
+        if isinstance(pseudo_gradient, CodedDelta):  # slices of whole blocks
+            width = max(width // pseudo_gradient.block_size, 1) * pseudo_gradient.block_size
+        scratch = torch.empty(min(n, width), dtype=params.dtype, device=params.device)
+        for start in range(0, n, width):
+            theta = params[start : start + width]
+            if isinstance(pseudo_gradient, CodedDelta):
+                delta = pseudo_gradient[start : start + width].decoded().to(params.device)
+            else:
+                delta = pseudo_gradient[start : start + width]
             if self.momentum == 0:
                 theta.add_(delta, alpha=-self.lr)
                 continue
-            buf = self.momentum_buffer[start : start + self.step_slice]
+            buf = self.momentum_buffer[start : start + width]
             buf.mul_(self.momentum).add_(delta)
             nesterov = torch.add(delta, buf, alpha=self.momentum, out=scratch[: theta.numel()])
             theta.add_(nesterov, alpha=-self.lr)
 
     @torch.no_grad()
-    def step_norm_bound(self, pseudo_gradient: torch.Tensor) -> torch.Tensor:
+    def step_norm_bound(self, pseudo_gradient: torch.Tensor | CodedDelta) -> torch.Tensor:
         """An upper bound on how far the last `step` moved θ_g: lr·(‖Δ‖ + μ·‖buf‖) ≥ ‖lr·(Δ + μ·buf)‖
         (for plain SGD, μ = 0, it is exact). A 0-d tensor on the buffers' device, so a caller on
         CUDA does not wait for it until it reads it; two passes over flat buffers, no copy."""
-        bound = torch.linalg.vector_norm(pseudo_gradient)
+        if isinstance(pseudo_gradient, CodedDelta):
+            bound = pseudo_gradient.norm().to(self.momentum_buffer.device)
+        else:
+            bound = torch.linalg.vector_norm(pseudo_gradient)
         if self.momentum > 0:
             bound = bound + self.momentum * torch.linalg.vector_norm(self.momentum_buffer)
         return self.lr * bound

@@ -26,6 +26,8 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from dtnode.ops.coded import CodedDelta
+
 from . import failpoints
 from .auth import SwarmAuth
 from .butterfly import AllReduceReport, ChannelPool, Feedback, butterfly_allreduce
@@ -68,7 +70,7 @@ class Chain:
     """One group this peer joins in a hop, with the (mean, weight) pair it brings there."""
 
     slot: Slot
-    values: torch.Tensor
+    values: torch.Tensor | CodedDelta
     weight: float
 
 
@@ -120,7 +122,7 @@ class MoshpitAverager:
     async def average(
         self,
         round_no: int,
-        delta: torch.Tensor,
+        delta: torch.Tensor | CodedDelta,
         weight: float,
         resync: bool,
         consensus_state: Callable[[], Awaitable[torch.Tensor]],
@@ -242,7 +244,7 @@ class MoshpitAverager:
         return AveragingResult(chains[0].values, chains[0].weight, hops, theta)
 
     async def _run_slot(
-        self, h: _Hop, chain: Chain, out: torch.Tensor, report: HopReport
+        self, h: _Hop, chain: Chain, out: torch.Tensor | CodedDelta, report: HopReport
     ) -> tuple[FormedGroup, AllReduceReport | None, torch.Tensor | None]:
         """Form this chain's group and all-reduce in it at once: a member of several groups
         must not keep one waiting while another is still forming."""
@@ -258,7 +260,8 @@ class MoshpitAverager:
             await h.delta_ready()
         values = chain.values
         if attack in ("hostile-delta", "hostile-weight", "hostile-bandwidth"):
-            values = values * failpoints.HOSTILE_SCALE
+            scale = failpoints.HOSTILE_SCALE
+            values = values.scaled(scale) if isinstance(values, CodedDelta) else values * scale
         if slot.primary:
             self.on_phase("allreduce")
         theta_in = theta_out = None
@@ -307,9 +310,9 @@ class MoshpitAverager:
         hop: int,
         theta_hop: int,
         group: FormedGroup,
-        values: torch.Tensor,
+        values: torch.Tensor | CodedDelta,
         weight: float,
-        out: torch.Tensor,
+        out: torch.Tensor | CodedDelta,
         theta: torch.Tensor | None,
         theta_out: torch.Tensor | None,
         feedback: Feedback | None,
@@ -425,9 +428,9 @@ class ScratchBuffers:
     several groups); then into model-sized scratch buffers, kept across rounds, that no input is."""
 
     def __init__(self) -> None:
-        self._scratch: list[torch.Tensor] = []
+        self._scratch: list[torch.Tensor | CodedDelta] = []
 
-    def outputs(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+    def outputs(self, inputs: list[torch.Tensor | CodedDelta]) -> list[torch.Tensor | CodedDelta]:
         """One output buffer per input."""
         busy = {id(t) for t in inputs}
         readers = Counter(id(t) for t in inputs)
@@ -442,9 +445,18 @@ class ScratchBuffers:
             index += 1
         return outputs
 
-    def _buffer(self, index: int, like: torch.Tensor) -> torch.Tensor:
+    def _buffer(self, index: int, like: torch.Tensor | CodedDelta) -> torch.Tensor | CodedDelta:
         while len(self._scratch) <= index:
-            self._scratch.append(torch.empty_like(like))
-        if self._scratch[index].numel() != like.numel():
-            self._scratch[index] = torch.empty_like(like)
+            self._scratch.append(_empty_like(like))
+        kept = self._scratch[index]
+        if kept.numel() != like.numel() or type(kept) is not type(like) or _block_of(kept) != _block_of(like):
+            self._scratch[index] = _empty_like(like)
         return self._scratch[index]
+
+
+def _empty_like(like: torch.Tensor | CodedDelta) -> torch.Tensor | CodedDelta:
+    return like.empty_like() if isinstance(like, CodedDelta) else torch.empty_like(like)
+
+
+def _block_of(buffer: torch.Tensor | CodedDelta) -> int:
+    return buffer.block_size if isinstance(buffer, CodedDelta) else 0

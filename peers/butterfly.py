@@ -8,6 +8,10 @@ bounded queue per stream keeps at most `in_flight` encoded chunks ahead of the n
 Every member, the reducer included, applies the bytes the reducer returned, so members
 that entered with identical buffers leave with identical buffers.
 
+The buffer may be a `CodedDelta` (ops/coded.py: int8 codes, as a node whose θ_g is in host
+memory holds Δ): its chunks are sent as the codes they are, and each part's mean is stored
+over them as the codes it came back in.
+
 A reducer that fails leaves each sender with its own values for that part. Reducer-side
 semantics (validation, chunk-wise finishing) live in `reducer.py`.
 """
@@ -26,6 +30,7 @@ import torch
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception, stop_after_attempt
 
 from dtnode.ops import sparse
+from dtnode.ops.coded import CodedDelta, CodedSlice
 from dtnode.ops.quantization import dequantize, quantize, quantize_with_feedback
 from dtnode.proto import averaging_pb2 as pb
 from dtnode.proto import averaging_pb2_grpc as pb_grpc
@@ -144,8 +149,13 @@ class Feedback:
     decay: float = 1.0
 
 
-def _encode(plan: GroupPlan, values: torch.Tensor, residual: torch.Tensor | None, feedback: Feedback | None) -> Payload:
-    """Encode a chunk for the plan's codec; `residual` is the chunk's slice of the feedback buffer."""
+def _encode(
+    plan: GroupPlan, values: torch.Tensor | CodedSlice, residual: torch.Tensor | None, feedback: Feedback | None
+) -> Payload:
+    """Encode a chunk for the plan's codec; `residual` is the chunk's slice of the feedback buffer.
+    A coded Δ's chunk is its own payload: the codes it holds are what the wire carries."""
+    if isinstance(values, CodedSlice):
+        return values.payload()
     if plan.codec == SPARSE:
         if plan.later_sparse_hop:  # a group's mean: its largest values on their support, 8-bit
             payload = sparse.encode_mean(values, plan.block_size, plan.sender_top_k)
@@ -164,8 +174,8 @@ def _encode(plan: GroupPlan, values: torch.Tensor, residual: torch.Tensor | None
 
 
 def _keep_own(
-    target: torch.Tensor,
-    mine: torch.Tensor,
+    target: torch.Tensor | CodedSlice,
+    mine: torch.Tensor | CodedSlice,
     residual: torch.Tensor | None,
     before: torch.Tensor | None,
     feedback: Feedback | None,
@@ -173,14 +183,23 @@ def _keep_own(
     """A part whose reducer failed: this member applies its own values there exactly, with the
     feedback it would have sent (that buffer is then spent), or, at a later hop, its buffer
     goes back to what it held before this part was encoded."""
-    target.copy_(mine)
+    _assign(target, mine)
     if residual is None or before is None or feedback is None:
         return
+    assert isinstance(target, torch.Tensor)  # a coded Δ has no feedback on the wire
     if feedback.inject:
         target.add_(before, alpha=feedback.decay)
         residual.zero_()
     else:
         residual.copy_(before)
+
+
+def _assign(target: torch.Tensor | CodedSlice, source: torch.Tensor | CodedSlice) -> None:
+    """target ← source: codes into codes, fp32 into fp32 (a coded target codes fp32 values)."""
+    if isinstance(target, CodedSlice):
+        target.copy_(source)
+    else:
+        target.copy_(source.decoded() if isinstance(source, CodedSlice) else source)
 
 
 STREAM_ATTEMPTS = 2  # a stream that broke before any result came back is sent once more
@@ -239,9 +258,9 @@ def _sparsify_own(plan: GroupPlan, own: torch.Tensor, residual: torch.Tensor | N
 async def butterfly_allreduce(
     plan: GroupPlan,
     own_id: str,
-    values: torch.Tensor,
+    values: torch.Tensor | CodedDelta,
     weight: float,
-    out: torch.Tensor,
+    out: torch.Tensor | CodedDelta,
     registry: ReductionRegistry,
     channels: ChannelPool,
     timeout: float,
@@ -275,6 +294,13 @@ async def butterfly_allreduce(
     residual = feedback.buffer if feedback is not None else None
     if values.numel() != plan.numel or out.numel() != plan.numel:
         raise ValueError("buffer size differs from the plan")
+    if isinstance(values, CodedDelta) or isinstance(out, CodedDelta):
+        # coded values are sent as they are and results stored as they come: the plan's int8
+        # blocks must be theirs, and their feedback was taken when they were coded
+        if not (isinstance(values, CodedDelta) and isinstance(out, CodedDelta)):
+            raise TypeError("a coded Δ is averaged into a coded output")
+        if plan.codec != INT8 or {values.block_size, out.block_size} != {plan.block_size} or feedback is not None:
+            raise ValueError("a coded Δ travels in the plan's int8 blocks, with no feedback of the wire's")
     if residual is not None and residual.numel() != plan.numel:
         raise ValueError("residual size differs from the plan")
     if not (math.isfinite(weight) and 0 < weight <= MAX_WEIGHT):
@@ -290,19 +316,25 @@ async def butterfly_allreduce(
 
     async def reduce_own_part() -> PartOutcome:
         offset, length = plan.parts[me]
-        own = mine = values[offset : offset + length]
+        mine = values[offset : offset + length]
         own_residual = residual[offset : offset + length] if residual is not None else None
         own_before = own_residual.clone() if own_residual is not None and plan.codec == SPARSE else None
-        if plan.codec == SPARSE:
-            own = await maybe_thread(_sparsify_own, plan, own, own_residual, feedback, size=length)
+        if isinstance(mine, CodedSlice):  # its codes, as the group sees them
+            own = await maybe_thread(mine.decoded, size=length)
+        elif plan.codec == SPARSE:
+            own = await maybe_thread(_sparsify_own, plan, mine, own_residual, feedback, size=length)
         elif plan.codec == INT8 and plan.sums_as_sent:  # as the group sees it
-            own = await maybe_thread(_through_int8, own, plan.block_size, size=length)
+            own = await maybe_thread(_through_int8, mine, plan.block_size, size=length)
         elif own_residual is not None:  # own part is averaged exactly: spend its residual now
-            own = own + own_residual
+            own = mine + own_residual
             own_residual.zero_()
+        else:
+            own = mine
+        kept = mine if isinstance(mine, CodedSlice) else own  # what a failed reduction leaves in place
         reduction = await maybe_thread(
             PartReduction, plan, own_id, own, weight, reducer_deadline, trim_fraction, size=length
         )
+        del own  # the reduction holds its own copy: a coded Δ's decoded part goes now
         await registry.register(reduction)
         target = out[offset : offset + length]
         result = PartResult(mine, limit, max_drift)  # written over `target` once whole and checked
@@ -314,14 +346,14 @@ async def butterfly_allreduce(
                     if plan.codec == SPARSE:
                         _keep_own(target, mine, own_residual, own_before, feedback)
                     else:
-                        target.copy_(own)
+                        _assign(target, kept)
                     return PartOutcome(me, own_id, False, [], 0.0, length, f"REDUCTION_FAILED: {e}")
                 await result.add(off, n, payload)
             if result.drifted():
-                target.copy_(mine)  # our senders refuse it too: nobody applies it
+                _assign(target, mine)  # our senders refuse it too: nobody applies it
                 return PartOutcome(me, own_id, False, [], 0.0, length, "DRIFTED: the re-synced values moved too far")
             if result.implausible():
-                target.copy_(mine)  # a sender's values were far longer than ours: our senders refuse it too
+                _assign(target, mine)  # a sender's values were far longer than ours: our senders refuse it too
                 return PartOutcome(
                     me, own_id, False, [], 0.0, length, f"IMPLAUSIBLE: the mean is over {limit:g}x our norm"
                 )
@@ -400,9 +432,9 @@ async def butterfly_allreduce(
     async def stream_part(
         part: int,
         reducer,
-        mine: torch.Tensor,
+        mine: torch.Tensor | CodedSlice,
         mine_residual: torch.Tensor | None,
-        target: torch.Tensor,
+        target: torch.Tensor | CodedSlice,
         received: list[int],
     ) -> PartOutcome:
         """One stream of this member's slice of `part` to its reducer, and the averaged result back."""

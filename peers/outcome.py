@@ -10,6 +10,8 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from dtnode.ops.coded import CodedDelta
+
 
 @dataclass
 class HopReport:
@@ -54,7 +56,7 @@ class HopReport:
 
 @dataclass
 class AveragingResult:
-    mean: torch.Tensor  # the buffer holding the averaged Δ
+    mean: torch.Tensor | CodedDelta  # the buffer holding the averaged Δ (coded, if Δ was)
     weight: float  # the tokens the mean stands for
     hops: list[HopReport]
     theta: torch.Tensor | None  # averaged θ_g (and momentum, if any), when a re-sync happened

@@ -2,7 +2,8 @@
 checked, and only then written over this member's own values there.
 
 The all-reduce may write its results into the very buffer that holds this member's values
-(the node's Δ staging buffer is also its mean's: 4 bytes per parameter less on every node). A
+(the node's Δ staging buffer is also its mean's: a buffer less on every node; a coded Δ,
+ops/coded.py, takes the mean's int8 codes as they came). A
 result that fails halfway (its reducer gone, a norm refused) must leave our own values in
 place, so nothing of a part is written before its last chunk passed the checks: the chunks
 wait coded (int8: about 1 byte per value, sparse: a few percent of that; fp32 results are
@@ -15,13 +16,17 @@ import math
 
 import torch
 
+from dtnode.ops.coded import CodedSlice
+from dtnode.ops.quantization import QuantizedBlocks
+
 from .reducer import decode_into, maybe_thread
 from .wire import Payload
 
 
 class PartResult:
-    def __init__(self, own: torch.Tensor, norm_limit: float | None = None, max_drift: float | None = None):
-        """`own`: this member's values in the part (read, never written, until `commit`).
+    def __init__(self, own: torch.Tensor | CodedSlice, norm_limit: float | None = None, max_drift: float | None = None):
+        """`own`: this member's values in the part (read, never written, until `commit`; a
+        coded Δ's are decoded a chunk at a time, when a check reads them).
         `norm_limit`: the result may be at most this many times as long as `own` (robust
         mode). `max_drift`: it may move `own` by at most this share of its norm (a re-sync)."""
         self.own = own
@@ -43,28 +48,44 @@ class PartResult:
         decode_into(payload, values)
         self._result_sq += float(torch.linalg.vector_norm(values)) ** 2
         if self.max_drift is not None:
-            own = self.own[offset : offset + length]
+            own = _values(self.own[offset : offset + length])
             self._moved_sq += float(torch.linalg.vector_norm(values - own)) ** 2
 
     def implausible(self) -> bool:
         """Longer than `norm_limit` x our own values (all zero: nothing to compare with)."""
         if self.norm_limit is None:
             return False
-        own_norm = float(torch.linalg.vector_norm(self.own))
+        own_norm = _norm(self.own)
         return own_norm > 0 and math.sqrt(self._result_sq) > self.norm_limit * own_norm
 
     def drifted(self) -> bool:
         """A mean of nearly equal states (a θ_g re-sync) that moved ours by more than `max_drift` of its norm."""
         if self.max_drift is None:
             return False
-        return math.sqrt(self._moved_sq) > self.max_drift * max(float(torch.linalg.vector_norm(self.own)), 1e-30)
+        return math.sqrt(self._moved_sq) > self.max_drift * max(_norm(self.own), 1e-30)
 
-    async def commit(self, target: torch.Tensor) -> None:
+    async def commit(self, target: torch.Tensor | CodedSlice) -> None:
         """The checked result into `target` (the part's slice of the output; `own` itself when
         the output is the input), in a thread when the part is large."""
         await maybe_thread(self._write, target, size=target.numel())
 
-    def _write(self, target: torch.Tensor) -> None:
+    def _write(self, target: torch.Tensor | CodedSlice) -> None:
         for offset, length, payload in self._chunks:
-            decode_into(payload, target[offset : offset + length])
+            place = target[offset : offset + length]
+            if not isinstance(place, CodedSlice):
+                decode_into(payload, place)
+            elif isinstance(payload, QuantizedBlocks) and payload.block_size == place.coded.block_size:
+                place.store(payload)  # the mean's codes as they came: what every member stores
+            else:
+                values = torch.empty(length, dtype=torch.float32)
+                decode_into(payload, values)
+                place.store_values(values)
         self._chunks.clear()
+
+
+def _values(own: torch.Tensor | CodedSlice) -> torch.Tensor:
+    return own.decoded() if isinstance(own, CodedSlice) else own
+
+
+def _norm(own: torch.Tensor | CodedSlice) -> float:
+    return float(own.norm() if isinstance(own, CodedSlice) else torch.linalg.vector_norm(own))

@@ -32,6 +32,7 @@ from dtnode.daemon.local_ranks import RankOutOfMemory, out_of_memory_line, plan_
 from dtnode.daemon.settings import NodeSettings, SettingsError
 from dtnode.daemon.worker import ModelWorker
 from dtnode.daemon.workload import build_workload
+from dtnode.ops.coded import CodedDelta
 
 ARGS = [*FAST, "--device", "cpu", "--threads-per-rank", "1"]
 
@@ -61,7 +62,14 @@ def _one_round(
         first = worker.trainer.run(steps, threading.Event())
         if shard:  # θ_l lives in the shards only: rank 0 let go of the first values once they were sent
             assert worker.trainer.flat.buffer.numel() == 0
-        worker.replica.apply_outer_step(worker.pseudo_gradient().clone())
+        exact = worker.replica.theta_g - worker.trainer.local_copy()
+        delta = worker.pseudo_gradient()
+        # int8 (the default): rank 0 holds Δ coded, taken a parameter at a time when sharded;
+        # each value within half a code of the exact one, which the step below takes
+        assert isinstance(delta, CodedDelta)
+        half_code = delta.scales.repeat_interleave(delta.block_size)[: exact.numel()] / 2
+        assert bool(((delta.whole().decoded() - exact).abs() <= half_code * (1 + 1e-5) + 1e-12).all())
+        worker.replica.apply_outer_step(exact)
         eval_loss = worker.trainer.eval_loss()
         moments = worker.trainer.inner_state()
         worker.trainer.load_inner_state(*moments)  # a resume's path: the moments go back to every rank

@@ -1,0 +1,218 @@
+"""Δ kept as int8 codes where θ_g is in host memory: 1 byte per parameter, not 4, from the
+moment Δ is taken through the all-reduce to the outer step (ops/coded.py)."""
+
+import asyncio
+
+import pytest
+import torch
+from allreduce_harness import start_peers, stop_peers
+
+from dtnode.daemon.data import DataSources, DataStream, MarkovLanguage
+from dtnode.daemon.model import build_model
+from dtnode.daemon.replica import Replica
+from dtnode.daemon.schedule import LearningRateSchedule
+from dtnode.daemon.trainer import Trainer
+from dtnode.ops.coded import CodedDelta, SpanEncoder
+from dtnode.ops.outer_optimizer import NesterovOuterOptimizer
+from dtnode.ops.quantization import dequantize, quantize, quantize_with_feedback
+from dtnode.peers.butterfly import Feedback, butterfly_allreduce
+from dtnode.peers.plan import FP32, INT8, Member, make_plan
+
+
+def _spans(n: int, seed: int) -> list[slice]:
+    """Consecutive spans of uneven lengths (1 value, under a block, several blocks) covering [0, n)."""
+    gen = torch.Generator().manual_seed(seed)
+    spans, at = [], 0
+    while at < n:
+        length = int(torch.randint(1, 700, (1,), generator=gen))
+        spans.append(slice(at, min(at + length, n)))
+        at += length
+    return spans
+
+
+@pytest.mark.parametrize("feedback", [False, True])
+def test_coding_span_by_span_gives_the_codes_of_the_whole_buffer(feedback):
+    """A sharded host codes Δ one parameter at a time, and parameters do not end on block
+    boundaries: the codes (and the feedback's residual) are those of coding the buffer whole."""
+    values = torch.randn(10_007, generator=torch.Generator().manual_seed(1))
+    whole_residual = torch.randn(values.numel()) * 1e-3
+    residual = whole_residual.clone()
+    coded = CodedDelta(values.numel(), 256)
+    encoder = SpanEncoder(coded, residual if feedback else None)
+    for span in _spans(values.numel(), 2):
+        encoder.add(values[span])
+    encoder.finish()
+    expected = quantize_with_feedback(values, whole_residual, 256) if feedback else quantize(values, 256)
+    assert torch.equal(coded.codes, expected.codes) and torch.equal(coded.scales, expected.scales)
+    if feedback:
+        assert torch.equal(residual, whole_residual)
+
+
+def test_a_coded_buffer_is_sliced_on_block_boundaries_only_and_reads_back_what_was_stored():
+    coded = CodedDelta(1000, 64)
+    values = torch.randn(1000)
+    coded.whole().store_values(values)
+    assert torch.equal(coded.whole().decoded(), dequantize(quantize(values, 64)))
+    assert torch.allclose(coded.norm(), torch.linalg.vector_norm(coded.whole().decoded()))
+    assert coded[960:1000].numel() == 40  # the last, short block
+    for bad in (slice(1, 64), slice(0, 65), slice(0, 1000, 2)):
+        with pytest.raises(ValueError):
+            coded[bad]
+    part = coded[64:128]
+    part.store(quantize(torch.ones(64), 64))
+    assert torch.equal(coded[64:128].decoded(), torch.ones(64))
+    with pytest.raises(ValueError, match="does not match"):
+        part.store(quantize(torch.ones(64), 32))
+    with pytest.raises(ValueError, match="residual"):
+        SpanEncoder(coded, torch.zeros(999))
+
+
+@pytest.mark.parametrize("momentum", [0.9, 0.0])
+def test_an_outer_step_along_a_coded_mean_is_the_step_along_its_decoded_values(momentum):
+    """Bit for bit, with slices that are not a multiple of the block (the step rounds them)."""
+    n = 5000
+    coded = CodedDelta(n, 96)
+    coded.whole().store_values(torch.randn(n) * 1e-2)
+    dense = coded.whole().decoded()
+    theta = torch.randn(n)
+    a = NesterovOuterOptimizer(n, 0.7, momentum, step_slice=1000)
+    b = NesterovOuterOptimizer(n, 0.7, momentum, step_slice=1000)
+    ta, tb = theta.clone(), theta.clone()
+    for _ in range(3):
+        a.step(ta, coded)
+        b.step(tb, dense)
+    assert torch.equal(ta, tb) and torch.equal(a.momentum_buffer, b.momentum_buffer)
+    assert torch.allclose(a.step_norm_bound(coded), b.step_norm_bound(dense))
+
+
+def _replica(coded: bool) -> Replica:
+    model, _ = build_model("tiny", seed=1)
+    language = MarkovLanguage(seed=2)
+    stream = DataStream(DataSources(language, language), "run", "a", 4, 16)
+    trainer = Trainer(
+        model, stream, torch.device("cpu"), schedule=LearningRateSchedule(1e-3), weight_decay=0.1, grad_clip=1.0
+    )
+    return Replica(trainer, 0.7, 0.9, coded_block_size=256 if coded else None)
+
+
+def test_a_coded_replica_holds_delta_in_one_byte_per_parameter_and_steps_as_a_dense_one_does():
+    """No model-sized fp32 Δ: θ_g and the momentum are the fp32 buffers; Δ is int8 codes. With
+    error feedback, what the codes lost is owed in the residual, and the outer step of the coded
+    Δ is the dense replica's step of the same values."""
+    r, dense = _replica(True), _replica(False)
+    assert r.coded and not dense.coded
+    fp32 = {
+        id(v)
+        for v in (*vars(r).values(), *vars(r.outer).values())
+        if isinstance(v, torch.Tensor) and v.numel() >= r.numel
+    }
+    assert fp32 == {id(r.theta_g), id(r.outer.momentum_buffer)}
+    assert isinstance(r.delta_cpu, CodedDelta) and r.delta_cpu.codes.dtype == torch.int8
+    r.feedback = torch.zeros(r.numel)
+    shift = torch.randn(r.numel, generator=torch.Generator().manual_seed(3)) * 1e-2
+    for replica in (r, dense):
+        replica.trainer.parameters_flat.add_(shift)
+    delta = r.pseudo_gradient()
+    assert delta is r.delta_cpu
+    decoded = delta.whole().decoded()
+    assert torch.allclose(decoded + r.feedback, -shift, atol=1e-7)  # nothing lost: the residual owes it
+    dense.pseudo_gradient()
+    dense.apply_outer_step(decoded.clone())
+    r.apply_outer_step(delta)
+    assert torch.equal(r.theta_g, dense.theta_g) and torch.equal(r.trainer.parameters_flat, r.theta_g)
+    # --overlap: the Δ in flight stays exact (θ_l is rebuilt from it); the staged one is coded
+    r.trainer.parameters_flat.add_(shift)
+    staged = r.stage_delta()
+    assert staged is r.delta_cpu and r.has_in_flight
+    r.land(staged, None)
+    assert torch.allclose(r.trainer.parameters_flat, r.theta_g, atol=1e-6)
+
+
+def test_a_non_finite_pseudo_gradient_fails_the_round_as_a_non_finite_loss_does():
+    r = _replica(True)
+    r.trainer.parameters_flat[5] = float("nan")
+    with pytest.raises(FloatingPointError, match="non-finite"):
+        r.pseudo_gradient()
+
+
+def _coded(values: torch.Tensor, block: int) -> CodedDelta:
+    coded = CodedDelta(values.numel(), block)
+    coded.whole().store_values(values)
+    return coded
+
+
+@pytest.mark.parametrize("hop", [0, 1])
+def test_coded_members_send_their_codes_and_store_the_mean_as_it_came(hop):
+    """Three members (uneven bandwidths, one in client mode) average coded Δs in place: every
+    member ends with the same codes, the weighted mean of what they held within int8's error;
+    a member that holds its Δ in fp32 beside them gets the same mean."""
+    n, block = 3 * 5000 + 7, 256
+
+    async def main(inputs: list[torch.Tensor | CodedDelta]):
+        peers = await start_peers(3, bandwidths=[1.0, 2.5, 1.0], client_mode=(2,))
+        plan = make_plan("test-run", 0, hop, [p.member for p in peers], n, block, 2048, INT8)
+        try:
+            reports = await asyncio.gather(
+                *(
+                    butterfly_allreduce(plan, p.member.peer_id, v, w, v, p.registry, p.channels, timeout=10.0)
+                    for p, v, w in zip(peers, inputs, [0.5, 1.0, 2.0])
+                )
+            )
+        finally:
+            await stop_peers(peers)
+        assert all(not r.failed_parts for r in reports)
+
+    gen = torch.Generator().manual_seed(4)
+    values = [torch.randn(n, generator=gen) for _ in range(3)]
+    coded = [_coded(v, block) for v in values]
+    held = [c.whole().decoded() for c in coded]
+    asyncio.run(main(list(coded)))
+    for c in coded[1:]:
+        assert torch.equal(c.codes, coded[0].codes) and torch.equal(c.scales, coded[0].scales)
+    expected = (0.5 * held[0] + held[1] + 2.0 * held[2]) / 3.5
+    mean = coded[0].whole().decoded()
+    assert float((mean - expected).norm() / expected.norm()) < 0.01
+    mixed: list[torch.Tensor | CodedDelta] = [_coded(v, block) for v in values[:2]] + [held[2].clone()]
+    asyncio.run(main(mixed))
+    assert isinstance(mixed[2], torch.Tensor) and torch.allclose(mixed[2], mean, atol=1e-6)
+
+
+def test_a_dead_reducers_part_keeps_the_members_own_codes():
+    n, block = 9_000, 64
+
+    async def main():
+        peers = await start_peers(2)
+        members = [p.member for p in peers] + [Member("peer99", "127.0.0.1:1")]  # nobody listens there
+        plan = make_plan("test-run", 0, 0, members, n, block, 1024, INT8)
+        try:
+            return plan, await asyncio.gather(
+                *(
+                    butterfly_allreduce(plan, p.member.peer_id, c, 1.0, c, p.registry, p.channels, timeout=3.0)
+                    for p, c in zip(peers, coded)
+                )
+            )
+        finally:
+            await stop_peers(peers)
+
+    coded = [_coded(torch.randn(n), block) for _ in range(2)]
+    before = [c.codes.clone() for c in coded]
+    plan, reports = asyncio.run(main())
+    offset, length = plan.parts[plan.index_of("peer99")]
+    for c, old, report in zip(coded, before, reports):
+        assert torch.equal(c.codes[offset : offset + length], old[offset : offset + length])
+        assert [p.reducer for p in report.failed_parts] == ["peer99"]
+    assert torch.equal(coded[0].codes[:offset], coded[1].codes[:offset])
+
+
+def test_a_coded_delta_is_refused_where_its_blocks_are_not_the_plans():
+    """Its codes go out as they are: another codec, another block size, or the wire's own
+    feedback (already taken when it was coded) would silently change what is averaged."""
+    coded = _coded(torch.randn(4096), 256)
+    member = Member("peer00", "127.0.0.1:1")
+    for codec, block, feedback in ((FP32, 256, None), (INT8, 128, None), (INT8, 256, Feedback(torch.zeros(4096)))):
+        plan = make_plan("test-run", 0, 0, [member], 4096, block, 1024, codec)
+        with pytest.raises(ValueError, match="coded"):
+            asyncio.run(butterfly_allreduce(plan, "peer00", coded, 1.0, coded, None, None, 1.0, feedback=feedback))  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="coded"):
+        plan = make_plan("test-run", 0, 0, [member], 4096, 256, 1024, INT8)
+        asyncio.run(butterfly_allreduce(plan, "peer00", coded, 1.0, torch.empty(4096), None, None, 1.0))  # type: ignore[arg-type]
