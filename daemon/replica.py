@@ -65,7 +65,7 @@ class Replica:
         pin = device.type == "cuda"
         # Δ for the network, and the average it comes back as (written in place, see PartResult)
         self.delta_cpu: torch.Tensor | CodedDelta
-        if coded_block_size is not None and not pin:
+        if coded_block_size is not None and device.type == "cpu":
             self.delta_cpu = CodedDelta(n, coded_block_size)
         else:
             self.delta_cpu = torch.empty(n, dtype=torch.float32, pin_memory=pin)
