@@ -68,6 +68,7 @@ class Command(IntEnum):
     GATHER = 4  # --shard: every rank's shards of θ_l to rank 0
     GATHER_INNER = 5  # --shard: every rank's shards of the AdamW moments to rank 0
     EVAL = 6  # --shard: the held-out loss, every rank running the forward passes
+    ADD = 7  # --shard: an amount added to θ_l, parameter by parameter, from rank 0
 
 
 class RankState(IntEnum):

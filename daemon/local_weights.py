@@ -20,6 +20,8 @@ import torch
 # (a read: current values, read only; a write: the buffer to fill with the new ones)
 SpanWork = Callable[[slice, torch.Tensor], object]
 
+ADD_SLICE = 1 << 20  # values per span of `FlatLocal.add`
+
 
 class LocalWeights(Protocol):
     numel: int  # values in the flat layout
@@ -31,6 +33,11 @@ class LocalWeights(Protocol):
     def write(self, work: SpanWork) -> None:
         """θ_l ← what `work(span, out)` writes into `out`, for every span, in order. `out`
         holds no defined values: a change that needs the old θ_l reads it first (`read`)."""
+
+    def add(self, work: SpanWork) -> None:
+        """θ_l += what `work(span, out)` writes into `out`, for every span, in order (`out`
+        holds no defined values). One pass that needs no θ_l on the caller's side: a change
+        by an amount known span by span (Replica.land) holds no model-sized buffer for it."""
 
 
 class FlatLocal:
@@ -48,4 +55,14 @@ class FlatLocal:
 
     def write(self, work: SpanWork) -> None:
         work(slice(0, self.numel), self.flat)
+        self._written()
+
+    def add(self, work: SpanWork) -> None:
+        """In spans of ADD_SLICE values: the one temporary is a span."""
+        scratch = torch.empty(min(self.numel, ADD_SLICE), dtype=self.flat.dtype, device=self.flat.device)
+        for start in range(0, self.numel, ADD_SLICE):
+            span = slice(start, min(start + ADD_SLICE, self.numel))
+            out = scratch[: span.stop - span.start]
+            work(span, out)
+            self.flat[span].add_(out)
         self._written()

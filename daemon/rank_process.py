@@ -93,6 +93,8 @@ class ChildRank:
                 scatter_moments(self.optimizer, self.trainable, None, int(header[1]), self.device)
             elif command is Command.INNER:
                 self._inner(int(header[1]))
+            elif command is Command.ADD:
+                scatter_params(self.synced, None, self.device, add=True)
             elif command is Command.GATHER:
                 gather_params(self.synced, None)
             elif command is Command.GATHER_INNER:

@@ -5,10 +5,7 @@ in a (pinned, on CUDA) CPU buffer for the network, and the averaged Δ comes bac
 way. On a CPU (and on a sharded host, whose θ_g is in host memory) Δ is computed straight
 into its staging buffer and the outer step reads the average where the network left it: no
 device-side buffer, which would be a third model-sized copy of Δ in the same memory. There,
-with the int8 codec, the staging buffer holds Δ coded (ops/coded.py: 1 byte per parameter,
-not 4): it is coded as it is taken, a slice (or, sharded, a parameter) at a time, the wire
-carries those very codes, the group's mean comes back over them as the codes it arrived in,
-and the outer step decodes it a slice at a time. No model-sized fp32 Δ exists on such a node.
+with the int8 codec, `CodedReplica` (coded_replica.py) holds Δ as int8 codes instead.
 
 θ_l is read and written span by span through the trainer's `LocalWeights` (local_weights.py):
 the trainer's flat buffer on one device or DDP ranks, the parameters gathered from and sent to
@@ -36,13 +33,11 @@ from collections.abc import Callable
 
 import torch
 
-from dtnode.ops.coded import DECODE_SLICE, CodedDelta, SpanEncoder
+from dtnode.ops.coded import CodedDelta
 from dtnode.ops.flat import sha256_of
 from dtnode.ops.outer_optimizer import NesterovOuterOptimizer
-from dtnode.ops.quantization import NonFiniteError
 
 from .local_ranks import LocalRankFailure
-from .local_weights import SpanWork
 from .trainer import Trainer
 
 log = logging.getLogger("dtnode")
@@ -52,9 +47,7 @@ UPDATES_REMEMBERED = 8  # outer steps whose size `update_scale` takes the larges
 
 
 class Replica:
-    def __init__(self, trainer: Trainer, outer_lr: float, outer_momentum: float, coded_block_size: int | None = None):
-        """`coded_block_size`: the int8 codec's block, to hold Δ coded where θ_g is in host
-        memory (None: Δ in fp32, as the other codecs and a GPU's device-side Δ need)."""
+    def __init__(self, trainer: Trainer, outer_lr: float, outer_momentum: float):
         self.trainer = trainer
         self.local = trainer.local_weights
         n, device = self.local.numel, self.local.span_device
@@ -64,13 +57,7 @@ class Replica:
         self.outer_step = 0
         pin = device.type == "cuda"
         # Δ for the network, and the average it comes back as (written in place, see PartResult)
-        self.delta_cpu: torch.Tensor | CodedDelta
-        if coded_block_size is not None and device.type == "cpu":
-            self.delta_cpu = CodedDelta(n, coded_block_size)
-        else:
-            self.delta_cpu = torch.empty(n, dtype=torch.float32, pin_memory=pin)
-        # int8 error feedback of a coded Δ (the worker's buffer): its rounding error goes here
-        self.feedback: torch.Tensor | None = None
+        self.delta_cpu: torch.Tensor | CodedDelta = self._new_staging(n, pin)
         # Δ on the device (CUDA only: on a CPU the staging buffers are on the device already)
         self._delta_device = torch.empty(n, dtype=torch.float32, device=device) if pin else None
         self._host_theta = torch.empty(n, dtype=torch.float32, pin_memory=pin) if pin else None
@@ -83,50 +70,32 @@ class Replica:
         # round each came from (its inner learning rate scales it: see update_scale)
         self._update_sizes: deque[tuple[torch.Tensor, int]] = deque(maxlen=UPDATES_REMEMBERED)
 
+    def _new_staging(self, n: int, pin: bool) -> torch.Tensor | CodedDelta:
+        """The buffer Δ is staged in for the network: fp32 here (pinned on CUDA)."""
+        return torch.empty(n, dtype=torch.float32, pin_memory=pin)
+
     @property
     def numel(self) -> int:
         return self.theta_g.numel()
 
     @property
     def coded(self) -> bool:
-        """Δ is staged as int8 codes (see the module's docstring)."""
-        return isinstance(self.delta_cpu, CodedDelta)
+        """Δ is staged as int8 codes (CodedReplica), not in fp32."""
+        return False
+
+    def _fp32_staging(self) -> torch.Tensor:
+        assert isinstance(self.delta_cpu, torch.Tensor)  # a CodedReplica overrides what calls this
+        return self.delta_cpu
 
     @torch.no_grad()
     def pseudo_gradient(self) -> torch.Tensor | CodedDelta:
         """Δ = θ_g − θ_l into the CPU staging buffer (returned; read it after `delta_on_host`)."""
-        if isinstance(self.delta_cpu, CodedDelta):
-            self._code_spans(self.local.read, self.delta_cpu)
-            return self.delta_cpu
         self._after_copy()
-        target = self.delta_cpu if self._delta_device is None else self._delta_device
+        target = self._fp32_staging() if self._delta_device is None else self._delta_device
         self._difference_into(target)
         if self._delta_device is not None:
             self._copy_to_host(self._delta_device)
         return self.delta_cpu
-
-    def _code_spans(self, read: Callable[[SpanWork], object], target: CodedDelta, minus: bool = True) -> None:
-        """target ← θ_g − (each span `read` hands over), or the spans themselves (`minus`
-        False), coded a slice at a time (int8 feedback into `feedback`). A non-finite value is
-        a FloatingPointError: the round fails, θ_l goes back to θ_g, as for a non-finite loss."""
-        encoder = SpanEncoder(target, self.feedback)
-        scratch = torch.empty(min(DECODE_SLICE, self.numel), dtype=torch.float32)
-
-        def code(span: slice, values: torch.Tensor) -> None:
-            for at in range(0, values.numel(), DECODE_SLICE):
-                part = values[at : at + DECODE_SLICE]
-                if not minus:
-                    encoder.add(part)
-                    continue
-                start = span.start + at
-                out = scratch[: part.numel()]
-                encoder.add(torch.sub(self.theta_g[start : start + part.numel()], part, out=out))
-
-        try:
-            read(code)
-            encoder.finish()
-        except NonFiniteError as e:
-            raise FloatingPointError(f"the pseudo-gradient holds non-finite values ({e})") from e
 
     def _difference_into(self, target: torch.Tensor) -> None:
         """target ← θ_g − θ_l."""
@@ -140,18 +109,15 @@ class Replica:
             self.local.write(lambda span, out: torch.sub(source[span], minus[span], out=out))
 
     def _copy_to_host(self, source: torch.Tensor) -> None:
-        """Start Δ's copy into `delta_cpu`: at once on a CPU (coded there, if Δ is), on the
-        copy stream on CUDA (after the work queued so far on the training stream, which
-        computed `source`)."""
-        if isinstance(self.delta_cpu, CodedDelta):
-            self._code_spans(lambda work: work(slice(0, self.numel), source), self.delta_cpu, minus=False)
-            return
+        """Start Δ's copy into `delta_cpu`: at once on a CPU, on the copy stream on CUDA (after
+        the work queued so far on the training stream, which computed `source`)."""
+        staged = self._fp32_staging()
         if self._copy_stream is None or self._copied is None:
-            self.delta_cpu.copy_(source)
+            staged.copy_(source)
             return
         self._copy_stream.wait_stream(torch.cuda.current_stream(source.device))
         with torch.cuda.stream(self._copy_stream):
-            self.delta_cpu.copy_(source, non_blocking=True)
+            staged.copy_(source, non_blocking=True)
             self._copied.record(self._copy_stream)
 
     def _after_copy(self) -> None:
@@ -192,6 +158,10 @@ class Replica:
         """θ_g's outer step of the averaged Δ, and its size remembered (`update_scale`)."""
         mean = self._mean_on_device(mean_cpu)
         self.outer.step(self.theta_g, mean)
+        self._stepped(mean)
+
+    def _stepped(self, mean: torch.Tensor | CodedDelta) -> None:
+        """An outer step was made along `mean`: its size remembered, the count and hash moved on."""
         self._update_sizes.append((self.outer.step_norm_bound(mean), self.outer_step))
         self.outer_step += 1
         self._sha256 = ""
@@ -244,12 +214,20 @@ class Replica:
         (θ_g alone from a `consensus_state` without momentum)."""
         if state_cpu is None:
             return
+        self._check_consensus(state_cpu)
+        self._consensus_range(state_cpu, 0, self.numel)
+
+    def _check_consensus(self, state_cpu: torch.Tensor) -> None:
         n = self.numel
         if state_cpu.numel() not in (n, 2 * n):
             raise ValueError(f"a consensus state holds θ_g and maybe the momentum: {state_cpu.numel()} values for {n}")
-        self.theta_g.copy_(state_cpu[:n])
+
+    def _consensus_range(self, state_cpu: torch.Tensor, start: int, stop: int) -> None:
+        """θ_g (and the momentum) [start, stop) ← the re-synced state's (checked)."""
+        n = self.numel
+        self.theta_g[start:stop].copy_(state_cpu[start:stop])
         if state_cpu.numel() == 2 * n and self.outer.momentum > 0:
-            self.outer.momentum_buffer.copy_(state_cpu[n:])
+            self.outer.momentum_buffer[start:stop].copy_(state_cpu[n + start : n + stop])
         self._sha256 = ""
 
     @torch.no_grad()

@@ -57,14 +57,21 @@ ParamWork = Callable[[int, torch.Tensor], object]
 
 
 @torch.no_grad()
-def scatter_params(params: Sequence[torch.Tensor], fill: ParamWork | None, device: torch.device) -> None:
-    """Rank 0's full values of each parameter (`fill(i, full)` writes them) into every rank's shards."""
+def scatter_params(
+    params: Sequence[torch.Tensor], fill: ParamWork | None, device: torch.device, add: bool = False
+) -> None:
+    """Rank 0's full values of each parameter (`fill(i, full)` writes them) into every rank's
+    shards, or added to them (`add`)."""
     for i, param in enumerate(params):
         full = torch.empty(param.shape, dtype=param.dtype, device=device)
         if fill is not None:
             fill(i, full)
         dist.broadcast(full, 0)
-        _as_local(param).copy_(own_rows(full, param))
+        rows = own_rows(full, param)
+        if add:
+            _as_local(param).add_(rows)
+        else:
+            _as_local(param).copy_(rows)
 
 
 @torch.no_grad()
@@ -180,6 +187,26 @@ class HostShards:
         self.flat.release()
         if not self.ranks.running:
             return
+        self._scatter(work, Command.PARAMS)
+
+    def add(self, work: SpanWork) -> None:
+        """θ_l += an amount `work` writes parameter by parameter, added by each rank to its
+        shards. θ_l's first values, not in the shards yet, take it in host memory."""
+        initial = self.initial
+        if initial is not None:
+            scratch = torch.empty(max(span.stop - span.start for span in self.spans), dtype=torch.float32)
+            for span in self.spans:
+                amount = scratch[: span.stop - span.start]
+                work(span, amount)
+                initial[span].add_(amount)
+            return
+        if not self.ranks.running:
+            raise LocalRankFailure("the local ranks are down: θ_l's shards are lost")
+        self._scatter(work, Command.ADD)
+
+    def _scatter(self, work: SpanWork, command: Command) -> None:
+        """`work`'s values for each parameter, from a host buffer of one parameter to every
+        rank, written over its shards (PARAMS) or added to them (ADD)."""
         scratch = torch.empty(max(span.stop - span.start for span in self.spans), dtype=torch.float32)
 
         def fill(i: int, full: torch.Tensor) -> None:
@@ -188,8 +215,8 @@ class HostShards:
             full.copy_(host.view(full.shape))
 
         with self.ranks.collective():
-            self.ranks.command(Command.PARAMS)
-            scatter_params(self.synced, fill, self.device)
+            self.ranks.command(command)
+            scatter_params(self.synced, fill, self.device, add=command is Command.ADD)
 
     def push_params(self) -> None:
         """θ_l's first values into the shards, if they are not there yet (every later change of

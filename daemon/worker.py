@@ -27,6 +27,7 @@ from dtnode.peers import failpoints
 from dtnode.peers.averager import AveragingResult
 
 from .checkpoint import Layout, LoadedCheckpoint, LocalState, SharedBytes, TrainingState
+from .coded_replica import CodedReplica
 from .data import DataStream
 from .local_ranks import LocalRankFailure, LocalRanks, RankReport, RankState, own_memory, plan_ranks
 from .replica import Replica
@@ -113,12 +114,14 @@ class ModelWorker:
             compile=s.compile,
             ranks=ranks,
         )
-        coded = s.wire_format().block_size if s.compression == "int8" else None
-        self._replica = Replica(trainer, s.outer_lr, s.outer_momentum, coded_block_size=coded)
+        if s.compression == "int8" and trainer.local_weights.span_device.type == "cpu":  # θ_g in host memory
+            self._replica = CodedReplica(trainer, s.outer_lr, s.outer_momentum, s.wire_format().block_size)
+        else:
+            self._replica = Replica(trainer, s.outer_lr, s.outer_momentum)
         self._trainer = trainer
         if (s.error_feedback and s.compression == "int8") or s.compression == "sparse":
             self.residual = torch.zeros(self._replica.numel, dtype=torch.float32)
-            if self._replica.coded:  # the rounding error arises as Δ is coded, not on the wire
+            if isinstance(self._replica, CodedReplica):  # the rounding error arises as Δ is coded
                 self._replica.feedback = self.residual
 
     @property

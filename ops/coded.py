@@ -60,6 +60,13 @@ class CodedDelta:
         """‖Δ‖ (a 0-d fp32 tensor), decoded a slice at a time: no model-sized temporary."""
         return self.whole().norm()
 
+    def values(self, start: int, stop: int) -> torch.Tensor:
+        """Values [start, stop), fp32, from anywhere (the blocks around them are decoded)."""
+        block = self.block_size
+        first = start // block * block
+        last = min(-(-stop // block) * block, self.numel())
+        return self[first:last].decoded()[start - first : stop - first]
+
 
 class CodedSlice:
     """A block-aligned range of a `CodedDelta`: reads decode it, writes code into it."""

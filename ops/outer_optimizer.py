@@ -44,6 +44,15 @@ class NesterovOuterOptimizer:
         """θ_g (`params`) ← one step along Δ (`pseudo_gradient`, read only; a coded one is
         decoded a slice at a time). With μ = 0 it is θ_g ← θ_g − lr·Δ (torch refuses Nesterov
         without momentum; there is no buffer)."""
+        self.step_range(params, pseudo_gradient, 0, params.numel())
+
+    @torch.no_grad()
+    def step_range(
+        self, params: torch.Tensor, pseudo_gradient: torch.Tensor | CodedDelta, start: int, stop: int
+    ) -> None:
+        """`step` on values [start, stop) only (element-wise: steps over ranges that cover the
+        buffers once are one step, bit for bit). Lets a caller move θ_l along with θ_g a span at
+        a time, with no model-sized copy of either (Replica.land)."""
         n = params.numel()
         if (
             params.dim() != 1
@@ -51,20 +60,23 @@ class NesterovOuterOptimizer:
             or (self.momentum > 0 and params.shape != self.momentum_buffer.shape)
         ):
             raise ValueError("outer step buffers differ in shape")
+        if not 0 <= start <= stop <= n:
+            raise ValueError(f"range [{start}, {stop}) is not within {n} values")
         width = self.step_slice
-        if isinstance(pseudo_gradient, CodedDelta):  # slices of whole blocks
+        if isinstance(pseudo_gradient, CodedDelta):  # slices of whole blocks, where the range starts on one
             width = max(width // pseudo_gradient.block_size, 1) * pseudo_gradient.block_size
-        scratch = torch.empty(min(n, width), dtype=params.dtype, device=params.device)
-        for start in range(0, n, width):
-            theta = params[start : start + width]
+        scratch = torch.empty(min(stop - start, width), dtype=params.dtype, device=params.device)
+        for at in range(start, stop, width):
+            end = min(at + width, stop)
+            theta = params[at:end]
             if isinstance(pseudo_gradient, CodedDelta):
-                delta = pseudo_gradient[start : start + width].decoded().to(params.device)
+                delta = pseudo_gradient.values(at, end).to(params.device)
             else:
-                delta = pseudo_gradient[start : start + width]
+                delta = pseudo_gradient[at:end]
             if self.momentum == 0:
                 theta.add_(delta, alpha=-self.lr)
                 continue
-            buf = self.momentum_buffer[start : start + width]
+            buf = self.momentum_buffer[at:end]
             buf.mul_(self.momentum).add_(delta)
             nesterov = torch.add(delta, buf, alpha=self.momentum, out=scratch[: theta.numel()])
             theta.add_(nesterov, alpha=-self.lr)

@@ -7,6 +7,7 @@ import pytest
 import torch
 from allreduce_harness import start_peers, stop_peers
 
+from dtnode.daemon.coded_replica import CodedReplica
 from dtnode.daemon.data import DataSources, DataStream, MarkovLanguage
 from dtnode.daemon.model import build_model
 from dtnode.daemon.replica import Replica
@@ -85,6 +86,25 @@ def test_an_outer_step_along_a_coded_mean_is_the_step_along_its_decoded_values(m
     assert torch.allclose(a.step_norm_bound(coded), b.step_norm_bound(dense))
 
 
+@pytest.mark.parametrize("momentum", [0.9, 0.0])
+@pytest.mark.parametrize("coded", [False, True], ids=["fp32", "coded"])
+def test_outer_steps_over_uneven_ranges_are_the_whole_step_bit_for_bit(momentum, coded):
+    """A landing steps θ_g a span (a parameter) at a time; spans cut blocks anywhere."""
+    n = 5000
+    values = torch.randn(n, generator=torch.Generator().manual_seed(7)) * 1e-2
+    delta: torch.Tensor | CodedDelta = _coded(values, 96) if coded else values
+    theta = torch.randn(n)
+    whole, ranged = (NesterovOuterOptimizer(n, 0.7, momentum, step_slice=1000) for _ in range(2))
+    ta, tb = theta.clone(), theta.clone()
+    for _ in range(2):
+        whole.step(ta, delta)
+        for span in _spans(n, 8):
+            ranged.step_range(tb, delta, span.start, span.stop)
+    assert torch.equal(ta, tb) and torch.equal(whole.momentum_buffer, ranged.momentum_buffer)
+    with pytest.raises(ValueError, match="range"):
+        ranged.step_range(tb, delta, 10, n + 1)
+
+
 def _replica(coded: bool) -> Replica:
     model, _ = build_model("tiny", seed=1)
     language = MarkovLanguage(seed=2)
@@ -92,21 +112,16 @@ def _replica(coded: bool) -> Replica:
     trainer = Trainer(
         model, stream, torch.device("cpu"), schedule=LearningRateSchedule(1e-3), weight_decay=0.1, grad_clip=1.0
     )
-    return Replica(trainer, 0.7, 0.9, coded_block_size=256 if coded else None)
+    return CodedReplica(trainer, 0.7, 0.9, 256) if coded else Replica(trainer, 0.7, 0.9)
 
 
 def test_a_coded_replica_holds_delta_in_one_byte_per_parameter_and_steps_as_a_dense_one_does():
     """No model-sized fp32 Δ: θ_g and the momentum are the fp32 buffers; Δ is int8 codes. With
     error feedback, what the codes lost is owed in the residual, and the outer step of the coded
-    Δ is the dense replica's step of the same values."""
+    Δ is the dense replica's step of the same values. A replica on a GPU stages Δ in fp32."""
     r, dense = _replica(True), _replica(False)
     assert r.coded and not dense.coded
-    fp32 = {
-        id(v)
-        for v in (*vars(r).values(), *vars(r.outer).values())
-        if isinstance(v, torch.Tensor) and v.numel() >= r.numel
-    }
-    assert fp32 == {id(r.theta_g), id(r.outer.momentum_buffer)}
+    assert _fp32_model_sized(r) == {id(r.theta_g), id(r.outer.momentum_buffer)}
     assert isinstance(r.delta_cpu, CodedDelta) and r.delta_cpu.codes.dtype == torch.int8
     r.feedback = torch.zeros(r.numel)
     shift = torch.randn(r.numel, generator=torch.Generator().manual_seed(3)) * 1e-2
@@ -120,12 +135,48 @@ def test_a_coded_replica_holds_delta_in_one_byte_per_parameter_and_steps_as_a_de
     dense.apply_outer_step(decoded.clone())
     r.apply_outer_step(delta)
     assert torch.equal(r.theta_g, dense.theta_g) and torch.equal(r.trainer.parameters_flat, r.theta_g)
-    # --overlap: the Δ in flight stays exact (θ_l is rebuilt from it); the staged one is coded
-    r.trainer.parameters_flat.add_(shift)
-    staged = r.stage_delta()
+
+
+def _fp32_model_sized(r: Replica) -> set[int]:
+    return {
+        id(v)
+        for v in (*vars(r).values(), *vars(r.outer).values())
+        if isinstance(v, torch.Tensor) and v.numel() >= r.numel
+    }
+
+
+def test_an_overlapped_coded_replica_lands_as_a_dense_one_and_theta_l_keeps_what_the_code_lost():
+    """--overlap with Δ coded: the Δ in flight is codes too (no fp32 buffer for it or for the
+    landing), θ_g lands bit for bit as a dense replica's, and θ_l differs from the dense one's
+    by the rounding of the Δ in flight, which the next Δ then carries. A failed average with a
+    re-sync moves θ_l by θ_g's change; a non-finite loss's reset leaves θ_g − the Δ in flight."""
+    r, dense = _replica(True), _replica(False)
+    gen = torch.Generator().manual_seed(6)
+    shifts = [torch.randn(r.numel, generator=gen) * 1e-2 for _ in range(2)]
+    for replica in (r, dense):
+        replica.trainer.parameters_flat.add_(shifts[0])
+    staged, exact = r.stage_delta(), dense.stage_delta()
     assert staged is r.delta_cpu and r.has_in_flight
-    r.land(staged, None)
-    assert torch.allclose(r.trainer.parameters_flat, r.theta_g, atol=1e-6)
+    in_flight = staged.whole().decoded()
+    assert isinstance(exact, torch.Tensor) and torch.allclose(exact, -shifts[0], atol=1e-6)
+    for replica in (r, dense):  # the next round's steps while the Δ is averaged
+        replica.trainer.parameters_flat.add_(shifts[1])
+    mean = _coded(torch.randn(r.numel, generator=gen) * 1e-2, 256)
+    r.land(mean, None)
+    dense.land(mean.whole().decoded(), None)
+    assert torch.equal(r.theta_g, dense.theta_g) and r.outer_step == dense.outer_step == 1
+    rounding = in_flight - exact
+    torch.testing.assert_close(r.trainer.parameters_flat, dense.trainer.parameters_flat + rounding, rtol=0, atol=1e-6)
+    assert _fp32_model_sized(r) == {id(r.theta_g), id(r.outer.momentum_buffer)}
+    consensus = torch.cat([r.theta_g + 0.5, r.outer.momentum_buffer])
+    for replica in (r, dense):
+        replica.stage_delta()
+        replica.land(None, consensus.clone())  # the average failed, a re-sync came
+    assert torch.equal(r.theta_g, dense.theta_g) and r.outer_step == 1
+    torch.testing.assert_close(r.trainer.parameters_flat, dense.trainer.parameters_flat + rounding, rtol=0, atol=1e-6)
+    r.stage_delta()
+    r.reset_local()
+    torch.testing.assert_close(r.trainer.parameters_flat, r.theta_g - r.delta_cpu.whole().decoded(), rtol=0, atol=1e-7)
 
 
 def test_a_non_finite_pseudo_gradient_fails_the_round_as_a_non_finite_loss_does():

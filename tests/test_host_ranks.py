@@ -75,9 +75,25 @@ def _one_round(
         worker.trainer.load_inner_state(*moments)  # a resume's path: the moments go back to every rank
         worker.trainer.run(steps, threading.Event())  # θ_l after the outer step reached every rank
         theta, local = worker.replica.theta_g.clone(), worker.trainer.local_copy()
+        _overlapped_landing_moves_theta_l_with_theta_g(worker)
         return theta, local, first.tokens, eval_loss, moments[0]
     finally:
         worker.shutdown()
+
+
+def _overlapped_landing_moves_theta_l_with_theta_g(worker: ModelWorker) -> None:
+    """--overlap's landing, on every rank: θ_l moves by θ_g's change plus the Δ in flight its
+    mean replaces, added span by span (on a sharded host each rank adds to its shards)."""
+    replica = worker.replica
+    staged = replica.stage_delta()
+    assert isinstance(staged, CodedDelta) and replica.has_in_flight
+    in_flight = staged.whole().decoded()
+    before_g, before_l = replica.theta_g.clone(), worker.trainer.local_copy()
+    replica.land(staged, None)  # its own Δ as the mean: a round alone
+    expected = before_l + (replica.theta_g - before_g) + in_flight
+    scale = float(before_g.abs().max())
+    torch.testing.assert_close(worker.trainer.local_copy(), expected, rtol=0, atol=1e-6 * scale)
+    assert not torch.equal(replica.theta_g, before_g)
 
 
 @pytest.mark.multi_rank
