@@ -121,13 +121,10 @@ class CodedSlice:
             raise ValueError("the values do not match the coded slice")
         quantize(values.reshape(-1), self.coded.block_size, out=self.payload())
 
-    def copy_(self, source: CodedSlice | torch.Tensor) -> None:
-        """The slice ← another's codes (nothing to do for itself), or fp32 values."""
-        if isinstance(source, CodedSlice):
-            if source.coded is not self.coded or source.offset != self.offset:
-                self.store(source.payload())
-            return
-        self.store_values(source)
+    def copy_(self, source: CodedSlice) -> None:
+        """The slice ← another's codes (nothing to do for itself)."""
+        if source.coded is not self.coded or source.offset != self.offset:
+            self.store(source.payload())
 
 
 class SpanEncoder:

@@ -195,11 +195,13 @@ def _keep_own(
 
 
 def _assign(target: torch.Tensor | CodedSlice, source: torch.Tensor | CodedSlice) -> None:
-    """target ← source: codes into codes, fp32 into fp32 (a coded target codes fp32 values)."""
+    """target ← source: codes into codes, fp32 into fp32 (butterfly_allreduce takes no mix)."""
     if isinstance(target, CodedSlice):
+        assert isinstance(source, CodedSlice)
         target.copy_(source)
     else:
-        target.copy_(source.decoded() if isinstance(source, CodedSlice) else source)
+        assert isinstance(source, torch.Tensor)
+        target.copy_(source)
 
 
 STREAM_ATTEMPTS = 2  # a stream that broke before any result came back is sent once more

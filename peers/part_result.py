@@ -72,14 +72,11 @@ class PartResult:
     def _write(self, target: torch.Tensor | CodedSlice) -> None:
         for offset, length, payload in self._chunks:
             place = target[offset : offset + length]
-            if not isinstance(place, CodedSlice):
-                decode_into(payload, place)
-            elif isinstance(payload, QuantizedBlocks) and payload.block_size == place.coded.block_size:
+            if isinstance(place, CodedSlice):  # an int8 plan's (butterfly_allreduce checks it)
+                assert isinstance(payload, QuantizedBlocks)
                 place.store(payload)  # the mean's codes as they came: what every member stores
             else:
-                values = torch.empty(length, dtype=torch.float32)
-                decode_into(payload, values)
-                place.store_values(values)
+                decode_into(payload, place)
         self._chunks.clear()
 
 
