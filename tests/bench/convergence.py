@@ -30,6 +30,10 @@ trained by:
   diloco-hH-sparse, diloco-hH-sparselocal (-efdX) (-kN)
                   the reference sending dtnode's sparse code (top 64, or N, of 4096, 2-bit values),
                   what was not sent kept in an error-feedback buffer, or in θ_l
+  ...-owN         (suffix, reference) the outer rate warmed up linearly over the first N outer steps
+  ...-hb          (suffix, reference) heavy-ball outer momentum (SGD with momentum, not Nesterov)
+  ...-linear, -constant (suffix, reference and dp/solo) the inner rate's decay after warmup (default cosine)
+  ...-minlrX      (suffix, reference and dp/solo) the inner rate's floor at the end, as a fraction of its peak (0.1)
   diloco-hH-sparsemeanN, diloco-hH-sparsemeanrN (-efdX)
                   -sparse with the mean cut to its N largest values per block (8-bit values,
                   as a reducer could return it), what the cut dropped fed back by each worker
@@ -92,6 +96,7 @@ UNITS = {"B": 1, "kB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12}
 LR = r"\d+(?:\.\d+)?(?:e-?\d+)?"
 OUTER = rf"(?:-lr({LR}))?(?:-olr({LR}))?(?:-om({LR}))?"  # a DiLoCo run's rates and outer momentum
 RUN_NAME = re.compile(rf"(moshpit-)?(fp32|int8|sparse)-h(\d+){OUTER}(?:-efd({LR}))?(?:-k(\d+))?(-overlap)?")
+SCHEDULE = rf"(?:-(linear|constant))?(?:-minlr({LR}))?"  # a synchronous run's inner-rate decay and floor
 OUTER_MOMENTUM = 0.9
 DEFAULT_RUNS = (
     "dp,dp-lr0.004,dp-lr0.008,dp-lr0.016,solo,fp32-h50,int8-h10,int8-h50,int8-h100,int8-h50-overlap,moshpit-int8-h50,"
@@ -129,6 +134,22 @@ class Result:
     landed_after: float | None = None  # --overlap: mean inner steps into a round before the last average landed
 
 
+@dataclass(frozen=True)
+class Reference:
+    """The reference DiLoCo's recipe (h = 0: a synchronous data-parallel or solo run)."""
+
+    h: int = 0
+    momentum: float = OUTER_MOMENTUM
+    delay: int = 0  # inner steps into the next round at which a round's mean lands
+    sparse: str = ""  # "", "buffer", "local", "mean:N", "meanr:N" (_reference_sparse)
+    feedback_decay: float = 1.0
+    top_k: int = sparse_codec.DEFAULT_TOP_K
+    outer_warmup: int = 0  # outer steps over which the outer rate rises linearly to its peak
+    nesterov: bool = True  # False: heavy-ball momentum (plain SGD with momentum)
+    schedule: str = "cosine"  # the inner rate's decay: cosine, linear or constant
+    min_lr_ratio: float = 0.1  # the inner rate at the end of the run, as a fraction of its peak
+
+
 # ---- data -------------------------------------------------------------------------------
 def stdlib_text(workdir: Path) -> tuple[Path, Path]:
     """train.txt and eval.txt from the standard library's .py files, split by file name."""
@@ -161,16 +182,11 @@ def _worker(
     files,
     port: int,
     out: str,
-    h: int = 0,
-    momentum: float = OUTER_MOMENTUM,
-    delay: int = 0,
-    sparse: str = "",
-    feedback_decay: float = 1.0,
-    top_k: int = sparse_codec.DEFAULT_TOP_K,
+    ref: Reference,
 ) -> None:
-    """One synchronous worker; with h > 0 a reference DiLoCo replica instead of a DDP one.
+    """One synchronous worker; with ref.h > 0 a reference DiLoCo replica instead of a DDP one.
 
-    With `sparse` the reference sends top-`top_k`-of-4096 2-bit Δ (dtnode's ops/sparse.py codec)
+    With `ref.sparse` the reference sends top-`ref.top_k`-of-4096 2-bit Δ (dtnode's ops/sparse.py codec)
     and all-reduces what was sent: `buffer` keeps what was not sent in an error-feedback buffer
     added to the next Δ (SparseLoCo; θ_l restarts from θ_g), `local` keeps it in θ_l instead
     (θ_l ← θ_g − what was not sent), so the next Δ holds it without the inner steps having to
@@ -178,9 +194,10 @@ def _worker(
 
     The reference is the textbook algorithm in a few lines (fp32 Δ averaged by gloo's all-reduce,
     torch's own Nesterov SGD as the outer step), so a gap between dtnode and data-parallel can be
-    told apart from a gap between DiLoCo and data-parallel. With `delay` > 0 the mean of a round's
+    told apart from a gap between DiLoCo and data-parallel. With `ref.delay` > 0 the mean of a round's
     Δ lands `delay` inner steps into the next round, as an average that runs beside them would:
     the outer step is made then, and the progress since the round began is kept on top of it."""
+    h, delay, sparse, feedback_decay, top_k = ref.h, ref.delay, ref.sparse, ref.feedback_decay, ref.top_k
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     device = torch.device(cfg.device)
     if world > 1:
@@ -191,12 +208,15 @@ def _worker(
     sources = sources_for(dataset, files, cfg.seed)
     stream = DataStream(sources, RUN_ID, f"sync-{world}-{rank}", cfg.batch_size, cfg.seq_len, cfg.eval_sequences)
     optimizer = inner_optimizer(model, cfg.inner_lr, 0.1)
-    schedule = LearningRateSchedule(cfg.inner_lr, cfg.warmup_steps, steps, "cosine", 0.1)
+    schedule = LearningRateSchedule(cfg.inner_lr, cfg.warmup_steps, steps, ref.schedule, ref.min_lr_ratio)
     trained = torch.nn.parallel.DistributedDataParallel(model) if world > 1 and not h else model
     params = list(model.parameters())
     if h:  # θ_g and the outer optimizer over it; θ_l = θ_g − (own Δ in flight) − progress since
         theta_g = torch.nn.Parameter(parameters_to_vector(params).detach().clone())
-        outer = torch.optim.SGD([theta_g], lr=cfg.outer_lr, momentum=momentum, nesterov=momentum > 0)
+        outer = torch.optim.SGD(
+            [theta_g], lr=cfg.outer_lr, momentum=ref.momentum, nesterov=ref.nesterov and ref.momentum > 0
+        )
+        outer_steps = 0
         in_flight, pending = torch.zeros_like(theta_g), None  # own Δ, and the mean not yet applied
         unsent = torch.zeros_like(theta_g)  # sparse: what this worker has not sent yet
     tokens_per_step = world * cfg.batch_size * cfg.seq_len
@@ -206,9 +226,13 @@ def _worker(
     @torch.no_grad()
     def land(mean: torch.Tensor) -> None:
         """The outer step with a mean; θ_l keeps the progress made since its Δ was taken."""
+        nonlocal outer_steps
         progress = theta_g.detach() - in_flight - parameters_to_vector(params)
         theta_g.grad = mean
+        for group in outer.param_groups:  # a linear warm-up of the outer rate over ref.outer_warmup steps
+            group["lr"] = cfg.outer_lr * min(1.0, (outer_steps + 1) / max(ref.outer_warmup, 1))
         outer.step()
+        outer_steps += 1
         in_flight.zero_()
         kept = unsent * feedback_decay if sparse == "local" else 0
         _copy_into(theta_g.detach() - progress - kept, params)
@@ -306,20 +330,17 @@ def run_synchronous(
     dataset: str,
     files,
     workdir: Path,
-    h: int = 0,
-    momentum: float = OUTER_MOMENTUM,
-    delay: int = 0,
-    sparse: str = "",
-    feedback_decay: float = 1.0,
-    top_k: int = sparse_codec.DEFAULT_TOP_K,
+    ref: Reference | None = None,
 ) -> Result:
+    ref = ref or Reference()
+    h = ref.h
     out = workdir / f"{name}-{dataset}.json"
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     context = mp.spawn(
         _worker,
-        args=(world, cfg, dataset, files, port, str(out), h, momentum, delay, sparse, feedback_decay, top_k),
+        args=(world, cfg, dataset, files, port, str(out), ref),
         nprocs=world,
         join=False,
     )
@@ -487,29 +508,31 @@ def _reference_sparse(suffix: str | None) -> str:
 
 
 def run_one(name: str, cfg: Config, dataset: str, files, workdir: Path) -> Result:
-    if m := re.fullmatch(rf"(dp|solo)(?:-lr({LR}))?", name):
+    if m := re.fullmatch(rf"(dp|solo)(?:-lr({LR}))?{SCHEDULE}", name):
         tuned = replace(cfg, inner_lr=float(m.group(2))) if m.group(2) else cfg
-        return run_synchronous(name, cfg.workers if m.group(1) == "dp" else 1, tuned, dataset, files, workdir)
+        ref = Reference(schedule=m.group(3) or "cosine", min_lr_ratio=float(m.group(4) or 0.1))
+        return run_synchronous(name, cfg.workers if m.group(1) == "dp" else 1, tuned, dataset, files, workdir, ref)
     if m := re.fullmatch(
-        rf"diloco-h(\d+){OUTER}(?:-delay(\d+))?(-sparse(?:local|meanr?\d+)?)?(?:-efd({LR}))?(?:-k(\d+))?", name
+        rf"diloco-h(\d+){OUTER}(?:-delay(\d+))?(-sparse(?:local|meanr?\d+)?)?(?:-efd({LR}))?(?:-k(\d+))?"
+        rf"(?:-ow(\d+))?(-hb)?{SCHEDULE}",
+        name,
     ):
         if m.group(8) and not m.group(6):
             raise SystemExit(f"run {name!r}: -kN sets the values a sparse run keeps; add -sparse")
         tuned = replace(cfg, inner_lr=float(m.group(2) or cfg.inner_lr), outer_lr=float(m.group(3) or cfg.outer_lr))
-        return run_synchronous(
-            name,
-            cfg.workers,
-            tuned,
-            dataset,
-            files,
-            workdir,
-            int(m.group(1)),
-            float(m.group(4) or OUTER_MOMENTUM),
-            int(m.group(5) or 0),
-            _reference_sparse(m.group(6)),
-            float(m.group(7) or 1.0),
-            int(m.group(8) or sparse_codec.DEFAULT_TOP_K),
+        ref = Reference(
+            h=int(m.group(1)),
+            momentum=float(m.group(4) or OUTER_MOMENTUM),
+            delay=int(m.group(5) or 0),
+            sparse=_reference_sparse(m.group(6)),
+            feedback_decay=float(m.group(7) or 1.0),
+            top_k=int(m.group(8) or sparse_codec.DEFAULT_TOP_K),
+            outer_warmup=int(m.group(9) or 0),
+            nesterov=not m.group(10),
+            schedule=m.group(11) or "cosine",
+            min_lr_ratio=float(m.group(12) or 0.1),
         )
+        return run_synchronous(name, cfg.workers, tuned, dataset, files, workdir, ref)
     m = RUN_NAME.fullmatch(name)
     if not m:
         raise SystemExit(f"unknown run {name!r}")
@@ -563,8 +586,9 @@ def report(results: list[Result], cfg: Config, floors: dict[str, float | None]) 
             print(f"  (dp ran at {len(rates)} learning rate(s): fewer than 3 cannot show its best)")
         elif best is not None and _dp_rate(best.run, cfg) in (rates[0], rates[-1]):
             print(f"  (the best dp rate is the edge of those tried, {rates[0]:g}..{rates[-1]:g}: try beyond it)")
+        width = max([22, *(len(r.run) for r in rows)])
         print(
-            f"  {'run':<22} {'held-out loss':>13} {'/ dp':>7} {'/ best dp':>9} {'sent per worker':>16} "
+            f"  {'run':<{width}} {'held-out loss':>13} {'/ dp':>7} {'/ best dp':>9} {'sent per worker':>16} "
             f"{'dp bytes /':>11} {'B/param/xchg':>12} {'wall':>8} {'full rounds':>11} {'lands after':>11}"
         )
         numel = sum(p.numel() for p in build_model(cfg.model, 0)[0].parameters())
@@ -576,14 +600,15 @@ def report(results: list[Result], cfg: Config, floors: dict[str, float | None]) 
             full = "-" if r.full_rounds is None else f"{r.full_rounds:.0%}"
             landed = "-" if r.landed_after is None else f"{r.landed_after:.1f} steps"
             print(
-                f"  {r.run:<22} {r.final_loss:>13.4f} {ratio:>7} {to_best:>9} {_bytes(r.bytes_per_worker):>16} "
+                f"  {r.run:<{width}} {r.final_loss:>13.4f} {ratio:>7} {to_best:>9} {_bytes(r.bytes_per_worker):>16} "
                 f"{less:>11} {per_param:>12} {r.wall_s:>7.1f}s {full:>11} {landed:>11}"
             )
 
 
 def _dp_rate(run: str, cfg: Config) -> float:
     """The peak learning rate of a dp run: `dp` runs at --inner-lr, `dp-lrX` at X."""
-    return float(run.removeprefix("dp-lr")) if run.startswith("dp-lr") else cfg.inner_lr
+    m = re.match(rf"dp-lr({LR})", run)
+    return float(m.group(1)) if m else cfg.inner_lr
 
 
 def plot(results: list[Result], path: Path, floors: dict[str, float | None]) -> None:
