@@ -9,7 +9,11 @@ finish in time. The tokens of a step not taken stay in the data stream for the n
 
 `DTNODE_TEST_SLOW_INNER=F` (a test hook read from the environment only, like the
 failpoints) makes every inner step of this process take F times as long, so tests and
-benchmarks can build swarms of uneven peers on one host.
+benchmarks can build swarms of uneven peers on one host. `DTNODE_TEST_STEP_FLOOR_S=S` makes
+every inner step take at least S seconds: a test that times a restart or a join against the
+swarm's rounds then sees rounds of about CPU length on a GPU host too, where a tiny model's
+step takes a few milliseconds and the swarm would be a dozen rounds on before a restarted
+process is back.
 """
 
 from __future__ import annotations
@@ -114,8 +118,10 @@ class Trainer:
         self.tokens_per_step = stream.batch_size * stream.seq_len  # the node's batch: all its ranks' rows
         self.slowdown = _slowdown_from_env()
         self._unslowed_s = 0.0  # the last step's time before the slowdown hook stretched it
-        # a test hook: seconds added to this process's first step (a cold start: allocation, autotuning)
-        self.first_step_delay = float(os.environ.get("DTNODE_TEST_FIRST_STEP_DELAY", "0") or 0)
+        # test hooks: seconds added to this process's first step (a cold start: allocation,
+        # autotuning), and the least time of any step
+        self.first_step_delay = _seconds_from_env("DTNODE_TEST_FIRST_STEP_DELAY")
+        self.step_floor_s = _seconds_from_env("DTNODE_TEST_STEP_FLOOR_S")
 
     def build_optimizer_in_background(self) -> concurrent.futures.Future:
         """Start making the AdamW optimizer on a side thread (once); its future.
@@ -242,6 +248,8 @@ class Trainer:
                 raise FloatingPointError(f"inner loss became {loss_value} at inner step {self.inner_step}")
             if self.slowdown > 1:
                 stop.wait((self.slowdown - 1) * self._unslowed_seconds(time.monotonic() - step_started))
+            if self.step_floor_s > 0:
+                stop.wait(max(0.0, self.step_floor_s - (time.monotonic() - step_started)))
             if first and self.first_step_delay > 0:
                 stop.wait(self.first_step_delay)
             self.inner_step += 1
@@ -428,6 +436,20 @@ def learned_buffers(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
 
 
 SLOWED_OUTLIER = 4.0  # see Trainer._unslowed_seconds
+
+
+def _seconds_from_env(name: str) -> float:
+    """A test hook's duration from the environment: unset or empty is 0."""
+    raw = os.environ.get(name, "")
+    if not raw:
+        return 0.0
+    try:
+        seconds = float(raw)
+    except ValueError:
+        raise ValueError(f"{name}={raw!r} is not a number of seconds") from None
+    if not (math.isfinite(seconds) and seconds >= 0):
+        raise ValueError(f"{name}={raw!r} must be a number of seconds >= 0")
+    return seconds
 
 
 def _slowdown_from_env() -> float:

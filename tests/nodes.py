@@ -17,6 +17,16 @@ from typing import Any, TypeVar
 
 T = TypeVar("T")
 PORTS = ["--dht-port", "0", "--grpc-port", "0", "--http-port", "0"]
+
+
+def step_floor(seconds: float) -> dict[str, str]:
+    """The environment that makes every inner step of a node take at least `seconds`, for a test
+    that times a restart or a join against the swarm's rounds. On a GPU host a tiny-model step
+    takes milliseconds and a process's start takes longer than on CI's 2 cores (CUDA starts
+    too): without a floor the swarm runs a dozen rounds while the process starts."""
+    return {"DTNODE_TEST_STEP_FLOOR_S": str(seconds)}
+
+
 # Small and quick: the tiny preset, short rounds, short timeouts, eager int8 kernels.
 FAST = [
     "--model",

@@ -11,7 +11,7 @@ import signal
 import time
 
 import pytest
-from nodes import FAST, NodeProcess, wait_until
+from nodes import FAST, NodeProcess, step_floor, wait_until
 
 from dtnode.daemon.sync import open_round, swarm_position
 from dtnode.peers.known_peers import KnownPeers, peer_of
@@ -101,13 +101,14 @@ def test_a_joiner_arriving_in_the_outer_phase_starts_with_the_next_round_not_a_c
     before the donors come back, as on any real model. The donors write no checkpoint files
     (a cadence of 1000): step 3 is served from their memory, byte for byte."""
     args = [*FAST, "--inner-steps", "300", "--min-peers", "2", "--join-timeout", "90", "--checkpoint-every", "1000"]
-    pause = {"DTNODE_TEST_FAILPOINT": "outer-phase@2:8"}
+    paced = step_floor(0.05)  # rounds of at least 15 s, a GPU host's too
+    pause = {"DTNODE_TEST_FAILPOINT": "outer-phase@2:8", **paced}
     a = NodeProcess.join("a", tmp_path, *args, env=pause)
     cleanup.append(a)
     b = NodeProcess.join("b", tmp_path, *args, "--peer", a.join_address, env=pause)
     cleanup.append(b)
     a.wait_for_line(r"failpoint outer-phase@2 reached", timeout=120)
-    c = NodeProcess.join("c", tmp_path, *args, "--peer", a.join_address, "--max-own-rounds", "2")
+    c = NodeProcess.join("c", tmp_path, *args, "--peer", a.join_address, "--max-own-rounds", "2", env=paced)
     cleanup.append(c)
     assert c.wait(120) == 0, c.output
     assert "in sync at outer step 3" in c.output, c.output
@@ -168,10 +169,11 @@ def test_the_first_node_restarted_with_its_own_old_address_as_peer_finds_the_swa
     --peer naming itself (as a script that started it that way would): it keeps its DHT
     port, bootstraps from the peers it knew, and is back in a full group within two rounds."""
     args = [*FAST, "--min-peers", "3", "--join-timeout", "60"]
-    first = NodeProcess.join("first", tmp_path, *args)
+    paced = step_floor(0.15)  # rounds of at least 2.25 s, a GPU host's too: a restart spans a few
+    first = NodeProcess.join("first", tmp_path, *args, env=paced)
     cleanup.append(first)
     own_address = first.join_address
-    others = [NodeProcess.join(name, tmp_path, *args, "--peer", own_address) for name in ("b", "c")]
+    others = [NodeProcess.join(name, tmp_path, *args, "--peer", own_address, env=paced) for name in ("b", "c")]
     cleanup.extend(others)
     first.wait_for_round(lambda r: r["round"] >= 1 and r["groups"][0] == [3, 3], timeout=120)
     known = first.state_dir / "known-peers.json"
@@ -181,7 +183,7 @@ def test_the_first_node_restarted_with_its_own_old_address_as_peer_finds_the_swa
     first.wait(10)
     last = others[0].rounds[-1]["round"]
     before = len(first.rounds)  # the restarted node appends to the same history
-    again = NodeProcess.join("first", tmp_path, *args, "--peer", own_address)
+    again = NodeProcess.join("first", tmp_path, *args, "--peer", own_address, env=paced)
     cleanup.append(again)
     assert again.join_address == own_address  # the same port and identity: others' --peer still reach it
     again.wait_for_line(r"is this node's own address: joining through the peers it knew", timeout=30)

@@ -5,7 +5,7 @@ import threading
 
 import pytest
 import torch
-from nodes import FAST, NodeProcess, theta, wait_until
+from nodes import FAST, NodeProcess, step_floor, theta, wait_until
 
 from dtnode.daemon.checkpoint import checkpoint_path, list_checkpoints
 from dtnode.daemon.data import DataSources, DataStream, MarkovLanguage
@@ -290,7 +290,7 @@ def test_a_node_restarted_into_an_overlapped_swarm_takes_the_average_it_missed(t
     # rounds longer than a restart (a few seconds on a loaded host), so the node comes back into
     # the round it left: one past its checkpoint's step
     args = [*FAST, "--overlap", "--inner-steps", "400", "--join-timeout", "90"]
-    slow = {"DTNODE_TEST_SLOW_INNER": "3"}
+    slow = {"DTNODE_TEST_SLOW_INNER": "3", **step_floor(0.05)}  # rounds of at least 20 s on a GPU host too
     a = NodeProcess.join("a", tmp_path, *args, "--min-peers", "3", env=slow)
     cleanup.append(a)
     b = NodeProcess.join("b", tmp_path, *args, "--min-peers", "3", "--peer", a.join_address, env=slow)

@@ -192,3 +192,35 @@ def test_a_round_without_steps_reports_the_rate_its_first_step_would_take():
     result = trainer.run(10, stopped, position=50)
     assert result.steps == 0
     assert trainer.lr == pytest.approx(schedule(50, 38)) and trainer.lr == pytest.approx(0.78e-3)
+
+
+def test_the_step_floor_hook_makes_every_inner_step_last_at_least_its_seconds(monkeypatch):
+    """DTNODE_TEST_STEP_FLOOR_S keeps a GPU host's tiny-model steps at about CPU length for the
+    swarm tests that time a restart against rounds; the pacer sees the floored step time. A
+    value that is not a number of seconds is refused by name."""
+    import threading
+
+    from dtnode.daemon.trainer import Trainer
+
+    language = MarkovLanguage(seed=2)
+
+    def trainer() -> Trainer:
+        stream = DataStream(DataSources(language, language), "run", "peer", 2, 16)
+        return Trainer(
+            build_model("tiny", seed=1)[0],
+            stream,
+            torch.device("cpu"),
+            schedule=LearningRateSchedule(1e-3),
+            weight_decay=0.1,
+            grad_clip=1.0,
+        )
+
+    monkeypatch.setenv("DTNODE_TEST_STEP_FLOOR_S", "0.25")
+    floored = trainer()
+    result = floored.run(3, threading.Event())
+    assert result.steps == 3 and result.seconds >= 0.75
+    assert floored.step_seconds >= 0.25  # the second and third steps' time, as the pacer reads it
+    for bad in ("soon", "-1", "nan"):
+        monkeypatch.setenv("DTNODE_TEST_STEP_FLOOR_S", bad)
+        with pytest.raises(ValueError, match="DTNODE_TEST_STEP_FLOOR_S"):
+            trainer()
