@@ -89,6 +89,7 @@ class _Hop:
     feedback: Feedback | None  # error feedback, for the primary slot
     delta_ready: Callable[[], Awaitable[None]] | None  # hop 0 only
     fetch_theta: Callable[[], Awaitable[torch.Tensor]]
+    one_slot: bool  # this node holds a single slot in the hop (no extra groups to cover)
 
 
 class MoshpitAverager:
@@ -182,6 +183,7 @@ class MoshpitAverager:
                 self._feedback(residual, hop),
                 delta_ready if hop == 0 else None,
                 fetch_theta,
+                len(chains) == 1,
             )
             report = HopReport(
                 hop,
@@ -229,7 +231,7 @@ class MoshpitAverager:
                 self.deadlines.observe_matchmaking(primary.last_arrival_lag, primary.complete)
             if first is not None:
                 report.included_peers = first.included_peers
-            if theta is not None and theta_primary is not None:
+            if theta is not None and theta_primary is not None and theta_primary is not theta:
                 theta.copy_(theta_primary)
             hops.append(report)
             after = [
@@ -276,7 +278,10 @@ class MoshpitAverager:
                 )
                 report.unasked_resync = True
             theta_in = await h.fetch_theta()
-            theta_out = torch.empty_like(theta_in)
+            # the mean goes over the state it is read from (butterfly_allreduce writes a part only
+            # once it is whole and checked): no second copy of θ_g and the momentum, 8 bytes per
+            # parameter. A node covering extra groups re-syncs in each at once: each has its own
+            theta_out = theta_in if h.one_slot else torch.empty_like(theta_in)
         result = await self._reduce(
             h.round_no,
             h.hop,

@@ -481,17 +481,30 @@ def test_a_resync_is_asked_by_any_member_or_found_by_differing_hashes_and_skippe
 
 
 @pytest.mark.parametrize("same_theta", [True, False], ids=["same-theta", "other-theta"])
-def test_a_joiner_asking_for_a_resync_moves_only_theta_that_differs(dht, same_theta):
+def test_a_joiner_asking_for_a_resync_moves_only_theta_that_differs(dht, same_theta, monkeypatch):
     """A download asks the next groups to re-sync θ_g in fp32 (8 bytes per parameter each way).
     Among members that announce the same θ_g hash the re-sync is skipped (its result would be
-    that θ_g), and no θ is even read; when one member's differs, every member gets the mean."""
+    that θ_g), and no θ is even read; when one member's differs, every member gets the mean,
+    written over the state it read: no second buffer of θ's size (8 bytes per parameter on a
+    node whose memory is mostly θ_g and the momentum)."""
     from allreduce_harness import start_peers, stop_peers
+
+    numel = 2000
+    theta_sized = []
+    empty_like = torch.empty_like
+
+    def counted(t: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        if t.numel() == 2 * numel:
+            theta_sized.append(t.numel())
+        return empty_like(t, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "empty_like", counted)
 
     async def main():
         peers = await start_peers(3, run_id=f"resync-{same_theta}")
         ids = [p.member.peer_id for p in peers]
-        numel = 2000
         thetas = [torch.ones(2 * numel) * (1.0 if same_theta or i else 4.0) for i in range(3)]
+        given: dict[int, torch.Tensor] = {}
         hashes = ["h" * 64 if same_theta or i else "j" * 64 for i in range(3)]
         read = []
 
@@ -503,7 +516,8 @@ def test_a_joiner_asking_for_a_resync_moves_only_theta_that_differs(dht, same_th
 
             async def state() -> torch.Tensor:
                 read.append(ids[i])
-                return thetas[i].clone()
+                given[i] = thetas[i].clone()
+                return given[i]
 
             delta = torch.randn(numel, generator=torch.Generator().manual_seed(i))
             return await averager.average(0, delta, 1.0, i == 0, state, theta_sha256=hashes[i])
@@ -518,8 +532,9 @@ def test_a_joiner_asking_for_a_resync_moves_only_theta_that_differs(dht, same_th
             assert read == [] and all(r.theta is None and r.hops[0].theta_resync_s is None for r in results)
         else:
             assert sorted(read) == sorted(ids)
-            for result in results:
-                assert result.theta is not None
+            for i, result in enumerate(results):
+                assert result.theta is given[i]
                 torch.testing.assert_close(result.theta, torch.full((2 * numel,), 2.0))
+        assert theta_sized == []
 
     asyncio.run(main())
