@@ -438,28 +438,26 @@ def learned_buffers(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
 SLOWED_OUTLIER = 4.0  # see Trainer._unslowed_seconds
 
 
-def _seconds_from_env(name: str) -> float:
-    """A test hook's duration from the environment: unset or empty is 0."""
+def _hook_number(name: str, least: float) -> float:
+    """A test hook's number from the environment (unset or empty: `least`, which does nothing);
+    a value that is not a finite number >= `least` is refused by the variable's name."""
     raw = os.environ.get(name, "")
     if not raw:
-        return 0.0
+        return least
     try:
-        seconds = float(raw)
+        value = float(raw)
     except ValueError:
-        raise ValueError(f"{name}={raw!r} is not a number of seconds") from None
-    if not (math.isfinite(seconds) and seconds >= 0):
-        raise ValueError(f"{name}={raw!r} must be a number of seconds >= 0")
-    return seconds
+        raise ValueError(f"{name}={raw!r} is not a number") from None
+    if not (math.isfinite(value) and value >= least):
+        raise ValueError(f"{name}={raw!r} must be a number >= {least:g}")
+    return value
+
+
+def _seconds_from_env(name: str) -> float:
+    """A test hook's duration in seconds (0: none)."""
+    return _hook_number(name, 0.0)
 
 
 def _slowdown_from_env() -> float:
-    raw = os.environ.get("DTNODE_TEST_SLOW_INNER", "")
-    if not raw:
-        return 1.0
-    try:
-        factor = float(raw)
-    except ValueError:
-        raise ValueError(f"DTNODE_TEST_SLOW_INNER={raw!r} is not a number") from None
-    if not (math.isfinite(factor) and factor >= 1):
-        raise ValueError(f"DTNODE_TEST_SLOW_INNER={raw!r} must be a number >= 1")
-    return factor
+    """DTNODE_TEST_SLOW_INNER's factor (1: none)."""
+    return _hook_number("DTNODE_TEST_SLOW_INNER", 1.0)

@@ -197,7 +197,7 @@ def test_a_round_without_steps_reports_the_rate_its_first_step_would_take():
 def test_the_step_floor_hook_makes_every_inner_step_last_at_least_its_seconds(monkeypatch):
     """DTNODE_TEST_STEP_FLOOR_S keeps a GPU host's tiny-model steps at about CPU length for the
     swarm tests that time a restart against rounds; the pacer sees the floored step time. A
-    value that is not a number of seconds is refused by name."""
+    value that is not a number of seconds >= 0 is refused by name."""
     import threading
 
     from dtnode.daemon.trainer import Trainer
