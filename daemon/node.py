@@ -74,7 +74,7 @@ log = logging.getLogger("dtnode")
 
 REGISTRATION_WAIT_S = 5.0  # how long a reducer waits for a sender's group to form on its side
 FINAL_ANNOUNCE_S = 2.0  # the stopped record, so no group waits for us; it then expires
-GRPC_STOP_GRACE_S = 1.0  # streams still open at stop get this long to finish
+GRPC_STOP_GRACE_S = 5.0  # streams still open at stop get this long to finish (a reply to a slower member)
 KERNEL_POLL_S = 0.5  # how often the kernel compiler checks for the first inner step
 
 

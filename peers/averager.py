@@ -62,6 +62,7 @@ FP32_WIRE = WireFormat(Compression.FP32)
 # a re-sync may move a part of ours by this many times its norm at most: the state is θ_g and
 # the outer momentum, and honest momenta legitimately differ by their own size after a failure
 THETA_MAX_DRIFT = 4.0
+ANY_GROUP_SIZE = 1 << 16  # a payload estimate for a group of unknown size: the largest it can be
 MAX_CHAINS = 16  # classes one peer carries through a hop at most (each holds a model-sized buffer)
 
 
@@ -159,8 +160,17 @@ class MoshpitAverager:
         for hop in range(dims):
             # hop 0 waits for peers a view names, which may be gone: an adaptive window. Later
             # hops wait only for peers whose path through the groups that formed leads (or
-            # may still lead) here, who are on their way: the full window.
-            window = self.deadlines.matchmaking_window if hop == 0 else self.deadlines.window_max
+            # may still lead) here, who are on their way: the full window, and the deadline of
+            # the all-reduce they may still be in (a peer alone in its cell registers here at
+            # once; with only the window, its group closed before a large model's all-reduce
+            # of the last hop was over, and the others then met without it)
+            window = (
+                self.deadlines.matchmaking_window
+                if hop == 0
+                else self.deadlines.later_hop_window(
+                    expected_payload_bytes(chains[0].values.numel(), ANY_GROUP_SIZE, c.wire, hop - 1)
+                )
+            )
             if hop == 0:
                 window = max(
                     window, await self.expect.last_step_of_others(round_no, set(hop0_cells.get(chains[0].slot.key, ())))

@@ -50,6 +50,11 @@ class AdaptiveDeadlines:
             return self.window_max
         return _clamp(self.margin * max(self._arrival_lags) + 0.5, self.window_min, self.window_max)
 
+    def later_hop_window(self, previous_hop_bytes: int) -> float:
+        """The window of a hop after the first: its peers may still be in the all-reduce of the
+        hop before (up to its deadline), so that deadline comes on top of the full window."""
+        return self.window_max + self.allreduce_timeout(previous_hop_bytes)
+
     def allreduce_timeout(self, expected_bytes: int) -> float:
         """Deadline for an all-reduce expected to move `expected_bytes` of payload."""
         if not self._rates:

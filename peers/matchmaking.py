@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
 
@@ -79,7 +80,9 @@ MAX_REGISTRANTS = 4096  # per group key: a flood of fake registrations stays bou
 UNKNOWN = "?"  # an expectation that can never be met: wait for the window
 LIST_TTL_S = 120.0  # closed and formed member lists outlive every hop that reads them
 REGISTRATION_TTL_S = 60.0  # a registration outlives its window by this much (late readers still see it)
-LEADER_GRACE_S = 2.0  # past its announced close-by time, a leader busy with DHT reads is not yet silent
+POLLS_PER_WINDOW = 2  # a window lasts at least this many of the recent slowest polls
+POLL_HISTORY = 32
+LEADER_GRACE_S = 2.0  # past its announced close-by time, a leader publishing its list is not yet silent
 
 Registrants = dict[str, tuple[Member, Registration]]
 
@@ -138,6 +141,7 @@ class Matchmaker:
         self.poll_interval = poll_interval
         self.auth = auth
         self.settle_s = settle_s  # how long a closed list waits for lists closed at the same time
+        self._poll_seconds: deque[float] = deque(maxlen=POLL_HISTORY)  # recent polls of a group's key
         # with `owner` (this peer's `[owner:...]` key marker, as a node has), registrations and
         # member lists are written under subkeys only this peer can sign, and entries of other
         # peers count only under their own keys (identity.py): nobody overwrites another's
@@ -269,6 +273,9 @@ class Matchmaker:
         re-sync from, "" if not known) lets the closer skip a re-sync that would change nothing.
         """
         started = time.monotonic()
+        # a window must hold a couple of polls of the DHT, or a leader on a loaded host closes
+        # before it has read who came (an adaptive window of a second against 2-second polls)
+        window = max(window, POLLS_PER_WINDOW * max(self._poll_seconds, default=0.0))
         key = self.group_key(round, hop, cell)
         me = self.own.peer_id
         now_dht = round_time(get_dht_time())
@@ -298,17 +305,28 @@ class Matchmaker:
         registrants: Registrants = {me: (own, reg)}
         closed: dict[str, ClosedList] = {}
         wanted: set[str] = {UNKNOWN}
+        candidates: list[str] = [me]
         group: tuple[str, ...] = (me,)
         last_arrival, seen = started, {me}
         while True:
+            read_at = get_dht_time()  # a list this poll misses was published after this
+            polled = time.monotonic()
+            # a leader's window is a promise to the followers (they close in its stead a grace
+            # after it): on a loaded host one poll of the DHT takes seconds, so a leader's poll
+            # is cut half that grace past its deadline, and it closes with what it had read
+            left = deadline + LEADER_GRACE_S / 2 - polled if candidates[0] == me else None
             try:
-                registrants, closed = await self._read(key, admitted, registrants)
+                registrants, closed = await asyncio.wait_for(self._read(key, admitted, registrants), left)
                 if agreed := _agreed_group(closed, me):
                     group, decided = agreed
                     break  # somebody closed a group naming us
                 taken = set().union(*(entry.members for entry in closed.values())) - {me}
                 candidates = sorted(set(registrants) - taken, key=lambda p: (registrants[p][1].registered_at, p))
-                wanted = await expected() - taken
+                left = deadline + LEADER_GRACE_S / 2 - time.monotonic() if candidates[0] == me else None
+                wanted = (await asyncio.wait_for(expected(), left)) - taken
+                self._poll_seconds.append(time.monotonic() - polled)
+            except TimeoutError:  # the leader's deadline passed mid-poll: what it read before decides
+                self._poll_seconds.append(time.monotonic() - polled)  # at least this long
             except Exception as e:  # noqa: BLE001  (hivemind's DHT reads fail with many types: average alone this hop)
                 log.warning("matchmaking lookup failed: %s", e)
                 candidates, wanted = [me], {UNKNOWN}
@@ -317,7 +335,9 @@ class Matchmaker:
             leader = registrants[candidates[0]][1]
             if candidates[0] == me and (wanted <= set(candidates) or time.monotonic() >= deadline):
                 group = _part_of(candidates, me, target_size)
-            elif candidates[0] != me and get_dht_time() > leader.closes_by + self.settle_s + LEADER_GRACE_S:
+            elif candidates[0] != me and read_at > leader.closes_by + self.settle_s + LEADER_GRACE_S:
+                # judged by when the poll began, not ended: a poll that began before the
+                # leader's list went out cannot have seen it, however long it took
                 log.info(
                     "%s: leader %s did not close the group by its own deadline; closing without it",
                     key,

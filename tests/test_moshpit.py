@@ -1,6 +1,7 @@
 """Moshpit grid and matchmaking: exact mean on full grids, agreement without a leader."""
 
 import asyncio
+import time
 from collections import Counter
 
 import hivemind
@@ -128,6 +129,48 @@ def test_a_peer_missing_from_a_view_moves_only_its_own_cell():
     assert hop_key((1, 2), 0) == "2" and hop_key((1, 2), 1) == "1" and hop_key((5,), 0) == "all"
 
 
+def test_a_later_hop_waits_its_window_and_the_deadline_of_the_all_reduce_before_it(dht):
+    """A peer alone in its hop-0 cell registers for hop 1 at once, while the peers it waits
+    for there may still be in their hop-0 all-reduce (of a large model: a minute). With only
+    the matchmaking window, its group closed before they came, and they met without it: the
+    mean was no longer the swarm's. A later hop's window now adds the all-reduce deadline."""
+    from allreduce_harness import start_peers, stop_peers
+
+    async def main():
+        peers = await start_peers(2, run_id="later-hop-run")
+        ids = [p.member.peer_id for p in peers]
+
+        async def view():
+            return {p: PeerRecord(peer_id=p, state="averaging", model_hash="m", outer_step=0) for p in ids}
+
+        async def run(i: int, peer):
+            averager = MoshpitAverager(
+                AveragingConfig("later-hop-run", "m", 2, grid_dims=2, wire=WireFormat(Compression.INT8, 64)),
+                peer.member.peer_id,
+                view,
+                Matchmaker(dht, "later-hop-run", peer.member, poll_interval=0.05),
+                peer.registry,
+                peer.channels,
+                AdaptiveDeadlines(window_min=2.0, window_max=10.0, timeout_min=5.0, timeout_max=20.0),
+            )
+
+            async def no_state():
+                raise AssertionError("no re-sync was asked for")
+
+            return await averager.average(0, torch.full((1000,), float(i)), 1.0, False, no_state)
+
+        try:
+            results = await asyncio.gather(*(run(i, p) for i, p in enumerate(peers)))
+        finally:
+            await stop_peers(peers)
+        for result in results:
+            first, second = result.hops
+            assert first.window_s <= 10.0 and second.window_s >= 10.0 + 5.0
+            torch.testing.assert_close(result.mean, torch.full((1000,), 0.5), atol=0.05, rtol=0)
+
+    asyncio.run(main())
+
+
 def test_deadlines_follow_measurements_within_bounds():
     d = AdaptiveDeadlines(window_min=1.0, window_max=15.0, timeout_min=3.0, timeout_max=60.0)
     assert d.matchmaking_window == 15.0 and d.allreduce_timeout(10**6) == 60.0  # nothing measured yet
@@ -138,6 +181,7 @@ def test_deadlines_follow_measurements_within_bounds():
     assert d.allreduce_timeout(10**6) == 3.0  # clamped to the lower bound
     assert d.allreduce_timeout(10**9) == pytest.approx(31.0)
     assert d.allreduce_timeout(10**11) == 60.0
+    assert d.later_hop_window(10**9) == pytest.approx(15.0 + 31.0)  # its peers may still be in that all-reduce
     assert expected_payload_bytes(1000, 1, WireFormat(Compression.INT8, 256)) == 0
     assert expected_payload_bytes(1000, 2, WireFormat(Compression.FP32, 256)) == 4000
     # a sparse round moves about 0.03 bytes per value out and at most a union's worth back
@@ -249,6 +293,47 @@ def test_a_leader_is_waited_for_until_its_own_deadline_then_left_out(dht):
             a, b = await forming
             assert [m.peer_id for m in a.members] == [m.peer_id for m in b.members] == ["a", "b"]
             assert not a.complete and not b.complete
+
+    asyncio.run(main())
+
+
+def test_a_leader_whose_poll_outlasts_its_window_closes_by_its_deadline_with_whom_it_read(dht):
+    """On a loaded host one poll of the DHT takes seconds. A leader that looked at its
+    deadline only between polls closed seconds late; its followers, who wait a short grace
+    past the close-by time it announced, had closed without it, and the group split in two
+    (the 9-node grid test on a 2-core host). A leader's poll is now cut half that grace past
+    its deadline, and it closes with the registrants it had read; its later windows hold two
+    of its slowest recent polls, so that it reads who came before it must close."""
+
+    async def main():
+        makers = {p: Matchmaker(dht, "mm-slow-leader", _member(p), poll_interval=0.05, settle_s=0.3) for p in "ab"}
+        slow_from = time.monotonic() + 2.0  # by then b has registered and a has read it
+
+        async def leader_wants():
+            if time.monotonic() > slow_from:
+                await asyncio.sleep(30)  # a poll of a starved DHT
+            return {"a", "b", "ghost"}  # a peer that never comes: the window closes the group
+
+        async def follower_wants():
+            return {"a", "b", "ghost"}
+
+        async def follower():
+            await asyncio.sleep(0.3)  # a registers first: it leads
+            return await makers["b"].form_group(0, 0, follower_wants, window=4, target_size=3)
+
+        started = time.monotonic()
+        a, b = await asyncio.gather(makers["a"].form_group(0, 0, leader_wants, window=4, target_size=3), follower())
+        assert [m.peer_id for m in a.members] == [m.peer_id for m in b.members] == ["a", "b"]
+        assert not a.complete and time.monotonic() - started < 15
+
+        # and its next windows hold two such polls: the leader reads who came before it closes
+        async def alone():
+            return {"a"}
+
+        await makers["a"].form_group(1, 0, alone, window=0.5, target_size=3)
+        key = makers["a"].group_key(1, 0)
+        registration = (await makers["a"]._registrations(key))["a"][1]
+        assert registration.closes_by - registration.registered_at > 2 * 2.0
 
     asyncio.run(main())
 
