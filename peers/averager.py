@@ -62,7 +62,6 @@ FP32_WIRE = WireFormat(Compression.FP32)
 # a re-sync may move a part of ours by this many times its norm at most: the state is θ_g and
 # the outer momentum, and honest momenta legitimately differ by their own size after a failure
 THETA_MAX_DRIFT = 4.0
-ANY_GROUP_SIZE = 1 << 16  # a payload estimate for a group of unknown size: the largest it can be
 MAX_CHAINS = 16  # classes one peer carries through a hop at most (each holds a model-sized buffer)
 
 
@@ -168,7 +167,9 @@ class MoshpitAverager:
                 self.deadlines.matchmaking_window
                 if hop == 0
                 else self.deadlines.later_hop_window(
-                    expected_payload_bytes(chains[0].values.numel(), ANY_GROUP_SIZE, c.wire, hop - 1)
+                    # groups hold about M members, uneven cells up to twice that (a sparse
+                    # mean's payload grows with its members)
+                    expected_payload_bytes(chains[0].values.numel(), 2 * side, c.wire, hop - 1)
                 )
             )
             if hop == 0:
