@@ -301,6 +301,14 @@ class Matchmaker:
             return_future=True,
         )
         deadline = started + window
+        # a leader's window is a promise to the followers (they close in its stead a grace
+        # after it): on a loaded host one poll of the DHT takes seconds, so a leader's poll
+        # is cut half that grace past its deadline, and it closes with what it had read
+        cutoff = deadline + LEADER_GRACE_S / 2
+
+        def poll_left() -> float | None:
+            return cutoff - time.monotonic() if candidates[0] == me else None
+
         own = replace(self.own, weight=weight, bandwidth=bandwidth)
         registrants: Registrants = {me: (own, reg)}
         closed: dict[str, ClosedList] = {}
@@ -311,19 +319,14 @@ class Matchmaker:
         while True:
             read_at = get_dht_time()  # a list this poll misses was published after this
             polled = time.monotonic()
-            # a leader's window is a promise to the followers (they close in its stead a grace
-            # after it): on a loaded host one poll of the DHT takes seconds, so a leader's poll
-            # is cut half that grace past its deadline, and it closes with what it had read
-            left = deadline + LEADER_GRACE_S / 2 - polled if candidates[0] == me else None
             try:
-                registrants, closed = await asyncio.wait_for(self._read(key, admitted, registrants), left)
+                registrants, closed = await asyncio.wait_for(self._read(key, admitted, registrants), poll_left())
                 if agreed := _agreed_group(closed, me):
                     group, decided = agreed
                     break  # somebody closed a group naming us
                 taken = set().union(*(entry.members for entry in closed.values())) - {me}
                 candidates = sorted(set(registrants) - taken, key=lambda p: (registrants[p][1].registered_at, p))
-                left = deadline + LEADER_GRACE_S / 2 - time.monotonic() if candidates[0] == me else None
-                wanted = (await asyncio.wait_for(expected(), left)) - taken
+                wanted = (await asyncio.wait_for(expected(), poll_left())) - taken
                 self._poll_seconds.append(time.monotonic() - polled)
             except TimeoutError:  # the leader's deadline passed mid-poll: what it read before decides
                 self._poll_seconds.append(time.monotonic() - polled)  # at least this long
