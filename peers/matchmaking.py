@@ -239,14 +239,26 @@ class Matchmaker:
         )
 
     async def _read(
-        self, key: str, admitted: Callable[[], Awaitable[set[str]]] | None, previous: Registrants
+        self,
+        key: str,
+        admitted: Callable[[], Awaitable[set[str]]] | None,
+        previous: Registrants,
+        previous_lists: dict[str, ClosedList],
     ) -> tuple[Registrants, dict[str, ClosedList]]:
-        """Registrants (admitted ones, this peer always) and the lists they closed."""
+        """Registrants (admitted ones, this peer always) and the lists they closed, added to
+        what this hop's earlier reads found.
+
+        A read on a loaded swarm can miss records another read saw (a lookup answered by a
+        node that lacks them, a membership record lapsing for a moment). A follower that read
+        its leader's list and then, settling, forgot the leader's registration averaged alone
+        while the group counted on it; a registration or a list, once read and checked, stays.
+        """
         me = self.own.peer_id
         found, lists = await asyncio.gather(self._registrations(key), self._member_lists(key, "closed"))
         allowed = await admitted() if admitted is not None else None
-        registrants = {p: v for p, v in found.items() if allowed is None or p in allowed} | {me: previous[me]}
-        return registrants, {p: entry for p, entry in lists.items() if p in registrants}
+        fresh = {p: v for p, v in found.items() if allowed is None or p in allowed}
+        registrants = previous | fresh | {me: previous[me]}
+        return registrants, {p: entry for p, entry in (previous_lists | lists).items() if p in registrants}
 
     async def form_group(
         self,
@@ -320,7 +332,9 @@ class Matchmaker:
             read_at = get_dht_time()  # a list this poll misses was published after this
             polled = time.monotonic()
             try:
-                registrants, closed = await asyncio.wait_for(self._read(key, admitted, registrants), poll_left())
+                registrants, closed = await asyncio.wait_for(
+                    self._read(key, admitted, registrants, closed), poll_left()
+                )
                 if agreed := _agreed_group(closed, me):
                     group, decided = agreed
                     break  # somebody closed a group naming us
@@ -361,7 +375,7 @@ class Matchmaker:
             await self._publish(key, "closed", group, decided.complete, decided.resync)
             break
         if len(group) > 1:
-            group, decided, registrants = await self._settle(key, group, decided, admitted, registrants)
+            group, decided, registrants = await self._settle(key, group, decided, admitted, registrants, closed)
         if unknown := set(group) - set(registrants):
             log.warning(
                 "%s: the group names %s, whose registration this peer cannot read; averaging alone this hop",
@@ -398,14 +412,15 @@ class Matchmaker:
         decided: ClosedList,
         admitted: Callable[[], Awaitable[set[str]]] | None,
         registrants: Registrants,
+        closed: dict[str, ClosedList],
     ) -> tuple[tuple[str, ...], ClosedList, Registrants]:
         """Wait out lists published at the same time as ours; keep the agreed earliest one."""
         await asyncio.sleep(self.settle_s)
         try:
-            registrants, closed = await self._read(key, admitted, registrants)
+            registrants, closed = await self._read(key, admitted, registrants, closed)
         except Exception as e:  # noqa: BLE001  (hivemind's DHT reads fail with many types)
-            log.warning("matchmaking lookup failed while settling: %s; averaging alone this hop", e)
-            return (self.own.peer_id,), ClosedList((self.own.peer_id,), 0.0), registrants
+            # the lists read before stand: averaging alone would fail the members counting on us
+            log.warning("matchmaking lookup failed while settling: %s; keeping the lists read before", e)
         agreed, decided = _agreed_group(closed, self.own.peer_id) or (group, decided)
         if agreed != group:
             log.info(

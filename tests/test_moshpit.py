@@ -338,6 +338,46 @@ def test_a_leader_whose_poll_outlasts_its_window_closes_by_its_deadline_with_who
     asyncio.run(main())
 
 
+def test_a_member_that_stops_seeing_its_leader_after_reading_its_list_still_joins_the_group(dht):
+    """A read of a loaded swarm can miss records an earlier read saw: a lookup answered by a
+    node that lacks them, or a membership record lapsing for a moment. A follower that read
+    its leader's list, then re-read while settling and no longer saw the leader, averaged
+    alone, while the leader and the others counted on its part (the 9-node grid test on a
+    2-core host: a part "kept its own values", and θ_g split). What one read of a hop found
+    now stays for that hop."""
+
+    async def main():
+        makers = {
+            p: Matchmaker(dht, "mm-forgetful", _member(p), poll_interval=0.05, settle_s=s)
+            for p, s in (("a", 0.2), ("b", 0.2), ("c", 1.5))
+        }
+        everyone = {"a", "b", "c"}
+        leader_done = asyncio.Event()
+
+        async def wants():
+            return everyone
+
+        async def c_admits():  # once the leader is done, c's view of the swarm loses it
+            return everyone - {"a"} if leader_done.is_set() else everyone
+
+        async def leader():
+            group = await makers["a"].form_group(0, 0, wants, window=5, target_size=3)
+            leader_done.set()
+            return group
+
+        async def follower(p, admitted=None):
+            await asyncio.sleep(0.3)  # a registers first: it leads
+            return await makers[p].form_group(0, 0, wants, window=5, target_size=3, admitted=admitted)
+
+        a, b, c = await asyncio.gather(leader(), follower("b"), follower("c", c_admits))
+        # c read a's list within a poll and then settled 1.5 s, past a's return
+        assert leader_done.is_set()
+        assert [m.peer_id for m in c.members] == [m.peer_id for m in a.members] == ["a", "b", "c"]
+        assert [m.peer_id for m in b.members] == ["a", "b", "c"]
+
+    asyncio.run(main())
+
+
 def test_a_later_hop_waits_for_exactly_the_peers_whose_path_leads_there(dht):
     """M=2, d=3, 16 peers, hop 0 and hop 1 formed for real through the DHT. Every slot of hops 1
     and 2 must wait for exactly the peers whose groups send them there, worked out here from the
