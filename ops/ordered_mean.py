@@ -15,9 +15,19 @@ any order (x + 0 = x, and a + b = b + a), so only coordinates with three or more
 terms need the sort: few in a sparse mean (whose caller passes its support only and says it is
 mostly zero); a dense mean sorts every column. Three or four terms go through a sorting
 network of element-wise min/max (about twice a plain sum's time), more through `torch.sort`.
+
+Rows equal bit for bit are first merged into one, their weights summed (w1·x + w2·x =
+(w1 + w2)·x): a moshpit group larger than the grid's side sends its one mean on to the next
+hop from several members, each with a share of its weight, while a group elsewhere gets the
+same mean from one member with the whole weight. Unmerged, the two groups added different
+terms (½W·A + ½W·A + B against W·A + B) and their θ_g differed in the last bits, so an uneven
+swarm re-synced every round. Weights are summed with `math.fsum` (correctly rounded, so in
+any order, and ½W + ½W is W exactly).
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -34,7 +44,7 @@ def ordered_weighted_mean(
 ) -> torch.Tensor:
     """out ← Σ_i weights[i] · rows[i] / Σ_i weights[i], the same bits for any order of the rows.
 
-    `rows` is (contributors, values) fp32 and is overwritten (it holds the products after).
+    `rows` is (contributors, values) fp32 and may be overwritten (with the products).
     `mostly_zero`: most columns have at most two non-zero values, so it pays to find the
     others and sort only those; otherwise every column is sorted.
     """
@@ -45,6 +55,8 @@ def ordered_weighted_mean(
         raise ValueError("rows (contributors, values) and out (values) must be fp32")
     if not all(w > 0 for w in weights):
         raise ValueError("weights must be positive")
+    rows, weights = merge_equal_rows(rows, weights)
+    n = rows.shape[0]
     rows.mul_(torch.tensor(weights, dtype=torch.float32).unsqueeze(1))
     if n <= 2:
         torch.sum(rows, dim=0, out=out)  # a + b = b + a
@@ -63,7 +75,36 @@ def ordered_weighted_mean(
             if count:
                 columns = many.nonzero().squeeze(1)
                 out.index_copy_(0, columns, _sum_ascending(rows.index_select(1, columns)))
-    return out.div_(sum(sorted(weights)))
+    return out.div_(sum_weights(weights))
+
+
+def sum_weights(weights: list[float]) -> float:
+    """The sum of the weights, correctly rounded: the same for any order or split of them."""
+    return math.fsum(weights)
+
+
+def merge_equal_rows(rows: torch.Tensor, weights: list[float]) -> tuple[torch.Tensor, list[float]]:
+    """Rows equal bit for bit (-0.0 and 0.0 differ) kept once, with their weights summed.
+
+    Returns `rows` itself when no two are equal, else a new tensor of the distinct rows, in
+    the order of their first appearance.
+    """
+    n = rows.shape[0]
+    if n < 2 or rows.shape[1] == 0:
+        return rows, weights
+    bits = rows.view(torch.int32)
+    head = bits[:, :64]  # a cheap first look: different rows almost always differ here
+    owner = list(range(n))
+    for j in range(1, n):
+        for i in range(j):
+            if owner[i] == i and torch.equal(head[i], head[j]) and torch.equal(bits[i], bits[j]):
+                owner[j] = i
+                break
+    keep = [i for i in range(n) if owner[i] == i]
+    if len(keep) == n:
+        return rows, weights
+    merged = [sum_weights([w for j, w in enumerate(weights) if owner[j] == i]) for i in keep]
+    return rows[keep], merged
 
 
 def _sum_ascending(rows: torch.Tensor) -> torch.Tensor:

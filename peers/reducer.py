@@ -29,7 +29,7 @@ from collections.abc import Callable
 import torch
 
 from dtnode.ops import sparse
-from dtnode.ops.ordered_mean import ordered_weighted_mean
+from dtnode.ops.ordered_mean import ordered_weighted_mean, sum_weights
 from dtnode.ops.quantization import (
     NonFiniteError,
     QuantizedBlocks,
@@ -369,8 +369,9 @@ class PartReduction:
 
     @property
     def total_weight(self) -> float:
-        """The senders' weights summed smallest first: the same bits in any arrival order."""
-        return sum(sorted([self.own_weight, *(self.weights[s] for s in self.committed)]))
+        """The senders' weights summed correctly rounded: the same bits in any arrival order,
+        and for a weight that came split among several senders (`ordered_mean`)."""
+        return sum_weights([self.own_weight, *(self.weights[s] for s in self.committed)])
 
 
 class ReductionRegistry:

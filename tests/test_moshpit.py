@@ -3,12 +3,14 @@
 import asyncio
 import time
 from collections import Counter
+from collections.abc import Callable
 
 import hivemind
 import pytest
 import torch
 from hivemind.utils import get_dht_time
 
+from dtnode.ops.ordered_mean import ordered_weighted_mean, sum_weights
 from dtnode.peers.averager import AveragingConfig, MoshpitAverager
 from dtnode.peers.deadlines import AdaptiveDeadlines, expected_payload_bytes
 from dtnode.peers.expectations import GroupExpectations
@@ -33,7 +35,29 @@ def test_grid_shape(n, m, d):
     assert grid_shape(n, m) == (m, d)
 
 
-def _average_over_grid(ids: list[str], step: int, side: int, dims: int, target: int, values: dict, weights: dict):
+def _exact_mean(brought: list[tuple[float, torch.Tensor]]) -> tuple[torch.Tensor, float]:
+    total = sum(w for w, _ in brought)
+    return sum(w * v for w, v in brought) / total, total
+
+
+def _reducers_mean(brought: list[tuple[float, torch.Tensor]]) -> tuple[torch.Tensor, float]:
+    """What a reducer of a later hop computes from the rows it holds (fp32, a fixed order)."""
+    weights = [w for w, _ in brought]
+    out = torch.empty_like(brought[0][1])
+    ordered_weighted_mean(torch.stack([v for _, v in brought]), weights, out=out)
+    return out, sum_weights(weights)
+
+
+def _average_over_grid(
+    ids: list[str],
+    step: int,
+    side: int,
+    dims: int,
+    target: int,
+    values: dict,
+    weights: dict,
+    mean_of: Callable[[list[tuple[float, torch.Tensor]]], tuple[torch.Tensor, float]] = _exact_mean,
+):
     """Run the grid's hops as the averager does, every group forming exactly as planned: each
     peer carries a (mean, weight) pair per slot, and every group's result goes on in every
     class its member stands for; the peer's own result is its first slot's."""
@@ -47,8 +71,7 @@ def _average_over_grid(ids: list[str], step: int, side: int, dims: int, target: 
         for joined in by_key.values():
             for group in split_groups(joined, target) if hop == 0 else [sorted(joined)]:
                 brought = [chains[p][joined[p]] for p in group]
-                total = sum(w * slot.share for slot, _, w in brought)
-                mean = sum(w * slot.share * v for slot, v, w in brought) / total
+                mean, total = mean_of([(w * slot.share, v) for slot, v, w in brought])
                 for p in group:
                     results[p, joined[p]] = (mean, total, group)
         for p, own in chains.items():
@@ -80,6 +103,35 @@ def test_three_hops_give_the_exact_weighted_mean_too(n, m):
         _average_over_grid(ids, step, side, dims, m, values, weights)
         for p in ids:
             torch.testing.assert_close(values[p], exact)
+
+
+@pytest.mark.parametrize("n,m", [(5, 2), (6, 2), (8, 2), (27, 3)])
+def test_three_hops_of_uneven_groups_leave_every_peer_the_same_bits(n, m):
+    """A group of a middle hop larger than the grid's side sends its mean on from several
+    members, each with a share of its weight (½W·A + ½W·A), while another group of the next
+    hop gets that mean from one member (W·A). Reducers merge rows equal bit for bit and sum
+    weights correctly rounded, so both groups add the same terms and every peer ends with
+    the same bits: before, an uneven swarm of 3 hops split its θ_g and re-synced each round."""
+    side, dims = grid_shape(n, m)
+    assert dims == 3
+    ids = [f"p{i}" for i in range(n)]
+    shared = 0  # groups that got one mean from several members
+
+    def mean_of(brought):
+        nonlocal shared
+        rows = [v for _, v in brought]
+        shared += any(torch.equal(a, b) for i, a in enumerate(rows) for b in rows[i + 1 :])
+        return _reducers_mean(brought)
+
+    for step in range(30):
+        values = {p: torch.randn(4096) for p in ids}
+        weights = {p: float(i % 5 + 1) * 256 for i, p in enumerate(ids)}
+        exact = sum(weights[p] * values[p].double() for p in ids) / sum(weights.values())
+        _average_over_grid(ids, step, side, dims, m, values, weights, mean_of=mean_of)
+        reference = values[ids[0]]
+        assert all(torch.equal(values[p], reference) for p in ids), f"step {step}: θ_g split"
+        torch.testing.assert_close(reference.double(), exact, rtol=1e-5, atol=1e-6)
+    assert shared > 0  # the test did meet them
 
 
 @pytest.mark.parametrize("n,m", [(9, 3), (12, 4), (6, 3), (16, 4), (5, 4), (4, 4), (30, 16)])

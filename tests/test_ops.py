@@ -317,6 +317,32 @@ def test_an_ordered_weighted_mean_has_the_same_bits_for_every_order_of_its_rows(
         ordered_weighted_mean(rows.clone(), [1.0, 0.0, 1.0, 1.0], out=torch.empty(50_000))
 
 
+def test_one_mean_sent_in_shares_by_several_members_adds_as_if_sent_once():
+    """½W·A + ½W·A + B and W·A + B: two groups of the next moshpit hop that got a mean from two
+    members or from one must add the same terms. Rows equal bit for bit are merged, their
+    weights summed correctly rounded; rows that differ in one bit (0.0 against -0.0) are not."""
+    import itertools
+
+    from dtnode.ops.ordered_mean import merge_equal_rows, ordered_weighted_mean, sum_weights
+
+    gen = torch.Generator().manual_seed(3)
+    a, b, c = torch.randn(3, 10_000, generator=gen)
+    once = torch.empty(10_000)
+    ordered_weighted_mean(torch.stack([a, b, c]), [3.0, 0.7, 1.9], out=once)
+    for order in itertools.permutations(range(4)):
+        rows = torch.stack([a, a, b, c])[list(order)]
+        split = torch.empty(10_000)
+        ordered_weighted_mean(rows.clone(), [[1.5, 1.5, 0.7, 1.9][i] for i in order], out=split)
+        assert torch.equal(split, once)
+    merged, weights = merge_equal_rows(torch.stack([a, b, a, a]), [0.1, 2.0, 0.2, 0.3])
+    assert torch.equal(merged, torch.stack([a, b])) and weights == [sum_weights([0.1, 0.2, 0.3]), 2.0]
+    zero, negative_zero = torch.zeros(4), torch.zeros(4)
+    negative_zero[0] = -0.0
+    distinct = torch.stack([zero, negative_zero])
+    assert merge_equal_rows(distinct, [1.0, 1.0])[0] is distinct
+    assert sum_weights([1e16, 1.0, -1e16]) == 1.0  # correctly rounded, whatever the order
+
+
 def test_a_weighted_trimmed_mean_has_the_same_bits_for_every_order_of_its_rows():
     """Ties in value with different weights too: which one is trimmed, and the order of the sums,
     must not depend on which member reduced or who arrived first."""

@@ -90,6 +90,9 @@ def main() -> None:
                 )
             )
         solo = sum(len([1 for line in n.lines if "| groups 1/" in line]) for n in nodes)
+        # a group whose members' θ_g hashes differed re-synced θ_g and the momentum (8 bytes a
+        # parameter) though no one asked: what a split costs when re-syncs are off
+        diverged = sum(len([1 for line in n.lines if "though none asked for a re-sync" in line]) for n in nodes)
         for step, rel_theta, rel_update, distinct in rows:
             if (
                 step <= 3
@@ -103,7 +106,7 @@ def main() -> None:
         print(
             f"max over steps 2..{len(rows) // 2}: {max(early):.2e}; over the second half: {max(late):.2e}; "
             f"rounds with a solo first hop (all nodes): {solo}; steps whose θ_g all nodes share bit for bit: "
-            f"{sum(r[3] == 1 for r in rows)} of {len(rows)}"
+            f"{sum(r[3] == 1 for r in rows)} of {len(rows)}; re-syncs of diverged θ_g (all nodes): {diverged}"
         )
 
 
