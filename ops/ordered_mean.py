@@ -22,7 +22,9 @@ hop from several members, each with a share of its weight, while a group elsewhe
 same mean from one member with the whole weight. Unmerged, the two groups added different
 terms (½W·A + ½W·A + B against W·A + B) and their θ_g differed in the last bits, so an uneven
 swarm re-synced every round. Weights are summed with `math.fsum` (correctly rounded, so in
-any order, and ½W + ½W is W exactly).
+any order, and ½W + ½W is W exactly). A mean of one distinct row is that row, bit for bit: a
+peer alone in its group keeps its values, and a group whose members all brought the same mean
+must hold the same bits (W·x/W is not always x in fp32).
 """
 
 from __future__ import annotations
@@ -57,6 +59,8 @@ def ordered_weighted_mean(
         raise ValueError("weights must be positive")
     rows, weights = merge_equal_rows(rows, weights)
     n = rows.shape[0]
+    if n == 1:  # the mean of one value is that value: w·x/w would not always give back x's bits
+        return out.copy_(rows[0])
     rows.mul_(torch.tensor(weights, dtype=torch.float32).unsqueeze(1))
     if n <= 2:
         torch.sum(rows, dim=0, out=out)  # a + b = b + a

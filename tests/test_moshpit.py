@@ -11,6 +11,7 @@ import torch
 from hivemind.utils import get_dht_time
 
 from dtnode.ops.ordered_mean import ordered_weighted_mean, sum_weights
+from dtnode.ops.quantization import dequantize, quantize
 from dtnode.peers.averager import AveragingConfig, MoshpitAverager
 from dtnode.peers.deadlines import AdaptiveDeadlines, expected_payload_bytes
 from dtnode.peers.expectations import GroupExpectations
@@ -41,11 +42,14 @@ def _exact_mean(brought: list[tuple[float, torch.Tensor]]) -> tuple[torch.Tensor
 
 
 def _reducers_mean(brought: list[tuple[float, torch.Tensor]]) -> tuple[torch.Tensor, float]:
-    """What a reducer of a later hop computes from the rows it holds (fp32, a fixed order)."""
+    """What a reducer of an int8 hop computes from the rows it holds: their mean in a fixed
+    order, through the int8 code; a peer alone in its group keeps its values as they are."""
+    if len(brought) == 1:
+        return brought[0][1], brought[0][0]
     weights = [w for w, _ in brought]
     out = torch.empty_like(brought[0][1])
     ordered_weighted_mean(torch.stack([v for _, v in brought]), weights, out=out)
-    return out, sum_weights(weights)
+    return dequantize(quantize(out)), sum_weights(weights)
 
 
 def _average_over_grid(
@@ -110,8 +114,9 @@ def test_three_hops_of_uneven_groups_leave_every_peer_the_same_bits(n, m):
     """A group of a middle hop larger than the grid's side sends its mean on from several
     members, each with a share of its weight (½W·A + ½W·A), while another group of the next
     hop gets that mean from one member (W·A). Reducers merge rows equal bit for bit and sum
-    weights correctly rounded, so both groups add the same terms and every peer ends with
-    the same bits: before, an uneven swarm of 3 hops split its θ_g and re-synced each round."""
+    weights correctly rounded, so both groups add the same terms, and a group that got only
+    that mean holds it bit for bit, as a peer alone with it does: every peer ends with the
+    same bits (before, an uneven swarm of 3 hops split its θ_g and re-synced each round)."""
     side, dims = grid_shape(n, m)
     assert dims == 3
     ids = [f"p{i}" for i in range(n)]
@@ -123,14 +128,14 @@ def test_three_hops_of_uneven_groups_leave_every_peer_the_same_bits(n, m):
         shared += any(torch.equal(a, b) for i, a in enumerate(rows) for b in rows[i + 1 :])
         return _reducers_mean(brought)
 
-    for step in range(30):
-        values = {p: torch.randn(4096) for p in ids}
-        weights = {p: float(i % 5 + 1) * 256 for i, p in enumerate(ids)}
+    for step in range(40):
+        values = {p: dequantize(quantize(torch.randn(8192))) for p in ids}  # Δ as hop 0 sends it
+        weights = {p: float(256 * (11 + 2 * i)) for i, p in enumerate(ids)}  # tokens
         exact = sum(weights[p] * values[p].double() for p in ids) / sum(weights.values())
         _average_over_grid(ids, step, side, dims, m, values, weights, mean_of=mean_of)
         reference = values[ids[0]]
         assert all(torch.equal(values[p], reference) for p in ids), f"step {step}: θ_g split"
-        torch.testing.assert_close(reference.double(), exact, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(reference.double(), exact, rtol=0.05, atol=0.02)  # int8 hops
     assert shared > 0  # the test did meet them
 
 

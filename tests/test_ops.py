@@ -334,6 +334,9 @@ def test_one_mean_sent_in_shares_by_several_members_adds_as_if_sent_once():
         split = torch.empty(10_000)
         ordered_weighted_mean(rows.clone(), [[1.5, 1.5, 0.7, 1.9][i] for i in order], out=split)
         assert torch.equal(split, once)
+    # a group whose members all brought one mean holds it as a peer alone with it does
+    alone = torch.empty(10_000)
+    assert torch.equal(ordered_weighted_mean(torch.stack([a, a]), [1664.0, 1664.0], out=alone), a)
     merged, weights = merge_equal_rows(torch.stack([a, b, a, a]), [0.1, 2.0, 0.2, 0.3])
     assert torch.equal(merged, torch.stack([a, b])) and weights == [sum_weights([0.1, 0.2, 0.3]), 2.0]
     zero, negative_zero = torch.zeros(4), torch.zeros(4)
