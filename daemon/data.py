@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from .corpus import CorpusError, CorpusReader, TokenCorpus, open_corpus, stable_seed
-from .model import VOCAB_SIZE
+from .presets import VOCAB_SIZE
 from .settings import SettingsError
 from .tokenizer import ByteTokenizer, Tokenizer
 

@@ -12,14 +12,14 @@ import re
 import tomllib
 from importlib.resources.abc import Traversable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, TomlConfigSettingsSource
 from pydantic_settings import SettingsError as PydanticSettingsError
 
-from dtnode.ops.robust import MEDIAN_FRACTION
-from dtnode.peers.plan import Compression, WireFormat
+if TYPE_CHECKING:  # torch comes with them: `dtnode --help` and a bad flag answer without it
+    from dtnode.peers.plan import WireFormat
 
 ENV_PREFIX = "DTNODE_"
 # --compression sparse changes these defaults (an explicit value, from any source, wins):
@@ -489,11 +489,15 @@ class NodeSettings(BaseSettings):
     def robust_trim(self) -> float | None:
         """The fraction of values the reducer trims at each end per coordinate; None: the plain mean."""
         if self.aggregation == "median":
+            from dtnode.ops.robust import MEDIAN_FRACTION
+
             return MEDIAN_FRACTION
         return self.trim_fraction if self.aggregation == "trimmed-mean" else None
 
     def wire_format(self) -> WireFormat:
         """How this node's Δ travels, for the averager and the status figures."""
+        from dtnode.peers.plan import Compression, WireFormat
+
         compression = Compression(self.compression)
         if compression == Compression.SPARSE:
             return WireFormat(compression, self.sparse_block_size, self.sparse_top_k)
@@ -509,7 +513,7 @@ class NodeSettings(BaseSettings):
     @field_validator("model")
     @classmethod
     def _model_spec(cls, value: str) -> str:
-        from .model import HF_PREFIX, PRESETS
+        from .presets import HF_PREFIX, PRESETS
 
         if value.startswith(HF_PREFIX):
             directory = Path(value[len(HF_PREFIX) :]).expanduser()

@@ -38,8 +38,8 @@ async def claim_state_dir(path: Path) -> AsyncIterator[None]:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 break
             except BlockingIOError:
-                if time.monotonic() > deadline:
-                    holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+                holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+                if holder_running(holder) or time.monotonic() > deadline:
                     raise SettingsError(
                         "--state-dir",
                         f"{path} is in use by another dtnode (pid {holder}); give each node its own --state-dir",
@@ -50,6 +50,25 @@ async def claim_state_dir(path: Path) -> AsyncIterator[None]:
         yield
     finally:
         os.close(fd)
+
+
+def holder_running(holder: str) -> bool:
+    """Whether the pid the lock names is a live process other than this one: a running node
+    is refused at once. A killed node's pid is gone while its DHT process (forked, so holding
+    the lock too) still shuts down; that is worth the wait."""
+    if not holder.isdigit() or int(holder) == os.getpid():
+        return False
+    try:
+        os.kill(int(holder), 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, another user's
+        return True
+    try:  # a killed node its parent has not reaped yet is a zombie, not a running node
+        stat = Path(f"/proc/{holder}/stat").read_text()
+    except OSError:
+        return True  # no /proc (macOS): a live pid
+    return stat.rsplit(")", 1)[-1].split()[0] != "Z"
 
 
 def state_dir_error(e: OSError, state_dir: Path) -> SettingsError:

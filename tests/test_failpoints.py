@@ -64,6 +64,7 @@ def test_a_pausing_failpoint_holds_the_caller_for_its_seconds_in_its_round_only(
     assert "failpoint outer-phase@2 reached: pausing 7s" in done.stderr
 
 
+@pytest.mark.long_swarms  # about 16 s: outside the default suite's 10 minutes, run by .ci/run
 def test_healthz_turns_503_while_the_training_thread_is_frozen(tmp_path, cleanup):
     """A hung training thread (the stall-training failpoint holds it 10 s in round 1): the node
     still answers HTTP, but /healthz says 503 with the reason once no step came for

@@ -69,6 +69,7 @@ def test_two_nodes_on_two_addresses_announce_them_and_dial_each_other_back(tmp_p
         assert "Traceback" not in node.output
 
 
+@pytest.mark.long_swarms  # about 17 s: outside the default suite's 10 minutes, run by .ci/run
 def test_a_node_that_cannot_be_dialled_back_is_reported_unreachable(tmp_path):
     a = NodeProcess.join("a", tmp_path, *FAST)
     c = None

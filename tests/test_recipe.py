@@ -141,6 +141,7 @@ def test_a_joiner_with_other_data_h_and_seq_len_is_refused_with_the_fields_named
     assert "Traceback" not in b.output
 
 
+@pytest.mark.long_swarms  # about 12 s: outside the default suite's 10 minutes, run by .ci/run
 def test_the_printed_join_line_pasted_joins_with_the_same_recipe(a, tmp_path):
     line = a.status()["join_command"]
     words = shlex.split(line)

@@ -3,10 +3,13 @@
 import os
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
 
 from dtnode.daemon.settings import SettingsError, load_settings
+from dtnode.daemon.state_dir import LOCK_WAIT_S, holder_running
 
 
 def test_precedence_defaults_toml_env_cli(tmp_path, monkeypatch):
@@ -217,14 +220,20 @@ def test_a_state_dir_on_a_read_only_file_system_is_one_line_and_exit_2(tmp_path)
 
 
 def test_a_second_node_on_a_held_state_dir_is_refused(tmp_path):
-    from nodes import NodeProcess
+    """Refused at once, naming the holder: the lock names a live pid (a killed holder's DHT
+    process, which holds the lock while it goes down, is waited for instead)."""
+    from nodes import NodeProcess, wait_until
 
     first = NodeProcess.join("first", tmp_path, "--model", "tiny", "--no-fused-kernels")
     try:
-        first.wait_for_line(r"dtnode join --peer", timeout=120)
-        second = dtnode("join", *PORTS, "--state-dir", str(first.state_dir), timeout=60)
-        assert second.returncode == 2, second.stderr
         pid = str(first.proc.pid)
+        lock = first.state_dir / "lock"
+        wait_until(lambda: lock.is_file() and lock.read_text().strip() == pid, 120, "lock naming the first node")
+        started = time.monotonic()
+        second = dtnode("join", *PORTS, "--state-dir", str(first.state_dir), timeout=60)
+        waited = time.monotonic() - started
+        assert second.returncode == 2, second.stderr
+        assert waited < LOCK_WAIT_S, f"a live holder was waited for ({waited:.1f}s)"
         assert second.stderr.strip().splitlines() == [
             (
                 f"dtnode: error: --state-dir: {first.state_dir} is in use by another dtnode (pid {pid}); "
@@ -233,6 +242,28 @@ def test_a_second_node_on_a_held_state_dir_is_refused(tmp_path):
         ]
     finally:
         first.kill()
+
+
+def test_a_lock_whose_holder_is_dead_or_a_zombie_is_waited_for_and_a_live_one_is_not():
+    """A restart after a kill -9 names a pid that is gone (or a zombie not yet reaped by its
+    parent) while the killed node's forked DHT process still holds the lock: that is waited for.
+    A live pid is a running node: refused at once."""
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        assert holder_running(str(child.pid))
+        child.kill()
+        # not reaped yet: a zombie until wait()
+        deadline = time.monotonic() + 10
+        while Path(f"/proc/{child.pid}/stat").read_text().rsplit(")", 1)[-1].split()[0] != "Z":
+            assert time.monotonic() < deadline, "the killed child never became a zombie"
+            time.sleep(0.05)
+        assert not holder_running(str(child.pid))
+    finally:
+        child.kill()
+        child.wait()
+    assert not holder_running(str(child.pid))  # reaped: gone
+    assert not holder_running(str(os.getpid()))  # this process's own earlier claim
+    assert not holder_running("?") and not holder_running("")
 
 
 def test_a_node_that_requires_a_swarm_key_refuses_to_start_without_one(tmp_path):

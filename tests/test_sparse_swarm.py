@@ -74,6 +74,7 @@ def test_sparse_with_overlap_lands_the_same_bytes_on_every_member(tmp_path):
         assert torch.equal(checkpoint_theta(nodes[0].state_dir, step), checkpoint_theta(nodes[1].state_dir, step))
 
 
+@pytest.mark.long_swarms  # about 20 s: outside the default suite's 10 minutes, run by .ci/run
 def test_a_theta_g_that_differs_by_one_bit_is_found_by_its_hash_and_re_synced(tmp_path):
     """Nothing tells a member that its θ_g came out in other bits than its peers' (a part that
     failed in another group, a restart from an older checkpoint): its round was clean, so it

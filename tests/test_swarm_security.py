@@ -40,6 +40,7 @@ def test_a_node_without_the_key_neither_joins_groups_nor_downloads_state(tmp_pat
         assert node.wait(30) == 0, node.output
 
 
+@pytest.mark.long_swarms  # about 12 s: outside the default suite's 10 minutes, run by .ci/run
 def test_a_flood_of_streams_and_requests_does_not_starve_training_or_status(tmp_path, cleanup):
     # plaintext, so that the flood reaches the stream limits (over TLS it ends at the handshake:
     # no record names the flooder's certificate)

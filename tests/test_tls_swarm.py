@@ -229,6 +229,7 @@ def test_a_key_holder_cannot_speak_as_another_peer_nor_connect_with_another_cert
     assert "refused a stream claiming peer " + c_id in a.output
 
 
+@pytest.mark.long_swarms  # about 18 s: outside the default suite's 10 minutes, run by .ci/run
 def test_a_joiner_skips_a_donor_whose_checkpoint_the_others_contradict(swarm, tmp_path):
     a, b, _, _ = swarm
     joiner = NodeProcess.join("j", tmp_path, *FAST, *RUN, "--peer", a.join_address, "--max-own-rounds", "1", env=KEY)
@@ -251,6 +252,7 @@ def test_a_joiner_skips_a_donor_whose_checkpoint_the_others_contradict(swarm, tm
     assert "Traceback" not in joiner.output
 
 
+@pytest.mark.long_swarms  # about 13 s: outside the default suite's 10 minutes, run by .ci/run
 def test_a_plaintext_node_is_refused_by_a_tls_swarm_with_the_fix_named(swarm, tmp_path):
     a, _, _, _ = swarm
     plain = NodeProcess.join("plain", tmp_path, *FAST, *RUN, "--peer", a.join_address, "--insecure-data-plane", env=KEY)
