@@ -10,6 +10,7 @@ import hivemind
 import pytest
 import torch
 from allreduce_harness import Peer, stop_peers, stream_status
+from dht_harness import ready_dht
 from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.p2p import P2P
 from hivemind.utils import get_dht_time
@@ -161,13 +162,13 @@ def _dht_with_identity(tmp_path, name: str, initial_peers=()) -> tuple[hivemind.
 
     hivemind's DHT is a forked child of this (threaded) test process; once in a while one
     starts but never answers its parent (seen once in the suite: 300 s in get_visible_maddrs,
-    then the timeout). One that does not answer within 30 s is killed and another started."""
+    then the timeout; once never ready, 300 s in its constructor). One that is not ready or does
+    not answer within 30 s is stopped and another started."""
     path = tmp_path / f"{name}.key"
     P2P.generate_identity(str(path))
     validator = RSASignatureValidator(identity_key(path))
     for _ in range(3):
-        dht = hivemind.DHT(
-            start=True,
+        dht = ready_dht(
             host_maddrs=["/ip4/127.0.0.1/tcp/0"],
             initial_peers=list(initial_peers),
             identity_path=str(path),

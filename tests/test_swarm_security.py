@@ -6,6 +6,7 @@ import os
 
 import grpc
 import pytest
+from dht_harness import ready_dht
 from nodes import FAST, NodeProcess, dtnode_status, theta, wait_until
 
 from dtnode.proto import averaging_pb2 as pb
@@ -97,7 +98,6 @@ def test_a_flood_of_made_up_registrants_joins_no_group(tmp_path, cleanup):
     made-up registrants (pointing at a dead port) into each group key of the next rounds; the
     two real nodes keep grouping with each other only: a made-up registrant has no signed
     membership record, so it is never admitted (else each would get a part and fail it)."""
-    import hivemind
     from hivemind.utils import get_dht_time
 
     from dtnode.peers.matchmaking import Registration
@@ -110,7 +110,7 @@ def test_a_flood_of_made_up_registrants_joins_no_group(tmp_path, cleanup):
     key = wait_until(lambda: (a.get("/status")["last_round"] or {}).get("group_key"), 30, "a's last group")
     run, _, step, rest = key.split(".", 3)
     first = int(step) + 2
-    flooder = hivemind.DHT(start=True, initial_peers=[a.join_address], host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    flooder = ready_dht(initial_peers=[a.join_address], host_maddrs=["/ip4/127.0.0.1/tcp/0"])
     try:
         value = Registration(grpc_addr="127.0.0.1:9").model_dump()
         futures = [
@@ -185,7 +185,6 @@ def test_a_record_with_a_huge_token_count_does_not_end_every_round(tmp_path, cle
     the swarm is in, and a batch of 2^40 tokens: before, the two honest nodes saw the round's
     target reached and ended each round after their first step; now the claim counts
     PACING_SPREAD x the median report at most, and the rounds keep most of their steps."""
-    import hivemind
     from hivemind.dht.crypto import RSASignatureValidator
     from hivemind.p2p import P2P
     from hivemind.utils import get_dht_time
@@ -201,8 +200,7 @@ def test_a_record_with_a_huge_token_count_does_not_end_every_round(tmp_path, cle
     key_path = tmp_path / "liar.key"
     P2P.generate_identity(str(key_path))
     validator = RSASignatureValidator(identity_key(key_path))
-    liar_dht = hivemind.DHT(
-        start=True,
+    liar_dht = ready_dht(
         initial_peers=[a.join_address],
         host_maddrs=["/ip4/127.0.0.1/tcp/0"],
         identity_path=str(key_path),
