@@ -90,6 +90,7 @@ class _Hop:
     delta_ready: Callable[[], Awaitable[None]] | None  # hop 0 only
     fetch_theta: Callable[[], Awaitable[torch.Tensor]]
     one_slot: bool  # this node holds a single slot in the hop (no extra groups to cover)
+    load: int  # all-reduces that share this node's link and cores, or a group-mate's, in this hop (`hop_load`)
 
 
 class MoshpitAverager:
@@ -195,6 +196,7 @@ class MoshpitAverager:
                 delta_ready if hop == 0 else None,
                 fetch_theta,
                 len(chains) == 1,
+                hop_load(len(chains), hop, len(population), side, dims),
             )
             report = HopReport(
                 hop,
@@ -305,6 +307,7 @@ class MoshpitAverager:
             theta_out,
             h.feedback if slot.primary else None,
             report,
+            h.load,
         )
         return group, result, theta_out
 
@@ -333,13 +336,25 @@ class MoshpitAverager:
         theta_out: torch.Tensor | None,
         feedback: Feedback | None,
         report: HopReport,
+        load: int = 1,
     ) -> AllReduceReport | None:
-        """All-reduce Δ (and θ_g when the group re-syncs) in one group; counts into `report`."""
+        """All-reduce Δ (and θ_g when the group re-syncs) in one group; counts into `report`.
+        Its deadline allows for `load` all-reduces of this size at once."""
         if len(group.members) <= 1:
             return None
         c = self.config
         expected = expected_payload_bytes(values.numel(), len(group.members), c.wire, hop)
-        timeout = self.deadlines.allreduce_timeout(expected)
+        timeout = self.deadlines.allreduce_timeout(load * expected)
+        log.debug(
+            "round %d hop %d: all-reduce in %d members, %d bytes expected (x%d at once), deadline %.1fs (%d rates measured)",
+            round_no,
+            hop,
+            len(group.members),
+            expected,
+            load,
+            timeout,
+            self.deadlines.rates_measured,
+        )
         plan = make_plan(
             c.run_id,
             round_no,
@@ -368,6 +383,14 @@ class MoshpitAverager:
         )
         self.deadlines.observe_allreduce(
             result.bytes_sent + result.bytes_received, result.seconds, not result.failed_parts
+        )
+        log.debug(
+            "round %d hop %d: all-reduce took %.2fs for %d bytes (%d parts failed)",
+            round_no,
+            hop,
+            result.seconds,
+            result.bytes_sent + result.bytes_received,
+            len(result.failed_parts),
         )
         report.allreduce_s = round(max(report.allreduce_s, result.seconds), 4)
         report.timeout_s = round(timeout, 3)
@@ -398,7 +421,7 @@ class MoshpitAverager:
                 self.registry,
                 self.channels,
                 self.deadlines.allreduce_timeout(
-                    2 * expected_payload_bytes(theta.numel(), len(group.members), FP32_WIRE)
+                    2 * load * expected_payload_bytes(theta.numel(), len(group.members), FP32_WIRE)
                 ),
                 in_flight=c.in_flight,
                 auth=self.auth,
@@ -417,6 +440,16 @@ def _count_into(report: HopReport, result: AllReduceReport) -> None:
     report.failed_parts += [p.reducer for p in result.failed_parts]
     report.failure_codes += [p.error.split(":", 1)[0] for p in result.failed_parts]
     report.retried_codes += result.retried
+
+
+def hop_load(slots: int, hop: int, population: int, side: int, dims: int) -> int:
+    """How many all-reduces of a group's size a member's streams of this hop may share a link and
+    cores with: its own slots, and in a later hop of a grid the population does not fill, at
+    least 2, as a group-mate may stand in two cells (which this node cannot see). A reducer on
+    a deadline for one all-reduce cut the streams of a group-mate covering two: the group then
+    split over which parts it averaged (a 5-node `small` swarm in pairs on 2 cores)."""
+    uneven = population != side**dims
+    return max(slots, 2 if hop > 0 and uneven else 1)
 
 
 def next_chains(

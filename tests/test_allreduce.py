@@ -10,7 +10,8 @@ from allreduce_harness import allreduce, allreduce_beside, send_to_each_reducer,
 from dtnode.ops import sparse
 from dtnode.ops.quantization import quantize
 from dtnode.peers.butterfly import Feedback, butterfly_allreduce
-from dtnode.peers.plan import FP32, INT8, SPARSE, Member, make_plan
+from dtnode.peers.deadlines import expected_payload_bytes
+from dtnode.peers.plan import FP32, INT8, SPARSE, Compression, Member, WireFormat, make_plan
 from dtnode.peers.wire import chunk_message
 from dtnode.proto import averaging_pb2 as pb
 from dtnode.proto import averaging_pb2_grpc as pb_grpc
@@ -139,6 +140,27 @@ def test_bandwidth_sizes_parts():
         # every byte one sends, the other receives
         assert reports[0].bytes_sent == reports[1].bytes_received
         assert reports[1].bytes_sent == reports[0].bytes_received
+
+    run(main())
+
+
+@pytest.mark.parametrize("codec,wire", [(INT8, WireFormat(Compression.INT8, 64)), (FP32, WireFormat(Compression.FP32))])
+@pytest.mark.parametrize("n", [2, 3])
+def test_the_payload_a_deadline_expects_is_the_payload_an_all_reduce_moves(n, codec, wire):
+    """A deadline is margin x expected bytes / measured rate, and a rate is what a member sent
+    plus received over the seconds it took: the estimate must count the same bytes, or every
+    deadline is a fraction of what its margin says."""
+
+    async def main():
+        peers = await start_peers(n)
+        try:
+            _, reports = await allreduce(peers, [torch.randn(48_000) for _ in range(n)], [1.0] * n, codec=codec)
+        finally:
+            await stop_peers(peers)
+        expected = expected_payload_bytes(48_000, n, wire)
+        for report in reports:
+            moved = report.bytes_sent + report.bytes_received
+            assert 0.9 * expected <= moved <= 1.1 * expected, (moved, expected)
 
     run(main())
 

@@ -5,9 +5,9 @@ import time
 from collections import Counter
 from collections.abc import Callable
 
-import hivemind
 import pytest
 import torch
+from dht_harness import ready_dht
 from hivemind.utils import get_dht_time
 
 from dtnode.ops.ordered_mean import ordered_weighted_mean, sum_weights
@@ -240,14 +240,25 @@ def test_deadlines_follow_measurements_within_bounds():
     assert d.allreduce_timeout(10**11) == 60.0
     assert d.later_hop_window(10**9) == pytest.approx(15.0 + 31.0)  # its peers may still be in that all-reduce
     assert expected_payload_bytes(1000, 1, WireFormat(Compression.INT8, 256)) == 0
-    assert expected_payload_bytes(1000, 2, WireFormat(Compression.FP32, 256)) == 4000
+    # 500 values out and 500 in, then 500 results each way: as the measured rates count them
+    assert expected_payload_bytes(1000, 2, WireFormat(Compression.FP32, 256)) == 8000
     # a sparse round moves about 0.03 bytes per value out and at most a union's worth back
     assert 0 < expected_payload_bytes(4096 * 100, 4, WireFormat(Compression.SPARSE, 4096, 64)) < 0.2 * 4096 * 100
 
 
+def test_a_later_hop_of_an_uneven_grid_gives_its_all_reduce_time_for_a_group_mate_covering_two_cells():
+    from dtnode.peers.averager import hop_load
+
+    assert hop_load(1, 0, 5, 2, 3) == 1  # hop 0: every peer stands in its own cell only
+    assert hop_load(1, 1, 8, 2, 3) == 1  # a full 2x2x2 grid: nobody covers two cells
+    assert hop_load(1, 2, 5, 2, 3) == 2  # 5 peers on 8 cells: a group-mate may carry two groups
+    assert hop_load(3, 1, 5, 2, 3) == 3  # this node's own three slots
+    assert hop_load(3, 1, 8, 2, 3) == 3
+
+
 @pytest.fixture(scope="module")
 def dht():
-    node = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    node = ready_dht(host_maddrs=["/ip4/127.0.0.1/tcp/0"])
     yield node
     node.shutdown()
 
@@ -590,8 +601,7 @@ def test_nobody_writes_another_peers_registration_or_member_list(tmp_path):
         P2P.generate_identity(str(path))
         validators.append(RSASignatureValidator(identity_key(path)))
         dhts.append(
-            hivemind.DHT(
-                start=True,
+            ready_dht(
                 host_maddrs=["/ip4/127.0.0.1/tcp/0"],
                 initial_peers=[str(a) for a in dhts[0].get_visible_maddrs()] if dhts else [],
                 identity_path=str(path),
