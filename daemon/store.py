@@ -176,6 +176,8 @@ class CheckpointStore:
             return
         self.files[step] = info
         self._served.append((step, info.sha256))
+        if not local:  # the operator's counterpart of "serving checkpoint N from memory" (θ_g on a GPU)
+            log.info("wrote checkpoint %d on demand, for a peer catching up", step)
         await self.prune()
 
     def _live(self, step: int, theta_g: torch.Tensor, momentum: torch.Tensor) -> MemoryCheckpoint:

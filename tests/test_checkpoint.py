@@ -236,12 +236,14 @@ def test_stale_temp_files_are_swept_by_age_and_owner_even_under_pid_1(tmp_path):
 
 
 def test_the_store_writes_theta_g_in_place_and_an_outer_step_during_the_write_keeps_the_file_whole(
-    tmp_path, monkeypatch
+    tmp_path, monkeypatch, caplog
 ):
     """The node's own checkpoint writes (CPU): θ_g and the momentum are read in place by the I/O
     thread, and an outer step (under the worker's lock) during the write makes the store hand the
-    writer copies first: the file is the step's θ_g, the node's θ_g is the next one."""
+    writer copies first: the file is the step's θ_g, the node's θ_g is the next one. A write on
+    demand (for a joiner; a GPU node's way of serving the current step) says so in the log."""
     import asyncio
+    import logging
 
     from dtnode.daemon import memory_checkpoint
     from dtnode.daemon.memory_checkpoint import MemoryCheckpoint
@@ -274,6 +276,7 @@ def test_the_store_writes_theta_g_in_place_and_an_outer_step_during_the_write_ke
             yield piece
 
     monkeypatch.setattr(MemoryCheckpoint, "pieces", outer_step_midway)
+    caplog.set_level(logging.INFO, logger="dtnode")
     try:
         asyncio.run(store.write(local=False))
     finally:
@@ -283,6 +286,7 @@ def test_the_store_writes_theta_g_in_place_and_an_outer_step_during_the_write_ke
     written = read_checkpoint(store.files[3].path, worker.layout, "r", "h")
     assert torch.equal(written.theta_g, before) and torch.equal(replica.theta_g, before + 1.0)
     assert not list(store._writing)  # the write let go of what it read
+    assert "wrote checkpoint 3 on demand" in caplog.text
 
 
 @pytest.mark.parametrize("kernel", ["fused", "capturable", "foreach"])

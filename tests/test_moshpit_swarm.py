@@ -7,7 +7,7 @@ import time
 
 import pytest
 import torch
-from nodes import FAST, NodeProcess, theta, wait_until
+from nodes import FAST, NodeProcess, step_floor, theta, wait_until
 
 # nine nodes and their nine p2pd daemons on CI's 2 cores starve one another for seconds: the
 # adaptive all-reduce deadline's floor (3 s by default, a tiny model's transfer being quick) made
@@ -26,13 +26,13 @@ GRID = [
 PAIRS = [*FAST, "--target-group-size", "2", "--allreduce-timeout", "10", "--matchmaking-window", "6"]
 
 
-def _start(tmp_path, cleanup, n: int, *extra: str) -> list[NodeProcess]:
-    first = NodeProcess.join("n0", tmp_path, *GRID, "--min-peers", str(n), *extra)
+def _start(tmp_path, cleanup, n: int, *extra: str, env: dict[str, str] | None = None) -> list[NodeProcess]:
+    first = NodeProcess.join("n0", tmp_path, *GRID, "--min-peers", str(n), *extra, env=env)
     cleanup.append(first)
     address = first.join_address
     nodes = [first]
     for i in range(1, n):
-        node = NodeProcess.join(f"n{i}", tmp_path, *GRID, "--min-peers", str(n), "--peer", address, *extra)
+        node = NodeProcess.join(f"n{i}", tmp_path, *GRID, "--min-peers", str(n), "--peer", address, *extra, env=env)
         cleanup.append(node)
         nodes.append(node)
     return nodes
@@ -72,7 +72,8 @@ def test_a_stalled_peer_costs_the_others_one_bounded_round_and_catches_up(tmp_pa
     """SIGSTOP one of four nodes (groups of up to three) while it is matchmaking: the others finish that outer step
     without it (their windows and all-reduce deadlines bound the wait); after SIGCONT the
     stalled node catches up (resync or the next step) and averages with the others again."""
-    nodes = _start(tmp_path, cleanup, 4, "--max-rounds", "12")
+    # rounds of at least 1.2 s, a GPU host's too: the others must not end all 12 rounds during the stall
+    nodes = _start(tmp_path, cleanup, 4, "--max-rounds", "12", env=step_floor(0.08))
     stalled, others = nodes[-1], nodes[:-1]
     stalled.wait_for_round(lambda r: r["round"] >= 1, timeout=180)
     status = wait_until(lambda: (s := stalled.status()) and s["state"] == "averaging" and s, 120, "averaging")
