@@ -167,10 +167,8 @@ class MoshpitAverager:
             window = (
                 self.deadlines.matchmaking_window
                 if hop == 0
-                else self.deadlines.later_hop_window(
-                    # groups hold about M members, uneven cells up to twice that (a sparse
-                    # mean's payload grows with its members)
-                    expected_payload_bytes(chains[0].values.numel(), 2 * side, c.wire, hop - 1)
+                else later_hop_window(
+                    self.deadlines, chains[0].values.numel(), c.wire, hop, len(population), side, dims
                 )
             )
             if hop == 0:
@@ -450,6 +448,19 @@ def hop_load(slots: int, hop: int, population: int, side: int, dims: int) -> int
     split over which parts it averaged (a 5-node `small` swarm in pairs on 2 cores)."""
     uneven = population != side**dims
     return max(slots, 2 if hop > 0 and uneven else 1)
+
+
+def later_hop_window(
+    deadlines: AdaptiveDeadlines, numel: int, wire: WireFormat, hop: int, population: int, side: int, dims: int
+) -> float:
+    """The matchmaking window of hop `hop` > 0: the full window, and the all-reduce deadline of
+    the hop before as its slowest member had it, since peers on their way may still be in it.
+    Groups hold about `side` members, uneven cells up to twice that (a sparse mean's payload
+    grows with its members); and a member that stood in two cells there ran two all-reduces on
+    a deadline for both (`hop_load`), which this node cannot see: its window counts that load."""
+    previous = hop - 1
+    load = hop_load(1, previous, population, side, dims)
+    return deadlines.later_hop_window(load * expected_payload_bytes(numel, 2 * side, wire, previous))
 
 
 def next_chains(

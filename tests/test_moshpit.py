@@ -256,6 +256,21 @@ def test_a_later_hop_of_an_uneven_grid_gives_its_all_reduce_time_for_a_group_mat
     assert hop_load(3, 1, 8, 2, 3) == 3
 
 
+def test_a_later_hop_waits_for_peers_still_in_the_two_all_reduces_a_group_mate_covered_the_hop_before():
+    """Hop 2 of 5 peers on a 2x2x2 grid: a peer on its way may have covered two cells in hop 1,
+    on a deadline for both; the window waits that long. Hop 1 follows hop 0, where nobody
+    covers two cells, and a full grid has no such peer."""
+    from dtnode.peers.averager import later_hop_window
+
+    d = AdaptiveDeadlines(window_min=1.0, window_max=15.0, timeout_min=3.0, timeout_max=600.0)
+    d.observe_allreduce(10**6, 1.0, ok=True)  # 1 MB/s
+    numel, wire = 10**6, WireFormat(Compression.FP32, 256)
+    one = expected_payload_bytes(numel, 4, wire, 1)  # a group of up to 2 x side members
+    assert later_hop_window(d, numel, wire, 2, 5, 2, 3) == pytest.approx(15.0 + 3 * 2 * one / 10**6 + 1.0)
+    assert later_hop_window(d, numel, wire, 2, 8, 2, 3) == pytest.approx(15.0 + 3 * one / 10**6 + 1.0)
+    assert later_hop_window(d, numel, wire, 1, 5, 2, 3) == pytest.approx(15.0 + 3 * one / 10**6 + 1.0)
+
+
 @pytest.fixture(scope="module")
 def dht():
     node = ready_dht(host_maddrs=["/ip4/127.0.0.1/tcp/0"])
