@@ -40,6 +40,7 @@ class MarkovLanguage:
         self.transitions = transitions
         self.cumulative = transitions.cumsum(1).float()
         self.cumulative[:, -1] = 1.0
+        self._level_values, self._level_tokens = _levels(self.cumulative.numpy())
         # the chain's long-run distribution: the uniform one after 2**11 steps, by squaring the
         # transition matrix 11 times. Not 2000 vector-matrix products: each is a tiny parallel
         # op, and where a host's processes outnumber its cores (a test's swarm on 2 cores) their
@@ -58,16 +59,40 @@ class MarkovLanguage:
         return float((self.stationary * row_entropy).sum())
 
     def sample(self, batch: int, length: int, gen: torch.Generator) -> torch.Tensor:
-        tokens = torch.empty(batch, length, dtype=torch.int64)
-        tokens[:, 0] = torch.multinomial(self.stationary.float(), batch, replacement=True, generator=gen)
-        draws = torch.rand(length, batch, 1, generator=gen)
+        """`batch` sequences of `length` tokens. Token t+1 is the first token whose cumulative
+        probability after token t reaches a uniform draw, found among the few places where that
+        row of the cumulative table rises (`_levels`) rather than in the whole row: the same
+        tokens as a search of the whole row (a test holds them equal), at 4-5x the speed. On a
+        GPU host this sampling, one position at a time, is the trainer's CPU work between steps."""
+        tokens = np.empty((length, batch), dtype=np.int64)
+        tokens[0] = torch.multinomial(self.stationary.float(), batch, replacement=True, generator=gen).numpy()
+        draws = torch.rand(length, batch, 1, generator=gen).numpy()
+        values, levels = self._level_values, self._level_tokens
         for t in range(1, length):
-            rows = self.cumulative[tokens[:, t - 1]]
-            tokens[:, t] = torch.searchsorted(rows, draws[t]).squeeze(1).clamp_max(self.vocab_size - 1)
-        return tokens
+            previous = tokens[t - 1]
+            rank = (values[previous] < draws[t]).sum(1)  # levels below the draw: the first one reaching it
+            tokens[t] = levels[previous, rank]
+        return torch.from_numpy(np.ascontiguousarray(tokens.T))
 
     def eval_set(self, count: int, length: int, run_id: str) -> torch.Tensor:
         return self.sample(count, length, torch.Generator().manual_seed(stable_seed(run_id, "eval")))
+
+
+def _levels(cumulative: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Each row of a cumulative table as its levels: the values it takes and the first token of
+    each (token 0, and every token where the row rises), padded with 2.0, which no draw in [0, 1)
+    exceeds. The first token whose value reaches a draw is the first token of the first level
+    that does: `levels[rank]`, where rank counts the levels below the draw."""
+    rises = np.ones_like(cumulative, dtype=bool)
+    rises[:, 1:] = cumulative[:, 1:] > cumulative[:, :-1]
+    width = int(rises.sum(1).max())
+    values = np.full((len(cumulative), width), 2.0, dtype=cumulative.dtype)
+    tokens = np.zeros((len(cumulative), width), dtype=np.int64)
+    for state, row in enumerate(rises):
+        starts = np.flatnonzero(row)
+        values[state, : len(starts)] = cumulative[state, starts]
+        tokens[state, : len(starts)] = starts
+    return values, tokens
 
 
 Source = MarkovLanguage | TokenCorpus

@@ -20,6 +20,41 @@ def test_markov_floor_is_the_empirical_cross_entropy():
     assert 0.5 < lang.entropy_rate < math.log(256)
 
 
+def _sample_by_searching_whole_rows(lang: MarkovLanguage, batch: int, length: int, gen: torch.Generator):
+    """The sampler as it was: a search of the whole cumulative row for every token."""
+    tokens = torch.empty(batch, length, dtype=torch.int64)
+    tokens[:, 0] = torch.multinomial(lang.stationary.float(), batch, replacement=True, generator=gen)
+    draws = torch.rand(length, batch, 1, generator=gen)
+    for t in range(1, length):
+        rows = lang.cumulative[tokens[:, t - 1]]
+        tokens[:, t] = torch.searchsorted(rows, draws[t]).squeeze(1).clamp_max(lang.vocab_size - 1)
+    return tokens
+
+
+@pytest.mark.parametrize("seed", [0, 1, 7])
+def test_the_sampler_draws_the_tokens_a_search_of_the_whole_row_draws(seed, monkeypatch):
+    """The levels sampler is an optimisation only: every peer's batches, the eval set and a
+    resumed data position stay what they were, token for token. Also at the draws that land on
+    a row's edges (0.0, a level's value exactly, and just under 1.0, where float32 rounding
+    leaves the row's last successor below the draw), which a few draws in a batch hit."""
+    lang = MarkovLanguage(seed=seed)
+    for batch, length, draw_seed in ((16, 1025, 0), (3, 40, 5), (64, 33, 9)):
+        new = lang.sample(batch, length, torch.Generator().manual_seed(draw_seed))
+        old = _sample_by_searching_whole_rows(lang, batch, length, torch.Generator().manual_seed(draw_seed))
+        assert torch.equal(new, old)
+    edges = torch.tensor([0.0, float(lang.cumulative[5][lang.cumulative[5] > 0][0]), 1.0 - 2**-24, 0.5])
+    real_rand = torch.rand
+
+    def edge_draws(*shape, generator=None):
+        return edges[torch.randint(len(edges), shape, generator=generator)]
+
+    monkeypatch.setattr(torch, "rand", edge_draws)
+    new = lang.sample(32, 200, torch.Generator().manual_seed(3))
+    old = _sample_by_searching_whole_rows(lang, 32, 200, torch.Generator().manual_seed(3))
+    monkeypatch.setattr(torch, "rand", real_rand)
+    assert torch.equal(new, old)
+
+
 def test_peers_draw_different_streams_but_share_the_eval_batch():
     lang = MarkovLanguage(seed=1)
     a = DataStream(DataSources(lang, lang), "run", "peer-a", 4, 16)
