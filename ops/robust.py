@@ -57,8 +57,8 @@ def trimmed_mean(
     if not bool(torch.isfinite(stacked).all()):
         raise ValueError("non-finite values")
     if weights is None:
-        kept = stacked.sort(dim=0).values[trim : n - trim] if trim else stacked
-        return torch.mean(kept, dim=0, out=out) if out is not None else kept.mean(dim=0)
+        kept = stacked.sort(dim=0).values[trim : n - trim]
+        return _exact_where_equal(kept, kept.mean(dim=0), out)
     if weights.shape != (n,) or not bool((weights > 0).all()) or not bool(torch.isfinite(weights).all()):
         raise ValueError("need one finite, positive weight per contributor")
     # rows by weight, then a stable sort by value: each coordinate's values in (value, weight)
@@ -67,6 +67,16 @@ def trimmed_mean(
     by_weight = torch.argsort(weights, stable=True)
     stacked, weights = stacked[by_weight], weights[by_weight]
     ordered, order = stacked.sort(dim=0, stable=True)
+    kept = ordered[trim : n - trim]
     w = weights.to(stacked.dtype)[order[trim : n - trim]]  # each kept value's sender's weight
-    total = (ordered[trim : n - trim] * w).sum(dim=0).div_(w.sum(dim=0))
-    return out.copy_(total) if out is not None else total
+    return _exact_where_equal(kept, (kept * w).sum(dim=0).div_(w.sum(dim=0)), out)
+
+
+def _exact_where_equal(kept: torch.Tensor, mean: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    """`mean`, except where every kept value of a coordinate is one value: that value, bit for
+    bit (w·x/w, or (x+x+x)/3, is not always x in fp32). A group whose members all brought the
+    same mean (a later hop of an uneven grid) then holds it as a peer alone with it does, and
+    the swarm keeps one θ_g; the plain mean does the same (ops/ordered_mean.py). `kept` is
+    sorted along dim 0, so its first and last rows are equal exactly where all rows are."""
+    exact = torch.where(kept[0] == kept[-1], kept[0], mean)
+    return out.copy_(exact) if out is not None else exact

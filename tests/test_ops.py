@@ -286,6 +286,30 @@ def test_the_median_aggregation_is_the_trimmed_mean_trimmed_as_far_as_it_goes():
     assert float(trimmed_mean(four, trim_count(4, MEDIAN_FRACTION))) == 3.0  # the two middle values
 
 
+def test_a_trimmed_mean_of_equal_values_is_that_value_bit_for_bit():
+    """A later hop of an uneven grid under --aggregation trimmed-mean or median: a group whose
+    members all brought the same mean must hold its bits, as a peer alone with it does, or the
+    swarm's θ_g splits and re-syncs. w·x/w (and (x+x+x)/3) is not always x in fp32."""
+    from dtnode.ops.robust import trimmed_mean
+
+    x = torch.randn(100_000, generator=torch.Generator().manual_seed(3))
+    weights = torch.tensor([1664.0, 1664.0, 3.0])
+    kept = torch.stack([x, x])
+    w = weights[:2, None]
+    assert not torch.equal((kept * w).sum(0) / w.sum(0), x)  # the general formula loses bits here
+    assert not torch.equal(torch.stack([x, x, x]).mean(0), x)
+    for trim, rows in ((0, 2), (1, 3)):
+        stacked = torch.stack([x] * rows)
+        assert torch.equal(trimmed_mean(stacked, trim, weights=weights[:rows]), x)
+        assert torch.equal(trimmed_mean(stacked, trim), x)
+    # a coordinate whose kept values differ is still their weighted mean; an outlier is trimmed
+    y = x.clone()
+    y[:10] += 1.0
+    mixed = trimmed_mean(torch.stack([x, y, x + 1e6, x - 1e6]), 1, weights=torch.tensor([1664.0, 1664.0, 3.0, 3.0]))
+    assert torch.equal(mixed[10:], x[10:])
+    torch.testing.assert_close(mixed[:10], x[:10] + 0.5)
+
+
 def test_an_ordered_weighted_mean_has_the_same_bits_for_every_order_of_its_rows():
     """What lets two moshpit groups that reduce the same contributions agree bit for bit."""
     import itertools
