@@ -77,6 +77,8 @@ def _exact_where_equal(kept: torch.Tensor, mean: torch.Tensor, out: torch.Tensor
     bit (w·x/w, or (x+x+x)/3, is not always x in fp32). A group whose members all brought the
     same mean (a later hop of an uneven grid) then holds it as a peer alone with it does, and
     the swarm keeps one θ_g; the plain mean does the same (ops/ordered_mean.py). `kept` is
-    sorted along dim 0, so its first and last rows are equal exactly where all rows are."""
-    exact = torch.where(kept[0] == kept[-1], kept[0], mean)
+    sorted along dim 0, so its first and last rows are equal exactly where all rows are. Zeros
+    keep the sum's rule: -0.0 == 0.0, and which of them a sort puts first depends on the rows'
+    order, which the sum's result (0.0 from any mix) does not."""
+    exact = torch.where((kept[0] == kept[-1]) & (kept[0] != 0), kept[0], mean)
     return out.copy_(exact) if out is not None else exact

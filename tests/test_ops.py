@@ -302,6 +302,11 @@ def test_a_trimmed_mean_of_equal_values_is_that_value_bit_for_bit():
         stacked = torch.stack([x] * rows)
         assert torch.equal(trimmed_mean(stacked, trim, weights=weights[:rows]), x)
         assert torch.equal(trimmed_mean(stacked, trim), x)
+    # zeros of either sign: +0.0 from any mix, whatever the rows' order
+    signed = torch.tensor([[-0.0], [0.0], [0.0]])
+    for rows in (signed, signed.flip(0)):
+        assert trimmed_mean(rows, 0, weights=torch.ones(3)).item() == 0.0
+        assert not torch.signbit(trimmed_mean(rows, 0, weights=torch.ones(3))).any()
     # a coordinate whose kept values differ is still their weighted mean; an outlier is trimmed
     y = x.clone()
     y[:10] += 1.0
