@@ -334,7 +334,7 @@ class MoshpitAverager:
         theta_out: torch.Tensor | None,
         feedback: Feedback | None,
         report: HopReport,
-        load: int = 1,
+        load: int,
     ) -> AllReduceReport | None:
         """All-reduce Δ (and θ_g when the group re-syncs) in one group; counts into `report`.
         Its deadline allows for `load` all-reduces of this size at once."""
