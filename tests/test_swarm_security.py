@@ -269,9 +269,15 @@ def test_a_member_forcing_a_1e12_weight_resync_cannot_replace_theta(tmp_path, cl
         assert node.wait(180) == 0, node.output
         assert "Traceback" not in node.output, node.output
     attacker.stop()
-    resynced = [r for r in a.rounds if r["round"] >= 1]
-    assert resynced and all(r["groups"][0][0] == 3 for r in resynced), resynced  # the attacker was in every group
-    assert "is above the 1 its registration announced" in a.output + b.output  # its 1e12 θ_g streams refused
+    # the attacker was in the groups of rounds 1 and 2, and each honest node refused its 1e12 θ_g
+    # streams there. Round 3 it may sit out: the outer step of round 2 leaves its own θ_g (x1000 where
+    # the re-sync refused it) so large that its first inner step of round 3 gives a NaN loss, and
+    # whether its retry of the round gets back into the group with 0 steps or fails again on a
+    # non-finite Δ is a race of its own
+    attacked = [r for r in a.rounds if r["round"] in (1, 2)]
+    assert len(attacked) == 2 and all(r["groups"][0][0] == 3 for r in attacked), attacked
+    for node in (a, b):
+        assert node.output.count("is above the 1 its registration announced") >= 2, node.output
     last = max(r["step"] for r in a.rounds)
     first, final = theta(a.state_dir, 1), theta(a.state_dir, last)
     assert float(final.norm()) < 2 * float(first.norm()), (float(first.norm()), float(final.norm()))
