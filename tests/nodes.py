@@ -110,6 +110,8 @@ class NodeProcess:
         # DTNODE_TEST_LOG_DIR keeps every node's whole log, for reading after a run (tests/bench/gpu.sh
         # counts the tracebacks in them): a test shows a node's output only when it fails.
         log_dir = os.environ.get("DTNODE_TEST_LOG_DIR")
+        if log_dir:  # made here: a directory that is not there would kill this reader, and the test with it
+            Path(log_dir).mkdir(parents=True, exist_ok=True)
         log = open(Path(log_dir) / f"{self.name}-{self.proc.pid}.log", "w", buffering=1) if log_dir else None  # noqa: SIM115
         try:
             for line in self.proc.stdout:
