@@ -201,7 +201,9 @@ class RoundLoop:
                     reason,
                     e,
                     outer,
-                    exc_info=None if isinstance(e, LocalRankFailure) else e,  # a known cause, said in full
+                    # a known cause, said in full by its message: a rank that died, or a non-finite
+                    # loss or Δ (whose call path is always the same and tells an operator nothing)
+                    exc_info=None if isinstance(e, (LocalRankFailure, FloatingPointError)) else e,
                 )
             self.needs_resync = True
             self.state.enter_round(outer + (1 if self.landing.in_flight else 0), outer)

@@ -224,9 +224,11 @@ class NodeProcess:
 
     def wait(self, timeout: float) -> int:
         try:
-            return self.proc.wait(timeout)
+            code = self.proc.wait(timeout)
         except subprocess.TimeoutExpired:
             raise AssertionError(f"{self.name} did not exit in {timeout}s; output:\n{self.output}") from None
+        self._reader.join(10)  # its last lines are read: `output` is whole once the process exited
+        return code
 
     def stop(self, sig: int = signal.SIGTERM) -> None:
         if self.proc.poll() is None:
