@@ -147,7 +147,8 @@ class NodeMetrics:
         self.stream_retries = Counter(
             "dtnode_stream_retries",
             "Streams to a reducer that broke before any result "
-            "came back (a reset, or bytes altered on the path) "
+            "came back (a reset, or bytes altered on the path), "
+            "or that found the group not formed there yet (failed_precondition), "
             "and were sent again, by error",
             ["reason"],
             registry=r,

@@ -208,6 +208,7 @@ class MoshpitAverager:
                 round(window, 3),
                 extra_groups=len(chains) - 1,
             )
+            self.registry.hop_begins(self.config.run_id, round_no, hop, len(chains))
             done = await asyncio.gather(
                 *(self._run_slot(hop_ctx, chain, out, report) for chain, out in zip(chains, outputs, strict=True))
             )
@@ -338,9 +339,10 @@ class MoshpitAverager:
     ) -> AllReduceReport | None:
         """All-reduce Δ (and θ_g when the group re-syncs) in one group; counts into `report`.
         Its deadline allows for `load` all-reduces of this size at once."""
-        if len(group.members) <= 1:
-            return None
         c = self.config
+        if len(group.members) <= 1:
+            self.registry.slot_settled(c.run_id, round_no, hop, None)
+            return None
         expected = expected_payload_bytes(values.numel(), len(group.members), c.wire, hop)
         timeout = self.deadlines.allreduce_timeout(load * expected)
         log.debug(
@@ -365,6 +367,7 @@ class MoshpitAverager:
             key=group.key,
             top_k=c.wire.plan_top_k,
         )
+        self.registry.slot_settled(c.run_id, round_no, hop, plan.group_id)  # before its reduction registers
         result = await butterfly_allreduce(
             plan,
             self.peer_id,

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 import grpc
 import torch
-from tenacity import AsyncRetrying, RetryCallState, retry_if_exception, stop_after_attempt
+from tenacity import AsyncRetrying, RetryCallState, retry_if_exception
 
 from dtnode.ops import sparse
 from dtnode.ops.coded import CodedDelta, CodedSlice
@@ -207,6 +207,12 @@ def _assign(target: torch.Tensor | CodedSlice, source: torch.Tensor | CodedSlice
 STREAM_ATTEMPTS = 2  # a stream that broke before any result came back is sent once more
 RETRIABLE = ("UNAVAILABLE", "INTERNAL")  # transport failures (gRPC core reports a refused TLS record as INTERNAL)
 RETRY_TIME_LEFT = 0.3  # a stream is sent again only with this share of the timeout still left
+# A reducer that has not formed our group within its registration wait says FAILED_PRECONDITION:
+# it may still be reading the group's list (a DHT poll takes seconds on a loaded host) or be in
+# the hop before, and then it waits for our stream until its deadline. So we ask again, paused,
+# while time is left; one that formed other groups says NOT_FOUND instead (`ReductionRegistry`).
+NOT_YET = "FAILED_PRECONDITION"
+NOT_YET_PAUSE_S = 0.5
 REDUCER_SHARE = 0.8  # a reducer stops waiting for senders here, leaving the rest to stream the result back
 RESULTS_FLUSH_S = 1.0  # a reducer waits this long for its last result chunks to leave before counting them
 
@@ -315,6 +321,11 @@ async def butterfly_allreduce(
     me = plan.index_of(own_id)
     report = AllReduceReport(parts=[])
     limit = norm_limit(plan, own_id, trim_fraction is not None)
+    # members whose reducer said it formed other groups (NOT_FOUND): they send nothing to our
+    # part either, so our reduction stops waiting for them at once instead of at its deadline
+    # (where, holding the others' chunks, it would drop them too)
+    elsewhere: set[str] = set()
+    own_reduction: list[PartReduction] = []
 
     async def reduce_own_part() -> PartOutcome:
         offset, length = plan.parts[me]
@@ -338,6 +349,9 @@ async def butterfly_allreduce(
         )
         del own  # the reduction holds its own copy: a coded Δ's decoded part goes now
         await registry.register(reduction)
+        own_reduction.append(reduction)
+        for member in sorted(elsewhere):
+            await reduction.fail(member)
         target = out[offset : offset + length]
         result = PartResult(mine, limit, max_drift)  # written over `target` once whole and checked
         try:
@@ -381,24 +395,45 @@ async def butterfly_allreduce(
         target = out[offset : offset + length]
         received = [0]
 
+        broke = [0]  # streams sent again after a transport failure
+
         def send_again(e: BaseException) -> bool:
             """The connection broke before any result came back (a reset, or bytes altered on the
-            path and refused by TLS): a reducer that never saw the stream would otherwise wait
-            for it until its deadline."""
+            path and refused by TLS), or the reducer has not formed the group yet (NOT_YET): a
+            reducer that never saw the stream would otherwise wait for it until its deadline."""
             remaining = timeout - (time.monotonic() - started)
-            return _code(e)[0] in RETRIABLE and not received[0] and remaining > timeout * RETRY_TIME_LEFT
+            code = _code(e)[0]
+            return (code in RETRIABLE or code == NOT_YET) and not received[0] and remaining > timeout * RETRY_TIME_LEFT
+
+        def give_up(state: RetryCallState) -> bool:
+            code = _code(state.outcome.exception() if state.outcome else None)[0]
+            return code != NOT_YET and broke[0] >= STREAM_ATTEMPTS - 1
+
+        def pause(state: RetryCallState) -> float:
+            code = _code(state.outcome.exception() if state.outcome else None)[0]
+            return NOT_YET_PAUSE_S if code == NOT_YET else 0.0
 
         def sending_again(state: RetryCallState) -> None:
             code, detail = _code(state.outcome.exception() if state.outcome else None)
-            log.warning(
-                "round %s hop %s: stream of part %s to reducer %s broke (%s: %s); sending it again",
-                plan.round,
-                plan.hop,
-                part,
-                reducer.peer_id,
-                code,
-                detail,
-            )
+            if code == NOT_YET:
+                log.info(
+                    "round %s hop %s: reducer %s of part %s has not formed the group yet; asking again",
+                    plan.round,
+                    plan.hop,
+                    reducer.peer_id,
+                    part,
+                )
+            else:
+                broke[0] += 1
+                log.warning(
+                    "round %s hop %s: stream of part %s to reducer %s broke (%s: %s); sending it again",
+                    plan.round,
+                    plan.hop,
+                    part,
+                    reducer.peer_id,
+                    code,
+                    detail,
+                )
             report.retried.append(code)
             if mine_residual is not None and residual_before is not None:
                 mine_residual.copy_(residual_before)
@@ -409,7 +444,8 @@ async def butterfly_allreduce(
 
         retrying = AsyncRetrying(
             retry=retry_if_exception(send_again),
-            stop=stop_after_attempt(STREAM_ATTEMPTS),
+            stop=give_up,
+            wait=pause,
             before_sleep=sending_again,
             reraise=True,
         )
@@ -419,6 +455,10 @@ async def butterfly_allreduce(
             code, detail = _code(e)
             if isinstance(e, EncodingError):
                 log.error("round %s hop %s: encoding part %s failed", plan.round, plan.hop, part, exc_info=e.__cause__)
+            if code == "NOT_FOUND":
+                elsewhere.add(reducer.peer_id)
+                for reduction in own_reduction:
+                    await reduction.fail(reducer.peer_id)
             _keep_own(target, mine, mine_residual, residual_before, feedback)  # a failed reducer
             log.warning(
                 "round %s hop %s: part %s from reducer %s failed (%s: %s); keeping own values",

@@ -25,6 +25,7 @@ import logging
 import math
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 
@@ -374,12 +375,48 @@ class PartReduction:
         return sum_weights([self.own_weight, *(self.weights[s] for s in self.committed)])
 
 
+@dataclass
+class _HopGroups:
+    """The groups this node formed in one hop of a round: once every slot of the hop (a peer
+    alone in one hop stands in two classes of the next) has its group, a plan that is not
+    among them is one this node will never reduce for."""
+
+    slots: int
+    settled: int = 0
+    group_ids: set[bytes] = field(default_factory=set)
+
+
 class ReductionRegistry:
     """The reductions this node currently serves, keyed by what a chunk names."""
+
+    KEPT_ROUNDS = 3  # hops of rounds this far behind the newest are forgotten
 
     def __init__(self) -> None:
         self._reductions: dict[tuple, PartReduction] = {}
         self._changed = asyncio.Condition()
+        self._hops: dict[tuple[str, int, int], _HopGroups] = {}
+
+    def hop_begins(self, run_id: str, round: int, hop: int, slots: int) -> None:
+        """This node forms `slots` groups in this hop of Δ's averaging (see `elsewhere`)."""
+        self._hops = {k: v for k, v in self._hops.items() if k[0] == run_id and k[1] > round - self.KEPT_ROUNDS}
+        self._hops[(run_id, round, hop)] = _HopGroups(slots)
+
+    def slot_settled(self, run_id: str, round: int, hop: int, group_id: bytes | None) -> None:
+        """One slot of the hop has its group: the plan's id, or None for a group of one."""
+        groups = self._hops.get((run_id, round, hop))
+        if groups is not None:
+            groups.settled += 1
+            if group_id is not None:
+                groups.group_ids.add(bytes(group_id))
+
+    def elsewhere(self, key: tuple) -> bool:
+        """Whether a sender's plan names a group this node is not in: every slot of that hop
+        has its group here, and none is the plan's. Its view of the group differed from ours
+        (a member it counted in left our view, or the grid's cells fell otherwise), so its
+        members must not wait for this node's slices until their deadline."""
+        run_id, round, hop, group_id, _ = key
+        groups = self._hops.get((run_id, round, hop))
+        return groups is not None and groups.settled >= groups.slots and bytes(group_id) not in groups.group_ids
 
     @staticmethod
     def key(run_id: str, round: int, hop: int, group_id: bytes, part: int) -> tuple:

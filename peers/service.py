@@ -138,7 +138,16 @@ class AveragingService(pb_grpc.AveragingServicer):
                     f"this stream's TLS certificate is not the one peer {first.sender} announces",
                 )
         key = ReductionRegistry.key(first.run_id, first.round, first.hop, first.group_id, first.part)
+        # (waited for even when this node knows it formed other groups: an abort before the
+        # sender's first chunks are written reaches it as INTERNAL, not as this status)
         reduction = await self.registry.lookup(key, self.registration_wait)
+        if reduction is None and self.registry.elsewhere(key):  # the sender stops waiting for this node
+            await _abort(
+                context,
+                grpc.StatusCode.NOT_FOUND,
+                f"this peer is not in the group of round {first.round} hop {first.hop} the sender plans: "
+                "it formed its groups of that hop with other members",
+            )
         if reduction is None:
             await _abort(
                 context,

@@ -12,6 +12,7 @@ from dtnode.ops.quantization import quantize
 from dtnode.peers.butterfly import Feedback, butterfly_allreduce
 from dtnode.peers.deadlines import expected_payload_bytes
 from dtnode.peers.plan import FP32, INT8, SPARSE, Compression, Member, WireFormat, make_plan
+from dtnode.peers.reducer import ReductionRegistry
 from dtnode.peers.wire import chunk_message
 from dtnode.proto import averaging_pb2 as pb
 from dtnode.proto import averaging_pb2_grpc as pb_grpc
@@ -192,6 +193,129 @@ def test_dead_reducer_leaves_own_values_for_its_part():
         assert rel(outs[0][live], exact_mean(values, [1.0, 1.0])[live]) <= INT8_BOUND
 
     run(main())
+
+
+@pytest.mark.parametrize("codec,hop", [(SPARSE, 0), (INT8, 1)])
+def test_a_member_that_formed_other_groups_is_dropped_at_once_and_the_others_average_in_full(codec, hop):
+    """Two members count a third in their group of a hop, but the third formed its groups of
+    that hop with other members (views differ after a pause or a restart, or the grid's cells
+    fell otherwise for it). Its service says so (NOT_FOUND) and each of the two drops it from
+    the part it reduces at once. Before, the two reductions, which hold their senders' chunks
+    here (sparse, and any hop after the first), waited for it until their deadline and then
+    dropped each other as well: every part failed, after most of the timeout (seen in a swarm
+    of 6 `small` nodes with a paused and a restarted one: 51 s in one hop, and two nodes left
+    θ_g). Now the two average their two parts in full, bit for bit alike, well before it."""
+
+    async def main():
+        block = 256
+        numel = 3 * 8 * block  # 8 chunks a part: more than a reduction holds per sender
+        peers = await start_peers(3)
+        plan = make_plan(
+            "test-run",
+            4,
+            hop,
+            [p.member for p in peers],
+            numel,
+            block,
+            block,
+            codec,
+            top_k=16 if codec == SPARSE else 0,
+        )
+        absent = peers[2]
+        absent.registry.hop_begins("test-run", 4, hop, slots=1)
+        absent.registry.slot_settled("test-run", 4, hop, b"its own group")
+        gen = torch.Generator().manual_seed(5)
+        values = [torch.randn(numel, generator=gen) for _ in range(2)]
+        outs = [torch.empty(numel) for _ in range(2)]
+        started = asyncio.get_running_loop().time()
+        try:
+            reports = await asyncio.wait_for(
+                asyncio.gather(
+                    *(
+                        butterfly_allreduce(plan, p.member.peer_id, v, 1.0, o, p.registry, p.channels, timeout=20.0)
+                        for p, v, o in zip(peers, values, outs)
+                    )
+                ),
+                30,
+            )
+        finally:
+            await stop_peers(peers)
+        assert asyncio.get_running_loop().time() - started < 10  # the reducer deadline is at 16 s
+        for r in reports:
+            assert [(p.reducer, p.error.split(":")[0]) for p in r.failed_parts] == [
+                (absent.member.peer_id, "NOT_FOUND")
+            ]
+        offset, length = plan.parts[plan.index_of(absent.member.peer_id)]
+        averaged = torch.ones(numel, dtype=torch.bool)
+        averaged[offset : offset + length] = False
+        assert torch.equal(outs[0][averaged], outs[1][averaged])
+        assert not torch.equal(outs[0][averaged], values[0][averaged])
+
+    run(main())
+
+
+@pytest.mark.parametrize("codec,hop", [(SPARSE, 0), (INT8, 1)])
+def test_a_reducer_that_forms_the_group_after_its_registration_wait_is_asked_again(codec, hop):
+    """A member forms the group seconds after another (it polls the DHT for the group's list,
+    or is still in the hop before): a stream that reached it first is answered "no reduction
+    for this group" after the registration wait (2 s here). Before, the sender kept its own
+    values for that part at once while that reducer, once formed, waited for its stream until
+    the deadline and then returned a mean without it: the two left the round with different
+    values there (seen in a swarm of 6 `small` nodes: a group of round 0 split θ_g four ways).
+    Now the sender asks again while time is left, and the part is averaged in full."""
+
+    async def main():
+        block = 256
+        numel = 2 * 4 * block
+        peers = await start_peers(2)
+        plan = make_plan(
+            "test-run",
+            2,
+            hop,
+            [p.member for p in peers],
+            numel,
+            block,
+            block,
+            codec,
+            top_k=16 if codec == SPARSE else 0,
+        )
+        gen = torch.Generator().manual_seed(6)
+        values = [torch.randn(numel, generator=gen) for _ in range(2)]
+        outs = [torch.empty(numel) for _ in range(2)]
+
+        async def member(i: int, late: float):
+            await asyncio.sleep(late)
+            p = peers[i]
+            return await butterfly_allreduce(
+                plan, p.member.peer_id, values[i], 1.0, outs[i], p.registry, p.channels, 20.0
+            )
+
+        try:
+            reports = await asyncio.wait_for(asyncio.gather(member(0, 0.0), member(1, 4.5)), 30)
+        finally:
+            await stop_peers(peers)
+        assert [r.failed_parts for r in reports] == [[], []]
+        assert "FAILED_PRECONDITION" in reports[0].retried
+        assert torch.equal(outs[0], outs[1]) and not torch.equal(outs[0], values[0])
+
+    run(main())
+
+
+def test_the_registry_says_a_group_is_elsewhere_only_once_every_slot_of_the_hop_has_its_group():
+    """A peer that stands in two classes of a hop forms two groups, one after the other: until
+    both are formed, a plan it does not know yet may still be one of them."""
+    registry = ReductionRegistry()
+    other = ReductionRegistry.key("run", 7, 1, b"other", 0)
+    mine = ReductionRegistry.key("run", 7, 1, b"mine", 0)
+    assert not registry.elsewhere(other)  # the hop has not begun here
+    registry.hop_begins("run", 7, 1, slots=2)
+    registry.slot_settled("run", 7, 1, b"mine")
+    assert not registry.elsewhere(other)  # the second slot is still forming
+    registry.slot_settled("run", 7, 1, None)  # a group of one
+    assert registry.elsewhere(other) and not registry.elsewhere(mine)
+    assert not registry.elsewhere(ReductionRegistry.key("run", 7, 3, b"other", 0))  # θ_g's re-sync hop, or another
+    registry.hop_begins("run", 7 + ReductionRegistry.KEPT_ROUNDS, 0, slots=1)
+    assert not registry.elsewhere(other)  # forgotten with its round
 
 
 def test_a_mean_that_cannot_be_finished_fails_its_part_at_once_and_everyone_keeps_own_values():
