@@ -195,6 +195,29 @@ def test_dead_reducer_leaves_own_values_for_its_part():
     run(main())
 
 
+def _plan_of_chunks(peers, round_no, hop, codec, chunks_per_part, block=256):
+    """A plan of these peers whose parts are `chunks_per_part` chunks of one block each."""
+    members = [p.member for p in peers]
+    numel = len(members) * chunks_per_part * block
+    return make_plan("test-run", round_no, hop, members, numel, block, block, codec, top_k=16 if codec == SPARSE else 0)
+
+
+async def _each_member_then_stop(plan, peers, values, outs, timeout=20.0):
+    """Every peer that has values (the first len(values)) all-reduces them at once; then the peers stop."""
+    try:
+        return await asyncio.wait_for(
+            asyncio.gather(
+                *(
+                    butterfly_allreduce(plan, p.member.peer_id, v, 1.0, o, p.registry, p.channels, timeout=timeout)
+                    for p, v, o in zip(peers, values, outs)
+                )
+            ),
+            timeout + 10,
+        )
+    finally:
+        await stop_peers(peers)
+
+
 @pytest.mark.parametrize("codec,hop", [(SPARSE, 0), (INT8, 1)])
 def test_a_member_that_formed_other_groups_is_dropped_at_once_and_the_others_average_in_full(codec, hop):
     """Two members count a third in their group of a hop, but the third formed its groups of
@@ -207,20 +230,9 @@ def test_a_member_that_formed_other_groups_is_dropped_at_once_and_the_others_ave
     θ_g). Now the two average their two parts in full, bit for bit alike, well before it."""
 
     async def main():
-        block = 256
-        numel = 3 * 8 * block  # 8 chunks a part: more than a reduction holds per sender
         peers = await start_peers(3)
-        plan = make_plan(
-            "test-run",
-            4,
-            hop,
-            [p.member for p in peers],
-            numel,
-            block,
-            block,
-            codec,
-            top_k=16 if codec == SPARSE else 0,
-        )
+        plan = _plan_of_chunks(peers, 4, hop, codec, chunks_per_part=8)  # more than a reduction holds per sender
+        numel = plan.numel
         absent = peers[2]
         absent.registry.hop_begins("test-run", 4, hop, slots=1)
         absent.registry.slot_settled("test-run", 4, hop, b"its own group")
@@ -228,18 +240,7 @@ def test_a_member_that_formed_other_groups_is_dropped_at_once_and_the_others_ave
         values = [torch.randn(numel, generator=gen) for _ in range(2)]
         outs = [torch.empty(numel) for _ in range(2)]
         started = asyncio.get_running_loop().time()
-        try:
-            reports = await asyncio.wait_for(
-                asyncio.gather(
-                    *(
-                        butterfly_allreduce(plan, p.member.peer_id, v, 1.0, o, p.registry, p.channels, timeout=20.0)
-                        for p, v, o in zip(peers, values, outs)
-                    )
-                ),
-                30,
-            )
-        finally:
-            await stop_peers(peers)
+        reports = await _each_member_then_stop(plan, peers, values, outs)
         assert asyncio.get_running_loop().time() - started < 10  # the reducer deadline is at 16 s
         for r in reports:
             assert [(p.reducer, p.error.split(":")[0]) for p in r.failed_parts] == [
@@ -265,20 +266,9 @@ def test_a_reducer_that_forms_the_group_after_its_registration_wait_is_asked_aga
     Now the sender asks again while time is left, and the part is averaged in full."""
 
     async def main():
-        block = 256
-        numel = 2 * 4 * block
         peers = await start_peers(2)
-        plan = make_plan(
-            "test-run",
-            2,
-            hop,
-            [p.member for p in peers],
-            numel,
-            block,
-            block,
-            codec,
-            top_k=16 if codec == SPARSE else 0,
-        )
+        plan = _plan_of_chunks(peers, 2, hop, codec, chunks_per_part=4)
+        numel = plan.numel
         gen = torch.Generator().manual_seed(6)
         values = [torch.randn(numel, generator=gen) for _ in range(2)]
         outs = [torch.empty(numel) for _ in range(2)]
@@ -331,18 +321,7 @@ def test_a_mean_that_cannot_be_finished_fails_its_part_at_once_and_everyone_keep
         values[0][offset + 5] = float("inf")  # in the part peer00 reduces
         outs = [torch.empty(9_000) for _ in range(3)]
         started = asyncio.get_running_loop().time()
-        try:
-            reports = await asyncio.wait_for(
-                asyncio.gather(
-                    *(
-                        butterfly_allreduce(plan, p.member.peer_id, v, 1.0, o, p.registry, p.channels, timeout=20.0)
-                        for p, v, o in zip(peers, values, outs)
-                    )
-                ),
-                30,
-            )
-        finally:
-            await stop_peers(peers)
+        reports = await _each_member_then_stop(plan, peers, values, outs)
         assert asyncio.get_running_loop().time() - started < 10
         for v, o, r in zip(values, outs, reports):
             assert torch.equal(o[offset : offset + length], v[offset : offset + length])
