@@ -149,7 +149,10 @@ def configure_logging(level: str, log_format: str = "human") -> None:
     import dtnode.peers  # noqa: F401  (before any hivemind import: see dtnode.peers)
 
     use_hivemind_log_handler("nowhere")  # hivemind's lines go through this handler too, in the same format
-    for noisy in ("hivemind", "aiohttp.access", "asyncio"):
+    # grpc's own debug lines are about its internals: a "Loaded running loop" per call, and the
+    # traceback of a request iterator cut short when a reducer refused the stream (a refusal this
+    # node logs itself), which read in a --log-level DEBUG run like a bug of ours
+    for noisy in ("hivemind", "aiohttp.access", "asyncio", "grpc"):
         logging.getLogger(noisy).setLevel(max(logging.WARNING, logging.getLevelName(level)))
 
 

@@ -283,3 +283,18 @@ def test_dtnode_local_shares_the_hosts_cores_among_its_nodes_ranks():
     assert threads_per_rank(nodes=3, ranks_per_node=1, cores=2) == 1  # never 0
     assert threads_per_rank(nodes=2, ranks_per_node=1, cores=16) == 8
     assert threads_per_rank(nodes=2, ranks_per_node=2, cores=16) == 4
+
+
+def test_debug_logging_keeps_grpcs_internals_out(monkeypatch):
+    """--log-level DEBUG is for dtnode's own lines: grpc's debug logger wrote a "Loaded running
+    loop" line per call and, after a reducer refused a stream, the traceback of the cut request
+    iterator, which read like a bug of ours in every node's log."""
+    import logging
+
+    from dtnode.daemon.cli import configure_logging
+
+    for name in ("", "grpc", "dtnode", "hivemind", "asyncio", "aiohttp.access"):
+        monkeypatch.setattr(logging.getLogger(name), "level", logging.getLogger(name).level)
+    configure_logging("DEBUG")
+    assert logging.getLogger("grpc").level == logging.WARNING  # and so its children, grpc.aio._call...
+    assert logging.getLogger("dtnode").level == logging.NOTSET  # dtnode's lines follow --log-level
