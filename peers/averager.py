@@ -12,8 +12,9 @@ hop, after a download) says so in its registration; a group in which any member 
 whose members announced different θ_g hashes, also averages θ_g (and the outer momentum,
 when there is one) in fp32 that hop, and its members ask again in the next hops, so the
 re-sync spreads over the grid like the mean of Δ does. The request is anyone's
-to make (a failure is not provable), so the re-sync itself is what is bounded: equal weights,
-the robust rule when one is set, and a drift limit on the result (`THETA_MAX_DRIFT`).
+to make (a failure is not provable), so the re-sync itself is what is bounded: weights of at
+most 1 (each member's share of its previous group's mean, so every previous group counts
+once), the robust rule when one is set, and a drift limit on the result (`THETA_MAX_DRIFT`).
 """
 
 from __future__ import annotations
@@ -63,6 +64,7 @@ FP32_WIRE = WireFormat(Compression.FP32)
 # the outer momentum, and honest momenta legitimately differ by their own size after a failure
 THETA_MAX_DRIFT = 4.0
 MAX_CHAINS = 16  # classes one peer carries through a hop at most (each holds a model-sized buffer)
+LONE_TIMEOUT_S = 1.0  # a group of one streams nothing and serves no late result: its reduction goes at once
 
 
 @dataclass(frozen=True)
@@ -72,6 +74,9 @@ class Chain:
     slot: Slot
     values: torch.Tensor | CodedDelta
     weight: float
+    # the values hold other peers' contributions (a group of two or more made them), so a group
+    # beside this one may hold the same mean: see `recodes_alone`
+    pooled: bool = False
 
 
 @dataclass(frozen=True)
@@ -251,8 +256,9 @@ class MoshpitAverager:
                     chain.slot,
                     out if result is not None else chain.values,
                     result.weight_after(chain.weight) if result is not None else chain.weight,
+                    chain.pooled or len(group.members) > 1,
                 )
-                for chain, out, (_, result, _) in zip(chains, outputs, done)
+                for chain, out, (group, result, _) in zip(chains, outputs, done)
             ]
             chains = next_chains(after, groups, round_no, hop, self.peer_id, side) if hop + 1 < dims else after
         return AveragingResult(chains[0].values, chains[0].weight, hops, theta)
@@ -294,20 +300,28 @@ class MoshpitAverager:
             # once it is whole and checked): no second copy of θ_g and the momentum, 8 bytes per
             # parameter. A node covering extra groups re-syncs in each at once: each has its own
             theta_out = theta_in if h.one_slot else torch.empty_like(theta_in)
-        result = await self._reduce(
-            h.round_no,
-            h.hop,
-            h.hop + h.dims,
-            group,
-            values,
-            weight,
-            out,
-            theta_in,
-            theta_out,
-            h.feedback if slot.primary else None,
-            report,
-            h.load,
-        )
+        feedback = h.feedback if slot.primary else None
+        result: AllReduceReport | None
+        if len(group.members) == 1 and chain.pooled and recodes_alone(self.config):
+            self.registry.slot_settled(self.config.run_id, h.round_no, h.hop, None)
+            result = await as_a_group_of_one(
+                self.config, h.round_no, h.hop, group, values, chain.weight, out, feedback, self.registry, self.channels
+            )
+        else:
+            result = await self._reduce(
+                h.round_no,
+                h.hop,
+                h.hop + h.dims,
+                group,
+                values,
+                weight,
+                out,
+                theta_in,
+                theta_out,
+                feedback,
+                report,
+                h.load,
+            )
         return group, result, theta_out
 
     def _feedback(self, residual: torch.Tensor | None, hop: int) -> Feedback | None:
@@ -397,16 +411,20 @@ class MoshpitAverager:
         report.timeout_s = round(timeout, 3)
         _count_into(report, result)
         if theta is not None and theta_out is not None:
-            # θ_g re-sync: every member counts the same (weight 1, nobody's own word), by the
-            # same rule as Δ (a trimmed mean in robust mode), and a result that moves our θ_g
-            # by more than THETA_MAX_DRIFT x its norm is refused: honest θ_g differ by a few
-            # outer steps at most, so only a hostile member's could move it that far
+            # θ_g re-sync: every previous group counts the same (each member by the share of its
+            # group's mean it brings, at most 1: nobody's own word on tokens; two groups of a
+            # later hop that hold one θ_g from two members at ½ and from one at 1 then weigh it
+            # alike, where weight 1 each split θ_g again), by the same rule as Δ (a trimmed mean
+            # in robust mode), and a result that moves our θ_g by more than THETA_MAX_DRIFT x its
+            # norm is refused: honest θ_g differ by a few outer steps at most, so only a hostile
+            # member's could move it that far
             hostile = failpoints.hostile(round_no) == "hostile-resync"  # a test's attacker
+            own_share = next(m.share for m in group.members if m.peer_id == self.peer_id)
             theta_plan = make_plan(
                 c.run_id,
                 round_no,
                 theta_hop,
-                [replace(m, weight=1.0) for m in group.members],
+                [replace(m, weight=m.share) for m in group.members],
                 theta.numel(),
                 c.wire.block_size,
                 c.chunk_elements,
@@ -417,7 +435,7 @@ class MoshpitAverager:
                 theta_plan,
                 self.peer_id,
                 theta * failpoints.HOSTILE_SCALE if hostile else theta,
-                failpoints.HOSTILE_CLAIM if hostile else 1.0,
+                failpoints.HOSTILE_CLAIM if hostile else own_share,
                 theta_out,
                 self.registry,
                 self.channels,
@@ -432,6 +450,66 @@ class MoshpitAverager:
             report.theta_resync_s = round(sync.seconds, 4)
             _count_into(report, sync)
         return result
+
+
+def recodes_alone(config: AveragingConfig) -> bool:
+    """Whether a member alone in a group, holding a mean that other peers' Δ went into
+    (`Chain.pooled`), must still put it through the group's code.
+
+    From hop 1 on, two groups can hold the same mean: every member of the group that made it
+    carries it on, and views differ, so one class-mate may stand alone with it while others
+    meet in a group beside it. A group returns a mean of one distinct value through its code,
+    bit for bit as a group of one does here. Sparse's later-hop code cuts a mean to its
+    LATER_HOP_WIDTH x k largest values per block, and a group whose members brought different
+    means returns up to their union (3 x 2k from a group of 3): kept whole by a member alone, it
+    left that member's θ_g off the others' (seen in a 6-peer sparse swarm in pairs, about one
+    round in six; sparse mode has no scheduled re-sync to bring it back). int8's and fp32's codes give a group's result back as it is, and this
+    peer's own Δ alone is nobody else's: those stay as they are, with no work."""
+    return config.wire.compression == Compression.SPARSE
+
+
+async def as_a_group_of_one(
+    config: AveragingConfig,
+    round_no: int,
+    hop: int,
+    group: FormedGroup,
+    values: torch.Tensor | CodedDelta,
+    weight: float,
+    out: torch.Tensor | CodedDelta,
+    feedback: Feedback | None,
+    registry: ReductionRegistry,
+    channels: ChannelPool,
+) -> AllReduceReport:
+    """`values` into `out` as a group whose members all held them would return them: the
+    same butterfly (no stream leaves this node), its code and its buffer's share of the cut
+    included. The part's weight is `weight`, the chain's whole weight, as a group of
+    members that each brought a share of one mean sums them back to it."""
+    (own,) = group.members
+    plan = make_plan(
+        config.run_id,
+        round_no,
+        hop,
+        [replace(own, client_mode=False, weight=0.0)],  # no stream, no claim to bound
+        values.numel(),
+        config.wire.block_size,
+        config.chunk_elements,
+        config.wire.codec,
+        key=group.key,
+        top_k=config.wire.plan_top_k,
+    )
+    return await butterfly_allreduce(
+        plan,
+        own.peer_id,
+        values,
+        weight,
+        out,
+        registry,
+        channels,
+        LONE_TIMEOUT_S,
+        in_flight=config.in_flight,
+        feedback=feedback,
+        trim_fraction=config.trim_fraction,
+    )
 
 
 def _count_into(report: HopReport, result: AllReduceReport) -> None:
@@ -473,7 +551,7 @@ def next_chains(
     stands for in it (a class left out would leave the groups of that class in the next hops
     without this slab); the first is primary, and at most MAX_CHAINS are carried."""
     chains = [
-        Chain(slot, chain.values, chain.weight)
+        Chain(slot, chain.values, chain.weight, chain.pooled)
         for chain, group in zip(after, groups, strict=True)
         for slot in next_slots(chain.slot.coords, hop + 1, [m.peer_id for m in group.members], peer_id, side)
     ]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import time
 from collections.abc import Awaitable, Callable
 
 from .deadlines import AdaptiveDeadlines
@@ -18,6 +19,11 @@ from .matchmaking import UNKNOWN, FormedGroup, Matchmaker
 from .membership import PeerRecord
 
 STALENESS_S = 2.0  # how stale a peer's record of its progress may be (a heartbeat or so)
+# how long a later hop still traces a peer of the round whose record has gone from the view: on a
+# loaded host a peer busy in an all-reduce beats late (or the DHT read misses its beat), and a
+# 6-peer swarm on 2 cores saw 4 of 5 records lapse at once mid-round (its later hops then formed
+# without them, and θ_g split); a peer that crashed is given up this much after its record lapsed
+LAPSE_GRACE_S = 10.0
 
 
 class GroupExpectations:
@@ -38,22 +44,47 @@ class GroupExpectations:
         self.view = view
         self.matchmaker = matchmaker
         self.deadlines = deadlines
+        self._seen_round = -1
+        self._seen: dict[str, float] = {}  # peers of `_seen_round`'s population: when last seen in it
 
     async def population(self, round_no: int) -> set[str]:
         """Peers of `round_no`: live, same model, at this step or finishing the one before."""
+        return self._remember(round_no, await self.view())
+
+    async def traced_population(self, round_no: int) -> set[str]:
+        """The peers a later hop traces paths through: the live population, and peers seen in
+        it this round whose record has since gone from the view (not one that says it stopped
+        or moved on), for LAPSE_GRACE_S after they were last seen."""
         view = await self.view()
-        return {
+        return self._remember(round_no, view) | self._lapsed(view)
+
+    def _lapsed(self, view: dict[str, PeerRecord]) -> set[str]:
+        """Peers of this round's population whose record is gone from `view`, seen in the last
+        LAPSE_GRACE_S (not one whose record says it stopped or moved on: that one is in `view`)."""
+        cutoff = time.monotonic() - LAPSE_GRACE_S
+        return {p for p, seen in self._seen.items() if seen >= cutoff and p not in view}
+
+    def _remember(self, round_no: int, view: dict[str, PeerRecord]) -> set[str]:
+        live = {
             p.peer_id
             for p in view.values()
             if p.outer_step in (round_no - 1, round_no)
             and p.model_hash == self.model_hash
             and p.state in ("training", "averaging")
         } | {self.peer_id}
+        if round_no != self._seen_round:
+            self._seen_round, self._seen = round_no, {}
+        self._seen.update(dict.fromkeys(live, time.monotonic()))
+        return live
 
     async def admissible(self) -> set[str]:
-        """Peers a group may include: those with a live, signed membership record for this model."""
+        """Peers a group may include: those with a live, signed membership record for this model,
+        and those this round's population held whose record lapsed in the last LAPSE_GRACE_S
+        (a later hop waits for them: it must also let them in)."""
         view = await self.view()
-        return {p.peer_id for p in view.values() if p.model_hash == self.model_hash and p.state != "stopped"}
+        return {p.peer_id for p in view.values() if p.model_hash == self.model_hash and p.state != "stopped"} | (
+            self._lapsed(view)
+        )
 
     async def last_step_of_others(self, round_no: int, peers: set[str]) -> float:
         """How long hop 0 should keep its door open for peers still in their last inner step of
@@ -118,6 +149,7 @@ class GroupExpectations:
             admitted=self.admissible,
             weight=weight,
             theta=theta,
+            share=slot.share,
         )
 
     async def on_the_way(
@@ -132,9 +164,10 @@ class GroupExpectations:
         (waited for), or stops at a hop it has not formed yet: then it is on its way and may
         come here, unless a group of its hop-0 cell formed without it (the window of hop 0
         closed the door on it). A peer that has stopped or left the round drops out of the
-        population. `known` caches the formed records read so far (a record never changes).
+        population; one whose record lapsed for a few seconds does not (`traced_population`).
+        `known` caches the formed records read so far (a record never changes).
         """
-        population = await self.population(round_no)
+        population = await self.traced_population(round_no)
         paths = {p: coordinates(p, round_no, side, dims, self.run_id) for p in population}
         paths = {p: path for p, path in paths.items() if path[hop + 1 :] == slot.coords[hop + 1 :]}
         wanted = {self.peer_id}

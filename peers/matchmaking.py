@@ -52,16 +52,20 @@ class Registration(BaseModel):
     resync: bool = False  # asks the group to also average θ_g this hop (after a failure, a join)
     theta: str = Field("", max_length=64)  # sha256 of the θ_g it would re-sync from ("": not known)
     weight: float = Field(0.0, ge=0, le=1e12)  # its Δ's weight here (tokens): its streams may claim no more
+    # the share of its previous group's mean it brings (moshpit classes): its weight in a θ_g re-sync
+    share: float = Field(1.0, gt=0, le=1)
     registered_at: float = Field(0.0, ge=0, le=1e11)  # DHT time; the earliest registrant leads the group
     closes_by: float = Field(0.0, ge=0, le=1e11)  # DHT time by which it closes the group if it leads
     auth: str = Field("", max_length=512)
 
     def subject(self, key: str) -> str:
         """What the swarm-key tag of this registration signs."""
-        return (
+        subject = (
             f"{key}|{self.grpc_addr}|{self.client_mode}|{self.bandwidth_mbps!r}|{self.resync}|{self.theta}|"
             f"{self.weight!r}|{self.registered_at!r}|{self.closes_by!r}"
         )
+        # a whole share signs as before the field existed: older peers still read the common case
+        return subject if self.share == 1.0 else f"{subject}|{self.share!r}"
 
 
 @dataclass(frozen=True)
@@ -181,7 +185,10 @@ class Matchmaker:
                 continue
             if not self._authentic("register", reg.subject(key), reg.auth, peer_id):
                 continue  # without the swarm key nobody joins our groups
-            members[peer_id] = (Member(peer_id, reg.grpc_addr, reg.client_mode, reg.bandwidth_mbps, reg.weight), reg)
+            members[peer_id] = (
+                Member(peer_id, reg.grpc_addr, reg.client_mode, reg.bandwidth_mbps, reg.weight, reg.share),
+                reg,
+            )
         return members
 
     async def registered(self, key: str) -> set[str]:
@@ -272,6 +279,7 @@ class Matchmaker:
         admitted: Callable[[], Awaitable[set[str]]] | None = None,
         weight: float = 0.0,
         theta: str = "",
+        share: float = 1.0,
     ) -> FormedGroup:
         """Register for (round, hop, grid cell) and return this peer's group once it closes.
 
@@ -301,6 +309,7 @@ class Matchmaker:
             resync=resync,
             theta=theta,
             weight=weight,
+            share=share,
             registered_at=now_dht,
             closes_by=round_time(now_dht + window),
         )
@@ -321,7 +330,7 @@ class Matchmaker:
         def poll_left() -> float | None:
             return cutoff - time.monotonic() if candidates[0] == me else None
 
-        own = replace(self.own, weight=weight, bandwidth=bandwidth)
+        own = replace(self.own, weight=weight, bandwidth=bandwidth, share=share)
         registrants: Registrants = {me: (own, reg)}
         closed: dict[str, ClosedList] = {}
         wanted: set[str] = {UNKNOWN}

@@ -97,6 +97,10 @@ class Member:
     # the weight its Δ carries in this group, from its signed registration; 0: not announced
     # (then weights are bounded by MAX_WEIGHT only, as in plans built outside matchmaking)
     weight: float = 0.0
+    # the share of its previous group's mean it brings (moshpit classes, from its registration):
+    # its weight in a θ_g re-sync, so two groups holding one mean from different numbers of
+    # members weigh it alike
+    share: float = 1.0
 
 
 @dataclass(frozen=True)

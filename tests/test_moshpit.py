@@ -4,6 +4,7 @@ import asyncio
 import time
 from collections import Counter
 from collections.abc import Callable
+from dataclasses import replace
 
 import pytest
 import torch
@@ -287,17 +288,19 @@ def test_two_cells_form_their_own_groups(dht):
         makers = {p: Matchmaker(dht, "mm-cells", _member(p), poll_interval=0.05) for p in "abcd"}
         cell = {"a": "x", "b": "x", "c": "y", "d": "y"}
         expected = {"x": {"a", "b"}, "y": {"c", "d"}}
+        share = {"a": 0.5, "b": 1.0, "c": 0.25, "d": 1.0}  # of their previous groups' means
 
         async def form(p):
             async def want():
                 return expected[cell[p]]
 
-            return await makers[p].form_group(0, 1, want, window=10, target_size=4, cell=cell[p])
+            return await makers[p].form_group(0, 1, want, window=10, target_size=4, cell=cell[p], share=share[p])
 
         groups = await asyncio.gather(*(form(p) for p in "abcd"))
         for p, g in zip("abcd", groups):
             assert sorted(m.peer_id for m in g.members) == sorted(expected[cell[p]])
             assert g.complete and g.key.endswith(f".1.{cell[p]}")  # closed by its expectation, not the window
+            assert {m.peer_id: m.share for m in g.members} == {q: share[q] for q in expected[cell[p]]}
 
     asyncio.run(main())
 
@@ -549,6 +552,94 @@ def _int8_averager(dht, run_id: str, peer, view) -> MoshpitAverager:
         peer.channels,
         AdaptiveDeadlines(2.0, 10.0, 5.0, 20.0),
     )
+
+
+def test_a_later_hop_still_waits_for_and_admits_a_peer_of_the_round_whose_record_lapsed(dht, monkeypatch):
+    """On a loaded host a peer busy in an all-reduce beats late, or a DHT read misses its beat,
+    and its record drops out of the others' views for a few seconds (in a 6-peer swarm of
+    `small` on 2 cores one node saw 4 of its 5 peers go at once mid-round). Its class-mates of a
+    later hop then stopped waiting for it and formed without it, and θ_g split. A peer seen in
+    the round's population is now traced for LAPSE_GRACE_S after its record went, and let in;
+    one whose record says it stopped is not, nor one gone for longer than that."""
+    import dtnode.peers.expectations as expectations_module
+
+    async def main():
+        run_id, me, lapsed, stopped = "lapse-run", "peer-a", "peer-b", "peer-c"
+        records = {
+            p: PeerRecord(peer_id=p, state="averaging", model_hash="m", outer_step=3) for p in (me, lapsed, stopped)
+        }
+        view_now = dict(records)
+
+        async def view():
+            return view_now
+
+        expectations = GroupExpectations(
+            run_id,
+            "m",
+            2,
+            me,
+            view,
+            Matchmaker(dht, run_id, _member(me), poll_interval=0.05),
+            AdaptiveDeadlines(1.0, 10.0, 1.0, 10.0),
+        )
+        slot = Slot("0", 1.0, True, (0, 0))
+        assert await expectations.population(3) == {me, lapsed, stopped}  # the round starts with all three
+        assert await expectations.on_the_way(3, 1, 2, 2, slot, {}) == {me, lapsed, stopped}  # none formed hop 0 yet
+        view_now.pop(lapsed)  # its record lapsed
+        view_now[stopped] = records[stopped].model_copy(update={"state": "stopped"})
+        assert await expectations.on_the_way(3, 1, 2, 2, slot, {}) == {me, lapsed}
+        assert lapsed in await expectations.admissible() and stopped not in await expectations.admissible()
+        monkeypatch.setattr(expectations_module, "LAPSE_GRACE_S", -1.0)  # gone for longer than the grace
+        assert await expectations.on_the_way(3, 1, 2, 2, slot, {}) == {me}
+        assert lapsed not in await expectations.admissible()
+        assert await expectations.population(4) == {me}  # a new round starts from its own population
+
+    asyncio.run(main())
+
+
+def test_two_groups_re_syncing_one_theta_brought_by_different_numbers_of_members_agree():
+    """Moshpit's later hops: a group of 3 hands class 0 to two members (½ of its mean each) and
+    class 1 to one (all of it), so one group of the next hop gets θ_1 from two members and
+    another from one, beside the same θ_b. At weight 1 per member their re-syncs gave
+    (2θ_1 + θ_b)/3 and (θ_1 + θ_b)/2: θ_g split again in the round that re-synced it (a 6-peer
+    swarm in pairs). Weighted by the shares they bring, both give the same bits."""
+    from allreduce_harness import allreduce, start_peers, stop_peers
+
+    from dtnode.peers.plan import FP32
+
+    async def main():
+        peers = await start_peers(5)
+        gen = torch.Generator().manual_seed(4)
+        theta_1, theta_b = torch.randn(3000, generator=gen), torch.randn(3000, generator=gen)
+        two = [replace(p.member, share=s) for p, s in zip(peers[:3], (0.5, 0.5, 1.0))]
+        one = [replace(p.member, share=1.0) for p in peers[3:]]
+        try:
+            results = {}
+            for rule, weight_of in (("share", lambda m: m.share), ("one", lambda m: 1.0)):
+                outs_two, _ = await allreduce(
+                    peers[:3],
+                    [theta_1.clone(), theta_1.clone(), theta_b.clone()],
+                    [weight_of(m) for m in two],
+                    members=[replace(m, weight=weight_of(m)) for m in two],
+                    codec=FP32,
+                    round=len(results),
+                )
+                outs_one, _ = await allreduce(
+                    peers[3:],
+                    [theta_1.clone(), theta_b.clone()],
+                    [weight_of(m) for m in one],
+                    members=[replace(m, weight=weight_of(m)) for m in one],
+                    codec=FP32,
+                    round=len(results),
+                )
+                results[rule] = (outs_two[0], outs_one[0])
+        finally:
+            await stop_peers(peers)
+        assert torch.equal(*results["share"])  # bit for bit
+        torch.testing.assert_close(results["share"][0], (theta_1 + theta_b) / 2)
+        assert not torch.equal(*results["one"])  # the rule it replaces
+
+    asyncio.run(main())
 
 
 def test_the_average_reads_delta_only_once_its_copy_from_the_device_is_in(dht):

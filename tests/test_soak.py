@@ -34,12 +34,16 @@ def test_six_small_sparse_peers_in_pairs_agree_through_a_pause_and_a_restart(tmp
     peers stand in several classes and views of a group can differ), one with twice the batch;
     one is paused 10 s in round 2 and another stopped after round 2 and started again.
 
-    This swarm found two faults (README, item 3 of "How it works"): a member counted in a group
-    it never formed stalled that group until the deadline and failed all its parts (a 51 s hop,
-    θ_g split in two), and a sender gave up on a reducer that formed the group seconds late (θ_g
-    split four ways). Asked: every node exits cleanly with no traceback; in all rounds but at
-    most one, the nodes that trained a round agree on θ_g; a node misses a round only for its
-    restart, and at most one more in the whole run."""
+    This swarm found five faults (README, items 3 and 4 of "How it works", and "Security"): a
+    member counted in a group it never formed stalled that group until the deadline and failed
+    all its parts (a 51 s hop, θ_g split in two); a sender gave up on a reducer that formed the
+    group seconds late (θ_g split four ways); a member alone in a later hop kept a group's mean
+    whole where the group beside it returned the code's cut; later hops stopped waiting for peers
+    whose records lapsed for a few seconds on the loaded host; and a θ_g re-sync weighed one mean
+    by how many members brought it, so two groups re-synced to different θ_g. Before the last
+    three, 4 of 5 runs split θ_g in 1 to 3 rounds of 6. Asked: every node exits cleanly with no
+    traceback; the nodes that trained a round agree on θ_g in every round; a node misses a round
+    only for its restart, and at most one more in the whole run."""
     args = [*SMALL_SPARSE_PAIRS, "--max-rounds", str(ROUNDS)]
     nodes = [NodeProcess.join("n0", tmp_path, *args)]
     cleanup.append(nodes[0])
@@ -72,5 +76,5 @@ def test_six_small_sparse_peers_in_pairs_agree_through_a_pause_and_a_restart(tmp
         for r, sha in trained.items():
             hashes.setdefault(r, set()).add(sha)
     split = [r for r in range(ROUNDS) if len(hashes.get(r, ())) != 1]
-    assert len(split) <= 1, {r: sorted(h) for r, h in hashes.items()}
+    assert not split, {r: sorted(h) for r, h in hashes.items()}
     assert missed <= 2, [(n.name, [r["round"] for r in n.rounds]) for n in nodes]

@@ -10,8 +10,10 @@ from allreduce_harness import allreduce, allreduce_beside, send_to_each_reducer,
 from path_tampering import FlippingProxy
 
 from dtnode.ops import positions, sparse
+from dtnode.peers.averager import AveragingConfig, as_a_group_of_one
 from dtnode.peers.butterfly import Feedback, butterfly_allreduce
-from dtnode.peers.plan import SPARSE, Member, make_plan
+from dtnode.peers.matchmaking import FormedGroup
+from dtnode.peers.plan import SPARSE, Compression, Member, WireFormat, make_plan
 from dtnode.peers.wire import ChunkError, RefusalReason, chunk_message, decode_chunk
 
 BLOCK, K = 4096, 64
@@ -282,6 +284,64 @@ def test_moshpit_groups_of_two_reach_the_mean_one_group_of_four_would():
         owed = sum(w * b for w, b in zip(weights, buffers)) / sum(weights)
         exact = sum(w * v for w, v in zip(weights, values)) / sum(weights)
         assert rel(final[0] + owed, exact) < 0.01  # nothing lost but the int8 rounding of the returned means
+
+    asyncio.run(main())
+
+
+def test_a_member_alone_with_a_groups_mean_applies_what_a_group_holding_that_mean_returns():
+    """A group of 3 in hop 1 returns up to 3 x 2k values per block; whoever carries that mean
+    into a group of hop 2 sends its 2k largest. A class-mate alone in hop 2 (views differ) used
+    to keep the whole mean, and its θ_g left the others' (a 6-peer swarm in pairs split about one
+    round in six). Alone, it now goes through the same butterfly as a group of one: the bits a
+    pair holding that mean returns, and the same cut in its buffer."""
+
+    async def main():
+        peers = await start_peers(6, chunk_elements=2 * BLOCK)
+        gen = torch.Generator().manual_seed(11)
+        numel = 3 * BLOCK + 77
+        common = {"block_size": BLOCK, "chunk_elements": 2 * BLOCK, "codec": SPARSE, "top_k": K}
+        config = AveragingConfig(
+            "test-run", "m", 2, wire=WireFormat(Compression.SPARSE, BLOCK, K), chunk_elements=2 * BLOCK
+        )
+        try:
+            inputs = [torch.randn(numel, generator=gen) for _ in range(3)]
+            means, _ = await allreduce(peers[:3], inputs, [1.0, 2.0, 3.0], hop=1, **common)
+            mean = means[0]
+            pair_buffers = [torch.zeros(numel) for _ in range(2)]
+            pair, reports = await allreduce(
+                peers[3:5],
+                [mean.clone(), mean.clone()],
+                [3.0, 3.0],
+                round=1,
+                hop=2,
+                feedback=[Feedback(b, inject=False) for b in pair_buffers],
+                **common,
+            )
+            lone_buffer, lone = torch.zeros(numel), torch.empty(numel)
+            alone = FormedGroup("d3.0-1", [peers[5].member], 1, 0.0, complete=True)
+            report = await as_a_group_of_one(
+                config,
+                1,
+                2,
+                alone,
+                mean.clone(),
+                6.0,
+                lone,
+                Feedback(lone_buffer, inject=False),
+                peers[5].registry,
+                peers[5].channels,
+            )
+        finally:
+            await stop_peers(peers)
+        kept_per_block = [int((mean[b * BLOCK : (b + 1) * BLOCK] != 0).sum()) for b in range(3)]
+        assert min(kept_per_block) > 2 * K  # the test meets the cut
+        assert not any(r.failed_parts for r in reports) and not report.failed_parts
+        assert torch.equal(pair[0], pair[1]) and torch.equal(lone, pair[0])  # bit for bit
+        assert not torch.equal(lone, mean)  # kept whole, as before, it would differ
+        assert torch.equal(lone_buffer, pair_buffers[0])  # the same cut, owed in the next Δ
+        torch.testing.assert_close(lone + lone_buffer, mean, rtol=0, atol=1e-6)  # nothing lost
+        assert report.weight_after(6.0) == 6.0 and report.included_peers == [peers[5].member.peer_id]
+        assert report.bytes_sent == report.bytes_received == 0  # a group of one streams nothing
 
     asyncio.run(main())
 
