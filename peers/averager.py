@@ -38,7 +38,7 @@ from .grid import Slot, cells, coordinates, first_slot, grid_shape, next_slots
 from .matchmaking import FormedGroup, Matchmaker
 from .membership import PeerRecord
 from .outcome import AveragingResult, HopReport
-from .plan import FP32, Compression, WireFormat, make_plan
+from .plan import FP32, Compression, GroupPlan, Member, WireFormat, make_plan
 from .reducer import ReductionRegistry
 
 __all__ = ["AveragingConfig", "AveragingResult", "HopReport", "MoshpitAverager"]
@@ -369,18 +369,7 @@ class MoshpitAverager:
             timeout,
             self.deadlines.rates_measured,
         )
-        plan = make_plan(
-            c.run_id,
-            round_no,
-            hop,
-            group.members,
-            values.numel(),
-            c.wire.block_size,
-            c.chunk_elements,
-            c.wire.codec,
-            key=group.key,
-            top_k=c.wire.plan_top_k,
-        )
+        plan = delta_plan(c, round_no, hop, group.members, values.numel(), group.key)
         self.registry.slot_settled(c.run_id, round_no, hop, plan.group_id)  # before its reduction registers
         result = await butterfly_allreduce(
             plan,
@@ -463,9 +452,28 @@ def recodes_alone(config: AveragingConfig) -> bool:
     LATER_HOP_WIDTH x k largest values per block, and a group whose members brought different
     means returns up to their union (3 x 2k from a group of 3): kept whole by a member alone, it
     left that member's θ_g off the others' (seen in a 6-peer sparse swarm in pairs, about one
-    round in six; sparse mode has no scheduled re-sync to bring it back). int8's and fp32's codes give a group's result back as it is, and this
-    peer's own Δ alone is nobody else's: those stay as they are, with no work."""
+    round in six; sparse mode has no scheduled re-sync to bring it back). int8's and fp32's
+    codes give a group's result back as it is, and this peer's own Δ alone is nobody else's:
+    those stay as they are, with no work."""
     return config.wire.compression == Compression.SPARSE
+
+
+def delta_plan(
+    config: AveragingConfig, round_no: int, hop: int, members: list[Member], numel: int, key: str
+) -> GroupPlan:
+    """The plan of one group's all-reduce of Δ, in the config's wire format."""
+    return make_plan(
+        config.run_id,
+        round_no,
+        hop,
+        members,
+        numel,
+        config.wire.block_size,
+        config.chunk_elements,
+        config.wire.codec,
+        key=key,
+        top_k=config.wire.plan_top_k,
+    )
 
 
 async def as_a_group_of_one(
@@ -485,18 +493,8 @@ async def as_a_group_of_one(
     included. The part's weight is `weight`, the chain's whole weight, as a group of
     members that each brought a share of one mean sums them back to it."""
     (own,) = group.members
-    plan = make_plan(
-        config.run_id,
-        round_no,
-        hop,
-        [replace(own, client_mode=False, weight=0.0)],  # no stream, no claim to bound
-        values.numel(),
-        config.wire.block_size,
-        config.chunk_elements,
-        config.wire.codec,
-        key=group.key,
-        top_k=config.wire.plan_top_k,
-    )
+    # no stream, no claim to bound
+    plan = delta_plan(config, round_no, hop, [replace(own, client_mode=False, weight=0.0)], values.numel(), group.key)
     return await butterfly_allreduce(
         plan,
         own.peer_id,
