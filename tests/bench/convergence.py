@@ -34,6 +34,9 @@ trained by:
   ...-hb          (suffix, reference) heavy-ball outer momentum (SGD with momentum, not Nesterov)
   ...-linear, -constant (suffix, reference and dp/solo) the inner rate's decay after warmup (default cosine)
   ...-minlrX      (suffix, reference and dp/solo) the inner rate's floor at the end, as a fraction of its peak (0.1)
+  ...-b2X         (suffix, reference and dp/solo) the inner AdamW's β2 (0.95)
+  ...-syncm, -syncv, -syncmv (suffix, reference) AdamW's first, second or both moments averaged
+                  over the workers every outer step
   diloco-hH-sparsemeanN, diloco-hH-sparsemeanrN (-efdX)
                   -sparse with the mean cut to its N largest values per block (8-bit values,
                   as a reducer could return it), what the cut dropped fed back by each worker
@@ -96,7 +99,7 @@ UNITS = {"B": 1, "kB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12}
 LR = r"\d+(?:\.\d+)?(?:e-?\d+)?"
 OUTER = rf"(?:-lr({LR}))?(?:-olr({LR}))?(?:-om({LR}))?"  # a DiLoCo run's rates and outer momentum
 RUN_NAME = re.compile(rf"(moshpit-)?(fp32|int8|sparse)-h(\d+){OUTER}(?:-efd({LR}))?(?:-k(\d+))?(-overlap)?")
-SCHEDULE = rf"(?:-(linear|constant))?(?:-minlr({LR}))?"  # a synchronous run's inner-rate decay and floor
+SCHEDULE = rf"(?:-(linear|constant))?(?:-minlr({LR}))?(?:-b2({LR}))?"  # inner-rate decay and floor, AdamW's β2
 OUTER_MOMENTUM = 0.9
 DEFAULT_RUNS = (
     "dp,dp-lr0.004,dp-lr0.008,dp-lr0.016,solo,fp32-h50,int8-h10,int8-h50,int8-h100,int8-h50-overlap,moshpit-int8-h50,"
@@ -148,6 +151,8 @@ class Reference:
     nesterov: bool = True  # False: heavy-ball momentum (plain SGD with momentum)
     schedule: str = "cosine"  # the inner rate's decay: cosine, linear or constant
     min_lr_ratio: float = 0.1  # the inner rate at the end of the run, as a fraction of its peak
+    beta2: float = 0.95  # the inner AdamW's second-moment decay
+    sync_moments: str = ""  # "m", "v" or "mv": AdamW's first and/or second moments averaged every outer step
 
 
 # ---- data -------------------------------------------------------------------------------
@@ -208,6 +213,8 @@ def _worker(
     sources = sources_for(dataset, files, cfg.seed)
     stream = DataStream(sources, RUN_ID, f"sync-{world}-{rank}", cfg.batch_size, cfg.seq_len, cfg.eval_sequences)
     optimizer = inner_optimizer(model, cfg.inner_lr, 0.1)
+    for group in optimizer.param_groups:
+        group["betas"] = (group["betas"][0], ref.beta2)
     schedule = LearningRateSchedule(cfg.inner_lr, cfg.warmup_steps, steps, ref.schedule, ref.min_lr_ratio)
     trained = torch.nn.parallel.DistributedDataParallel(model) if world > 1 and not h else model
     params = list(model.parameters())
@@ -272,6 +279,12 @@ def _worker(
                     pending = in_flight.clone()
                 dist.all_reduce(pending)
                 pending.div_(world)
+                for state in optimizer.state.values() if ref.sync_moments else ():
+                    for key in {"v": ("exp_avg_sq",), "m": ("exp_avg",), "mv": ("exp_avg", "exp_avg_sq")}[
+                        ref.sync_moments
+                    ]:
+                        dist.all_reduce(state[key])
+                        state[key].div_(world)
                 if sparse.startswith("mean"):  # the mean cut to top-k again (int8 values), the cut mass fed back
                     cut = int(sparse.split(":")[1])
                     result = sparse_codec.encode_mean(pending, k=cut)
@@ -510,11 +523,13 @@ def _reference_sparse(suffix: str | None) -> str:
 def run_one(name: str, cfg: Config, dataset: str, files, workdir: Path) -> Result:
     if m := re.fullmatch(rf"(dp|solo)(?:-lr({LR}))?{SCHEDULE}", name):
         tuned = replace(cfg, inner_lr=float(m.group(2))) if m.group(2) else cfg
-        ref = Reference(schedule=m.group(3) or "cosine", min_lr_ratio=float(m.group(4) or 0.1))
+        ref = Reference(
+            schedule=m.group(3) or "cosine", min_lr_ratio=float(m.group(4) or 0.1), beta2=float(m.group(5) or 0.95)
+        )
         return run_synchronous(name, cfg.workers if m.group(1) == "dp" else 1, tuned, dataset, files, workdir, ref)
     if m := re.fullmatch(
         rf"diloco-h(\d+){OUTER}(?:-delay(\d+))?(-sparse(?:local|meanr?\d+)?)?(?:-efd({LR}))?(?:-k(\d+))?"
-        rf"(?:-ow(\d+))?(-hb)?{SCHEDULE}",
+        rf"(?:-ow(\d+))?(-hb)?(?:-sync(mv|m|v))?{SCHEDULE}",
         name,
     ):
         if m.group(8) and not m.group(6):
@@ -529,8 +544,10 @@ def run_one(name: str, cfg: Config, dataset: str, files, workdir: Path) -> Resul
             top_k=int(m.group(8) or sparse_codec.DEFAULT_TOP_K),
             outer_warmup=int(m.group(9) or 0),
             nesterov=not m.group(10),
-            schedule=m.group(11) or "cosine",
-            min_lr_ratio=float(m.group(12) or 0.1),
+            sync_moments=m.group(11) or "",
+            schedule=m.group(12) or "cosine",
+            min_lr_ratio=float(m.group(13) or 0.1),
+            beta2=float(m.group(14) or 0.95),
         )
         return run_synchronous(name, cfg.workers, tuned, dataset, files, workdir, ref)
     m = RUN_NAME.fullmatch(name)
@@ -575,6 +592,7 @@ def report(results: list[Result], cfg: Config, floors: dict[str, float | None]) 
         rows = [r for r in results if r.dataset == dataset]
         dp = next((r for r in rows if r.run == "dp"), None)
         best = min((r for r in rows if r.run.startswith("dp")), key=lambda r: r.final_loss, default=None)
+        dp_bytes = (dp or best).bytes_per_worker if (dp or best) else 0.0  # every dp rate sends the same
         floor = floors.get(dataset)
         print(
             f"\n{dataset}"
@@ -596,7 +614,7 @@ def report(results: list[Result], cfg: Config, floors: dict[str, float | None]) 
             per_param = f"{r.bytes_per_worker / numel / r.exchanges:.4f}" if r.exchanges else "-"
             ratio = f"{r.final_loss / dp.final_loss:.4f}" if dp else "-"
             to_best = f"{r.final_loss / best.final_loss:.4f}" if best else "-"
-            less = f"{dp.bytes_per_worker / r.bytes_per_worker:.0f}x" if dp and r.bytes_per_worker else "-"
+            less = f"{dp_bytes / r.bytes_per_worker:.0f}x" if dp_bytes and r.bytes_per_worker else "-"
             full = "-" if r.full_rounds is None else f"{r.full_rounds:.0%}"
             landed = "-" if r.landed_after is None else f"{r.landed_after:.1f} steps"
             print(
