@@ -96,8 +96,15 @@ class AllReduceReport:
         return sum((p.total_weight if p.ok else own_weight) * p.length for p in self.parts) / total
 
 
+RETIRING_WAIT_S = 1.0  # a stopping node waits this long for renewed channels to finish closing
+
+
 class ChannelPool:
-    """One long-lived gRPC channel per peer address (and, with TLS, per pinned certificate)."""
+    """One long-lived gRPC channel per peer address (and, with TLS, per pinned certificate).
+
+    A stream that broke on the transport is sent again on a channel dialled afresh (`renew`):
+    sent at once on the old one it may still be given the connection that just broke (gRPC
+    notices a peer's close a moment after the stream that saw it fails), and then breaks too."""
 
     def __init__(self, max_message_bytes: int, trust: TrustStore | None = None):
         self.options = [
@@ -108,16 +115,21 @@ class ChannelPool:
         ]
         self.trust = trust
         self._channels: dict[tuple[str, str], grpc.aio.Channel] = {}
+        self._retiring: set[asyncio.Task] = set()
 
-    def stub(self, address: str, peer_id: str) -> pb_grpc.AveragingStub:
-        """A stub for `peer_id` at `address`; with TLS it trusts only that peer's certificate
-        (TlsError if its record has not been read)."""
+    def _key(self, address: str, peer_id: str) -> tuple[str, str]:
         pin = ""
         if self.trust is not None:
             pin = self.trust.fingerprint_of(peer_id) or ""
             if not pin:
                 raise TlsError(f"no TLS certificate known for peer {peer_id}")
-        channel = self._channels.get((address, pin))
+        return address, pin
+
+    def stub(self, address: str, peer_id: str) -> pb_grpc.AveragingStub:
+        """A stub for `peer_id` at `address`; with TLS it trusts only that peer's certificate
+        (TlsError if its record has not been read)."""
+        key = self._key(address, peer_id)
+        channel = self._channels.get(key)
         if channel is None:
             if self.trust is None:
                 channel = grpc.aio.insecure_channel(address, options=self.options)
@@ -127,12 +139,23 @@ class ChannelPool:
                     self.trust.channel_credentials(peer_id),
                     options=self.options + [("grpc.ssl_target_name_override", TLS_NAME)],
                 )
-            self._channels[(address, pin)] = channel
+            self._channels[key] = channel
         return pb_grpc.AveragingStub(channel)
+
+    def renew(self, address: str, peer_id: str, grace: float) -> None:
+        """The next stub for this peer dials a new connection; streams still open on the old
+        channel get `grace` seconds to end before it closes."""
+        channel = self._channels.pop(self._key(address, peer_id), None)
+        if channel is not None:
+            task = asyncio.ensure_future(channel.close(grace=grace))
+            self._retiring.add(task)
+            task.add_done_callback(self._retiring.discard)
 
     async def close(self) -> None:
         channels, self._channels = list(self._channels.values()), {}
         await asyncio.gather(*(c.close() for c in channels), return_exceptions=True)
+        if self._retiring:  # a renewed channel's streams end with the rounds; a stuck one may not delay a stop
+            await asyncio.wait(self._retiring, timeout=RETIRING_WAIT_S)
 
 
 @dataclass(frozen=True)
@@ -425,6 +448,7 @@ async def butterfly_allreduce(
                 )
             else:
                 broke[0] += 1
+                channels.renew(reducer.grpc_addr, reducer.peer_id, grace=max(timeout - (time.monotonic() - started), 0))
                 log.warning(
                     "round %s hop %s: stream of part %s to reducer %s broke (%s: %s); sending it again",
                     plan.round,

@@ -35,6 +35,7 @@ class FlippingProxy:
 
     def __init__(self, target_port: int, offset: int):
         self.target_port, self.offset, self.flipped_event = target_port, offset, threading.Event()
+        self.connections = 0  # accepted from the client, each forwarded on its own upstream connection
 
     @property
     def flipped(self) -> bool:
@@ -45,5 +46,6 @@ class FlippingProxy:
         return self.server.sockets[0].getsockname()[1]
 
     async def _handle(self, reader, writer):
+        self.connections += 1
         up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.target_port)
         await asyncio.gather(forward(reader, up_writer, self.offset, self.flipped_event), forward(up_reader, writer))

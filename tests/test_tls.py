@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 
+import grpc
 import pytest
 import torch
 from allreduce_harness import allreduce, start_peers, stop_peers, tls_stores
@@ -139,9 +140,30 @@ def test_one_flipped_byte_on_the_path_breaks_the_stream_and_it_is_sent_again():
         assert proxy.flipped
         # gRPC core reports a TLS record that fails its MAC as INTERNAL (or the reset as UNAVAILABLE)
         assert len(reports[1].retried) == 1 and reports[1].retried[0] in ("INTERNAL", "UNAVAILABLE"), reports[1]
+        assert proxy.connections == 2  # sent again on a connection dialled afresh, not the one that broke
         assert not reports[0].failed_parts and not reports[1].failed_parts, reports
         for out in outs:  # no altered byte reached anyone: both hold the exact mean
             assert torch.allclose(out, torch.full_like(out, 0.5), atol=1e-2)
         assert torch.equal(outs[0], outs[1])
+
+    asyncio.run(main())
+
+
+def test_a_renewed_channel_is_dialled_afresh_and_the_old_one_closes_after_its_grace():
+    async def main():
+        pool = ChannelPool(1 << 20)
+        pool.stub("127.0.0.1:1", "p")
+        (first,) = pool._channels.values()
+        pool.stub("127.0.0.1:1", "p")
+        assert list(pool._channels.values()) == [first]  # one channel per peer
+        pool.renew("127.0.0.1:1", "p", grace=0.0)
+        pool.stub("127.0.0.1:1", "p")
+        (again,) = pool._channels.values()
+        assert again is not first
+        pool.renew("127.0.0.1:2", "q", grace=0.0)  # a peer with no channel yet: nothing to renew
+        await pool.close()
+        assert not pool._retiring
+        with pytest.raises(grpc.aio.UsageError):  # the old channel takes no new streams
+            await first.stream_stream("/x")(iter(())).read()
 
     asyncio.run(main())
