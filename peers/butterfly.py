@@ -104,7 +104,8 @@ class ChannelPool:
 
     A stream that broke on the transport is sent again on a channel dialled afresh (`renew`):
     sent at once on the old one it may still be given the connection that just broke (gRPC
-    notices a peer's close a moment after the stream that saw it fails), and then breaks too."""
+    notices a peer's close a moment after the stream that saw it fails), and then breaks too.
+    Each channel keeps its own connections, so a renewed one cannot be handed the old one's."""
 
     def __init__(self, max_message_bytes: int, trust: TrustStore | None = None):
         self.options = [
@@ -112,6 +113,8 @@ class ChannelPool:
             ("grpc.max_receive_message_length", max_message_bytes),
             ("grpc.keepalive_time_ms", 10_000),
             ("grpc.keepalive_timeout_ms", 5_000),
+            # its own connections: gRPC's global pool would hand a renewed channel the old one's
+            ("grpc.use_local_subchannel_pool", 1),
         ]
         self.trust = trust
         self._channels: dict[tuple[str, str], grpc.aio.Channel] = {}
