@@ -34,6 +34,7 @@ from hivemind.p2p import P2P
 
 from dtnode import __version__
 from dtnode.ops.quantization import use_fused_kernels
+from dtnode.peers import failpoints
 from dtnode.peers.auth import ENV_KEY, AuthError, SwarmAuth, load_swarm_key
 from dtnode.peers.averager import AveragingConfig, MoshpitAverager
 from dtnode.peers.butterfly import ChannelPool
@@ -49,6 +50,7 @@ from dtnode.peers.service import AveragingService
 from dtnode.peers.tls import TrustStore
 from dtnode.peers.wire import max_message_bytes
 
+from . import hostile
 from .bootstrap import DhtBootstrap, announce_host, dialable_addrs, join_command, remember_peers, tls_identity
 from .export import remember_workload
 from .history import FILE_NAME as HISTORY_FILE
@@ -239,6 +241,20 @@ class Node:
         if not s.client_mode:  # a client is dialled by nobody
             checking = asyncio.ensure_future(self._check_reachable())
             stack.push_async_callback(_cancel, checking)
+        if failpoints.armed() is not None:  # a test's attacker acting beside its rounds (daemon/hostile.py)
+            attacking = asyncio.ensure_future(
+                hostile.run(
+                    self.dht,
+                    s.run_id,
+                    s.target_group_size,
+                    self.membership.members,
+                    self.presenter.record,
+                    channels,
+                    s.heartbeat_interval,
+                    self.stopping,
+                )
+            )
+            stack.push_async_callback(_cancel, attacking)
         self.addr.join_command = join_command(s, self.workload.recipe, public_maddrs(self.dht, s.announce_host)[0])
         _say_up(s, self.addr, status_url)
 

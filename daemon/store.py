@@ -163,7 +163,7 @@ class CheckpointStore:
         step, state = await loop.run_in_executor(
             self.worker.thread if local else self.io_thread, self.worker.snapshot, local, self._live
         )
-        if failpoints.active_since("wrong-checkpoint", step):  # a lying donor, for tests (its own θ_g is untouched)
+        if failpoints.serves_wrong_checkpoint(step):  # a lying donor, for tests (its own θ_g is untouched)
             self._let_go(state)
             state = TrainingState(state.theta_g + 1.0, state.momentum.clone(), state.local)
         try:
@@ -307,7 +307,7 @@ class CheckpointStore:
             or step in self.memory
             or replica.theta_g.device.type != "cpu"
             or replica.outer.momentum_buffer.device.type != "cpu"
-            or failpoints.active_since("wrong-checkpoint", step)
+            or failpoints.serves_wrong_checkpoint(step)
         ):
             return
         memory = MemoryCheckpoint(step, self.layout, replica.theta_g, replica.outer.momentum_buffer, self.metadata)

@@ -145,7 +145,10 @@ class MoshpitAverager:
         `theta_sha256` is the hash of the θ_g that `consensus_state` returns ("" if not known):
         a group whose members all hold that θ_g skips a re-sync (`matchmaking.needs_resync`)."""
         c = self.config
-        if failpoints.hostile(round_no) == "hostile-resync":  # a test's attacker: it must get its re-sync
+        if failpoints.hostile(round_no) in (
+            "hostile-resync",
+            "hostile-pair",
+        ):  # a test's attacker: it must get its re-sync
             resync, theta_sha256 = True, ""
         population = await self.expect.population(round_no)
         side, dims = grid_shape(len(population), c.target_group_size, c.grid_dims)
@@ -273,13 +276,17 @@ class MoshpitAverager:
         attack = failpoints.hostile(h.round_no)
         if attack == "hostile-weight":
             announced, weight = failpoints.HOSTILE_TOKENS, failpoints.HOSTILE_CLAIM
+        if attack == "hostile-zero-weight":
+            announced, weight = 0.0, failpoints.HOSTILE_CLAIM
         group = await self.expect.form(
             h.round_no, h.hop, h.dims, h.side, slot, h.hop0_cells, h.window, h.asked, announced, h.theta_sha256
         )
+        if h.hop == 0 and slot.primary and len(group.members) > 1:
+            failpoints.reach("grouped", h.round_no)  # a test's kill: grouped, no stream sent yet
         if h.delta_ready is not None:  # hop 0's group formed; Δ is read from here on
             await h.delta_ready()
         values = chain.values
-        if attack in ("hostile-delta", "hostile-weight", "hostile-bandwidth"):
+        if attack in ("hostile-delta", "hostile-weight", "hostile-bandwidth", "hostile-zero-weight"):
             scale = failpoints.HOSTILE_SCALE
             values = values.scaled(scale) if isinstance(values, CodedDelta) else values * scale
         if slot.primary:
@@ -407,7 +414,7 @@ class MoshpitAverager:
             # in robust mode), and a result that moves our θ_g by more than THETA_MAX_DRIFT x its
             # norm is refused: honest θ_g differ by a few outer steps at most, so only a hostile
             # member's could move it that far
-            hostile = failpoints.hostile(round_no) == "hostile-resync"  # a test's attacker
+            attack = failpoints.hostile(round_no)  # a test's attacker
             own_share = next(m.share for m in group.members if m.peer_id == self.peer_id)
             theta_plan = make_plan(
                 c.run_id,
@@ -423,8 +430,8 @@ class MoshpitAverager:
             sync = await butterfly_allreduce(
                 theta_plan,
                 self.peer_id,
-                theta * failpoints.HOSTILE_SCALE if hostile else theta,
-                failpoints.HOSTILE_CLAIM if hostile else own_share,
+                _hostile_theta(attack, theta),
+                failpoints.HOSTILE_CLAIM if attack == "hostile-resync" else own_share,
                 theta_out,
                 self.registry,
                 self.channels,
@@ -439,6 +446,16 @@ class MoshpitAverager:
             report.theta_resync_s = round(sync.seconds, 4)
             _count_into(report, sync)
         return result
+
+
+def _hostile_theta(attack: str | None, theta: torch.Tensor) -> torch.Tensor:
+    """What a test's attacker sends in a θ_g re-sync: θ x HOSTILE_SCALE (`hostile-resync`), or 2T
+    - θ (`hostile-pair`), which makes a pair's mean T = PAIR_TARGET x θ; an honest node, θ."""
+    if attack == "hostile-resync":
+        return theta * failpoints.HOSTILE_SCALE
+    if attack == "hostile-pair":
+        return theta * (2 * failpoints.PAIR_TARGET - 1)
+    return theta
 
 
 def recodes_alone(config: AveragingConfig) -> bool:

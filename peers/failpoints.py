@@ -35,7 +35,21 @@ one input changed, as a hostile build would:
 - `hostile-resync`: asks every group for a θ_g re-sync and sends θ_g x HOSTILE_SCALE there,
   claiming MAX_WEIGHT;
 - `hostile-bandwidth`: the scaled Δ, advertising HOSTILE_BANDWIDTH to reduce most of Δ;
-- `hostile-pacing`: its record claims HOSTILE_TOKENS tokens in the round and 2^40 per step.
+- `hostile-pacing`: its record claims HOSTILE_TOKENS tokens in the round and 2^40 per step;
+- `hostile-leader`: registers as if first (and closing an hour on), then never closes a group;
+- `hostile-pair`: closes a list naming itself and one other registrant the moment it reads one,
+  asks that pair for a θ_g re-sync and sends 2T - θ there (T = PAIR_TARGET x θ: the pair's mean);
+- `hostile-zero-weight`: announces a weight of 0 and sends Δ x HOSTILE_SCALE claiming MAX_WEIGHT;
+- `hostile-shadow`: stores plain values, expiring in years, under the swarm's membership key and
+  the group keys of the coming rounds, as an outsider with a plain hivemind DHT could;
+- `hostile-donors`: serves θ_g + 1 (as `wrong-checkpoint`) and files Sybil records, signed by
+  keys of their own, that announce that file at other names of its sidecar's host;
+- `hostile-pinning`: asks every peer's sidecar for its newest checkpoint and a byte of every
+  step it serves, several times a second (each ask used to pin its step);
+- `hostile-slots`: keeps HOSTILE_STREAMS averaging streams open to every peer, sending nothing.
+
+One point kills a member where its death cost the most: `grouped` (`grouped@3`: this member's
+hop-0 group of round 3 formed, and it dies before its first stream leaves).
 """
 
 from __future__ import annotations
@@ -47,9 +61,23 @@ import sys
 import time
 
 ENV = "DTNODE_TEST_FAILPOINT"
-HOSTILE = ("hostile-delta", "hostile-weight", "hostile-resync", "hostile-bandwidth", "hostile-pacing")
+HOSTILE = (
+    "hostile-delta",
+    "hostile-weight",
+    "hostile-resync",
+    "hostile-bandwidth",
+    "hostile-pacing",
+    "hostile-leader",
+    "hostile-pair",
+    "hostile-zero-weight",
+    "hostile-shadow",
+    "hostile-donors",
+    "hostile-pinning",
+    "hostile-slots",
+)
 POINTS = (
     "sending",
+    "grouped",
     "reducing",
     "round-error",
     "landing-error",
@@ -63,6 +91,8 @@ HOSTILE_SCALE = 1000.0  # how far a hostile Δ or θ_g is from an honest one
 HOSTILE_TOKENS = 1e11  # a hostile token count (a registration may carry up to 1e12)
 HOSTILE_BANDWIDTH = 1e9  # Mbit/s, the largest a registration may carry
 HOSTILE_CLAIM = 1e12  # a hostile stream's weight: MAX_WEIGHT
+PAIR_TARGET = -2.5  # hostile-pair: where it moves a pair's θ_g, x θ (‖T - θ‖ = 3.5‖θ‖)
+HOSTILE_STREAMS = 24  # hostile-slots: streams held open to each peer
 RAISING = ("round-error", "landing-error")
 PAUSING = ("outer-phase", "stall-training")
 DEFAULT_PAUSE_S = 5.0
@@ -107,9 +137,19 @@ def hostile(round_: int) -> str | None:
     return _armed[0] if _armed is not None and _armed[0] in HOSTILE and round_ >= _armed[1] else None
 
 
+def armed() -> str | None:
+    """The name of the armed point, whatever its round (a hostile node starts its attacks at once)."""
+    return _armed[0] if _armed is not None else None
+
+
 def active_since(name: str, round_: int) -> bool:
     """Whether the standing point `name` is armed for this round or an earlier one."""
     return _armed is not None and _armed[0] == name and round_ >= _armed[1]
+
+
+def serves_wrong_checkpoint(step: int) -> bool:
+    """Whether this node's checkpoint files of `step` lie (`wrong-checkpoint`, `hostile-donors`)."""
+    return active_since("wrong-checkpoint", step) or hostile(step) == "hostile-donors"
 
 
 def take(name: str, round_: int) -> bool:

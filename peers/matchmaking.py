@@ -227,9 +227,15 @@ class Matchmaker:
         return {p: entry.members for p, entry in (await self._member_lists(key, "formed")).items()}
 
     async def _publish(
-        self, key: str, purpose: str, members: tuple[str, ...], complete: bool = False, resync: bool = False
+        self,
+        key: str,
+        purpose: str,
+        members: tuple[str, ...],
+        complete: bool = False,
+        resync: bool = False,
+        at: float | None = None,  # a test's attacker backdates its list
     ) -> None:
-        entry = ClosedList(members, round_time(get_dht_time()), complete, resync)
+        entry = ClosedList(members, round_time(get_dht_time()) if at is None else at, complete, resync)
         tag = self.auth.issue(purpose, entry.subject(key)) if self.auth else ""
         await self.dht.store(
             f"{key}.{purpose}",
@@ -300,8 +306,12 @@ class Matchmaker:
         me = self.own.peer_id
         now_dht = round_time(get_dht_time())
         bandwidth = self.own.bandwidth
-        if failpoints.hostile(round) == "hostile-bandwidth":  # a test's attacker
+        attack = failpoints.hostile(round)
+        if attack == "hostile-bandwidth":  # a test's attacker
             bandwidth = failpoints.HOSTILE_BANDWIDTH
+        registered_at, closes_by = now_dht, round_time(now_dht + window)
+        if attack == "hostile-leader":  # a test's attacker: the first registrant, closing in years
+            registered_at, closes_by = 0.0, 1e11
         reg = Registration(
             grpc_addr=self.own.grpc_addr,
             client_mode=self.own.client_mode,
@@ -310,8 +320,8 @@ class Matchmaker:
             theta=theta,
             weight=weight,
             share=share,
-            registered_at=now_dht,
-            closes_by=round_time(now_dht + window),
+            registered_at=registered_at,
+            closes_by=closes_by,
         )
         reg = reg.model_copy(update={"auth": self.auth.issue("register", reg.subject(key)) if self.auth else ""})
         await self.dht.store(
@@ -321,6 +331,10 @@ class Matchmaker:
             expiration_time=get_dht_time() + window + REGISTRATION_TTL_S,
             return_future=True,
         )
+        if attack in ("hostile-leader", "hostile-pair"):
+            hostile = await self._attack(attack, key, admitted, window, started, weight, share)
+            if hostile is not None:
+                return hostile
         deadline = started + window
         # a leader's window is a promise to the followers (they close in its stead a grace
         # after it): on a loaded host one poll of the DHT takes seconds, so a leader's poll
@@ -413,6 +427,35 @@ class Matchmaker:
             tuple(sorted({registrants[m.peer_id][1].theta for m in members if m.peer_id in registrants})),
             not any(registrants[m.peer_id][1].resync for m in members if m.peer_id in registrants),
         )
+
+    async def _attack(
+        self,
+        attack: str,
+        key: str,
+        admitted: Callable[[], Awaitable[set[str]]] | None,
+        window: float,
+        started: float,
+        weight: float,
+        share: float,
+    ) -> FormedGroup | None:
+        """A test's attacker (peers/failpoints.py). `hostile-leader` never closes its group: it
+        averages alone once its own window is over, and publishes nothing. `hostile-pair` closes
+        a list naming itself and the first other registrant it reads, backdated to 0; the
+        caller then forms its group as usual (None)."""
+        me = self.own.peer_id
+        if attack == "hostile-leader":
+            await asyncio.sleep(min(window, 10.0))
+            own = replace(self.own, weight=weight, share=share)
+            return FormedGroup(key, [own], 1, time.monotonic() - started)
+        while time.monotonic() - started < window:
+            found = await self._registrations(key)
+            allowed = await admitted() if admitted is not None else None
+            others = sorted(p for p in found if p != me and (allowed is None or p in allowed))
+            if others:
+                await self._publish(key, "closed", (me, others[0]), resync=True, at=0.0)
+                return None
+            await asyncio.sleep(self.poll_interval)
+        return None
 
     async def _settle(
         self,
