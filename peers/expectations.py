@@ -124,7 +124,7 @@ class GroupExpectations:
         hop0_cells: dict[str, set[str]],
         window: float,
         resync: bool,
-        weight: float = 0.0,
+        weight: float = 1.0,
         theta: str = "",
     ) -> FormedGroup:
         if hop == 0:

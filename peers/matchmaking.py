@@ -1,24 +1,22 @@
-"""Group formation through the DHT: the earliest registrant closes the group.
+"""Group formation through the DHT: the leader by rank closes the group.
 
 Every peer that reaches hop k of round r registers under the key
 `{run_id}.group.{r}.{k}.{cell}` (the cell is its moshpit grid coordinates without dimension
 k, see `grid.py`) and polls it. Views differ (a membership record or a registration reaches
 one peer before another), so members do not each decide when the group is whole: the
-earliest registrant not yet in a group (its leader) does. It closes when every peer it
-expects there has registered, or when its window ends, and publishes the member list
-(its part of a balanced split when the registrants outnumber the target size). The others
-adopt the first list that names them. A peer that registered after a list closed without
-it finds that list's members taken and forms a group with whoever is left; a leader still
-silent after the close-by time its registration announced is left out by the followers,
-which close in its stead.
+lowest-ranked pending registrant (its leader, `leadership.py`) does. It closes when every
+peer it expects there has registered, or when its own window ends, and publishes the member
+list (its part of a balanced split when the registrants outnumber the target size). The others
+take the list in force that names them. A peer that registered after a list closed without it
+finds that list's members taken (once they confirmed it) and forms a group with whoever is
+left. A follower waits for its leaders on its own clock only: past its own window, a settle
+time and a grace, it passes over every pending registrant ahead of it and leads the rest.
 
-Two lists can still be published at once (a leader that had not yet seen an earlier
-registrant, or two followers taking over together). So every member waits a short settle
-time, re-reads the lists, and keeps the earliest-published list naming it, less any member
-whose own earliest list is another one. Everyone reads the same lists and so computes the
-same group, and a member that has settled never sees an earlier list appear later (up to
-clock skew); one that did would cost one all-reduce, as reducers reject chunks whose
-group id differs from theirs.
+Two lists can still be in force at once for one member (two followers taking over together),
+so every member waits a short settle time, re-reads, and keeps the group the rules put it in.
+Everyone who reads the same registrations and lists computes the same groups; a member that
+read otherwise costs one all-reduce, as reducers reject chunks whose group id differs from
+theirs. No time a peer announces orders or bounds anything here.
 """
 
 from __future__ import annotations
@@ -28,7 +26,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from hivemind.dht import DHT
 from hivemind.utils import get_dht_time
@@ -38,6 +36,7 @@ from . import failpoints
 from .auth import AuthError, SwarmAuth
 from .grid import split_groups
 from .identity import signed_subkey, writer_of
+from .leadership import ClosedList, ReadList, Standing, by_rank, ranked_below, standing, valid_lists
 from .plan import Member
 
 log = logging.getLogger(__name__)
@@ -51,42 +50,37 @@ class Registration(BaseModel):
     bandwidth_mbps: float = Field(1000.0, gt=0, le=1e9)
     resync: bool = False  # asks the group to also average θ_g this hop (after a failure, a join)
     theta: str = Field("", max_length=64)  # sha256 of the θ_g it would re-sync from ("": not known)
-    weight: float = Field(0.0, ge=0, le=1e12)  # its Δ's weight here (tokens): its streams may claim no more
+    # its Δ's weight here (tokens): its streams may claim no more, and the group's plan caps it;
+    # never 0 (a weight of 0 used to switch every cap of its group off)
+    weight: float = Field(1.0, gt=0, le=1e12)
     # the share of its previous group's mean it brings (moshpit classes): its weight in a θ_g re-sync
     share: float = Field(1.0, gt=0, le=1)
-    registered_at: float = Field(0.0, ge=0, le=1e11)  # DHT time; the earliest registrant leads the group
-    closes_by: float = Field(0.0, ge=0, le=1e11)  # DHT time by which it closes the group if it leads
     auth: str = Field("", max_length=512)
 
     def subject(self, key: str) -> str:
         """What the swarm-key tag of this registration signs."""
         subject = (
             f"{key}|{self.grpc_addr}|{self.client_mode}|{self.bandwidth_mbps!r}|{self.resync}|{self.theta}|"
-            f"{self.weight!r}|{self.registered_at!r}|{self.closes_by!r}"
+            f"{self.weight!r}"
         )
         # a whole share signs as before the field existed: older peers still read the common case
         return subject if self.share == 1.0 else f"{subject}|{self.share!r}"
 
 
-@dataclass(frozen=True)
-class ClosedList:
-    members: tuple[str, ...]
-    published_at: float  # DHT time: the earliest list naming a peer is its group
-    complete: bool = False  # its closer had every peer it expected (the window did not close it)
-    resync: bool = False  # average θ_g too: decided once, by the closer, for all (`needs_resync`)
-
-    def subject(self, key: str) -> str:
-        """What the swarm-key tag of this list signs."""
-        return f"{key}|{','.join(self.members)}|{self.published_at!r}|{self.complete}|{self.resync}"
-
-
-MAX_REGISTRANTS = 4096  # per group key: a flood of fake registrations stays bounded
+MAX_REGISTRANTS = 4096  # valid entries of distinct writers read per group key: a flood stays bounded
 UNKNOWN = "?"  # an expectation that can never be met: wait for the window
 LIST_TTL_S = 120.0  # closed and formed member lists outlive every hop that reads them
 REGISTRATION_TTL_S = 60.0  # a registration outlives its window by this much (late readers still see it)
 POLLS_PER_WINDOW = 2  # a window lasts at least this many of the recent slowest polls
 POLL_HISTORY = 32
-LEADER_GRACE_S = 2.0  # past its announced close-by time, a leader publishing its list is not yet silent
+# past its own window and settle time, a follower still waits this long for a leader's list
+# (that leader may be publishing it right now); the leader's own poll is cut half of it past
+# its deadline, so that its list goes out before its followers pass it over
+LEADER_GRACE_S = 2.0
+# leaders a follower passes over one at a time (each after a grace of its own) before it passes
+# over every pending registrant ahead of it at once: hostile or dead registrants cost it that many
+# graces at most
+MAX_PASSES = 2
 
 Registrants = dict[str, tuple[Member, Registration]]
 
@@ -118,14 +112,70 @@ def needs_resync(registrations: list[Registration]) -> bool:
     - Otherwise not: the average of equal θ_g is that θ_g again, and an fp32 re-sync costs 4
       bytes per parameter each way (8 with an outer momentum), 30 rounds of sparse traffic.
 
-    A member can force a re-sync either way (by asking); its weight there is 1 like
-    everyone's, and a result that drifts too far is refused (peers/averager.py)."""
+    A member can force a re-sync either way (by asking); its weight there is its share like
+    everyone's, and a result that moves θ_g farther than the swarm's recent outer steps reach
+    is refused (peers/averager.py)."""
     if len(registrations) < 2:
         return False
     hashes = {r.theta for r in registrations}
     if len(hashes - {""}) > 1:
         return True
     return "" in hashes and any(r.resync for r in registrations)
+
+
+@dataclass
+class Forming:
+    """What one peer has read of one group key during a hop, and what it decided so far.
+
+    A read on a loaded swarm can miss records another read saw (a lookup answered by a node
+    that lacks them, a membership record lapsing for a moment). A follower that read its
+    leader's list and then, settling, forgot the leader's registration averaged alone while
+    the group counted on it; so a registration or a list, once read and checked, stays."""
+
+    key: str
+    me: str
+    registrants: Registrants
+    lists: dict[str, ClosedList] = field(default_factory=dict)
+    formed: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    passed_over: set[str] = field(default_factory=set)  # pending registrants ahead, given up on
+    held_since: dict[str, float] = field(default_factory=dict)  # list on hold -> when first seen so
+    gave_up: bool = False
+
+    def valid(self) -> dict[str, ReadList]:
+        return valid_lists(self.key, self.lists, self.registrants)
+
+    def standing(self) -> Standing:
+        view = standing(self.key, self.registrants, self.valid(), self.formed, self.passed_over)
+        now = time.monotonic()
+        for publisher in view.on_hold:
+            self.held_since.setdefault(publisher, now)
+        return view
+
+    def candidates(self, view: Standing) -> list[str]:
+        """Registrants a leader may name: not in a list in force, not passed over."""
+        return by_rank(self.key, set(self.registrants) - set(view.taken) - self.passed_over)
+
+    def holding(self, view: Standing, candidates: list[str], hold_s: float) -> list[str]:
+        """Lists on hold that name one of these candidates and may still be confirmed."""
+        now = time.monotonic()
+        return [
+            p
+            for p, read in view.on_hold.items()
+            if set(read.members) & set(candidates) and now - self.held_since[p] < hold_s
+        ]
+
+    def pass_over(self, view: Standing, everyone: bool) -> set[str]:
+        """Give up on the leader this peer waits for (its own clock said so), or on every
+        pending registrant ahead of it (`everyone`). One at a time, a follower that gave up on a
+        dead leader a moment before another waits for that other to take over, and they meet."""
+        if everyone:
+            pending = set(self.registrants) - set(view.taken) - set(self.lists) - self.passed_over
+            gone = ranked_below(self.key, self.me, pending)
+        else:
+            gone = {view.leader} if view.leader is not None and view.leader != self.me else set()
+        self.passed_over |= gone
+        self.gave_up = True
+        return gone
 
 
 class Matchmaker:
@@ -171,17 +221,30 @@ class Matchmaker:
     def group_key(self, round: int, hop: int, cell: str = "all") -> str:
         return f"{self.run_id}.group.{round}.{hop}.{cell}"
 
-    async def _registrations(self, key: str) -> Registrants:
+    async def _entries(self, key: str, allowed: set[str] | None) -> list[tuple[str, object]]:
+        """(writer, value) of the entries under `key` whose writer is known (and `allowed`), at
+        most MAX_REGISTRANTS of them: the writer is checked before anything else is parsed, and
+        the cap counts only entries that pass it."""
         found = await self.dht.get(key, latest=True, return_future=True)
         entries = found.value if found is not None and isinstance(found.value, dict) else {}
+        out = []
+        for subkey, item in entries.items():
+            writer = self._writer(subkey)
+            if writer is None or (allowed is not None and writer not in allowed):
+                continue
+            out.append((writer, getattr(item, "value", None)))
+            if len(out) >= MAX_REGISTRANTS:
+                break
+        return out
+
+    async def _registrations(self, key: str, allowed: set[str] | None = None) -> Registrants:
         members = {}
-        for subkey, item in list(entries.items())[:MAX_REGISTRANTS]:
-            peer_id = self._writer(subkey)
+        for peer_id, value in await self._entries(key, allowed):
             try:
-                reg = Registration.model_validate(item.value)
+                reg = Registration.model_validate(value)
             except (ValidationError, AttributeError, TypeError):
                 continue
-            if peer_id is None or (not reg.client_mode and not reg.grpc_addr):
+            if not reg.client_mode and not reg.grpc_addr:
                 continue
             if not self._authentic("register", reg.subject(key), reg.auth, peer_id):
                 continue  # without the swarm key nobody joins our groups
@@ -195,83 +258,44 @@ class Matchmaker:
         """Peers with a valid, authentic registration under `key`."""
         return set(await self._registrations(key))
 
-    async def _member_lists(self, key: str, purpose: str) -> dict[str, ClosedList]:
-        found = await self.dht.get(f"{key}.{purpose}", latest=True, return_future=True)
-        entries = found.value if found is not None and isinstance(found.value, dict) else {}
+    async def _member_lists(self, key: str, purpose: str, allowed: set[str] | None = None) -> dict[str, ClosedList]:
         lists = {}
-        for subkey, item in list(entries.items())[:MAX_REGISTRANTS]:
-            peer_id = self._writer(subkey)
-            value = getattr(item, "value", None)
-            if not isinstance(value, dict):
-                continue
-            members, at = value.get("members"), value.get("at")
-            if not (
-                peer_id is not None
-                and isinstance(members, (list, tuple))
-                and len(members) <= MAX_REGISTRANTS
-                and peer_id in members
-                and all(isinstance(v, str) and len(v) <= 128 for v in members)
-                and len(set(members)) == len(members)
-                and isinstance(at, (int, float))
-                and 0 <= at <= 1e11
-            ):
-                continue
-            entry = ClosedList(tuple(members), float(at), value.get("complete") is True, value.get("resync") is True)
-            if self._authentic(purpose, entry.subject(key), str(value.get("auth", "")), peer_id):
+        for peer_id, value in await self._entries(f"{key}.{purpose}", allowed):
+            entry = parse_list(value, peer_id)
+            if entry is not None and self._authentic(purpose, entry.subject(key), _tag(value), peer_id):
                 lists[peer_id] = entry
         return lists
 
     async def formed(self, key: str) -> dict[str, tuple[str, ...]]:
         """The group each registrant ended up in (alone counts): what the groups of the next
-        hop wait for."""
+        hop wait for, and what confirms a list (`leadership.confirmed`)."""
         return {p: entry.members for p, entry in (await self._member_lists(key, "formed")).items()}
 
     async def _publish(
-        self,
-        key: str,
-        purpose: str,
-        members: tuple[str, ...],
-        complete: bool = False,
-        resync: bool = False,
-        at: float | None = None,  # a test's attacker backdates its list
+        self, key: str, purpose: str, members: tuple[str, ...], complete: bool = False, resync: bool = False
     ) -> None:
-        entry = ClosedList(members, round_time(get_dht_time()) if at is None else at, complete, resync)
+        entry = ClosedList(members, complete, resync)
         tag = self.auth.issue(purpose, entry.subject(key)) if self.auth else ""
         await self.dht.store(
             f"{key}.{purpose}",
             subkey=self.subkey,
-            value={
-                "members": list(members),
-                "at": entry.published_at,
-                "complete": complete,
-                "resync": resync,
-                "auth": tag,
-            },
+            value={"members": list(members), "complete": complete, "resync": resync, "auth": tag},
             expiration_time=get_dht_time() + LIST_TTL_S,
             return_future=True,
         )
 
-    async def _read(
-        self,
-        key: str,
-        admitted: Callable[[], Awaitable[set[str]]] | None,
-        previous: Registrants,
-        previous_lists: dict[str, ClosedList],
-    ) -> tuple[Registrants, dict[str, ClosedList]]:
+    async def _read(self, forming: Forming, admitted: Callable[[], Awaitable[set[str]]] | None) -> None:
         """Registrants (admitted ones, this peer always) and the lists they closed, added to
-        what this hop's earlier reads found.
-
-        A read on a loaded swarm can miss records another read saw (a lookup answered by a
-        node that lacks them, a membership record lapsing for a moment). A follower that read
-        its leader's list and then, settling, forgot the leader's registration averaged alone
-        while the group counted on it; a registration or a list, once read and checked, stays.
-        """
-        me = self.own.peer_id
-        found, lists = await asyncio.gather(self._registrations(key), self._member_lists(key, "closed"))
+        what this hop's earlier reads found (see `Forming`)."""
         allowed = await admitted() if admitted is not None else None
-        fresh = {p: v for p, v in found.items() if allowed is None or p in allowed}
-        registrants = previous | fresh | {me: previous[me]}
-        return registrants, {p: entry for p, entry in (previous_lists | lists).items() if p in registrants}
+        found, lists = await asyncio.gather(
+            self._registrations(forming.key, allowed), self._member_lists(forming.key, "closed", allowed)
+        )
+        forming.registrants |= found
+        forming.lists |= {p: entry for p, entry in lists.items() if p in forming.registrants}
+
+    async def _read_formed(self, forming: Forming) -> None:
+        forming.formed |= await self.formed(forming.key)
 
     async def form_group(
         self,
@@ -283,7 +307,7 @@ class Matchmaker:
         cell: str = "all",
         resync: bool = False,
         admitted: Callable[[], Awaitable[set[str]]] | None = None,
-        weight: float = 0.0,
+        weight: float = 1.0,
         theta: str = "",
         share: float = 1.0,
     ) -> FormedGroup:
@@ -297,32 +321,27 @@ class Matchmaker:
         stands for here) is announced in the signed registration: the group's plan bounds what
         each member's streams may claim by it. `theta` (the sha256 of the θ_g this peer would
         re-sync from, "" if not known) lets the closer skip a re-sync that would change nothing.
+        Nothing here waits longer than `window`, the settle time and LEADER_GRACE_S (plus one
+        DHT read) on this peer's own clock, whatever other peers announce.
         """
         started = time.monotonic()
         # a window must hold a couple of polls of the DHT, or a leader on a loaded host closes
         # before it has read who came (an adaptive window of a second against 2-second polls)
         window = max(window, POLLS_PER_WINDOW * max(self._poll_seconds, default=0.0))
         key = self.group_key(round, hop, cell)
-        me = self.own.peer_id
-        now_dht = round_time(get_dht_time())
-        bandwidth = self.own.bandwidth
         attack = failpoints.hostile(round)
-        if attack == "hostile-bandwidth":  # a test's attacker
-            bandwidth = failpoints.HOSTILE_BANDWIDTH
-        registered_at, closes_by = now_dht, round_time(now_dht + window)
-        if attack == "hostile-leader":  # a test's attacker: the first registrant, closing in years
-            registered_at, closes_by = 0.0, 1e11
+        bandwidth = failpoints.HOSTILE_BANDWIDTH if attack == "hostile-bandwidth" else self.own.bandwidth
         reg = Registration(
             grpc_addr=self.own.grpc_addr,
             client_mode=self.own.client_mode,
             bandwidth_mbps=bandwidth,
             resync=resync,
             theta=theta,
-            weight=weight,
+            weight=weight if attack != "hostile-zero-weight" else 1.0,
             share=share,
-            registered_at=registered_at,
-            closes_by=closes_by,
         )
+        if attack == "hostile-zero-weight":  # a test's attacker: a build that skips its own checks
+            reg = reg.model_copy(update={"weight": 0.0})
         reg = reg.model_copy(update={"auth": self.auth.issue("register", reg.subject(key)) if self.auth else ""})
         await self.dht.store(
             key,
@@ -331,176 +350,194 @@ class Matchmaker:
             expiration_time=get_dht_time() + window + REGISTRATION_TTL_S,
             return_future=True,
         )
-        if attack in ("hostile-leader", "hostile-pair"):
-            hostile = await self._attack(attack, key, admitted, window, started, weight, share)
-            if hostile is not None:
-                return hostile
-        deadline = started + window
-        # a leader's window is a promise to the followers (they close in its stead a grace
-        # after it): on a loaded host one poll of the DHT takes seconds, so a leader's poll
-        # is cut half that grace past its deadline, and it closes with what it had read
-        cutoff = deadline + LEADER_GRACE_S / 2
-
-        def poll_left() -> float | None:
-            return cutoff - time.monotonic() if candidates[0] == me else None
-
         own = replace(self.own, weight=weight, bandwidth=bandwidth, share=share)
-        registrants: Registrants = {me: (own, reg)}
-        closed: dict[str, ClosedList] = {}
-        wanted: set[str] = {UNKNOWN}
-        candidates: list[str] = [me]
-        group: tuple[str, ...] = (me,)
-        last_arrival, seen = started, {me}
-        while True:
-            read_at = get_dht_time()  # a list this poll misses was published after this
-            polled = time.monotonic()
-            try:
-                registrants, closed = await asyncio.wait_for(
-                    self._read(key, admitted, registrants, closed), poll_left()
-                )
-                if agreed := _agreed_group(closed, me):
-                    group, decided = agreed
-                    break  # somebody closed a group naming us
-                taken = set().union(*(entry.members for entry in closed.values())) - {me}
-                candidates = sorted(set(registrants) - taken, key=lambda p: (registrants[p][1].registered_at, p))
-                wanted = (await asyncio.wait_for(expected(), poll_left())) - taken
-                self._poll_seconds.append(time.monotonic() - polled)
-            except TimeoutError:  # the leader's deadline passed mid-poll: what it read before decides
-                self._poll_seconds.append(time.monotonic() - polled)  # at least this long
-            except Exception as e:  # noqa: BLE001  (hivemind's DHT reads fail with many types: average alone this hop)
-                log.warning("matchmaking lookup failed: %s", e)
-                candidates, wanted = [me], {UNKNOWN}
-            if set(candidates) - seen:
-                last_arrival, seen = time.monotonic(), seen | set(candidates)
-            leader = registrants[candidates[0]][1]
-            if candidates[0] == me and (wanted <= set(candidates) or time.monotonic() >= deadline):
-                group = _part_of(candidates, me, target_size)
-            elif candidates[0] != me and read_at > leader.closes_by + self.settle_s + LEADER_GRACE_S:
-                # judged by when the poll began, not ended: a poll that began before the
-                # leader's list went out cannot have seen it, however long it took
-                log.info(
-                    "%s: leader %s did not close the group by its own deadline; closing without it",
-                    key,
-                    _short([candidates[0]]),
-                )
-                candidates = candidates[1:]
-                group = _part_of(candidates, me, target_size)
-            else:
-                await asyncio.sleep(self.poll_interval)
-                continue
-            decided = ClosedList(
-                group,
-                0.0,
-                complete=UNKNOWN not in wanted and wanted <= set(candidates),
-                resync=needs_resync([registrants[p][1] for p in group]),
-            )
-            # published alone too: latecomers must not wait for us
-            await self._publish(key, "closed", group, decided.complete, decided.resync)
-            break
+        forming = Forming(key, own.peer_id, {own.peer_id: (own, reg)})
+        if attack in ("hostile-leader", "hostile-pair") and (
+            lone := await self._attack(attack, forming, admitted, window, started)
+        ):
+            return lone
+        group, decided, wanted, last_arrival = await self._until_grouped(
+            forming, expected, admitted, started, window, target_size
+        )
         if len(group) > 1:
-            group, decided, registrants = await self._settle(key, group, decided, admitted, registrants, closed)
-        if unknown := set(group) - set(registrants):
-            log.warning(
-                "%s: the group names %s, whose registration this peer cannot read; averaging alone this hop",
-                key,
-                _short(unknown),
-            )
-            group = (me,)
-        members = [registrants[p][0] for p in group]
+            group, decided = await self._settle(forming, group, decided, admitted)
+        members = [forming.registrants[p][0] for p in group]
         if all(m.client_mode for m in members):
             members = [own]  # nobody can reduce: average alone
-        # a list cut by the settling (a member went to an earlier list) is no longer whole
+        # a list cut by the settling (a member went to another list) is no longer whole
         complete = decided.complete and len(members) == len(decided.members)
         try:
             await self._publish(key, "formed", tuple(sorted(m.peer_id for m in members)))
         except Exception as e:  # noqa: BLE001  (the next hop then waits for this peer until its window ends)
             log.warning("could not publish the formed group: %s", e)
+        registrations = [forming.registrants[m.peer_id][1] for m in members]
         return FormedGroup(
             key,
             members,
-            len(registrants),
+            len(forming.registrants),
             time.monotonic() - started,
             complete,
-            last_arrival - started,
+            last_arrival,
             decided.resync and len(members) > 1,
             len(wanted - {UNKNOWN}),
-            tuple(sorted({registrants[m.peer_id][1].theta for m in members if m.peer_id in registrants})),
-            not any(registrants[m.peer_id][1].resync for m in members if m.peer_id in registrants),
+            tuple(sorted({r.theta for r in registrations})),
+            not any(r.resync for r in registrations),
         )
+
+    async def _until_grouped(
+        self,
+        forming: Forming,
+        expected: Callable[[], Awaitable[set[str]]],
+        admitted: Callable[[], Awaitable[set[str]]] | None,
+        started: float,
+        window: float,
+        target_size: int,
+    ) -> tuple[tuple[str, ...], ClosedList, set[str], float]:
+        """Poll until a list in force names this peer, or it leads and closes one: (the group,
+        its list, whom this peer expected, seconds to the last registrant's arrival)."""
+        me, key = forming.me, forming.key
+        deadline = started + window
+        give_up_at = deadline + self.settle_s + LEADER_GRACE_S
+        # a leader's window is a promise to the followers (they pass it over a grace after their
+        # own, on their clocks): on a loaded host one poll of the DHT takes seconds, so a
+        # leader's poll is cut half that grace past its deadline, and it decides with what it read
+        cutoff = deadline + LEADER_GRACE_S / 2
+        view = forming.standing()
+        wanted: set[str] = {UNKNOWN}
+        last_arrival, seen, passes = 0.0, {me}, 0
+        while True:
+            polled = time.monotonic()
+            leading = view.leader == me
+            left = cutoff - polled if leading else None
+            try:
+                await asyncio.wait_for(self._read(forming, admitted), left)
+                view = forming.standing()
+                if view.needs_formed:  # a list held by a pending registrant: has it been confirmed?
+                    await asyncio.wait_for(self._read_formed(forming), left)
+                    view = forming.standing()
+                wanted = await asyncio.wait_for(expected(), left)
+                self._poll_seconds.append(time.monotonic() - polled)
+            except TimeoutError:  # the leader's deadline passed mid-poll: what it read before decides
+                self._poll_seconds.append(time.monotonic() - polled)
+                view = forming.standing()
+            except Exception as e:  # noqa: BLE001  (hivemind's DHT reads fail with many types)
+                log.warning("matchmaking lookup failed: %s; deciding with what was read before", e)
+                view = forming.standing()
+            if set(forming.registrants) - seen:
+                last_arrival, seen = time.monotonic() - started, seen | set(forming.registrants)
+            now = time.monotonic()
+            if (group := view.group_of(me)) is not None:
+                publisher = view.taken[me]
+                # a list naming a registrant this peer has not read yet waits a poll or so for it
+                # (a read that missed it); past this peer's own deadline, without it
+                if not forming.valid()[publisher].unknown or forming.gave_up or now >= give_up_at:
+                    return group, forming.lists[publisher], wanted, last_arrival
+            elif view.leader == me:
+                candidates = forming.candidates(view)
+                ready = wanted - set(view.taken) <= set(candidates) or now >= deadline
+                if ready and not forming.holding(view, candidates, self.settle_s + LEADER_GRACE_S):
+                    group, decided = await self._close(forming, view, candidates, wanted, target_size)
+                    return group, decided, wanted, last_arrival
+            elif now >= give_up_at:
+                passes += 1
+                gone = forming.pass_over(view, everyone=passes > MAX_PASSES)
+                log.info("%s: no list from %s by this peer's own deadline; passing over", key, _short(sorted(gone)))
+                give_up_at = now + LEADER_GRACE_S  # the next leader's grace: it may be taking over now
+                view = forming.standing()
+                continue
+            await asyncio.sleep(self.poll_interval)
+
+    async def _close(
+        self, forming: Forming, view: Standing, candidates: list[str], wanted: set[str], target_size: int
+    ) -> tuple[tuple[str, ...], ClosedList]:
+        """As leader: this peer's part of the candidates, published (alone too: latecomers must
+        not wait for it)."""
+        group = _part_of(candidates, forming.me, target_size)
+        decided = ClosedList(
+            group,
+            complete=UNKNOWN not in wanted and wanted - set(view.taken) <= set(candidates),
+            resync=needs_resync([forming.registrants[p][1] for p in group]),
+        )
+        await self._publish(forming.key, "closed", group, decided.complete, decided.resync)
+        forming.lists[forming.me] = decided
+        return group, decided
+
+    async def _settle(
+        self,
+        forming: Forming,
+        group: tuple[str, ...],
+        decided: ClosedList,
+        admitted: Callable[[], Awaitable[set[str]]] | None,
+    ) -> tuple[tuple[str, ...], ClosedList]:
+        """Wait out lists published at the same time as ours; keep the group the rules give."""
+        await asyncio.sleep(self.settle_s)
+        try:
+            await self._read(forming, admitted)
+            if forming.standing().needs_formed:
+                await self._read_formed(forming)
+        except Exception as e:  # noqa: BLE001  (hivemind's DHT reads fail with many types)
+            # the lists read before stand: averaging alone would fail the members counting on us
+            log.warning("matchmaking lookup failed while settling: %s; keeping the lists read before", e)
+        view = forming.standing()
+        agreed = view.group_of(forming.me)
+        if agreed is None or agreed == group:
+            return group, decided
+        log.info(
+            "%s: another list closed at the same time as %s; the group is %s",
+            forming.key,
+            _short(group),
+            _short(agreed),
+        )
+        return agreed, forming.lists[view.taken[forming.me]]
 
     async def _attack(
         self,
         attack: str,
-        key: str,
+        forming: Forming,
         admitted: Callable[[], Awaitable[set[str]]] | None,
         window: float,
         started: float,
-        weight: float,
-        share: float,
     ) -> FormedGroup | None:
         """A test's attacker (peers/failpoints.py). `hostile-leader` never closes its group: it
         averages alone once its own window is over, and publishes nothing. `hostile-pair` closes
-        a list naming itself and the first other registrant it reads, backdated to 0; the
-        caller then forms its group as usual (None)."""
-        me = self.own.peer_id
+        a list naming itself and the first registrant ranked after it the moment it reads one;
+        the caller then forms its group as usual (None)."""
+        me, key = forming.me, forming.key
         if attack == "hostile-leader":
             await asyncio.sleep(min(window, 10.0))
-            own = replace(self.own, weight=weight, share=share)
-            return FormedGroup(key, [own], 1, time.monotonic() - started)
+            return FormedGroup(key, [forming.registrants[me][0]], 1, time.monotonic() - started)
         while time.monotonic() - started < window:
-            found = await self._registrations(key)
             allowed = await admitted() if admitted is not None else None
-            others = sorted(p for p in found if p != me and (allowed is None or p in allowed))
-            if others:
-                await self._publish(key, "closed", (me, others[0]), resync=True, at=0.0)
+            others = by_rank(key, set(await self._registrations(key, allowed)) - {me})
+            after = [p for p in others if p not in ranked_below(key, me, others)]
+            if after:
+                await self._publish(key, "closed", (me, after[0]), resync=True)
                 return None
             await asyncio.sleep(self.poll_interval)
         return None
 
-    async def _settle(
-        self,
-        key: str,
-        group: tuple[str, ...],
-        decided: ClosedList,
-        admitted: Callable[[], Awaitable[set[str]]] | None,
-        registrants: Registrants,
-        closed: dict[str, ClosedList],
-    ) -> tuple[tuple[str, ...], ClosedList, Registrants]:
-        """Wait out lists published at the same time as ours; keep the agreed earliest one."""
-        await asyncio.sleep(self.settle_s)
-        try:
-            registrants, closed = await self._read(key, admitted, registrants, closed)
-        except Exception as e:  # noqa: BLE001  (hivemind's DHT reads fail with many types)
-            # the lists read before stand: averaging alone would fail the members counting on us
-            log.warning("matchmaking lookup failed while settling: %s; keeping the lists read before", e)
-        agreed, decided = _agreed_group(closed, self.own.peer_id) or (group, decided)
-        if agreed != group:
-            log.info(
-                "%s: another list closed at the same time as %s; the group is %s", key, _short(group), _short(agreed)
-            )
-        return agreed, decided, registrants
 
-
-def round_time(t: float) -> float:
-    """DHT time to the millisecond: times compare equal after a JSON round trip."""
-    return round(t, 3)
-
-
-def _agreed_group(closed: dict[str, ClosedList], me: str) -> tuple[tuple[str, ...], ClosedList] | None:
-    """The earliest-published list naming `me`, less members whose own earliest list is
-    another (and that list, whose flags hold for the group).
-
-    Every member that reads the same lists computes the same group.
-    """
-    ordered = sorted(closed, key=lambda p: (closed[p].published_at, p))
-
-    def first_for(peer: str) -> str | None:
-        return next((publisher for publisher in ordered if peer in closed[publisher].members), None)
-
-    publisher = first_for(me)
-    if publisher is None:
+def parse_list(value: object, publisher: str) -> ClosedList | None:
+    """A member list as a peer stored it (untrusted), or None if malformed or not its publisher's."""
+    if not isinstance(value, dict):
         return None
-    return tuple(p for p in closed[publisher].members if first_for(p) == publisher), closed[publisher]
+    members, complete, resync = value.get("members"), value.get("complete"), value.get("resync")
+    if not (
+        isinstance(members, (list, tuple))
+        and 0 < len(members) <= MAX_REGISTRANTS
+        and all(isinstance(v, str) and 0 < len(v) <= 128 for v in members)
+        and len(set(members)) == len(members)
+        and publisher in members
+        and isinstance(complete, bool)
+        and isinstance(resync, bool)
+        and isinstance(value.get("auth", ""), str)
+    ):
+        return None
+    return ClosedList(tuple(members), complete, resync)
+
+
+def _tag(value: object) -> str:
+    return str(value.get("auth", "")) if isinstance(value, dict) else ""
 
 
 def _part_of(candidates: list[str], me: str, target_size: int) -> tuple[str, ...]:

@@ -27,7 +27,8 @@ from dtnode.peers.grid import (
     next_slots,
     split_groups,
 )
-from dtnode.peers.matchmaking import Matchmaker, Registration, round_time
+from dtnode.peers.leadership import by_rank
+from dtnode.peers.matchmaking import Matchmaker, Registration
 from dtnode.peers.membership import PeerRecord
 from dtnode.peers.plan import Compression, Member, WireFormat
 
@@ -305,12 +306,17 @@ def test_two_cells_form_their_own_groups(dht):
     asyncio.run(main())
 
 
-async def _register(maker: Matchmaker, key: str, registered_at: float, window: float = 1.0) -> None:
+async def _register(maker: Matchmaker, key: str) -> None:
     """A registration written by hand, as a peer that then does something else would leave it."""
-    reg = Registration(grpc_addr=maker.own.grpc_addr, registered_at=registered_at, closes_by=registered_at + window)
+    reg = Registration(grpc_addr=maker.own.grpc_addr)
     await maker.dht.store(
         key, subkey=maker.own.peer_id, value=reg.model_dump(), expiration_time=get_dht_time() + 60, return_future=True
     )
+
+
+def _ranked(run_id: str, names: str) -> list[str]:
+    """`names` in the rank order of the key of round 0, hop 0 (leadership.rank): the first leads."""
+    return by_rank(f"{run_id}.group.0.0.all", names)
 
 
 def test_a_latecomer_finds_its_group_closed_and_does_not_wait_the_window(dht):
@@ -328,7 +334,8 @@ def test_a_latecomer_finds_its_group_closed_and_does_not_wait_the_window(dht):
 
         a, b = await pair()
         c = await makers["c"].form_group(0, 0, want, window=10, target_size=3)
-        # a and b are taken: nobody is left to wait for, so c closes whole, not by the window
+        # a and b are taken (they confirmed their list): nobody is left to wait for, so c
+        # closes whole, not by the window, whatever its rank
         assert [m.peer_id for m in c.members] == ["c"] and c.complete
         assert [m.peer_id for m in a.members] == [m.peer_id for m in b.members] == ["a", "b"]
         formed = await makers["a"].formed(makers["a"].group_key(0, 0))
@@ -337,48 +344,98 @@ def test_a_latecomer_finds_its_group_closed_and_does_not_wait_the_window(dht):
     asyncio.run(main())
 
 
-def test_a_list_closed_by_an_earlier_registrant_wins_and_everyone_agrees(dht):
-    """c registered first and closed [b, c] without ever seeing a (its view lacked a), while a
-    and b expect all three. b joins c's list, a is left with nobody and averages alone: no
-    member averages with a group that differs from its own view of that group."""
+def test_the_lowest_ranked_registrant_closes_and_everyone_agrees(dht):
+    """Nobody says who came first: the registrant ranked lowest for the key (a hash of the key
+    and its id) closes the group, and only its list is published."""
 
     async def main():
-        makers = {p: Matchmaker(dht, "mm-compete", _member(p), poll_interval=0.05) for p in "abc"}
-        key = makers["c"].group_key(0, 0)
-        await _register(makers["c"], key, round_time(get_dht_time()) - 1)
-        await _register(makers["b"], key, round_time(get_dht_time()) - 0.5)
-        await makers["c"]._publish(key, "closed", ("b", "c"))
+        makers = {p: Matchmaker(dht, "mm-rank", _member(p), poll_interval=0.05) for p in "abcd"}
 
         async def want():
-            return {"a", "b", "c"}
+            return set("abcd")
 
-        a, b = await asyncio.gather(*(makers[p].form_group(0, 0, want, window=10, target_size=3) for p in "ab"))
-        assert [m.peer_id for m in b.members] == ["b", "c"]
-        assert [m.peer_id for m in a.members] == ["a"]
+        groups = await asyncio.gather(*(makers[p].form_group(0, 0, want, window=10, target_size=4) for p in "abcd"))
+        assert all([m.peer_id for m in g.members] == list("abcd") and g.complete for g in groups)
+        closed = await makers["a"]._member_lists(makers["a"].group_key(0, 0), "closed")
+        assert set(closed) == {_ranked("mm-rank", "abcd")[0]}
 
     asyncio.run(main())
 
 
-def test_a_leader_is_waited_for_until_its_own_deadline_then_left_out(dht):
-    """c registered first, so it leads, and then stalled. While the close-by time c announced
-    lies ahead, a and b keep waiting past their own (shorter) windows; once it has passed they
-    close without c, on one agreed list, and know the group is not whole."""
+def test_a_leader_that_never_closes_holds_its_followers_only_until_their_own_deadline(dht):
+    """Issue 56, finding 1: a registrant that led (it claimed to have registered first) and never
+    closed held every follower until the close-by time it announced, an hour or years away. The
+    leader is now the lowest-ranked registrant, and a follower gives up on it on its own clock:
+    its window, the settle time and a grace. The others then meet without it, on one list."""
 
     async def main():
+        run_id = "mm-silent"
+        leader, *followers = _ranked(run_id, "abc")
+        makers = {p: Matchmaker(dht, run_id, _member(p), poll_interval=0.05, settle_s=0.3) for p in "abc"}
+        await _register(makers[leader], makers[leader].group_key(0, 0))  # and never closes
+
         async def want():
             return {"a", "b", "c"}
 
-        for run_id, leader_window in (("mm-patient", 3600.0), ("mm-silent", 1.0)):
-            makers = {p: Matchmaker(dht, run_id, _member(p), poll_interval=0.05, settle_s=0.3) for p in "abc"}
-            await _register(makers["c"], makers["c"].group_key(0, 0), round_time(get_dht_time()), leader_window)
-            forming = asyncio.gather(*(makers[p].form_group(0, 0, want, window=0.5, target_size=3) for p in "ab"))
-            if leader_window > 60:
-                with pytest.raises(asyncio.TimeoutError):  # c's deadline is an hour away: still waiting
-                    await asyncio.wait_for(forming, 4)
-                continue
-            a, b = await forming
-            assert [m.peer_id for m in a.members] == [m.peer_id for m in b.members] == ["a", "b"]
-            assert not a.complete and not b.complete
+        started = time.monotonic()
+        groups = await asyncio.gather(*(makers[p].form_group(0, 0, want, window=0.5, target_size=3) for p in followers))
+        took = time.monotonic() - started
+        assert all([m.peer_id for m in g.members] == sorted(followers) and not g.complete for g in groups)
+        assert took < 0.5 + 0.3 + 2.0 + 3.0  # window, settle, grace, and a few polls of slack
+
+    asyncio.run(main())
+
+
+def test_a_list_that_jumps_ahead_of_its_leader_takes_nobody_and_a_made_up_id_isolates_nobody(dht):
+    """Issue 56, finding 1: a list backdated to time 0 always won, so a member could pair itself
+    with any victim, and a list naming a made-up id sent every member it named to average alone.
+    Lists now count only as their publisher's own group (it ranks lowest among them), a list
+    that a pending leader ranked ahead of it holds is in force only once its members confirm it,
+    and an id nobody registered is left out of a list. Here the peer ranked second publishes
+    {itself, a victim, a made-up id} before anyone else closed: the leader still groups everyone."""
+
+    async def main():
+        run_id = "mm-jumper"
+        leader, jumper, *rest = _ranked(run_id, "abcd")
+        makers = {p: Matchmaker(dht, run_id, _member(p), poll_interval=0.05, settle_s=0.3) for p in "abcd"}
+        key = makers[jumper].group_key(0, 0)
+        victim = rest[0]
+        for p in (jumper, victim):
+            await _register(makers[p], key)
+        await makers[jumper]._publish(key, "closed", (jumper, victim, "ghost"), complete=True)
+
+        async def want():
+            return {leader, *rest}
+
+        started = time.monotonic()
+        groups = await asyncio.gather(
+            *(makers[p].form_group(0, 0, want, window=4, target_size=4) for p in (leader, *rest))
+        )
+        for group in groups:
+            assert {m.peer_id for m in group.members} == {"a", "b", "c", "d"}  # the jumper too, by the leader's list
+        # the leader held its list for the jumper's to be confirmed (it never was), a settle and a grace
+        assert time.monotonic() - started > 0.3 + 2.0
+
+    asyncio.run(main())
+
+
+def test_a_made_up_id_in_the_leaders_list_is_left_out_and_the_others_still_meet(dht):
+    """A leader's list naming an id nobody registered: its members wait a poll or so for that
+    registration (a read may have missed it), then meet without it at their own deadline."""
+
+    async def main():
+        run_id = "mm-ghost"
+        leader, *followers = _ranked(run_id, "abc")
+        makers = {p: Matchmaker(dht, run_id, _member(p), poll_interval=0.05, settle_s=0.3) for p in "abc"}
+        key = makers[leader].group_key(0, 0)
+        await _register(makers[leader], key)
+        await makers[leader]._publish(key, "closed", (leader, *followers, "zz-ghost"), complete=True)
+
+        async def want():
+            return {"a", "b", "c"}
+
+        groups = await asyncio.gather(*(makers[p].form_group(0, 0, want, window=1, target_size=3) for p in followers))
+        assert all(sorted(m.peer_id for m in g.members) == ["a", "b", "c"] for g in groups)
 
     asyncio.run(main())
 
@@ -386,14 +443,16 @@ def test_a_leader_is_waited_for_until_its_own_deadline_then_left_out(dht):
 def test_a_leader_whose_poll_outlasts_its_window_closes_by_its_deadline_with_whom_it_read(dht):
     """On a loaded host one poll of the DHT takes seconds. A leader that looked at its
     deadline only between polls closed seconds late; its followers, who wait a short grace
-    past the close-by time it announced, had closed without it, and the group split in two
-    (the 9-node grid test on a 2-core host). A leader's poll is now cut half that grace past
-    its deadline, and it closes with the registrants it had read; its later windows hold two
-    of its slowest recent polls, so that it reads who came before it must close."""
+    past their own deadline, had closed without it, and the group split in two (the 9-node
+    grid test on a 2-core host). A leader's poll is now cut half that grace past its deadline,
+    and it closes with the registrants it had read; its later windows hold two of its slowest
+    recent polls, so that it reads who came before it must close."""
 
     async def main():
-        makers = {p: Matchmaker(dht, "mm-slow-leader", _member(p), poll_interval=0.05, settle_s=0.3) for p in "ab"}
-        slow_from = time.monotonic() + 2.0  # by then b has registered and a has read it
+        run_id = "mm-slow-leader"
+        leader, follower_id = _ranked(run_id, "ab")
+        makers = {p: Matchmaker(dht, run_id, _member(p), poll_interval=0.05, settle_s=0.3) for p in "ab"}
+        slow_from = time.monotonic() + 2.0  # by then both registered and the leader read the other
 
         async def leader_wants():
             if time.monotonic() > slow_from:
@@ -403,23 +462,21 @@ def test_a_leader_whose_poll_outlasts_its_window_closes_by_its_deadline_with_who
         async def follower_wants():
             return {"a", "b", "ghost"}
 
-        async def follower():
-            await asyncio.sleep(0.3)  # a registers first: it leads
-            return await makers["b"].form_group(0, 0, follower_wants, window=4, target_size=3)
-
         started = time.monotonic()
-        a, b = await asyncio.gather(makers["a"].form_group(0, 0, leader_wants, window=4, target_size=3), follower())
+        a, b = await asyncio.gather(
+            makers[leader].form_group(0, 0, leader_wants, window=4, target_size=3),
+            makers[follower_id].form_group(0, 0, follower_wants, window=4, target_size=3),
+        )
         assert [m.peer_id for m in a.members] == [m.peer_id for m in b.members] == ["a", "b"]
         assert not a.complete and time.monotonic() - started < 15
 
         # and its next windows hold two such polls: the leader reads who came before it closes
         async def alone():
-            return {"a"}
+            return {leader}
 
-        await makers["a"].form_group(1, 0, alone, window=0.5, target_size=3)
-        key = makers["a"].group_key(1, 0)
-        registration = (await makers["a"]._registrations(key))["a"][1]
-        assert registration.closes_by - registration.registered_at > 2 * 2.0
+        started = time.monotonic()
+        await makers[leader].form_group(1, 0, alone, window=0.5, target_size=3)
+        assert max(makers[leader]._poll_seconds) > 2.0
 
     asyncio.run(main())
 
@@ -433,9 +490,11 @@ def test_a_member_that_stops_seeing_its_leader_after_reading_its_list_still_join
     now stays for that hop."""
 
     async def main():
+        run_id = "mm-forgetful"
+        leader, quick, forgetful = _ranked(run_id, "abc")
         makers = {
-            p: Matchmaker(dht, "mm-forgetful", _member(p), poll_interval=0.05, settle_s=s)
-            for p, s in (("a", 0.2), ("b", 0.2), ("c", 1.5))
+            p: Matchmaker(dht, run_id, _member(p), poll_interval=0.05, settle_s=1.5 if p == forgetful else 0.2)
+            for p in "abc"
         }
         everyone = {"a", "b", "c"}
         leader_done = asyncio.Event()
@@ -443,20 +502,19 @@ def test_a_member_that_stops_seeing_its_leader_after_reading_its_list_still_join
         async def wants():
             return everyone
 
-        async def c_admits():  # once the leader is done, c's view of the swarm loses it
-            return everyone - {"a"} if leader_done.is_set() else everyone
+        async def forgetful_admits():  # once the leader is done, this view of the swarm loses it
+            return everyone - {leader} if leader_done.is_set() else everyone
 
-        async def leader():
-            group = await makers["a"].form_group(0, 0, wants, window=5, target_size=3)
+        async def lead():
+            group = await makers[leader].form_group(0, 0, wants, window=5, target_size=3)
             leader_done.set()
             return group
 
-        async def follower(p, admitted=None):
-            await asyncio.sleep(0.3)  # a registers first: it leads
+        async def follow(p, admitted=None):
             return await makers[p].form_group(0, 0, wants, window=5, target_size=3, admitted=admitted)
 
-        a, b, c = await asyncio.gather(leader(), follower("b"), follower("c", c_admits))
-        # c read a's list within a poll and then settled 1.5 s, past a's return
+        a, b, c = await asyncio.gather(lead(), follow(quick), follow(forgetful, forgetful_admits))
+        # the forgetful one read the leader's list within a poll and then settled 1.5 s, past its return
         assert leader_done.is_set()
         assert [m.peer_id for m in c.members] == [m.peer_id for m in a.members] == ["a", "b", "c"]
         assert [m.peer_id for m in b.members] == ["a", "b", "c"]
@@ -502,11 +560,7 @@ def test_a_later_hop_waits_for_exactly_the_peers_whose_path_leads_there(dht):
         hop0 = {p: [first_slot(coords[p])] for p in rest}
         groups0 = await form(0, hop0)
         # late registers after its cell closed without it: it will form alone and go on
-        await _register(
-            makers[late],
-            makers[late].group_key(0, 0, f"d{dims}.{hop_key(coords[late], 0)}"),
-            round_time(get_dht_time()),
-        )
+        await _register(makers[late], makers[late].group_key(0, 0, f"d{dims}.{hop_key(coords[late], 0)}"))
         hop1 = {p: next_slots(coords[p], 1, groups0[p, hop0[p][0].key], p, side) for p in rest}
         groups1 = await form(1, {p: s for p, s in hop1.items() if p != in_transit})
         hop2 = {
@@ -722,7 +776,7 @@ def test_nobody_writes_another_peers_registration_or_member_list(tmp_path):
                 for dht, v in zip(dhts, validators)
             )
             key = victim.group_key(0, 0)
-            lie = {"members": [victim.own.peer_id], "at": 0.0, "complete": True, "resync": False, "auth": ""}
+            lie = {"members": [victim.own.peer_id], "complete": True, "resync": False, "auth": ""}
             for purpose in ("closed", "formed"):
                 for subkey in (victim.own.peer_id, victim.own.peer_id.encode() + validators[2].local_public_key):
                     await attacker.dht.store(
@@ -732,7 +786,7 @@ def test_nobody_writes_another_peers_registration_or_member_list(tmp_path):
                         expiration_time=get_dht_time() + 60,
                         return_future=True,
                     )
-            fake = Registration(grpc_addr="6.6.6.6:1", registered_at=round_time(get_dht_time()), closes_by=1e10)
+            fake = Registration(grpc_addr="6.6.6.6:1")
             await attacker.dht.store(  # a registration in the honest peer's name
                 key,
                 subkey=honest.own.peer_id,
