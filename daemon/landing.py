@@ -19,7 +19,7 @@ import torch
 
 from dtnode.ops.coded import CodedDelta
 from dtnode.peers import failpoints
-from dtnode.peers.averager import AveragingResult
+from dtnode.peers.averager import AveragingResult, AveragingTimeout
 
 from .metrics import NodeMetrics
 from .store import CheckpointStore
@@ -111,7 +111,7 @@ class Landing:
                 self.worker.outer_step,
                 type(e).__name__,
                 e,
-                exc_info=e,
+                exc_info=None if isinstance(e, AveragingTimeout) else e,
             )
             self.metrics.round_failures.labels(reason=type(e).__name__).inc()
             return None

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 from collections import deque
 from collections.abc import Callable
 
@@ -36,6 +37,7 @@ import torch
 from dtnode.ops.coded import CodedDelta
 from dtnode.ops.flat import sha256_of
 from dtnode.ops.outer_optimizer import NesterovOuterOptimizer
+from dtnode.peers.part_result import DriftBound
 
 from .local_ranks import LocalRankFailure
 from .trainer import Trainer
@@ -44,6 +46,19 @@ log = logging.getLogger("dtnode")
 
 DISTANCE_SLICE = 1 << 22  # values per slice of `distance_to`
 UPDATES_REMEMBERED = 8  # outer steps whose size `update_scale` takes the largest of
+# How far the swarm may move this node's θ_g, relative to this node's own recent pseudo-gradients
+# (the last OWN_DELTAS_REMEMBERED of them, the longest): never relative to a quantity a peer
+# chooses (its weight, its Δ, ‖θ‖ itself), and never to what the swarm applied before (a member
+# that moved it to the bound each round would raise the bound each round)
+OWN_DELTAS_REMEMBERED = 8
+# an averaged Δ at most this many times this node's longest recent Δ: a peer with a bigger batch or
+# one k times slower stays well within (‖Δ‖ grows with the steps taken, less than linearly); a
+# longer mean is scaled down to it, whoever in the group made it long
+OUTER_REACH = 4.0
+# a θ_g re-sync may move θ_g (and the momentum) by this many of this node's recent outer steps, per
+# step the two states may lie apart (one, plus the steps this node made alone): a failed part, a
+# download from another moshpit group's θ_g of the step, a few solo rounds
+RESYNC_REACH = 4.0
 
 
 class Replica:
@@ -69,6 +84,9 @@ class Replica:
         # bounds on the sizes of the last outer steps (0-d tensors, read only when asked), with the
         # round each came from (its inner learning rate scales it: see update_scale)
         self._update_sizes: deque[tuple[torch.Tensor, int]] = deque(maxlen=UPDATES_REMEMBERED)
+        # ‖Δ‖ of this node's own last pseudo-gradients (0-d tensors): what bounds the swarm's moves
+        self._own_norms: deque[torch.Tensor] = deque(maxlen=OWN_DELTAS_REMEMBERED)
+        self.outer_steps_scaled = 0  # averaged Δ scaled down to OUTER_REACH (`bounded`)
 
     def _new_staging(self, n: int, pin: bool) -> torch.Tensor | CodedDelta:
         """The buffer Δ is staged in for the network: fp32 here (pinned on CUDA)."""
@@ -93,9 +111,52 @@ class Replica:
         self._after_copy()
         target = self._fp32_staging() if self._delta_device is None else self._delta_device
         self._difference_into(target)
+        self._measure_own(target)
         if self._delta_device is not None:
             self._copy_to_host(self._delta_device)
         return self.delta_cpu
+
+    def _measure_own(self, delta: torch.Tensor | CodedDelta) -> None:
+        """Remember ‖Δ‖ of this node's own pseudo-gradient (no host sync until it is read)."""
+        self._own_norms.append(delta.norm() if isinstance(delta, CodedDelta) else torch.linalg.vector_norm(delta))
+
+    def own_scale(self) -> float | None:
+        """The longest of this node's recent own pseudo-gradients (None before its first)."""
+        return float(torch.stack(list(self._own_norms)).max()) if self._own_norms else None
+
+    def bounded(self, mean: torch.Tensor | CodedDelta) -> torch.Tensor | CodedDelta:
+        """The averaged Δ, scaled down in place to OUTER_REACH x this node's longest recent own Δ
+        if it is longer: however a group's mean was made (a member's Δ x1000, a weight of 1e12
+        in a pair), this node's outer step stays within a few of its own (see the module)."""
+        scale = self.own_scale()
+        if scale is None:
+            return mean
+        limit = OUTER_REACH * scale
+        size = float(mean.norm() if isinstance(mean, CodedDelta) else torch.linalg.vector_norm(mean))
+        if size <= limit:
+            return mean
+        factor = limit / size if math.isfinite(size) else 0.0
+        log.warning(
+            "the averaged Δ is %.4g long, over %g x this node's longest recent own Δ (%.4g): scaled down to that",
+            size,
+            OUTER_REACH,
+            scale,
+        )
+        self.outer_steps_scaled += 1
+        if isinstance(mean, CodedDelta):
+            mean.scales.mul_(factor)
+        else:
+            mean.mul_(factor)
+        return mean
+
+    def resync_bound(self, solo_steps: int) -> DriftBound:
+        """How far a θ_g re-sync may move this node's θ_g and momentum (see RESYNC_REACH), per
+        step apart: θ_g by the largest of its recent outer steps (before its first, the step
+        lr·(1+μ)·‖Δ‖ of its own longest recent Δ), the momentum by ‖Δ‖/(1−μ), its size at most."""
+        own = self.own_scale() or 0.0
+        step = max(self.update_scale() or 0.0, self.outer.lr * (1 + self.outer.momentum) * own)
+        apart = RESYNC_REACH * (1 + solo_steps)
+        return DriftBound(apart * step, apart * own / (1 - self.outer.momentum), self.numel)
 
     def _difference_into(self, target: torch.Tensor) -> None:
         """target ← θ_g − θ_l."""
@@ -156,7 +217,7 @@ class Replica:
 
     def _outer_step(self, mean_cpu: torch.Tensor | CodedDelta) -> None:
         """θ_g's outer step of the averaged Δ, and its size remembered (`update_scale`)."""
-        mean = self._mean_on_device(mean_cpu)
+        mean = self.bounded(self._mean_on_device(mean_cpu))
         self.outer.step(self.theta_g, mean)
         self._stepped(mean)
 
@@ -291,6 +352,7 @@ class Replica:
         in_flight = self._in_flight_buffer()
         self._after_copy()
         self._difference_into(in_flight)
+        self._measure_own(in_flight)
         self.has_in_flight = True
         self._copy_to_host(in_flight)
         return self.delta_cpu

@@ -26,8 +26,9 @@ import torch
 
 from dtnode.ops.coded import CodedDelta
 from dtnode.peers import failpoints
-from dtnode.peers.averager import AveragingResult, MoshpitAverager
+from dtnode.peers.averager import AveragingResult, AveragingTimeout, MoshpitAverager
 from dtnode.peers.membership import Membership, PeerRecord
+from dtnode.peers.part_result import DriftBound
 
 from .failure_streak import FailureStreak
 from .history import RoundHistory
@@ -45,6 +46,9 @@ from .trainer import InnerResult
 from .worker import ModelWorker
 
 log = logging.getLogger("dtnode")
+
+# failures whose message says all: logged without their (always identical) call path
+KNOWN_CAUSES = (LocalRankFailure, FloatingPointError, AveragingTimeout)
 
 
 class RoundStrategy(Protocol):
@@ -201,9 +205,10 @@ class RoundLoop:
                     reason,
                     e,
                     outer,
-                    # a known cause, said in full by its message: a rank that died, or a non-finite
-                    # loss or Δ (whose call path is always the same and tells an operator nothing)
-                    exc_info=None if isinstance(e, (LocalRankFailure, FloatingPointError)) else e,
+                    # a known cause, said in full by its message: a rank that died, a non-finite loss or
+                    # Δ, an average past its bound (whose call path is always the same and tells an
+                    # operator nothing)
+                    exc_info=None if isinstance(e, KNOWN_CAUSES) else e,
                 )
             self.needs_resync = True
             self.state.enter_round(outer + (1 if self.landing.in_flight else 0), outer)
@@ -299,9 +304,11 @@ class RoundLoop:
         inner: InnerResult,
         resync: bool,
         consensus_on: Callable,
+        drift: DriftBound,
     ) -> asyncio.Future[AveragingResult]:
         """This round's Δ averaged over the swarm's groups (a peer that took no step still
-        averages, with a negligible weight: its θ_g stays in step)."""
+        averages, with a negligible weight: its θ_g stays in step); a θ_g re-sync may move this
+        node's state by `drift` at most (`ModelWorker.resync_bound`)."""
         replica = self.worker.replica
         return asyncio.ensure_future(
             self.averager.average(
@@ -313,6 +320,7 @@ class RoundLoop:
                 None if replica.coded else self.worker.residual,  # a coded Δ took its feedback already
                 replica.delta_on_host,
                 replica.params_sha256(),  # "" while it is being computed: then a re-sync asked for happens
+                drift,
             )
         )
 
@@ -427,10 +435,11 @@ class PlainRound:
             lp.metrics.dropped_inner_steps.inc(inner.steps)
             return
         delta = await worker.call(worker.pseudo_gradient)
+        drift = await worker.call(worker.resync_bound)
         state.begin_averaging()
         await lp.publisher.publish()
         resync = lp.wants_resync(round_no)
-        result = await lp.average(round_no, delta, inner, resync, worker.call)
+        result = await lp.average(round_no, delta, inner, resync, worker.call, drift)
         # a wanted re-sync that found nobody to sync with is still wanted next round
         lp.needs_resync = (
             not result.clean
@@ -512,8 +521,10 @@ class OverlappedRound:
         # θ_g does not change while the average runs (only its outer step, awaited first, writes
         # it): the consensus state is read on the I/O thread, not behind this round's inner steps
         io = asyncio.get_running_loop()
+        drift = await worker.call(worker.resync_bound)
         landing.launch(
-            lp.average(round_no, delta, inner, resync, lambda fn: io.run_in_executor(lp.store.io_thread, fn)), resync
+            lp.average(round_no, delta, inner, resync, lambda fn: io.run_in_executor(lp.store.io_thread, fn), drift),
+            resync,
         )
         if previous is not None:  # the new θ_g's eval, once its hash and the next average are under way
             await worker.call(worker.evaluate_theta_g)

@@ -25,6 +25,7 @@ import torch
 from dtnode.ops.coded import CodedDelta
 from dtnode.peers import failpoints
 from dtnode.peers.averager import AveragingResult
+from dtnode.peers.part_result import DriftBound
 
 from .checkpoint import Layout, LoadedCheckpoint, LocalState, SharedBytes, TrainingState
 from .coded_replica import CodedReplica
@@ -274,6 +275,11 @@ class ModelWorker:
                 self.replica.theta_g[0] = torch.nextafter(self.replica.theta_g[0], self.replica.theta_g[0] + 1)
         self._count_solo(result)
         self.measure_feedback()
+
+    def resync_bound(self) -> DriftBound:
+        """How far this round's θ_g re-sync may move θ_g (training thread: it reads the norms of
+        the replica's own Δ, on the training device)."""
+        return self.replica.resync_bound(self.solo_steps)
 
     def _count_solo(self, result: AveragingResult) -> None:
         self.solo_steps = self.solo_steps + 1 if result.alone else 0

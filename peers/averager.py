@@ -35,13 +35,14 @@ from .butterfly import AllReduceReport, ChannelPool, Feedback, butterfly_allredu
 from .deadlines import AdaptiveDeadlines, expected_payload_bytes
 from .expectations import GroupExpectations
 from .grid import Slot, cells, coordinates, first_slot, grid_shape, next_slots
-from .matchmaking import FormedGroup, Matchmaker
+from .matchmaking import LEADER_GRACE_S, MAX_PASSES, FormedGroup, Matchmaker
 from .membership import PeerRecord
 from .outcome import AveragingResult, HopReport
+from .part_result import DriftBound
 from .plan import FP32, Compression, GroupPlan, Member, WireFormat, make_plan
 from .reducer import ReductionRegistry
 
-__all__ = ["AveragingConfig", "AveragingResult", "HopReport", "MoshpitAverager"]
+__all__ = ["AveragingConfig", "AveragingResult", "AveragingTimeout", "HopReport", "MoshpitAverager"]
 
 log = logging.getLogger(__name__)
 
@@ -60,11 +61,9 @@ class AveragingConfig:
 
 
 FP32_WIRE = WireFormat(Compression.FP32)
-# a re-sync may move a part of ours by this many times its norm at most: the state is θ_g and
-# the outer momentum, and honest momenta legitimately differ by their own size after a failure
-THETA_MAX_DRIFT = 4.0
 MAX_CHAINS = 16  # classes one peer carries through a hop at most (each holds a model-sized buffer)
 LONE_TIMEOUT_S = 1.0  # a group of one streams nothing and serves no late result: its reduction goes at once
+ROUND_BOUND_SLACK_S = 30.0  # on top of `round_bound`'s sum: a loaded host's DHT polls take seconds
 
 
 @dataclass(frozen=True)
@@ -94,8 +93,48 @@ class _Hop:
     feedback: Feedback | None  # error feedback, for the primary slot
     delta_ready: Callable[[], Awaitable[None]] | None  # hop 0 only
     fetch_theta: Callable[[], Awaitable[torch.Tensor]]
+    drift: DriftBound | None  # how far a re-sync may move this node's state
     one_slot: bool  # this node holds a single slot in the hop (no extra groups to cover)
     load: int  # all-reduces that share this node's link and cores, or a group-mate's, in this hop (`hop_load`)
+
+
+class AveragingTimeout(RuntimeError):
+    """An outer step's averaging outlasted this node's bound of it (`round_bound`)."""
+
+
+@dataclass
+class _Round:
+    """What every hop of one outer step's averaging shares."""
+
+    round_no: int
+    population: int
+    side: int
+    dims: int
+    hop0_cells: dict[str, set[str]]
+    resync: bool  # this node asks its groups to re-sync θ_g
+    theta_sha256: str
+    residual: torch.Tensor | None
+    delta_ready: Callable[[], Awaitable[None]] | None
+    consensus_state: Callable[[], Awaitable[torch.Tensor]]
+    drift: DriftBound | None  # how far a re-sync may move this node's state
+    theta: torch.Tensor | None = None  # θ_g and the momentum, once a hop re-syncs them
+    hops: list[HopReport] = field(default_factory=list)
+    _fetching: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+    async def fetch_theta(self) -> torch.Tensor:
+        async with self._fetching:
+            if self.theta is None:
+                self.theta = await self.consensus_state()
+        return self.theta
+
+
+def round_bound(deadlines: AdaptiveDeadlines, dims: int, settle_s: float) -> float:
+    """The longest one outer step's averaging may take on this node's own clock: per hop, its
+    matchmaking (a later hop's window holds the deadline of the all-reduce before it), the
+    settle time and the graces of leaders passed over, then the all-reduces of Δ and of a θ_g
+    re-sync at their longest; and a slack for slow DHT polls."""
+    matchmaking = deadlines.window_max + deadlines.timeout_max + settle_s + (MAX_PASSES + 2) * LEADER_GRACE_S
+    return dims * (matchmaking + 2 * deadlines.timeout_max) + ROUND_BOUND_SLACK_S
 
 
 class MoshpitAverager:
@@ -136,6 +175,7 @@ class MoshpitAverager:
         residual: torch.Tensor | None = None,
         delta_ready: Callable[[], Awaitable[None]] | None = None,
         theta_sha256: str = "",
+        drift: DriftBound | None = None,
     ) -> AveragingResult:
         """Average Δ (`delta`) over the grid; the mean comes back in `delta` itself (in scratch
         buffers when this node carried it into several groups of a hop).
@@ -143,128 +183,125 @@ class MoshpitAverager:
         `delta_ready`, when given, returns once `delta` holds Δ: its copy from the training
         device may still be under way when this starts, and hop 0's matchmaking hides it.
         `theta_sha256` is the hash of the θ_g that `consensus_state` returns ("" if not known):
-        a group whose members all hold that θ_g skips a re-sync (`matchmaking.needs_resync`)."""
+        a group whose members all hold that θ_g skips a re-sync (`matchmaking.needs_resync`).
+        `drift` bounds how far a re-sync may move this node's state (a node always gives it:
+        daemon/replica.py `resync_bound`; None leaves a re-sync unbounded, for tests). The whole average is bounded on this node's own clock (`round_bound`): AveragingTimeout
+        past it, whatever other peers do."""
         c = self.config
-        if failpoints.hostile(round_no) in (
-            "hostile-resync",
-            "hostile-pair",
-        ):  # a test's attacker: it must get its re-sync
+        if failpoints.hostile(round_no) in ("hostile-resync", "hostile-pair"):  # a test's attacker: it must re-sync
             resync, theta_sha256 = True, ""
         population = await self.expect.population(round_no)
+        self.channels.retain(await self.expect.admissible())  # channels of peers gone go
         side, dims = grid_shape(len(population), c.target_group_size, c.grid_dims)
-        hop0_cells = cells(population, round_no, side, dims, salt=c.run_id)
+        state = _Round(
+            round_no,
+            len(population),
+            side,
+            dims,
+            cells(population, round_no, side, dims, salt=c.run_id),
+            resync,
+            theta_sha256,
+            residual,
+            delta_ready,
+            consensus_state,
+            drift,
+        )
         chains = [Chain(first_slot(coordinates(self.peer_id, round_no, side, dims, c.run_id)), delta, weight)]
-        theta: torch.Tensor | None = None
-        hops: list[HopReport] = []
-        theta_fetch = asyncio.Lock()
+        bound = round_bound(self.deadlines, dims, self.matchmaker.settle_s)
+        async with asyncio.timeout(bound) as timer:
+            try:
+                for hop in range(dims):
+                    chains = await self._hop(state, hop, chains)
+            except TimeoutError:
+                if timer.expired():
+                    raise AveragingTimeout(
+                        f"round {round_no}: averaging its {dims} hop(s) took longer than this node's bound of "
+                        f"{bound:.0f}s; given up"
+                    ) from None
+                raise
+        return AveragingResult(chains[0].values, chains[0].weight, state.hops, state.theta)
 
-        async def fetch_theta() -> torch.Tensor:
-            nonlocal theta
-            async with theta_fetch:
-                if theta is None:
-                    theta = await consensus_state()
-            return theta
-
-        for hop in range(dims):
-            # hop 0 waits for peers a view names, which may be gone: an adaptive window. Later
-            # hops wait only for peers whose path through the groups that formed leads (or
-            # may still lead) here, who are on their way: the full window, and the deadline of
-            # the all-reduce they may still be in (a peer alone in its cell registers here at
-            # once; with only the window, its group closed before a large model's all-reduce
-            # of the last hop was over, and the others then met without it)
-            window = (
-                self.deadlines.matchmaking_window
-                if hop == 0
-                else later_hop_window(
-                    self.deadlines, chains[0].values.numel(), c.wire, hop, len(population), side, dims
-                )
-            )
-            if hop == 0:
-                window = max(
-                    window, await self.expect.last_step_of_others(round_no, set(hop0_cells.get(chains[0].slot.key, ())))
-                )
-            self.on_phase("matchmaking")
-            asked = resync or theta is not None
+    async def _hop(self, state: _Round, hop: int, chains: list[Chain]) -> list[Chain]:
+        """One hop: every chain's group formed and all-reduced at once; the chains of the next hop."""
+        c, round_no = self.config, state.round_no
+        # hop 0 waits for peers a view names, which may be gone: an adaptive window. Later
+        # hops wait only for peers whose path through the groups that formed leads (or
+        # may still lead) here, who are on their way: the full window, and the deadline of
+        # the all-reduce they may still be in (a peer alone in its cell registers here at
+        # once; with only the window, its group closed before a large model's all-reduce
+        # of the last hop was over, and the others then met without it)
+        if hop == 0:
+            others = set(state.hop0_cells.get(chains[0].slot.key, ()))
+            window = max(self.deadlines.matchmaking_window, await self.expect.last_step_of_others(round_no, others))
+        else:
+            numel = chains[0].values.numel()
+            window = later_hop_window(self.deadlines, numel, c.wire, hop, state.population, state.side, state.dims)
+        self.on_phase("matchmaking")
+        outputs = self.scratch.outputs([chain.values for chain in chains])
+        hop_ctx = _Hop(
+            round_no,
+            hop,
+            state.dims,
+            state.side,
+            state.hop0_cells,
+            window,
+            state.resync or state.theta is not None,
             # once a hop re-synced it, this node's θ is no longer the one its hash names
-            announced = theta_sha256 if theta is None else ""
-            outputs = self.scratch.outputs([chain.values for chain in chains])
-
-            hop_ctx = _Hop(
-                round_no,
-                hop,
-                dims,
-                side,
-                hop0_cells,
-                window,
-                asked,
-                announced,
-                self._feedback(residual, hop),
-                delta_ready if hop == 0 else None,
-                fetch_theta,
-                len(chains) == 1,
-                hop_load(len(chains), hop, len(population), side, dims),
+            state.theta_sha256 if state.theta is None else "",
+            self._feedback(state.residual, hop),
+            state.delta_ready if hop == 0 else None,
+            state.fetch_theta,
+            state.drift,
+            len(chains) == 1,
+            hop_load(len(chains), hop, state.population, state.side, state.dims),
+        )
+        report = HopReport(
+            hop, chains[0].slot.key, 1, 0, 0, False, [self.peer_id], 0.0, round(window, 3), extra_groups=len(chains) - 1
+        )
+        self.registry.hop_begins(self.config.run_id, round_no, hop, len(chains))
+        done = await asyncio.gather(
+            *(self._run_slot(hop_ctx, chain, out, report) for chain, out in zip(chains, outputs, strict=True))
+        )
+        groups = [group for group, _, _ in done]
+        primary, first, theta_primary = done[0]
+        report.group_key, report.group_size, report.registrants = primary.key, len(primary.members), primary.registrants
+        # a group its closer found whole held everyone expected (cells split unevenly, so
+        # the size alone says little); otherwise what this node expected, to show the gap
+        report.expected = (
+            len(primary.members)
+            if primary.complete
+            else self.expect.hop0_size(state.hop0_cells, chains[0].slot.key)
+            if hop == 0
+            else primary.expected
+        )
+        report.complete, report.matchmaking_s = all(g.complete for g in groups), round(primary.seconds, 4)
+        log.debug(
+            "round %d hop %d: %s",
+            round_no,
+            hop,
+            "; ".join(
+                f"{g.key.rsplit('.', 1)[-1]} {[m.peer_id[-6:] for m in g.members]} expected {g.expected} "
+                f"in {g.seconds:.2f}s"
+                for g in groups
+            ),
+        )
+        if hop == 0:  # the adaptive window is hop 0's; later hops follow the formed groups
+            self.deadlines.observe_matchmaking(primary.last_arrival_lag, primary.complete)
+        if first is not None:
+            report.included_peers = first.included_peers
+        if state.theta is not None and theta_primary is not None and theta_primary is not state.theta:
+            state.theta.copy_(theta_primary)
+        state.hops.append(report)
+        after = [
+            Chain(
+                chain.slot,
+                out if result is not None else chain.values,
+                result.weight_after(chain.weight) if result is not None else chain.weight,
+                chain.pooled or len(group.members) > 1,
             )
-            report = HopReport(
-                hop,
-                chains[0].slot.key,
-                1,
-                0,
-                0,
-                False,
-                [self.peer_id],
-                0.0,
-                round(window, 3),
-                extra_groups=len(chains) - 1,
-            )
-            self.registry.hop_begins(self.config.run_id, round_no, hop, len(chains))
-            done = await asyncio.gather(
-                *(self._run_slot(hop_ctx, chain, out, report) for chain, out in zip(chains, outputs, strict=True))
-            )
-            groups = [group for group, _, _ in done]
-            primary, first, theta_primary = done[0]
-            report.group_key, report.group_size, report.registrants = (
-                primary.key,
-                len(primary.members),
-                primary.registrants,
-            )
-            # a group its closer found whole held everyone expected (cells split unevenly, so
-            # the size alone says little); otherwise what this node expected, to show the gap
-            report.expected = (
-                len(primary.members)
-                if primary.complete
-                else self.expect.hop0_size(hop0_cells, chains[0].slot.key)
-                if hop == 0
-                else primary.expected
-            )
-            report.complete, report.matchmaking_s = all(g.complete for g in groups), round(primary.seconds, 4)
-            log.debug(
-                "round %d hop %d: %s",
-                round_no,
-                hop,
-                "; ".join(
-                    f"{g.key.rsplit('.', 1)[-1]} {[m.peer_id[-6:] for m in g.members]} expected {g.expected} "
-                    f"in {g.seconds:.2f}s"
-                    for g in groups
-                ),
-            )
-            if hop == 0:  # the adaptive window is hop 0's; later hops follow the formed groups
-                self.deadlines.observe_matchmaking(primary.last_arrival_lag, primary.complete)
-            if first is not None:
-                report.included_peers = first.included_peers
-            if theta is not None and theta_primary is not None and theta_primary is not theta:
-                theta.copy_(theta_primary)
-            hops.append(report)
-            after = [
-                Chain(
-                    chain.slot,
-                    out if result is not None else chain.values,
-                    result.weight_after(chain.weight) if result is not None else chain.weight,
-                    chain.pooled or len(group.members) > 1,
-                )
-                for chain, out, (group, result, _) in zip(chains, outputs, done)
-            ]
-            chains = next_chains(after, groups, round_no, hop, self.peer_id, side) if hop + 1 < dims else after
-        return AveragingResult(chains[0].values, chains[0].weight, hops, theta)
+            for chain, out, (group, result, _) in zip(chains, outputs, done, strict=True)
+        ]
+        return next_chains(after, groups, round_no, hop, self.peer_id, state.side) if hop + 1 < state.dims else after
 
     async def _run_slot(
         self, h: _Hop, chain: Chain, out: torch.Tensor | CodedDelta, report: HopReport
@@ -328,6 +365,7 @@ class MoshpitAverager:
                 feedback,
                 report,
                 h.load,
+                h.drift,
             )
         return group, result, theta_out
 
@@ -357,6 +395,7 @@ class MoshpitAverager:
         feedback: Feedback | None,
         report: HopReport,
         load: int,
+        drift: DriftBound | None = None,
     ) -> AllReduceReport | None:
         """All-reduce Δ (and θ_g when the group re-syncs) in one group; counts into `report`.
         Its deadline allows for `load` all-reduces of this size at once."""
@@ -411,9 +450,9 @@ class MoshpitAverager:
             # group's mean it brings, at most 1: nobody's own word on tokens; two groups of a
             # later hop that hold one θ_g from two members at ½ and from one at 1 then weigh it
             # alike, where weight 1 each split θ_g again), by the same rule as Δ (a trimmed mean
-            # in robust mode), and a result that moves our θ_g by more than THETA_MAX_DRIFT x its
-            # norm is refused: honest θ_g differ by a few outer steps at most, so only a hostile
-            # member's could move it that far
+            # in robust mode), and a result that moves our state farther than `drift` (a few of
+            # this node's recent outer steps) is refused: honest θ_g differ by a few outer steps
+            # at most, so only a hostile member's could move it that far
             attack = failpoints.hostile(round_no)  # a test's attacker
             own_share = next(m.share for m in group.members if m.peer_id == self.peer_id)
             theta_plan = make_plan(
@@ -441,7 +480,7 @@ class MoshpitAverager:
                 in_flight=c.in_flight,
                 auth=self.auth,
                 trim_fraction=c.trim_fraction,
-                max_drift=THETA_MAX_DRIFT,
+                drift=drift,
             )
             report.theta_resync_s = round(sync.seconds, 4)
             _count_into(report, sync)

@@ -19,6 +19,7 @@ semantics (validation, chunk-wise finishing) live in `reducer.py`.
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import math
 import time
@@ -37,7 +38,7 @@ from dtnode.proto import averaging_pb2_grpc as pb_grpc
 
 from . import failpoints
 from .auth import GRPC_METADATA, SwarmAuth, stream_subject
-from .part_result import PartResult
+from .part_result import DriftBound, PartResult
 from .plan import INT8, SPARSE, GroupPlan, chunk_spans
 from .reducer import PartReduction, ReductionFailed, ReductionRegistry, maybe_thread
 from .tls import TLS_NAME, TlsError, TrustStore
@@ -97,6 +98,8 @@ class AllReduceReport:
 
 
 RETIRING_WAIT_S = 1.0  # a stopping node waits this long for renewed channels to finish closing
+RETIRING_GRACE_S = 30.0  # a channel dropped from the pool lets its open streams end within this
+MAX_CHANNELS = 512  # channels pooled at once (one per peer): the least recently used goes first
 
 
 class ChannelPool:
@@ -117,7 +120,10 @@ class ChannelPool:
             ("grpc.use_local_subchannel_pool", 1),
         ]
         self.trust = trust
+        # by (address, pin), least recently used first; one per peer: a peer announcing another
+        # address (or certificate) has its old channel closed, so nobody fills the pool
         self._channels: dict[tuple[str, str], grpc.aio.Channel] = {}
+        self._peer_of: dict[tuple[str, str], str] = {}
         self._retiring: set[asyncio.Task] = set()
 
     def _key(self, address: str, peer_id: str) -> tuple[str, str]:
@@ -131,9 +137,16 @@ class ChannelPool:
     def stub(self, address: str, peer_id: str) -> pb_grpc.AveragingStub:
         """A stub for `peer_id` at `address`; with TLS it trusts only that peer's certificate
         (TlsError if its record has not been read)."""
+        return pb_grpc.AveragingStub(self._channel(address, peer_id))
+
+    def _channel(self, address: str, peer_id: str) -> grpc.aio.Channel:
         key = self._key(address, peer_id)
-        channel = self._channels.get(key)
+        channel = self._channels.pop(key, None)
         if channel is None:
+            for old in [k for k, p in self._peer_of.items() if p == peer_id]:
+                self._retire(old, RETIRING_GRACE_S)
+            while len(self._channels) >= MAX_CHANNELS:
+                self._retire(next(iter(self._channels)), RETIRING_GRACE_S)
             if self.trust is None:
                 channel = grpc.aio.insecure_channel(address, options=self.options)
             else:
@@ -142,20 +155,56 @@ class ChannelPool:
                     self.trust.channel_credentials(peer_id),
                     options=self.options + [("grpc.ssl_target_name_override", TLS_NAME)],
                 )
-            self._channels[key] = channel
-        return pb_grpc.AveragingStub(channel)
+        self._channels[key] = channel  # the most recently used last
+        self._peer_of[key] = peer_id
+        return channel
 
-    def renew(self, address: str, peer_id: str, grace: float) -> None:
-        """The next stub for this peer dials a new connection; streams still open on the old
-        channel get `grace` seconds to end before it closes."""
-        channel = self._channels.pop(self._key(address, peer_id), None)
+    def retain(self, live: set[str]) -> None:
+        """Close the channels of peers no live record names (they end once their streams do)."""
+        for key in [k for k, p in self._peer_of.items() if p not in live]:
+            self._retire(key, RETIRING_GRACE_S)
+
+    def _retire(self, key: tuple[str, str], grace: float) -> None:
+        channel = self._channels.pop(key, None)
+        self._peer_of.pop(key, None)
         if channel is not None:
             task = asyncio.ensure_future(channel.close(grace=grace))
             self._retiring.add(task)
             task.add_done_callback(self._retiring.discard)
 
+    @property
+    def size(self) -> int:
+        """Channels pooled now."""
+        return len(self._channels)
+
+    async def dialable(self, address: str, peer_id: str, within: float) -> bool | None:
+        """Whether this node can connect to the peer: False when the connection failed (refused,
+        reset, or its TLS handshake) within `within` seconds, True once connected, None when it
+        is still connecting then (a slow link proves nothing) or the peer's certificate is not
+        known. The peer's pooled channel is the one dialled: a live peer is usually connected."""
+        try:
+            channel = self._channel(address, peer_id)
+        except TlsError:
+            return None
+        deadline = time.monotonic() + within
+        state = channel.get_state(try_to_connect=True)
+        while state != grpc.ChannelConnectivity.READY:
+            if state in (grpc.ChannelConnectivity.TRANSIENT_FAILURE, grpc.ChannelConnectivity.SHUTDOWN):
+                return False
+            try:
+                await asyncio.wait_for(channel.wait_for_state_change(state), deadline - time.monotonic())
+            except TimeoutError:
+                return None
+            state = channel.get_state(try_to_connect=True)
+        return True
+
+    def renew(self, address: str, peer_id: str, grace: float) -> None:
+        """The next stub for this peer dials a new connection; streams still open on the old
+        channel get `grace` seconds to end before it closes."""
+        self._retire(self._key(address, peer_id), grace)
+
     async def close(self) -> None:
-        channels, self._channels = list(self._channels.values()), {}
+        channels, self._channels, self._peer_of = list(self._channels.values()), {}, {}
         await asyncio.gather(*(c.close() for c in channels), return_exceptions=True)
         if self._retiring:  # a renewed channel's streams end with the rounds; a stuck one may not delay a stop
             await asyncio.wait(self._retiring, timeout=RETIRING_WAIT_S)
@@ -277,6 +326,48 @@ def norm_limit(plan: GroupPlan, own_id: str, robust: bool) -> float | None:
     return RESULT_NORM_LIMIT * max(1.0, median / max(bound[1], 1e-30))
 
 
+# A reducer dials the senders whose stream has not begun this long after its reduction starts,
+# and again at this interval; a sender whose connection fails PROBE_FAILURES times in a row is
+# gone (killed, its host down): it is dropped from the part at once, not at the deadline
+PROBE_AFTER_S = 1.0
+PROBE_EVERY_S = 1.0
+PROBE_FAILURES = 2
+
+
+async def drop_senders_gone(reduction: PartReduction, plan: GroupPlan, channels: ChannelPool) -> None:
+    """Failure detection faster than a deadline: until every sender's stream has begun (a stream
+    that breaks drops its sender by itself), dial the others on their pooled channels, and drop
+    those whose connection fails again and again. A client-mode member (behind NAT, dialled by
+    nobody) and one still connecting are waited for, up to the deadline."""
+    failures: collections.Counter[str] = collections.Counter()
+    await asyncio.sleep(PROBE_AFTER_S)
+    while not reduction.settled and reduction.failure is None:
+        silent = [
+            m
+            for m in plan.members
+            if m.peer_id in reduction.expected
+            and m.peer_id not in reduction.progress
+            and m.peer_id not in reduction.failed
+            and not m.client_mode
+        ]
+        if not silent:
+            return
+        answers = await asyncio.gather(*(channels.dialable(m.grpc_addr, m.peer_id, PROBE_EVERY_S) for m in silent))
+        for member, dialled in zip(silent, answers, strict=True):
+            failures[member.peer_id] = failures[member.peer_id] + 1 if dialled is False else 0
+            if failures[member.peer_id] >= PROBE_FAILURES and member.peer_id not in reduction.progress:
+                log.warning(
+                    "round %s hop %s part %s: sender %s cannot be reached (%d dials failed); dropped from the part",
+                    plan.round,
+                    plan.hop,
+                    reduction.part,
+                    member.peer_id,
+                    PROBE_FAILURES,
+                )
+                await reduction.fail(member.peer_id)
+        await asyncio.sleep(PROBE_EVERY_S)
+
+
 def _through_int8(own: torch.Tensor, block_size: int) -> torch.Tensor:
     """The reducer's own values as its senders' reach it: through the int8 code."""
     return dequantize(quantize(own, block_size))
@@ -302,7 +393,7 @@ async def butterfly_allreduce(
     feedback: Feedback | None = None,
     auth: SwarmAuth | None = None,
     trim_fraction: float | None = None,
-    max_drift: float | None = None,
+    drift: DriftBound | None = None,
 ) -> AllReduceReport:
     """Average `values` (flat fp32, CPU) across the plan's members into `out`, which may be
     `values` itself: a part's result is written only once the whole part is in and checked
@@ -321,8 +412,8 @@ async def butterfly_allreduce(
     the plan's counted weights of the senders it names (a plan from matchmaking bounds each
     member's weight by its signed registration); its norm must be within `norm_limit` x ours
     (RESULT_NORM_LIMIT, more for a member lighter than the median), the mean of this member's own
-    part included; with `max_drift` (a θ_g re-sync, whose inputs are nearly equal) it must be
-    within `max_drift` x our norm of our own values. A result that fails keeps ours: a peer
+    part included; with `drift` (a θ_g re-sync, whose inputs are nearly equal) it may move our
+    own values no farther than that bound allows. A result that fails keeps ours: a peer
     sending a Δ far longer than the others' moves nobody, it only costs its groups their average.
     """
     residual = feedback.buffer if feedback is not None else None
@@ -379,7 +470,8 @@ async def butterfly_allreduce(
         for member in sorted(elsewhere):
             await reduction.fail(member)
         target = out[offset : offset + length]
-        result = PartResult(mine, limit, max_drift)  # written over `target` once whole and checked
+        result = PartResult(mine, limit, drift, offset)  # written over `target` once whole and checked
+        watching = asyncio.ensure_future(drop_senders_gone(reduction, plan, channels))
         try:
             for index, (off, n) in enumerate(reduction.spans):
                 try:
@@ -408,6 +500,7 @@ async def butterfly_allreduce(
             report.bytes_sent += reduction.bytes_sent
             return PartOutcome(me, own_id, True, reduction.included, reduction.total_weight, length)
         finally:
+            watching.cancel()
             # Keep serving late result requests briefly, then forget the round.
             asyncio.get_running_loop().call_later(timeout, registry.unregister, reduction)
 
@@ -510,7 +603,7 @@ async def butterfly_allreduce(
         length = mine.numel()
         spans = chunk_spans(plan, part)
         queue: asyncio.Queue[tuple[pb.PartChunk, int]] = asyncio.Queue(maxsize=in_flight)
-        result = PartResult(mine, limit, max_drift)  # written over `target` once whole and checked
+        result = PartResult(mine, limit, drift, plan.parts[part][0])  # written over `target` once checked
 
         async def produce() -> None:
             for i, (off, n) in enumerate(spans):
@@ -573,7 +666,11 @@ async def butterfly_allreduce(
                     if result.implausible():
                         raise ChunkError(f"result norm is more than {limit:g}x our own for this part")
                     if result.drifted():
-                        raise ChunkError(f"the result moved our values by more than {max_drift:g} of their norm")
+                        assert drift is not None  # only a bounded re-sync can drift
+                        raise ChunkError(
+                            f"the re-sync would move our values farther than this node's bound of it "
+                            f"(θ_g {drift.theta:.3g}, momentum {drift.momentum:.3g})"
+                        )
                     await result.commit(target)
                     return PartOutcome(part, reducer.peer_id, True, included, msg.total_weight, length)
             raise ChunkError("result stream ended without a last chunk")

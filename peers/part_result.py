@@ -13,6 +13,7 @@ their own size), and the checks read them decoded one chunk at a time.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -23,33 +24,55 @@ from .reducer import decode_into, maybe_thread
 from .wire import Payload
 
 
+@dataclass(frozen=True)
+class DriftBound:
+    """How far a θ_g re-sync may move this member's state, in L2 over each region of it: θ_g
+    (values before `split`), then the outer momentum. Both are absolute, derived from this
+    node's own recent outer steps by its caller (daemon/replica.py: `resync_bound`), never from
+    the norm of θ itself: a bound relative to ‖θ‖ let a member of a pair set its partner's θ_g
+    to any T within 4‖θ‖ of it, −θ included."""
+
+    theta: float
+    momentum: float
+    split: int
+
+
 class PartResult:
-    def __init__(self, own: torch.Tensor | CodedSlice, norm_limit: float | None = None, max_drift: float | None = None):
+    def __init__(
+        self,
+        own: torch.Tensor | CodedSlice,
+        norm_limit: float | None = None,
+        drift: DriftBound | None = None,
+        base: int = 0,
+    ):
         """`own`: this member's values in the part (read, never written, until `commit`; a
-        coded Δ's are decoded a chunk at a time, when a check reads them).
-        `norm_limit`: the result may be at most this many times as long as `own` (robust
-        mode). `max_drift`: it may move `own` by at most this share of its norm (a re-sync)."""
+        coded Δ's are decoded a chunk at a time, when a check reads them), which starts at
+        `base` in the whole buffer. `norm_limit`: the result may be at most this many times as
+        long as `own` (robust mode). `drift`: how far it may move `own` (a re-sync)."""
         self.own = own
         self.norm_limit = norm_limit
-        self.max_drift = max_drift
+        self.drift = drift
+        self.base = base
         self._chunks: list[tuple[int, int, Payload]] = []
         self._result_sq = 0.0
-        self._moved_sq = 0.0
+        self._moved_sq = [0.0, 0.0]  # in θ_g's region, in the momentum's
 
     async def add(self, offset: int, length: int, payload: Payload) -> None:
         """One chunk of the result at `offset` in the part: kept, and decoded now only if a
         check needs it (in a thread when the chunk is large)."""
         self._chunks.append((offset, length, payload))
-        if self.norm_limit is not None or self.max_drift is not None:
+        if self.norm_limit is not None or self.drift is not None:
             await maybe_thread(self._measure, offset, length, payload, size=length)
 
     def _measure(self, offset: int, length: int, payload: Payload) -> None:
         values = torch.empty(length, dtype=torch.float32)
         decode_into(payload, values)
         self._result_sq += float(torch.linalg.vector_norm(values)) ** 2
-        if self.max_drift is not None:
-            own = _values(self.own[offset : offset + length])
-            self._moved_sq += float(torch.linalg.vector_norm(values - own)) ** 2
+        if self.drift is not None:
+            moved = values - _values(self.own[offset : offset + length])
+            cut = min(max(self.drift.split - self.base - offset, 0), length)  # θ_g's values come first
+            self._moved_sq[0] += float(torch.linalg.vector_norm(moved[:cut])) ** 2
+            self._moved_sq[1] += float(torch.linalg.vector_norm(moved[cut:])) ** 2
 
     def implausible(self) -> bool:
         """Longer than `norm_limit` x our own values (all zero: nothing to compare with)."""
@@ -59,10 +82,11 @@ class PartResult:
         return own_norm > 0 and math.sqrt(self._result_sq) > self.norm_limit * own_norm
 
     def drifted(self) -> bool:
-        """A mean of nearly equal states (a θ_g re-sync) that moved ours by more than `max_drift` of its norm."""
-        if self.max_drift is None:
+        """A mean of nearly equal states (a θ_g re-sync) that moved ours farther than `drift` allows."""
+        if self.drift is None:
             return False
-        return math.sqrt(self._moved_sq) > self.max_drift * max(_norm(self.own), 1e-30)
+        theta, momentum = (math.sqrt(moved) for moved in self._moved_sq)
+        return not (theta <= self.drift.theta and momentum <= self.drift.momentum)
 
     async def commit(self, target: torch.Tensor | CodedSlice) -> None:
         """The checked result into `target` (the part's slice of the output; `own` itself when

@@ -94,8 +94,9 @@ class Member:
     grpc_addr: str
     client_mode: bool = False
     bandwidth: float = 1.0
-    # the weight its Δ carries in this group, from its signed registration; 0: not announced
-    # (then weights are bounded by MAX_WEIGHT only, as in plans built outside matchmaking)
+    # the weight its Δ carries in this group, from its signed registration; 0: not announced (a
+    # plan where nobody announced one bounds weights by MAX_WEIGHT only, as in plans built outside
+    # matchmaking; among members that did, a 0 counts 0: see `capped_weights`)
     weight: float = 0.0
     # the share of its previous group's mean it brings (moshpit classes, from its registration):
     # its weight in a θ_g re-sync, so two groups holding one mean from different numbers of
@@ -246,13 +247,16 @@ def make_plan(
 
 
 def capped_weights(announced: list[float]) -> tuple[float, ...]:
-    """Each announced weight, at most WEIGHT_SPREAD x the lower median of them all (in a pair,
-    the smaller: one member cannot outweigh the other more than WEIGHT_SPREAD times); empty when
-    one is not announced (0)."""
-    if not announced or min(announced) <= 0:
+    """Each announced weight, at most WEIGHT_SPREAD x the lower median of the positive ones (in
+    a pair, the smaller: one member cannot outweigh the other more than WEIGHT_SPREAD times).
+    A member that announced no weight (0) among members that did counts 0: its streams may
+    claim nothing, so they are refused (a 0 used to switch every cap of its group off). Empty
+    only when nobody announced one (plans built outside matchmaking, with no registrations)."""
+    positive = [w for w in announced if w > 0]
+    if not positive:
         return ()
-    median = lower_median(announced)
-    return tuple(min(w, WEIGHT_SPREAD * median) for w in announced)
+    median = lower_median(positive)
+    return tuple(min(max(w, 0.0), WEIGHT_SPREAD * median) for w in announced)
 
 
 def chunk_spans(plan: GroupPlan, part: int) -> list[tuple[int, int]]:

@@ -24,6 +24,7 @@ import datetime
 import hashlib
 import logging
 import threading
+import time
 from dataclasses import dataclass
 
 import grpc
@@ -141,11 +142,13 @@ class TrustStore:
     root for a channel to that peer, the server side takes all as the roots a client
     certificate must be among (re-read by gRPC at each new connection)."""
 
-    MAX_PEERS = 16384
+    MAX_PEERS = 16384  # certificates held; past it the least recently seen peer's is forgotten
 
     def __init__(self, own: NodeIdentity, own_id: str):
         self.own = own
+        self.own_id = own_id
         self._certs: dict[str, bytes] = {own_id: own.cert_der}
+        self._seen: dict[str, float] = {}  # peer id -> when its record was last read (least recent first)
         self._texts: dict[str, str] = {}  # the record field each was read from: a repeat costs no parse
         self._by_fingerprint: dict[str, str] = {own.fingerprint: own_id}
         self._lock = threading.Lock()  # gRPC calls the server's fetcher from its own threads
@@ -154,6 +157,9 @@ class TrustStore:
 
     def learn(self, peer_id: str, cert_text: str) -> bool:
         """Remember a peer's certificate from its (already verified) record; False if unusable."""
+        with self._lock:
+            self._seen.pop(peer_id, None)
+            self._seen[peer_id] = time.monotonic()
         if self._texts.get(peer_id) == cert_text:
             return True
         try:
@@ -163,8 +169,8 @@ class TrustStore:
             return False
         with self._lock:
             old = self._certs.get(peer_id)
-            if old is None and len(self._certs) >= self.MAX_PEERS:
-                return False
+            while old is None and len(self._certs) >= self.MAX_PEERS:
+                self._forget(next(p for p in self._seen if p != peer_id))
             self._texts[peer_id] = cert_text
             if old == der:
                 return True
@@ -174,6 +180,30 @@ class TrustStore:
             self._by_fingerprint[fingerprint(der)] = peer_id
             self._version += 1
         return True
+
+    def forget_unseen(self, within: float) -> None:
+        """Forget the peers whose record was last read more than `within` seconds ago: a store
+        that only learnt filled up with records long gone (Sybils), and then learnt nobody."""
+        cutoff = time.monotonic() - within
+        with self._lock:
+            for peer_id in [p for p, at in self._seen.items() if at < cutoff]:
+                self._forget(peer_id)
+
+    def _forget(self, peer_id: str) -> None:
+        """(under the lock)"""
+        self._seen.pop(peer_id, None)
+        if peer_id == self.own_id:
+            return
+        der = self._certs.pop(peer_id, None)
+        self._texts.pop(peer_id, None)
+        if der is not None:
+            self._by_fingerprint.pop(fingerprint(der), None)
+            self._version += 1
+
+    @property
+    def size(self) -> int:
+        """Certificates held now, this node's own included."""
+        return len(self._certs)
 
     def certificate(self, peer_id: str) -> bytes | None:
         with self._lock:

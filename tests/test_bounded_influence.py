@@ -14,6 +14,7 @@ from allreduce_harness import start_peers, stop_peers
 
 from dtnode.ops.robust import trim_count, trimmed_mean
 from dtnode.peers.butterfly import butterfly_allreduce
+from dtnode.peers.part_result import DriftBound
 from dtnode.peers.plan import FP32, WEIGHT_SPREAD, Member, capped_weights, make_plan
 from dtnode.peers.wire import RefusalReason, chunk_message
 from dtnode.proto import averaging_pb2_grpc as pb_grpc
@@ -31,7 +32,9 @@ def test_announced_weights_are_capped_at_a_spread_of_the_median_and_bind_the_pla
     assert capped_weights([100.0, 100.0, 100.0, 1e9]) == (100.0, 100.0, 100.0, WEIGHT_SPREAD * 100)
     assert capped_weights([100.0, 1e12]) == (100.0, WEIGHT_SPREAD * 100)  # a pair: the smaller bounds the other
     assert capped_weights([100.0, 800.0, 50.0]) == (100.0, 800.0, 50.0)  # an 8x bigger batch counts in full
-    assert capped_weights([1.0, 0.0]) == ()  # not announced: no bounds (plans built outside matchmaking)
+    assert capped_weights([0.0, 0.0]) == ()  # nobody announced: no bounds (plans built outside matchmaking)
+    # issue 56, finding 5: one member announcing 0 switched every cap of its group off; it counts 0
+    assert capped_weights([100.0, 0.0, 1e12]) == (100.0, 0.0, WEIGHT_SPREAD * 100)
     members = [Member(f"p{i}", "x:1", weight=100.0) for i in range(3)]
     plan = _plan(members, 1024)
     other = _plan([*members[:2], replace(members[2], weight=101.0)], 1024)
@@ -137,6 +140,11 @@ def test_a_reducer_whose_total_weight_is_not_the_sum_of_its_senders_is_refused()
     asyncio.run(main())
 
 
+def _quarter(theta: torch.Tensor) -> DriftBound:
+    """A re-sync may move θ by a quarter of its norm here (a node's bound is its outer steps')."""
+    return DriftBound(0.25 * float(theta.norm()), 0.0, theta.numel())
+
+
 def test_a_theta_resync_result_that_drifts_too_far_is_refused():
     """Finding 4: a re-sync of θ_g was a plain mean with self-reported weights, so one member
     replaced θ_g for its group. Now its weights are equal and fixed by the plan (a 1e12 claim is
@@ -154,7 +162,7 @@ def test_a_theta_resync_result_that_drifts_too_far_is_refused():
             huge = await asyncio.gather(
                 *(
                     butterfly_allreduce(
-                        plan, p.member.peer_id, v, w, o, p.registry, p.channels, timeout=5.0, max_drift=0.25
+                        plan, p.member.peer_id, v, w, o, p.registry, p.channels, timeout=5.0, drift=_quarter(v)
                     )
                     for p, v, w, o in zip(peers, values, [1e12, 1.0, 1.0], outs)
                 )
@@ -174,7 +182,7 @@ def test_a_theta_resync_result_that_drifts_too_far_is_refused():
                         p.registry,
                         p.channels,
                         timeout=5.0,
-                        max_drift=0.25,
+                        drift=_quarter(v),
                     )
                     for p, v, o in zip(peers, values, outs)
                 )
@@ -186,5 +194,66 @@ def test_a_theta_resync_result_that_drifts_too_far_is_refused():
             # every part that includes the attacker's θ_g drifted: refused, own θ_g kept there
             assert {p.reducer for p in report.failed_parts} >= {"peer00"}
             assert float((out - honest).norm()) <= 0.25 * float(honest.norm())
+
+    asyncio.run(main())
+
+
+def test_a_pair_partner_cannot_move_theta_by_a_resync_beyond_a_few_outer_steps():
+    """Issue 56, finding 4: a re-sync result was bounded by 4x the norm of θ itself, and a group of
+    two trims nothing, so a member paired with a victim that sent 2T - θ set the victim's θ_g to
+    any T within about 4‖θ‖ of it, -θ included (T = -2.5θ here, 3.5‖θ‖ away). The bound is now
+    a few of the node's own recent outer steps (`Replica.resync_bound`): refused, θ_g kept."""
+
+    async def main():
+        peers = await start_peers(2)
+        numel = 16384
+        theta = torch.randn(numel)
+        target = -2.5 * theta
+        values = [2 * target - theta, theta.clone()]  # the attacker's, then the victim's
+        step = 0.01 * float(theta.norm())  # an outer step of the victim's recent ones
+        bound = DriftBound(4 * 2 * step, 0.0, numel)
+        assert float((target - theta).norm()) <= 4 * float(theta.norm())  # within the old bound
+        plan = _plan([replace(p.member, weight=1.0) for p in peers], numel)
+        outs = [torch.empty(numel) for _ in peers]
+        try:
+            reports = await asyncio.gather(
+                *(
+                    butterfly_allreduce(plan, p.member.peer_id, v, 1.0, o, p.registry, p.channels, 5.0, drift=bound)
+                    for p, v, o in zip(peers, values, outs)
+                )
+            )
+        finally:
+            await stop_peers(peers)
+        assert len(reports[1].failed_parts) == 2  # both parts refused by the victim
+        assert torch.equal(outs[1], theta)
+
+    asyncio.run(main())
+
+
+def test_a_member_announcing_a_zero_weight_has_its_streams_refused_and_caps_stay_on():
+    """Issue 56, finding 5: a registration announcing weight 0 switched every weight cap of its
+    group off, and its streams could then claim 1e12 tokens. A 0 among announced weights now
+    counts 0: its streams are refused, the others are capped as before."""
+
+    async def main():
+        peers = await start_peers(3)
+        numel = 4096
+        members = [replace(p.member, weight=w) for p, w in zip(peers, [0.0, 100.0, 100.0])]
+        plan = _plan(members, numel)
+        assert plan.weight_caps == (0.0, 100.0, 100.0)
+        values = [torch.full((numel,), 1000.0), torch.ones(numel), torch.ones(numel)]
+        outs = [torch.empty(numel) for _ in peers]
+        try:
+            await asyncio.gather(
+                *(
+                    butterfly_allreduce(plan, p.member.peer_id, v, w, o, p.registry, p.channels, timeout=5.0)
+                    for p, v, w, o in zip(peers, values, [1e12, 100.0, 100.0], outs)
+                )
+            )
+        finally:
+            await stop_peers(peers)
+        for out in outs[1:]:
+            for offset, length in plan.parts[1:]:  # the honest reducers' parts: the attacker's stream refused
+                assert torch.equal(out[offset : offset + length], torch.ones(length))
 
     asyncio.run(main())

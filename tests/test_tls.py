@@ -175,3 +175,38 @@ def test_a_renewed_channel_dials_a_new_connection_and_the_pool_closes_it(tls):
         assert not pool._retiring  # closed with the pool
 
     asyncio.run(main())
+
+
+def test_the_trust_store_forgets_peers_gone_and_a_full_one_still_learns():
+    """Issue 56, finding 10: the trust store never forgot a peer and stopped learning at 16,384,
+    so Sybil records filled it once and locked every later joiner out of the data plane. It now
+    forgets peers whose record was not read for a while, and a full store forgets the least
+    recently seen peer to learn a new one (its own certificate stays)."""
+    own_key = rsa.generate_private_key(65537, 2048)
+    store = TrustStore(NodeIdentity.from_key(own_key, "me"), "me")
+    store.MAX_PEERS = 3
+    certs = {p: encode_certificate(make_certificate(rsa.generate_private_key(65537, 2048), p)) for p in "abcd"}
+    for p in "abc":
+        assert store.learn(p, certs[p])
+    assert store.learn("d", certs["d"])  # full: "a", seen least recently, makes room
+    assert store.certificate("a") is None and store.certificate("d") is not None and store.size == 3
+    store.forget_unseen(0.0)  # nobody's record was read just now
+    assert store.size == 1 and store.certificate("me") is not None
+
+
+def test_the_channel_pool_keeps_one_channel_per_peer_and_drops_peers_gone():
+    """Issue 56, finding 10: the channel pool never dropped a channel, so a member announcing a
+    new address with every registration left a connection open in each group-mate per hop."""
+    from dtnode.peers.butterfly import ChannelPool
+
+    async def main():
+        pool = ChannelPool(1 << 20)
+        for port in range(20):
+            pool.stub(f"127.0.0.1:{10000 + port}", "shifty")
+        pool.stub("127.0.0.1:9999", "steady")
+        assert pool.size == 2  # each new address replaced the peer's old channel
+        pool.retain({"steady"})
+        assert pool.size == 1
+        await pool.close()
+
+    asyncio.run(main())
