@@ -43,7 +43,9 @@ from hivemind.utils import get_dht_time
 from hivemind.utils.multiaddr import Multiaddr
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from . import failpoints
 from .auth import AuthError, SwarmAuth
+from .dht_records import SwarmRecords
 from .forks import FORK_LOCK
 from .identity import signed_subkey, writer_of
 from .tls import MAX_CERT_CHARS, TrustStore
@@ -57,6 +59,7 @@ VIEW_REUSE_S = 0.1  # matchmaking asks for the view twice per poll: one DHT read
 
 
 MAX_RECIPE_CHARS = 2048
+MAX_RECORDS = 4096  # valid records of distinct writers read per lookup: a Sybil flood stays bounded
 
 
 class JoinError(RuntimeError):
@@ -197,7 +200,9 @@ async def start_dht(
             log.warning("stopped the DHT daemon a crashed run of this node left behind")
             await asyncio.sleep(1.0)  # let the swarm notice it is gone
     if validator is not None:
-        kwargs["record_validators"] = [validator]
+        # the swarm's shapes, checked on store and on read; a test's outsider runs a plain DHT
+        outsider = failpoints.armed() == "hostile-shadow"
+        kwargs["record_validators"] = [validator] if outsider else [validator, SwarmRecords()]
     if client_mode:
         kwargs["client_mode"] = True
     if announce_host:
@@ -362,9 +367,9 @@ class Membership:
             )
         )
 
-    def _accept(self, subkey: object, record: PeerRecord) -> bool:
+    def _accept(self, writer: str, record: PeerRecord) -> bool:
         """Filed under its own peer id and that id's own key (identity.py), tagged when keyed."""
-        if writer_of(subkey) != record.peer_id:
+        if writer != record.peer_id:
             log.debug("ignoring a record for %s not signed with that peer's own key", record.peer_id)
             return False
         if self.auth is not None:
@@ -423,15 +428,22 @@ class Membership:
             found = None
         now = get_dht_time()
         entries = found.value if found is not None and isinstance(found.value, dict) else {}
+        valid = 0
         for subkey, item in entries.items():
+            writer = writer_of(subkey)  # checked before anything is parsed
+            if writer is None:
+                continue
             try:
                 expiry = float(item.expiration_time)
                 record = PeerRecord.model_validate(item.value)
             except (ValidationError, AttributeError, TypeError, ValueError):
                 log.debug("skipping malformed membership record under %r", subkey)
                 continue
-            if expiry < now or not self._accept(subkey, record):
+            if expiry < now or not self._accept(writer, record):
                 continue  # a record must describe the peer it is filed under, signed by it
+            valid += 1
+            if valid > MAX_RECORDS:
+                break
             if expiry >= self._records.get(record.peer_id, (0.0, None))[0]:
                 self._records[record.peer_id] = (expiry, record)
                 if self.trust is not None and record.tls_cert:
@@ -440,6 +452,8 @@ class Membership:
         self._records = {p: (e, r) for p, (e, r) in self._records.items() if e >= now}
         cutoff = time.monotonic() - REMEMBER_PEERS_S
         self._seen = {p: seen for p, seen in self._seen.items() if seen > cutoff}
+        if self.trust is not None:
+            self.trust.forget_unseen(REMEMBER_PEERS_S)
         return self._live(now)
 
     def _live(self, now: float) -> dict[str, PeerRecord]:
