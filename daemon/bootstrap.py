@@ -184,16 +184,23 @@ def tls_identity(state_dir: Path, record_key: RSAPrivateKey, peer_id: str) -> Tr
     return TrustStore(identity, peer_id)
 
 
-def join_command(settings: NodeSettings, recipe: SwarmRecipe, maddr: str) -> str:
+def join_command(settings: NodeSettings, recipe: SwarmRecipe, maddr: str, public: bool = False) -> str:
     """The line another host pastes to join this swarm: the run, the model, and every flag of
-    the recipe that is not the default (recipe.py), --data included (each host its own copy)."""
+    the recipe that is not the default (recipe.py), --data included (each host its own copy).
+    `public` (what /status shows anyone): local paths cut to their last name (the file each host
+    brings a copy of), so that the node's file system is not on an open port."""
     s = settings
+
+    def local(path: str) -> str:
+        return Path(path).name if public else path
+
     words = ["dtnode", "join", "--peer", maddr]
     words += ["--run-id", s.run_id] if s.run_id != NodeSettings.model_fields["run_id"].default else []
-    words += ["--model", s.model] if s.model != NodeSettings.model_fields["model"].default else []
-    words += ["--tokenizer", str(s.tokenizer)] if s.tokenizer is not None else []  # every peer needs the same
+    if s.model != NodeSettings.model_fields["model"].default:
+        words += ["--model", f"hf:{local(s.model[3:])}" if s.model.startswith("hf:") else s.model]
+    words += ["--tokenizer", local(str(s.tokenizer))] if s.tokenizer is not None else []  # every peer needs the same
     words += ["--text-field", s.text_field] if s.data is not None and "text_field" in s.model_fields_set else []
-    words += recipe_flags(recipe, s.data)
+    words += recipe_flags(recipe, Path(local(str(s.data))) if s.data is not None else None)
     return shlex.join(words)
 
 

@@ -35,6 +35,9 @@ import torch
 from safetensors import safe_open
 
 from dtnode import __version__
+from dtnode.peers.durable import fsync_dir
+
+MAX_STEP = 1 << 62  # the largest outer step a checkpoint, a record or a request may name
 
 log = logging.getLogger(__name__)
 
@@ -174,11 +177,7 @@ def _write_atomic(final: Path, pieces: Iterable[bytes | memoryview]) -> tuple[st
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    dir_fd = os.open(final.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
+    fsync_dir(final.parent)
     return digest.hexdigest(), size
 
 

@@ -36,6 +36,7 @@ from tenacity import (
 )
 
 from dtnode.peers.auth import HTTP_HEADER, SwarmAuth
+from dtnode.peers.durable import fsync_dir, write_durably
 from dtnode.peers.membership import PeerRecord
 
 log = logging.getLogger(__name__)
@@ -64,6 +65,9 @@ class Offer:
     # its step and sha256 are the ones the donor's signed record announces: only then does it
     # vote (a plain-HTTP man in the middle can swap what a donor serves, not what it signed)
     bound: bool = True
+    # the network group its sidecar's address resolves to (peers/netgroups.py): whose vote it is;
+    # "" when its host does not resolve (no vote)
+    voter: str = ""
 
 
 def auth_headers(auth: SwarmAuth | None, path: str) -> dict[str, str]:
@@ -163,8 +167,7 @@ class PartialDownload:
         self.finished.add(index)
         tmp = self.ledger.with_name(f"{self.ledger.name}.{index}.tmp")
         try:
-            tmp.write_text(json.dumps({"size": self.size, "pieces": sorted(self.finished)}))
-            os.replace(tmp, self.ledger)
+            write_durably(self.ledger, json.dumps({"size": self.size, "pieces": sorted(self.finished)}).encode(), tmp)
         except OSError as e:
             raise _local("write", self.ledger, e) from None
 
@@ -406,7 +409,8 @@ async def download_parallel(
         raise DownloadError("sha256 of the downloaded checkpoint does not match its metadata")
     dest = scratch / f".download-{first.sha256[:16]}.safetensors"
     try:
-        os.replace(partial.path, dest)
+        os.replace(partial.path, dest)  # its bytes were fsynced before they were hashed
+        fsync_dir(dest.parent)
     except OSError as e:
         raise _local("rename", partial.path, e) from None
     partial.ledger.unlink(missing_ok=True)

@@ -12,10 +12,11 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
 from collections import deque
 from pathlib import Path
 from typing import Any
+
+from dtnode.peers.durable import replace_durably
 
 log = logging.getLogger(__name__)
 
@@ -86,7 +87,7 @@ class RoundHistory:
         with tmp.open("w", encoding="utf-8") as f:
             for entry in list(self.entries):
                 f.write(json.dumps(entry, separators=(",", ":")) + "\n")
-        os.replace(tmp, self.path)
+        replace_durably(tmp, self.path)
         self._lines_in_file = len(self.entries)
 
     def since(self, step: int, limit: int) -> list[dict[str, Any]]:

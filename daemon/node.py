@@ -255,8 +255,9 @@ class Node:
                 )
             )
             stack.push_async_callback(_cancel, attacking)
-        self.addr.join_command = join_command(s, self.workload.recipe, public_maddrs(self.dht, s.announce_host)[0])
-        _say_up(s, self.addr, status_url)
+        maddr = public_maddrs(self.dht, s.announce_host)[0]
+        self.addr.join_command = join_command(s, self.workload.recipe, maddr, public=True)  # what /status shows
+        _say_up(s, self.addr, status_url, join_command(s, self.workload.recipe, maddr))
 
     def _build_round_parts(self, registry: ReductionRegistry, channels: ChannelPool, redial: list[str]) -> None:
         """The parts a round needs, each given the others it uses."""
@@ -438,15 +439,16 @@ async def _listen(sidecar: Sidecar, s: NodeSettings) -> tuple[int, str | None]:
     return http_port, f"http://{s.status_host}:{status_port}"
 
 
-def _say_up(s: NodeSettings, addr: Addresses, status_url: str) -> None:
-    """The node is up: where its status is, and the command that adds a peer (one JSON log
-    line with --log-format json, else two lines on stdout for the person who started it)."""
+def _say_up(s: NodeSettings, addr: Addresses, status_url: str, line: str) -> None:
+    """The node is up: where its status is, and the command that adds a peer, `line` with this
+    host's paths whole (one JSON log line with --log-format json, else two lines on stdout for
+    the person who started it)."""
     up = f"dtnode node {addr.peer_id} is up: status {status_url}/status, gRPC {addr.grpc_addr or 'client mode'}"
     if s.log_format == "json":  # every line a JSON object
-        log.info("%s; to add a peer to this swarm: %s", up, addr.join_command)
+        log.info("%s; to add a peer to this swarm: %s", up, line)
     else:
         print(up, flush=True)
-        print(f"To add a peer to this swarm, run on another host:\n  {addr.join_command}", flush=True)
+        print(f"To add a peer to this swarm, run on another host:\n  {line}", flush=True)
 
 
 async def _quietly(work: Awaitable[object], what: str) -> None:

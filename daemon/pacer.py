@@ -121,9 +121,7 @@ class SwarmPacer:
         self.progress = progress
         self.on_progress(progress)
         self.round_end_at = self.clock() + progress.seconds_left()
-        if progress.closed and (
-            progress.done >= CLOSE_FRACTION * progress.target or 2 * progress.closed >= progress.peers
-        ):
+        if progress.closed and (progress.done >= CLOSE_FRACTION * progress.target or progress.closed_by_most):
             self.round_end_at = -math.inf  # others closed it: the swarm is averaging, not waiting for this node
         if self.closed_under_us(view, round_no):
             self.round_end_at = -math.inf  # joined in the round's last seconds: see joiner.py

@@ -11,8 +11,11 @@ every group that picks it waits out a timeout. So the node checks from outside:
   `/status` and the dashboard.
 
 The peer dials only the addresses in the asker's signed membership record, never an address
-named in the request, and answers each peer once per DIAL_BACK_REUSE_S: a dial-back cannot be
-used to probe other hosts, nor to make a peer open connections in a loop.
+named in the request. Records are the asker's to write, so a dial-back is bounded like any
+other service to strangers: each peer id is answered once per DIAL_BACK_REUSE_S, asks for one
+id while its dial runs share that dial, all ids together get DIALS_PER_MINUTE (ids are free),
+the HTTP dial follows no redirect, and the answer says reachable or not, never why (an error
+text told a port scanner what it found).
 """
 
 from __future__ import annotations
@@ -37,8 +40,10 @@ log = logging.getLogger("dtnode")
 
 DIAL_TIMEOUT_S = 5.0  # one connection attempt of a dial-back
 DIAL_BACK_REUSE_S = 60.0  # a peer's answer to the same asker is reused this long
+DIALS_PER_MINUTE = 12  # new dial-backs this node makes, for all askers together
 ASK_EVERY_S = 5.0  # how often a node with no live peer yet looks for one to ask
 MAX_ERROR_CHARS = 200
+UNREACHABLE = "unreachable"  # all a dial-back says of a failed dial
 
 
 def announce_warning(settings: NodeSettings, host: str) -> str | None:
@@ -83,16 +88,13 @@ class Reachability(BaseModel):
         return f"peer {self.checked_by} dialled this node back: " + ", ".join(parts)
 
 
-def _error(e: BaseException) -> str:
-    return f"{type(e).__name__}: {e}"[:MAX_ERROR_CHARS]
-
-
 async def _dial_tcp(addr: str) -> str | None:
     host, _, port = addr.rpartition(":")
     try:
         _, writer = await asyncio.wait_for(asyncio.open_connection(host.strip("[]"), int(port)), DIAL_TIMEOUT_S)
     except (OSError, TimeoutError, ValueError) as e:
-        return _error(e)
+        log.debug("dial-back of %s failed: %s", addr, e)
+        return UNREACHABLE
     writer.close()
     return None
 
@@ -101,31 +103,58 @@ async def _dial_http(url: str) -> str | None:
     try:
         async with (
             aiohttp.ClientSession() as session,
-            session.get(url + "/healthz", timeout=aiohttp.ClientTimeout(total=DIAL_TIMEOUT_S)),
+            session.get(url + "/healthz", timeout=aiohttp.ClientTimeout(total=DIAL_TIMEOUT_S), allow_redirects=False),
         ):
             return None  # any answer: the port is open to this peer (503 is a health matter)
-    except (aiohttp.ClientError, OSError, TimeoutError) as e:
-        return _error(e)
+    except (aiohttp.ClientError, OSError, TimeoutError, ValueError) as e:
+        log.debug("dial-back of %s failed: %s", url, e)
+        return UNREACHABLE
+
+
+class DialBusy(RuntimeError):
+    """This node made its DIALS_PER_MINUTE dial-backs this minute: ask again later."""
 
 
 class DialBack:
-    """The serving side: dials a member's recorded endpoints, once per DIAL_BACK_REUSE_S each."""
+    """The serving side: dials a member's recorded endpoints (see the module for the limits)."""
 
     def __init__(self, own_id: str, members: Callable[[], Awaitable[dict[str, PeerRecord]]]):
         self.own_id = own_id
         self.members = members
         self.answers: dict[str, tuple[float, Reachability]] = {}
         self.dialling = asyncio.Semaphore(2)
+        self._running: dict[str, asyncio.Future[Reachability]] = {}  # one dial per peer id at a time
+        self._dialled_at: list[float] = []  # when the dials of the last minute began
 
     async def dial(self, peer_id: str) -> Reachability | None:
-        """None when `peer_id` has no live record (nothing to dial)."""
+        """None when `peer_id` has no live record (nothing to dial); DialBusy past the rate."""
         now = time.monotonic()
         self.answers = {p: a for p, a in self.answers.items() if now - a[0] < DIAL_BACK_REUSE_S}
         if peer_id in self.answers:
             return self.answers[peer_id][1]
+        if peer_id in self._running:
+            return await asyncio.shield(self._running[peer_id])
         record = (await self.members()).get(peer_id)
         if record is None:
             return None
+        if peer_id in self._running:  # began while the records were read
+            return await asyncio.shield(self._running[peer_id])
+        self._dialled_at = [at for at in self._dialled_at if now - at < 60.0]
+        if len(self._dialled_at) >= DIALS_PER_MINUTE:
+            raise DialBusy(f"{DIALS_PER_MINUTE} dial-backs this minute already")
+        self._dialled_at.append(now)
+        running = asyncio.ensure_future(self._dial(record))
+        self._running[peer_id] = running
+        try:
+            return await asyncio.shield(running)
+        finally:
+            if running.done():
+                self._running.pop(peer_id, None)
+            else:
+                running.add_done_callback(lambda _: self._running.pop(peer_id, None))
+
+    async def _dial(self, record: PeerRecord) -> Reachability:
+        peer_id = record.peer_id
         async with self.dialling:
             grpc_error = None if record.client_mode or not record.grpc_addr else await _dial_tcp(record.grpc_addr)
             http_ok = bool(record.http_addr) and urlsplit(record.http_addr).scheme in ("http", "https")

@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import asyncio
 import importlib.resources
+import ipaddress
+import json
 import logging
 import time
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -22,25 +24,27 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from rich.filesize import decimal
 
 from dtnode.peers.auth import HTTP_HEADER, AuthError, SwarmAuth
+from dtnode.peers.netgroups import network_group
 
-from .checkpoint import CheckpointInfo
+from .checkpoint import MAX_STEP, CheckpointInfo
 from .history import RoundHistory
 from .memory_checkpoint import MemoryCheckpoint
 from .metrics import NodeMetrics
-from .reachability import Reachability
+from .reachability import DialBusy, Reachability
 from .report import Health, NodeStatus
 
 log = logging.getLogger(__name__)
 
-MAX_STEP = 1 << 62
 MEMORY_CHUNK = 1 << 20  # bytes of a checkpoint served from memory per write
 # A download slot is held at most DOWNLOAD_GRACE_S plus the size at MIN_DOWNLOAD_RATE: a reader
 # slower than that (4 Mbit/s), or one that stopped reading, is cut and its slot freed
 MIN_DOWNLOAD_RATE = 512 * 1024  # bytes per second
 DOWNLOAD_GRACE_S = 30.0
 SERVED_RECENTLY_S = 120.0  # a checkpoint asked for within this long is not pruned
+MAX_PINNED = 2  # steps pinned at once (each a copy of θ_g and the momentum in memory, or a file kept)
+PINS_PER_GROUP = 1  # steps one network group of askers may hold pinned
 PROTECTED = ("/checkpoint", "/peers", "/dialback")
-HISTORY_PAGE = 5000  # rounds per /history answer
+HISTORY_PAGE = 200  # rounds per /history answer at most: a page is serialized off the event loop
 
 
 class NodeView(Protocol):
@@ -71,22 +75,78 @@ class NodeView(Protocol):
 
 
 class ServedSteps:
-    """Steps a joiner asked for or fetched ranges of lately: pruning keeps their files, and an
-    outer step keeps serving them from copies, so a download that spans this node's round
-    boundary still finds its bytes. (Read from the training thread too: no writes there.)"""
+    """Steps a joiner asked for or fetched ranges of lately (pinned): pruning keeps their files,
+    and an outer step keeps serving them from copies (a model's θ_g and momentum each, on a CPU
+    node), so a download that spans this node's round boundary still finds its bytes. (Read from
+    the training thread too: no writes there.)
 
-    def __init__(self, within: float = SERVED_RECENTLY_S):
+    Pins cost memory and disk, so they hold a budget: a pin comes only with an answer served
+    (not a 404 or a 503), each network group of askers (peers/netgroups.py) holds PINS_PER_GROUP
+    steps at most (its newest), and MAX_PINNED steps are held in all (the newest asked for). A
+    reader asking for every step several times a second pins one; it used to pin them all."""
+
+    def __init__(self, within: float = SERVED_RECENTLY_S, max_steps: int = MAX_PINNED, per_group: int = PINS_PER_GROUP):
         self.within = within
-        self._served: dict[int, float] = {}  # step -> when a range of it was last asked for (monotonic)
+        self.max_steps, self.per_group = max_steps, per_group
+        self._pins: dict[tuple[str, int], float] = {}  # (asker's network group, step) -> when it last asked
 
-    def mark(self, step: int) -> None:
-        cutoff = time.monotonic() - self.within
-        self._served = {s: at for s, at in self._served.items() if at > cutoff}
-        self._served[step] = time.monotonic()
+    def mark(self, step: int, asker: str = "") -> None:
+        now = time.monotonic()
+        pins = {key: at for key, at in self._pins.items() if at > now - self.within}
+        pins[(asker, step)] = now
+        own = sorted((at, s) for (group, s), at in pins.items() if group == asker)
+        for _, old in own[: -self.per_group]:
+            del pins[(asker, old)]
+        latest: dict[int, float] = {}
+        for (_, s), at in pins.items():
+            latest[s] = max(latest.get(s, 0.0), at)
+        kept = set(sorted(latest, key=lambda s: latest[s])[-self.max_steps :])
+        self._pins = {key: at for key, at in pins.items() if key[1] in kept}
 
     def in_use(self) -> set[int]:
         cutoff = time.monotonic() - self.within
-        return {step for step, at in list(self._served.items()) if at > cutoff}
+        return {step for (_, step), at in list(self._pins.items()) if at > cutoff}
+
+
+# The sidecar's parsers of what a request names (untrusted): each answers a value or raises
+# HTTPBadRequest, whatever it is given (tests/test_untrusted_input.py feeds them thousands).
+
+
+def path_step(raw: str) -> int:
+    """`/checkpoint/{step}`: only a plain decimal integer ever reaches a file name."""
+    if not raw.isascii() or not raw.isdigit() or len(raw) > 19 or int(raw) > MAX_STEP:
+        raise web.HTTPBadRequest(text="step must be a non-negative integer")
+    return int(raw)
+
+
+def history_query(query: Mapping[str, str]) -> tuple[int, int]:
+    """`/history?since=&limit=`: (since, limit)."""
+    since_text, limit_text = query.get("since", "-1"), query.get("limit", str(HISTORY_PAGE))
+    if not all(t.isascii() and len(t) <= 20 for t in (since_text, limit_text)):
+        raise web.HTTPBadRequest(text="since and limit must be integers")
+    try:
+        since, limit = int(since_text), int(limit_text)
+    except ValueError:
+        raise web.HTTPBadRequest(text="since and limit must be integers") from None
+    if not -1 <= since <= MAX_STEP or not 1 <= limit <= HISTORY_PAGE:
+        raise web.HTTPBadRequest(text=f"since must be -1..{MAX_STEP} and limit 1..{HISTORY_PAGE}")
+    return since, limit
+
+
+def dialback_peer(query: Mapping[str, str]) -> str:
+    """`/dialback?peer=`: the asking node's peer id."""
+    peer = query.get("peer", "")
+    if not 0 < len(peer) <= 128 or not peer.isascii() or not peer.isalnum():
+        raise web.HTTPBadRequest(text="give ?peer=<the asking node's peer id>")
+    return peer
+
+
+def asker_group(request: web.Request) -> str:
+    """The network group of the address a request came from (a pin's owner)."""
+    try:
+        return network_group(ipaddress.ip_address(request.remote or ""))
+    except ValueError:
+        return request.remote or "?"
 
 
 class _HeldFileResponse(web.FileResponse):
@@ -194,10 +254,11 @@ class Sidecar:
 
     async def dialback(self, request: web.Request) -> web.Response:
         """Dial the asking member's recorded gRPC and HTTP addresses (reachability.py)."""
-        peer = request.query.get("peer", "")
-        if not 0 < len(peer) <= 128:
-            raise web.HTTPBadRequest(text="give ?peer=<the asking node's peer id>")
-        answer = await self.node.dial_back(peer)
+        peer = dialback_peer(request.query)
+        try:
+            answer = await self.node.dial_back(peer)
+        except DialBusy:
+            raise web.HTTPTooManyRequests(text="too many dial-backs lately", headers={"Retry-After": "10"}) from None
         if answer is None:
             raise web.HTTPNotFound(text=f"no live membership record of {peer}")
         return web.json_response(answer.model_dump(mode="json"))
@@ -213,7 +274,9 @@ class Sidecar:
             raise web.HTTPServiceUnavailable(text="writing the current checkpoint", headers={"Retry-After": "2"})
         if info is None:
             raise web.HTTPNotFound(text="no checkpoint yet")
-        self.served.mark(info.step)  # a joiner's ranges follow: the step must outlive the next outer step
+        self.served.mark(
+            info.step, asker_group(request)
+        )  # a joiner's ranges follow: the step must outlive the next outer step
         return web.json_response(
             {
                 "outer_step": info.step,
@@ -225,20 +288,15 @@ class Sidecar:
         )
 
     async def checkpoint_file(self, request: web.Request) -> web.StreamResponse:
-        raw = request.match_info["step"]
-        # Only a plain decimal integer ever reaches a file name.
-        if not raw.isascii() or not raw.isdigit() or len(raw) > 19 or int(raw) > MAX_STEP:
-            raise web.HTTPBadRequest(text="step must be a non-negative integer")
-        info = self.node.checkpoint(int(raw))
+        step = path_step(request.match_info["step"])
+        info = self.node.checkpoint(step)
         on_disk = info if info is not None and Path(info.path).is_file() else None
-        memory = self.node.memory_checkpoint(int(raw)) if on_disk is None else None
+        memory = self.node.memory_checkpoint(step) if on_disk is None else None
         if on_disk is None and memory is None:
-            if info is not None or self.node.checkpoint(int(raw)) is not None:
-                self.served.mark(int(raw))
-            raise web.HTTPNotFound(text=f"no checkpoint for step {int(raw)}")
-        self.served.mark(int(raw))
+            raise web.HTTPNotFound(text=f"no checkpoint for step {step}")
         if self.downloads.locked():
             raise web.HTTPServiceUnavailable(text="too many downloads in progress", headers={"Retry-After": "2"})
+        self.served.mark(step, asker_group(request))  # served: its bytes must outlive the next outer step
         if memory is not None:
             async with self.downloads:
                 return await self._in_time(request, memory.size, self._serve_from_memory(request, memory))
@@ -317,15 +375,10 @@ class Sidecar:
 
     async def history(self, request: web.Request) -> web.Response:
         """The rounds after outer step `since` (all by default), oldest first, a page at a time."""
-        try:
-            since = int(request.query.get("since", "-1"))
-            limit = int(request.query.get("limit", str(HISTORY_PAGE)))
-        except ValueError:
-            raise web.HTTPBadRequest(text="since and limit must be integers") from None
-        if not -1 <= since <= MAX_STEP or not 1 <= limit <= HISTORY_PAGE:
-            raise web.HTTPBadRequest(text=f"since must be -1..{MAX_STEP} and limit 1..{HISTORY_PAGE}")
+        since, limit = history_query(request.query)
         rounds = self.node.history.since(since, limit)
-        return web.json_response({"rounds": rounds, "more": len(rounds) == limit})
+        body = await asyncio.to_thread(json.dumps, {"rounds": rounds, "more": len(rounds) == limit})
+        return web.Response(text=body, content_type="application/json")
 
     async def dashboard(self, request: web.Request) -> web.Response:
         return web.Response(text=self._dashboard, content_type="text/html")

@@ -11,28 +11,39 @@ then to each donor of the group alone (to skip a liar).
 from __future__ import annotations
 
 import asyncio
-import ipaddress
+import hashlib
 import json
 import logging
 import os
+import re
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
-from urllib.parse import urlsplit
 
 import aiohttp
 
 from dtnode.peers.auth import SwarmAuth
+from dtnode.peers.durable import fsync_dir
 from dtnode.peers.membership import PeerRecord
+from dtnode.peers.netgroups import url_group
 from dtnode.peers.sidecar_address import PROBE_TIMEOUT_S
 
-from .checkpoint import CheckpointError, CheckpointInfo, Layout, LoadedCheckpoint, checkpoint_path, read_checkpoint
+from .checkpoint import (
+    MAX_STEP,
+    CheckpointError,
+    CheckpointInfo,
+    Layout,
+    LoadedCheckpoint,
+    checkpoint_path,
+    read_checkpoint,
+)
 from .download import PIECE_BYTES, DownloadError, LocalDiskError, Offer, auth_headers, download_parallel
 
 __all__ = ["PIECE_BYTES", "SwarmPosition", "fetch_from_swarm", "open_round", "swarm_position", "swarm_step"]
 
 log = logging.getLogger(__name__)
+SHA256_HEX = re.compile(r"[0-9a-fA-F]{64}")
 
 
 async def probe(
@@ -50,19 +61,9 @@ async def probe(
         raw = await resp.content.read(1 << 16)
     latency = time.monotonic() - started
     try:
-        meta = json.loads(raw)
-    except ValueError:
-        raise DownloadError(f"{base}/checkpoint returned malformed metadata") from None
-    step, sha256, size = meta.get("outer_step"), meta.get("sha256"), meta.get("size_bytes")
-    if (
-        not isinstance(step, int)
-        or step < 0
-        or not isinstance(sha256, str)
-        or len(sha256) != 64
-        or not isinstance(size, int)
-        or size <= 0
-    ):
-        raise DownloadError(f"{base}/checkpoint returned malformed metadata")
+        step, sha256, size = offer_metadata(raw)
+    except DownloadError as e:
+        raise DownloadError(f"{base}/checkpoint returned {e}") from None
     if step == donor.checkpoint_step and sha256 != donor.checkpoint_sha256:
         raise DownloadError("checkpoint hash differs from the donor's DHT record")
     if size > layout.file_size_bound():
@@ -70,41 +71,57 @@ async def probe(
     return Offer(donor, base, step, sha256.lower(), size, latency, bound=_signed(donor, step, sha256))
 
 
+def offer_metadata(raw: bytes) -> tuple[int, str, int]:
+    """(outer step, sha256, size) of a donor's `GET /checkpoint` answer (untrusted);
+    DownloadError when it is not one."""
+    try:
+        meta = json.loads(raw)
+    except ValueError:
+        raise DownloadError("malformed metadata") from None
+    if not isinstance(meta, dict):
+        raise DownloadError("malformed metadata")
+    step, sha256, size = meta.get("outer_step"), meta.get("sha256"), meta.get("size_bytes")
+    if (
+        not isinstance(step, int)
+        or isinstance(step, bool)
+        or not 0 <= step <= MAX_STEP
+        or not isinstance(sha256, str)
+        or not SHA256_HEX.fullmatch(sha256)  # it names a file here: hex digits only, or this donor is dropped
+        or not isinstance(size, int)
+        or isinstance(size, bool)
+        or size <= 0
+    ):
+        raise DownloadError("malformed metadata")
+    return step, sha256, size
+
+
 def _signed(record: PeerRecord | None, step: int, sha256: str) -> bool:
     """Whether a donor's signed record announces this very file."""
     return record is not None and record.announces(step, sha256)
 
 
-def voter(offer: Offer) -> str:
-    """Who an offer's vote belongs to: the host serving it (see `host_of`)."""
-    return host_of(offer.base)
+async def with_voters(offers: list[Offer]) -> list[Offer]:
+    """The offers, each with the network group its sidecar's host resolves to (its vote); each
+    host is resolved once."""
+    bases = sorted({o.base for o in offers})
+    groups = dict(zip(bases, await asyncio.gather(*(url_group(b) for b in bases)), strict=True))
+    return [replace(o, voter=groups[o.base] or "") for o in offers]
 
 
-def host_of(base: str) -> str:
-    """The host behind a sidecar address. Records are cheap to make (a DHT node can write many
-    under made-up ids) and may all point at one server; hosts are not. On a loopback address
-    only local processes can listen, so each port there is a host of its own (several nodes of
-    one machine, as in tests and `dtnode local`)."""
-    url = urlsplit(base)
-    host = (url.hostname or base).lower()
-    try:
-        loopback = ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        loopback = host == "localhost"
-    return f"{host}:{url.port}" if loopback else host
+def group_offers(offers: list[Offer], majority_of: int | None = None, tiebreak: str = "") -> list[list[Offer]]:
+    """Donors serving the same file together, only the files the most network groups serve
+    (oldest step first among equals, then in an order no donor controls: a hash of `tiebreak`,
+    this node's id, and the file's).
 
-
-def group_offers(offers: list[Offer], majority_of: int | None = None) -> list[list[Offer]]:
-    """Donors serving the same file together, only the files the most distinct hosts serve
-    (oldest step first among equals, then fastest).
-
-    One vote per serving host (`voter`): a file no other host vouches for, while another file
-    has more hosts behind it, is never used, so one lying donor cannot hand a joiner a model of
-    its own, not by announcing a newer step than the rest, nor through Sybil records that all
-    point at its server. Ties stay eligible (groups of a moshpit swarm legitimately hold
-    different θ_g of one step), but never go to the newer step: at a round's end an honest donor
-    may be a step ahead of another, and a liar one step ahead of a lone honest donor would win a
-    tie otherwise; a joiner taking the older step downloads again if the swarm moved on.
+    One vote per network group of the serving hosts (`Offer.voter`, peers/netgroups.py): a file
+    no other group vouches for, while another file has more groups behind it, is never used, so
+    one lying donor cannot hand a joiner a model of its own, not by announcing a newer step than
+    the rest, nor through Sybil records that all point at its server under other names. Ties
+    stay eligible (groups of a moshpit swarm legitimately hold different θ_g of one step), but
+    never go to the newer step: at a round's end an honest donor may be a step ahead of another,
+    and a liar one step ahead of a lone honest donor would win a tie otherwise; a joiner taking
+    the older step downloads again if the swarm moved on. Nor to the faster donor: a liar can
+    always answer first.
 
     Only an offer that its donor's signed record announces (`Offer.bound`) votes: a file no
     record vouches for is never used. With `majority_of` (a running node, which has a θ_g of
@@ -148,12 +165,12 @@ def group_offers(offers: list[Offer], majority_of: int | None = None) -> list[li
             )
             continue
         groups.append(sorted(group, key=lambda o: o.latency))
-    return sorted(groups, key=lambda g: (g[0].step, g[0].latency))
+    return sorted(groups, key=lambda g: (g[0].step, hashlib.sha256(f"{tiebreak}|{g[0].sha256}".encode()).digest()))
 
 
 def host_votes(offers: list[Offer]) -> int:
-    """Distinct hosts among these offers whose signed records announce what they serve."""
-    return len({voter(o) for o in offers if o.bound})
+    """Distinct network groups among these offers whose signed records announce what they serve."""
+    return len({o.voter for o in offers if o.bound and o.voter})
 
 
 def split_vote(group: list[Offer], majority_of: int | None) -> bool:
@@ -301,13 +318,13 @@ async def fetch_from_swarm(
                     offers.append(result)
             else:
                 log.warning("peer %s (%s) offers no usable checkpoint: %s", donor.peer_id[-8:], donor.http_addr, result)
-        offers = await _bind(offers, refresh, bind_wait)
-        hosts = _verifiable_hosts(members, own_id, model_hash) if majority else None
+        offers = await with_voters(await _bind(offers, refresh, bind_wait))
+        hosts = await _verifiable_hosts(members, own_id, model_hash) if majority else None
         wanted = {o.sha256[:16] for o in offers}
         for stale in scratch.glob(".download-*"):  # partial files nobody offers any more
             if stale.name.split("-", 1)[1].split(".", 1)[0] not in wanted:
                 stale.unlink(missing_ok=True)
-        for group in group_offers(offers, hosts):
+        for group in group_offers(offers, hosts, own_id):
             # several donors first; if the assembled file is bad, each donor alone (to skip the liar)
             attempts = [group] + ([[o] for o in group] if len(group) > 1 else [])
             for attempt in attempts:
@@ -338,7 +355,7 @@ async def fetch_from_swarm(
                     if keep:
                         final = checkpoint_path(scratch, loaded.step)
                         try:
-                            await asyncio.to_thread(os.replace, path, final)
+                            await asyncio.to_thread(_keep_as, path, final)
                         except OSError as e:
                             raise LocalDiskError(
                                 f"cannot keep {final.name} in the state dir: {e.strerror or e}"
@@ -364,6 +381,12 @@ async def fetch_from_swarm(
 BIND_POLL_S = 0.1
 
 
+def _keep_as(path: Path, final: Path) -> None:
+    """The downloaded file (fsynced before it was hashed) renamed to a checkpoint, durably."""
+    os.replace(path, final)
+    fsync_dir(final.parent)
+
+
 async def _bind(
     offers: list[Offer], refresh: Callable[[], Awaitable[dict[str, PeerRecord]]] | None, wait: float
 ) -> list[Offer]:
@@ -381,16 +404,17 @@ async def _bind(
     return offers
 
 
-def _verifiable_hosts(members: dict[str, PeerRecord], own_id: str, model_hash: str) -> int:
-    """Distinct hosts whose signed records serve checkpoints of this model: what a majority is of."""
-    return len(
-        {
-            host_of(m.http_addr)
-            for m in members.values()
-            if m.peer_id != own_id
-            and m.model_hash == model_hash
-            and m.http_addr
-            and not m.client_mode
-            and m.state in ("training", "averaging")
-        }
-    )
+async def _verifiable_hosts(members: dict[str, PeerRecord], own_id: str, model_hash: str) -> int:
+    """Distinct network groups whose signed records serve checkpoints of this model: what a
+    majority is of."""
+    urls = {
+        m.http_addr
+        for m in members.values()
+        if m.peer_id != own_id
+        and m.model_hash == model_hash
+        and m.http_addr
+        and not m.client_mode
+        and m.state in ("training", "averaging")
+    }
+    groups = await asyncio.gather(*(url_group(url) for url in sorted(urls)))
+    return len({g for g in groups if g is not None})

@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import time
 from collections.abc import Iterable
 from pathlib import Path
 
 from hivemind.p2p import PeerID
+
+from .durable import write_durably
 
 log = logging.getLogger(__name__)
 
@@ -109,7 +110,5 @@ class KnownPeers:
         if not self._dirty:
             return
         body = {"peers": {p: {"addrs": list(a), "seen": seen} for p, (a, seen) in self.peers.items()}}
-        tmp = self.path.with_name(f".{self.path.name}.tmp-{os.getpid()}")
-        tmp.write_text(json.dumps(body, indent=1))
-        os.replace(tmp, self.path)
+        write_durably(self.path, json.dumps(body, indent=1).encode())
         self._dirty = False

@@ -154,10 +154,18 @@ class SwarmProgress:
     rate: float  # tokens per second of the peers still training
     peers: int  # peers counted
     closed: int = 0  # peers that ended their inner steps of the round (averaging it, or training the next)
+    round_peers: int = 0  # peers counted or closed: the round's peers, those past it included
 
     @property
     def reached(self) -> bool:
         return self.done >= self.target
+
+    @property
+    def closed_by_most(self) -> bool:
+        """Whether at least half of the round's peers, those past it included, are past it. A
+        peer past it is one of the round's peers too: counted only among the closers, one record
+        claiming the next round outvoted two peers training it, and ended every round at once."""
+        return self.closed > 0 and 2 * self.closed >= max(self.round_peers, self.peers)
 
     def seconds_left(self) -> float:
         """Estimated seconds until the target is reached (inf while nobody reports a rate)."""
@@ -210,13 +218,13 @@ def swarm_progress(
     # closed: past this round's inner steps (its record's round and phase), or with --overlap
     # training the next one; not a peer still applying the last round's outer step, whose outer
     # step (and so round_in_training) already names this round
-    closed = sum(
-        1
+    closers = {
+        r.peer_id
         for r in records
         if r is not own
         and r.state in ACTIVE
         and ((r.round == round and r.phase in CLOSED_PHASES) or r.round_in_training == round + 1)
-    )
+    }
     done, rate = 0.0, 0.0
     for r in members.values():
         tokens = float(max(r.round_tokens, 0))
@@ -230,4 +238,4 @@ def swarm_progress(
             rate += max(r.tokens_per_s, 0.0)
         done += tokens
     target = round_target(records, round, inner_steps, round_tokens)
-    return SwarmProgress(target, done, rate, len(members), closed)
+    return SwarmProgress(target, done, rate, len(members), len(closers), len(set(members) | closers))

@@ -409,6 +409,12 @@ class ReductionRegistry:
             if group_id is not None:
                 groups.group_ids.add(bytes(group_id))
 
+    def may_come(self, run_id: str, round: int) -> bool:
+        """Whether a reduction of `round` may still register here: a round this node is in,
+        about to enter, or has just left (a stream for a round far ahead is nobody's yet)."""
+        newest = max((r for (run, r, _) in self._hops if run == run_id), default=None)
+        return newest is None or round <= newest + 1
+
     def elsewhere(self, key: tuple) -> bool:
         """Whether a sender's plan names a group this node is not in: every slot of that hop
         has its group here, and none is the plan's. Its view of the group differed from ours

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import ipaddress
 import logging
 from collections.abc import AsyncIterator
 from typing import NoReturn
@@ -22,6 +23,7 @@ from dtnode.proto import averaging_pb2 as pb
 from dtnode.proto import averaging_pb2_grpc as pb_grpc
 
 from .auth import GRPC_METADATA, AuthError, SwarmAuth, stream_subject
+from .netgroups import network_group
 from .reducer import PartReduction, ReductionFailed, ReductionRegistry
 from .tls import TrustStore, client_fingerprint
 from .wire import ChunkError, RefusalReason, chunk_message, decode_chunk, payload_size
@@ -30,15 +32,55 @@ log = logging.getLogger(__name__)
 
 
 # streams open at once on one node, from all senders together (a group of g members sends
-# g - 1 per part and hop; moshpit chains and retries multiply that by a few)
+# g - 1 per part and hop; moshpit chains and retries multiply that by a few), and from one
+# network group of senders (peers/netgroups.py): slots a stream takes once its first chunk checks out
 MAX_STREAMS = 128
+MAX_STREAMS_PER_GROUP = 16
+# streams still waiting for their first chunk, from one network group and in all: a newcomer
+# past either evicts the oldest waiting one (an honest sender sends its first chunk at once; a
+# slot holder that opens streams and says nothing only ever holds the newest few, briefly)
+PENDING_PER_GROUP = 16
+PENDING_TOTAL = 64
 # a sender opens its stream with its first chunk ready (quantized while the stream starts)
-FIRST_MESSAGE_TIMEOUT_S = 30.0
+FIRST_MESSAGE_TIMEOUT_S = 5.0
 
 
-def _remote_host(peer: str) -> str:
-    """'ipv4:1.2.3.4:5678' -> 'ipv4:1.2.3.4' (ports change per connection; hosts do not)."""
-    return peer.rsplit(":", 1)[0] if peer and peer.count(":") >= 2 else peer or "?"
+def stream_group(peer: str) -> str:
+    """The network group of a stream's remote address ('ipv4:1.2.3.4:5678', 'ipv6:[::1]:5678')."""
+    address = peer.split(":", 1)[1] if ":" in peer else peer
+    host, _, port = address.rpartition(":")
+    try:
+        return network_group(ipaddress.ip_address(host.strip("[]").split("%", 1)[0]), int(port))
+    except ValueError:
+        return peer or "?"
+
+
+class PendingStreams:
+    """Streams that have not sent a first chunk that checks out, oldest first (see PENDING_*)."""
+
+    def __init__(self, per_group: int = PENDING_PER_GROUP, total: int = PENDING_TOTAL):
+        self.per_group, self.total = per_group, total
+        self._waiting: dict[asyncio.Event, str] = {}  # each stream's eviction signal -> its group (insertion order)
+        self.evicted = 0
+
+    def admit(self, group: str) -> asyncio.Event:
+        """Room for one more waiting stream of `group`; the event is set if it is evicted."""
+        same = [e for e, g in self._waiting.items() if g == group]
+        if len(same) >= self.per_group:
+            self._evict(same[0])
+        if len(self._waiting) >= self.total:
+            self._evict(next(iter(self._waiting)))
+        evicted = asyncio.Event()
+        self._waiting[evicted] = group
+        return evicted
+
+    def _evict(self, event: asyncio.Event) -> None:
+        self._waiting.pop(event, None)
+        event.set()
+        self.evicted += 1
+
+    def release(self, event: asyncio.Event) -> None:
+        self._waiting.pop(event, None)
 
 
 def _same_stream(chunk: pb.PartChunk, first: pb.PartChunk) -> bool:
@@ -68,51 +110,96 @@ class AveragingService(pb_grpc.AveragingServicer):
         run_id: str,
         registration_wait: float = 5.0,
         auth: SwarmAuth | None = None,
-        max_streams_per_peer: int = 16,
+        max_streams_per_peer: int = MAX_STREAMS_PER_GROUP,
         trust: TrustStore | None = None,
         max_streams: int = MAX_STREAMS,
         first_message_timeout: float = FIRST_MESSAGE_TIMEOUT_S,
+        pending: PendingStreams | None = None,
     ):
         self.registry = registry
         self.trust = trust
         self.run_id = run_id
         self.registration_wait = registration_wait
         self.auth = auth
-        self.max_streams_per_peer = max_streams_per_peer
+        self.max_streams_per_peer = max_streams_per_peer  # slots per network group of senders
         self.max_streams = max_streams
         self.first_message_timeout = first_message_timeout
+        self.pending = pending or PendingStreams()
         # streams refused for what they carried, by ChunkError reason (exported as a metric)
         self.refused: collections.Counter[str] = collections.Counter()
-        self._open: dict[str, int] = {}  # streams per remote host: a flood from one host stays bounded
-        self._open_total = 0  # ...and from all hosts together: a flood from many hosts too
+        self._open: dict[str, int] = {}  # slots per network group: a flood from one network stays bounded
+        self._open_total = 0  # ...and from all of them together: a flood from many too
 
     async def Reduce(self, request_iterator: AsyncIterator[pb.PartChunk], context: grpc.aio.ServicerContext):
-        host = _remote_host(context.peer())
-        if self._open.get(host, 0) >= self.max_streams_per_peer:
-            await _abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED, "too many concurrent streams from this peer")
+        group = stream_group(context.peer())
+        requests = aiter(request_iterator)
+        first, reduction = await self._first_checked(requests, context, group)
+        if self._open.get(group, 0) >= self.max_streams_per_peer:
+            await _abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED, "too many concurrent streams from this network")
         if self._open_total >= self.max_streams:
             await _abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED, "too many concurrent streams on this node")
-        self._open[host] = self._open.get(host, 0) + 1
+        self._open[group] = self._open.get(group, 0) + 1
         self._open_total += 1
         try:
-            async for msg in self._reduce(request_iterator, context):
+            async for msg in self._reduce(first, reduction, requests, context):
                 yield msg
         finally:
             self._open_total -= 1
-            self._open[host] -= 1
-            if not self._open[host]:
-                del self._open[host]
+            self._open[group] -= 1
+            if not self._open[group]:
+                del self._open[group]
 
-    async def _reduce(self, request_iterator: AsyncIterator[pb.PartChunk], context: grpc.aio.ServicerContext):
-        requests = aiter(request_iterator)
-        try:  # a stream that says nothing must not hold a slot until the client's deadline
-            first = await asyncio.wait_for(anext(requests), self.first_message_timeout)
-        except StopAsyncIteration:
-            await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, "empty stream")
-        except TimeoutError:
+    async def _first_checked(
+        self, requests: AsyncIterator[pb.PartChunk], context: grpc.aio.ServicerContext, group: str
+    ) -> tuple[pb.PartChunk, PartReduction]:
+        """The stream's first chunk and the reduction it names, once both check out; until then
+        the stream waits in the pending pool (`PendingStreams`) and holds no slot."""
+        evicted = self.pending.admit(group)
+        try:
+            # a stream that says nothing must not hold a place until the client's own deadline
+            first = await self._first_message(requests, context, evicted)
+            await self._check_identity(first, context)
+            reduction = await self._reduction_for(first, context)
+        finally:
+            self.pending.release(evicted)
+        sender = first.sender
+        try:
+            reduction.begin(sender, first.weight)
+        except ChunkError as e:
+            if e.reason == RefusalReason.BAD_WEIGHT:  # what it carried: counted, and not waited for
+                log.warning("rejected stream from %s: %s", sender, e)
+                self.refused[e.reason] += 1
+                await reduction.fail(sender)
+            await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        return first, reduction
+
+    async def _first_message(
+        self, requests: AsyncIterator[pb.PartChunk], context: grpc.aio.ServicerContext, evicted: asyncio.Event
+    ) -> pb.PartChunk:
+        reading = asyncio.ensure_future(anext(requests))
+        evicting = asyncio.ensure_future(evicted.wait())
+        try:
+            await asyncio.wait(
+                {reading, evicting}, timeout=self.first_message_timeout, return_when=asyncio.FIRST_COMPLETED
+            )
+        finally:
+            evicting.cancel()
+            if not reading.done():
+                reading.cancel()
+        if not reading.done() or reading.cancelled():
+            if evicted.is_set():
+                await _abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED, "too many streams waiting for a first chunk")
             await _abort(
                 context, grpc.StatusCode.DEADLINE_EXCEEDED, f"no first chunk within {self.first_message_timeout:g}s"
             )
+        try:
+            return reading.result()
+        except StopAsyncIteration:
+            await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, "empty stream")
+
+    async def _check_identity(self, first: pb.PartChunk, context: grpc.aio.ServicerContext) -> None:
+        """Ends the stream with a status: a first chunk of another run, without a valid swarm key
+        tag, or over a TLS certificate other than the one its claimed sender announces."""
         if first.run_id != self.run_id:
             await _abort(context, grpc.StatusCode.PERMISSION_DENIED, f"run {first.run_id!r} is not this node's run")
         if self.auth is not None:
@@ -137,10 +224,14 @@ class AveragingService(pb_grpc.AveragingServicer):
                     grpc.StatusCode.PERMISSION_DENIED,
                     f"this stream's TLS certificate is not the one peer {first.sender} announces",
                 )
+
+    async def _reduction_for(self, first: pb.PartChunk, context: grpc.aio.ServicerContext) -> PartReduction:
         key = ReductionRegistry.key(first.run_id, first.round, first.hop, first.group_id, first.part)
-        # (waited for even when this node knows it formed other groups: an abort before the
-        # sender's first chunks are written reaches it as INTERNAL, not as this status)
-        reduction = await self.registry.lookup(key, self.registration_wait)
+        # waited for (a sender may reach us before we formed the same group) only for a round this
+        # node is in or about to enter, and even when this node knows it formed other groups: an
+        # abort before the sender's first chunks are written reaches it as INTERNAL, not as NOT_FOUND
+        wait = self.registration_wait if self.registry.may_come(first.run_id, first.round) else 0.0
+        reduction = await self.registry.lookup(key, wait)
         if reduction is None and self.registry.elsewhere(key):  # the sender stops waiting for this node
             await _abort(
                 context,
@@ -154,15 +245,16 @@ class AveragingService(pb_grpc.AveragingServicer):
                 grpc.StatusCode.FAILED_PRECONDITION,
                 f"no reduction for round {first.round} hop {first.hop} part {first.part} in this group",
             )
+        return reduction
+
+    async def _reduce(
+        self,
+        first: pb.PartChunk,
+        reduction: PartReduction,
+        requests: AsyncIterator[pb.PartChunk],
+        context: grpc.aio.ServicerContext,
+    ):
         sender = first.sender
-        try:
-            reduction.begin(sender, first.weight)
-        except ChunkError as e:
-            if e.reason == RefusalReason.BAD_WEIGHT:  # what it carried: counted, and not waited for
-                log.warning("rejected stream from %s: %s", sender, e)
-                self.refused[e.reason] += 1
-                await reduction.fail(sender)
-            await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
         reader = asyncio.ensure_future(self._consume(reduction, sender, first, requests))
         reduction.open_streams += 1
         reduction.streams_closed.clear()

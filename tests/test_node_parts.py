@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import math
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -491,3 +492,18 @@ def test_rounds_failing_in_a_row_wait_longer_and_log_a_repeated_failure_once():
     assert streak.failed(ValueError("another fault")) == (30, False)  # a new fault gets its traceback
     streak.ended()
     assert streak.failed(ValueError("another fault")) == (1, False)
+
+
+def test_the_join_line_status_shows_names_the_files_each_host_brings_not_where_they_lie_here():
+    """Issue 56, finding 12: /status showed the --data path (and a --tokenizer or hf: model
+    path) to anyone who could reach the sidecar. Its join line now names the files only; the
+    line printed to the operator who started the node keeps the paths."""
+    from dtnode.daemon.bootstrap import join_command
+
+    paths = {"data": Path("/home/alice/private/corpus.txt"), "tokenizer": Path("/home/alice/tok")}
+    s = NodeSettings().model_copy(update={**paths, "model": "hf:/srv/models/m1"})  # paths of another host
+    recipe = recipe_of(s, 64, "100 tokens, sha256 0123456789abcdef")
+    public, local = (join_command(s, recipe, "/ip4/1.2.3.4/tcp/1/p2p/Qm", public=p) for p in (True, False))
+    assert "/home/alice" not in public and "/srv/" not in public
+    assert "--data corpus.txt" in public and "--tokenizer tok" in public and "--model hf:m1" in public
+    assert "--data /home/alice/private/corpus.txt" in local and "--model hf:/srv/models/m1" in local

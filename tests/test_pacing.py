@@ -139,3 +139,17 @@ def test_uneven_honest_peers_count_in_full():
     p = swarm_progress([*small, big], own, 4, 10, None, now=100.0)
     assert p.done == 3 * 100 + 800 and p.rate == 3 * 100 + 800
     assert p.target == 10 * (3 * 100 + 800)
+
+
+def test_one_record_claiming_the_next_round_does_not_close_the_round_for_two_peers_training_it():
+    """Issue 56, finding 7: a record announcing round_in_training = r + 1 counted as a peer that
+    closed round r and not as one of its peers, so with two honest peers training r (1 closed,
+    2 peers: 2 x 1 >= 2) every round ended at once. A peer past the round now counts among its
+    peers too: half of all must be past it."""
+    honest = _peer("h", tokens=100, rate=100.0)
+    own = _peer("me", tokens=100, rate=100.0)
+    liar = _peer("liar", step=5, tokens=100, rate=100.0)  # says it trains round 5
+    p = swarm_progress([honest, liar], own, 4, 10, None, now=100.0)
+    assert p.closed == 1 and p.peers == 2 and p.round_peers == 3 and not p.closed_by_most
+    # two honest peers where one really closed: the other follows at once, as before
+    assert swarm_progress([liar], own, 4, 10, None, now=100.0).closed_by_most

@@ -8,6 +8,7 @@ serves no joiner."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import urllib.request
 from pathlib import Path
@@ -18,6 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from dtnode.daemon.reachability import announce_warning
 from dtnode.daemon.settings import NodeSettings
+from dtnode.peers.membership import PeerRecord
 
 
 def test_an_address_other_hosts_cannot_dial_is_warned_about_unless_it_was_chosen():
@@ -87,7 +89,7 @@ def test_a_node_that_cannot_be_dialled_back_is_reported_unreachable(tmp_path):
 
         status = wait_until(lambda: (s := local_status()) and s["reachability"] and s, 120, "dial-back of c")
         found = status["reachability"]
-        assert found["grpc_addr"].startswith("127.0.0.9:") and "Connect" in (found["grpc_error"] or ""), found
+        assert found["grpc_addr"].startswith("127.0.0.9:") and found["grpc_error"] == "unreachable", found
         assert found["http_error"] is not None
         c.wait_for_line(r"peers cannot reach this node; open those ports", 10)
         assert "announces 127.0.0.1, a loopback address" in a.output  # a derived its address: warned
@@ -121,3 +123,64 @@ def test_a_client_mode_node_averages_and_is_never_a_donor(tmp_path):
         _keep(*(n for n in (a, nat, late) if n is not None))
     for node in (a, nat, late):
         assert "Traceback" not in node.output
+
+
+def test_a_dial_back_follows_no_redirect_dials_once_per_id_at_a_rate_and_says_no_more_than_unreachable():
+    """Issue 56, finding 11: /dialback was limited once a minute per peer id (ids are free),
+    concurrent asks for one id each dialled, its HTTP dial followed redirects to any URL, and
+    its answer carried the error text (a port scanner's oracle). Now asks for one id share one
+    dial, all ids together get DIALS_PER_MINUTE, no redirect is followed (a redirect is an answer:
+    the port is open), and a failed dial says "unreachable" and nothing else."""
+    from aiohttp import web
+
+    from dtnode.daemon import reachability
+    from dtnode.daemon.reachability import DIALS_PER_MINUTE, DialBack, DialBusy
+
+    async def main():
+        followed = []
+        app = web.Application()
+
+        async def redirect(request):
+            raise web.HTTPFound("http://127.0.0.1:9/elsewhere")
+
+        async def elsewhere(request):
+            followed.append(1)
+            return web.Response(text="no")
+
+        app.add_routes([web.get("/healthz", redirect), web.get("/elsewhere", elsewhere)])
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = runner.addresses[0][1]
+        records = {
+            f"p{i}": PeerRecord(peer_id=f"p{i}", grpc_addr="127.0.0.1:9", http_addr=f"http://127.0.0.1:{port}")
+            for i in range(DIALS_PER_MINUTE + 1)
+        }
+        dials = []
+        original = reachability._dial_tcp
+
+        async def counted(addr):
+            dials.append(addr)
+            await asyncio.sleep(0.2)
+            return await original(addr)
+
+        reachability._dial_tcp = counted
+
+        async def members():
+            return records
+
+        try:
+            server = DialBack("me", members)
+            same = await asyncio.gather(*(server.dial("p0") for _ in range(5)))
+            assert len(dials) == 1 and all(a == same[0] for a in same)  # five asks, one dial
+            assert same[0].grpc_error == "unreachable" and same[0].http_error is None and not followed
+            for i in range(1, DIALS_PER_MINUTE):
+                await server.dial(f"p{i}")
+            with pytest.raises(DialBusy):
+                await server.dial(f"p{DIALS_PER_MINUTE}")
+        finally:
+            reachability._dial_tcp = original
+            await runner.cleanup()
+
+    asyncio.run(main())

@@ -39,10 +39,14 @@ def _text(path, seed: int):
     return path
 
 
+DATA_OF_A: Path  # the file node `a` trains on (set by its fixture)
+
+
 @pytest.fixture(scope="module")
 def a(tmp_path_factory):
+    global DATA_OF_A
     tmp = tmp_path_factory.mktemp("recipe")
-    data = _text(tmp / "corpus.txt", 1)
+    data = DATA_OF_A = _text(tmp / "corpus.txt", 1)
     node = NodeProcess.join("a", tmp, *NOT_RECIPE, *A_RECIPE, "--data", str(data))
     try:
         node.wait_for_round(timeout=120)
@@ -146,6 +150,9 @@ def test_the_printed_join_line_pasted_joins_with_the_same_recipe(a, tmp_path):
     line = a.status()["join_command"]
     words = shlex.split(line)
     assert words[:3] == ["dtnode", "join", "--peer"] and "--data" in words, line
+    # /status names the file, not where it lies on a's host (issue 56, finding 12): b brings its copy
+    assert words[words.index("--data") + 1] == "corpus.txt"
+    words[words.index("--data") + 1] = str(DATA_OF_A)
     b = NodeProcess.join("b", tmp_path, *NOT_RECIPE, *words[2:])
     try:
         wait_until(lambda: any(r["groups"] == [[2, 2]] for r in b.rounds), 180, "a round of b with a")
@@ -158,7 +165,7 @@ def test_the_printed_join_line_pasted_joins_with_the_same_recipe(a, tmp_path):
 
 
 def test_a_joiner_through_a_sidecar_address_takes_the_recipe_and_brings_only_its_data(a, tmp_path):
-    data = a.status()["join_command"].split("--data ")[1]  # its own copy of the same file
+    data = str(DATA_OF_A)  # its own copy of the same file (here the very one)
     c = NodeProcess.join("c", tmp_path, *NOT_RECIPE, "--peer", a.http_url, "--data", data)
     try:
         wait_until(lambda: any(r["groups"] == [[2, 2]] for r in c.rounds), 180, "a round of c with a")

@@ -6,14 +6,18 @@ under test is `fetch_from_swarm`, unchanged.
 """
 
 import asyncio
+import ipaddress
 import json
 import logging
 from dataclasses import replace
+from urllib.parse import urlsplit
 
+import aiohttp
 import pytest
 import torch
 from aiohttp import web
 
+from dtnode.daemon import sync
 from dtnode.daemon.checkpoint import (
     CheckpointInfo,
     Layout,
@@ -30,11 +34,12 @@ from dtnode.daemon.reach import REACH_FACTOR, Reach, judge_split_vote
 from dtnode.daemon.report import Health
 from dtnode.daemon.round_state import NodeState
 from dtnode.daemon.settings import NodeSettings
-from dtnode.daemon.sidecar import Sidecar
+from dtnode.daemon.sidecar import ServedSteps, Sidecar
 from dtnode.daemon.sync import PIECE_BYTES, fetch_from_swarm, group_offers, split_vote, swarm_step
 from dtnode.daemon.worker import ModelWorker
 from dtnode.daemon.workload import build_workload
 from dtnode.peers.membership import PeerRecord
+from dtnode.peers.netgroups import network_group
 
 LAYOUT = Layout(("w", "b"), ((5_500_000,), (10,)))  # ~44 MB files: eleven 4 MB ranges
 RUN, MODEL = "sync-run", "model-hash"
@@ -592,9 +597,42 @@ def test_four_slow_readers_lose_their_slots_and_a_joiner_is_served(tmp_path, fro
     asyncio.run(main())
 
 
-def _offer(name: str, base: str, step: int, sha: str) -> Offer:
+def _offer(name: str, base: str, step: int, sha: str, latency: float = 0.01) -> Offer:
     record = PeerRecord(peer_id=f"peer-{name}", http_addr=base, state="training", outer_step=step, model_hash=MODEL)
-    return Offer(record, base, step, sha * 64, 1000, 0.01)
+    url = urlsplit(base)
+    try:  # an address literal votes in its group at once; a name once resolved (`sync.with_voters`)
+        voter = network_group(ipaddress.ip_address(url.hostname or ""), url.port)
+    except ValueError:
+        voter = ""
+    return Offer(record, base, step, sha * 64, 1000, latency, voter=voter)
+
+
+def test_votes_go_by_network_group_of_the_resolved_address_and_ties_not_to_the_faster_donor():
+    """Issue 56, finding 6: votes counted host strings, so one IPv4 address written as a name
+    and as numbers (`localhost`, `127.1`, `2130706433`, `0x7f000001`), a wildcard DNS name per
+    vote, or the addresses of one IPv6 /64 were as many voters; and of two files with equal
+    votes the faster donor's won. A vote is now the network group of the address its name
+    resolves to (public IPv4 /16, public IPv6 /32, a private address alone, loopback by port),
+    and ties are broken by a hash of this node's id and the file, which no donor controls."""
+    aliases = ["127.0.0.1", "localhost", "127.1", "2130706433", "0x7f000001"]
+    voters = asyncio.run(
+        sync.with_voters([_offer(f"alias{i}", f"http://{h}:7800", 10, "e") for i, h in enumerate(aliases)])
+    )
+    assert {o.voter for o in voters} == {"loopback:7800"}
+    honest = [_offer(f"n{i}", f"http://127.0.0.1:{8000 + i}", 10, "a") for i in range(2)]
+    (chosen,) = group_offers([*voters, *honest])
+    assert {o.sha256[0] for o in chosen} == {"a"}  # two local nodes outvote five names of one
+    assert network_group(ipaddress.ip_address("8.8.4.4")) == network_group(ipaddress.ip_address("8.8.200.1"))
+    assert network_group(ipaddress.ip_address("8.8.4.4")) != network_group(ipaddress.ip_address("8.9.4.4"))
+    v6 = [ipaddress.ip_address(a) for a in ("2001:4860::1", "2001:4860:ffff::2", "2001:4861::1")]
+    assert network_group(v6[0]) == network_group(v6[1]) != network_group(v6[2])
+    assert network_group(ipaddress.ip_address("::ffff:8.8.4.4")) == network_group(ipaddress.ip_address("8.8.9.9"))
+    assert network_group(ipaddress.ip_address("10.0.0.1")) != network_group(ipaddress.ip_address("10.0.0.2"))
+    # a tie of one vote each: which file goes first depends on who asks, never on who answers faster
+    fast = _offer("fast", "http://127.0.0.1:9001", 10, "f", latency=0.001)
+    slow = _offer("slow", "http://127.0.0.1:9002", 10, "b", latency=5.0)
+    firsts = {group_offers([fast, slow], tiebreak=f"joiner{i}")[0][0].donor.peer_id for i in range(16)}
+    assert firsts == {"peer-fast", "peer-slow"}
 
 
 def test_a_checkpoint_vote_counts_hosts_and_a_tie_never_goes_to_the_newer_step():
@@ -833,3 +871,65 @@ def test_outer_steps_measured_during_the_rate_warmup_are_scaled_to_the_swarms_ra
         worker.shutdown()
     assert taken is None
     assert beyond is not None and "beyond" in beyond
+
+
+def test_pins_hold_a_budget_and_come_only_with_an_answer_served(tmp_path):
+    """Issue 56, finding 8: every GET of /checkpoint or of a step pinned that step for 120 s, also
+    when answered 404 or 503, and pinned steps were never pruned, each one a copy of θ_g and the
+    momentum in memory on a CPU node. Now a pin comes with a served answer only, one network
+    group of askers holds one step, and two are held in all (the newest asked for)."""
+    served = ServedSteps(max_steps=2, per_group=1)
+    for step in range(10):  # one reader asking for every step
+        served.mark(step, "net:203.0.0.0/16")
+    assert served.in_use() == {9}
+    served.mark(4, "host:10.0.0.7")
+    served.mark(5, "host:10.0.0.8")
+    assert served.in_use() == {4, 5}  # the newest two asked for; the reader's went first
+
+    async def main():
+        infos = [_checkpoint(tmp_path / "src", step)[0] for step in (3, 4, 5)]
+        sidecar = Sidecar(FileView(infos), max_downloads=1)
+        port = await sidecar.start("127.0.0.1", 0)
+        base = f"http://127.0.0.1:{port}"
+        try:
+            async with aiohttp.ClientSession() as session:
+                for path in ("/checkpoint/99", "/checkpoint/3", "/checkpoint/4", "/checkpoint/5", "/checkpoint"):
+                    async with session.get(base + path, headers={"Range": "bytes=0-0"}) as resp:
+                        await resp.read()
+                        assert resp.status in (200, 206, 404)
+                pinned = sidecar.steps_in_use()
+                await sidecar.downloads.acquire()  # every download slot taken: the next ask is answered 503
+                async with session.get(base + "/checkpoint/3") as resp:
+                    assert resp.status == 503
+                assert sidecar.steps_in_use() == pinned
+        finally:
+            await sidecar.stop()
+        assert pinned == {5}  # one asker (loopback): its newest step only; 99 was never there
+
+    asyncio.run(main())
+
+
+def test_a_checkpoint_hash_that_is_not_hex_drops_its_donor_not_the_whole_fetch(tmp_path):
+    """Issue 56, finding 12: a donor's sha256 was checked for its length only before it named
+    the partial file (`.download-<sha[:16]>`): `../../x` there was a path, and the failed write
+    ended the joiner's whole fetch as a local disk error. A hash that is not 64 hex digits
+    now drops that donor only; the honest one serves the joiner."""
+
+    async def main():
+        info, theta = _checkpoint(tmp_path / "src", 8)
+        bad = "../../" + "a" * 58
+        liar_runner, liar_url = await _serve(_liar(info, info.path.read_bytes(), sha256=bad))
+        honest, honest_url = await _honest(tmp_path, "honest", info)
+        liar = _record("liar", liar_url, info).model_copy(update={"checkpoint_sha256": bad})  # it signs its lie
+        records = [liar, _record("honest", honest_url, info)]
+        try:
+            loaded = await fetch_from_swarm(
+                {r.peer_id: r for r in records}, "me", range(1, 10**9), MODEL, RUN, LAYOUT, tmp_path / "joiner", 20
+            )
+        finally:
+            await liar_runner.cleanup()
+            await honest.stop()
+        assert loaded is not None and torch.equal(loaded.theta_g, theta)
+        assert not any(tmp_path.glob("**/x*"))
+
+    asyncio.run(main())
