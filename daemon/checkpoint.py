@@ -35,7 +35,7 @@ import torch
 from safetensors import safe_open
 
 from dtnode import __version__
-from dtnode.peers.durable import fsync_dir
+from dtnode.peers.durable import write_durably
 
 MAX_STEP = 1 << 62  # the largest outer step a checkpoint, a record or a request may name
 
@@ -161,24 +161,9 @@ def tensor_pieces(header: bytes, buffers: list[torch.Tensor]) -> list[bytes | me
 
 
 def _write_atomic(final: Path, pieces: Iterable[bytes | memoryview]) -> tuple[str, int]:
-    """temp file, fsync, rename, fsync the directory; returns (sha256, size)."""
-    tmp = final.parent / f".{final.name}.tmp-{RUN_TOKEN}"
-    digest = hashlib.sha256()
-    size = 0
-    try:
-        with open(tmp, "wb") as f:
-            for piece in pieces:
-                f.write(piece)
-                digest.update(piece)
-                size += len(piece)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, final)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    fsync_dir(final.parent)
-    return digest.hexdigest(), size
+    """A whole file or none (peers/durable.py), its temp file named for this run (a restart
+    removes what a killed run left: `RUN_TOKEN`); returns (sha256, size)."""
+    return write_durably(final, pieces, final.parent / f".{final.name}.tmp-{RUN_TOKEN}")
 
 
 def write_checkpoint(

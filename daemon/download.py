@@ -167,7 +167,7 @@ class PartialDownload:
         self.finished.add(index)
         tmp = self.ledger.with_name(f"{self.ledger.name}.{index}.tmp")
         try:
-            write_durably(self.ledger, json.dumps({"size": self.size, "pieces": sorted(self.finished)}).encode(), tmp)
+            write_durably(self.ledger, [json.dumps({"size": self.size, "pieces": sorted(self.finished)}).encode()], tmp)
         except OSError as e:
             raise _local("write", self.ledger, e) from None
 

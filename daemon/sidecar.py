@@ -142,9 +142,12 @@ def dialback_peer(query: Mapping[str, str]) -> str:
 
 
 def asker_group(request: web.Request) -> str:
-    """The network group of the address a request came from (a pin's owner)."""
+    """The network group of the address a request came from (a pin's owner): on loopback, where
+    only this machine's processes connect (several nodes of one host), each connection its own."""
+    peer = request.transport.get_extra_info("peername") if request.transport is not None else None
+    port = peer[1] if isinstance(peer, tuple) and len(peer) >= 2 else None
     try:
-        return network_group(ipaddress.ip_address(request.remote or ""))
+        return network_group(ipaddress.ip_address(request.remote or ""), port)
     except ValueError:
         return request.remote or "?"
 

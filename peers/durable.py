@@ -7,7 +7,9 @@ right after a replace can leave an empty or truncated file under the old name.
 
 from __future__ import annotations
 
+import hashlib
 import os
+from collections.abc import Iterable
 from pathlib import Path
 
 
@@ -31,12 +33,18 @@ def replace_durably(tmp: Path, final: Path) -> None:
     fsync_dir(final.parent)
 
 
-def write_durably(final: Path, data: bytes, tmp: Path | None = None) -> None:
-    """`data` into `final` through a temp file beside it (`tmp`, or a name of its own)."""
+def write_durably(final: Path, pieces: Iterable[bytes | memoryview], tmp: Path | None = None) -> tuple[str, int]:
+    """`pieces`, in order, into `final` through a temp file beside it (`tmp`, or a name of its
+    own): temp file, fsync, rename, fsync the directory. Returns the bytes' (sha256, size)."""
     tmp = tmp or final.with_name(f".{final.name}.tmp-{os.getpid()}")
+    digest = hashlib.sha256()
+    size = 0
     try:
         with open(tmp, "wb") as f:
-            f.write(data)
+            for piece in pieces:
+                f.write(piece)
+                digest.update(piece)
+                size += len(piece)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, final)
@@ -44,3 +52,4 @@ def write_durably(final: Path, data: bytes, tmp: Path | None = None) -> None:
         tmp.unlink(missing_ok=True)
         raise
     fsync_dir(final.parent)
+    return digest.hexdigest(), size

@@ -110,5 +110,5 @@ class KnownPeers:
         if not self._dirty:
             return
         body = {"peers": {p: {"addrs": list(a), "seen": seen} for p, (a, seen) in self.peers.items()}}
-        write_durably(self.path, json.dumps(body, indent=1).encode())
+        write_durably(self.path, [json.dumps(body, indent=1).encode()])
         self._dirty = False

@@ -138,6 +138,7 @@ class AveragingService(pb_grpc.AveragingServicer):
             await _abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED, "too many concurrent streams from this network")
         if self._open_total >= self.max_streams:
             await _abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED, "too many concurrent streams on this node")
+        await self._begin(first, reduction, context)
         self._open[group] = self._open.get(group, 0) + 1
         self._open_total += 1
         try:
@@ -162,16 +163,19 @@ class AveragingService(pb_grpc.AveragingServicer):
             reduction = await self._reduction_for(first, context)
         finally:
             self.pending.release(evicted)
-        sender = first.sender
+        return first, reduction
+
+    async def _begin(self, first: pb.PartChunk, reduction: PartReduction, context: grpc.aio.ServicerContext) -> None:
+        """The sender counts in the part from here (once it holds a slot: a stream refused for
+        slots is not waited for)."""
         try:
-            reduction.begin(sender, first.weight)
+            reduction.begin(first.sender, first.weight)
         except ChunkError as e:
             if e.reason == RefusalReason.BAD_WEIGHT:  # what it carried: counted, and not waited for
-                log.warning("rejected stream from %s: %s", sender, e)
+                log.warning("rejected stream from %s: %s", first.sender, e)
                 self.refused[e.reason] += 1
-                await reduction.fail(sender)
+                await reduction.fail(first.sender)
             await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        return first, reduction
 
     async def _first_message(
         self, requests: AsyncIterator[pb.PartChunk], context: grpc.aio.ServicerContext, evicted: asyncio.Event

@@ -904,7 +904,7 @@ def test_pins_hold_a_budget_and_come_only_with_an_answer_served(tmp_path):
                 assert sidecar.steps_in_use() == pinned
         finally:
             await sidecar.stop()
-        assert pinned == {5}  # one asker (loopback): its newest step only; 99 was never there
+        assert 5 in pinned and pinned <= {4, 5}  # the newest asked for, 2 at most; 99 was never there
 
     asyncio.run(main())
 
