@@ -51,10 +51,11 @@ UPDATES_REMEMBERED = 8  # outer steps whose size `update_scale` takes the larges
 # chooses (its weight, its Δ, ‖θ‖ itself), and never to what the swarm applied before (a member
 # that moved it to the bound each round would raise the bound each round)
 OWN_DELTAS_REMEMBERED = 8
-# an averaged Δ at most this many times this node's longest recent Δ: a peer with a bigger batch or
-# one k times slower stays well within (‖Δ‖ grows with the steps taken, less than linearly); a
-# longer mean is scaled down to it, whoever in the group made it long
-OUTER_REACH = 4.0
+# an averaged Δ at most this many times this node's longest recent Δ (times `allowance`, for a
+# node that trained fewer tokens than the round's average peer: ‖Δ‖ grows with the steps taken,
+# less than linearly); a longer mean is scaled down to it, whoever in the group made it long
+OUTER_REACH = 3.0
+MAX_ALLOWANCE = 4.0
 # a θ_g re-sync may move θ_g (and the momentum) by this many of this node's recent outer steps, per
 # step the two states may lie apart (one, plus the steps this node made alone): a failed part, a
 # download from another moshpit group's θ_g of the step, a few solo rounds
@@ -87,6 +88,7 @@ class Replica:
         # ‖Δ‖ of this node's own last pseudo-gradients (0-d tensors): what bounds the swarm's moves
         self._own_norms: deque[torch.Tensor] = deque(maxlen=OWN_DELTAS_REMEMBERED)
         self.outer_steps_scaled = 0  # averaged Δ scaled down to OUTER_REACH (`bounded`)
+        self.allowance = 1.0  # `bounded`'s factor for this round (`allow_for_tokens`)
 
     def _new_staging(self, n: int, pin: bool) -> torch.Tensor | CodedDelta:
         """The buffer Δ is staged in for the network: fp32 here (pinned on CUDA)."""
@@ -124,22 +126,29 @@ class Replica:
         """The longest of this node's recent own pseudo-gradients (None before its first)."""
         return float(torch.stack(list(self._own_norms)).max()) if self._own_norms else None
 
+    def allow_for_tokens(self, own_tokens: float, typical_tokens: float) -> None:
+        """This round's Δ stands for `own_tokens`, an average peer's for `typical_tokens`: a node
+        that trained fewer (a slow GPU) may take a mean longer than its own Δ by
+        sqrt(typical / own), up to MAX_ALLOWANCE (the swarm's pacing reports are clamped)."""
+        ratio = typical_tokens / own_tokens if own_tokens > 0 else MAX_ALLOWANCE**2
+        self.allowance = min(max(math.sqrt(ratio), 1.0), MAX_ALLOWANCE)
+
     def bounded(self, mean: torch.Tensor | CodedDelta) -> torch.Tensor | CodedDelta:
         """The averaged Δ, scaled down in place to OUTER_REACH x this node's longest recent own Δ
-        if it is longer: however a group's mean was made (a member's Δ x1000, a weight of 1e12
-        in a pair), this node's outer step stays within a few of its own (see the module)."""
+        (x `allowance`) if it is longer: however a group's mean was made (a member's Δ x1000, a
+        weight of 1e12 in a pair), this node's outer step stays within a few of its own."""
         scale = self.own_scale()
         if scale is None:
             return mean
-        limit = OUTER_REACH * scale
+        limit = OUTER_REACH * self.allowance * scale
         size = float(mean.norm() if isinstance(mean, CodedDelta) else torch.linalg.vector_norm(mean))
         if size <= limit:
             return mean
         factor = limit / size if math.isfinite(size) else 0.0
         log.warning(
-            "the averaged Δ is %.4g long, over %g x this node's longest recent own Δ (%.4g): scaled down to that",
+            "the averaged Δ is %.4g long, over %.3g x this node's longest recent own Δ (%.4g): scaled down to that",
             size,
-            OUTER_REACH,
+            OUTER_REACH * self.allowance,
             scale,
         )
         self.outer_steps_scaled += 1

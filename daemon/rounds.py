@@ -297,6 +297,13 @@ class RoundLoop:
             following.cancel()
             await asyncio.gather(following, return_exceptions=True)
 
+    def allow_for(self, inner: InnerResult) -> None:
+        """The outer step of this round's average may be longer than this node's own Δ when it
+        trained fewer tokens than an average peer of the round (`Replica.allow_for_tokens`)."""
+        p = self.pacer.progress
+        typical = p.target / max(p.round_peers, p.peers, 1) if p is not None else float(inner.tokens)
+        self.worker.replica.allow_for_tokens(float(inner.tokens), typical)
+
     def average(
         self,
         round_no: int,
@@ -436,6 +443,7 @@ class PlainRound:
             return
         delta = await worker.call(worker.pseudo_gradient)
         drift = await worker.call(worker.resync_bound)
+        lp.allow_for(inner)
         state.begin_averaging()
         await lp.publisher.publish()
         resync = lp.wants_resync(round_no)
@@ -522,6 +530,7 @@ class OverlappedRound:
         # it): the consensus state is read on the I/O thread, not behind this round's inner steps
         io = asyncio.get_running_loop()
         drift = await worker.call(worker.resync_bound)
+        lp.allow_for(inner)  # read when this average lands, during the next round's steps
         landing.launch(
             lp.average(round_no, delta, inner, resync, lambda fn: io.run_in_executor(lp.store.io_thread, fn), drift),
             resync,

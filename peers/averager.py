@@ -24,6 +24,7 @@ import logging
 from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
+from functools import partial
 
 import torch
 
@@ -40,6 +41,7 @@ from .membership import PeerRecord
 from .outcome import AveragingResult, HopReport
 from .part_result import DriftBound
 from .plan import FP32, Compression, GroupPlan, Member, WireFormat, make_plan
+from .presence import GroupPresence
 from .reducer import ReductionRegistry
 
 __all__ = ["AveragingConfig", "AveragingResult", "AveragingTimeout", "HopReport", "MoshpitAverager"]
@@ -417,6 +419,9 @@ class MoshpitAverager:
         )
         plan = delta_plan(c, round_no, hop, group.members, values.numel(), group.key)
         self.registry.slot_settled(c.run_id, round_no, hop, plan.group_id)  # before its reduction registers
+        presence = GroupPresence(
+            [m.peer_id for m in group.members], self.peer_id, partial(self.matchmaker.formed, group.key)
+        )
         result = await butterfly_allreduce(
             plan,
             self.peer_id,
@@ -430,6 +435,7 @@ class MoshpitAverager:
             feedback=feedback,
             auth=self.auth,
             trim_fraction=c.trim_fraction,
+            absent=presence.absent,
         )
         self.deadlines.observe_allreduce(
             result.bytes_sent + result.bytes_received, result.seconds, not result.failed_parts
@@ -481,6 +487,7 @@ class MoshpitAverager:
                 auth=self.auth,
                 trim_fraction=c.trim_fraction,
                 drift=drift,
+                absent=presence.absent,
             )
             report.theta_resync_s = round(sync.seconds, 4)
             _count_into(report, sync)

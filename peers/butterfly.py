@@ -23,7 +23,7 @@ import collections
 import logging
 import math
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
 import grpc
@@ -328,30 +328,88 @@ def norm_limit(plan: GroupPlan, own_id: str, robust: bool) -> float | None:
 
 # A reducer dials the senders whose stream has not begun this long after its reduction starts,
 # and again at this interval; a sender whose connection fails PROBE_FAILURES times in a row is
-# gone (killed, its host down): it is dropped from the part at once, not at the deadline
-PROBE_AFTER_S = 1.0
-PROBE_EVERY_S = 1.0
+# gone (killed, its host down): it is dropped from the part at once, not at the deadline. The
+# same cadence asks whether a group-mate formed the group at all (`absent`)
+PROBE_AFTER_S = 0.5
+PROBE_EVERY_S = 0.5
 PROBE_FAILURES = 2
 
 
-async def drop_senders_gone(reduction: PartReduction, plan: GroupPlan, channels: ChannelPool) -> None:
+async def _safely(absent: Callable[[], Awaitable[set[str]]] | None) -> set[str]:
+    """`absent()`, or nobody when there is none or its DHT read failed (the deadline decides)."""
+    if absent is None:
+        return set()
+    try:
+        return await absent()
+    except Exception as e:  # noqa: BLE001  (hivemind's DHT reads fail with many types)
+        log.debug("reading who formed the group failed: %s", e)
+        return set()
+
+
+class ReducerAbsent(RuntimeError):
+    """The reducer of a part formed no group with this member (`absent`): its part is not waited for."""
+
+
+async def _unless_absent(
+    work: Awaitable[PartOutcome], absent: Callable[[], Awaitable[set[str]]] | None, peer_id: str
+) -> PartOutcome:
+    """`work`, unless `peer_id` is found absent first (then ReducerAbsent, and `work` is cancelled)."""
+    if absent is None:
+        return await work
+    task = asyncio.ensure_future(work)
+
+    async def until_absent() -> None:
+        await asyncio.sleep(PROBE_AFTER_S)
+        while peer_id not in await _safely(absent):
+            await asyncio.sleep(PROBE_EVERY_S)
+
+    watcher = asyncio.ensure_future(until_absent())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if task.done():
+            return task.result()
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        raise ReducerAbsent(f"{peer_id} formed no group with this member")
+    finally:
+        watcher.cancel()
+
+
+async def drop_senders_gone(
+    reduction: PartReduction,
+    plan: GroupPlan,
+    channels: ChannelPool,
+    absent: Callable[[], Awaitable[set[str]]] | None = None,
+) -> None:
     """Failure detection faster than a deadline: until every sender's stream has begun (a stream
     that breaks drops its sender by itself), dial the others on their pooled channels, and drop
-    those whose connection fails again and again. A client-mode member (behind NAT, dialled by
-    nobody) and one still connecting are waited for, up to the deadline."""
+    those whose connection fails again and again, and those `absent` names (they formed no group
+    with this member). A client-mode member (behind NAT, dialled by nobody) that formed the group
+    and one still connecting are waited for, up to the deadline."""
     failures: collections.Counter[str] = collections.Counter()
     await asyncio.sleep(PROBE_AFTER_S)
     while not reduction.settled and reduction.failure is None:
-        silent = [
+        waiting = [
             m
             for m in plan.members
             if m.peer_id in reduction.expected
             and m.peer_id not in reduction.progress
             and m.peer_id not in reduction.failed
-            and not m.client_mode
         ]
-        if not silent:
+        if not waiting:
             return
+        gone = await _safely(absent)
+        for member in waiting:
+            if member.peer_id in gone and member.peer_id not in reduction.progress:
+                log.warning(
+                    "round %s hop %s part %s: sender %s formed no group with this member; dropped from the part",
+                    plan.round,
+                    plan.hop,
+                    reduction.part,
+                    member.peer_id,
+                )
+                await reduction.fail(member.peer_id)
+        silent = [m for m in waiting if not m.client_mode and m.peer_id not in gone]
         answers = await asyncio.gather(*(channels.dialable(m.grpc_addr, m.peer_id, PROBE_EVERY_S) for m in silent))
         for member, dialled in zip(silent, answers, strict=True):
             failures[member.peer_id] = failures[member.peer_id] + 1 if dialled is False else 0
@@ -394,6 +452,7 @@ async def butterfly_allreduce(
     auth: SwarmAuth | None = None,
     trim_fraction: float | None = None,
     drift: DriftBound | None = None,
+    absent: Callable[[], Awaitable[set[str]]] | None = None,
 ) -> AllReduceReport:
     """Average `values` (flat fp32, CPU) across the plan's members into `out`, which may be
     `values` itself: a part's result is written only once the whole part is in and checked
@@ -415,6 +474,10 @@ async def butterfly_allreduce(
     part included; with `drift` (a θ_g re-sync, whose inputs are nearly equal) it may move our
     own values no farther than that bound allows. A result that fails keeps ours: a peer
     sending a Δ far longer than the others' moves nobody, it only costs its groups their average.
+
+    `absent`, when given, names the members known not to be in this group (they formed another,
+    or formed none: `peers/presence.py`): this member's reduction stops waiting for their streams,
+    and its streams to their parts stop, at once rather than at the deadline.
     """
     residual = feedback.buffer if feedback is not None else None
     if values.numel() != plan.numel or out.numel() != plan.numel:
@@ -471,7 +534,7 @@ async def butterfly_allreduce(
             await reduction.fail(member)
         target = out[offset : offset + length]
         result = PartResult(mine, limit, drift, offset)  # written over `target` once whole and checked
-        watching = asyncio.ensure_future(drop_senders_gone(reduction, plan, channels))
+        watching = asyncio.ensure_future(drop_senders_gone(reduction, plan, channels, absent))
         try:
             for index, (off, n) in enumerate(reduction.spans):
                 try:
@@ -570,12 +633,12 @@ async def butterfly_allreduce(
             reraise=True,
         )
         try:
-            return await retrying(attempt)
-        except (TimeoutError, grpc.aio.AioRpcError, ChunkError, TlsError, EncodingError) as e:
+            return await _unless_absent(retrying(attempt), absent, reducer.peer_id)
+        except (TimeoutError, grpc.aio.AioRpcError, ChunkError, TlsError, EncodingError, ReducerAbsent) as e:
             code, detail = _code(e)
             if isinstance(e, EncodingError):
                 log.error("round %s hop %s: encoding part %s failed", plan.round, plan.hop, part, exc_info=e.__cause__)
-            if code == "NOT_FOUND":
+            if code in ("NOT_FOUND", "ReducerAbsent"):
                 elsewhere.add(reducer.peer_id)
                 for reduction in own_reduction:
                     await reduction.fail(reducer.peer_id)

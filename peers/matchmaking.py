@@ -81,6 +81,10 @@ LEADER_GRACE_S = 2.0
 # over every pending registrant ahead of it at once: hostile or dead registrants cost it that many
 # graces at most
 MAX_PASSES = 2
+# past its settle time, a leader waits this long at most for the members of a list that jumped
+# ahead of it to confirm it (they do within a poll of their settle if they took it; they did not
+# if it jumped: they wait for this leader), before it names them itself
+HOLD_S = 0.5
 
 Registrants = dict[str, tuple[Member, Registration]]
 
@@ -435,7 +439,7 @@ class Matchmaker:
             elif view.leader == me:
                 candidates = forming.candidates(view)
                 ready = wanted - set(view.taken) <= set(candidates) or now >= deadline
-                if ready and not forming.holding(view, candidates, self.settle_s + LEADER_GRACE_S):
+                if ready and not forming.holding(view, candidates, self.settle_s + HOLD_S):
                     group, decided = await self._close(forming, view, candidates, wanted, target_size)
                     return group, decided, wanted, last_arrival
             elif now >= give_up_at:

@@ -27,14 +27,24 @@ from .wire import Payload
 @dataclass(frozen=True)
 class DriftBound:
     """How far a θ_g re-sync may move this member's state, in L2 over each region of it: θ_g
-    (values before `split`), then the outer momentum. Both are absolute, derived from this
-    node's own recent outer steps by its caller (daemon/replica.py: `resync_bound`), never from
-    the norm of θ itself: a bound relative to ‖θ‖ let a member of a pair set its partner's θ_g
-    to any T within 4‖θ‖ of it, −θ included."""
+    (values before `split`), then the outer momentum (`split` more values, or none). Both are
+    absolute, derived from this node's own recent outer steps by its caller (daemon/replica.py:
+    `resync_bound`), never from the norm of θ itself: a bound relative to ‖θ‖ let a member of a
+    pair set its partner's θ_g to any T within 4‖θ‖ of it, −θ included.
+
+    Each part of the state, checked where it arrives, gets its share: the bound x sqrt(the part's
+    values / the region's) x PART_SLACK. Honest states differ all over (outer steps move every
+    value), and parts that each took the whole bound moved the state sqrt(parts) times as far."""
 
     theta: float
     momentum: float
     split: int
+
+    def allowance(self, region_bound: float, values: int, region_values: int) -> float:
+        return PART_SLACK * region_bound * math.sqrt(values / max(region_values, 1))
+
+
+PART_SLACK = 2.0  # a part may move up to twice its even share of the bound
 
 
 class PartResult:
@@ -56,6 +66,7 @@ class PartResult:
         self._chunks: list[tuple[int, int, Payload]] = []
         self._result_sq = 0.0
         self._moved_sq = [0.0, 0.0]  # in θ_g's region, in the momentum's
+        self._values = [0, 0]  # of this part in each region
 
     async def add(self, offset: int, length: int, payload: Payload) -> None:
         """One chunk of the result at `offset` in the part: kept, and decoded now only if a
@@ -73,6 +84,8 @@ class PartResult:
             cut = min(max(self.drift.split - self.base - offset, 0), length)  # θ_g's values come first
             self._moved_sq[0] += float(torch.linalg.vector_norm(moved[:cut])) ** 2
             self._moved_sq[1] += float(torch.linalg.vector_norm(moved[cut:])) ** 2
+            self._values[0] += cut
+            self._values[1] += length - cut
 
     def implausible(self) -> bool:
         """Longer than `norm_limit` x our own values (all zero: nothing to compare with)."""
@@ -85,8 +98,12 @@ class PartResult:
         """A mean of nearly equal states (a θ_g re-sync) that moved ours farther than `drift` allows."""
         if self.drift is None:
             return False
+        d = self.drift
         theta, momentum = (math.sqrt(moved) for moved in self._moved_sq)
-        return not (theta <= self.drift.theta and momentum <= self.drift.momentum)
+        return not (
+            theta <= d.allowance(d.theta, self._values[0], d.split)
+            and momentum <= d.allowance(d.momentum, self._values[1], d.split)
+        )
 
     async def commit(self, target: torch.Tensor | CodedSlice) -> None:
         """The checked result into `target` (the part's slice of the output; `own` itself when

@@ -769,3 +769,39 @@ def test_a_result_refused_after_its_last_chunk_leaves_the_members_own_values_who
         assert torch.equal(values[0], before[0])
 
     run(main())
+
+
+def test_a_live_member_that_formed_no_group_is_not_waited_for():
+    """A member that registered and then went silent (alive: its server answers, dials
+    succeed) cost its group the whole all-reduce deadline, a reducer waiting for its stream and
+    a sender for its part. Its missing `formed` record tells its group-mates it is not in the
+    group (peers/presence.py): they drop it from their parts and stop asking for its part."""
+
+    async def main():
+        peers = await start_peers(3)
+        silent = peers[2].member.peer_id  # its server is up; it never joins this all-reduce
+        plan = make_plan("test-run", 0, 0, [p.member for p in peers], 9_000, 64, 1024, INT8)
+        values = [torch.randn(9_000) for _ in range(2)]
+        outs = [torch.empty(9_000) for _ in range(2)]
+
+        async def absent():
+            return {silent}
+
+        started = time.monotonic()
+        try:
+            reports = await asyncio.gather(
+                *(
+                    butterfly_allreduce(
+                        plan, p.member.peer_id, v, 1.0, o, p.registry, p.channels, timeout=60.0, absent=absent
+                    )
+                    for p, v, o in zip(peers[:2], values, outs)
+                )
+            )
+        finally:
+            await stop_peers(peers)
+        assert time.monotonic() - started < 10  # the deadline was 60 s (48 s for the reducers)
+        for report in reports:
+            assert report.included_peers == ["peer00", "peer01"]
+            assert [p.reducer for p in report.failed_parts] == [silent]
+
+    run(main())

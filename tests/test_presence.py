@@ -1,0 +1,50 @@
+"""Who of a formed group is not in it (peers/presence.py), from the members' `formed` records."""
+
+import asyncio
+
+from dtnode.peers.presence import FORMED_GRACE_S, FORMED_LAG_S, GroupPresence
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_a_member_with_no_record_is_absent_once_most_of_the_group_published_theirs():
+    clock = Clock()
+    group = ("me", "a", "b", "x")
+    records: dict[str, tuple[str, ...]] = {"me": group}
+
+    async def formed():
+        return records
+
+    presence = GroupPresence(group, "me", formed, clock)
+    check = asyncio.run
+    assert check(presence.absent()) == set()  # nobody has published yet: nothing to compare with
+    clock.now += 0.3
+    records.update(a=group, b=group)  # most of the others did
+    assert check(presence.absent()) == set()
+    clock.now += FORMED_LAG_S + 0.1
+    assert check(presence.absent()) == {"x"}  # x registered and went silent
+    records["x"] = group  # a late record clears it
+    clock.now += 1.0
+    assert check(presence.absent()) == set()
+
+
+def test_a_member_that_formed_another_group_is_absent_at_once_and_a_pair_waits_its_grace():
+    clock = Clock()
+    records: dict[str, tuple[str, ...]] = {"b": ("b", "c")}
+
+    async def formed():
+        return records
+
+    trio = GroupPresence(("me", "a", "b"), "me", formed, clock)
+    assert asyncio.run(trio.absent()) == {"b"}
+    pair = GroupPresence(("me", "a"), "me", formed, clock)
+    clock.now += 1.0
+    assert asyncio.run(pair.absent()) == set()  # one other member: no majority to judge by
+    clock.now += FORMED_GRACE_S
+    assert asyncio.run(pair.absent()) == {"a"}
