@@ -16,8 +16,10 @@ announces. Pure functions, no I/O (matchmaking.py reads the DHT and acts on the 
   formed). A list closed before a latecomer registered is confirmed within a settle time; a
   list that jumped ahead of its leader never is, since its members wait for that leader.
 - **Giving up.** A follower waits for the leaders ahead of it until its own window, a settle
-  time and a grace have passed on its own clock; then it passes over every pending registrant
-  ranked below it (they may still form a group of their own) and leads the rest itself.
+  time and a grace have passed on its own clock (or, once every peer it expects has registered,
+  a settle time and a grace from then: a leader that sees what it sees closes within a poll);
+  then it passes over the leader, and after each further grace the next one, and leads itself
+  when its turn comes.
 """
 
 from __future__ import annotations

@@ -430,6 +430,10 @@ class Matchmaker:
             if set(forming.registrants) - seen:
                 last_arrival, seen = time.monotonic() - started, seen | set(forming.registrants)
             now = time.monotonic()
+            if not passes and UNKNOWN not in wanted and wanted <= set(forming.registrants):
+                # everyone this peer expects is here: a leader that sees what it sees closes within a
+                # poll, so the leader's grace runs from now, not from the end of this peer's window
+                give_up_at = min(give_up_at, now + self.settle_s + LEADER_GRACE_S)
             if (group := view.group_of(me)) is not None:
                 publisher = view.taken[me]
                 # a list naming a registrant this peer has not read yet waits a poll or so for it
@@ -438,7 +442,8 @@ class Matchmaker:
                     return group, forming.lists[publisher], wanted, last_arrival
             elif view.leader == me:
                 candidates = forming.candidates(view)
-                ready = wanted - set(view.taken) <= set(candidates) or now >= deadline
+                # a peer passed over is waited for no longer (its absence leaves the group not whole)
+                ready = wanted - set(view.taken) - forming.passed_over <= set(candidates) or now >= deadline
                 if ready and not forming.holding(view, candidates, self.settle_s + HOLD_S):
                     group, decided = await self._close(forming, view, candidates, wanted, target_size)
                     return group, decided, wanted, last_arrival
