@@ -52,10 +52,13 @@ UPDATES_REMEMBERED = 8  # outer steps whose size `update_scale` takes the larges
 # that moved it to the bound each round would raise the bound each round)
 OWN_DELTAS_REMEMBERED = 8
 # an averaged Δ at most this many times this node's longest recent Δ (times `allowance`, for a
-# node that trained fewer tokens than the round's average peer: ‖Δ‖ grows with the steps taken,
-# less than linearly); a longer mean is scaled down to it, whoever in the group made it long
+# node that trained fewer tokens than the round's average peer); a longer mean is scaled down to
+# it, whoever in the group made it long
 OUTER_REACH = 3.0
-MAX_ALLOWANCE = 4.0
+# ‖Δ‖ grows with the steps taken: linearly with aligned updates, and with their square while the
+# learning rate warms up (a sum of rising rates: a 9-node swarm's round 0, peers of 4 to 24 steps,
+# held a mean 7x the shortest one's Δ); so (typical / own tokens)², up to a peer 4x slower's
+MAX_ALLOWANCE = 16.0
 # a θ_g re-sync may move θ_g (and the momentum) by this many of this node's recent outer steps, per
 # step the two states may lie apart (one, plus the steps this node made alone): a failed part, a
 # download from another moshpit group's θ_g of the step, a few solo rounds
@@ -128,10 +131,10 @@ class Replica:
 
     def allow_for_tokens(self, own_tokens: float, typical_tokens: float) -> None:
         """This round's Δ stands for `own_tokens`, an average peer's for `typical_tokens`: a node
-        that trained fewer (a slow GPU) may take a mean longer than its own Δ by
-        sqrt(typical / own), up to MAX_ALLOWANCE (the swarm's pacing reports are clamped)."""
-        ratio = typical_tokens / own_tokens if own_tokens > 0 else MAX_ALLOWANCE**2
-        self.allowance = min(max(math.sqrt(ratio), 1.0), MAX_ALLOWANCE)
+        that trained fewer (a slow GPU, a late start) may take a mean longer than its own Δ by
+        (typical / own)², up to MAX_ALLOWANCE (the swarm's pacing reports are clamped)."""
+        ratio = typical_tokens / own_tokens if own_tokens > 0 else MAX_ALLOWANCE
+        self.allowance = min(max(ratio * ratio, 1.0), MAX_ALLOWANCE)
 
     def bounded(self, mean: torch.Tensor | CodedDelta) -> torch.Tensor | CodedDelta:
         """The averaged Δ, scaled down in place to OUTER_REACH x this node's longest recent own Δ

@@ -14,7 +14,8 @@ when there is one) in fp32 that hop, and its members ask again in the next hops,
 re-sync spreads over the grid like the mean of Δ does. The request is anyone's
 to make (a failure is not provable), so the re-sync itself is what is bounded: weights of at
 most 1 (each member's share of its previous group's mean, so every previous group counts
-once), the robust rule when one is set, and a drift limit on the result (`THETA_MAX_DRIFT`).
+once), the robust rule when one is set, and a drift bound on the result of a few of the node's
+own outer steps (`DriftBound`, from daemon/replica.py), never relative to ‖θ‖.
 """
 
 from __future__ import annotations

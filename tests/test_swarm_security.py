@@ -82,10 +82,10 @@ def test_a_flood_of_streams_and_requests_does_not_starve_training_or_status(tmp_
 
     codes = asyncio.run(flood())
     assert sum(codes.values()) == 300, codes  # every bogus stream was refused
-    # at most 16 streams from one host are admitted at a time (they wait for a reduction that
-    # never comes); the rest are refused at once, or never leave the client's own queue
-    assert codes.get(grpc.StatusCode.FAILED_PRECONDITION, 0) <= 32, codes
-    assert codes.get(grpc.StatusCode.RESOURCE_EXHAUSTED, 0) >= 16, codes
+    # they name a round nobody is in: none is waited for (a reduction that never comes), each is
+    # refused once its first chunk is read, or makes room for newer ones while it waits for it
+    assert codes.get(grpc.StatusCode.DEADLINE_EXCEEDED, 0) == 0, codes
+    assert codes.get(grpc.StatusCode.FAILED_PRECONDITION, 0) >= 150, codes
     status = node.get("/status")  # still answering
     assert status["state"] in ("training", "averaging")
     # training went on through and after the flood (a hang guard, not a speed check)
