@@ -52,12 +52,12 @@ UPDATES_REMEMBERED = 8  # outer steps whose size `update_scale` takes the larges
 # that moved it to the bound each round would raise the bound each round)
 OWN_DELTAS_REMEMBERED = 8
 # an averaged Δ at most this many times this node's longest recent Δ (times `allowance`, for a
-# node that trained fewer tokens than the round's average peer); a longer mean is scaled down to
+# node that trained less than the round's average peer (fewer tokens or fewer steps)); a longer mean is scaled down to
 # it, whoever in the group made it long
 OUTER_REACH = 3.0
 # ‖Δ‖ grows with the steps taken: linearly with aligned updates, and with their square while the
 # learning rate warms up (a sum of rising rates: a 9-node swarm's round 0, peers of 4 to 24 steps,
-# held a mean 7x the shortest one's Δ); so (typical / own tokens)², up to a peer 4x slower's
+# held a mean 7x the shortest one's Δ); so (typical / own)² in tokens or steps, up to a peer 4x slower's
 MAX_ALLOWANCE = 16.0
 # a θ_g re-sync may move θ_g (and the momentum) by this many of this node's recent outer steps, per
 # step the two states may lie apart (one, plus the steps this node made alone): a failed part, a
@@ -91,7 +91,7 @@ class Replica:
         # ‖Δ‖ of this node's own last pseudo-gradients (0-d tensors): what bounds the swarm's moves
         self._own_norms: deque[torch.Tensor] = deque(maxlen=OWN_DELTAS_REMEMBERED)
         self.outer_steps_scaled = 0  # averaged Δ scaled down to OUTER_REACH (`bounded`)
-        self.allowance = 1.0  # `bounded`'s factor for this round (`allow_for_tokens`)
+        self.allowance = 1.0  # `bounded`'s factor for this round (`allow_for_shortfall`)
 
     def _new_staging(self, n: int, pin: bool) -> torch.Tensor | CodedDelta:
         """The buffer Δ is staged in for the network: fp32 here (pinned on CUDA)."""
@@ -129,11 +129,11 @@ class Replica:
         """The longest of this node's recent own pseudo-gradients (None before its first)."""
         return float(torch.stack(list(self._own_norms)).max()) if self._own_norms else None
 
-    def allow_for_tokens(self, own_tokens: float, typical_tokens: float) -> None:
-        """This round's Δ stands for `own_tokens`, an average peer's for `typical_tokens`: a node
-        that trained fewer (a slow GPU, a late start) may take a mean longer than its own Δ by
-        (typical / own)², up to MAX_ALLOWANCE (the swarm's pacing reports are clamped)."""
-        ratio = typical_tokens / own_tokens if own_tokens > 0 else MAX_ALLOWANCE
+    def allow_for_shortfall(self, ratio: float) -> None:
+        """An average peer of the round trained `ratio` times what this node did (in tokens or in
+        steps, whichever is more): this node may take a mean longer than its own Δ by ratio², up to
+        MAX_ALLOWANCE (the swarm's pacing reports are clamped)."""
+        ratio = ratio if math.isfinite(ratio) else MAX_ALLOWANCE
         self.allowance = min(max(ratio * ratio, 1.0), MAX_ALLOWANCE)
 
     def bounded(self, mean: torch.Tensor | CodedDelta) -> torch.Tensor | CodedDelta:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import threading
 import time
 from collections.abc import Awaitable, Callable
@@ -299,10 +300,16 @@ class RoundLoop:
 
     def allow_for(self, inner: InnerResult) -> None:
         """The outer step of this round's average may be longer than this node's own Δ when it
-        trained fewer tokens than an average peer of the round (`Replica.allow_for_tokens`)."""
+        trained less than an average peer of the round (`Replica.allow_for_shortfall`): fewer
+        tokens (a late start), or fewer steps in the same time (a slower device, a bigger step)."""
         p = self.pacer.progress
-        typical = p.target / max(p.round_peers, p.peers, 1) if p is not None else float(inner.tokens)
-        self.worker.replica.allow_for_tokens(float(inner.tokens), typical)
+        if p is None:
+            self.worker.replica.allow_for_shortfall(1.0)
+            return
+        typical = p.target / max(p.round_peers, p.peers, 1)
+        tokens = typical / inner.tokens if inner.tokens > 0 else math.inf
+        steps = p.step_rate / p.own_step_rate if p.own_step_rate > 0 else 1.0
+        self.worker.replica.allow_for_shortfall(max(tokens, steps))
 
     def average(
         self,

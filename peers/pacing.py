@@ -155,6 +155,11 @@ class SwarmProgress:
     peers: int  # peers counted
     closed: int = 0  # peers that ended their inner steps of the round (averaging it, or training the next)
     round_peers: int = 0  # peers counted or closed: the round's peers, those past it included
+    # inner steps per second of an average peer training the round, and of this one (0: unknown):
+    # a peer's pseudo-gradient grows with its steps, not its tokens (a host of 2 ranks takes a
+    # step of twice the tokens, in the same time or longer)
+    step_rate: float = 0.0
+    own_step_rate: float = 0.0
 
     @property
     def reached(self) -> bool:
@@ -238,4 +243,20 @@ def swarm_progress(
             rate += max(r.tokens_per_s, 0.0)
         done += tokens
     target = round_target(records, round, inner_steps, round_tokens)
-    return SwarmProgress(target, done, rate, len(members), len(closers), len(set(members) | closers))
+    rates = [step_rate(r) for r in members.values() if step_rate(r) > 0]
+    return SwarmProgress(
+        target,
+        done,
+        rate,
+        len(members),
+        len(closers),
+        len(set(members) | closers),
+        step_rate=sum(rates) / len(rates) if rates else 0.0,
+        own_step_rate=step_rate(own),
+    )
+
+
+def step_rate(r: Progress) -> float:
+    """A report's inner steps per second (0 while it reports no rate)."""
+    per_step, per_s = max(r.tokens_per_step, 0), max(r.tokens_per_s, 0.0)
+    return per_s / per_step if per_step > 0 else 0.0

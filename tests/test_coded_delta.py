@@ -2,6 +2,7 @@
 moment Δ is taken through the all-reduce to the outer step (ops/coded.py)."""
 
 import asyncio
+import math
 
 import pytest
 import torch
@@ -10,7 +11,7 @@ from allreduce_harness import start_peers, stop_peers
 from dtnode.daemon.coded_replica import CodedReplica
 from dtnode.daemon.data import DataSources, DataStream, MarkovLanguage
 from dtnode.daemon.model import build_model
-from dtnode.daemon.replica import Replica
+from dtnode.daemon.replica import MAX_ALLOWANCE, OUTER_REACH, Replica
 from dtnode.daemon.schedule import LearningRateSchedule
 from dtnode.daemon.trainer import Trainer
 from dtnode.ops.coded import CodedDelta, SpanEncoder
@@ -267,3 +268,28 @@ def test_a_coded_delta_is_refused_where_its_blocks_are_not_the_plans():
     with pytest.raises(TypeError, match="coded"):
         plan = make_plan("test-run", 0, 0, [member], 4096, 256, 1024, INT8)
         asyncio.run(butterfly_allreduce(plan, "peer00", coded, 1.0, torch.empty(4096), None, None, 1.0))  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("coded", [False, True])
+def test_an_averaged_delta_is_held_to_a_few_of_the_nodes_own_with_room_for_a_node_that_trained_less(coded):
+    """A mean 10x this node's own Δ is scaled down to OUTER_REACH x it; a node whose average
+    group-mate made twice its steps (or tokens) takes up to 4x that, and no shortfall, however
+    large or unknown, lifts the bound past MAX_ALLOWANCE."""
+    r = _replica(coded)
+    r.trainer.parameters_flat.add_(torch.randn(r.numel, generator=torch.Generator().manual_seed(5)) * 1e-2)
+    own = torch.linalg.vector_norm(r.theta_g - r.trainer.parameters_flat).item()
+
+    def length_after(ratio: float, times: float) -> float:
+        r.allow_for_shortfall(ratio)
+        mean = r.pseudo_gradient()  # this node's own Δ, staged where the average lands
+        if isinstance(mean, CodedDelta):
+            mean.scales.mul_(times)
+            return r.bounded(mean).norm().item()
+        return torch.linalg.vector_norm(r.bounded(mean.mul_(times))).item()
+
+    assert length_after(1.0, 10.0) == pytest.approx(OUTER_REACH * own, rel=1e-3)
+    assert length_after(2.0, 10.0) == pytest.approx(10.0 * own, rel=1e-3)
+    assert length_after(2.0, 20.0) == pytest.approx(OUTER_REACH * 4 * own, rel=1e-3)
+    assert length_after(math.inf, 1e6) == pytest.approx(OUTER_REACH * MAX_ALLOWANCE * own, rel=1e-3)
+    assert length_after(0.5, 2.0) == pytest.approx(2.0 * own, rel=1e-3)  # never below its own reach
+    assert r.outer_steps_scaled == 3

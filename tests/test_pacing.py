@@ -153,3 +153,15 @@ def test_one_record_claiming_the_next_round_does_not_close_the_round_for_two_pee
     assert p.closed == 1 and p.peers == 2 and p.round_peers == 3 and not p.closed_by_most
     # two honest peers where one really closed: the other follows at once, as before
     assert swarm_progress([liar], own, 4, 10, None, now=100.0).closed_by_most
+
+
+def test_step_rates_tell_a_host_of_big_steps_from_a_fast_one():
+    """A host of 2 ranks takes steps of twice the tokens: at the same tokens/s it makes half the
+    steps of a one-rank peer, so its pseudo-gradient is the shorter one (what `allow_for` scales by)."""
+    own = _peer("two-ranks", tokens=1000, rate=1000.0, per_step=200)
+    one = _peer("one-rank", tokens=1000, rate=1000.0, per_step=100)
+    idle = _peer("new", tokens=0, rate=0.0)  # no rate yet: not counted
+    p = swarm_progress([one, idle], own, 4, 10, None, now=100.0)
+    assert p.own_step_rate == pytest.approx(5.0)
+    assert p.step_rate == pytest.approx((5.0 + 10.0) / 2)
+    assert swarm_progress([], _peer("me"), 4, 10, None, now=100.0).own_step_rate == 0.0
