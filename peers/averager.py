@@ -421,7 +421,10 @@ class MoshpitAverager:
         plan = delta_plan(c, round_no, hop, group.members, values.numel(), group.key)
         self.registry.slot_settled(c.run_id, round_no, hop, plan.group_id)  # before its reduction registers
         presence = GroupPresence(
-            [m.peer_id for m in group.members], self.peer_id, partial(self.matchmaker.formed, group.key)
+            [m.peer_id for m in group.members],
+            self.peer_id,
+            partial(self.matchmaker.formed, group.key),
+            lag=self.matchmaker.formed_lag(),
         )
         result = await butterfly_allreduce(
             plan,

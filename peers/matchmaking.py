@@ -38,6 +38,7 @@ from .grid import split_groups
 from .identity import signed_subkey, writer_of
 from .leadership import ClosedList, ReadList, Standing, by_rank, ranked_below, standing, valid_lists
 from .plan import Member
+from .presence import FORMED_LAG_S
 
 log = logging.getLogger(__name__)
 
@@ -269,6 +270,12 @@ class Matchmaker:
             if entry is not None and self._authentic(purpose, entry.subject(key), _tag(value), peer_id):
                 lists[peer_id] = entry
         return lists
+
+    def formed_lag(self) -> float:
+        """How much later than its group-mates a present member may publish its `formed` record, as
+        this node's DHT has been answering: a poll's sleep and two of the slowest recent polls (it
+        reads the list a poll later, then stores its record) — never under FORMED_LAG_S."""
+        return max(FORMED_LAG_S, self.poll_interval + 2 * max(self._poll_seconds, default=0.0))
 
     async def formed(self, key: str) -> dict[str, tuple[str, ...]]:
         """The group each registrant ended up in (alone counts): what the groups of the next

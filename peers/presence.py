@@ -2,8 +2,8 @@
 
 Every member publishes the group it formed once it settled (matchmaking.py), a moment before
 its first stream leaves. A member whose record names another group is elsewhere; one that has
-published none while most of the group published theirs FORMED_LAG_S ago (or, in a pair, for
-FORMED_GRACE_S) formed no group at all: it registered and went silent (a hostile member, or a
+published none while most of the group published theirs a lag ago (or, in a pair, for a grace
+past this node's own) formed no group at all: it registered and went silent (a hostile member, or a
 node hung between registering and streaming). Its group-mates stop waiting for its streams and
 stop asking it for its part (butterfly.py) at once: a dead member is found by dialling it, an
 absent live one by its missing record, and neither costs the all-reduce's deadline.
@@ -14,8 +14,12 @@ from __future__ import annotations
 import time
 from collections.abc import Awaitable, Callable, Collection
 
-FORMED_LAG_S = 0.5  # past the moment most of the group had published theirs
-FORMED_GRACE_S = 3.0  # with no majority to compare with (a pair), past this node's own
+# past the moment most of the group had published theirs: at least this, and more when this node's
+# DHT reads are slow (`Matchmaker.formed_lag`): a follower reads its leader's list a poll later
+# than another, and a present member taken for absent splits its group's θ_g (a loaded 9-node
+# swarm's reads lagged a member's record by a second)
+FORMED_LAG_S = 0.5
+FORMED_GRACE_S = 3.0  # with no majority to compare with (a pair), past this node's own (plus the lag's excess)
 READ_REUSE_S = 0.25  # one DHT read of the records serves every part's probe meanwhile
 
 
@@ -26,11 +30,14 @@ class GroupPresence:
         own_id: str,
         read_formed: Callable[[], Awaitable[dict[str, tuple[str, ...]]]],
         clock: Callable[[], float] = time.monotonic,
+        lag: float = FORMED_LAG_S,
     ):
         self.members = frozenset(members)
         self.others = self.members - {own_id}
         self.read_formed = read_formed
         self.clock = clock
+        self.lag = max(lag, FORMED_LAG_S)
+        self.grace = FORMED_GRACE_S + self.lag - FORMED_LAG_S
         self.started = clock()  # this node published its own record just before
         self._majority_at: float | None = None
         self._read_at = -1.0
@@ -47,8 +54,8 @@ class GroupPresence:
         elsewhere = {p for p in self.others if p in formed and set(formed[p]) != self.members}
         if self._majority_at is None and 2 * len(mine) >= len(self.others) and len(self.others) > 1:
             self._majority_at = now
-        lapsed = (self._majority_at is not None and now - self._majority_at > FORMED_LAG_S) or (
-            now - self.started > FORMED_GRACE_S
+        lapsed = (self._majority_at is not None and now - self._majority_at > self.lag) or (
+            now - self.started > self.grace
         )
         self._absent = elsewhere | ((self.others - mine - elsewhere) if lapsed else set())
         return self._absent

@@ -48,3 +48,26 @@ def test_a_member_that_formed_another_group_is_absent_at_once_and_a_pair_waits_i
     assert asyncio.run(pair.absent()) == set()  # one other member: no majority to judge by
     clock.now += FORMED_GRACE_S
     assert asyncio.run(pair.absent()) == {"a"}
+
+
+def test_a_node_whose_dht_answers_slowly_waits_longer_before_it_calls_a_member_absent():
+    """A follower reads its leader's list a poll later than another: with polls of a second, a
+    member whose record comes 0.6 s after most of the group's is late, not absent."""
+    clock = Clock()
+    group = ("me", "a", "b", "x")
+    records: dict[str, tuple[str, ...]] = {"a": group, "b": group}
+
+    async def formed():
+        return records
+
+    presence = GroupPresence(group, "me", formed, clock, lag=2.0)
+    assert asyncio.run(presence.absent()) == set()
+    clock.now += FORMED_LAG_S + 0.1
+    assert asyncio.run(presence.absent()) == set()
+    clock.now += 1.5
+    assert asyncio.run(presence.absent()) == {"x"}
+    pair = GroupPresence(("me", "a"), "me", lambda: asyncio.sleep(0, {}), clock, lag=2.0)
+    clock.now += FORMED_GRACE_S + 1.0
+    assert asyncio.run(pair.absent()) == set()  # the grace grows by the lag's excess too
+    clock.now += 0.6
+    assert asyncio.run(pair.absent()) == {"a"}
