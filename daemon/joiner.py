@@ -308,11 +308,14 @@ class Joiner:
         return synced
 
     async def _fetch(
-        self, view: dict[str, PeerRecord], steps: range, majority: bool = False
+        self, view: dict[str, PeerRecord], steps: range, majority: bool = False, rollback: bool = False
     ) -> LoadedCheckpoint | None:
         """The newest checkpoint with its step in `steps` that the swarm serves, kept as this
         node's checkpoint of that step (the donors' bytes, verified). With `majority` (a running
-        node replacing its own θ_g) a majority of the hosts it can verify must serve it."""
+        node replacing its own θ_g) a majority of the hosts it can verify must serve it; with `rollback`
+        (giving up steps it made) the file must also lie within reach of its own θ_g, whoever serves
+        it: when the rest of the swarm has stopped, a majority of the hosts left may be one liar, and
+        a node rolled back to a lone member's θ_g of an older step at 35x ‖θ‖ (the hostile bench)."""
         s = self.settings
         return await fetch_from_swarm(
             view,
@@ -328,7 +331,8 @@ class Joiner:
             majority=majority,
             refresh=self.membership.members,
             bind_wait=BIND_HEARTBEATS * s.heartbeat_interval,
-            judge=partial(judge_split_vote, self.worker) if majority else None,  # see reach.py
+            judge=partial(judge_split_vote, self.worker) if majority or rollback else None,  # see reach.py
+            judge_every=rollback,
         )
 
     async def download(self, view: dict[str, PeerRecord], step: int, own: int, majority: bool = False) -> bool:
@@ -339,7 +343,7 @@ class Joiner:
             await self.landing.settle(s.averaging_bound_s)
             self.landing.forget()
         with self.syncing():
-            loaded = await self._fetch(view, range(step, step + 2), majority)
+            loaded = await self._fetch(view, range(step, step + 2), majority, rollback=step < own)
         if loaded is None:
             log.warning("no peer could serve the checkpoint of step %d yet (this node is at outer step %d)", step, own)
             return False

@@ -79,7 +79,8 @@ async def judge_split_vote(worker: ModelWorker, loaded: LoadedCheckpoint) -> str
     refusal = reach.refusal(distance)
     if refusal is None:
         log.info(
-            "step %d's hosts are split between moshpit groups; adopting one at %.4g from this node's θ_g (within %.4g)",
+            "adopting step %d's θ_g at %.4g from this node's (within %.4g): its hosts are split between moshpit "
+            "groups, or this node gives up steps of its own for it",
             loaded.step,
             distance,
             reach.radius,

@@ -284,6 +284,7 @@ async def fetch_from_swarm(
     refresh: Callable[[], Awaitable[dict[str, PeerRecord]]] | None = None,
     bind_wait: float = 0.0,
     judge: Callable[[LoadedCheckpoint], Awaitable[str | None]] | None = None,
+    judge_every: bool = False,
 ) -> LoadedCheckpoint | None:
     """The newest checkpoint with its step in `steps` that members serve, or None.
 
@@ -291,7 +292,8 @@ async def fetch_from_swarm(
     `scratch` (its state dir): the bytes its group serves, not written a second time. With
     `majority` (a running node) its step must be served by a majority of the distinct hosts
     the members' records name; a file that no majority serves alone (a moshpit swarm's split
-    vote) is kept only when `judge` returns no reason to refuse it. A donor may serve a step its record does not announce yet (a
+    vote) is kept only when `judge` returns no reason to refuse it; with `judge_every`, any file
+    (a running node giving up steps of its own: a majority of the hosts left may be one liar). A donor may serve a step its record does not announce yet (a
     checkpoint written on demand, announced at its next heartbeat): with `refresh`, the
     records are read again for up to `bind_wait` seconds until one announces an offered file."""
     donors = [
@@ -334,7 +336,7 @@ async def fetch_from_swarm(
                     path = await download_parallel(session, attempt, scratch, timeout, auth)
                     downloaded = time.monotonic()
                     loaded = await asyncio.to_thread(read_checkpoint, path, layout, run_id, model_hash)
-                    if split_vote(group, hosts):
+                    if judge_every or split_vote(group, hosts):
                         refusal = await judge(loaded) if judge is not None else "nothing to judge it by"
                         if refusal is not None:
                             log.warning(

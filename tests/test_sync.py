@@ -789,6 +789,34 @@ def test_a_running_node_takes_a_moshpit_swarms_split_vote_only_within_reach_of_i
     asyncio.run(main())
 
 
+def test_a_node_giving_up_its_own_steps_judges_the_file_though_its_one_host_is_a_majority(tmp_path):
+    """The honest peers stopped at the run's last step; the one member left announced an older
+    step and was, alone, the majority of the hosts in view: a node rolled back to its θ_g (35x
+    ‖θ‖, the hostile bench's pair attack). A rollback (`judge_every`) is judged like a split vote."""
+
+    async def main():
+        info, _ = _checkpoint(tmp_path / "liar", 3, seed=3)
+        sidecar, url = await _honest(tmp_path, "liar", info)
+        judged = []
+
+        async def far(loaded):
+            judged.append(loaded.step)
+            return "its θ_g is out of reach"
+
+        args = ({"liar": _record("liar", url, info)}, "me", range(3, 5), MODEL, RUN, LAYOUT)
+        try:
+            rolled_back = await fetch_from_swarm(*args, tmp_path / "r", timeout=10, majority=True, judge=far)
+            judged_back = await fetch_from_swarm(
+                *args, tmp_path / "j", timeout=10, majority=True, judge=far, judge_every=True
+            )
+        finally:
+            await sidecar.stop()
+        assert rolled_back is not None and rolled_back.step == 3  # one host of one: a majority, unjudged
+        assert judged_back is None and judged == [3]
+
+    asyncio.run(main())
+
+
 def test_the_reach_of_a_running_nodes_theta_grows_with_the_steps_it_missed_and_made_alone():
     reach = Reach.of(update_scale=2.0, file_step=7, own_step=4, solo_steps=1)
     assert reach.steps_apart == 5 and reach.radius == REACH_FACTOR * 5 * 2.0
@@ -836,7 +864,7 @@ def test_a_running_node_judges_a_split_vote_by_its_own_outer_steps(tmp_path, cap
     finally:
         worker.shutdown()
     assert before is not None and "no outer step" in before
-    assert near is None and "hosts are split between moshpit groups; adopting" in caplog.text
+    assert near is None and "adopting step 2" in caplog.text
     assert far is not None and "beyond" in far
     assert wider is None
 
