@@ -126,8 +126,13 @@ class Replica:
         self._own_norms.append(delta.norm() if isinstance(delta, CodedDelta) else torch.linalg.vector_norm(delta))
 
     def own_scale(self) -> float | None:
-        """The longest of this node's recent own pseudo-gradients (None before its first)."""
-        return float(torch.stack(list(self._own_norms)).max()) if self._own_norms else None
+        """The longest of this node's recent own pseudo-gradients (None before its first, and
+        while all were empty: a node that joined at a round's end trained 0 steps, and a bound of
+        0 x its Δ zeroed the group's mean for it alone, splitting its θ_g from its partner's)."""
+        if not self._own_norms:
+            return None
+        longest = float(torch.stack(list(self._own_norms)).max())
+        return longest if longest > 0 else None
 
     def allow_for_shortfall(self, ratio: float) -> None:
         """An average peer of the round trained `ratio` times what this node did (in tokens or in

@@ -293,3 +293,19 @@ def test_an_averaged_delta_is_held_to_a_few_of_the_nodes_own_with_room_for_a_nod
     assert length_after(math.inf, 1e6) == pytest.approx(OUTER_REACH * MAX_ALLOWANCE * own, rel=1e-3)
     assert length_after(0.5, 2.0) == pytest.approx(2.0 * own, rel=1e-3)  # never below its own reach
     assert r.outer_steps_scaled == 3
+
+
+@pytest.mark.parametrize("coded", [False, True])
+def test_a_node_that_trained_no_steps_takes_the_groups_mean_whole(coded):
+    """A node that joined at a round's end has a Δ of 0: nothing to bound the mean by, so it is
+    taken as it came (a bound of 0 x its Δ zeroed it, and the node's θ_g split from its group's)."""
+    r = _replica(coded)
+    empty = r.pseudo_gradient()
+    assert r.own_scale() is None
+    if isinstance(empty, CodedDelta):
+        empty.scales.fill_(1.0)
+        empty.codes.fill_(1)
+        assert r.bounded(empty).norm().item() > 0
+    else:
+        assert torch.linalg.vector_norm(r.bounded(empty.fill_(1.0))).item() > 0
+    assert r.outer_steps_scaled == 0
