@@ -25,6 +25,7 @@ import torch
 
 from dtnode.ops.coded import DECODE_SLICE, CodedDelta, SpanEncoder
 from dtnode.ops.quantization import NonFiniteError
+from dtnode.peers.part_result import DriftBound
 
 from .local_ranks import LocalRankFailure
 from .local_weights import SpanWork
@@ -115,13 +116,18 @@ class CodedReplica(Replica):
         self.local.write(minus_in_flight)
 
     @torch.no_grad()
-    def land(self, mean_cpu: torch.Tensor | CodedDelta | None, consensus_cpu: torch.Tensor | None) -> None:
+    def land(
+        self,
+        mean_cpu: torch.Tensor | CodedDelta | None,
+        consensus_cpu: torch.Tensor | None,
+        bound: DriftBound | None = None,
+    ) -> None:
         """--overlap: the average's outer step (Replica.land says when and why), as
         θ_l += (θ_g' − θ_g) + (the Δ in flight, when the mean replaces it), in one pass that
         re-syncs and steps θ_g a span at a time. A failed average (mean None) moves θ_l only by
         a re-sync's change of θ_g, if any: its Δ goes out again inside the next one."""
         if consensus_cpu is not None:
-            self._check_consensus(consensus_cpu)
+            self._check_consensus(consensus_cpu, bound)
         if mean_cpu is not None:
             mean_cpu = self.bounded(mean_cpu)
         replaced = self.has_in_flight and mean_cpu is not None

@@ -59,9 +59,13 @@ OUTER_REACH = 3.0
 # learning rate warms up (a sum of rising rates: a 9-node swarm's round 0, peers of 4 to 24 steps,
 # held a mean 7x the shortest one's Δ); so (typical / own)² in tokens or steps, up to a peer 4x slower's
 MAX_ALLOWANCE = 16.0
-# a θ_g re-sync may move θ_g (and the momentum) by this many of this node's recent outer steps, per
-# step the two states may lie apart (one, plus the steps this node made alone): a failed part, a
-# download from another moshpit group's θ_g of the step, a few solo rounds
+# a θ_g re-sync may move θ_g by this many of this node's recent outer steps, and the momentum by
+# this many of its recent Δ (its own, or the bounded means it applied), per step the two states may
+# lie apart (one, plus the steps this node made alone): a failed part, a download from another
+# moshpit group's θ_g of the step, a few solo rounds. Two honest groups' momenta differ by the
+# difference of the means they added since they parted, at most about twice a mean per step;
+# a bound of Δ/(1−μ) per step (10x at μ = 0.9) let a member re-syncing its partner every round
+# build its momentum up to 48 from 3, and the outer steps along it to 5x the clean swarm's
 RESYNC_REACH = 4.0
 
 
@@ -90,7 +94,12 @@ class Replica:
         self._update_sizes: deque[tuple[torch.Tensor, int]] = deque(maxlen=UPDATES_REMEMBERED)
         # ‖Δ‖ of this node's own last pseudo-gradients (0-d tensors): what bounds the swarm's moves
         self._own_norms: deque[torch.Tensor] = deque(maxlen=OWN_DELTAS_REMEMBERED)
+        # ‖mean Δ‖ of the last outer steps, after `bounded` (0-d tensors): with the own ones, the
+        # scale of the momentum a re-sync may move (`resync_bound`)
+        self._mean_norms: deque[torch.Tensor] = deque(maxlen=OWN_DELTAS_REMEMBERED)
         self.outer_steps_scaled = 0  # averaged Δ scaled down to OUTER_REACH (`bounded`)
+        self.resyncs_clipped = 0  # re-synced states moved only part of the way (`_clip_consensus`)
+        self._drift: DriftBound | None = None  # the last `resync_bound`: what `_clip_consensus` holds to
         self.allowance = 1.0  # `bounded`'s factor for this round (`allow_for_shortfall`)
 
     def _new_staging(self, n: int, pin: bool) -> torch.Tensor | CodedDelta:
@@ -169,11 +178,16 @@ class Replica:
     def resync_bound(self, solo_steps: int) -> DriftBound:
         """How far a θ_g re-sync may move this node's θ_g and momentum (see RESYNC_REACH), per
         step apart: θ_g by the largest of its recent outer steps (before its first, the step
-        lr·(1+μ)·‖Δ‖ of its own longest recent Δ), the momentum by ‖Δ‖/(1−μ), its size at most."""
+        lr·(1+μ)·‖Δ‖ of its own longest recent Δ), the momentum by the longest of its recent own
+        Δ and applied means. Each part of the result is checked against its share where it
+        arrives (peers/part_result.py), and the whole move once more before it is taken
+        (`_clip_consensus`)."""
         own = self.own_scale() or 0.0
         step = max(self.update_scale() or 0.0, self.outer.lr * (1 + self.outer.momentum) * own)
+        means = float(torch.stack(list(self._mean_norms)).max()) if self._mean_norms else 0.0
         apart = RESYNC_REACH * (1 + solo_steps)
-        return DriftBound(apart * step, apart * own / (1 - self.outer.momentum), self.numel)
+        self._drift = DriftBound(apart * step, apart * max(own, means), self.numel)
+        return self._drift
 
     def _difference_into(self, target: torch.Tensor) -> None:
         """target ← θ_g − θ_l."""
@@ -224,11 +238,14 @@ class Replica:
 
     @torch.no_grad()
     def apply_outer_step(
-        self, mean_delta_cpu: torch.Tensor | CodedDelta, consensus_cpu: torch.Tensor | None = None
+        self,
+        mean_delta_cpu: torch.Tensor | CodedDelta,
+        consensus_cpu: torch.Tensor | None = None,
+        bound: DriftBound | None = None,
     ) -> None:
         """The outer step of the averaged Δ, on the swarm's re-synced θ_g and momentum first when
-        the round re-synced them (`consensus_cpu`); θ_l ← θ_g once, after both."""
-        self._take_consensus(consensus_cpu)
+        the round re-synced them (`consensus_cpu`, held to `bound`); θ_l ← θ_g once, after both."""
+        self._take_consensus(consensus_cpu, bound)
         self._outer_step(mean_delta_cpu)
         self._local_from(self.theta_g)
 
@@ -241,6 +258,7 @@ class Replica:
     def _stepped(self, mean: torch.Tensor | CodedDelta) -> None:
         """An outer step was made along `mean`: its size remembered, the count and hash moved on."""
         self._update_sizes.append((self.outer.step_norm_bound(mean), self.outer_step))
+        self._mean_norms.append(mean.norm() if isinstance(mean, CodedDelta) else torch.linalg.vector_norm(mean))
         self.outer_step += 1
         self._sha256 = ""
 
@@ -267,12 +285,7 @@ class Replica:
         model-sized temporary (training thread)."""
         if theta_g.shape != self.theta_g.shape:
             raise ValueError(f"θ_g of {theta_g.numel()} values, this model has {self.numel}")
-        squares = torch.zeros((), dtype=torch.float64, device=self.theta_g.device)  # one read at the end
-        for start in range(0, self.numel, DISTANCE_SLICE):
-            own = self.theta_g[start : start + DISTANCE_SLICE]
-            other = theta_g[start : start + DISTANCE_SLICE].to(own.device, non_blocking=True)
-            squares += torch.dist(own, other).double() ** 2
-        return float(squares.sqrt())
+        return self._moved_by(theta_g, self.theta_g, 0)
 
     @torch.no_grad()
     def consensus_state(self) -> torch.Tensor:
@@ -287,18 +300,63 @@ class Replica:
             return self.theta_g.detach().to("cpu", torch.float32, copy=True)
         return torch.cat([self.theta_g.detach().to("cpu", torch.float32), self.outer.momentum_buffer.to("cpu")])
 
-    def _take_consensus(self, state_cpu: torch.Tensor | None) -> None:
+    def _take_consensus(self, state_cpu: torch.Tensor | None, bound: DriftBound | None = None) -> None:
         """The swarm's averaged θ_g and momentum (before this step's outer update), if re-synced
         (θ_g alone from a `consensus_state` without momentum)."""
         if state_cpu is None:
             return
-        self._check_consensus(state_cpu)
+        self._check_consensus(state_cpu, bound)
         self._consensus_range(state_cpu, 0, self.numel)
 
-    def _check_consensus(self, state_cpu: torch.Tensor) -> None:
+    def _check_consensus(self, state_cpu: torch.Tensor, bound: DriftBound | None = None) -> None:
+        """A re-synced state of the right size, its move clipped to `bound` (this round's
+        `resync_bound` if none: the averager's, shared among its group, is tighter)."""
         n = self.numel
         if state_cpu.numel() not in (n, 2 * n):
             raise ValueError(f"a consensus state holds θ_g and maybe the momentum: {state_cpu.numel()} values for {n}")
+        self._clip_consensus(state_cpu, bound or self._drift)
+
+    @torch.no_grad()
+    def _clip_consensus(self, state_cpu: torch.Tensor, drift: DriftBound | None) -> None:
+        """The re-synced state moved in place to within `drift` of ours, as a whole (θ_g and the
+        momentum each): its parts were checked one by one against twice their share of the
+        bound, and a member that took every part of a pair's re-sync to its limit moved θ_g
+        twice the bound. Honest states lie well within it; a clipped one leaves this node apart
+        from its group, and its next round re-syncs again."""
+        if drift is None:
+            return
+        n = self.numel
+        regions = [(self.theta_g, 0, drift.theta)]
+        if state_cpu.numel() == 2 * n and self.outer.momentum > 0:
+            regions.append((self.outer.momentum_buffer, n, drift.momentum))
+        for ours, offset, bound in regions:
+            moved = self._moved_by(state_cpu, ours, offset)
+            if moved <= bound:
+                continue
+            factor = bound / moved if math.isfinite(moved) else 0.0
+            for at in range(0, n, DISTANCE_SLICE):
+                end = min(at + DISTANCE_SLICE, n)
+                own = ours[at:end].to("cpu", torch.float32)
+                target = state_cpu[offset + at : offset + end]
+                target.sub_(own).mul_(factor).add_(own)
+                if not math.isfinite(moved):
+                    target.copy_(own)
+            log.warning(
+                "a θ_g re-sync would move this node's %s by %.4g, over its bound of %.4g: moved that far only",
+                "θ_g" if offset == 0 else "outer momentum",
+                moved,
+                bound,
+            )
+            self.resyncs_clipped += 1
+
+    def _moved_by(self, state_cpu: torch.Tensor, ours: torch.Tensor, offset: int) -> float:
+        """‖state_cpu[offset : offset + n] − ours‖, in slices on `ours`' device."""
+        squares = torch.zeros((), dtype=torch.float64, device=ours.device)  # one read at the end
+        for at in range(0, self.numel, DISTANCE_SLICE):
+            end = min(at + DISTANCE_SLICE, self.numel)
+            values = state_cpu[offset + at : offset + end].to(ours.device, non_blocking=True)
+            squares += torch.linalg.vector_norm(values - ours[at:end], dtype=torch.float64) ** 2
+        return math.sqrt(float(squares))
 
     def _consensus_range(self, state_cpu: torch.Tensor, start: int, stop: int) -> None:
         """θ_g (and the momentum) [start, stop) ← the re-synced state's (checked)."""
@@ -324,7 +382,12 @@ class Replica:
         self._local_from(self.theta_g, self._in_flight_buffer() if self.has_in_flight else None)
 
     @torch.no_grad()
-    def land(self, mean_cpu: torch.Tensor | CodedDelta | None, consensus_cpu: torch.Tensor | None) -> None:
+    def land(
+        self,
+        mean_cpu: torch.Tensor | CodedDelta | None,
+        consensus_cpu: torch.Tensor | None,
+        bound: DriftBound | None = None,
+    ) -> None:
         """--overlap: the outer step of the Δ in flight, made once its average is in: between
         two inner steps of the next round (as soon as it arrives), or at that round's end.
 
@@ -355,7 +418,7 @@ class Replica:
         except LocalRankFailure as e:  # a sharded host whose rank died: θ_l is lost, θ_g lands whole
             log.warning("landing the outer step without θ_l (%s): the node restarts from θ_g", e)
             known = False
-        self._take_consensus(consensus_cpu)
+        self._take_consensus(consensus_cpu, bound)
         if mean_cpu is not None:
             self._outer_step(mean_cpu)
         if known:

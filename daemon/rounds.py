@@ -96,6 +96,7 @@ class RoundLoop:
         self.stopping = stopping
         self.stop_flag = stop_flag  # seen by the training thread
         self.needs_resync = False  # set by a failed hop or round; cleared by a clean round
+        self._clips_seen = 0  # the replica's `resyncs_clipped` when `resync_clipped` last looked
         self.failures = FailureStreak()  # rounds failed in a row: the pause before the next try
         self.rounds_done = 0
         self._announcing: asyncio.Task | None = None  # the record published once a step's hash is in
@@ -240,6 +241,13 @@ class RoundLoop:
         every = self.settings.consensus_every
         scheduled = bool(every) and round_no % every == every - 1
         return self.joiner.take_resync_wish() or self.needs_resync or scheduled
+
+    def resync_clipped(self) -> bool:
+        """Whether a re-sync since the last look moved this node's state only part of the way
+        (`Replica._clip_consensus`): it stands apart from its group, and re-syncs again."""
+        clipped = self.worker.replica.resyncs_clipped
+        new, self._clips_seen = clipped > self._clips_seen, clipped
+        return new
 
     async def train_round(self) -> tuple[int, InnerResult] | None:
         """A round's inner steps, after a catch-up if the swarm left this node behind; None when
@@ -472,6 +480,7 @@ class PlainRound:
         state.applying_outer_step()
         await lp.store.settle_hash()  # the hash of the previous θ_g reads it
         await worker.call(worker.apply, result)
+        lp.needs_resync = lp.resync_clipped() or lp.needs_resync
         state.outer_applied()
         await lp.publisher.publish()  # a joiner may download the new θ_g at once
         lp.store.rehash()
@@ -529,6 +538,7 @@ class OverlappedRound:
         landed_after = landing.landed_after_steps if previous is not None and landing.landed else inner.steps
         if delta is None:
             delta = await worker.call(landing.land_and_stage, previous)
+        lp.needs_resync = lp.resync_clipped() or lp.needs_resync  # (landed during the steps, or now)
         state.outer_applied()
         if changed:
             lp.store.rehash()

@@ -270,7 +270,7 @@ class ModelWorker:
         """Adopt a re-synced θ_g if any, then the outer step of the averaged Δ."""
         self.end_round_count()
         with self.theta_changing():
-            self.replica.apply_outer_step(result.mean, result.theta)
+            self.replica.apply_outer_step(result.mean, result.theta, result.theta_bound)
             if failpoints.take("diverge-theta", self.outer_step - 1):  # a test's fault: one θ_g bit off
                 self.replica.theta_g[0] = torch.nextafter(self.replica.theta_g[0], self.replica.theta_g[0] + 1)
         self._count_solo(result)
@@ -296,7 +296,10 @@ class ModelWorker:
     def land(self, result: AveragingResult | None) -> None:
         """--overlap: the outer step of the average in flight (None: it failed)."""
         with self.theta_changing():
-            self.replica.land(None if result is None else result.mean, None if result is None else result.theta)
+            if result is None:
+                self.replica.land(None, None)
+            else:
+                self.replica.land(result.mean, result.theta, result.theta_bound)
         if result is not None:
             self._count_solo(result)
         self.measure_feedback()

@@ -101,6 +101,13 @@ class _Hop:
     load: int  # all-reduces that share this node's link and cores, or a group-mate's, in this hop (`hop_load`)
 
 
+def hop0_drift(drift: DriftBound, group: FormedGroup) -> DriftBound:
+    """The bound on hop 0's re-sync: hop 0 averages the members' own θ_g, whose hashes they
+    announced, so it is shared by the members that hold another (`DriftBound.shared`); later
+    hops carry the means of earlier groups, which no hash names, and keep the whole bound."""
+    return drift.shared(group.theta_apart, len(group.members))
+
+
 class AveragingTimeout(RuntimeError):
     """An outer step's averaging outlasted this node's bound of it (`round_bound`)."""
 
@@ -121,6 +128,9 @@ class _Round:
     consensus_state: Callable[[], Awaitable[torch.Tensor]]
     drift: DriftBound | None  # how far a re-sync may move this node's state
     theta: torch.Tensor | None = None  # θ_g and the momentum, once a hop re-syncs them
+    # what hop 0's re-sync held this node's state to (`drift`, shared among its group): the bound
+    # the whole re-synced state is held to where it is taken (daemon/replica.py)
+    theta_bound: DriftBound | None = None
     hops: list[HopReport] = field(default_factory=list)
     _fetching: asyncio.Lock = field(default_factory=asyncio.Lock)
 
@@ -222,7 +232,7 @@ class MoshpitAverager:
                         f"{bound:.0f}s; given up"
                     ) from None
                 raise
-        return AveragingResult(chains[0].values, chains[0].weight, state.hops, state.theta)
+        return AveragingResult(chains[0].values, chains[0].weight, state.hops, state.theta, state.theta_bound)
 
     async def _hop(self, state: _Round, hop: int, chains: list[Chain]) -> list[Chain]:
         """One hop: every chain's group formed and all-reduced at once; the chains of the next hop."""
@@ -267,6 +277,8 @@ class MoshpitAverager:
         )
         groups = [group for group, _, _ in done]
         primary, first, theta_primary = done[0]
+        if hop == 0 and theta_primary is not None and state.drift is not None:
+            state.theta_bound = hop0_drift(state.drift, primary)
         report.group_key, report.group_size, report.registrants = primary.key, len(primary.members), primary.registrants
         # a group its closer found whole held everyone expected (cells split unevenly, so
         # the size alone says little); otherwise what this node expected, to show the gap
@@ -368,7 +380,7 @@ class MoshpitAverager:
                 feedback,
                 report,
                 h.load,
-                h.drift,
+                hop0_drift(h.drift, group) if h.drift is not None and h.hop == 0 else h.drift,
             )
         return group, result, theta_out
 

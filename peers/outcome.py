@@ -12,6 +12,8 @@ import torch
 
 from dtnode.ops.coded import CodedDelta
 
+from .part_result import DriftBound
+
 
 @dataclass
 class HopReport:
@@ -60,6 +62,7 @@ class AveragingResult:
     weight: float  # the tokens the mean stands for
     hops: list[HopReport]
     theta: torch.Tensor | None  # averaged θ_g (and momentum, if any), when a re-sync happened
+    theta_bound: DriftBound | None = None  # how far `theta` may move this node's state, as a whole
 
     @property
     def clean(self) -> bool:

@@ -43,6 +43,15 @@ class DriftBound:
     def allowance(self, region_bound: float, values: int, region_values: int) -> float:
         return PART_SLACK * region_bound * math.sqrt(values / max(region_values, 1))
 
+    def shared(self, apart: int, members: int) -> DriftBound:
+        """The bound for a group of `members` in which `apart` others hold another θ_g (at least
+        one counts: a member may lie about its hash): each moves a mean by 1/members of the way
+        at most, so the mean may move this node's state by apart/members of the bound. A member
+        that asked a group of peers of one θ_g for a re-sync and sent values of its own moved
+        them all by the whole bound, round after round."""
+        fraction = min(max(apart, 1), members) / max(members, 1)
+        return DriftBound(self.theta * fraction, self.momentum * fraction, self.split)
+
 
 PART_SLACK = 2.0  # a part may move up to twice its even share of the bound
 

@@ -257,3 +257,37 @@ def test_a_member_announcing_a_zero_weight_has_its_streams_refused_and_caps_stay
                 assert torch.equal(out[offset : offset + length], torch.ones(length))
 
     asyncio.run(main())
+
+
+def test_a_member_of_a_group_of_one_theta_moves_the_others_by_its_share_of_the_bound_only():
+    """Issue 56: a member that asked a group of peers holding one θ_g for a re-sync, and sent
+    values of its own, moved every one of them by the whole drift bound (4 outer steps), round
+    after round. A mean moves by 1/members of any one member's pull, so where the others announced
+    this node's own θ_g hash the bound is shared (`DriftBound.shared`): a pull half the bound,
+    within it before, is now refused, and each honest member keeps its θ_g."""
+
+    async def main():
+        peers = await start_peers(5)
+        numel = 16384
+        theta = torch.randn(numel)
+        bound = DriftBound(0.05 * float(theta.norm()), 0.0, numel)
+        pull = torch.randn(numel)
+        pull *= 5 * 0.5 * bound.theta / float(pull.norm())  # moves the mean by half the bound
+        values = [theta + pull, *(theta.clone() for _ in peers[1:])]
+        shared = bound.shared(0, len(peers))  # the others announced this node's hash
+        assert shared.theta == pytest.approx(bound.theta / 5)
+        plan = _plan([replace(p.member, weight=1.0) for p in peers], numel)
+        outs = [torch.empty(numel) for _ in peers]
+        try:
+            reports = await asyncio.gather(
+                *(
+                    butterfly_allreduce(plan, p.member.peer_id, v, 1.0, o, p.registry, p.channels, 5.0, drift=shared)
+                    for p, v, o in zip(peers, values, outs)
+                )
+            )
+        finally:
+            await stop_peers(peers)
+        for report, out in zip(reports[1:], outs[1:]):
+            assert report.failed_parts and float((out - theta).norm()) <= 2 * shared.theta
+
+    asyncio.run(main())

@@ -309,3 +309,37 @@ def test_a_node_that_trained_no_steps_takes_the_groups_mean_whole(coded):
     else:
         assert torch.linalg.vector_norm(r.bounded(empty.fill_(1.0))).item() > 0
     assert r.outer_steps_scaled == 0
+
+
+@pytest.mark.parametrize("coded", [False, True])
+def test_a_resynced_state_moves_this_nodes_as_a_whole_no_farther_than_its_bound(coded):
+    """A re-sync whose parts each passed their share of the bound can still move the whole state
+    farther (a pair's member took both parts to their limit, twice the bound): the state taken is
+    moved toward the re-synced one only to the bound, θ_g and the momentum each; a state within
+    the bound is taken as it came, and a non-finite one not at all."""
+    r = _replica(coded)
+    n = r.numel
+    r.trainer.parameters_flat.add_(torch.randn(n, generator=torch.Generator().manual_seed(5)) * 1e-2)
+    r.pseudo_gradient()
+    r.outer.momentum_buffer.normal_(generator=torch.Generator().manual_seed(6))
+    drift = r.resync_bound(0)
+    assert 0 < drift.theta and 0 < drift.momentum
+    theta0, momentum0 = r.theta_g.clone(), r.outer.momentum_buffer.clone()
+    away = torch.randn(2 * n, generator=torch.Generator().manual_seed(7))
+    far = r.consensus_state() + away * (10 * max(drift.theta, drift.momentum) / float(away.norm()))
+    take = r.land if coded else lambda _, state: r._take_consensus(state)  # (landing without a mean)
+    take(None, far)
+    assert float((r.theta_g - theta0).norm()) == pytest.approx(drift.theta, rel=1e-4)
+    assert float((r.outer.momentum_buffer - momentum0).norm()) == pytest.approx(drift.momentum, rel=1e-4)
+    assert r.resyncs_clipped == 2
+
+    near = r.consensus_state()
+    near[:n].add_(drift.theta / 4 / math.sqrt(n))
+    take(None, near.clone())
+    assert torch.equal(r.theta_g, near[:n]) and r.resyncs_clipped == 2
+
+    before = r.theta_g.clone()
+    broken = r.consensus_state()
+    broken[3] = math.nan
+    take(None, broken)
+    assert torch.equal(r.theta_g, before) and r.resyncs_clipped == 3
