@@ -46,6 +46,9 @@ class GroupExpectations:
         self.deadlines = deadlines
         self._seen_round = -1
         self._seen: dict[str, float] = {}  # peers of `_seen_round`'s population: when last seen in it
+        # this node's last hop-0 group: (round, key, peers its cell expected that were not in it)
+        self._hop0_missing: tuple[int, str, set[str]] | None = None
+        self._no_shows: tuple[int, frozenset[str]] = (-1, frozenset())  # (round, `no_shows` of it)
 
     async def population(self, round_no: int) -> set[str]:
         """Peers of `round_no`: live, same model, at this step or finishing the one before."""
@@ -104,6 +107,25 @@ class GroupExpectations:
                 longest = math.inf
         return min(longest, self.deadlines.window_max)
 
+    async def no_shows(self, round_no: int) -> frozenset[str]:
+        """Peers this node's hop-0 cell expected in the previous round that never registered
+        under its key at all, not even after the group closed: hop 0 of `round_no` does not wait
+        for them (it still takes them if they register in time).
+
+        A record can say a peer trains this round while it never comes: one whose view of the
+        DHT is broken or shadowed waits for peers it cannot see, announcing round 0 the while,
+        and its cell waited out its whole window (15 s) for it each round. A peer that is only
+        slow registered late, and is waited for again; one that never registers costs its
+        cell one window, once."""
+        if self._no_shows[0] == round_no:
+            return self._no_shows[1]
+        absent: frozenset[str] = frozenset()
+        if self._hop0_missing is not None and self._hop0_missing[0] == round_no - 1:
+            _, key, missing = self._hop0_missing
+            absent = frozenset(missing - await self.matchmaker.registered(key))
+        self._no_shows = (round_no, absent)
+        return absent
+
     async def alive(self, peers: set[str], round_no: int) -> set[str]:
         if UNKNOWN in peers:
             return peers
@@ -129,16 +151,17 @@ class GroupExpectations:
     ) -> FormedGroup:
         if hop == 0:
             wanted = hop0_cells.get(slot.key, {UNKNOWN})
+            absent = await self.no_shows(round_no) if UNKNOWN not in wanted else frozenset()
 
             async def expected() -> set[str]:
-                return await self.alive(wanted, round_no)
+                return await self.alive(wanted, round_no) - absent
         else:
             known: dict[str, dict[str, tuple[str, ...]]] = {}
 
             async def expected() -> set[str]:
                 return await self.on_the_way(round_no, hop, dims, side, slot, known)
 
-        return await self.matchmaker.form_group(
+        group = await self.matchmaker.form_group(
             round_no,
             hop,
             expected,
@@ -151,6 +174,9 @@ class GroupExpectations:
             theta=theta,
             share=slot.share,
         )
+        if hop == 0 and UNKNOWN not in wanted:
+            self._hop0_missing = (round_no, group.key, wanted - {m.peer_id for m in group.members})
+        return group
 
     async def on_the_way(
         self, round_no: int, hop: int, dims: int, side: int, slot: Slot, known: dict[str, dict[str, tuple[str, ...]]]

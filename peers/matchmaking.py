@@ -102,6 +102,9 @@ class FormedGroup:
     expected: int = 0  # members it waited for when it closed
     theta_hashes: tuple[str, ...] = ()  # the distinct θ_g hashes its members announced
     unasked: bool = False  # no member asked for a re-sync (one that happens: their hashes differed)
+    # the other members whose announced θ_g hash is not this node's (or is unknown): the ones a
+    # re-sync could legitimately move this node's θ_g toward (`DriftBound.shared`)
+    theta_apart: int = 0
 
 
 def needs_resync(registrations: list[Registration]) -> bool:
@@ -143,6 +146,9 @@ class Forming:
     lists: dict[str, ClosedList] = field(default_factory=dict)
     formed: dict[str, tuple[str, ...]] = field(default_factory=dict)
     passed_over: set[str] = field(default_factory=set)  # pending registrants ahead, given up on
+    # writers whose own registration here was refused (malformed, a weight of 0, no swarm key's
+    # tag): they came, and will not be in this group; nobody waits for them to the window's end
+    refused: set[str] = field(default_factory=set)
     held_since: dict[str, float] = field(default_factory=dict)  # list on hold -> when first seen so
     gave_up: bool = False
 
@@ -242,16 +248,24 @@ class Matchmaker:
                 break
         return out
 
-    async def _registrations(self, key: str, allowed: set[str] | None = None) -> Registrants:
+    async def _registrations(
+        self, key: str, allowed: set[str] | None = None, refused: set[str] | None = None
+    ) -> Registrants:
+        """The valid, authentic registrations under `key` (of `allowed` writers, when given);
+        writers whose own entry is refused are added to `refused`, when given."""
         members = {}
         for peer_id, value in await self._entries(key, allowed):
             try:
                 reg = Registration.model_validate(value)
             except (ValidationError, AttributeError, TypeError):
-                continue
-            if not reg.client_mode and not reg.grpc_addr:
+                reg = None
+            if reg is None or (not reg.client_mode and not reg.grpc_addr):
+                if refused is not None:
+                    refused.add(peer_id)
                 continue
             if not self._authentic("register", reg.subject(key), reg.auth, peer_id):
+                if refused is not None:
+                    refused.add(peer_id)
                 continue  # without the swarm key nobody joins our groups
             members[peer_id] = (
                 Member(peer_id, reg.grpc_addr, reg.client_mode, reg.bandwidth_mbps, reg.weight, reg.share),
@@ -270,6 +284,15 @@ class Matchmaker:
             if entry is not None and self._authentic(purpose, entry.subject(key), _tag(value), peer_id):
                 lists[peer_id] = entry
         return lists
+
+    def leader_grace(self) -> float:
+        """How long past its settle a follower waits for a leader's list once every peer it
+        expects has registered: an honest leader sees them too and closes within a poll, or after
+        holding its list HOLD_S for one that jumped ahead of it; so that hold, a poll's sleep and
+        two slow reads (`formed_lag`), never over LEADER_GRACE_S. A leader that never closes costs
+        its group this, not the full grace (which still covers a leader whose window, started
+        later on its own clock, has not ended yet)."""
+        return min(LEADER_GRACE_S, HOLD_S + self.formed_lag())
 
     def formed_lag(self) -> float:
         """How much later than its group-mates a present member may publish its `formed` record, as
@@ -299,10 +322,12 @@ class Matchmaker:
         """Registrants (admitted ones, this peer always) and the lists they closed, added to
         what this hop's earlier reads found (see `Forming`)."""
         allowed = await admitted() if admitted is not None else None
+        refused: set[str] = set()
         found, lists = await asyncio.gather(
-            self._registrations(forming.key, allowed), self._member_lists(forming.key, "closed", allowed)
+            self._registrations(forming.key, allowed, refused), self._member_lists(forming.key, "closed", allowed)
         )
         forming.registrants |= found
+        forming.refused |= refused - set(forming.registrants)
         forming.lists |= {p: entry for p, entry in lists.items() if p in forming.registrants}
 
     async def _read_formed(self, forming: Forming) -> None:
@@ -393,6 +418,11 @@ class Matchmaker:
             len(wanted - {UNKNOWN}),
             tuple(sorted({r.theta for r in registrations})),
             not any(r.resync for r in registrations),
+            sum(
+                1
+                for m in members
+                if m.peer_id != own.peer_id and (not theta or forming.registrants[m.peer_id][1].theta != theta)
+            ),
         )
 
     async def _until_grouped(
@@ -437,10 +467,11 @@ class Matchmaker:
             if set(forming.registrants) - seen:
                 last_arrival, seen = time.monotonic() - started, seen | set(forming.registrants)
             now = time.monotonic()
-            if not passes and UNKNOWN not in wanted and wanted <= set(forming.registrants):
-                # everyone this peer expects is here: a leader that sees what it sees closes within a
-                # poll, so the leader's grace runs from now, not from the end of this peer's window
-                give_up_at = min(give_up_at, now + self.settle_s + LEADER_GRACE_S)
+            if not passes and UNKNOWN not in wanted and wanted - forming.refused <= set(forming.registrants):
+                # everyone this peer expects is here (or was refused): a leader that sees what it sees
+                # closes within a poll, so the leader's grace runs from now, not from the end of this
+                # peer's window
+                give_up_at = min(give_up_at, now + self.settle_s + self.leader_grace())
             if (group := view.group_of(me)) is not None:
                 publisher = view.taken[me]
                 # a list naming a registrant this peer has not read yet waits a poll or so for it
@@ -450,7 +481,10 @@ class Matchmaker:
             elif view.leader == me:
                 candidates = forming.candidates(view)
                 # a peer passed over is waited for no longer (its absence leaves the group not whole)
-                ready = wanted - set(view.taken) - forming.passed_over <= set(candidates) or now >= deadline
+                ready = (
+                    wanted - set(view.taken) - forming.passed_over - forming.refused <= set(candidates)
+                    or now >= deadline
+                )
                 if ready and not forming.holding(view, candidates, self.settle_s + HOLD_S):
                     group, decided = await self._close(forming, view, candidates, wanted, target_size)
                     return group, decided, wanted, last_arrival
@@ -471,7 +505,8 @@ class Matchmaker:
         group = _part_of(candidates, forming.me, target_size)
         decided = ClosedList(
             group,
-            complete=UNKNOWN not in wanted and wanted - set(view.taken) <= set(candidates),
+            # a refused registrant is not missed: it came, and no group of honest peers takes it
+            complete=UNKNOWN not in wanted and wanted - set(view.taken) - forming.refused <= set(candidates),
             resync=needs_resync([forming.registrants[p][1] for p in group]),
         )
         await self._publish(forming.key, "closed", group, decided.complete, decided.resync)

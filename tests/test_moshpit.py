@@ -389,6 +389,53 @@ def test_a_leader_that_never_closes_holds_its_followers_only_until_their_own_dea
     asyncio.run(main())
 
 
+def test_a_registrant_refused_for_a_weight_of_0_is_not_waited_for_to_the_windows_end(dht):
+    """Issue 56 (the zero-weight attacker's cost): a member whose own registration is refused
+    (here a weight of 0) came, and will be in no group of ours; its group-mates expected it, and
+    waited their whole window for it every round. They now close as soon as the others are in,
+    and their group counts as whole (no re-sync follows it), whatever the refused one's rank."""
+
+    async def main():
+        async def want():
+            return {"a", "b", "c"}
+
+        makers = {p: Matchmaker(dht, "mm-refused", _member(p), poll_interval=0.05, settle_s=0.3) for p in "abc"}
+        for refused in "abc":
+            key = makers[refused].group_key(refused_round := "abc".index(refused), 0)
+            value = Registration(grpc_addr=makers[refused].own.grpc_addr).model_dump() | {"weight": 0.0}
+            await dht.store(key, subkey=refused, value=value, expiration_time=get_dht_time() + 60, return_future=True)
+            others = [p for p in "abc" if p != refused]
+            started = time.monotonic()
+            groups = await asyncio.gather(
+                *(makers[p].form_group(refused_round, 0, want, window=30.0, target_size=3) for p in others)
+            )
+            took = time.monotonic() - started
+            assert all([m.peer_id for m in g.members] == others and g.complete for g in groups), refused
+            assert took < 10.0, (refused, took)  # not the 30 s window
+
+    asyncio.run(main())
+
+
+def test_a_formed_group_counts_the_members_that_announced_another_theta(dht):
+    """What bounds a re-sync's pull on this node (`DriftBound.shared`): the other members whose
+    announced θ_g hash is not its own, or is unknown (a node that does not know its own hash
+    counts everyone)."""
+
+    async def main():
+        makers = {p: Matchmaker(dht, "mm-theta", _member(p), poll_interval=0.05) for p in "abcd"}
+        thetas = {"a": "h1", "b": "h1", "c": "h2", "d": ""}
+
+        async def want():
+            return set("abcd")
+
+        groups = await asyncio.gather(
+            *(makers[p].form_group(0, 0, want, window=10, target_size=4, theta=thetas[p]) for p in "abcd")
+        )
+        assert [g.theta_apart for g in groups] == [2, 2, 3, 3]
+
+    asyncio.run(main())
+
+
 def test_a_list_that_jumps_ahead_of_its_leader_takes_nobody_and_a_made_up_id_isolates_nobody(dht):
     """Issue 56, finding 1: a list backdated to time 0 always won, so a member could pair itself
     with any victim, and a list naming a made-up id sent every member it named to average alone.
@@ -594,6 +641,54 @@ def test_a_later_hop_waits_for_exactly_the_peers_whose_path_leads_there(dht):
                 )
                 wanted = await expectations.on_the_way(0, hop, dims, side, slot, {})
                 assert wanted == truth - ({stopped} - {owner}), (hop, owner, slot)
+
+    asyncio.run(main())
+
+
+def test_a_peer_whose_record_says_it_trains_but_that_never_registers_costs_its_cell_one_window(dht):
+    """Issue 56 (the shadowing member's cost): a peer whose own view of the DHT is broken waits
+    for peers it cannot see while its record says it trains round 0; its cell waited out the
+    whole window for it, round after round. Now a peer expected in the last round that never
+    registered under its key, not even late, is not waited for in the next (the group closes
+    whole as soon as the others are in); one that registered late, only slow, is waited for."""
+
+    async def main():
+        run_id, window = "mm-no-show", 3.0
+        makers = {p: Matchmaker(dht, run_id, _member(p), poll_interval=0.05, settle_s=0.2) for p in "ab"}
+        slot = first_slot((0,))
+        cells = {slot.key: {"a", "b", "ghost"}}
+
+        at = [0]  # the round every record says it is in
+
+        async def view():
+            return {
+                p: PeerRecord(peer_id=p, state="training", model_hash="m", outer_step=at[0])
+                for p in ("a", "b", "ghost")
+            }
+
+        expect = {
+            p: GroupExpectations(run_id, "m", 4, p, view, makers[p], AdaptiveDeadlines(1.0, 10.0, 1.0, 10.0))
+            for p in "ab"
+        }
+
+        async def hop0(round_no: int) -> tuple[float, list]:
+            at[0] = round_no
+            started = time.monotonic()
+            groups = await asyncio.gather(
+                *(expect[p].form(round_no, 0, 1, 4, slot, cells, window, resync=False) for p in "ab")
+            )
+            return time.monotonic() - started, groups
+
+        took, groups = await hop0(0)  # expected, never came: the window
+        assert took >= window and all([m.peer_id for m in g.members] == ["a", "b"] and not g.complete for g in groups)
+        took, groups = await hop0(1)  # not waited for: closed whole at once
+        assert took < window and all([m.peer_id for m in g.members] == ["a", "b"] and g.complete for g in groups)
+        assert await expect["a"].no_shows(1) == {"ghost"}
+        ghost = Matchmaker(dht, run_id, _member("ghost"), poll_interval=0.05)
+        await _register(ghost, ghost.group_key(1, 0, f"d1.{slot.key}"))  # it came after all, late: only slow
+        took, groups = await hop0(2)
+        assert await expect["a"].no_shows(2) == frozenset()
+        assert took >= window and all(not g.complete for g in groups)
 
     asyncio.run(main())
 
