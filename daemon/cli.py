@@ -22,7 +22,8 @@ from dtnode import __version__
 from .settings import ENV_PREFIX, NodeSettings, SettingsError, flag, load_settings
 
 EXIT_USAGE = 2
-EXIT_JOIN = 3
+EXIT_JOIN = 3  # the DHT or the --peer addresses could not be reached (a restart may help)
+EXIT_MISMATCH = 4  # the swarm trains another model, recipe or run (a restart cannot help)
 # Secrets: read from the environment or a file, never from argv (visible in `ps`).
 ENV_ONLY = {"swarm_key"}
 # Options that `dtnode local` sets per node itself.
@@ -161,7 +162,7 @@ def cmd_join(args: argparse.Namespace) -> int:
     configure_logging(settings.log_level, settings.log_format)
     import uvloop
 
-    from dtnode.peers.membership import JoinError
+    from dtnode.peers.membership import JoinError, SwarmMismatch
 
     from .node import run_node
 
@@ -172,6 +173,9 @@ def cmd_join(args: argparse.Namespace) -> int:
 
     try:
         return uvloop.run(run_node(settings))
+    except SwarmMismatch as e:
+        print(f"dtnode: error: {e}", file=sys.stderr)
+        return EXIT_MISMATCH
     except JoinError as e:
         print(f"dtnode: error: {e}", file=sys.stderr)
         return EXIT_JOIN

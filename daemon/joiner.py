@@ -33,7 +33,7 @@ import torch
 
 from dtnode.ops.coded import CodedDelta
 from dtnode.peers.auth import SwarmAuth
-from dtnode.peers.membership import JoinError, Membership, PeerRecord
+from dtnode.peers.membership import Membership, PeerRecord, SwarmMismatch
 from dtnode.peers.tls import TrustStore
 
 from .checkpoint import LoadedCheckpoint
@@ -126,15 +126,15 @@ def check_same_model(view: Mapping[str, PeerRecord], peer_id: str, model_hash: s
     if not hashes or model_hash in hashes:
         return
     theirs, count = hashes.most_common(1)[0]
-    raise JoinError(
+    raise SwarmMismatch(
         f"this swarm trains model config {theirs} ({count} peer(s)) and this node {model_hash}: "
         f"give the same --model, --tokenizer and model files as the swarm "
         f"(`curl <peer>/status` shows its model)"
     )
 
 
-class RecipeMismatch(JoinError):
-    """This node's recipe differs from every live peer's (exit 3, one line per field)."""
+class RecipeMismatch(SwarmMismatch):
+    """This node's recipe differs from every live peer's (exit 4, one line per field)."""
 
 
 def check_same_recipe(view: Mapping[str, PeerRecord], peer_id: str, model_hash: str, ours: SwarmRecipe) -> None:
@@ -162,7 +162,7 @@ def check_same_data_plane(view: Mapping[str, PeerRecord], peer_id: str, tls: boo
         fix = "add --insecure-data-plane" if tls else "drop --insecure-data-plane"
         who = f"peer {other[0]}" if len(other) == 1 else f"{len(other)} peers ({other[0]}, ...)"
         verb = "averages" if len(other) == 1 else "average"
-        raise JoinError(
+        raise SwarmMismatch(
             f"{who} of this swarm {verb} over a {theirs} data plane and this node over {mine}: "
             f"every peer of a swarm must use the same ({fix} to join this one)"
         )

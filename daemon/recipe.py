@@ -5,7 +5,7 @@ The model hash (model.py) says which network a peer trains; the recipe says how:
 data, in rounds of what size, with which learning-rate schedule, outer optimizer and wire
 format. Two peers that differ in any of these average pseudo-gradients that mean different
 things (another corpus, another position in the schedule, another round length), and nothing
-in the numbers shows it. So a joiner compares its recipe with its live peers' and exits 3
+in the numbers shows it. So a joiner compares its recipe with its live peers' and exits 4
 with one line per differing field (ours, the swarm's, the flag that sets it), and a joiner
 given `--peer http://...` takes every field it was not given from that peer, so that `--data`
 is the one thing a contributor supplies.
@@ -30,7 +30,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from dtnode import __version__
 from dtnode.peers import wire
-from dtnode.peers.membership import JoinError, PeerRecord
+from dtnode.peers.membership import PeerRecord, SwarmMismatch
 from dtnode.peers.sidecar_address import PROBE_TIMEOUT_S, SidecarAddressError, fetch_status, is_sidecar_address
 
 from .corpus import TokenCorpus, source_files
@@ -209,7 +209,7 @@ def check_same_protocol(records: Iterable[PeerRecord]) -> None:
         return
     (protocol, version), count = theirs.most_common(1)[0]
     running = f", dtnode {version}" if version else ""
-    raise JoinError(
+    raise SwarmMismatch(
         f"this swarm's peers average with data-plane protocol {protocol} ({count} peer(s){running}) and this "
         f"node with protocol {ours} (dtnode {__version__}): peers of "
         f"two protocols cannot average together; run the dtnode version the swarm runs, or upgrade every peer"
@@ -233,7 +233,7 @@ def _from_peer(status: dict[str, Any]) -> tuple[str | None, str | None, SwarmRec
 
 async def take_recipe_from_peer(settings: NodeSettings) -> NodeSettings:
     """With `--peer http://...`: the run id, the model preset and every recipe field this node
-    was not given, from that peer. A --run-id given that differs from the peer's is a JoinError
+    was not given, from that peer. A --run-id given that differs from the peer's is a SwarmMismatch
     naming both (a node of another run would train alone, silently). A peer that does not
     answer is left to the DHT bootstrap, which reports it."""
     urls = [p for p in settings.peers if is_sidecar_address(p)]
@@ -250,7 +250,7 @@ async def take_recipe_from_peer(settings: NodeSettings) -> NodeSettings:
     run_id, model, recipe = _from_peer(status)
     given = settings.model_fields_set
     if run_id is not None and run_id != settings.run_id and "run_id" in given:
-        raise JoinError(
+        raise SwarmMismatch(
             f"--run-id {settings.run_id}: the peer at {urls[0]} trains run {run_id!r}; "
             f"give --run-id {run_id} to join it (or another --peer for run {settings.run_id})"
         )
@@ -268,4 +268,6 @@ async def take_recipe_from_peer(settings: NodeSettings) -> NodeSettings:
     try:
         return NodeSettings(**values)
     except ValidationError as e:  # a peer's values that this version refuses
-        raise JoinError(f"the settings of the peer at {urls[0]} do not validate here: {e.errors()[0]['msg']}") from None
+        raise SwarmMismatch(
+            f"the settings of the peer at {urls[0]} do not validate here: {e.errors()[0]['msg']}"
+        ) from None

@@ -66,6 +66,12 @@ class JoinError(RuntimeError):
     """The DHT could not be started or the initial peers could not be reached."""
 
 
+class SwarmMismatch(JoinError):
+    """The swarm trains another model, recipe or run, averages over another data plane or
+    protocol: this node, as configured, can never join it, and starting it again cannot help
+    (its own exit code, so that a supervisor does not restart it every few seconds)."""
+
+
 class PeerRecord(BaseModel):
     """What a node announces about itself (see ARCHITECTURE.md, membership record)."""
 

@@ -6,15 +6,22 @@ from pathlib import Path
 
 import yaml  # installed with hivemind
 
+from dtnode.daemon.recipe import SwarmRecipe
 from dtnode.daemon.settings import NodeSettings
+from dtnode.peers.sidecar_address import is_sidecar_address
 
 DEPLOY = Path(__file__).resolve().parents[1] / "deploy"
 
 
-def test_example_config_is_valid_settings():
+def test_example_config_is_valid_settings_and_leaves_the_recipe_to_the_swarm():
+    """Values from a config file count as given: an example that set the run id, the model or H
+    never joined another swarm (exit 4, and a unit restarting it every 10 s). It names a peer's
+    sidecar and sets none of them, so it joins whatever that peer trains."""
     values = tomllib.loads((DEPLOY / "node.example.toml").read_text())
     settings = NodeSettings(**values)
-    assert settings.model == "small" and settings.inner_steps == 500
+    recipe = set(SwarmRecipe.model_fields) | {"run_id", "model", "tokenizer"}
+    assert not recipe & settings.model_fields_set, recipe & settings.model_fields_set
+    assert settings.peers and all(is_sidecar_address(p) for p in settings.peers)
 
 
 def test_systemd_unit_runs_join_with_config():
@@ -43,7 +50,7 @@ import shlex
 
 import pytest
 
-from dtnode.daemon.cli import build_parser
+from dtnode.daemon.cli import EXIT_JOIN, EXIT_MISMATCH, EXIT_USAGE, build_parser
 from dtnode.daemon.metrics import NodeMetrics
 
 JOIN_OPTIONS = {
@@ -122,7 +129,18 @@ def test_systemd_unit_restarts_and_is_sandboxed():
     service = unit["Service"]
     assert service["User"] == "dtnode" and service["Restart"] == "on-failure"
     assert service["NoNewPrivileges"] == "yes" and service["ProtectSystem"] == "strict"
-    assert service["StateDirectory"] == "dtnode" and service["RestartPreventExitStatus"] == "2"
+    assert service["StateDirectory"] == "dtnode"
+
+
+@pytest.mark.parametrize("unit_file", ["dtnode.service", "dtnode-gpu-host.service"])
+def test_systemd_units_never_restart_a_node_that_a_restart_cannot_mend(unit_file):
+    """A usage error (2) and a swarm that trains another model, recipe or run (4) fail the same
+    way on every start: a unit that restarted them every 10 s would spin forever. A lost
+    connection (3) and a sharded host's lost rank (1) are restarted."""
+    unit = configparser.ConfigParser(strict=False, interpolation=None)
+    unit.read(DEPLOY / unit_file)
+    prevented = {int(code) for code in unit["Service"]["RestartPreventExitStatus"].split()}
+    assert prevented == {EXIT_USAGE, EXIT_MISMATCH} and EXIT_JOIN not in prevented
 
 
 def test_statefulset_requests_a_gpu_keeps_state_and_probes_the_sidecar():
@@ -230,7 +248,7 @@ def test_the_systemd_unit_s_exec_start_and_environment_parse_as_dtnode_settings(
     assert argv[0] == "/opt/dtnode/.venv/bin/dtnode"
     settings = load_settings(_node_values(build_parser().parse_args(argv[1:])))
     assert settings.log_format == "json" and str(settings.state_dir) == "/var/lib/dtnode"
-    assert settings.model == "small" and settings.inner_steps == 500  # from the config file
+    assert settings.peers == ["http://node1.example.org:7702"] and settings.batch_size == 32  # from the config file
 
 
 def test_the_systemd_guide_installs_from_a_clone_with_install_d():
@@ -261,3 +279,12 @@ def test_the_manifest_names_a_pushed_image_a_pull_policy_and_waits_for_tokenizat
     assert container["imagePullPolicy"] in ("IfNotPresent", "Always")
     startup = container["startupProbe"]
     assert startup["periodSeconds"] * startup["failureThreshold"] >= 3600
+
+
+def test_every_gpu_docker_run_line_shares_the_hosts_ipc_namespace():
+    """NCCL moves data between a host's ranks through /dev/shm, which Docker caps at 64 MB unless
+    the container shares the host's IPC namespace: every `docker run --gpus` line shown says so."""
+    root = DEPLOY.parent
+    files = [DEPLOY / "Dockerfile", root / "README.md", *sorted((root / "docs").rglob("*.md"))]
+    lines = [line for f in files for line in f.read_text().splitlines() if "docker run" in line and "--gpus" in line]
+    assert lines and all("--ipc=host" in line for line in lines), lines

@@ -28,6 +28,7 @@ from dtnode.daemon.checkpoint import (
     read_local_state,
     write_checkpoint,
 )
+from dtnode.daemon.cli import EXIT_MISMATCH
 from dtnode.daemon.corpus import LLMC_MAGIC, write_bin
 from dtnode.daemon.data import DataStream, check_token_ids, open_sources, stable_seed
 from dtnode.daemon.export import export_checkpoint
@@ -320,7 +321,7 @@ def test_a_transformers_swarm_trains_exports_and_refuses_another_model(workspace
         nodes.append(stranger)
         b = NodeProcess.join("b", tmp_path, *common, "--peer", address)
         nodes.append(b)
-        assert stranger.wait(120) == 3, stranger.output[-3000:]
+        assert stranger.wait(120) == EXIT_MISMATCH, stranger.output[-3000:]
         assert "this swarm trains model config" in stranger.output and a.get("/status")["model_hash"] in stranger.output
         for node in (a, b):
             assert node.wait(300) == 0, node.output[-3000:]

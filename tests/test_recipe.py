@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 from nodes import NodeProcess, wait_until
 
+from dtnode.daemon.cli import EXIT_MISMATCH
 from dtnode.daemon.recipe import (
     SwarmRecipe,
     adopted_settings,
@@ -136,7 +137,7 @@ def test_a_joiner_with_other_data_h_and_seq_len_is_refused_with_the_fields_named
         "b", tmp_path, *NOT_RECIPE, "--inner-steps", "9", "--seq-len", "16", "--warmup-steps", "5",
         "--run-id", "recipe-test", "--data", str(other), "--peer", a.join_address,
     )  # fmt: skip
-    assert b.wait(120) == 3, b.output
+    assert b.wait(120) == EXIT_MISMATCH, b.output
     _keep(b)
     assert "recipe differs from the swarm's (1 peer(s))" in b.output
     for field, ours, theirs in (("inner_steps", "9", "12"), ("seq_len", "16", "24")):
@@ -181,6 +182,6 @@ def test_a_joiner_through_a_sidecar_address_takes_the_recipe_and_brings_only_its
 
 def test_a_wrong_run_id_against_a_sidecar_peer_exits_with_both_run_ids(a, tmp_path):
     d = NodeProcess.join("d", tmp_path, *NOT_RECIPE, "--run-id", "another-run", "--peer", a.http_url)
-    assert d.wait(60) == 3, d.output
+    assert d.wait(60) == EXIT_MISMATCH, d.output
     assert "--run-id another-run: the peer at http://" in d.output and "trains run 'recipe-test'" in d.output
     assert "Traceback" not in d.output

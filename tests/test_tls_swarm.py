@@ -25,7 +25,7 @@ from nodes import FAST, NodeProcess, theta
 from path_tampering import forward
 from prometheus_client.parser import text_string_to_metric_families
 
-from dtnode.daemon.cli import EXIT_JOIN
+from dtnode.daemon.cli import EXIT_MISMATCH
 from dtnode.peers.auth import GRPC_METADATA, SwarmAuth, load_swarm_key, stream_subject
 from dtnode.peers.identity import identity_key
 from dtnode.peers.tls import TLS_NAME, NodeIdentity, pem
@@ -260,7 +260,7 @@ def test_a_plaintext_node_is_refused_by_a_tls_swarm_with_the_fix_named(swarm, tm
         code = plain.wait(60)
     finally:
         plain.kill()
-    assert code == EXIT_JOIN, plain.output
+    assert code == EXIT_MISMATCH, plain.output
     assert "--insecure-data-plane: pseudo-gradients travel in plaintext" in plain.output
     assert re.search(
         r"error: \d+ peers \(\S+, \.\.\.\) of this swarm average over a TLS data plane and this node "
