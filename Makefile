@@ -13,7 +13,7 @@ NODES ?= 3
 ROUNDS ?= 8
 BIN := $(VENV)/bin
 
-.PHONY: setup swarm test lint bench proto clean
+.PHONY: setup swarm test lint docs bench proto clean
 setup: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml
@@ -32,6 +32,12 @@ lint: setup
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy -p dtnode.daemon -p dtnode.peers -p dtnode.ops
+
+# the documentation site (docs/, mkdocs.yml) into site/; --strict: a broken link or a page left out
+# of the navigation fails it
+docs: setup
+	$(BIN)/python -m pip install -q --disable-pip-version-check -e '.[docs]'
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
 
 bench: setup
 	$(BIN)/python -m tests.bench.allreduce

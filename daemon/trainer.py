@@ -2,8 +2,8 @@
 
 The trainer owns the model and the inner optimizer; each replica keeps its own AdamW state
 (DiLoCo. Averaging both moments every outer step would triple the traffic; in the reference
-DiLoCo it gained about 1.3% at 4M tokens, no more than a change of seed moves: README,
-"Training quality"). It runs a bounded number of
+DiLoCo it gained about 1.3% at 4M tokens, no more than a change of seed moves:
+docs/results/training-quality.md). It runs a bounded number of
 steps per call and, between steps, checks a stop flag and asks the round's pacer whether
 another step still fits before the swarm's round ends, so a shutdown never waits for a
 whole round of compute and a slow peer never makes the swarm wait for a step it could not

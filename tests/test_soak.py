@@ -34,7 +34,7 @@ def test_six_small_sparse_peers_in_pairs_agree_through_a_pause_and_a_restart(tmp
     peers stand in several classes and views of a group can differ), one with twice the batch;
     one is paused 10 s in round 2 and another stopped after round 2 and started again.
 
-    This swarm found five faults (README, items 3 and 4 of "How it works", and "Security"): a
+    This swarm found five faults (docs/design.md, items 3 and 4, and docs/security.md): a
     member counted in a group it never formed stalled that group until the deadline and failed
     all its parts (a 51 s hop, θ_g split in two); a sender gave up on a reducer that formed the
     group seconds late (θ_g split four ways); a member alone in a later hop kept a group's mean

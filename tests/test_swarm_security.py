@@ -251,7 +251,7 @@ def test_a_member_forcing_a_1e12_weight_resync_cannot_replace_theta(tmp_path, cl
 
     The swarm runs the trimmed mean: the attacker's own θ_g, which keeps its x1000 values where
     the re-sync refused it, soon gives it a huge Δ too, and in the plain mean a huge Δ moves the
-    mean (README, "Threat model"; seen here as an honest eval loss of 17 in round 3 when its θ_g
+    mean (README, "Security"; seen here as an honest eval loss of 17 in round 3 when its θ_g
     stayed finite). The plain mean's re-sync bounds are tested on the data plane
     (test_bounded_influence.py)."""
     import torch
