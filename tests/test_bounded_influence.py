@@ -198,6 +198,24 @@ def test_a_theta_resync_result_that_drifts_too_far_is_refused():
     asyncio.run(main())
 
 
+async def _resync(peers: list, values: list[torch.Tensor], drift: DriftBound) -> tuple[list, list[torch.Tensor]]:
+    """A θ_g re-sync of `values` among `peers` (weight 1 each), every member holding `drift`;
+    (their reports, their results). Stops the peers."""
+    numel = values[0].numel()
+    plan = _plan([replace(p.member, weight=1.0) for p in peers], numel)
+    outs = [torch.empty(numel) for _ in peers]
+    try:
+        reports = await asyncio.gather(
+            *(
+                butterfly_allreduce(plan, p.member.peer_id, v, 1.0, o, p.registry, p.channels, 5.0, drift=drift)
+                for p, v, o in zip(peers, values, outs)
+            )
+        )
+    finally:
+        await stop_peers(peers)
+    return list(reports), outs
+
+
 def test_a_pair_partner_cannot_move_theta_by_a_resync_beyond_a_few_outer_steps():
     """Issue 56, finding 4: a re-sync result was bounded by 4x the norm of θ itself, and a group of
     two trims nothing, so a member paired with a victim that sent 2T - θ set the victim's θ_g to
@@ -213,17 +231,7 @@ def test_a_pair_partner_cannot_move_theta_by_a_resync_beyond_a_few_outer_steps()
         step = 0.01 * float(theta.norm())  # an outer step of the victim's recent ones
         bound = DriftBound(4 * 2 * step, 0.0, numel)
         assert float((target - theta).norm()) <= 4 * float(theta.norm())  # within the old bound
-        plan = _plan([replace(p.member, weight=1.0) for p in peers], numel)
-        outs = [torch.empty(numel) for _ in peers]
-        try:
-            reports = await asyncio.gather(
-                *(
-                    butterfly_allreduce(plan, p.member.peer_id, v, 1.0, o, p.registry, p.channels, 5.0, drift=bound)
-                    for p, v, o in zip(peers, values, outs)
-                )
-            )
-        finally:
-            await stop_peers(peers)
+        reports, outs = await _resync(peers, values, bound)
         assert len(reports[1].failed_parts) == 2  # both parts refused by the victim
         assert torch.equal(outs[1], theta)
 
@@ -276,17 +284,7 @@ def test_a_member_of_a_group_of_one_theta_moves_the_others_by_its_share_of_the_b
         values = [theta + pull, *(theta.clone() for _ in peers[1:])]
         shared = bound.shared(0, len(peers))  # the others announced this node's hash
         assert shared.theta == pytest.approx(bound.theta / 5)
-        plan = _plan([replace(p.member, weight=1.0) for p in peers], numel)
-        outs = [torch.empty(numel) for _ in peers]
-        try:
-            reports = await asyncio.gather(
-                *(
-                    butterfly_allreduce(plan, p.member.peer_id, v, 1.0, o, p.registry, p.channels, 5.0, drift=shared)
-                    for p, v, o in zip(peers, values, outs)
-                )
-            )
-        finally:
-            await stop_peers(peers)
+        reports, outs = await _resync(peers, values, shared)
         for report, out in zip(reports[1:], outs[1:]):
             assert report.failed_parts and float((out - theta).norm()) <= 2 * shared.theta
 
