@@ -32,6 +32,7 @@ lint: setup
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy -p dtnode.daemon -p dtnode.peers -p dtnode.ops
+	$(BIN)/lint-imports
 
 # the documentation site (docs/, mkdocs.yml) into site/; --strict: a broken link or a page left out
 # of the navigation fails it
