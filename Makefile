@@ -13,7 +13,7 @@ NODES ?= 3
 ROUNDS ?= 8
 BIN := $(VENV)/bin
 
-.PHONY: setup swarm test lint docs bench proto clean
+.PHONY: setup swarm test lint monitoring docs bench proto clean
 setup: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml
@@ -33,6 +33,13 @@ lint: setup
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy -p dtnode.daemon -p dtnode.peers -p dtnode.ops
 	$(BIN)/lint-imports
+
+# the Prometheus files, with promtool (Debian's `prometheus` package): the scrape config and the
+# rules it loads check, and every alert's unit tests (deploy/prometheus/alerts_test.yml) pass
+monitoring:
+	promtool check config deploy/prometheus/prometheus.yml
+	promtool check rules deploy/prometheus/alerts.yml
+	promtool test rules deploy/prometheus/alerts_test.yml
 
 # the documentation site (docs/, mkdocs.yml) into site/; --strict: a broken link or a page left out
 # of the navigation fails it

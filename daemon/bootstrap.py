@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import re
 import shlex
 import socket
+from collections.abc import Callable, Iterable
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -22,10 +24,11 @@ from hivemind.dht.crypto import RSASignatureValidator
 
 from dtnode.peers.known_peers import FILE_NAME as KNOWN_PEERS_FILE
 from dtnode.peers.known_peers import KnownPeers, peer_of
-from dtnode.peers.membership import JoinError, Membership, public_maddrs, start_dht
+from dtnode.peers.membership import JoinError, Membership, PeerRecord, public_maddrs, start_dht
 from dtnode.peers.sidecar_address import PROBE_TIMEOUT_S, SidecarAddressError, is_sidecar_address, resolve_peers
 from dtnode.peers.tls import NodeIdentity, TrustStore
 
+from .hf_model import is_hub_id
 from .metrics import NodeMetrics
 from .recipe import SwarmRecipe, recipe_flags
 from .settings import NodeSettings
@@ -197,16 +200,23 @@ def join_command(settings: NodeSettings, recipe: SwarmRecipe, maddr: str, public
     words = ["dtnode", "join", "--peer", maddr]
     words += ["--run-id", s.run_id] if s.run_id != NodeSettings.model_fields["run_id"].default else []
     if s.model != NodeSettings.model_fields["model"].default:
-        words += ["--model", f"hf:{local(s.model[3:])}" if s.model.startswith("hf:") else s.model]
+        hf_directory = s.model.startswith("hf:") and not is_hub_id(s.model[3:])
+        words += ["--model", f"hf:{local(s.model[3:])}" if hf_directory else s.model]  # a Hub id as it is
     words += ["--tokenizer", local(str(s.tokenizer))] if s.tokenizer is not None else []  # every peer needs the same
     words += ["--text-field", s.text_field] if s.data is not None and "text_field" in s.model_fields_set else []
     words += recipe_flags(recipe, Path(local(str(s.data))) if s.data is not None else None)
     return shlex.join(words)
 
 
-async def remember_peers(membership: Membership, known: KnownPeers, peer_id: str, metrics: NodeMetrics) -> None:
+async def remember_peers(
+    membership: Membership,
+    known: KnownPeers,
+    peer_id: str,
+    metrics: NodeMetrics,
+    own_theta: Callable[[], tuple[int, str]] = lambda: (0, ""),
+) -> None:
     """Keep the addresses of the peers seen, for the next start, and the peer gauges (every
-    few heartbeats, until cancelled)."""
+    few heartbeats, until cancelled). `own_theta()`: this node's outer step and θ_g hash."""
     seen: set[str] = set()  # ids, for the metric (bounded by the swarm's size)
     while True:
         try:
@@ -216,6 +226,7 @@ async def remember_peers(membership: Membership, known: KnownPeers, peer_id: str
             seen.update(view)
             metrics.peers_live.set(len(view.keys() | {peer_id}))
             metrics.peers_seen.set(len(seen | {peer_id}))
+            metrics.theta_agreement.set(theta_agreement(own_theta(), view.values(), peer_id))
             known.remember(view.values(), peer_id)
             await asyncio.to_thread(known.save)
         except asyncio.CancelledError:
@@ -223,3 +234,14 @@ async def remember_peers(membership: Membership, known: KnownPeers, peer_id: str
         except Exception as e:  # noqa: BLE001  (a full disk must not stop training; the next pass retries)
             log.warning("could not save the known peers: %s", e)
         await asyncio.sleep(REMEMBER_PEERS_EVERY_S)
+
+
+def theta_agreement(own: tuple[int, str], records: Iterable[PeerRecord], peer_id: str) -> float:
+    """The share of the live peers at this node's outer step, itself included, that announce
+    its θ_g hash (NaN before it has one). A healthy swarm's groups leave it at 1; below one
+    half, this node holds a θ_g most of its peers at its step do not."""
+    step, theta = own
+    if not theta:
+        return math.nan
+    others = [r.theta_sha256 for r in records if r.peer_id != peer_id and r.outer_step == step and r.theta_sha256]
+    return (1 + sum(h == theta for h in others)) / (1 + len(others))

@@ -1,7 +1,9 @@
-"""Models from Hugging Face `transformers`, built from a local directory, never fetched.
+"""Models from Hugging Face `transformers`: a local directory, or a Hub id through the Hub cache.
 
 `--model hf:PATH` names a directory holding a `config.json` and, optionally, safetensors
-weights. With the config alone the model starts from a seeded initialisation, the same on
+weights. `--model hf:ORG/NAME` (or `hf:NAME`, `hf:ORG/NAME@REVISION`) names a model on the
+Hugging Face Hub: `huggingface_hub` fetches its config, safetensors weights and tokenizer files
+into its cache (HF_HOME), or with HF_HUB_OFFLINE=1 takes them from there without a network. With the config alone the model starts from a seeded initialisation, the same on
 every peer; with weights it starts from them (continued pre-training or fine-tuning). Only
 safetensors weights are read: a `pytorch_model.bin` is a pickle, and pickles from a model
 someone handed over are code, not data.
@@ -17,6 +19,7 @@ of start-up on a 2-core host, which a joiner of a preset swarm should not pay.
 from __future__ import annotations
 
 import hashlib
+import re
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +43,56 @@ _CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "n_ctx", "seq_length"
 
 class HFModelError(ValueError):
     """A model directory that cannot be used; the message says what to change."""
+
+
+# A Hub id: NAME or ORG/NAME, each of letters, digits, '-', '_' and '.', optionally @REVISION
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]{0,95}(/[A-Za-z0-9][\w.-]{0,95})?(@[\w./-]{1,128})?$")
+# What a model and its tokenizer need from a Hub repository; never a pickle
+_HUB_FILES = (
+    "config.json",
+    "generation_config.json",
+    "*.safetensors",
+    "model.safetensors.index.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+)
+
+
+def is_hub_id(source: str) -> bool:
+    """Whether `hf:SOURCE` names a Hub model: no such local path, and shaped like a Hub id."""
+    return not Path(source).expanduser().exists() and bool(_HUB_ID.match(source)) and ".." not in source
+
+
+def resolve_hf_source(source: str) -> Path:
+    """The local directory of `hf:SOURCE`: the directory itself, or a Hub model's snapshot in
+    the Hugging Face cache (fetched there first unless HF_HUB_OFFLINE is set)."""
+    if not is_hub_id(source):
+        return Path(source).expanduser()
+    repo_id, _, revision = source.partition("@")
+    try:
+        from huggingface_hub import snapshot_download
+        from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+    except ImportError:
+        raise HFModelError("hf: models need the Hugging Face libraries: pip install 'dtnode[hf]'") from None
+    try:
+        return Path(snapshot_download(repo_id, revision=revision or None, allow_patterns=list(_HUB_FILES)))
+    except LocalEntryNotFoundError:
+        raise HFModelError(
+            f"{repo_id} is not in the Hugging Face cache ({_cache_dir()}) and the Hub cannot be reached "
+            "(HF_HUB_OFFLINE, or no network): fetch it on a connected host, or give hf:DIRECTORY"
+        ) from None
+    except (HfHubHTTPError, OSError, ValueError) as e:
+        raise HFModelError(f"cannot fetch {repo_id} from the Hugging Face Hub: {e}") from None
+
+
+def _cache_dir() -> str:
+    from huggingface_hub import constants
+
+    return str(constants.HF_HUB_CACHE)
 
 
 def require_transformers() -> Any:

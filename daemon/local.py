@@ -99,7 +99,7 @@ async def _run(nodes: int, base_dir: str, values: dict[str, Any], http_port: int
 
         pumps.append(asyncio.create_task(_pump(f"node{i}", i, proc.stdout, watch)))
 
-    await spawn(0, [])
+    await spawn(0, ["--new-swarm"])
     first = procs[0]
     try:
         waiter = asyncio.ensure_future(first.wait())

@@ -115,20 +115,15 @@ def plan_ranks(s: NodeSettings) -> RankPlan:
 
 
 def selected_gpus(spec: str, available: int) -> list[int]:
-    """`--gpus`: all, a count (the first N) or a list of indices ("0,3,5", one index as "3,")."""
+    """`--gpus`: all, or indices ("0", "0,3,5"; a trailing comma as in "3," is allowed)."""
     if spec == "all":
         return list(range(available))
-    if "," not in spec:
-        count = int(spec)
-        if count > available:
-            raise SettingsError("--gpus", f"{count} GPUs asked, this host has {available}")
-        return list(range(count))
     indices = [int(part) for part in spec.split(",") if part]
     if len(set(indices)) != len(indices):
         raise SettingsError("--gpus", f"{spec!r} names a GPU twice")
     missing = [i for i in indices if i >= available]
     if missing:
-        raise SettingsError("--gpus", f"no GPU {missing[0]} on this host (it has {available})")
+        raise SettingsError("--gpus", f"no GPU {missing[0]} on this host (it has {available}: 0 to {available - 1})")
     return indices
 
 
@@ -148,6 +143,7 @@ class RankSpec(BaseModel):
     shard: bool
     parent_pid: int
     timeout_s: float
+    precision: str = "auto"  # --precision, resolved by each rank for its own device
 
 
 @dataclass
@@ -234,6 +230,7 @@ class LocalRanks:
                 weight_decay=self.settings.inner_weight_decay,
                 threads=self.plan.threads,
                 shard=self.shard,
+                precision=self.settings.precision,
                 parent_pid=os.getpid(),
                 timeout_s=self.collective_timeout_s,
             )

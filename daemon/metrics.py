@@ -248,6 +248,7 @@ class NodeMetrics:
         self.peers_seen = Gauge(
             "dtnode_peers_seen", "Distinct peers this node has seen since it started, this node included", registry=r
         )
+        self.swarm_health_gauges(r)
         for outcome in ROUND_OUTCOMES:
             self.rounds.labels(outcome=outcome)
         for reason in COMMON_FAILURES:
@@ -256,3 +257,25 @@ class NodeMetrics:
             self.theta_resyncs.labels(reason=reason)
         for phase in PHASES:
             self.phase_seconds.labels(phase=phase)
+
+    def swarm_health_gauges(self, r: CollectorRegistry) -> None:
+        """What deploy/prometheus/alerts.yml keys on beyond rounds: memory against the host's,
+        reachability, and agreement on θ_g with the peers at this node's step."""
+        self.host_memory = Gauge(
+            "dtnode_host_memory_bytes", "Total memory of this host (for process_resident_memory_bytes)", registry=r
+        )
+        self.host_memory.set(psutil.virtual_memory().total)
+        self.reachable = Gauge(
+            "dtnode_reachable",
+            "1: a peer's dial-back reached this node's announced addresses; 0: it could not; -1: not checked "
+            "yet (no live peer to ask, or client mode)",
+            registry=r,
+        )
+        self.reachable.set(-1)
+        self.theta_agreement = Gauge(
+            "dtnode_theta_agreement_ratio",
+            "Share of the live peers at this node's outer step, itself included, whose θ_g hash is this node's "
+            "(NaN: its hash is not known yet)",
+            registry=r,
+        )
+        self.theta_agreement.set(math.nan)

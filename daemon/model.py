@@ -19,7 +19,6 @@ import importlib
 import json
 import math
 from dataclasses import asdict
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -94,9 +93,9 @@ def build_model(spec: str, seed: int) -> tuple[nn.Module, dict]:
         model = GPT(PRESETS[spec])
         description = {"preset": spec, **asdict(PRESETS[spec])}
     elif spec.startswith(HF_PREFIX):
-        from .hf_model import load_hf_model
+        from .hf_model import load_hf_model, resolve_hf_source
 
-        model, description = load_hf_model(Path(spec[len(HF_PREFIX) :]).expanduser())
+        model, description = load_hf_model(resolve_hf_source(spec[len(HF_PREFIX) :]))
     else:
         module_name, _, factory_name = spec.partition(":")
         factory = getattr(importlib.import_module(module_name), factory_name)

@@ -233,7 +233,7 @@ class Node:
         heartbeat = asyncio.ensure_future(self.membership.heartbeat(self.presenter.record, self.stopping))
         stack.push_async_callback(self._final_announce, heartbeat)
         remembering = asyncio.ensure_future(
-            remember_peers(self.membership, bootstrap.known_peers, self.addr.peer_id, self.metrics)
+            remember_peers(self.membership, bootstrap.known_peers, self.addr.peer_id, self.metrics, self._own_theta)
         )
         stack.push_async_callback(self._stop_remembering, remembering, bootstrap)
         if (warning := announce_warning(s, host)) is not None:
@@ -368,9 +368,15 @@ class Node:
             await asyncio.wait_for(self.publisher.publish(), FINAL_ANNOUNCE_S)
 
     async def _check_reachable(self) -> None:
-        self.presenter.reachability = await ask_dial_back(
-            self.addr.peer_id, self.membership.members, self.auth, self.stopping
-        )
+        found = await ask_dial_back(self.addr.peer_id, self.membership.members, self.auth, self.stopping)
+        self.presenter.reachability = found
+        if found is not None:
+            self.metrics.reachable.set(1 if found.ok else 0)
+
+    def _own_theta(self) -> tuple[int, str]:
+        """This node's outer step and θ_g hash ("" while it is computed, or before the model is built)."""
+        worker = self.worker
+        return worker.outer_step, worker.replica.params_sha256() if worker.built else ""
 
     async def _stop_remembering(self, task: asyncio.Future, bootstrap: DhtBootstrap) -> None:
         task.cancel()

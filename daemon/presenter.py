@@ -7,6 +7,7 @@ it (the round state, the worker, the store, the run statistics, the last round's
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -27,12 +28,20 @@ from .history import RoundHistory
 from .memory_checkpoint import MemoryCheckpoint
 from .metrics import NodeMetrics
 from .reachability import DialBack, Reachability
-from .report import Health, NodeStatus, RankStatus, RoundProgress, RunStats
+from .report import Health, NodeStatus, Outcome, RankStatus, RoundProgress, RunStats
 from .round_state import RoundState
 from .settings import NodeSettings
 from .store import CheckpointStore
 from .worker import ModelWorker
 from .workload import Workload
+
+READY_ROUNDS = 3  # /readyz: a node that averaged with a peer in none of its last 3 rounds is not ready
+
+
+def _recordable_loss(loss: float | None) -> float | None:
+    """The record's loss: a finite one within the record's bounds, else none (a NaN or an
+    exploded loss would make the whole record invalid to its readers)."""
+    return loss if loss is not None and math.isfinite(loss) and 0 <= loss <= 1e6 else None
 
 
 @dataclass
@@ -105,6 +114,9 @@ class NodePresenter:
             version=__version__,
             recipe=self.workload.recipe.to_record(),
             tls_cert=encode_certificate(self.trust.own.cert_der) if self.trust is not None else "",
+            theta_sha256=self.worker.replica.params_sha256() if self.worker.built else "",
+            loss=_recordable_loss(trainer.last_loss),
+            condition=self.stats.condition(st.state)[0].value,
         )
 
     def _devices(self) -> str:
@@ -185,6 +197,26 @@ class NodePresenter:
                     detail=f"no inner step for {idle:.0f}s (--health-stall-s {self.settings.health_stall_s:g})",
                 )
         return Health(ok=True, state=self.state.state)
+
+    def readiness(self) -> Health:
+        """`/readyz`: in the swarm. Averaged with another peer in one of the last READY_ROUNDS
+        rounds (a node alone, failing every round or still downloading is not), and not found
+        unreachable by a peer's dial-back."""
+        state = self.state.state
+        recent = list(self.stats.recent)[-READY_ROUNDS:]
+        if not any(o in (Outcome.FULL, Outcome.PARTIAL) for o in recent):
+            why = (
+                "no round finished yet"
+                if not recent
+                else f"averaged with no peer in its last {len(recent)} round(s) ({', '.join(o.value for o in recent)})"
+            )
+            return Health(ok=False, state=state, detail=why)
+        found = self.reachability
+        if found is not None and not found.ok:
+            return Health(
+                ok=False, state=state, detail=f"a peer could not reach it: {found.grpc_error or found.http_error}"
+            )
+        return Health(ok=True, state=state, detail=f"last round {recent[-1].value}")
 
     def _expected_bytes(self, group_size: int) -> int:
         if not self.worker.built:

@@ -34,6 +34,7 @@ from .local_ranks import (
     own_memory,
 )
 from .model import build_model
+from .precision import Precision, StepPrecision
 from .sharded import gather_moments, gather_params, scatter_moments, scatter_params, shard_model, shared_eval_set
 from .trainer import (
     held_out_loss,
@@ -75,6 +76,7 @@ class ChildRank:
         self.synced = [found[name] for name in names]
         self.forward_model: Callable[[torch.Tensor], torch.Tensor] = torch.compile(wrapped) if spec.compile else wrapped
         self.optimizer = inner_optimizer(self.model, 0.0, spec.weight_decay)
+        self.precision = StepPrecision(Precision(spec.precision), self.device)
         self.trainable = ordered_parameters(self.model)
 
     def serve(self) -> None:
@@ -101,7 +103,7 @@ class ChildRank:
                 gather_moments(self.optimizer, self.trainable, None)
             elif command is Command.EVAL:
                 tokens = shared_eval_set(None, (int(header[1]), int(header[2])), self.control)
-                held_out_loss(self.model, tokens, self.device)
+                held_out_loss(self.model, tokens, self.device, self.precision.precision)
 
     def _step(self, lr: float, rows: int, width: int) -> None:
         started = time.monotonic()
@@ -111,7 +113,13 @@ class ChildRank:
             group["lr"] = lr
         try:
             loss = inner_step(
-                self.forward_model, self.optimizer, batch, self.device, self.spec.grad_clip, self.trainable
+                self.forward_model,
+                self.optimizer,
+                batch,
+                self.device,
+                self.spec.grad_clip,
+                self.trainable,
+                precision=self.precision,
             )
         except torch.cuda.OutOfMemoryError as e:
             report_out_of_memory(self.spec, e)

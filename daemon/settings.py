@@ -7,15 +7,24 @@ every option has exactly one name, one type and one help text.
 
 from __future__ import annotations
 
+import difflib
+import json
 import os
 import re
 import tomllib
+from collections.abc import Mapping
 from importlib.resources.abc import Traversable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
-from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, TomlConfigSettingsSource
+from pydantic_settings import (
+    BaseSettings,
+    NoDecode,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    TomlConfigSettingsSource,
+)
 from pydantic_settings import SettingsError as PydanticSettingsError
 
 if TYPE_CHECKING:  # torch comes with them: `dtnode --help` and a bad flag answer without it
@@ -26,6 +35,21 @@ ENV_PREFIX = "DTNODE_"
 # SparseLoCo's outer step (error feedback replaces momentum), and no periodic fp32 re-sync
 SPARSE_DEFAULTS: dict[str, float | int] = {"outer_lr": 1.0, "outer_momentum": 0.0, "consensus_every": 0}
 _DEVICE = re.compile(r"^(auto|cpu|mps|cuda(:\d+)?)$")
+_RUN_ID = re.compile(r"^[A-Za-z0-9._-]+$")
+_GPUS = re.compile(r"^(all|\d+(,\d+)*,?)$")
+# The words an option takes: pydantic names them in its error ("Input should be 'int8', 'sparse'
+# or 'fp32'"), where a pattern would show users a regex
+DataDtype = Literal["auto", "uint16", "uint32"]
+Pacing = Literal["swarm", "fixed"]
+LrSchedule = Literal["cosine", "linear", "constant"]
+Aggregation = Literal["mean", "trimmed-mean", "median"]
+CompressionName = Literal["int8", "sparse", "fp32"]
+PrecisionName = Literal["auto", "bf16", "fp16", "fp32"]
+LogLevel = Literal["DEBUG", "INFO", "WARNING", "ERROR"]
+LogFormat = Literal["human", "json"]
+# DTNODE_* variables that are not options: test hooks (DTNODE_TEST_*), a rank's spec from its
+# host, and what CI hands the browser test. Any other DTNODE_* name is a misspelt option.
+NOT_OPTIONS = ("DTNODE_TEST_", "DTNODE_LOCAL_RANK_SPEC", "DTNODE_REQUIRE_BROWSER", "DTNODE_SCREENSHOT_DIR")
 
 
 class SettingsError(ValueError):
@@ -48,15 +72,19 @@ class NodeSettings(BaseSettings):
         "dtnode-demo",
         min_length=1,
         max_length=64,
-        pattern=r"^[A-Za-z0-9._-]+$",
         description="Name of the training run; only peers with the same run id train together.",
     )
-    peers: list[str] = Field(
+    peers: Annotated[list[str], NoDecode] = Field(
         default_factory=list,
-        description="A swarm member to join through (repeatable): its multiaddr "
-        "(/ip4/1.2.3.4/tcp/7700/p2p/Qm...), or its sidecar address "
-        "(http://node1:7702), whose /status names its multiaddrs. Without "
-        "it the node starts a new swarm.",
+        description="A swarm member to join through (repeatable; comma-separated in DTNODE_PEERS): its "
+        "sidecar address (http://node1:7702), whose /status names its multiaddrs, or a multiaddr "
+        "(/ip4/1.2.3.4/tcp/7700/p2p/Qm...). Without it, and with no peer known from an earlier run "
+        "in --state-dir, give --new-swarm.",
+    )
+    new_swarm: bool = Field(
+        False,
+        description="Start a new swarm when no --peer is given and --state-dir knows no peer of an "
+        "earlier run (without it such a node stops with an error instead of training alone).",
     )
     config: Path | None = Field(
         None, description="TOML file with option values (keys as in this list, with underscores)."
@@ -129,10 +157,10 @@ class NodeSettings(BaseSettings):
     # Model and data
     model: str = Field(
         "tiny",
-        description="Model preset (tiny, small, base), 'hf:DIR' (a transformers causal "
-        "LM from a local directory with config.json, and safetensors "
-        "weights to start from them), or 'module:factory' returning a "
-        "torch.nn.Module.",
+        description="Model preset (tiny, small, base); 'hf:DIR', a transformers causal LM from a local "
+        "directory with a config.json (and safetensors weights to start from them); 'hf:ORG/NAME', the "
+        "same from the Hugging Face Hub through its cache (HF_HOME; HF_HUB_OFFLINE=1 reads only the "
+        "cache); or 'module:factory' returning a torch.nn.Module.",
     )
     tokenizer: Path | None = Field(
         None,
@@ -151,9 +179,8 @@ class NodeSettings(BaseSettings):
     text_field: str = Field(
         "text", min_length=1, max_length=256, description="The field holding the text in .jsonl and .parquet data."
     )
-    data_dtype: str = Field(
+    data_dtype: DataDtype = Field(
         "auto",
-        pattern=r"^(auto|uint16|uint32)$",
         description="Token id type of .bin data: uint16, uint32, or auto (the llm.c header's, else uint16).",
     )
     eval_data: Path | None = Field(
@@ -190,10 +217,16 @@ class NodeSettings(BaseSettings):
     )
     gpus: str = Field(
         "all",
-        pattern=r"^(all|[1-9]\d*|\d+(,\d+)*,)$|^\d+(,\d+)+$",
-        description="The GPUs this node trains on, one local rank each: all, a count N (the "
-        "first N), or a list of indices (0,3,5; a single index as 3,). The host stays one "
-        "peer of the swarm whatever the count.",
+        description="The GPUs this node trains on, one local rank each: all, or their indices "
+        "(0; 0,3,5), as CUDA_VISIBLE_DEVICES numbers them. The host stays one peer of the swarm "
+        "whatever the count; --nproc-per-node N takes the first N of them.",
+    )
+    precision: PrecisionName = Field(
+        "auto",
+        description="Arithmetic of the inner steps' forward and backward passes: bf16 or fp16 "
+        "(autocast; fp16 with a dynamic loss scale, for GPUs without bf16 such as V100 and T4) "
+        "or fp32. auto: bf16 on a GPU that has it, else fp16 on a GPU, fp32 on a CPU. The "
+        "weights, θ_g and what peers exchange stay fp32 whatever this says.",
     )
     nproc_per_node: int | None = Field(
         None,
@@ -241,9 +274,8 @@ class NodeSettings(BaseSettings):
         "average peer (with --pacing fixed: exactly H "
         "steps on every peer).",
     )
-    pacing: str = Field(
+    pacing: Pacing = Field(
         "swarm",
-        pattern=r"^(swarm|fixed)$",
         description="swarm: a round ends when the swarm "
         "has processed its tokens (every peer "
         "trains until then, weighted by its "
@@ -274,9 +306,8 @@ class NodeSettings(BaseSettings):
         description="Linear warmup of the inner learning rate, in inner steps "
         "(again for a joiner whose inner optimizer starts fresh).",
     )
-    lr_schedule: str = Field(
+    lr_schedule: LrSchedule = Field(
         "cosine",
-        pattern=r"^(cosine|linear|constant)$",
         description="Decay of the inner learning rate after warmup, over --total-steps: cosine, linear or constant.",
     )
     total_steps: int | None = Field(
@@ -365,9 +396,8 @@ class NodeSettings(BaseSettings):
         "accumulate (a group whose members hold the same θ_g skips it); 0 disables (the default "
         "with --compression sparse, where an fp32 re-sync would cost 300 rounds of its traffic).",
     )
-    aggregation: str = Field(
+    aggregation: Aggregation = Field(
         "mean",
-        pattern=r"^(mean|trimmed-mean|median)$",
         description="How this node reduces its part: mean (token-weighted), trimmed-mean (robust to "
         "--trim-fraction of hostile members per group, at least one from 3 up) or median (the "
         "coordinate-wise median: robust to a minority of hostile members, noisier).",
@@ -396,9 +426,8 @@ class NodeSettings(BaseSettings):
     chunk_elements: int = Field(
         1 << 20, ge=1024, le=1 << 26, description="Values per streamed chunk (a multiple of the block size)."
     )
-    compression: str = Field(
+    compression: CompressionName = Field(
         "int8",
-        pattern=r"^(int8|sparse|fp32)$",
         description="Wire format of pseudo-gradients: int8 (blockwise, 1 byte per parameter), sparse (top-k "
         "per block with 2-bit values and error feedback, about 0.022 bytes per parameter) or fp32. "
         "'none' is read as fp32.",
@@ -451,12 +480,9 @@ class NodeSettings(BaseSettings):
     )
     keep_checkpoints: int = Field(3, ge=1, le=1000, description="Newest checkpoints kept in the state dir.")
     # Logging
-    log_level: str = Field(
-        "INFO", pattern=r"^(DEBUG|INFO|WARNING|ERROR)$", description="Log level: DEBUG, INFO, WARNING or ERROR."
-    )
-    log_format: str = Field(
+    log_level: LogLevel = Field("INFO", description="Log level: DEBUG, INFO, WARNING or ERROR.")
+    log_format: LogFormat = Field(
         "human",
-        pattern=r"^(human|json)$",
         description="human: one readable line per event; json: one JSON object per line "
         "(time, level, logger, message, and the traceback if any) for log "
         "collectors.",
@@ -468,18 +494,57 @@ class NodeSettings(BaseSettings):
         all-reduce timeout (ARCHITECTURE.md's first failure promise)."""
         return self.matchmaking_window + self.allreduce_timeout
 
+    @field_validator("peers", mode="before")
+    @classmethod
+    def _peer_list(cls, value: object) -> object:
+        """DTNODE_PEERS and a TOML string may list peers comma-separated (or as a JSON list)."""
+        if isinstance(value, str):
+            text = value.strip()
+            if text.startswith("["):
+                try:
+                    return json.loads(text)
+                except json.JSONDecodeError:
+                    raise ValueError(f"{text!r} is neither a JSON list nor comma-separated addresses") from None
+            value = [text]
+        if isinstance(value, list | tuple):
+            return [
+                part.strip()
+                for item in value
+                for part in (item.split(",") if isinstance(item, str) else [item])
+                if not isinstance(part, str) or part.strip()
+            ]
+        return value
+
     @field_validator("peers")
     @classmethod
     def _peer_addresses(cls, peers: list[str]) -> list[str]:
+        from dtnode.peers.peer_address import parse_peer_address
+
         for peer in peers:
             if peer.startswith(("http://", "https://")):
                 continue
-            if not peer.startswith("/") or "/p2p/" not in peer:
+            if not peer.startswith("/"):
                 raise ValueError(
-                    f"{peer!r} is neither a multiaddr like /ip4/1.2.3.4/tcp/7700/p2p/Qm... nor a "
-                    "sidecar address like http://node1:7702"
+                    f"{peer!r} is neither a sidecar address like http://node1:7702 nor a multiaddr like "
+                    "/ip4/203.0.113.7/tcp/7700/p2p/Qm..."
                 )
+            parse_peer_address(peer)  # its error says what is wrong and shows a valid one
         return peers
+
+    @field_validator("run_id")
+    @classmethod
+    def _run_id_characters(cls, value: str) -> str:
+        if not _RUN_ID.match(value):
+            raise ValueError(f"{value!r} may hold letters, digits, '.', '_' and '-' only")
+        return value
+
+    @field_validator("gpus")
+    @classmethod
+    def _gpu_indices(cls, value: str) -> str:
+        value = value.strip().lower()
+        if not _GPUS.match(value):
+            raise ValueError(f"{value!r}: write all, or GPU indices such as 0 or 0,3,5")
+        return value
 
     @field_validator("compression", mode="before")
     @classmethod
@@ -516,9 +581,18 @@ class NodeSettings(BaseSettings):
         from .presets import HF_PREFIX, PRESETS
 
         if value.startswith(HF_PREFIX):
-            directory = Path(value[len(HF_PREFIX) :]).expanduser()
-            if not (directory / "config.json").is_file():
+            source = value[len(HF_PREFIX) :]
+            directory = Path(source).expanduser()
+            if directory.exists() and not (directory / "config.json").is_file():
                 raise ValueError(f"{directory} is not a directory with a config.json (hf:DIR)")
+            if not directory.exists():
+                from .hf_model import is_hub_id
+
+                if not is_hub_id(source):
+                    raise ValueError(
+                        f"{source} is not a directory with a config.json (hf:DIR), nor a Hugging Face Hub id "
+                        "(hf:ORG/NAME)"
+                    )
             return value
         if value not in PRESETS and not re.match(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$", value):
             raise ValueError(f"unknown model {value!r}; use one of {', '.join(PRESETS)}, hf:DIR or module:factory")
@@ -601,16 +675,35 @@ class ConfigFile(TomlConfigSettingsSource):
         return values
 
 
+def unknown_environment(environ: Mapping[str, str] | None = None) -> list[str]:
+    """DTNODE_* variables that name no option (DTNODE_PEER for DTNODE_PEERS): each is an error,
+    where pydantic-settings would ignore it and the node would start without what it says."""
+    environ = os.environ if environ is None else environ
+    options = {ENV_PREFIX + name.upper() for name in NodeSettings.model_fields}
+    return sorted(
+        name
+        for name in environ
+        if name.startswith(ENV_PREFIX) and name not in options and not name.startswith(NOT_OPTIONS)
+    )
+
+
+def _closest_option(variable: str) -> str:
+    names = [ENV_PREFIX + name.upper() for name in NodeSettings.model_fields]
+    close = difflib.get_close_matches(variable, names, n=1, cutoff=0.75)
+    return f"; did you mean {close[0]}?" if close else ""
+
+
 def load_settings(cli_values: dict[str, Any]) -> NodeSettings:
     """Build the settings; raise SettingsError naming the first bad option."""
+    for variable in unknown_environment():
+        raise SettingsError(variable, f"no option has this name{_closest_option(variable)}")
     try:
         return NodeSettings(**cli_values)
-    except PydanticSettingsError as e:  # an environment value that does not parse (a list not in JSON)
+    except PydanticSettingsError as e:  # an environment value that does not parse
         found = re.search(r'field "(\w+)"', str(e))
         name = found.group(1) if found else ""
         variable = ENV_PREFIX + name.upper() if name else "a DTNODE_* variable"
-        example = ' (a JSON list, e.g. ["/ip4/1.2.3.4/tcp/7700/p2p/Qm..."])' if name == "peers" else ""
-        raise SettingsError(variable, f"cannot parse {os.environ.get(variable, '')!r}{example}") from None
+        raise SettingsError(variable, f"cannot parse {os.environ.get(variable, '')!r}") from None
     except ValidationError as e:
         err = e.errors()[0]
         message = err["msg"].removeprefix("Value error, ")
@@ -618,4 +711,7 @@ def load_settings(cli_values: dict[str, Any]) -> NodeSettings:
             name = str(err["loc"][0])
         else:  # model-level checks start their message with the field they blame
             name, _, message = message.partition(": ")
-        raise SettingsError("--peer" if name == "peers" else flag(name), message) from None
+        option = "--peer" if name == "peers" else flag(name)
+        if name not in cli_values and ENV_PREFIX + name.upper() in os.environ:
+            option = f"{option} (from {ENV_PREFIX}{name.upper()})"
+        raise SettingsError(option, message) from None

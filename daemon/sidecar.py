@@ -63,6 +63,8 @@ class NodeView(Protocol):
 
     def health(self) -> Health: ...
 
+    def readiness(self) -> Health: ...
+
     async def peer_records(self) -> list[dict[str, Any]]: ...
 
     def checkpoint(self, step: int | None = None) -> CheckpointInfo | None: ...
@@ -183,7 +185,7 @@ class Sidecar:
         # --status-port: the operator's routes on a listener of their own (`start_status`)
         self.status_app = web.Application(middlewares=[self._require_key]) if separate_status else self.app
         if separate_status:
-            self.status_app.add_routes([web.get("/healthz", self.healthz)])
+            self.status_app.add_routes([web.get("/healthz", self.healthz), web.get("/readyz", self.readyz)])
         self.status_app.add_routes(self._status_routes())
         self.runner: web.AppRunner | None = None
         self.status_runner: web.AppRunner | None = None
@@ -195,6 +197,7 @@ class Sidecar:
         """What other peers ask of this node."""
         return [
             web.get("/healthz", self.healthz),
+            web.get("/readyz", self.readyz),
             web.get("/checkpoint", self.checkpoint_meta),
             web.get("/checkpoint/{step}", self.checkpoint_file),
             web.get("/dialback", self.dialback),
@@ -248,6 +251,10 @@ class Sidecar:
     async def healthz(self, request: web.Request) -> web.Response:
         health = self.node.health()
         return web.json_response(health.model_dump(mode="json"), status=200 if health.ok else 503)
+
+    async def readyz(self, request: web.Request) -> web.Response:
+        readiness = self.node.readiness()
+        return web.json_response(readiness.model_dump(mode="json"), status=200 if readiness.ok else 503)
 
     async def status(self, request: web.Request) -> web.Response:
         return web.json_response(self.node.status().model_dump(mode="json"))

@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
+import time
+import tomllib
 import urllib.error
 import urllib.request
+from pathlib import Path
 from typing import Any
 
 from rich import filesize
@@ -48,27 +52,65 @@ def _reachability(status: dict) -> str:
     return ", ".join(parts) + f" (by {str(found.get('checked_by', ''))[-10:]})"
 
 
-def show_status(url: str, as_json: bool = False, auth: SwarmAuth | None = None) -> int:
+def local_node_url(config: str | None, http_port: int | None, status_port: int | None, status_host: str | None) -> str:
+    """Where this host's node answers /status: its --status-port listener if it has one, else
+    its sidecar. Each value as the node reads it: a flag, else DTNODE_*, else its TOML file."""
+    from .settings import ENV_PREFIX
+
+    path = config or os.environ.get(ENV_PREFIX + "CONFIG")
+    try:
+        file = {k.replace("-", "_"): v for k, v in tomllib.loads(Path(path).read_text()).items()} if path else {}
+    except (OSError, tomllib.TOMLDecodeError) as e:
+        print(f"dtnode: warning: ignoring --config {path}: {e}", file=sys.stderr)
+        file = {}
+
+    def value(name: str, given: object) -> object:
+        return given if given is not None else os.environ.get(ENV_PREFIX + name.upper(), file.get(name))
+
+    status = value("status_port", status_port)
+    if status not in (None, ""):
+        return f"http://{value('status_host', status_host) or '127.0.0.1'}:{status}"
+    return f"http://127.0.0.1:{value('http_port', http_port) or 7702}"
+
+
+def watch_status(url: str, every_s: float, auth: SwarmAuth | None = None) -> int:
+    """`dtnode status --watch`: the tables redrawn every `every_s` until Ctrl-C; a node that
+    stops answering is shown as such, and watched on (it may be restarting)."""
+    console = Console()
+    try:
+        while True:
+            with console.capture() as frame:
+                show_status(url, auth=auth, console=console)
+            console.clear()
+            console.print(f"every {every_s:g}s, Ctrl-C to stop · {time.strftime('%H:%M:%S')}")
+            console.out(frame.get(), end="")
+            time.sleep(every_s)
+    except KeyboardInterrupt:
+        return 0
+
+
+def show_status(url: str, as_json: bool = False, auth: SwarmAuth | None = None, console: Console | None = None) -> int:
     base = url.rstrip("/")
+    err = console.print if console is not None else (lambda text: print(text, file=sys.stderr))
     try:
         status = _get(base, "/status")
     except (urllib.error.URLError, OSError, ValueError) as e:
-        print(f"dtnode: error: no node answers at {base}: {getattr(e, 'reason', e)}", file=sys.stderr)
+        err(f"dtnode: error: no node answers at {base}: {getattr(e, 'reason', e)}")
         return 1
     try:
         peers: list[dict[str, Any]] | None = _get(base, "/peers", auth)
     except urllib.error.HTTPError as e:
         if e.code != 401:
-            print(f"dtnode: error: {base}/peers answered {e.code}", file=sys.stderr)
+            err(f"dtnode: error: {base}/peers answered {e.code}")
             return 1
         peers = None  # a closed swarm, and we hold no key: show the node alone
     except (urllib.error.URLError, OSError, ValueError) as e:
-        print(f"dtnode: error: no node answers at {base}: {getattr(e, 'reason', e)}", file=sys.stderr)
+        err(f"dtnode: error: no node answers at {base}: {getattr(e, 'reason', e)}")
         return 1
     if as_json:
         print(json.dumps({"status": status, "peers": peers}, indent=2))
         return 0
-    console = Console()
+    console = console or Console()
     node = Table(title=f"node {status['peer_id']}", show_header=False)
     last = status.get("last_round") or {}
     rows = [
@@ -129,6 +171,9 @@ def show_status(url: str, as_json: bool = False, auth: SwarmAuth | None = None) 
         "round",
         "outer step",
         "lag",
+        "θ_g",
+        "loss",
+        "condition",
         "checkpoint",
         "tokens/s",
         "last seen",
@@ -146,6 +191,9 @@ def show_status(url: str, as_json: bool = False, auth: SwarmAuth | None = None) 
             where,
             str(p["outer_step"]),
             str(p.get("lag", "-")),
+            _theta(p, status),
+            _fmt(p.get("loss"), ".3f"),
+            p.get("condition") or "-",
             str(p["checkpoint_step"]),
             f"{p['tokens_per_s']:.0f}",
             seen,
@@ -155,6 +203,15 @@ def show_status(url: str, as_json: bool = False, auth: SwarmAuth | None = None) 
         )
     console.print(swarm)
     return 0
+
+
+def _theta(peer: dict[str, Any], status: dict[str, Any]) -> str:
+    """A peer's θ_g hash, short; marked when it is at this node's step with another θ_g."""
+    theta = str(peer.get("theta_sha256") or "")
+    if not theta:
+        return "-"
+    other = peer.get("outer_step") == status.get("outer_step") and theta != status.get("params_sha256", theta)
+    return theta[:8] + (" (differs)" if other else "")
 
 
 def _fmt(value: float | None, spec: str = ".4f") -> str:

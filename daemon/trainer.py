@@ -47,6 +47,7 @@ from .local_ranks import (
     out_of_memory_line,
 )
 from .local_weights import FlatLocal, LocalWeights
+from .precision import Precision, StepPrecision
 from .schedule import LearningRateSchedule
 from .sharded import HostShards
 
@@ -73,8 +74,10 @@ class Trainer:
         grad_clip: float,
         compile: bool = False,
         ranks: LocalRanks | None = None,
+        precision: Precision = Precision.AUTO,
     ):
         self.device = device
+        self.precision = StepPrecision(precision, device)  # autocast, and fp16's loss scale
         self.compile = compile
         # on a GPU the next batch is drawn while the device runs the current step (DataStream.prefetch)
         self.prefetch_batches = device.type == "cuda"
@@ -287,7 +290,14 @@ class Trainer:
         try:
             if self.ranks is None:
                 return inner_step(
-                    self.forward_model, self.optimizer, batch, self.device, self.grad_clip, self._trainable, self._ahead
+                    self.forward_model,
+                    self.optimizer,
+                    batch,
+                    self.device,
+                    self.grad_clip,
+                    self._trainable,
+                    self._ahead,
+                    self.precision,
                 )
             assert self.sync is not None  # present whenever ranks are
             return self._step_on_ranks(self.ranks, self.sync, batch, started)
@@ -311,7 +321,14 @@ class Trainer:
                 self.ranks_need_params = False
             rows = ranks.send_step(self.lr, batch)
             loss = inner_step(
-                self.forward_model, self.optimizer, rows, self.device, self.grad_clip, self._trainable, self._ahead
+                self.forward_model,
+                self.optimizer,
+                rows,
+                self.device,
+                self.grad_clip,
+                self._trainable,
+                self._ahead,
+                self.precision,
             )
             return ranks.collect(loss, time.monotonic() - started, rows[:, 1:].numel())
 
@@ -342,7 +359,7 @@ class Trainer:
         started = time.monotonic()
         try:
             if self.sync is None:
-                return held_out_loss(self.model, self.stream.eval_set, self.device)
+                return held_out_loss(self.model, self.stream.eval_set, self.device, self.precision.precision)
             if self.sync.evaluates_together and self.ranks is not None and not self.ranks.running:
                 return None  # a sharded model's forward passes need every rank, and they are down
             if self.sync.evaluates_together and self.ranks_need_params:  # on θ_l as rank 0 holds it
@@ -350,7 +367,9 @@ class Trainer:
                 self.ranks_need_params = False
             assert self.ranks is not None
             with self.ranks.collective():  # a sharded model's forward passes are collectives
-                return held_out_loss(self.model, self.sync.eval_tokens(self.stream.eval_set), self.device)
+                return held_out_loss(
+                    self.model, self.sync.eval_tokens(self.stream.eval_set), self.device, self.precision.precision
+                )
         finally:
             self.eval_seconds += time.monotonic() - started
 
@@ -363,39 +382,45 @@ def inner_step(
     grad_clip: float,
     parameters: list[torch.nn.Parameter],
     while_device_runs: Callable[[], None] | None = None,
+    precision: StepPrecision | None = None,
 ) -> float:
     """One AdamW step on `batch` (every local rank runs this, on its rows); the loss.
     `while_device_runs` is called once the step's kernels are queued, before the loss is
     read back (on a GPU the CPU is otherwise idle until the step ends)."""
-    loss = next_token_loss(model, batch, device)
+    precision = precision or StepPrecision(Precision.AUTO, device)
+    loss = next_token_loss(model, batch, device, precision.precision)
     optimizer.zero_grad(set_to_none=True)
-    loss.backward()
-    if grad_clip:
-        torch.nn.utils.clip_grad_norm_(parameters, grad_clip)
-    optimizer.step()
+    precision.backward_and_step(loss, optimizer, parameters, grad_clip)
     if while_device_runs is not None:
         while_device_runs()
     return loss.detach().item()
 
 
 def next_token_loss(
-    model: Callable[[torch.Tensor], torch.Tensor], batch: torch.Tensor, device: torch.device
+    model: Callable[[torch.Tensor], torch.Tensor],
+    batch: torch.Tensor,
+    device: torch.device,
+    precision: Precision = Precision.AUTO,
 ) -> torch.Tensor:
-    """Mean cross-entropy of predicting batch[:, 1:] from batch[:, :-1] (bf16 autocast on CUDA)."""
+    """Mean cross-entropy of predicting batch[:, 1:] from batch[:, :-1], the forward pass under
+    the autocast of `precision` (auto: bf16 on a GPU that has it, fp16 on one that does not)."""
     batch = batch.to(device, non_blocking=True)
-    with torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext():
+    dtype = precision.resolve(device).autocast_dtype
+    with torch.autocast(device.type, dtype=dtype) if dtype is not None else nullcontext():
         logits = model(batch[:, :-1])
     return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
 
 
 @torch.no_grad()
-def held_out_loss(model: torch.nn.Module, eval_set: torch.Tensor, device: torch.device) -> float:
+def held_out_loss(
+    model: torch.nn.Module, eval_set: torch.Tensor, device: torch.device, precision: Precision = Precision.AUTO
+) -> float:
     """Mean loss over an eval set, in chunks; the node's eval loss and the benchmarks' alike."""
     was_training = model.training
     model.eval()
     total, count = 0.0, 0
     for chunk in eval_set.split(EVAL_CHUNK):
-        total += float(next_token_loss(model, chunk, device)) * len(chunk)
+        total += float(next_token_loss(model, chunk, device, precision)) * len(chunk)
         count += len(chunk)
     model.train(was_training)
     return total / count

@@ -31,6 +31,7 @@ from .checkpoint import Layout, LoadedCheckpoint, LocalState, SharedBytes, Train
 from .coded_replica import CodedReplica
 from .data import DataStream
 from .local_ranks import LocalRankFailure, LocalRanks, RankReport, RankState, own_memory, plan_ranks
+from .precision import Precision
 from .replica import Replica
 from .schedule import LearningRateSchedule
 from .settings import NodeSettings, SettingsError
@@ -97,6 +98,13 @@ class ModelWorker:
         # position is the node's whatever its rank count
         rows = s.batch_size * plan.world_size
         stream = DataStream(w.sources, s.run_id, peer_id, rows, w.seq_len, s.eval_sequences)
+        precision = Precision(s.precision)
+        if s.shard and plan.world_size > 1 and precision.resolve(self.device) == Precision.FP16:
+            raise SettingsError(
+                "--precision",
+                f"fp16{' (what auto means on this GPU, which has no bf16)' if precision == Precision.AUTO else ''} "
+                "does not combine with --shard (its loss scale is per rank); use --precision fp32",
+            )
         ranks = LocalRanks(plan, s) if plan.world_size > 1 else None
         if ranks is not None:
             try:
@@ -114,6 +122,7 @@ class ModelWorker:
             grad_clip=s.grad_clip,
             compile=s.compile,
             ranks=ranks,
+            precision=precision,
         )
         if s.compression == "int8" and trainer.local_weights.span_device.type == "cpu":  # θ_g in host memory
             self._replica = CodedReplica(trainer, s.outer_lr, s.outer_momentum, s.wire_format().block_size)

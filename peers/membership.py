@@ -105,6 +105,10 @@ class PeerRecord(BaseModel):
     tls_cert: str = Field("", max_length=MAX_CERT_CHARS)  # base64 DER (peers/tls.py); empty: plaintext data plane
     auth: str = Field("", max_length=512)
     recipe: str = Field("", max_length=MAX_RECIPE_CHARS)  # JSON of what peers must share (daemon/recipe.py)
+    # For operators comparing peers (`dtnode status`, the dashboard); no decision rests on them:
+    theta_sha256: str = Field("", max_length=64)  # its θ_g's hash as of outer_step: who is in step with whom
+    loss: float | None = Field(None, ge=0, le=1e6, allow_inf_nan=False)  # its last inner loss
+    condition: str = Field("", max_length=16)  # its one-word condition: ok, alone, failing, ...
 
     def announces(self, step: int, sha256: str) -> bool:
         """Whether this (signed) record announces the checkpoint of `step` with this hash."""

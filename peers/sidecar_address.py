@@ -15,6 +15,8 @@ from typing import Any
 import aiohttp
 from tenacity import AsyncRetrying, retry_if_exception_type, stop_before_delay, wait_fixed
 
+from .peer_address import is_peer_address
+
 MAX_ADDRESSES = 8
 MAX_STATUS_BYTES = 1 << 20
 RETRY_S = 2.0
@@ -30,15 +32,7 @@ def is_sidecar_address(peer: str) -> bool:
 
 
 def _valid(addr: object) -> bool:
-    return (
-        isinstance(addr, str)
-        and addr.startswith("/")
-        and "/p2p/" in addr
-        and "/tcp/" in addr
-        and len(addr) < 300
-        and addr.isascii()
-        and " " not in addr
-    )
+    return is_peer_address(addr)  # parsed whole: host, TCP port and a peer id that decodes
 
 
 async def _resolve_one(session: aiohttp.ClientSession, url: str, timeout: float) -> list[str]:

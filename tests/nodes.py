@@ -140,6 +140,8 @@ class NodeProcess:
         state_dir = tmp / name
         if "--join-timeout" not in extra:
             extra = (*extra, "--join-timeout", "120")
+        if "--peer" not in extra:  # the first node of a test's swarm (or one restarted alone)
+            extra = (*extra, "--new-swarm")
         return cls(
             name, ["join", "--host", host, *PORTS, "--state-dir", str(state_dir), *extra], state_dir, env, prefix
         )

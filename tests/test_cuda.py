@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from dtnode.daemon.data import DataSources, DataStream, MarkovLanguage
 from dtnode.daemon.model import build_model
+from dtnode.daemon.precision import Precision
 from dtnode.daemon.replica import Replica
 from dtnode.daemon.schedule import LearningRateSchedule
 from dtnode.daemon.trainer import Trainer
@@ -24,13 +25,20 @@ from dtnode.ops.quantization import dequantize, quantize
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
-def _trainer(device: str, compile: bool = False, model: str = "tiny") -> Trainer:
+def _trainer(device: str, compile: bool = False, model: str = "tiny", precision: Precision = Precision.AUTO) -> Trainer:
     net, _ = build_model(model, seed=1)
     language = MarkovLanguage(seed=2)
     stream = DataStream(DataSources(language, language), "run", "peer", 8, 64)
     schedule = LearningRateSchedule(1e-3)
     return Trainer(
-        net, stream, torch.device(device), schedule=schedule, weight_decay=0.1, grad_clip=1.0, compile=compile
+        net,
+        stream,
+        torch.device(device),
+        schedule=schedule,
+        weight_decay=0.1,
+        grad_clip=1.0,
+        compile=compile,
+        precision=precision,
     )
 
 
@@ -94,6 +102,17 @@ def test_the_trainer_learns_in_bf16_on_the_gpu(compile):
     later = trainer.run(25, threading.Event())
     assert math.isfinite(first.mean_loss) and later.mean_loss < first.mean_loss
     assert trainer.parameters_flat.is_cuda and trainer.parameters_flat.dtype == torch.float32
+
+
+@pytest.mark.parametrize("precision", [Precision.FP16, Precision.FP32])
+def test_the_trainer_learns_in_fp16_with_its_loss_scale_and_in_fp32(precision):
+    """--precision fp16 (a V100 or T4, which have no bf16) and fp32, on this GPU."""
+    trainer = _trainer("cuda", precision=precision)
+    assert Precision.AUTO.resolve(torch.device("cuda")) == Precision.BF16  # an H100/H200 has bf16
+    first = trainer.run(5, threading.Event())
+    later = trainer.run(25, threading.Event())
+    assert math.isfinite(first.mean_loss) and later.mean_loss < first.mean_loss
+    assert (trainer.precision.scaler is not None) == (precision == Precision.FP16)
 
 
 def test_a_restored_adamw_state_trains_on_with_the_fused_kernel():

@@ -45,13 +45,24 @@ def test_dockerfile_and_compose_reference_real_commands():
 # ---- every deploy file parses, and uses only options, settings and metrics that exist ----------
 
 import json
+import os
 import re
 import shlex
+import shutil
+import subprocess
 
 import pytest
 
 from dtnode.daemon.cli import EXIT_JOIN, EXIT_MISMATCH, EXIT_USAGE, build_parser
 from dtnode.daemon.metrics import NodeMetrics
+
+MANIFESTS = ("statefulset.yaml", "gpu-host.yaml", "host-network.yaml")
+
+
+def _statefulset(manifest: str) -> dict:
+    docs = list(yaml.safe_load_all((DEPLOY / "kubernetes" / manifest).read_text()))
+    return next(d for d in docs if d["kind"] == "StatefulSet")
+
 
 JOIN_OPTIONS = {
     opt
@@ -72,12 +83,13 @@ def _dtnode_commands() -> dict[str, list[str]]:
     compose = yaml.safe_load((DEPLOY / "docker-compose.yml").read_text())
     for name, service in compose["services"].items():
         out[f"compose {name}"] = service["command"]
-    for manifest in ("statefulset.yaml", "gpu-host.yaml"):
-        docs = list(yaml.safe_load_all((DEPLOY / "kubernetes" / manifest).read_text()))
-        sts = next(d for d in docs if d["kind"] == "StatefulSet")
+    for manifest in MANIFESTS:
+        sts = _statefulset(manifest)
         script = sts["spec"]["template"]["spec"]["containers"][0]["args"][0]
         for i, line in enumerate(re.findall(r"exec dtnode (join[^\n]*)", script)):
-            out[f"{manifest} line {i}"] = shlex.split(line.replace('"$POD_IP"', "10.0.0.1"))
+            out[f"{manifest} line {i}"] = shlex.split(
+                line.replace('"$POD_IP"', "10.0.0.1").replace('"$HOST_IP"', "10.0.0.2")
+            )
     for unit_file in ("dtnode.service", "dtnode-gpu-host.service"):
         unit = configparser.ConfigParser(strict=False, interpolation=None)
         unit.read(DEPLOY / unit_file)
@@ -113,10 +125,21 @@ def test_compose_joins_by_sidecar_address_with_no_peer_id():
         assert command[command.index("--peer") + 1] == "http://node1:7702"
 
 
-def test_dockerfile_is_cuda_non_root_with_a_state_volume_and_healthcheck():
+def test_the_image_installs_the_torch_that_pyproject_floors_and_ci_tests():
+    """The base once was pytorch/pytorch:2.5.1 while the code imports fully_shard (public from
+    torch 2.6) and CI installed 2.13: the image's torch is now one ARG, the pyproject floor the
+    same version, and .ci/image-env reads it from the Dockerfile."""
     text = (DEPLOY / "Dockerfile").read_text()
-    base = re.search(r"^FROM (\S+)", text, re.MULTILINE).group(1)
-    assert base.startswith(("pytorch/pytorch:", "nvidia/cuda:")) and "cuda" in base
+    version = re.search(r"^ARG TORCH_VERSION=(\S+)$", text, re.MULTILINE).group(1)
+    assert 'pip install "torch==${TORCH_VERSION}"' in text
+    deps = tomllib.loads((DEPLOY.parent / "pyproject.toml").read_text())["project"]["dependencies"]
+    floor = next(d for d in deps if d.startswith("torch"))
+    assert floor == "torch>=" + version.removesuffix(".0"), (floor, version)
+    assert "TORCH_VERSION" in (DEPLOY.parent / ".ci" / "image-env").read_text()
+
+
+def test_dockerfile_is_non_root_with_a_state_volume_and_healthcheck():
+    text = (DEPLOY / "Dockerfile").read_text()
     user = re.findall(r"^USER (\S+)", text, re.MULTILINE)
     assert user and user[-1] not in ("root", "0")
     assert re.search(r"^VOLUME /var/lib/dtnode", text, re.MULTILINE) and "/healthz" in text
@@ -150,9 +173,49 @@ def test_statefulset_requests_a_gpu_keeps_state_and_probes_the_sidecar():
     container = sts["spec"]["template"]["spec"]["containers"][0]
     assert container["resources"]["limits"]["nvidia.com/gpu"] == 1
     assert sts["spec"]["volumeClaimTemplates"][0]["metadata"]["name"] == "state"
-    for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
-        assert container[probe]["httpGet"]["path"] == "/healthz"
     assert sts["spec"]["template"]["spec"]["securityContext"]["runAsNonRoot"] is True
+
+
+@pytest.mark.parametrize("manifest", MANIFESTS)
+def test_liveness_and_readiness_are_different_questions(manifest):
+    """Liveness (/healthz) restarts a process that stopped working; readiness (/readyz) says it
+    is in the swarm. One endpoint for both restarted nothing that averaged alone for hours."""
+    container = _statefulset(manifest)["spec"]["template"]["spec"]["containers"][0]
+    assert container["startupProbe"]["httpGet"]["path"] == container["livenessProbe"]["httpGet"]["path"] == "/healthz"
+    assert container["readinessProbe"]["httpGet"]["path"] == "/readyz"
+
+
+@pytest.mark.parametrize("manifest", MANIFESTS)
+def test_every_manifest_says_how_to_create_the_secret_it_needs(manifest):
+    text = (DEPLOY / "kubernetes" / manifest).read_text()
+    secret = _statefulset(manifest)["spec"]["template"]["spec"]["containers"][0]["env"]
+    name = next(e for e in secret if e["name"] == "DTNODE_SWARM_KEY")["valueFrom"]["secretKeyRef"]["name"]
+    assert f"kubectl create secret generic {name} --from-literal=key=" in text
+    assert f"kubectl create secret generic {name}" in (DEPLOY.parent / "README.md").read_text()
+
+
+def test_the_host_network_manifest_is_reachable_from_outside_the_cluster():
+    """statefulset.yaml's pods announce pod IPs behind a headless Service: nothing outside can
+    dial them. This one uses the node's network and announces the node's address."""
+    pod = _statefulset("host-network.yaml")["spec"]["template"]["spec"]
+    container = pod["containers"][0]
+    assert pod["hostNetwork"] is True and pod["dnsPolicy"] == "ClusterFirstWithHostNet"
+    assert (
+        {p["containerPort"] for p in container["ports"]}
+        == {p["hostPort"] for p in container["ports"]}
+        == {
+            7700,
+            7701,
+            7702,
+        }
+    )
+    host_ip = next(e for e in container["env"] if e["name"] == "HOST_IP")
+    assert host_ip["valueFrom"]["fieldRef"]["fieldPath"] == "status.hostIP"
+    assert all(
+        '--announce-host "$HOST_IP"' in line for line in container["args"][0].splitlines() if "exec dtnode" in line
+    )
+    anti = pod["affinity"]["podAntiAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"][0]
+    assert anti["topologyKey"] == "kubernetes.io/hostname"
 
 
 @pytest.mark.parametrize("manifest", ["statefulset.yaml", "gpu-host.yaml"])
@@ -205,11 +268,19 @@ def exported_names() -> set[str]:
 
 
 def test_alert_rules_and_scrape_config_parse_and_name_real_metrics(exported_names):
-    config = yaml.safe_load((DEPLOY / "prometheus" / "prometheus.yml").read_text())
-    assert config["rule_files"] == ["alerts.yml"]
-    assert all(job["metrics_path"] == "/metrics" for job in config["scrape_configs"] if "metrics_path" in job)
+    for name in ("prometheus.yml", "kubernetes.yml"):
+        config = yaml.safe_load((DEPLOY / "prometheus" / name).read_text())
+        assert config["rule_files"] == ["alerts.yml"]
+        assert all(job["metrics_path"] == "/metrics" for job in config["scrape_configs"] if "metrics_path" in job)
     rules = yaml.safe_load((DEPLOY / "prometheus" / "alerts.yml").read_text())["groups"][0]["rules"]
-    assert {r["alert"] for r in rules} >= {"DtnodeDown", "DtnodeNoProgress", "DtnodeRoundsFailing"}
+    assert {r["alert"] for r in rules} >= {
+        "DtnodeDown",
+        "DtnodeNoProgress",
+        "DtnodeNeverRounded",
+        "DtnodeAlone",
+        "DtnodeThetaDiverged",
+        "DtnodeUnreachable",
+    }
     for rule in rules:
         unknown = _metric_names_in(rule["expr"]) - exported_names
         assert not unknown, f"{rule['alert']} names metrics no node exports: {unknown}"
@@ -288,3 +359,51 @@ def test_every_gpu_docker_run_line_shares_the_hosts_ipc_namespace():
     files = [DEPLOY / "Dockerfile", root / "README.md", *sorted((root / "docs").rglob("*.md"))]
     lines = [line for f in files for line in f.read_text().splitlines() if "docker run" in line and "--gpus" in line]
     assert lines and all("--ipc=host" in line for line in lines), lines
+
+
+@pytest.mark.parametrize("manifest", MANIFESTS)
+def test_the_kubernetes_scrape_config_keeps_every_manifests_pods(manifest):
+    """prometheus.yml kept pods labelled `dtnode` while gpu-host.yaml's were `dtnode-gpu`: the
+    8-GPU pods were never scraped. The relabelling is applied here to each pod template."""
+    config = yaml.safe_load((DEPLOY / "prometheus" / "kubernetes.yml").read_text())
+    job = next(j for j in config["scrape_configs"] if "kubernetes_sd_configs" in j)
+    template = _statefulset(manifest)["spec"]["template"]["metadata"]
+    meta = {"__address__": "10.0.0.1"}
+    for key, value in template["labels"].items():
+        meta["__meta_kubernetes_pod_label_" + re.sub(r"[^a-zA-Z0-9_]", "_", key)] = value
+    for key, value in template["annotations"].items():
+        meta["__meta_kubernetes_pod_annotation_" + re.sub(r"[^a-zA-Z0-9_]", "_", key)] = str(value)
+    for rule in job["relabel_configs"]:
+        if rule.get("action") == "keep":
+            joined = ";".join(meta.get(label, "") for label in rule["source_labels"])
+            assert re.fullmatch(rule["regex"], joined), f"{manifest}'s pods are dropped by {rule}"
+
+
+PROMTOOL = shutil.which("promtool")
+
+
+@pytest.mark.skipif(
+    PROMTOOL is None and not os.environ.get("DTNODE_TEST_REQUIRE_PROMTOOL"),
+    reason="promtool (Debian's prometheus package) is not installed; .ci/run installs it and requires it",
+)
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["check", "config", "prometheus.yml"],
+        ["check", "rules", "alerts.yml"],
+        ["test", "rules", "alerts_test.yml"],
+    ],
+)
+def test_promtool_checks_the_config_and_every_alert_fires_on_its_unit_series(args):
+    assert PROMTOOL is not None, "DTNODE_TEST_REQUIRE_PROMTOOL is set and promtool is missing"
+    result = subprocess.run(
+        [PROMTOOL, *args], check=False, cwd=DEPLOY / "prometheus", capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_every_alert_has_a_unit_test():
+    rules = yaml.safe_load((DEPLOY / "prometheus" / "alerts.yml").read_text())["groups"][0]["rules"]
+    tests = yaml.safe_load((DEPLOY / "prometheus" / "alerts_test.yml").read_text())["tests"]
+    tested = {check["alertname"] for t in tests for check in t["alert_rule_test"] if check["exp_alerts"]}
+    assert {r["alert"] for r in rules} <= tested

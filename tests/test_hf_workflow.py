@@ -420,6 +420,45 @@ def test_hf_models_start_from_safetensors_weights_and_bad_inputs_fail_clearly(wo
         open_sources("run", 0, raw, None, seq_len=2, data_dtype="uint32")
 
 
+def _hub_cache(cache: Path, repo_id: str, model_dir: Path) -> Path:
+    """A Hugging Face Hub cache holding one model, laid out as huggingface_hub writes it
+    (refs/main naming a snapshot), built here: nothing is fetched."""
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    repo = cache / ("models--" + repo_id.replace("/", "--"))
+    snapshot = repo / "snapshots" / commit
+    snapshot.mkdir(parents=True)
+    for file in model_dir.iterdir():
+        (snapshot / file.name).write_bytes(file.read_bytes())
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    return snapshot
+
+
+def test_a_hub_id_is_read_through_the_hugging_face_cache(workspace, tmp_path, monkeypatch):
+    """`--model hf:gpt2` was refused: only local directories. A Hub id now resolves through
+    huggingface_hub's cache; offline (HF_HUB_OFFLINE=1), a model the cache lacks is one clear
+    error, and a Hub id builds the very model its directory builds."""
+    from huggingface_hub import constants
+
+    from dtnode.daemon.hf_model import HFModelError, is_hub_id
+
+    cache = tmp_path / "hub"
+    _hub_cache(cache, "test-org/tiny-llama", workspace["model"])
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert is_hub_id("test-org/tiny-llama") and is_hub_id("gpt2") and is_hub_id("org/name@v1.0")
+    assert not is_hub_id(str(workspace["model"])) and not is_hub_id("../up") and not is_hub_id("/abs/path")
+    assert load_settings({"model": "hf:test-org/tiny-llama"}).model == "hf:test-org/tiny-llama"
+    _, from_hub = build_model("hf:test-org/tiny-llama", seed=5)
+    _, from_dir = build_model(f"hf:{workspace['model']}", seed=5)
+    assert config_hash(from_hub) == config_hash(from_dir)
+    with pytest.raises(HFModelError, match="other-org/missing is not in the Hugging Face cache"):
+        build_model("hf:other-org/missing", seed=0)
+    with pytest.raises(SettingsError, match="not a directory with a config.json.*nor a Hugging Face Hub id"):
+        load_settings({"model": "hf:no such/thing/at all"})
+
+
 def test_a_small_dataset_is_never_refused_for_its_size(tmp_path, caplog):
     """50 documents at the default --eval-fraction (0.01: half a document) hold out whole
     documents of lowest hash, enough for one sequence; 3 documents cannot spare one (a third

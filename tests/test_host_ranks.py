@@ -115,13 +115,15 @@ def test_two_ranks_at_batch_b_take_the_step_of_one_rank_at_batch_2b(tmp_path, sh
 
 def test_gpu_selection_is_checked_against_the_host():
     assert selected_gpus("all", 4) == [0, 1, 2, 3]
-    assert selected_gpus("2", 4) == [0, 1]
+    assert selected_gpus("0", 4) == [0]  # an index, as CUDA_VISIBLE_DEVICES numbers them
+    assert selected_gpus("2", 4) == [2]
     assert selected_gpus("0,3", 4) == [0, 3]
     assert selected_gpus("3,", 4) == [3]
-    for spec, message in (("5", "5 GPUs asked"), ("1,1", "twice"), ("0,7", "no GPU 7")):
+    for spec, message in (("5", "no GPU 5"), ("1,1", "twice"), ("0,7", "no GPU 7")):
         with pytest.raises(SettingsError, match=message):
             selected_gpus(spec, 4)
-    with pytest.raises(ValueError):
+    assert NodeSettings(gpus="0").gpus == "0" and NodeSettings(gpus=" ALL ").gpus == "all"
+    with pytest.raises(ValueError, match="write all, or GPU indices"):
         NodeSettings(gpus="zero")
 
 

@@ -333,13 +333,13 @@ def test_a_sidecar_address_is_asked_again_until_its_node_listens():
     from dtnode.peers import sidecar_address
     from dtnode.peers.sidecar_address import SidecarAddressError, resolve_peers
 
-    good = "/ip4/127.0.0.1/tcp/7700/p2p/QmPeer"
+    good = "/ip4/127.0.0.1/tcp/7700/p2p/QmQRUdNjhvgreSjaK29cZzbpN4uZbLwShCFzQvGncCmjDx"
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
 
     async def status(request: web.Request) -> web.Response:
-        return web.json_response({"dht_addrs": [good, "not a multiaddr", 7]})
+        return web.json_response({"dht_addrs": [good, "not a multiaddr", 7, good[:-3]]})
 
     async def main() -> list[str]:
         app = web.Application()

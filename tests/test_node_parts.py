@@ -507,3 +507,13 @@ def test_the_join_line_status_shows_names_the_files_each_host_brings_not_where_t
     assert "/home/alice" not in public and "/srv/" not in public
     assert "--data corpus.txt" in public and "--tokenizer tok" in public and "--model hf:m1" in public
     assert "--data /home/alice/private/corpus.txt" in local and "--model hf:/srv/models/m1" in local
+
+
+def test_the_join_line_names_a_hub_model_as_it_is():
+    """`--model hf:ORG/NAME` is a Hub id every host resolves through its own cache, not a path."""
+    from dtnode.daemon.bootstrap import join_command
+
+    s = NodeSettings().model_copy(update={"model": "hf:test-org/tiny-llama"})
+    recipe = recipe_of(s, 64, "synthetic (seed 0)")
+    for public in (True, False):
+        assert "--model hf:test-org/tiny-llama" in join_command(s, recipe, "/ip4/1.2.3.4/tcp/1/p2p/Qm", public=public)

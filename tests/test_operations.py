@@ -13,6 +13,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import time
 import urllib.request
 from pathlib import Path
 
@@ -152,6 +153,49 @@ def test_status_and_peers_say_how_the_node_and_swarm_are(swarm):
     assert status["condition"] == "ok" and status["dht_addrs"]
     peers = a.get("/peers")
     assert len(peers) == 2 and all("last_seen_s" in p and "lag" in p for p in peers)
+    # what an operator compares across peers is in each signed record: θ_g's hash at its step,
+    # its loss and its condition (dtnode status shows them side by side)
+    assert all(len(p["theta_sha256"]) == 64 and p["condition"] in ("ok", "alone", "starting") for p in peers), peers
+    assert all(p["loss"] is None or 0 < p["loss"] < 20 for p in peers), peers
+
+    def in_step() -> bool:
+        records = a.get("/peers")
+        return len({p["outer_step"] for p in records}) == 1 and len({p["theta_sha256"] for p in records}) == 1
+
+    wait_until(in_step, 60, "both records at one step with one θ_g")  # (a heartbeat may lag a round)
+    agreement = wait_until(
+        lambda: (v := _value(_families(a), "dtnode_theta_agreement_ratio")) == 1.0 and v, 60, "agreement gauge"
+    )
+    assert agreement == 1.0 and _value(_families(a), "dtnode_reachable") == 1
+
+
+def test_ready_is_in_the_swarm_and_healthy_is_alive(swarm):
+    """/healthz: the process works; /readyz: it averaged with a peer in one of its last rounds.
+    Both nodes averaged together, so both are ready."""
+    for node in swarm:
+        with urllib.request.urlopen(node.http_url + "/readyz", timeout=5) as resp:
+            ready = json.load(resp)
+        assert ready["ok"] is True and ready["detail"].startswith("last round ")
+        with urllib.request.urlopen(node.http_url + "/healthz", timeout=5) as resp:
+            assert json.load(resp)["ok"] is True
+
+
+def test_status_watch_redraws_until_ctrl_c(swarm):
+    import signal
+
+    a, _ = swarm
+    watch = subprocess.Popen(
+        [sys.executable, "-m", "dtnode", "status", "--url", a.http_url, "--watch", "0.5"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    time.sleep(4)
+    watch.send_signal(signal.SIGINT)
+    out, err = watch.communicate(timeout=30)
+    assert watch.returncode == 0, err
+    frames = out.count("every 0.5s, Ctrl-C to stop")
+    assert frames >= 2 and out.count("swarm: 2 peers") >= 2, out[-2000:]
 
 
 def test_json_logs_are_one_object_per_line(swarm):
@@ -247,7 +291,13 @@ def test_a_port_in_use_ends_at_once_naming_the_option(tmp_path, option):
         port = taken.getsockname()[1]
         ports = {"--dht-port": "0", "--grpc-port": "0", "--http-port": "0", option: str(port)}
         result = _dtnode(
-            "join", "--host", "127.0.0.1", *[x for kv in ports.items() for x in kv], "--state-dir", str(tmp_path)
+            "join",
+            "--new-swarm",
+            "--host",
+            "127.0.0.1",
+            *[x for kv in ports.items() for x in kv],
+            "--state-dir",
+            str(tmp_path),
         )
     assert result.returncode == 2, result.stderr
     lines = result.stderr.strip().splitlines()

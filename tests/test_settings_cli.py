@@ -100,6 +100,7 @@ def dtnode(*args, timeout=60, env=None):
         (["join", "--config", "/nonexistent.toml"], "--config"),
         (["local", "--nodes", "0"], "--nodes"),
         (["join", "--peer", "not-a-multiaddr"], "--peer"),
+        (["join", "--precision", "fp8"], "--precision"),
     ],
 )
 def test_cli_bad_input_exits_2_with_one_line(args, option):
@@ -167,15 +168,98 @@ def test_unreachable_or_malformed_peer_fails_clearly(tmp_path, peer):
     assert "dtnode: error:" in result.stderr and peer in result.stderr
 
 
-def test_a_non_json_list_in_the_environment_is_one_line_naming_the_variable():
-    result = dtnode("join", env={"DTNODE_PEERS": "/ip4/1.2.3.4/tcp/7700/p2p/Qm"})
+def test_peers_in_the_environment_are_comma_separated_or_a_json_list(monkeypatch):
+    """DTNODE_PEERS=http://node1:7702 failed with "a JSON list"; a list is written as an operator
+    writes one, and a JSON list still works."""
+    monkeypatch.setenv("DTNODE_PEERS", "http://node1:7702, http://node2:7702")
+    assert load_settings({}).peers == ["http://node1:7702", "http://node2:7702"]
+    monkeypatch.setenv("DTNODE_PEERS", '["http://node1:7702"]')
+    assert load_settings({}).peers == ["http://node1:7702"]
+
+
+def test_a_dtnode_variable_that_names_no_option_is_an_error_with_the_closest_name():
+    """DTNODE_PEER (no S) was silently ignored and the node trained alone."""
+    result = dtnode("join", "--new-swarm", env={"DTNODE_PEER": "http://node1:7702"})
     assert result.returncode == 2, result.stderr
     assert result.stderr.strip().splitlines() == [
-        (
-            "dtnode: error: DTNODE_PEERS: cannot parse '/ip4/1.2.3.4/tcp/7700/p2p/Qm' "
-            '(a JSON list, e.g. ["/ip4/1.2.3.4/tcp/7700/p2p/Qm..."])'
-        )
+        "dtnode: error: DTNODE_PEER: no option has this name; did you mean DTNODE_PEERS?"
     ]
+
+
+@pytest.mark.parametrize(
+    "peer,problem",
+    [
+        ("/ip4/1.2.3.4/tcp/7700/p2p/Qm", "cut short"),
+        ("/ip4/1.2.3.4/tcp/7700/p2p/abc", "not a libp2p peer id"),
+        ("/ip4/1.2.3.4/tcp/7700/p2p/QmQRUdNjhvgreSjaK29cZzbpN4uZbLwShCFzQvGncCmj", "cut short"),
+        ("/ip4/1.2.3.4/tcp/77000/p2p/QmQRUdNjhvgreSjaK29cZzbpN4uZbLwShCFzQvGncCmjDx", "port"),
+        ("/ip4/1.2.3/tcp/7700/p2p/QmQRUdNjhvgreSjaK29cZzbpN4uZbLwShCFzQvGncCmjDx", "not an ip4 address"),
+        ("1.2.3.4:7700", "neither a sidecar address"),
+    ],
+)
+def test_a_malformed_peer_is_refused_at_once_with_what_a_valid_one_looks_like(peer, problem):
+    """A malformed multiaddr took 16 s and ended in Go's "multihash length inconsistent"."""
+    started = time.monotonic()
+    result = dtnode("join", "--peer", peer)
+    took = time.monotonic() - started
+    assert result.returncode == 2, result.stderr
+    [line] = result.stderr.strip().splitlines()
+    assert line.startswith("dtnode: error: --peer:") and problem in line
+    assert "/ip4/" in line.split(problem, 1)[1] or "http://" in line  # shows a valid address
+    assert took < 10, took  # no dial, no DHT: a process start (generous for a loaded CI host)
+
+
+def test_join_without_a_peer_asks_for_one_or_for_new_swarm(tmp_path):
+    """`join` without --peer silently started a new swarm and trained alone."""
+    result = dtnode("join", "--state-dir", str(tmp_path / "s"))
+    assert result.returncode == 2, result.stderr
+    [line] = result.stderr.strip().splitlines()
+    assert line.startswith("dtnode: error: --peer: no swarm to join") and "--new-swarm" in line
+    assert not (tmp_path / "s").exists()  # refused before anything was made
+
+
+def test_errors_name_the_allowed_values_in_words_never_a_regex():
+    for args, words in (
+        (["--compression", "int4"], "'int8', 'sparse' or 'fp32'"),
+        (["--gpus", "zero"], "write all, or GPU indices"),
+        (["--run-id", "my run"], "letters, digits"),
+        (["--aggregation", "mode"], "'mean', 'trimmed-mean' or 'median'"),
+    ):
+        result = dtnode("join", "--new-swarm", *args)
+        assert result.returncode == 2 and words in result.stderr, result.stderr
+        assert "^" not in result.stderr and "pattern" not in result.stderr
+
+
+def test_gpus_takes_indices_as_cuda_numbers_them():
+    assert load_settings({"gpus": "0"}).gpus == "0"
+    assert load_settings({"gpus": "0,3,5"}).gpus == "0,3,5"
+
+
+def test_an_on_off_option_given_a_value_says_how_it_is_written():
+    """`--client-mode yes` printed the top-level usage."""
+    result = dtnode("join", "--client-mode", "yes")
+    assert result.returncode == 2
+    assert result.stderr.startswith("usage: dtnode join")
+    assert "--client-mode takes no value" in result.stderr and "--no-client-mode" in result.stderr
+
+
+def test_help_puts_essentials_first_and_knobs_behind_help_all():
+    short, full = dtnode("join", "--help").stdout, dtnode("join", "--help-all").stdout
+    essentials = short.index("essentials:")
+    assert essentials < short.index("--peer ADDRESS", essentials) < short.index("the swarm's recipe:")
+    for knob in ("--chunk-elements", "--in-flight-chunks", "--fused-kernels", "--max-own-rounds"):
+        assert knob not in short and knob in full
+    assert len(short.splitlines()) < len(full.splitlines())
+
+
+def test_every_option_is_in_exactly_one_help_group():
+    from dtnode.daemon.cli import ENV_ONLY
+    from dtnode.daemon.option_groups import OPTION_GROUPS
+    from dtnode.daemon.settings import NodeSettings
+
+    placed = [name for group in OPTION_GROUPS for name in group.fields]
+    assert len(placed) == len(set(placed))
+    assert set(placed) == set(NodeSettings.model_fields) - ENV_ONLY
 
 
 PORTS = ["--host", "127.0.0.1", "--dht-port", "0", "--grpc-port", "0", "--http-port", "0"]
@@ -186,14 +270,14 @@ def test_a_state_dir_that_cannot_be_written_is_one_line_and_exit_2(tmp_path):
     under a regular file, and a node that must write its TLS certificate where a directory is."""
     blocker = tmp_path / "a-file"
     blocker.write_text("")
-    result = dtnode("join", *PORTS, "--state-dir", str(blocker / "state"))
+    result = dtnode("join", "--new-swarm", *PORTS, "--state-dir", str(blocker / "state"))
     assert result.returncode == 2, result.stderr
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("dtnode: error: --state-dir: cannot use"), result.stderr
     assert "writable directory" in lines[0]
     state = tmp_path / "state"
     (state / "tls.crt").mkdir(parents=True)  # written after the DHT started: its shutdown must still run
-    result = dtnode("join", *PORTS, "--model", "tiny", "--state-dir", str(state), timeout=120)
+    result = dtnode("join", "--new-swarm", *PORTS, "--model", "tiny", "--state-dir", str(state), timeout=120)
     assert result.returncode == 2, result.stderr
     errors = [line for line in result.stderr.splitlines() if line.startswith("dtnode: error:")]
     assert errors == [errors[0]] and "--state-dir: cannot use" in errors[0] and "tls.crt" in errors[0]
@@ -210,7 +294,7 @@ def test_a_state_dir_on_a_read_only_file_system_is_one_line_and_exit_2(tmp_path)
     if done.returncode != 0:
         pytest.skip(f"cannot mount a read-only tmpfs here: {done.stderr.decode().strip()}")
     try:
-        result = dtnode("join", *PORTS, "--state-dir", str(mount / "state"))
+        result = dtnode("join", "--new-swarm", *PORTS, "--state-dir", str(mount / "state"))
     finally:
         subprocess.run(["umount", str(mount)], check=True)
     assert result.returncode == 2, result.stderr
@@ -230,7 +314,7 @@ def test_a_second_node_on_a_held_state_dir_is_refused(tmp_path):
         lock = first.state_dir / "lock"
         wait_until(lambda: lock.is_file() and lock.read_text().strip() == pid, 120, "lock naming the first node")
         started = time.monotonic()
-        second = dtnode("join", *PORTS, "--state-dir", str(first.state_dir), timeout=60)
+        second = dtnode("join", "--new-swarm", *PORTS, "--state-dir", str(first.state_dir), timeout=60)
         waited = time.monotonic() - started
         assert second.returncode == 2, second.stderr
         assert waited < LOCK_WAIT_S, f"a live holder was waited for ({waited:.1f}s)"
@@ -270,7 +354,9 @@ def test_a_node_that_requires_a_swarm_key_refuses_to_start_without_one(tmp_path)
     """Issue 31, finding 15: a cluster whose key secret is missing must not start an open swarm
     (the manifests set DTNODE_REQUIRE_SWARM_KEY): one line, exit 2, before any network starts."""
     env = {"DTNODE_REQUIRE_SWARM_KEY": "true", "DTNODE_SWARM_KEY": ""}
-    result = dtnode("join", *PORTS, "--model", "tiny", "--state-dir", str(tmp_path / "s"), env=env, timeout=120)
+    result = dtnode(
+        "join", "--new-swarm", *PORTS, "--model", "tiny", "--state-dir", str(tmp_path / "s"), env=env, timeout=120
+    )
     assert result.returncode == 2, result.stderr
     errors = [line for line in result.stderr.splitlines() if line.startswith("dtnode: error:")]
     assert errors and errors[0].startswith("dtnode: error: --require-swarm-key: no swarm key"), result.stderr
@@ -298,3 +384,39 @@ def test_debug_logging_keeps_grpcs_internals_out(monkeypatch):
     configure_logging("DEBUG")
     assert logging.getLogger("grpc").level == logging.WARNING  # and so its children, grpc.aio._call...
     assert logging.getLogger("dtnode").level == logging.NOTSET  # dtnode's lines follow --log-level
+
+
+def test_a_clean_stop_logs_no_error_for_p2pd_closing_its_listener():
+    """Every clean stop logged `ERROR hivemind.p2p.p2p_daemon: error accepting connection: ...
+    use of closed network connection` (p2pd's listener closed under it at shutdown)."""
+    import json as json_module
+    import logging
+
+    from hivemind.p2p.p2p_daemon import P2P
+
+    from dtnode.daemon.cli import ClosedListenerFilter
+
+    p2pd = logging.getLogger("hivemind.p2p.p2p_daemon")
+    line = json_module.dumps(
+        {
+            "level": "error",
+            "ts": "2026-11-29T09:00:00.000Z",
+            "logger": "p2pd",
+            "caller": "p2pd/main.go:1",
+            "msg": "error accepting connection",
+            "error": "accept unix /tmp/hivemind-p2pd.sock: use of closed network connection",
+        }
+    )
+    records: list[logging.LogRecord] = []
+    listener_filter, collect = ClosedListenerFilter(), logging.Handler()
+    collect.emit = records.append  # type: ignore[method-assign]
+    p2pd.addFilter(listener_filter)
+    p2pd.addHandler(collect)
+    try:
+        P2P._log_p2pd_message(line)
+        P2P._log_p2pd_message(line.replace("use of closed network connection", "too many open files"))
+    finally:
+        p2pd.removeFilter(listener_filter)
+        p2pd.removeHandler(collect)
+    errors = [r.getMessage() for r in records if r.levelno >= logging.ERROR]
+    assert errors == ["error accepting connection: accept unix /tmp/hivemind-p2pd.sock: too many open files"]

@@ -3,6 +3,8 @@
 import asyncio
 import json
 import os
+import subprocess
+import sys
 
 import grpc
 import pytest
@@ -175,6 +177,23 @@ def test_status_port_keeps_state_off_the_public_port(tmp_path, cleanup):
         return ""
 
     assert "give its multiaddr" in _asyncio.run(join_through_public())
+    # `dtnode status` finds the status listener where the node's own settings say it is
+    port = node.http_url.rsplit(":", 1)[1]
+    for args, env in ((["--status-port", port], {}), ([], {"DTNODE_STATUS_PORT": port})):
+        shown = subprocess.run(
+            [sys.executable, "-m", "dtnode", "status", "--json", *args],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env={**os.environ, **env},
+            check=False,
+        )
+        assert shown.returncode == 0 and json.loads(shown.stdout)["status"]["peer_id"] == status["peer_id"], shown
+    # a node alone is alive but not in the swarm
+    urllib.request.urlopen(public + "/healthz", timeout=5).close()
+    with pytest.raises(urllib.error.HTTPError) as not_ready:
+        urllib.request.urlopen(public + "/readyz", timeout=5)
+    assert not_ready.value.code == 503 and json.load(not_ready.value)["ok"] is False
     node.stop()
     assert node.wait(60) == 0, node.output
 

@@ -58,6 +58,9 @@ class FileView:
     def health(self):
         return Health(ok=True, state=NodeState.TRAINING)
 
+    def readiness(self):
+        return Health(ok=False, state=NodeState.TRAINING, detail="a file view averages with nobody")
+
     async def peer_records(self):
         return []
 
