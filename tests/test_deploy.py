@@ -107,6 +107,44 @@ def test_every_option_the_deploy_files_use_exists():
         assert not unknown, f"{where} uses options dtnode join does not have: {unknown}"
 
 
+def _deploy_environment(where: str) -> dict[str, str]:
+    """The DTNODE_* values a deploy file gives the command line named `where`."""
+    env: dict[str, str] = {}
+    if where.startswith("compose"):
+        compose = yaml.safe_load((DEPLOY / "docker-compose.yml").read_text())
+        env = {k: str(v) for k, v in compose["services"][where.split()[1]].get("environment", {}).items()}
+    elif where.endswith(".service"):
+        unit = configparser.ConfigParser(strict=False, interpolation=None)
+        unit.read(DEPLOY / where)
+        env = dict(a.split("=", 1) for a in shlex.split(unit["Service"]["Environment"]))
+        env["DTNODE_CONFIG"] = str(DEPLOY / "node.example.toml")  # what the guide installs as /etc/dtnode/node.toml
+    elif where.split()[0] in MANIFESTS:
+        container = _statefulset(where.split()[0])["spec"]["template"]["spec"]["containers"][0]
+        env = {e["name"]: e["value"] for e in container["env"] if "value" in e and e["name"].startswith("DTNODE_")}
+    env.pop("DTNODE_REQUIRE_SWARM_KEY", None)  # the secret is not here
+    env.pop("DTNODE_STATE_DIR", None)
+    return {k: v for k, v in env.items() if k.startswith("DTNODE_")}
+
+
+def test_every_deploy_command_line_starts_a_node_on_a_fresh_state_dir(monkeypatch, tmp_path):
+    """Each command line with its file's environment, through dtnode's parser and settings, on a
+    state dir that knows no peer (a first start): it joins a swarm or starts one. compose's
+    node1 and pod 0 once started no swarm (join without --peer needs --new-swarm now)."""
+    from dtnode.daemon.cli import _node_values, require_a_swarm
+    from dtnode.daemon.settings import load_settings
+
+    for where, argv in _dtnode_commands().items():
+        if where == "Dockerfile":
+            continue  # the image's default CMD: `docker run IMAGE join --peer ...` gives the rest
+        for name in [n for n in os.environ if n.startswith("DTNODE_") and not n.startswith("DTNODE_TEST_")]:
+            monkeypatch.delenv(name)
+        for name, value in _deploy_environment(where).items():
+            monkeypatch.setenv(name, value)
+        monkeypatch.setenv("DTNODE_STATE_DIR", str(tmp_path / where.replace(" ", "-")))
+        settings = load_settings(_node_values(build_parser().parse_args(argv)))
+        require_a_swarm(settings)  # raises for a node that would neither join nor start a swarm
+
+
 def test_every_setting_the_deploy_files_set_through_the_environment_exists():
     texts = {p.name: p.read_text() for p in DEPLOY.rglob("*") if p.is_file()}
     used = {(name, v) for name, text in texts.items() for v in re.findall(r"\bDTNODE_[A-Z_]+\b", text)}

@@ -145,6 +145,13 @@ def test_the_make_targets_and_pip_installs_are_what_ci_runs():
             assert "README.md" in git_install and "bash .ci/git-install" in ci  # it runs them as printed
 
 
+def _skeleton(line: str) -> str:
+    """A round line without its numbers, units and hashes: the fields and their order."""
+    line = re.sub(r"^.*?dtnode: ", "", line)
+    line = re.sub(r"\b[0-9a-f]{12}\b", "H", line)
+    return re.sub(r"\d[\d.]*\s?(kB|MB|GB|B|bytes)?", "N", line)
+
+
 def test_make_swarm_trains_three_nodes_to_the_round_limit():
     base = ROOT / "state" / "local"
     kept = base.with_name("local.before-readme-test")
@@ -152,7 +159,11 @@ def test_make_swarm_trains_three_nodes_to_the_round_limit():
         base.rename(kept)
     try:
         [command] = [c for c in readme_commands() if c.startswith("make swarm")]
-        _run(command, ROOT, _env(), timeout=600)
+        printed = _run(command, ROOT, _env(), timeout=600).stdout
+        # the README's sample round line has the fields a round line has, in their order
+        [sample] = re.findall(r"^ +node1 \| .*dtnode: round 3 .*$", README.read_text(), re.MULTILINE)
+        rounds_printed = [line for line in printed.splitlines() if "dtnode: round 3 |" in line]
+        assert rounds_printed and _skeleton(sample) == _skeleton(rounds_printed[0]), (sample, rounds_printed[:1])
         for node in ("node0", "node1", "node2"):
             rounds = _history(base / node)
             assert rounds and rounds[-1]["step"] == 8, (node, rounds[-1:] if rounds else None)
@@ -181,8 +192,12 @@ def test_a_second_host_joins_and_status_watches_them(workdir):
     try:
         _wait(lambda: "dtnode join --peer /ip4/" in first_log.read_text(), 120, "host 1's join line")
         printed = re.search(r"(dtnode join --peer \S+.*)", first_log.read_text()).group(1)
-        assert re.match(r"dtnode join --peer /ip4/127\.0\.0\.1/tcp/7700/p2p/Qm\w{44} --run-id my-run ", printed)
-        assert "--inner-steps 50" in printed and "--data corpus.jsonl" in printed
+        assert re.match(r"dtnode join --peer /ip4/127\.0\.0\.1/tcp/7700/p2p/Qm\w{44} ", printed), printed
+        # the README shows the line host 1 prints, its address aside
+        [shown] = re.findall(
+            r"#     (dtnode join --peer /ip4/203\.0\.113\.1/tcp/7700/p2p/Qm\S+ .*)", README.read_text()
+        )
+        assert printed.split(" ", 4)[4] == shown.split(" ", 4)[4], (printed, shown)
         # --max-rounds is each node's own (a sidecar joiner does not take it from the swarm)
         env = _env(DTNODE_HOST="127.0.0.1", DTNODE_STATE_DIR="host2", DTNODE_DHT_PORT="0", DTNODE_GRPC_PORT="0")
         env["DTNODE_MAX_ROUNDS"] = "3"
