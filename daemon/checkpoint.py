@@ -20,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import os
 import re
 import secrets
@@ -79,7 +80,7 @@ class Layout:
 
     @property
     def numel(self) -> int:
-        return sum(_prod(s) for s in self.shapes)
+        return sum(math.prod(s) for s in self.shapes)
 
     @property
     def momentum_numel(self) -> int:
@@ -89,13 +90,6 @@ class Layout:
     def file_size_bound(self) -> int:
         """No honest checkpoint of this model is larger than this."""
         return 2 * 4 * self.numel + HEADER_LIMIT + 8
-
-
-def _prod(shape: tuple[int, ...]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
 
 
 def checkpoint_path(directory: Path, step: int) -> Path:
@@ -220,7 +214,8 @@ def shared_header(step: int, layout: Layout, metadata: dict[str, str]) -> bytes:
     """The JSON header of `ckpt-N` (θ_g per parameter, then the momentum if the swarm has one)."""
     meta = {"format": FORMAT, "outer_step": str(step), "dtnode_version": __version__, **metadata}
     tensors = [
-        (f"theta_g/{name}", "F32", list(shape), 4 * _prod(shape)) for name, shape in zip(layout.names, layout.shapes)
+        (f"theta_g/{name}", "F32", list(shape), 4 * math.prod(shape))
+        for name, shape in zip(layout.names, layout.shapes)
     ]
     if layout.outer_momentum:
         tensors.append(("outer_momentum", "F32", [layout.numel], 4 * layout.numel))

@@ -25,11 +25,9 @@ DEFAULT_LIMIT = 20_000  # rounds kept (a few MB): months of hourly rounds, days 
 MAX_LINE = 64 * 1024  # an entry is a few hundred bytes; anything far larger is not ours
 
 
-def _finite(value: Any) -> Any:
-    """JSON has no NaN: a loss that is not known yet is null."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    return value
+def finite_or_none(value: float | None) -> float | None:
+    """JSON has no NaN: a loss not known yet is null (/status, /history, history.jsonl)."""
+    return None if value is None or not math.isfinite(value) else value
 
 
 class RoundHistory:
@@ -65,7 +63,7 @@ class RoundHistory:
 
     def append(self, entry: dict[str, Any]) -> dict[str, Any]:
         """Record one round in memory (cheap: the event loop); `persist` writes it."""
-        entry = {k: _finite(v) for k, v in entry.items()}
+        entry = {k: finite_or_none(v) if isinstance(v, float) else v for k, v in entry.items()}
         self.entries.append(entry)
         return entry
 

@@ -23,6 +23,7 @@ from rich.filesize import decimal as human_bytes
 from dtnode.peers.averager import AveragingResult, HopReport
 from dtnode.peers.pacing import SwarmProgress
 
+from .history import finite_or_none
 from .local_ranks import RankReport
 from .metrics import NodeMetrics, failure_reason
 from .reachability import Reachability
@@ -51,11 +52,6 @@ class Condition(StrEnum):
     ALONE = "alone"
     STARTING = "starting"
     OK = "ok"
-
-
-def _finite(value: float | None) -> float | None:
-    """JSON has no NaN: a loss not known yet is null."""
-    return None if value is None or not math.isfinite(value) else value
 
 
 class LastRound(BaseModel):
@@ -197,7 +193,7 @@ class RoundSummary:
             inner_steps=self.inner.steps,
             tokens=self.inner.tokens,
             inner_s=round(self.inner.seconds, 4),
-            loss=_finite(self.inner.mean_loss),
+            loss=finite_or_none(self.inner.mean_loss),
             eval_loss=self.eval_loss,
             inner_lr=self.inner_lr,
             landed_after_steps=self.landed_after_steps,
@@ -439,4 +435,4 @@ class NodeStatus(BaseModel):
     @field_validator("loss", "eval_loss")
     @classmethod
     def _known(cls, value: float | None) -> float | None:
-        return _finite(value)
+        return finite_or_none(value)

@@ -9,8 +9,7 @@ another step still fits before the swarm's round ends, so a shutdown never waits
 whole round of compute and a slow peer never makes the swarm wait for a step it could not
 finish in time. The tokens of a step not taken stay in the data stream for the next round.
 
-`DTNODE_TEST_SLOW_INNER=F` (a test hook read from the environment only, like the
-failpoints) makes every inner step of this process take F times as long, so tests and
+`DTNODE_TEST_SLOW_INNER=F` (a test hook, read with the failpoints in peers/failpoints.py) makes every inner step of this process take F times as long, so tests and
 benchmarks can build swarms of uneven peers on one host. `DTNODE_TEST_STEP_FLOOR_S=S` makes
 every inner step take at least S seconds: a test that times a restart or a join against the
 swarm's rounds then sees rounds of about CPU length on a GPU host too, where a tiny model's
@@ -22,7 +21,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import math
-import os
 import threading
 import time
 from collections.abc import Callable
@@ -121,12 +119,11 @@ class Trainer:
         self.running = False  # inner steps under way (/healthz: a thread stuck in one is unhealthy)
         self.progress_at = time.monotonic()  # when the last inner step ended, or the last run began
         self.tokens_per_step = stream.batch_size * stream.seq_len  # the node's batch: all its ranks' rows
-        self.slowdown = _slowdown_from_env()
+        hooks = failpoints.training_hooks()  # tests' uneven peers and cold starts (failpoints.py)
+        self.slowdown = hooks.slowdown
         self._unslowed_s = 0.0  # the last step's time before the slowdown hook stretched it
-        # test hooks: seconds added to this process's first step (a cold start: allocation,
-        # autotuning), and the least time of any step
-        self.first_step_delay = _seconds_from_env("DTNODE_TEST_FIRST_STEP_DELAY")
-        self.step_floor_s = _seconds_from_env("DTNODE_TEST_STEP_FLOOR_S")
+        self.first_step_delay = hooks.first_step_delay_s
+        self.step_floor_s = hooks.step_floor_s
 
     def build_optimizer_in_background(self) -> concurrent.futures.Future:
         """Start making the AdamW optimizer on a side thread (once); its future.
@@ -463,28 +460,3 @@ def learned_buffers(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
 
 
 SLOWED_OUTLIER = 4.0  # see Trainer._unslowed_seconds
-
-
-def _hook_number(name: str, least: float) -> float:
-    """A test hook's number from the environment (unset or empty: `least`, which does nothing);
-    a value that is not a finite number >= `least` is refused by the variable's name."""
-    raw = os.environ.get(name, "")
-    if not raw:
-        return least
-    try:
-        value = float(raw)
-    except ValueError:
-        raise ValueError(f"{name}={raw!r} is not a number") from None
-    if not (math.isfinite(value) and value >= least):
-        raise ValueError(f"{name}={raw!r} must be a number >= {least:g}")
-    return value
-
-
-def _seconds_from_env(name: str) -> float:
-    """A test hook's duration in seconds (0: none)."""
-    return _hook_number(name, 0.0)
-
-
-def _slowdown_from_env() -> float:
-    """DTNODE_TEST_SLOW_INNER's factor (1: none)."""
-    return _hook_number("DTNODE_TEST_SLOW_INNER", 1.0)

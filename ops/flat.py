@@ -13,6 +13,7 @@ parameters are not given: nothing changes them, so there is nothing to average.
 from __future__ import annotations
 
 import hashlib
+import math
 from collections.abc import Iterable
 
 import torch
@@ -55,7 +56,7 @@ class FlatParameters:
         if flat.numel() != self.numel:
             raise ValueError(f"flat buffer has {flat.numel()} values, expected {self.numel}")
         return {
-            name: flat[off : off + _prod(shape)].view(shape)
+            name: flat[off : off + math.prod(shape)].view(shape)
             for name, shape, off in zip(self.names, self.shapes, self.offsets)
         }
 
@@ -77,13 +78,6 @@ def flat_names(
 ) -> list[str]:
     """The names FlatParameters would lay out, in its order, without building the buffer."""
     return [name for name, p in named_parameters if p.requires_grad] + [name for name, _ in named_buffers]
-
-
-def _prod(shape: tuple[int, ...]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
 
 
 def sha256_of(flat: torch.Tensor) -> str:

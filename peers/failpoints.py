@@ -55,10 +55,12 @@ hop-0 group of round 3 formed, and it dies before its first stream leaves).
 from __future__ import annotations
 
 import asyncio
+import math
 import os
 import signal
 import sys
 import time
+from dataclasses import dataclass
 
 ENV = "DTNODE_TEST_FAILPOINT"
 HOSTILE = (
@@ -111,6 +113,41 @@ def _parse(spec: str | None) -> tuple[str, int] | None:
         )
     _pause_s = float(seconds) if seconds else DEFAULT_PAUSE_S
     return name, int(round_)
+
+
+@dataclass(frozen=True)
+class TrainingHooks:
+    """The trainer's test hooks, from DTNODE_TEST_SLOW_INNER (every inner step takes this many
+    times as long: uneven peers on one host), DTNODE_TEST_FIRST_STEP_DELAY (seconds added to the
+    process's first step: a cold start) and DTNODE_TEST_STEP_FLOOR_S (the least time of a step:
+    CPU-length rounds on a GPU host)."""
+
+    slowdown: float = 1.0
+    first_step_delay_s: float = 0.0
+    step_floor_s: float = 0.0
+
+
+def training_hooks() -> TrainingHooks:
+    return TrainingHooks(
+        slowdown=_hook_number("DTNODE_TEST_SLOW_INNER", 1.0),
+        first_step_delay_s=_hook_number("DTNODE_TEST_FIRST_STEP_DELAY", 0.0),
+        step_floor_s=_hook_number("DTNODE_TEST_STEP_FLOOR_S", 0.0),
+    )
+
+
+def _hook_number(name: str, least: float) -> float:
+    """A test hook's number from the environment (unset or empty: `least`, which does nothing);
+    a value that is not a finite number >= `least` is refused by the variable's name."""
+    raw = os.environ.get(name, "")
+    if not raw:
+        return least
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"{name}={raw!r} is not a number") from None
+    if not (math.isfinite(value) and value >= least):
+        raise ValueError(f"{name}={raw!r} must be a number >= {least:g}")
+    return value
 
 
 class FailpointError(RuntimeError):

@@ -94,3 +94,19 @@ def test_healthz_turns_503_while_the_training_thread_is_frozen(tmp_path, cleanup
     node.wait_for_line(r"failpoint stall-training@1 reached", timeout=10)
     wait_until(lambda: (h := health()) and h[0] == 200 and h, 120, "/healthz back to 200")
     assert node.status()["state"] in ("training", "averaging")
+
+
+def test_every_test_hook_is_read_by_the_failpoints_module_alone():
+    """DTNODE_TEST_* hooks change what a node does: they are read in one module, where a reader
+    of the code finds every one (the trainer's slowdown and step floor included)."""
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    readers = {
+        str(path.relative_to(root))
+        for package in ("daemon", "peers", "ops")
+        for path in (root / package).rglob("*.py")
+        if re.search(r"environ(\.get)?\(?\[?\s*['\"]DTNODE_TEST_|_hook_number\(\"DTNODE_TEST_", path.read_text())
+    }
+    assert readers == {"peers/failpoints.py"}, readers

@@ -1,0 +1,82 @@
+"""What dtnode relies on in hivemind, beyond its public DHT API, checked in one place: an
+upgrade that changes any of it fails here, by name, before it fails as a swarm that cannot
+sign, validate or log. (pyproject pins hivemind==1.1.12; this is what a bump must keep.)"""
+
+import inspect
+import json
+import logging
+
+import pytest
+
+import dtnode.peers  # noqa: F401  (hivemind registered without its trainer stack first)
+
+
+def test_the_pinned_version_is_the_one_installed():
+    import importlib.metadata
+
+    assert importlib.metadata.version("hivemind") == "1.1.12"
+
+
+def test_an_rsa_key_is_a_cryptography_key_in_a_private_attribute():
+    """peers/identity.py builds RSAPrivateKey from the identity file by setting `_private_key`;
+    hivemind signs with it."""
+    from cryptography.hazmat.primitives.asymmetric import rsa
+    from hivemind.utils.crypto import RSAPrivateKey
+
+    key = RSAPrivateKey()
+    assert isinstance(key._private_key, rsa.RSAPrivateKey)
+    assert key.get_public_key().to_bytes().startswith(b"ssh-rsa ")
+    assert {"sign", "get_public_key"} <= set(dir(key))
+
+
+def test_the_owner_marker_format_is_the_one_records_are_checked_against():
+    from hivemind.dht.crypto import RSASignatureValidator
+
+    assert RSASignatureValidator.PUBLIC_KEY_FORMAT == b"[owner:_key_]"
+    assert {"validate", "sign_value", "strip_value", "merge_with"} <= set(dir(RSASignatureValidator))
+
+
+def test_validators_see_records_with_these_fields():
+    from hivemind.dht.validation import DHTRecord, RecordValidatorBase
+
+    assert [f for f in DHTRecord.__dataclass_fields__] == ["key", "subkey", "value", "expiration_time"]
+    assert {"validate", "sign_value", "strip_value", "priority", "merge_with"} <= set(dir(RecordValidatorBase))
+
+
+def test_p2pd_log_lines_go_through_one_static_method_on_the_p2p_daemon_logger():
+    """daemon/cli.py filters one p2pd ERROR line on the `hivemind.p2p.p2p_daemon` logger."""
+    from hivemind.p2p.p2p_daemon import P2P
+
+    assert "line" in inspect.signature(P2P._log_p2pd_message).parameters
+    seen: list[logging.LogRecord] = []
+    collect = logging.Handler()
+    collect.emit = seen.append  # type: ignore[method-assign]
+    logger = logging.getLogger("hivemind.p2p.p2p_daemon")
+    logger.addHandler(collect)
+    try:
+        P2P._log_p2pd_message(
+            json.dumps({"level": "error", "ts": "2026-11-29T09:00:00.000Z", "logger": "p", "caller": "c", "msg": "m"})
+        )
+    finally:
+        logger.removeHandler(collect)
+    assert [r.levelno for r in seen] == [logging.ERROR]
+
+
+def test_the_dht_api_dtnode_calls_is_there():
+    from hivemind.dht import DHT
+    from hivemind.utils import MSGPackSerializer, get_dht_time
+    from hivemind.utils.logging import use_hivemind_log_handler
+
+    for name in ("run_coroutine", "get_visible_maddrs", "shutdown", "peer_id"):
+        assert hasattr(DHT, name), name
+    assert callable(get_dht_time) and callable(use_hivemind_log_handler)
+    assert MSGPackSerializer.loads(MSGPackSerializer.dumps({"a": 1})) == {"a": 1}
+
+
+@pytest.mark.parametrize("module", ["hivemind.dht", "hivemind.p2p", "hivemind.utils"])
+def test_dtnode_loads_hivemind_without_its_trainer_stack(module):
+    """peers/__init__.py registers the package without its __init__ (over a second of start-up):
+    the subpackages dtnode uses must load alone."""
+    import importlib
+
+    assert importlib.import_module(module) is not None
