@@ -205,6 +205,7 @@ def join_command(settings: NodeSettings, recipe: SwarmRecipe, maddr: str, public
     words += ["--tokenizer", local(str(s.tokenizer))] if s.tokenizer is not None else []  # every peer needs the same
     words += ["--text-field", s.text_field] if s.data is not None and "text_field" in s.model_fields_set else []
     words += recipe_flags(recipe, Path(local(str(s.data))) if s.data is not None else None)
+    words += ["--max-rounds", str(s.max_rounds)] if s.max_rounds is not None else []  # the run's end
     return shlex.join(words)
 
 

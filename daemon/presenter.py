@@ -160,6 +160,7 @@ class NodePresenter:
             model=s.model,
             model_hash=self.workload.model_hash,
             recipe=self.workload.recipe,
+            max_rounds=s.max_rounds,
             device=self._devices(),
             client_mode=s.client_mode,
             reachability=self.reachability,

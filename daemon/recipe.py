@@ -231,6 +231,12 @@ def _from_peer(status: dict[str, Any]) -> tuple[str | None, str | None, SwarmRec
     )
 
 
+def _run_end(status: dict[str, Any]) -> int | None:
+    """The outer step a peer's run ends at (its --max-rounds), when it has a well-formed one."""
+    value = status.get("max_rounds")
+    return value if type(value) is int and 1 <= value <= 1 << 62 else None
+
+
 async def take_recipe_from_peer(settings: NodeSettings) -> NodeSettings:
     """With `--peer http://...`: the run id, the model preset and every recipe field this node
     was not given, from that peer. A --run-id given that differs from the peer's is a SwarmMismatch
@@ -261,6 +267,9 @@ async def take_recipe_from_peer(settings: NodeSettings) -> NodeSettings:
         taken["model"] = model
     if recipe is not None:
         taken |= adopted_settings(settings, recipe)
+    last = _run_end(status)
+    if last is not None and last != settings.max_rounds and "max_rounds" not in given:
+        taken["max_rounds"] = last  # the run ends at the same step for every node, however it joined
     if not taken:
         return settings
     log.info("taking the swarm's settings from %s: %s", urls[0], " ".join(f"{flag(k)} {v}" for k, v in taken.items()))

@@ -418,6 +418,7 @@ class NodeStatus(BaseModel):
     model: str
     model_hash: str
     recipe: SwarmRecipe  # what a peer must share with this swarm; `join --peer http://` takes it from here
+    max_rounds: int | None = None  # the outer step the run ends at (--max-rounds); a sidecar joiner takes it too
     device: str
     client_mode: bool
     reachability: Reachability | None = None  # a peer's dial-back of this node's announced addresses; None: not yet

@@ -342,7 +342,8 @@ class NodeSettings(BaseSettings):
         None,
         ge=1,
         description="Exit 0 once the swarm's outer step reaches N: every node of the swarm stops at the same "
-        "step, however late it joined; a node whose swarm stopped first stops too, never training alone "
+        "step, however late it joined; a node whose swarm stopped first stops too, never training alone. "
+        "A node joining by a sidecar address takes it from that peer, and the printed join line carries it "
         "(default: run forever).",
     )
     max_own_rounds: int | None = Field(

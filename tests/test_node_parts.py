@@ -517,3 +517,11 @@ def test_the_join_line_names_a_hub_model_as_it_is():
     recipe = recipe_of(s, 64, "synthetic (seed 0)")
     for public in (True, False):
         assert "--model hf:test-org/tiny-llama" in join_command(s, recipe, "/ip4/1.2.3.4/tcp/1/p2p/Qm", public=public)
+
+
+def test_the_join_line_carries_the_runs_end():
+    from dtnode.daemon.bootstrap import join_command
+
+    s = NodeSettings().model_copy(update={"max_rounds": 40})
+    line = join_command(s, recipe_of(s, 64, "synthetic (seed 0)"), "/ip4/1.2.3.4/tcp/1/p2p/Qm")
+    assert line.endswith("--max-rounds 40")

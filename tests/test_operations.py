@@ -163,10 +163,10 @@ def test_status_and_peers_say_how_the_node_and_swarm_are(swarm):
         return len({p["outer_step"] for p in records}) == 1 and len({p["theta_sha256"] for p in records}) == 1
 
     wait_until(in_step, 60, "both records at one step with one θ_g")  # (a heartbeat may lag a round)
-    agreement = wait_until(
-        lambda: (v := _value(_families(a), "dtnode_theta_agreement_ratio")) == 1.0 and v, 60, "agreement gauge"
-    )
-    assert agreement == 1.0 and _value(_families(a), "dtnode_reachable") == 1
+    # the agreement gauge follows the records every few heartbeats; the dial-back happens once a
+    # peer answers one (b joined after a asked its first time)
+    wait_until(lambda: _value(_families(a), "dtnode_theta_agreement_ratio") == 1.0, 60, "agreement gauge")
+    wait_until(lambda: _value(_families(a), "dtnode_reachable") == 1, 60, "a peer's dial-back of a")
 
 
 def test_ready_is_in_the_swarm_and_healthy_is_alive(swarm):

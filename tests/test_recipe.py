@@ -185,3 +185,15 @@ def test_a_wrong_run_id_against_a_sidecar_peer_exits_with_both_run_ids(a, tmp_pa
     assert d.wait(60) == EXIT_MISMATCH, d.output
     assert "--run-id another-run: the peer at http://" in d.output and "trains run 'recipe-test'" in d.output
     assert "Traceback" not in d.output
+
+
+@pytest.mark.parametrize(
+    "value,taken",
+    [(30, 30), (None, None), (True, None), (0, None), (-5, None), ("30", None), (1 << 63, None), (3.0, None)],
+)
+def test_a_peers_run_end_is_taken_only_when_well_formed(value, taken):
+    """A joiner by sidecar address takes the run's --max-rounds from the peer it names, as it
+    takes the recipe: without it, it trained on alone once the swarm had stopped."""
+    from dtnode.daemon.recipe import _run_end
+
+    assert _run_end({"max_rounds": value}) == taken

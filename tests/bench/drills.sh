@@ -44,9 +44,9 @@ say() { echo "$(date +%T) $*"; }
 wait_exit() { for _ in $(seq 1 60); do kill -0 "$(pid "$1")" 2>/dev/null || return 0; sleep 1; done; return 1; }
 
 case $SCENARIO in
-  uneven) start n1 --batch-size 4 --nproc-per-node 2 ;;
-  overlap-shard) start n1 --batch-size 4 --nproc-per-node 2 --shard ;;
-  sparse) start n1 ;;
+  uneven) start n1 --new-swarm --batch-size 4 --nproc-per-node 2 ;;
+  overlap-shard) start n1 --new-swarm --batch-size 4 --nproc-per-node 2 --shard ;;
+  sparse) start n1 --new-swarm ;;
 esac
 for _ in $(seq 1 120); do
   ADDR=$(grep -oP 'dtnode join --peer \K\S+' "$D/n1.log" | head -1)

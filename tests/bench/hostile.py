@@ -21,7 +21,9 @@ with a hostile failpoint armed from round 1 on (peers/failpoints.py, daemon/host
   formed, before its first stream; no rate is measured yet, so the deadline is its bound).
 
 `clean` has no attacker: the baseline, run once per mode with the same number of nodes (the
-extra node honest). A run ends when its nodes exit after `--rounds` rounds, or at `--cap-s`.
+extra node honest). `clean-joiner` is `clean` with the same late honest joiner as
+`hostile-donors`, whose rounds per minute are compared with it (a download costs the swarm time
+with or without an attacker); every other attack is compared with `clean`. A run ends when its nodes exit after `--rounds` rounds, or at `--cap-s`.
 
 Printed per attack and mode: the honest nodes' outer rounds per minute from the end of round 0
 on (the attack starts in round 1), counting only rounds averaged with another peer in every hop, and their ratio to the clean run's; the held-out loss of node
@@ -57,7 +59,10 @@ OLD_ATTACKS = "hostile-delta,hostile-weight,hostile-resync,hostile-bandwidth,hos
 NEW_ATTACKS = (
     "hostile-leader,hostile-pair,hostile-zero-weight,hostile-shadow,hostile-donors,hostile-pinning,hostile-slots"
 )
-ATTACKS = f"clean,{OLD_ATTACKS},{NEW_ATTACKS},kill"
+ATTACKS = f"clean,{OLD_ATTACKS},{NEW_ATTACKS},kill,clean-joiner"
+# an attack measured against a baseline with the same honest work: the donors' victim is a late
+# joiner, whose download and first rounds cost the swarm time with or without an attacker
+BASELINE = {"hostile-donors": "clean-joiner"}
 BOUND = 4.0  # an honest outer step (or two honest θ_g of one step) may be this many times the clean run's largest
 KILL_ROUND = 0  # before any all-reduce rate is measured: the deadline is --allreduce-timeout
 JOINER_AFTER_ROUND = 2  # hostile-donors: the late honest joiner starts once node 0 ended this round
@@ -143,7 +148,7 @@ def start(attack: str, mode: str, args: argparse.Namespace, base: Path, cfg: Con
     extra_env = env
     if attack == "kill":
         extra_env = {**env, "DTNODE_TEST_FAILPOINT": f"grouped@{KILL_ROUND}"}
-    elif attack != "clean":
+    elif attack not in ("clean", "clean-joiner"):
         extra_env = {**env, "DTNODE_TEST_FAILPOINT": f"{attack}@1"}
     first = NodeProcess.join("n0", base, *common, env=env)
     address = first.wait_for_line(r"dtnode join --peer (\S+)", 600).group(1)
@@ -152,12 +157,17 @@ def start(attack: str, mode: str, args: argparse.Namespace, base: Path, cfg: Con
         *(NodeProcess.join(f"n{i}", base, *common, "--peer", address, env=env) for i in range(1, args.honest)),
     ]
     extra = NodeProcess.join(
-        "extra" if attack in ("clean", "kill") else "attacker", base, *common, "--peer", address, env=extra_env
+        "extra" if attack in ("clean", "clean-joiner", "kill") else "attacker",
+        base,
+        *common,
+        "--peer",
+        address,
+        env=extra_env,
     )
     nodes = [*honest, extra]
-    if attack == "clean":
+    if attack in ("clean", "clean-joiner"):
         honest = nodes  # the extra node is honest: it counts like the others
-    if attack == "hostile-donors":
+    if attack in ("hostile-donors", "clean-joiner"):
         wait_until(lambda: first.round(JOINER_AFTER_ROUND), 600, f"round {JOINER_AFTER_ROUND} of n0")
         joiner_args = list(common)
         joiner_args[joiner_args.index("--min-peers") + 1] = "1"  # a joiner waits for no --min-peers
@@ -251,15 +261,19 @@ def report(outcomes: list[Outcome], args: argparse.Namespace) -> None:
     )
     for o in outcomes:
         clean = next(c for c in outcomes if c.mode == o.mode and c.attack == "clean")
+        baseline = next((c for c in outcomes if c.mode == o.mode and c.attack == BASELINE.get(o.attack)), clean)
         bounded = "yes" if max(o.max_step, o.spread) <= BOUND * clean.max_step else "NO"
         kill = "-"
         if o.attack == "kill" and o.kill_round_s is not None and clean.kill_round_s is not None:
             kill = f"{o.kill_round_s:.1f}s ({o.kill_round_s - clean.kill_round_s:+.1f})"
         print(
-            f"{o.mode:<13}{o.attack:<21}{o.rounds_per_min:>11.2f}{o.rounds_per_min / max(clean.rounds_per_min, 1e-9):>8.2f}x"
+            f"{o.mode:<13}{o.attack:<21}{o.rounds_per_min:>11.2f}{o.rounds_per_min / max(baseline.rounds_per_min, 1e-9):>8.2f}x"
             f"{o.loss:>10.4f}{o.loss / clean.loss:>8.3f}x{o.max_step:>10.3g}{o.spread:>10.3g}{bounded:>8}"
             f"{o.peak_rss_mb:>8.0f}MB{kill:>16}{o.tracebacks:>11}"
         )
+    for attack, base in BASELINE.items():
+        if any(o.attack == base for o in outcomes):
+            print(f"{attack}'s rounds/min ratio is against {base}, the clean run with the same late joiner")
 
 
 def main() -> None:
