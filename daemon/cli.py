@@ -93,13 +93,14 @@ class HelpAll(argparse.Action):
         values: Any,
         option_string: str | None = None,
     ) -> None:
-        full = argparse.ArgumentParser(prog=parser.prog, usage=parser.usage, description=parser.description)
-        add_node_options(full, skip=LOCAL_MANAGED if parser.prog.endswith(" local") else frozenset(), show_all=True)
+        command = parser.prog.split()[-1]  # join or local: the same subcommand, every group shown
+        full = build_parser(show_all=True)._subparsers._group_actions[0].choices[command]  # type: ignore[union-attr,index]
         full.print_help()
         parser.exit()
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(show_all: bool = False) -> argparse.ArgumentParser:
+    """The CLI; `show_all` lists the tuning and test knobs in the help too (`--help-all`)."""
     parser = argparse.ArgumentParser(prog="dtnode", description="Fault-tolerant peer-to-peer DiLoCo training node.")
     parser.add_argument("--version", action="version", version=f"dtnode {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -111,10 +112,12 @@ def build_parser() -> argparse.ArgumentParser:
         "node; `dtnode join --new-swarm` starts a swarm and prints the `dtnode join --peer ...` "
         "line other hosts use. Options also come from DTNODE_<NAME> variables and a --config "
         "TOML file (flags win, then variables, then the file).",
-        epilog="Tuning and test knobs (matchmaking windows, chunk sizes, kernels) are listed by --help-all.",
+        epilog=None
+        if show_all
+        else "Tuning and test knobs (matchmaking windows, chunk sizes, kernels) are listed by --help-all.",
     )
     join.add_argument("--help-all", action=HelpAll, help="show every option, tuning and test knobs included")
-    add_node_options(join)
+    add_node_options(join, show_all=show_all)
     local = sub.add_parser(
         "local",
         help="run a whole swarm of N nodes on this host",
@@ -132,7 +135,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="node I serves its status and dashboard on HTTP_PORT+I, on 127.0.0.1 (default: 7702; 0: any free port)",
     )
     local.add_argument("--help-all", action=HelpAll, help="show every option, tuning and test knobs included")
-    add_node_options(local, skip=LOCAL_MANAGED)
+    add_node_options(local, skip=LOCAL_MANAGED, show_all=show_all)
     status = sub.add_parser(
         "status",
         help="show a node and its swarm as a table",

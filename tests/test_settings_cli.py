@@ -250,6 +250,8 @@ def test_help_puts_essentials_first_and_knobs_behind_help_all():
     for knob in ("--chunk-elements", "--in-flight-chunks", "--fused-kernels", "--max-own-rounds"):
         assert knob not in short and knob in full
     assert len(short.splitlines()) < len(full.splitlines())
+    local_full = dtnode("local", "--help-all").stdout  # local's own options too, beside every group
+    assert "--nodes" in local_full and "--chunk-elements" in local_full and "--new-swarm" not in local_full
 
 
 def test_every_option_is_in_exactly_one_help_group():
