@@ -12,7 +12,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from rich import filesize
+from rich import box, filesize
 from rich.console import Console
 from rich.table import Table
 
@@ -164,43 +164,27 @@ def show_status(url: str, as_json: bool = False, auth: SwarmAuth | None = None, 
             "swarm: this node's swarm is closed; pass --swarm-key-file (or set DTNODE_SWARM_KEY) to list its peers"
         )
         return 0
-    swarm = Table(title=f"swarm: {len(peers)} peers")
-    for col in (
-        "peer",
-        "state",
-        "round",
-        "outer step",
-        "lag",
-        "θ_g",
-        "loss",
-        "condition",
-        "checkpoint",
-        "tokens/s",
-        "last seen",
-        "device",
-        "mode",
-        "http",
-    ):
-        swarm.add_column(col)
+    swarm = Table(title=f"swarm: {len(peers)} peers", box=box.SIMPLE_HEAD, pad_edge=False, padding=(0, 1, 0, 0))
+    # the columns an operator compares across peers, within an 80-column terminal (addresses,
+    # devices, checkpoints and client modes are in --json and on the dashboard)
+    for col in ("peer", "state", "round", "step", "lag", "θ_g", "loss", "condition", "tok/s", "seen"):
+        swarm.add_column(col, no_wrap=True)
     for p in peers:
-        where = f"{p['round']} {p['phase']}" if p.get("round", -1) >= 0 and p.get("phase") else "-"
+        where = str(p["round"]) if p.get("round", -1) >= 0 else "-"
         seen = f"{p['last_seen_s']:.0f}s" if "last_seen_s" in p else "-"
         swarm.add_row(
-            p["peer_id"][-12:],
-            p["state"],
+            p["peer_id"][-8:],
+            p["state"] + ("/client" if p["client_mode"] else ""),
             where,
             str(p["outer_step"]),
             str(p.get("lag", "-")),
             _theta(p, status),
             _fmt(p.get("loss"), ".3f"),
             p.get("condition") or "-",
-            str(p["checkpoint_step"]),
             f"{p['tokens_per_s']:.0f}",
             seen,
-            p["device"],
-            "client" if p["client_mode"] else "full",
-            p["http_addr"],
         )
+    swarm.caption = "θ_g: the start of its hash; * at this node's step with another θ_g"
     console.print(swarm)
     return 0
 
@@ -211,7 +195,7 @@ def _theta(peer: dict[str, Any], status: dict[str, Any]) -> str:
     if not theta:
         return "-"
     other = peer.get("outer_step") == status.get("outer_step") and theta != status.get("params_sha256", theta)
-    return theta[:8] + (" (differs)" if other else "")
+    return theta[:8] + ("*" if other else "")
 
 
 def _fmt(value: float | None, spec: str = ".4f") -> str:
