@@ -64,15 +64,17 @@ def dtnode_status(url: str, *extra: str, env: dict[str, str] | None = None) -> s
     )
 
 
-def wait_until(condition: Callable[[], T | None], timeout: float, what: str) -> T:
+def wait_until(condition: Callable[[], T | None], timeout: float, what: str | Callable[[], str]) -> T:
     """Poll `condition` until it returns something truthy; AssertionError naming `what` after
-    `timeout` seconds (a hang guard: generous, never a speed check)."""
+    `timeout` seconds (a hang guard: generous, never a speed check). A callable `what` is asked
+    at the timeout: a node's output then, not when the wait began."""
     deadline = time.monotonic() + timeout
     while True:
         if value := condition():
             return value
         if time.monotonic() > deadline:
-            raise AssertionError(f"no {what} within {timeout:.0f}s")
+            said = what() if callable(what) else what
+            raise AssertionError(f"no {said} within {timeout:.0f}s")
         time.sleep(0.2)
 
 
@@ -222,7 +224,7 @@ class NodeProcess:
         def found() -> dict[str, Any] | None:
             return next((r for r in self.rounds[after:] if condition(r)), None)
 
-        return wait_until(found, timeout, f"round of {self.name} as asked; output:\n{self.output[-3000:]}")
+        return wait_until(found, timeout, lambda: f"round of {self.name} as asked; output:\n{self.output[-6000:]}")
 
     def wait(self, timeout: float) -> int:
         try:

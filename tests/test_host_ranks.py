@@ -189,7 +189,9 @@ def test_a_killed_rank_is_restarted_and_its_host_averages_again(tmp_path, cleanu
     """kill -9 of one local rank mid-round: the host restarts its ranks from θ_g as the same
     peer and is averaging again within the rounds a joiner may take; the other host never misses a round; a
     kill -9 of the node leaves no orphaned rank."""
-    args = [*ARGS, "--max-rounds", "8"]
+    # a run long enough that the other host does not finish it alone while the ranks restart
+    # (its rounds without b last a fraction of a second: CI saw it end the run of 8 rounds first)
+    args = [*ARGS, "--max-rounds", "40"]
     a = NodeProcess.join("a", tmp_path, *args, "--min-peers", "2")
     cleanup.append(a)
     b = NodeProcess.join("b", tmp_path, *args, "--nproc-per-node", "2", "--peer", a.join_address)
@@ -201,12 +203,13 @@ def test_a_killed_rank_is_restarted_and_its_host_averages_again(tmp_path, cleanu
     b.wait_for_line(r"round \d+ failed \(LocalRankFailure: local rank 1 \(cpu\) exited with signal 9\)", 60)
     failed_at = len(b.rounds)
     b.wait_for_line(r"restarted the local ranks from θ_g", 60)
+    restarted_at = time.time() - 1.0  # wall clock, as the history's "time" (a second early: the line is polled)
     back = b.wait_for_round(lambda r: r["groups"] == [[2, 2]], timeout=120, after=failed_at)
-    # averaging again after the failed round, at most MAX_REENTRIES first rounds that the swarm
-    # closed under it (this swarm's rounds last a fraction of a second: the other host trains on
-    # while the ranks restart, and a restarted host's first steps are slow), and one more. Seen in
-    # CI: round 2 averaged, 3 failed, 4-6 closed under its first steps, 7 averaged.
-    assert back["round"] <= b.rounds[failed_at - 1]["round"] + 2 + MAX_REENTRIES, b.output
+    # averaging again within the rounds a joiner may take: the swarm closes at most the open
+    # round and MAX_REENTRIES more without it once its ranks are back (the rounds the other host
+    # made alone while they restarted are not counted: b could take part in none of them)
+    missed = [r["round"] for r in a.rounds if r["time"] > restarted_at and r["round"] < back["round"]]
+    assert len(missed) <= 1 + MAX_REENTRIES, (missed, back, b.output)
     assert b.status()["peer_id"] == peer_id and b.status()["ranks"][1]["restarts"] == 1
     assert "dtnode_local_rank_restarts_total 1.0" in b.get_text("/metrics")
     a.wait_for_round(lambda r: r["round"] >= back["round"], timeout=120)

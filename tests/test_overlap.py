@@ -314,7 +314,11 @@ def test_a_node_restarted_into_an_overlapped_swarm_takes_the_average_it_missed(t
     theirs = set()
     for node in (a, b):
         path = checkpoint_path(node.state_dir, entered)
-        wait_until(path.exists, 60, f"checkpoint of step {entered} from {node.name}; output:\n{node.output[-3000:]}")
+        wait_until(
+            path.exists,
+            60,
+            lambda node=node: f"checkpoint of step {entered} from {node.name}; output:\n{node.output[-3000:]}",
+        )
         theirs.add(sha256_of(theta(node.state_dir, entered)))
         node.stop()
         assert node.wait(60) == 0, node.output
