@@ -1,3 +1,3 @@
-from dtnode.daemon.cli import main
+from dtnode.daemon.cli.main import main
 
 raise SystemExit(main())

@@ -2,15 +2,15 @@
 stops them in the reverse order. It holds no round logic.
 
 The parts, each one concept:
-- `workload.py`: the device, model, tokenizer and data the settings name;
-- `worker.py`: θ_l, θ_g and the outer optimizer on the training thread;
-- `store.py`: this node's checkpoints (written, pruned, served, resumed);
-- `bootstrap.py`: the DHT started through --peer and the peers it knew;
-- `round_state.py`: the node's state and the one `publish()` of it;
-- `rounds.py`: the round loop, with `pacer.py` (when a round ends), `joiner.py` (getting
-  into step) and `landing.py` (an overlapped average);
-- `report.py`: the typed round summary and `/status`;
-- `sidecar.py`: the HTTP endpoints, which read the node through `NodeView`.
+- `workload/build.py`: the device, model, tokenizer and data the settings name;
+- `training/worker.py`: θ_l, θ_g and the outer optimizer on the training thread;
+- `checkpoints/store.py`: this node's checkpoints (written, pruned, served, resumed);
+- `swarm/bootstrap.py`: the DHT started through --peer and the peers it knew;
+- `rounds/state.py`: the node's state and the one `publish()` of it;
+- `rounds/loop.py`: the round loop, with `rounds/pacer.py` (when a round ends), `catchup/joiner.py` (getting
+  into step) and `rounds/landing.py` (an overlapped average);
+- `serve/report.py`: the typed round summary and `/status`;
+- `serve/sidecar.py`: the HTTP endpoints, which read the node through `NodeView`.
 
 Everything runs on one asyncio loop (uvloop). Inner steps run on the worker's training
 thread, checkpoint writes on the store's I/O thread, tensor work of the data plane in the
@@ -33,6 +33,34 @@ from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.p2p import P2P
 
 from dtnode import __version__
+from dtnode.daemon.catchup.joiner import Joiner
+from dtnode.daemon.checkpoints.state_dir import claim_state_dir, startup_error
+from dtnode.daemon.checkpoints.store import CheckpointStore
+from dtnode.daemon.config.settings import NodeSettings, SettingsError
+from dtnode.daemon.rounds.landing import Landing
+from dtnode.daemon.rounds.loop import RoundLoop
+from dtnode.daemon.rounds.state import Publisher, RoundState
+from dtnode.daemon.serve.history import FILE_NAME as HISTORY_FILE
+from dtnode.daemon.serve.history import RoundHistory
+from dtnode.daemon.serve.metrics import NodeMetrics, RefusalCollector, watch_state_dir
+from dtnode.daemon.serve.presenter import Addresses, NodePresenter
+from dtnode.daemon.serve.report import RunStats
+from dtnode.daemon.serve.sidecar import ServedSteps, Sidecar
+from dtnode.daemon.swarm import hostile
+from dtnode.daemon.swarm.bootstrap import (
+    DhtBootstrap,
+    announce_host,
+    dialable_addrs,
+    join_command,
+    remember_peers,
+    tls_identity,
+)
+from dtnode.daemon.swarm.reachability import DialBack, announce_warning, ask_dial_back
+from dtnode.daemon.training.ranks.host import plan_ranks
+from dtnode.daemon.training.worker import ModelWorker, limit_tensor_threads
+from dtnode.daemon.workload.build import build_workload, resolve_device
+from dtnode.daemon.workload.recipe import take_recipe_from_peer
+from dtnode.daemon.workload.remembered import remember_workload
 from dtnode.ops.quantization import use_fused_kernels
 from dtnode.peers import failpoints
 from dtnode.peers.auth import ENV_KEY, AuthError, SwarmAuth, load_swarm_key
@@ -49,28 +77,6 @@ from dtnode.peers.server import GrpcPortError, port_in_use, start_grpc_server
 from dtnode.peers.service import AveragingService
 from dtnode.peers.tls import TrustStore
 from dtnode.peers.wire import max_message_bytes
-
-from . import hostile
-from .bootstrap import DhtBootstrap, announce_host, dialable_addrs, join_command, remember_peers, tls_identity
-from .export import remember_workload
-from .history import FILE_NAME as HISTORY_FILE
-from .history import RoundHistory
-from .joiner import Joiner
-from .landing import Landing
-from .local_ranks import plan_ranks
-from .metrics import NodeMetrics, RefusalCollector, watch_state_dir
-from .presenter import Addresses, NodePresenter
-from .reachability import DialBack, announce_warning, ask_dial_back
-from .recipe import take_recipe_from_peer
-from .report import RunStats
-from .round_state import Publisher, RoundState
-from .rounds import RoundLoop
-from .settings import NodeSettings, SettingsError
-from .sidecar import ServedSteps, Sidecar
-from .state_dir import claim_state_dir, startup_error
-from .store import CheckpointStore
-from .worker import ModelWorker, limit_tensor_threads
-from .workload import build_workload, resolve_device
 
 log = logging.getLogger("dtnode")
 
@@ -241,7 +247,7 @@ class Node:
         if not s.client_mode:  # a client is dialled by nobody
             checking = asyncio.ensure_future(self._check_reachable())
             stack.push_async_callback(_cancel, checking)
-        if failpoints.armed() is not None:  # a test's attacker acting beside its rounds (daemon/hostile.py)
+        if failpoints.armed() is not None:  # a test's attacker acting beside its rounds (daemon/swarm/hostile.py)
             attacking = asyncio.ensure_future(
                 hostile.run(
                     self.dht,

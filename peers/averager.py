@@ -15,7 +15,7 @@ re-sync spreads over the grid like the mean of Δ does. The request is anyone's
 to make (a failure is not provable), so the re-sync itself is what is bounded: weights of at
 most 1 (each member's share of its previous group's mean, so every previous group counts
 once), the robust rule when one is set, and a drift bound on the result of a few of the node's
-own outer steps (`DriftBound`, from daemon/replica.py), never relative to ‖θ‖.
+own outer steps (`DriftBound`, from daemon/training/outer_replica.py), never relative to ‖θ‖.
 """
 
 from __future__ import annotations
@@ -129,7 +129,7 @@ class _Round:
     drift: DriftBound | None  # how far a re-sync may move this node's state
     theta: torch.Tensor | None = None  # θ_g and the momentum, once a hop re-syncs them
     # what hop 0's re-sync held this node's state to (`drift`, shared among its group): the bound
-    # the whole re-synced state is held to where it is taken (daemon/replica.py)
+    # the whole re-synced state is held to where it is taken (daemon/training/outer_replica.py)
     theta_bound: DriftBound | None = None
     hops: list[HopReport] = field(default_factory=list)
     _fetching: asyncio.Lock = field(default_factory=asyncio.Lock)
@@ -198,7 +198,7 @@ class MoshpitAverager:
         `theta_sha256` is the hash of the θ_g that `consensus_state` returns ("" if not known):
         a group whose members all hold that θ_g skips a re-sync (`matchmaking.needs_resync`).
         `drift` bounds how far a re-sync may move this node's state (a node always gives it:
-        daemon/replica.py `resync_bound`; None leaves a re-sync unbounded, for tests). The whole average is bounded on this node's own clock (`round_bound`): AveragingTimeout
+        daemon/training/outer_replica.py `resync_bound`; None leaves a re-sync unbounded, for tests). The whole average is bounded on this node's own clock (`round_bound`): AveragingTimeout
         past it, whatever other peers do."""
         c = self.config
         if failpoints.hostile(round_no) in ("hostile-resync", "hostile-pair"):  # a test's attacker: it must re-sync

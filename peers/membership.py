@@ -90,7 +90,7 @@ class PeerRecord(BaseModel):
     tokens_per_s: float = Field(0.0, ge=0, le=1e15)
     round_tokens: int = Field(0, ge=0, le=1 << 62)  # tokens processed so far in round `round_in_training`
     training_round: int = Field(-1, ge=-1, le=1 << 62)  # the round of those tokens; -1: `outer_step`
-    # Where this peer is, so a joiner knows which round it can still enter (daemon/sync.py):
+    # Where this peer is, so a joiner knows which round it can still enter (daemon/catchup/donors.py):
     round: int = Field(-1, ge=-1, le=1 << 62)  # the round in progress (trained, averaged or applied); -1: none
     phase: str = Field("", max_length=16)  # "inner", "matchmaking" (open), "averaging", "outer" (closed)
     round_checkpoint: int = Field(-1, ge=-1, le=1 << 62)  # the step of the θ_g that round `round` starts from
@@ -104,7 +104,7 @@ class PeerRecord(BaseModel):
     version: str = Field("", max_length=32)
     tls_cert: str = Field("", max_length=MAX_CERT_CHARS)  # base64 DER (peers/tls.py); empty: plaintext data plane
     auth: str = Field("", max_length=512)
-    recipe: str = Field("", max_length=MAX_RECIPE_CHARS)  # JSON of what peers must share (daemon/recipe.py)
+    recipe: str = Field("", max_length=MAX_RECIPE_CHARS)  # JSON of what peers must share (daemon/workload/recipe.py)
     # For operators comparing peers (`dtnode status`, the dashboard); no decision rests on them:
     theta_sha256: str = Field("", max_length=64)  # its θ_g's hash as of outer_step: who is in step with whom
     loss: float | None = Field(None, ge=0, le=1e6, allow_inf_nan=False)  # its last inner loss

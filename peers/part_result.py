@@ -28,7 +28,7 @@ from .wire import Payload
 class DriftBound:
     """How far a θ_g re-sync may move this member's state, in L2 over each region of it: θ_g
     (values before `split`), then the outer momentum (`split` more values, or none). Both are
-    absolute, derived from this node's own recent outer steps by its caller (daemon/replica.py:
+    absolute, derived from this node's own recent outer steps by its caller (daemon/training/outer_replica.py:
     `resync_bound`), never from the norm of θ itself: a bound relative to ‖θ‖ let a member of a
     pair set its partner's θ_g to any T within 4‖θ‖ of it, −θ included.
 

@@ -24,11 +24,11 @@ from .plan import FP32, SPARSE, SPARSE_SUPPORT, GroupPlan
 # The data plane's format: the chunk fields, the codecs and what a reducer accepts of each.
 # Raise it with every change that a peer of the previous version would refuse or misread:
 # peers of two protocols cannot average together, so a joiner of another protocol is refused
-# at the door (the swarm's recipe, daemon/recipe.py) rather than failing part after part.
+# at the door (the swarm's recipe, daemon/workload/recipe.py) rather than failing part after part.
 # 1: every version before this number was published; 2: a later moshpit hop's sparse chunks
 # carry its group's mean on its support (CODEC_SPARSE_SUPPORT); 3: sparse positions are
 # Elias-Fano coded (ops/positions.py), not 12 bits each; 4: without outer momentum a θ_g
-# re-sync carries θ_g alone, not θ_g and a zero momentum (daemon/replica.py).
+# re-sync carries θ_g alone, not θ_g and a zero momentum (daemon/training/outer_replica.py).
 PROTOCOL = 4
 MAX_WEIGHT = 1e12  # a weight is a token count; anything larger is a hostile or broken peer
 WEIGHT_SLACK = 1e-9  # a stream's weight is its registration's, bit for bit: slack for float printing only

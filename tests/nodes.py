@@ -83,7 +83,7 @@ def theta(state_dir: Path, step: int):
     import torch
     from safetensors.torch import load_file
 
-    from dtnode.daemon.checkpoint import checkpoint_path
+    from dtnode.daemon.checkpoints.file_format import checkpoint_path
 
     tensors = load_file(str(checkpoint_path(state_dir, step)))
     return torch.cat([t.reshape(-1) for name, t in sorted(tensors.items()) if name.startswith("theta_g/")])

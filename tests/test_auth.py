@@ -128,7 +128,7 @@ def test_sidecar_requires_the_key_for_state_and_membership_but_not_for_health(tm
     import aiohttp
     from test_sync import FileView, _checkpoint
 
-    from dtnode.daemon.sidecar import Sidecar
+    from dtnode.daemon.serve.sidecar import Sidecar
 
     async def main():
         info, _ = _checkpoint(tmp_path, 2)

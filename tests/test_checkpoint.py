@@ -2,7 +2,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from dtnode.daemon.checkpoint import (
+from dtnode.daemon.checkpoints.file_format import (
     ABANDONED_DIR,
     CheckpointError,
     Layout,
@@ -126,7 +126,7 @@ def test_a_given_up_branch_is_set_aside_not_deleted_and_replaces_an_older_one(tm
 WRITER = """
 import sys, torch
 from pathlib import Path
-from dtnode.daemon.checkpoint import Layout, TrainingState, write_checkpoint
+from dtnode.daemon.checkpoints.file_format import Layout, TrainingState, write_checkpoint
 n = 96_000_000
 layout = Layout(("w",), ((n,),))
 state = TrainingState(torch.ones(n), torch.ones(n))
@@ -163,8 +163,8 @@ def test_a_checkpoint_served_from_memory_is_the_file_byte_for_byte(tmp_path, out
     """Donors serving the current step from memory and donors serving its file are one file to
     a joiner (same sha256, same bytes at every offset); after `detach` the bytes stay put while
     the live tensors change."""
-    from dtnode.daemon.checkpoint import TrainingState, write_checkpoint
-    from dtnode.daemon.memory_checkpoint import MemoryCheckpoint
+    from dtnode.daemon.checkpoints.file_format import TrainingState, write_checkpoint
+    from dtnode.daemon.checkpoints.in_memory import MemoryCheckpoint
 
     layout = Layout(("a", "b"), ((3, 5), (7,)), outer_momentum)
     theta, momentum = torch.randn(layout.numel), torch.randn(layout.momentum_numel)
@@ -186,8 +186,8 @@ def test_a_checkpoint_written_from_the_live_theta_is_whole_though_theta_changes_
     outer step that comes while the file is being written first gives the writer copies
     (`detach`), so the file holds step N's values whole, byte for byte the file written from
     copies, and the live tensors move on."""
-    from dtnode.daemon import memory_checkpoint
-    from dtnode.daemon.memory_checkpoint import MemoryCheckpoint
+    from dtnode.daemon.checkpoints import in_memory as memory_checkpoint
+    from dtnode.daemon.checkpoints.in_memory import MemoryCheckpoint
 
     monkeypatch.setattr(memory_checkpoint, "WRITE_SLICE", 24)  # several slices, a change between two
     layout = Layout(("a", "b"), ((3, 5), (7,)))
@@ -219,7 +219,7 @@ def test_stale_temp_files_are_swept_by_age_and_owner_even_under_pid_1(tmp_path):
     import os
     import time
 
-    from dtnode.daemon.checkpoint import RUN_TOKEN, STALE_TEMP_S
+    from dtnode.daemon.checkpoints.file_format import RUN_TOKEN, STALE_TEMP_S
 
     old = time.time() - STALE_TEMP_S - 5
     dead_run = tmp_path / ".ckpt-00000003.safetensors.tmp-1"  # an earlier run's, PID 1, no tag
@@ -245,13 +245,13 @@ def test_the_store_writes_theta_g_in_place_and_an_outer_step_during_the_write_ke
     import asyncio
     import logging
 
-    from dtnode.daemon import memory_checkpoint
-    from dtnode.daemon.memory_checkpoint import MemoryCheckpoint
-    from dtnode.daemon.metrics import NodeMetrics
-    from dtnode.daemon.settings import NodeSettings
-    from dtnode.daemon.store import CheckpointStore
-    from dtnode.daemon.worker import ModelWorker
-    from dtnode.daemon.workload import build_workload
+    from dtnode.daemon.checkpoints import in_memory as memory_checkpoint
+    from dtnode.daemon.checkpoints.in_memory import MemoryCheckpoint
+    from dtnode.daemon.checkpoints.store import CheckpointStore
+    from dtnode.daemon.config.settings import NodeSettings
+    from dtnode.daemon.serve.metrics import NodeMetrics
+    from dtnode.daemon.training.worker import ModelWorker
+    from dtnode.daemon.workload.build import build_workload
 
     settings = NodeSettings(state_dir=tmp_path, model="tiny", seq_len=16, fused_kernels=False, device="cpu")
     worker = ModelWorker(settings, build_workload(settings, tmp_path), torch.device("cpu"))
@@ -294,7 +294,7 @@ def test_a_restored_adamw_step_count_lies_where_the_kernel_reads_it(kernel):
     """The fused and capturable AdamW kernels read the step count on the parameters' device (the
     fused CUDA kernel refuses one on the host), the others on the host: as torch's own
     load_state_dict puts it. ("meta" stands for a GPU here: the rule, not the kernel.)"""
-    from dtnode.daemon.adam_state import step_count
+    from dtnode.daemon.training.adam_state import step_count
 
     optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(4))], **{kernel: True})
     count = step_count(optimizer, 7, torch.device("meta"))

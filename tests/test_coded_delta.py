@@ -8,12 +8,12 @@ import pytest
 import torch
 from allreduce_harness import start_peers, stop_peers
 
-from dtnode.daemon.coded_replica import CodedReplica
-from dtnode.daemon.data import DataSources, DataStream, MarkovLanguage
-from dtnode.daemon.model import build_model
-from dtnode.daemon.replica import MAX_ALLOWANCE, OUTER_REACH, Replica
-from dtnode.daemon.schedule import LearningRateSchedule
-from dtnode.daemon.trainer import Trainer
+from dtnode.daemon.training.coded_replica import CodedReplica
+from dtnode.daemon.training.outer_replica import MAX_ALLOWANCE, OUTER_REACH, Replica
+from dtnode.daemon.training.schedule import LearningRateSchedule
+from dtnode.daemon.training.trainer import Trainer
+from dtnode.daemon.workload.data import DataSources, DataStream, MarkovLanguage
+from dtnode.daemon.workload.model import build_model
 from dtnode.ops.coded import CodedDelta, SpanEncoder
 from dtnode.ops.outer_optimizer import NesterovOuterOptimizer
 from dtnode.ops.quantization import dequantize, quantize, quantize_with_feedback

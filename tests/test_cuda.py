@@ -13,12 +13,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from dtnode.daemon.data import DataSources, DataStream, MarkovLanguage
-from dtnode.daemon.model import build_model
-from dtnode.daemon.precision import Precision
-from dtnode.daemon.replica import Replica
-from dtnode.daemon.schedule import LearningRateSchedule
-from dtnode.daemon.trainer import Trainer
+from dtnode.daemon.training.outer_replica import Replica
+from dtnode.daemon.training.precision import Precision
+from dtnode.daemon.training.schedule import LearningRateSchedule
+from dtnode.daemon.training.trainer import Trainer
+from dtnode.daemon.workload.data import DataSources, DataStream, MarkovLanguage
+from dtnode.daemon.workload.model import build_model
 from dtnode.ops import positions, quantization, sparse
 from dtnode.ops.quantization import dequantize, quantize
 
@@ -165,7 +165,13 @@ def test_the_shard_helpers_round_trip_over_nccl(tmp_path: Path):
     """`--shard`'s scatter and gather of θ_l and the AdamW moments, over NCCL with FSDP2 on the
     GPU: a world of one rank here (NCCL refuses two ranks on one GPU), so the collectives and the
     DTensor plumbing run, not the split itself (the gloo tests split it on the CPU)."""
-    from dtnode.daemon.sharded import gather_moments, gather_params, scatter_moments, scatter_params, shard_model
+    from dtnode.daemon.training.ranks.fsdp import (
+        gather_moments,
+        gather_params,
+        scatter_moments,
+        scatter_params,
+        shard_model,
+    )
 
     device = torch.device("cuda", 0)
     store = dist.FileStore(str(tmp_path / "store"), 1)

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import yaml  # installed with hivemind
 
-from dtnode.daemon.recipe import SwarmRecipe
-from dtnode.daemon.settings import NodeSettings
+from dtnode.daemon.config.settings import NodeSettings
+from dtnode.daemon.workload.recipe import SwarmRecipe
 from dtnode.peers.sidecar_address import is_sidecar_address
 
 DEPLOY = Path(__file__).resolve().parents[1] / "deploy"
@@ -53,8 +53,8 @@ import subprocess
 
 import pytest
 
-from dtnode.daemon.cli import EXIT_JOIN, EXIT_MISMATCH, EXIT_USAGE, build_parser
-from dtnode.daemon.metrics import NodeMetrics
+from dtnode.daemon.cli.main import EXIT_JOIN, EXIT_MISMATCH, EXIT_USAGE, build_parser
+from dtnode.daemon.serve.metrics import NodeMetrics
 
 MANIFESTS = ("statefulset.yaml", "gpu-host.yaml", "host-network.yaml")
 
@@ -130,8 +130,8 @@ def test_every_deploy_command_line_starts_a_node_on_a_fresh_state_dir(monkeypatc
     """Each command line with its file's environment, through dtnode's parser and settings, on a
     state dir that knows no peer (a first start): it joins a swarm or starts one. compose's
     node1 and pod 0 once started no swarm (join without --peer needs --new-swarm now)."""
-    from dtnode.daemon.cli import _node_values, require_a_swarm
-    from dtnode.daemon.settings import load_settings
+    from dtnode.daemon.cli.main import _node_values, require_a_swarm
+    from dtnode.daemon.config.settings import load_settings
 
     for where, argv in _dtnode_commands().items():
         if where == "Dockerfile":
@@ -345,8 +345,8 @@ def _unit() -> configparser.SectionProxy:
 def test_the_systemd_unit_s_exec_start_and_environment_parse_as_dtnode_settings(monkeypatch):
     """ExecStart through the CLI's own parser, with the unit's Environment= (its config file the
     example the guide installs), gives the settings the guide means."""
-    from dtnode.daemon.cli import _node_values
-    from dtnode.daemon.settings import load_settings
+    from dtnode.daemon.cli.main import _node_values
+    from dtnode.daemon.config.settings import load_settings
 
     service = _unit()
     for assignment in shlex.split(service["Environment"]):

@@ -19,7 +19,7 @@ tokenizers = pytest.importorskip("tokenizers")
 
 from nodes import FAST, NodeProcess
 
-from dtnode.daemon.checkpoint import (
+from dtnode.daemon.checkpoints.file_format import (
     Layout,
     LocalState,
     TrainingState,
@@ -28,16 +28,16 @@ from dtnode.daemon.checkpoint import (
     read_local_state,
     write_checkpoint,
 )
-from dtnode.daemon.cli import EXIT_MISMATCH
-from dtnode.daemon.corpus import LLMC_MAGIC, write_bin
-from dtnode.daemon.data import DataStream, check_token_ids, open_sources, stable_seed
-from dtnode.daemon.export import export_checkpoint
-from dtnode.daemon.model import build_model, config_hash, export_format
-from dtnode.daemon.replica import Replica
-from dtnode.daemon.schedule import LearningRateSchedule
-from dtnode.daemon.settings import SettingsError, load_settings
-from dtnode.daemon.tokenizer import LocalTokenizer, check_vocabulary
-from dtnode.daemon.trainer import Trainer
+from dtnode.daemon.cli.export import export_checkpoint
+from dtnode.daemon.cli.main import EXIT_MISMATCH
+from dtnode.daemon.config.settings import SettingsError, load_settings
+from dtnode.daemon.training.outer_replica import Replica
+from dtnode.daemon.training.schedule import LearningRateSchedule
+from dtnode.daemon.training.trainer import Trainer
+from dtnode.daemon.workload.corpus import LLMC_MAGIC, write_bin
+from dtnode.daemon.workload.data import DataStream, check_token_ids, open_sources, stable_seed
+from dtnode.daemon.workload.model import build_model, config_hash, export_format
+from dtnode.daemon.workload.tokenizer import LocalTokenizer, check_vocabulary
 from dtnode.ops.flat import FlatParameters
 
 
@@ -440,7 +440,7 @@ def test_a_hub_id_is_read_through_the_hugging_face_cache(workspace, tmp_path, mo
     error, and a Hub id builds the very model its directory builds."""
     from huggingface_hub import constants
 
-    from dtnode.daemon.hf_model import HFModelError, is_hub_id
+    from dtnode.daemon.workload.hf_model import HFModelError, is_hub_id
 
     cache = tmp_path / "hub"
     _hub_cache(cache, "test-org/tiny-llama", workspace["model"])

@@ -44,7 +44,7 @@ def test_validators_see_records_with_these_fields():
 
 
 def test_p2pd_log_lines_go_through_one_static_method_on_the_p2p_daemon_logger():
-    """daemon/cli.py filters one p2pd ERROR line on the `hivemind.p2p.p2p_daemon` logger."""
+    """daemon/cli/main.py filters one p2pd ERROR line on the `hivemind.p2p.p2p_daemon` logger."""
     from hivemind.p2p.p2p_daemon import P2P
 
     assert "line" in inspect.signature(P2P._log_p2pd_message).parameters

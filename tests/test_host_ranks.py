@@ -19,7 +19,8 @@ import pytest
 import torch
 from nodes import FAST, NodeProcess, dtnode_status, wait_until
 
-from dtnode.daemon.checkpoint import (
+from dtnode.daemon.catchup.joiner import MAX_REENTRIES
+from dtnode.daemon.checkpoints.file_format import (
     Layout,
     LocalState,
     TrainingState,
@@ -27,12 +28,11 @@ from dtnode.daemon.checkpoint import (
     read_local_state,
     write_checkpoint,
 )
-from dtnode.daemon.data import DataStream, open_sources
-from dtnode.daemon.joiner import MAX_REENTRIES
-from dtnode.daemon.local_ranks import RankOutOfMemory, out_of_memory_line, plan_ranks, selected_gpus
-from dtnode.daemon.settings import NodeSettings, SettingsError
-from dtnode.daemon.worker import ModelWorker
-from dtnode.daemon.workload import build_workload
+from dtnode.daemon.config.settings import NodeSettings, SettingsError
+from dtnode.daemon.training.ranks.host import RankOutOfMemory, out_of_memory_line, plan_ranks, selected_gpus
+from dtnode.daemon.training.worker import ModelWorker
+from dtnode.daemon.workload.build import build_workload
+from dtnode.daemon.workload.data import DataStream, open_sources
 from dtnode.ops.coded import CodedDelta
 
 ARGS = [*FAST, "--device", "cpu", "--threads-per-rank", "1"]
@@ -144,7 +144,7 @@ def test_an_out_of_memory_line_names_the_rank_device_and_size():
 
 
 def _rank_children(node: NodeProcess) -> list[psutil.Process]:
-    return [c for c in psutil.Process(node.proc.pid).children() if "dtnode.daemon.rank_process" in c.cmdline()]
+    return [c for c in psutil.Process(node.proc.pid).children() if "dtnode.daemon.training.ranks.child" in c.cmdline()]
 
 
 @pytest.mark.multi_rank

@@ -1,7 +1,7 @@
 """One hostile member or outsider, or one dead member, among three honest real nodes (issue 56).
 
 Each attack is the project's own build with one input changed, armed by a failpoint from round
-1 on (peers/failpoints.py, daemon/hostile.py). The honest nodes must keep averaging with each
+1 on (peers/failpoints.py, daemon/swarm/hostile.py). The honest nodes must keep averaging with each
 other, round after round, and their θ_g must stay within a few of their own outer steps.
 Facts come from each node's history and checkpoints, not from its log. About 4 min on 2 cores
 (-m long_swarms); `tests.bench.hostile` measures the same attacks against a clean run.

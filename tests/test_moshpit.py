@@ -796,7 +796,7 @@ def test_two_groups_re_syncing_one_theta_brought_by_different_numbers_of_members
 
 def test_the_average_reads_delta_only_once_its_copy_from_the_device_is_in(dht):
     """A node hands the averager Δ while its copy from the GPU may still be under way
-    (daemon/replica.py): the averager must wait for `delta_ready` before any read. Here the
+    (daemon/training/outer_replica.py): the averager must wait for `delta_ready` before any read. Here the
     buffers hold NaN until it is awaited, so one early read fails the round (int8 refuses
     non-finite values) and the mean comes out wrong."""
     from allreduce_harness import start_peers, stop_peers

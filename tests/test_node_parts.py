@@ -14,15 +14,15 @@ import torch
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from dtnode.daemon.joiner import LocalPosition, SyncAction, plan_sync
-from dtnode.daemon.metrics import NodeMetrics
-from dtnode.daemon.pacer import FixedPacer, SwarmPacer
-from dtnode.daemon.recipe import recipe_of
-from dtnode.daemon.report import Condition, NodeStatus, Outcome, RoundSummary, RunStats
-from dtnode.daemon.round_state import IllegalTransition, NodeState, RecordPhase, RoundPhase, RoundState
-from dtnode.daemon.rounds import left_off_the_swarm
-from dtnode.daemon.settings import NodeSettings
-from dtnode.daemon.trainer import InnerResult
+from dtnode.daemon.catchup.joiner import LocalPosition, SyncAction, plan_sync
+from dtnode.daemon.config.settings import NodeSettings
+from dtnode.daemon.rounds.loop import left_off_the_swarm
+from dtnode.daemon.rounds.pacer import FixedPacer, SwarmPacer
+from dtnode.daemon.rounds.state import IllegalTransition, NodeState, RecordPhase, RoundPhase, RoundState
+from dtnode.daemon.serve.metrics import NodeMetrics
+from dtnode.daemon.serve.report import Condition, NodeStatus, Outcome, RoundSummary, RunStats
+from dtnode.daemon.training.trainer import InnerResult
+from dtnode.daemon.workload.recipe import recipe_of
 from dtnode.peers.averager import AveragingResult, HopReport
 from dtnode.peers.membership import PeerRecord
 
@@ -483,7 +483,7 @@ def test_rounds_failing_in_a_row_wait_longer_and_log_a_repeated_failure_once():
     """A fault met in every round (the GPU run's restored AdamW state, before its fix) waited 1 s
     and logged a traceback each time, forever: now 3 quick tries, then doubling pauses up to a
     cap, and a failure like the last one is said in one line. A round that ends well starts over."""
-    from dtnode.daemon.failure_streak import MAX_FAILED_ROUND_BACKOFF_S, FailureStreak
+    from dtnode.daemon.rounds.backoff import MAX_FAILED_ROUND_BACKOFF_S, FailureStreak
 
     streak = FailureStreak()
     same = [streak.failed(RuntimeError("state_steps is on cpu")) for _ in range(9)]
@@ -498,7 +498,7 @@ def test_the_join_line_status_shows_names_the_files_each_host_brings_not_where_t
     """Issue 56, finding 12: /status showed the --data path (and a --tokenizer or hf: model
     path) to anyone who could reach the sidecar. Its join line now names the files only; the
     line printed to the operator who started the node keeps the paths."""
-    from dtnode.daemon.bootstrap import join_command
+    from dtnode.daemon.swarm.bootstrap import join_command
 
     paths = {"data": Path("/home/alice/private/corpus.txt"), "tokenizer": Path("/home/alice/tok")}
     s = NodeSettings().model_copy(update={**paths, "model": "hf:/srv/models/m1"})  # paths of another host
@@ -511,7 +511,7 @@ def test_the_join_line_status_shows_names_the_files_each_host_brings_not_where_t
 
 def test_the_join_line_names_a_hub_model_as_it_is():
     """`--model hf:ORG/NAME` is a Hub id every host resolves through its own cache, not a path."""
-    from dtnode.daemon.bootstrap import join_command
+    from dtnode.daemon.swarm.bootstrap import join_command
 
     s = NodeSettings().model_copy(update={"model": "hf:test-org/tiny-llama"})
     recipe = recipe_of(s, 64, "synthetic (seed 0)")
@@ -520,7 +520,7 @@ def test_the_join_line_names_a_hub_model_as_it_is():
 
 
 def test_the_join_line_carries_the_runs_end():
-    from dtnode.daemon.bootstrap import join_command
+    from dtnode.daemon.swarm.bootstrap import join_command
 
     s = NodeSettings().model_copy(update={"max_rounds": 40})
     line = join_command(s, recipe_of(s, 64, "synthetic (seed 0)"), "/ip4/1.2.3.4/tcp/1/p2p/Qm")

@@ -145,7 +145,7 @@ def test_outer_optimizer_keeps_its_momentum_in_the_buffer_it_checkpoints():
 
 
 def test_outer_step_norm_bound_holds_every_step_and_is_exact_without_momentum():
-    """What a running node judges a split-vote download by (`daemon/reach.py`): a bound on how far
+    """What a running node judges a split-vote download by (`daemon/catchup/trust_radius.py`): a bound on how far
     each outer step moved θ_g, from two norms and no copy of θ_g."""
     torch.manual_seed(2)
     for momentum in (0.0, 0.9):

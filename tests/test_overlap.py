@@ -7,12 +7,12 @@ import pytest
 import torch
 from nodes import FAST, NodeProcess, step_floor, theta, wait_until
 
-from dtnode.daemon.checkpoint import checkpoint_path, list_checkpoints
-from dtnode.daemon.data import DataSources, DataStream, MarkovLanguage
-from dtnode.daemon.model import build_model
-from dtnode.daemon.replica import Replica
-from dtnode.daemon.schedule import LearningRateSchedule
-from dtnode.daemon.trainer import Trainer
+from dtnode.daemon.checkpoints.file_format import checkpoint_path, list_checkpoints
+from dtnode.daemon.training.outer_replica import Replica
+from dtnode.daemon.training.schedule import LearningRateSchedule
+from dtnode.daemon.training.trainer import Trainer
+from dtnode.daemon.workload.data import DataSources, DataStream, MarkovLanguage
+from dtnode.daemon.workload.model import build_model
 from dtnode.ops.flat import sha256_of
 
 
@@ -82,7 +82,7 @@ def test_a_cpu_replica_holds_three_model_sized_buffers_through_its_rounds(moment
 
 
 def test_a_replica_knows_how_far_its_outer_steps_move_theta_g_and_how_far_a_download_is():
-    """The two figures a running node judges a split-vote download by (`daemon/reach.py`)."""
+    """The two figures a running node judges a split-vote download by (`daemon/catchup/trust_radius.py`)."""
     r = _replica("a")
     assert r.update_scale() is None  # no outer step yet: nothing to judge by
     sizes = []

@@ -4,12 +4,12 @@
 import pytest
 import torch
 
-from dtnode.daemon.model import build_model
-from dtnode.daemon.precision import Precision, StepPrecision
-from dtnode.daemon.settings import NodeSettings, SettingsError
-from dtnode.daemon.trainer import inner_optimizer, inner_step, next_token_loss
-from dtnode.daemon.worker import ModelWorker
-from dtnode.daemon.workload import build_workload
+from dtnode.daemon.config.settings import NodeSettings, SettingsError
+from dtnode.daemon.training.precision import Precision, StepPrecision
+from dtnode.daemon.training.trainer import inner_optimizer, inner_step, next_token_loss
+from dtnode.daemon.training.worker import ModelWorker
+from dtnode.daemon.workload.build import build_workload
+from dtnode.daemon.workload.model import build_model
 
 CPU = torch.device("cpu")
 

@@ -1,4 +1,4 @@
-"""Can the swarm reach a node (daemon/reachability.py), and what a node behind NAT does.
+"""Can the swarm reach a node (daemon/swarm/reachability.py), and what a node behind NAT does.
 
 The cross-region checklist of the README, on one host: two nodes on two loopback addresses,
 each announcing its own with --announce-host and a DHT port picked at start (0), average
@@ -17,8 +17,8 @@ import pytest
 from nodes import FAST, NodeProcess, dtnode_status, wait_until
 from prometheus_client.parser import text_string_to_metric_families
 
-from dtnode.daemon.reachability import announce_warning
-from dtnode.daemon.settings import NodeSettings
+from dtnode.daemon.config.settings import NodeSettings
+from dtnode.daemon.swarm.reachability import announce_warning
 from dtnode.peers.membership import PeerRecord
 
 
@@ -133,8 +133,8 @@ def test_a_dial_back_follows_no_redirect_dials_once_per_id_at_a_rate_and_says_no
     the port is open), and a failed dial says "unreachable" and nothing else."""
     from aiohttp import web
 
-    from dtnode.daemon import reachability
-    from dtnode.daemon.reachability import DIALS_PER_MINUTE, DialBack, DialBusy
+    from dtnode.daemon.swarm import reachability
+    from dtnode.daemon.swarm.reachability import DIALS_PER_MINUTE, DialBack, DialBusy
 
     async def main():
         followed = []

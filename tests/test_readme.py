@@ -29,8 +29,8 @@ from pathlib import Path
 
 import pytest
 
-from dtnode.daemon.cli import _node_values, build_parser
-from dtnode.daemon.settings import load_settings
+from dtnode.daemon.cli.main import _node_values, build_parser
+from dtnode.daemon.config.settings import load_settings
 
 pytestmark = pytest.mark.readme
 

@@ -1,4 +1,4 @@
-"""The swarm's recipe (daemon/recipe.py): published in every record, checked at join, carried
+"""The swarm's recipe (daemon/workload/recipe.py): published in every record, checked at join, carried
 by the printed join line, and taken from a peer's sidecar with `--peer http://...`.
 
 One node `a` of a non-default recipe (its own data file, H=12, seq-len 24, warm-up 5) serves
@@ -12,8 +12,9 @@ from pathlib import Path
 import pytest
 from nodes import NodeProcess, wait_until
 
-from dtnode.daemon.cli import EXIT_MISMATCH
-from dtnode.daemon.recipe import (
+from dtnode.daemon.cli.main import EXIT_MISMATCH
+from dtnode.daemon.config.settings import NodeSettings
+from dtnode.daemon.workload.recipe import (
     SwarmRecipe,
     adopted_settings,
     check_members,
@@ -22,7 +23,6 @@ from dtnode.daemon.recipe import (
     recipe_flags,
     recipe_of,
 )
-from dtnode.daemon.settings import NodeSettings
 from dtnode.peers import wire
 from dtnode.peers.membership import JoinError, PeerRecord
 
@@ -194,6 +194,6 @@ def test_a_wrong_run_id_against_a_sidecar_peer_exits_with_both_run_ids(a, tmp_pa
 def test_a_peers_run_end_is_taken_only_when_well_formed(value, taken):
     """A joiner by sidecar address takes the run's --max-rounds from the peer it names, as it
     takes the recipe: without it, it trained on alone once the swarm had stopped."""
-    from dtnode.daemon.recipe import _run_end
+    from dtnode.daemon.workload.recipe import _run_end
 
     assert _run_end({"max_rounds": value}) == taken

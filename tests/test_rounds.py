@@ -9,10 +9,10 @@ import pytest
 import torch
 from nodes import FAST, NodeProcess
 
-from dtnode.daemon.checkpoint import LoadedCheckpoint, TrainingState, list_checkpoints
-from dtnode.daemon.settings import NodeSettings
-from dtnode.daemon.worker import ModelWorker
-from dtnode.daemon.workload import build_workload
+from dtnode.daemon.checkpoints.file_format import LoadedCheckpoint, TrainingState, list_checkpoints
+from dtnode.daemon.config.settings import NodeSettings
+from dtnode.daemon.training.worker import ModelWorker
+from dtnode.daemon.workload.build import build_workload
 
 
 def _swarm(tmp_path, cleanup, envs: list[dict], *extra: str) -> list[NodeProcess]:

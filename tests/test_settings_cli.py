@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from dtnode.daemon.settings import SettingsError, load_settings
-from dtnode.daemon.state_dir import LOCK_WAIT_S, holder_running
+from dtnode.daemon.checkpoints.state_dir import LOCK_WAIT_S, holder_running
+from dtnode.daemon.config.settings import SettingsError, load_settings
 
 
 def test_precedence_defaults_toml_env_cli(tmp_path, monkeypatch):
@@ -255,9 +255,9 @@ def test_help_puts_essentials_first_and_knobs_behind_help_all():
 
 
 def test_every_option_is_in_exactly_one_help_group():
-    from dtnode.daemon.cli import ENV_ONLY
-    from dtnode.daemon.option_groups import OPTION_GROUPS
-    from dtnode.daemon.settings import NodeSettings
+    from dtnode.daemon.cli.main import ENV_ONLY
+    from dtnode.daemon.config.option_groups import OPTION_GROUPS
+    from dtnode.daemon.config.settings import NodeSettings
 
     placed = [name for group in OPTION_GROUPS for name in group.fields]
     assert len(placed) == len(set(placed))
@@ -366,7 +366,7 @@ def test_a_node_that_requires_a_swarm_key_refuses_to_start_without_one(tmp_path)
 
 
 def test_dtnode_local_shares_the_hosts_cores_among_its_nodes_ranks():
-    from dtnode.daemon.local import threads_per_rank
+    from dtnode.daemon.cli.local_swarm import threads_per_rank
 
     assert threads_per_rank(nodes=3, ranks_per_node=1, cores=2) == 1  # never 0
     assert threads_per_rank(nodes=2, ranks_per_node=1, cores=16) == 8
@@ -379,7 +379,7 @@ def test_debug_logging_keeps_grpcs_internals_out(monkeypatch):
     iterator, which read like a bug of ours in every node's log."""
     import logging
 
-    from dtnode.daemon.cli import configure_logging
+    from dtnode.daemon.cli.main import configure_logging
 
     for name in ("", "grpc", "dtnode", "hivemind", "asyncio", "aiohttp.access"):
         monkeypatch.setattr(logging.getLogger(name), "level", logging.getLogger(name).level)
@@ -396,7 +396,7 @@ def test_a_clean_stop_logs_no_error_for_p2pd_closing_its_listener():
 
     from hivemind.p2p.p2p_daemon import P2P
 
-    from dtnode.daemon.cli import ClosedListenerFilter
+    from dtnode.daemon.cli.main import ClosedListenerFilter
 
     p2pd = logging.getLogger("hivemind.p2p.p2p_daemon")
     line = json_module.dumps(

@@ -8,7 +8,7 @@ from nodes import FAST, NodeProcess, run_swarm
 from nodes import theta as checkpoint_theta
 from safetensors.torch import load_file
 
-from dtnode.daemon.checkpoint import FEEDBACK, checkpoint_path, local_state_path
+from dtnode.daemon.checkpoints.file_format import FEEDBACK, checkpoint_path, local_state_path
 
 SPARSE = ["--compression", "sparse", "--sparse-top-k", "32", "--run-id", "sparse-swarm"]
 

@@ -13,9 +13,9 @@ import torch
 from nodes import FAST, NodeProcess, dtnode_status
 from nodes import theta as checkpoint_theta
 
-from dtnode.daemon.checkpoint import Layout, checkpoint_path, read_checkpoint
-from dtnode.daemon.model import build_model, config_hash
-from dtnode.daemon.schedule import LearningRateSchedule
+from dtnode.daemon.checkpoints.file_format import Layout, checkpoint_path, read_checkpoint
+from dtnode.daemon.training.schedule import LearningRateSchedule
+from dtnode.daemon.workload.model import build_model, config_hash
 from dtnode.ops.flat import FlatParameters, sha256_of
 
 STATUS_FIELDS = {

@@ -17,8 +17,11 @@ import pytest
 import torch
 from aiohttp import web
 
-from dtnode.daemon import sync
-from dtnode.daemon.checkpoint import (
+from dtnode.daemon.catchup import donors as sync
+from dtnode.daemon.catchup.donors import PIECE_BYTES, fetch_from_swarm, group_offers, split_vote, swarm_step
+from dtnode.daemon.catchup.download import Offer
+from dtnode.daemon.catchup.trust_radius import REACH_FACTOR, Reach, judge_split_vote
+from dtnode.daemon.checkpoints.file_format import (
     CheckpointInfo,
     Layout,
     LoadedCheckpoint,
@@ -27,17 +30,14 @@ from dtnode.daemon.checkpoint import (
     read_checkpoint,
     write_checkpoint,
 )
-from dtnode.daemon.download import Offer
-from dtnode.daemon.memory_checkpoint import MemoryCheckpoint
-from dtnode.daemon.metrics import NodeMetrics
-from dtnode.daemon.reach import REACH_FACTOR, Reach, judge_split_vote
-from dtnode.daemon.report import Health
-from dtnode.daemon.round_state import NodeState
-from dtnode.daemon.settings import NodeSettings
-from dtnode.daemon.sidecar import ServedSteps, Sidecar
-from dtnode.daemon.sync import PIECE_BYTES, fetch_from_swarm, group_offers, split_vote, swarm_step
-from dtnode.daemon.worker import ModelWorker
-from dtnode.daemon.workload import build_workload
+from dtnode.daemon.checkpoints.in_memory import MemoryCheckpoint
+from dtnode.daemon.config.settings import NodeSettings
+from dtnode.daemon.rounds.state import NodeState
+from dtnode.daemon.serve.metrics import NodeMetrics
+from dtnode.daemon.serve.report import Health
+from dtnode.daemon.serve.sidecar import ServedSteps, Sidecar
+from dtnode.daemon.training.worker import ModelWorker
+from dtnode.daemon.workload.build import build_workload
 from dtnode.peers.membership import PeerRecord
 from dtnode.peers.netgroups import network_group
 
@@ -556,7 +556,7 @@ def test_a_full_local_disk_is_reported_as_this_node_s_not_blamed_on_the_donors(t
 
     with caplog.at_level(logging.WARNING):
         assert asyncio.run(main()) is None
-    text = caplog.text
+    text = "\n".join(r.getMessage() for r in caplog.records)  # the messages (a logger's name may say "donors")
     assert "No space left on device" in text and "on this node's disk" in text
     assert "donor" not in text and "could not sync from" not in text
 
@@ -706,7 +706,7 @@ def test_a_node_that_found_no_group_waits_for_records_a_heartbeat_behind():
     before, while their records still said round 3 in inner steps (seen in a long_swarms run:
     the joiner then averaged its first round alone). It re-reads them for a while before it
     concludes that the swarm has not moved on."""
-    from dtnode.daemon.sync import swarm_moves_past
+    from dtnode.daemon.catchup.donors import swarm_moves_past
 
     def donor(name: str, phase: str, round_no: int, step: int) -> PeerRecord:
         return PeerRecord(

@@ -25,7 +25,7 @@ from nodes import FAST, NodeProcess, theta
 from path_tampering import forward
 from prometheus_client.parser import text_string_to_metric_families
 
-from dtnode.daemon.cli import EXIT_MISMATCH
+from dtnode.daemon.cli.main import EXIT_MISMATCH
 from dtnode.peers.auth import GRPC_METADATA, SwarmAuth, load_swarm_key, stream_subject
 from dtnode.peers.identity import identity_key
 from dtnode.peers.tls import TLS_NAME, NodeIdentity, pem

@@ -4,9 +4,9 @@ each answers with a value it validated or with its own validation error, never a
 The parsers: membership records and DHT subkeys (peers/membership.py, peers/identity.py),
 registrations and member lists (peers/matchmaking.py) and the rules that read them
 (peers/leadership.py), wire chunks and results (peers/wire.py), checkpoint files and their
-metadata (daemon/checkpoint.py), a donor's checkpoint metadata (daemon/sync.py), the recipe
-(daemon/recipe.py), a peer's dial-back answer (daemon/reachability.py) and the sidecar's query
-parameters (daemon/sidecar.py). The DHT's record validator has its own (tests/test_dht_records.py).
+metadata (daemon/checkpoints/file_format.py), a donor's checkpoint metadata (daemon/catchup/donors.py), the recipe
+(daemon/workload/recipe.py), a peer's dial-back answer (daemon/swarm/reachability.py) and the sidecar's query
+parameters (daemon/serve/sidecar.py). The DHT's record validator has its own (tests/test_dht_records.py).
 `pytest --hypothesis-show-statistics` prints how many inputs each took.
 """
 
@@ -23,12 +23,18 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from dtnode.daemon.checkpoint import CheckpointError, Layout, TrainingState, read_checkpoint, write_checkpoint
-from dtnode.daemon.download import DownloadError
-from dtnode.daemon.reachability import Reachability
-from dtnode.daemon.recipe import SwarmRecipe
-from dtnode.daemon.sidecar import dialback_peer, history_query, path_step
-from dtnode.daemon.sync import offer_metadata
+from dtnode.daemon.catchup.donors import offer_metadata
+from dtnode.daemon.catchup.download import DownloadError
+from dtnode.daemon.checkpoints.file_format import (
+    CheckpointError,
+    Layout,
+    TrainingState,
+    read_checkpoint,
+    write_checkpoint,
+)
+from dtnode.daemon.serve.sidecar import dialback_peer, history_query, path_step
+from dtnode.daemon.swarm.reachability import Reachability
+from dtnode.daemon.workload.recipe import SwarmRecipe
 from dtnode.peers.identity import writer_of
 from dtnode.peers.leadership import ClosedList, by_rank, standing, valid_lists
 from dtnode.peers.matchmaking import Registration, parse_list

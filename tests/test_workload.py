@@ -4,11 +4,11 @@ import math
 import pytest
 import torch
 
-from dtnode.daemon.corpus import CorpusReader, TokenCorpus
-from dtnode.daemon.data import DataSources, DataStream, MarkovLanguage, open_sources
-from dtnode.daemon.model import GPT, PRESETS, build_model, config_hash
-from dtnode.daemon.schedule import LearningRateSchedule
-from dtnode.daemon.settings import SettingsError, load_settings
+from dtnode.daemon.config.settings import SettingsError, load_settings
+from dtnode.daemon.training.schedule import LearningRateSchedule
+from dtnode.daemon.workload.corpus import CorpusReader, TokenCorpus
+from dtnode.daemon.workload.data import DataSources, DataStream, MarkovLanguage, open_sources
+from dtnode.daemon.workload.model import GPT, PRESETS, build_model, config_hash
 
 
 def test_markov_floor_is_the_empirical_cross_entropy():
@@ -213,7 +213,7 @@ def test_a_round_without_steps_reports_the_rate_its_first_step_would_take():
     round: that round's rate is the schedule's at the swarm's position, not warmup's first."""
     import threading
 
-    from dtnode.daemon.trainer import Trainer
+    from dtnode.daemon.training.trainer import Trainer
 
     language = MarkovLanguage(seed=2)
     stream = DataStream(DataSources(language, language), "run", "peer", 2, 16)
@@ -235,7 +235,7 @@ def test_the_step_floor_hook_makes_every_inner_step_last_at_least_its_seconds(mo
     value that is not a number of seconds >= 0 is refused by name."""
     import threading
 
-    from dtnode.daemon.trainer import Trainer
+    from dtnode.daemon.training.trainer import Trainer
 
     language = MarkovLanguage(seed=2)
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from dtnode.daemon.cli import ENV_ONLY
-from dtnode.daemon.settings import ENV_PREFIX, NodeSettings, flag
+from dtnode.daemon.cli.main import ENV_ONLY
+from dtnode.daemon.config.settings import ENV_PREFIX, NodeSettings, flag
 
 MARKER = "<!-- settings-reference -->"
 

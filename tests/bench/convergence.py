@@ -85,11 +85,11 @@ from torch.nn.utils import parameters_to_vector
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from nodes import NodeProcess, run_swarm
 
-from dtnode.daemon.corpus import TokenCorpus
-from dtnode.daemon.data import DataSources, DataStream, MarkovLanguage, stable_seed
-from dtnode.daemon.model import build_model
-from dtnode.daemon.schedule import LearningRateSchedule
-from dtnode.daemon.trainer import held_out_loss, inner_optimizer, next_token_loss
+from dtnode.daemon.training.schedule import LearningRateSchedule
+from dtnode.daemon.training.trainer import held_out_loss, inner_optimizer, next_token_loss
+from dtnode.daemon.workload.corpus import TokenCorpus
+from dtnode.daemon.workload.data import DataSources, DataStream, MarkovLanguage, stable_seed
+from dtnode.daemon.workload.model import build_model
 from dtnode.ops import sparse as sparse_codec
 
 RUN_ID = "convergence"
@@ -493,7 +493,7 @@ def final_loss_of(state_dir: Path, cfg: Config, dataset: str, files) -> float:
     """The held-out loss of θ_g in the node's newest checkpoint, by the baselines' own function."""
     from safetensors.torch import load_file
 
-    from dtnode.daemon.checkpoint import list_checkpoints
+    from dtnode.daemon.checkpoints.file_format import list_checkpoints
 
     newest = list_checkpoints(state_dir)[0][1]
     tensors = load_file(str(newest))

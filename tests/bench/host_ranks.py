@@ -54,7 +54,7 @@ def _sample_peaks(node: NodeProcess, peaks: dict[int, int], stop: threading.Even
     while not stop.is_set() and node.proc.poll() is None:
         try:
             parent = psutil.Process(node.proc.pid)
-            ranks = [parent] + [c for c in parent.children() if "dtnode.daemon.rank_process" in c.cmdline()]
+            ranks = [parent] + [c for c in parent.children() if "dtnode.daemon.training.ranks.child" in c.cmdline()]
             for rank, process in enumerate(ranks):
                 peaks[rank] = max(peaks.get(rank, 0), process.memory_info().rss)
         except psutil.Error:
@@ -63,7 +63,7 @@ def _sample_peaks(node: NodeProcess, peaks: dict[int, int], stop: threading.Even
 
 
 def parameter_count(model: str) -> int:
-    from dtnode.daemon.model import build_model
+    from dtnode.daemon.workload.model import build_model
 
     built, _ = build_model(model, 0)
     return sum(p.numel() for p in built.parameters())

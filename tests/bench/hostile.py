@@ -4,7 +4,7 @@
     .venv/bin/python -m tests.bench.hostile --modes mean --attacks clean,hostile-leader,kill
 
 Each run is a swarm of `--honest` real `tiny` nodes and one more node running the same build
-with a hostile failpoint armed from round 1 on (peers/failpoints.py, daemon/hostile.py):
+with a hostile failpoint armed from round 1 on (peers/failpoints.py, daemon/swarm/hostile.py):
 
 - `hostile-delta` sends Δ x1000; `hostile-weight` the same Δ with a 1e11-token registration and
   1e12-weight streams; `hostile-resync` asks every group for a θ_g re-sync and sends θ_g x1000

@@ -26,11 +26,11 @@ from pathlib import Path
 
 import torch
 
-from dtnode.daemon.data import DataSources, DataStream, MarkovLanguage
-from dtnode.daemon.model import build_model
-from dtnode.daemon.replica import Replica
-from dtnode.daemon.schedule import LearningRateSchedule
-from dtnode.daemon.trainer import Trainer
+from dtnode.daemon.training.outer_replica import Replica
+from dtnode.daemon.training.schedule import LearningRateSchedule
+from dtnode.daemon.training.trainer import Trainer
+from dtnode.daemon.workload.data import DataSources, DataStream, MarkovLanguage
+from dtnode.daemon.workload.model import build_model
 
 H100_BF16_PEAK = 989e12  # dense, SXM datasheet
 

@@ -36,7 +36,7 @@ import torch
 from chaos.netns import IsolatedHost
 from nodes import FAST, NodeProcess, theta
 
-from dtnode.daemon.checkpoint import list_checkpoints
+from dtnode.daemon.checkpoints.file_format import list_checkpoints
 from dtnode.peers.failpoints import ENV as FAILPOINT_ENV
 
 WINDOW, TIMEOUT = 6.0, 8.0

@@ -1,0 +1,428 @@
+"""Catching up with the swarm: where the swarm is, and fetching its checkpoint.
+
+Donors are the live members that announce a checkpoint newer than ours for our model. Each
+is asked for its checkpoint metadata (which also measures its latency); the file most
+donors serve is downloaded from all of them at once (`catchup/download.py`), checked against the
+sha256 of the metadata, and then validated like any other checkpoint (names, shapes,
+dtypes, finiteness, run id, model hash). Any failure moves on to the next donor group, and
+then to each donor of the group alone (to skip a liar).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import logging
+import os
+import re
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import aiohttp
+
+from dtnode.daemon.catchup.download import (
+    PIECE_BYTES,
+    DownloadError,
+    LocalDiskError,
+    Offer,
+    auth_headers,
+    download_parallel,
+)
+from dtnode.daemon.checkpoints.file_format import (
+    MAX_STEP,
+    CheckpointError,
+    CheckpointInfo,
+    Layout,
+    LoadedCheckpoint,
+    checkpoint_path,
+    read_checkpoint,
+)
+from dtnode.peers.auth import SwarmAuth
+from dtnode.peers.durable import fsync_dir
+from dtnode.peers.membership import PeerRecord
+from dtnode.peers.netgroups import url_group
+from dtnode.peers.sidecar_address import PROBE_TIMEOUT_S
+
+__all__ = ["PIECE_BYTES", "SwarmPosition", "fetch_from_swarm", "open_round", "swarm_position", "swarm_step"]
+
+log = logging.getLogger(__name__)
+SHA256_HEX = re.compile(r"[0-9a-fA-F]{64}")
+
+
+async def probe(
+    session: aiohttp.ClientSession, donor: PeerRecord, layout: Layout, timeout: float, auth: SwarmAuth | None = None
+) -> Offer:
+    base = donor.http_addr.rstrip("/")
+    if not base.startswith(("http://", "https://")):
+        raise DownloadError(f"peer {donor.peer_id} announces no usable HTTP address")
+    started = time.monotonic()
+    async with session.get(
+        f"{base}/checkpoint", timeout=aiohttp.ClientTimeout(total=timeout), headers=auth_headers(auth, "/checkpoint")
+    ) as resp:
+        if resp.status != 200:
+            raise DownloadError(f"{base}/checkpoint answered {resp.status}")
+        raw = await resp.content.read(1 << 16)
+    latency = time.monotonic() - started
+    try:
+        step, sha256, size = offer_metadata(raw)
+    except DownloadError as e:
+        raise DownloadError(f"{base}/checkpoint returned {e}") from None
+    if step == donor.checkpoint_step and sha256 != donor.checkpoint_sha256:
+        raise DownloadError("checkpoint hash differs from the donor's DHT record")
+    if size > layout.file_size_bound():
+        raise DownloadError(f"checkpoint of {size} bytes exceeds this model's bound of {layout.file_size_bound()}")
+    return Offer(donor, base, step, sha256.lower(), size, latency, bound=_signed(donor, step, sha256))
+
+
+def offer_metadata(raw: bytes) -> tuple[int, str, int]:
+    """(outer step, sha256, size) of a donor's `GET /checkpoint` answer (untrusted);
+    DownloadError when it is not one."""
+    try:
+        meta = json.loads(raw)
+    except ValueError:
+        raise DownloadError("malformed metadata") from None
+    if not isinstance(meta, dict):
+        raise DownloadError("malformed metadata")
+    step, sha256, size = meta.get("outer_step"), meta.get("sha256"), meta.get("size_bytes")
+    if (
+        not isinstance(step, int)
+        or isinstance(step, bool)
+        or not 0 <= step <= MAX_STEP
+        or not isinstance(sha256, str)
+        or not SHA256_HEX.fullmatch(sha256)  # it names a file here: hex digits only, or this donor is dropped
+        or not isinstance(size, int)
+        or isinstance(size, bool)
+        or size <= 0
+    ):
+        raise DownloadError("malformed metadata")
+    return step, sha256, size
+
+
+def _signed(record: PeerRecord | None, step: int, sha256: str) -> bool:
+    """Whether a donor's signed record announces this very file."""
+    return record is not None and record.announces(step, sha256)
+
+
+async def with_voters(offers: list[Offer]) -> list[Offer]:
+    """The offers, each with the network group its sidecar's host resolves to (its vote); each
+    host is resolved once."""
+    bases = sorted({o.base for o in offers})
+    groups = dict(zip(bases, await asyncio.gather(*(url_group(b) for b in bases)), strict=True))
+    return [replace(o, voter=groups[o.base] or "") for o in offers]
+
+
+def group_offers(offers: list[Offer], majority_of: int | None = None, tiebreak: str = "") -> list[list[Offer]]:
+    """Donors serving the same file together, only the files the most network groups serve
+    (oldest step first among equals, then in an order no donor controls: a hash of `tiebreak`,
+    this node's id, and the file's).
+
+    One vote per network group of the serving hosts (`Offer.voter`, peers/netgroups.py): a file
+    no other group vouches for, while another file has more groups behind it, is never used, so
+    one lying donor cannot hand a joiner a model of its own, not by announcing a newer step than
+    the rest, nor through Sybil records that all point at its server under other names. Ties
+    stay eligible (groups of a moshpit swarm legitimately hold different θ_g of one step), but
+    never go to the newer step: at a round's end an honest donor may be a step ahead of another,
+    and a liar one step ahead of a lone honest donor would win a tie otherwise; a joiner taking
+    the older step downloads again if the swarm moved on. Nor to the faster donor: a liar can
+    always answer first.
+
+    Only an offer that its donor's signed record announces (`Offer.bound`) votes: a file no
+    record vouches for is never used. With `majority_of` (a running node, which has a θ_g of
+    its own to lose) a file is used only when more than half of that many hosts serve its
+    step. When they serve it split over several files (the groups of a moshpit swarm), the
+    caller must judge the file it downloads (`split_vote`, and `catchup/trust_radius.py`)."""
+    by_file: dict[tuple[int, str, int], list[Offer]] = {}
+    for offer in offers:
+        by_file.setdefault((offer.step, offer.sha256, offer.size), []).append(offer)
+    votes = {key: host_votes(group) for key, group in by_file.items()}
+    most = max(votes.values(), default=0)
+    step_votes = {step: host_votes([o for o in offers if o.step == step]) for step in {o.step for o in offers}}
+    groups = []
+    for key, group in by_file.items():
+        if not votes[key]:
+            log.warning(
+                "skipping step %d (sha256 %s) from %s: no signed record announces it",
+                group[0].step,
+                group[0].sha256[:12],
+                ", ".join(o.base for o in group),
+            )
+            continue
+        if majority_of is not None and 2 * step_votes[key[0]] <= majority_of:
+            log.warning(
+                "not adopting step %d (sha256 %s): %d of the %d hosts this node can verify serve that step, "
+                "not a majority",
+                group[0].step,
+                group[0].sha256[:12],
+                step_votes[key[0]],
+                majority_of,
+            )
+            continue
+        if votes[key] < most:
+            log.warning(
+                "skipping %s: %s a checkpoint of step %d (sha256 %s) that %d other host(s) contradict",
+                ", ".join(f"peer {o.donor.peer_id[-8:]} ({o.base})" for o in group),
+                "they serve" if len(group) > 1 else "it serves",
+                group[0].step,
+                group[0].sha256[:12],
+                most,
+            )
+            continue
+        groups.append(sorted(group, key=lambda o: o.latency))
+    return sorted(groups, key=lambda g: (g[0].step, hashlib.sha256(f"{tiebreak}|{g[0].sha256}".encode()).digest()))
+
+
+def host_votes(offers: list[Offer]) -> int:
+    """Distinct network groups among these offers whose signed records announce what they serve."""
+    return len({o.voter for o in offers if o.bound and o.voter})
+
+
+def split_vote(group: list[Offer], majority_of: int | None) -> bool:
+    """Whether a running node (`majority_of` hosts it can verify) was offered this file by no
+    majority of them: its step's majority is split over several files."""
+    return majority_of is not None and 2 * host_votes(group) <= majority_of
+
+
+def swarm_step(steps: list[int]) -> int:
+    """The step most of the swarm is at: the upper median of the peers' checkpoint steps.
+
+    A median, so a minority at odd steps (a node that made solo rounds while cut off, or
+    one announcing a huge step) cannot move it; the upper one, so a swarm split evenly
+    between two steps (lockstep peers finishing a round) follows the newer."""
+    if not steps:
+        raise ValueError("no steps")
+    ordered = sorted(steps)
+    return ordered[len(ordered) // 2]
+
+
+@dataclass(frozen=True)
+class SwarmPosition:
+    """Where the swarm is, for a node about to train: the round it can still enter."""
+
+    round: int  # the swarm's open round: the one a node starting now trains with the others
+    start_step: int  # the outer step of the θ_g that round starts from (what a joiner downloads)
+    ready: bool  # whether a peer holds that θ_g already (it may still be applying it)
+    peers: int  # live peers counted
+
+
+def open_round(record: PeerRecord) -> int:
+    """The round a node starting now could train with this peer: its round while it is in
+    inner steps or still forming its first group (which waits for peers training that round);
+    the next one once a group formed or it applies the outer step (that round has closed)."""
+    if record.round < 0 or not record.phase:
+        return record.round_in_training
+    return record.round if record.phase in ("inner", "matchmaking") else record.round + 1
+
+
+def swarm_position(records, own_id: str, model_hash: str) -> SwarmPosition | None:
+    """The swarm's open round (the upper median over live peers of this model: see
+    `swarm_step`), or None when no other peer trains.
+
+    A round's start step is its number, or one less for a peer whose outer step comes a round
+    late (--overlap); the peers of the open round say which."""
+    live = [
+        r
+        for r in records
+        if r.peer_id != own_id and r.model_hash == model_hash and r.state in ("training", "averaging")
+    ]
+    if not live:
+        return None
+    target = swarm_step([open_round(r) for r in live])
+    lags = [
+        r.round - r.round_checkpoint
+        for r in live
+        if open_round(r) == target and r.phase == "inner" and 0 <= r.round_checkpoint <= r.round
+    ]
+    start = target - (max(set(lags), key=lags.count) if lags else 0)
+    # a peer past `start` serves the newer θ_g (--overlap lands the round's average mid-round);
+    # a --client-mode peer serves nobody (its sidecar is not reachable)
+    ready = any((r.outer_step >= start or r.checkpoint_step == start) and not r.client_mode for r in live)
+    return SwarmPosition(target, start, ready, len(live))
+
+
+async def swarm_moves_past(
+    read: Callable[[], Awaitable[dict[str, PeerRecord]]],
+    own_id: str,
+    model_hash: str,
+    round_no: int,
+    within_s: float,
+    poll_s: float,
+    stopping: asyncio.Event,
+) -> bool:
+    """Whether the peers' records (`read`, re-read every `poll_s`) show the swarm's open round
+    past `round_no` within `within_s` seconds. A record lags its node by up to a heartbeat: a
+    node that just found no group may be looking at peers that closed the round a moment ago."""
+    deadline = time.monotonic() + within_s
+    while not stopping.is_set():
+        position = swarm_position((await read()).values(), own_id, model_hash)
+        if position is None:
+            return False
+        if position.round > round_no:
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        await pause(stopping, poll_s)
+    return False
+
+
+async def pause(stopping: asyncio.Event, seconds: float) -> None:
+    """Sleep `seconds`, or less if the node starts stopping meanwhile."""
+    try:
+        await asyncio.wait_for(stopping.wait(), seconds)
+    except TimeoutError:
+        pass
+
+
+async def fetch_from_swarm(
+    members: dict[str, PeerRecord],
+    own_id: str,
+    steps: range,
+    model_hash: str,
+    run_id: str,
+    layout: Layout,
+    scratch: Path,
+    timeout: float,
+    auth: SwarmAuth | None = None,
+    keep: bool = False,
+    majority: bool = False,
+    refresh: Callable[[], Awaitable[dict[str, PeerRecord]]] | None = None,
+    bind_wait: float = 0.0,
+    judge: Callable[[LoadedCheckpoint], Awaitable[str | None]] | None = None,
+    judge_every: bool = False,
+) -> LoadedCheckpoint | None:
+    """The newest checkpoint with its step in `steps` that members serve, or None.
+
+    With `keep`, the verified file becomes this node's own checkpoint of that step in
+    `scratch` (its state dir): the bytes its group serves, not written a second time. With
+    `majority` (a running node) its step must be served by a majority of the distinct hosts
+    the members' records name; a file that no majority serves alone (a moshpit swarm's split
+    vote) is kept only when `judge` returns no reason to refuse it; with `judge_every`, any file
+    (a running node giving up steps of its own: a majority of the hosts left may be one liar). A donor may serve a step its record does not announce yet (a
+    checkpoint written on demand, announced at its next heartbeat): with `refresh`, the
+    records are read again for up to `bind_wait` seconds until one announces an offered file."""
+    donors = [
+        m
+        for m in members.values()
+        if m.peer_id != own_id
+        and m.model_hash == model_hash
+        and (m.checkpoint_step in steps or m.outer_step in steps)
+        and m.http_addr
+        and not m.client_mode  # behind NAT: its sidecar is not reachable from outside
+    ]
+    if not donors:
+        return None
+    scratch.mkdir(parents=True, exist_ok=True)
+    started = time.monotonic()
+    async with aiohttp.ClientSession() as session:
+        probes = await asyncio.gather(
+            *(probe(session, d, layout, min(timeout, PROBE_TIMEOUT_S), auth) for d in donors), return_exceptions=True
+        )
+        offers = []
+        for donor, result in zip(donors, probes):
+            if isinstance(result, Offer):
+                if result.step in steps:
+                    offers.append(result)
+            else:
+                log.warning("peer %s (%s) offers no usable checkpoint: %s", donor.peer_id[-8:], donor.http_addr, result)
+        offers = await with_voters(await _bind(offers, refresh, bind_wait))
+        hosts = await _verifiable_hosts(members, own_id, model_hash) if majority else None
+        wanted = {o.sha256[:16] for o in offers}
+        for stale in scratch.glob(".download-*"):  # partial files nobody offers any more
+            if stale.name.split("-", 1)[1].split(".", 1)[0] not in wanted:
+                stale.unlink(missing_ok=True)
+        for group in group_offers(offers, hosts, own_id):
+            # several donors first; if the assembled file is bad, each donor alone (to skip the liar)
+            attempts = [group] + ([[o] for o in group] if len(group) > 1 else [])
+            for attempt in attempts:
+                path = None
+                try:
+                    asked = time.monotonic()
+                    path = await download_parallel(session, attempt, scratch, timeout, auth)
+                    downloaded = time.monotonic()
+                    loaded = await asyncio.to_thread(read_checkpoint, path, layout, run_id, model_hash)
+                    if judge_every or split_vote(group, hosts):
+                        refusal = await judge(loaded) if judge is not None else "nothing to judge it by"
+                        if refusal is not None:
+                            log.warning(
+                                "not adopting step %d (sha256 %s), which %d of the %d hosts this node can verify "
+                                "serve: %s",
+                                loaded.step,
+                                group[0].sha256[:12],
+                                host_votes(group),
+                                hosts,
+                                refusal,
+                            )
+                            break  # the same verified bytes from any donor of the group
+                    loaded.timings = {
+                        "asking": asked - started,
+                        "transfer": downloaded - asked,
+                        "checking": time.monotonic() - downloaded,
+                    }
+                    if keep:
+                        final = checkpoint_path(scratch, loaded.step)
+                        try:
+                            await asyncio.to_thread(_keep_as, path, final)
+                        except OSError as e:
+                            raise LocalDiskError(
+                                f"cannot keep {final.name} in the state dir: {e.strerror or e}"
+                            ) from None
+                        loaded.file = CheckpointInfo(loaded.step, final, attempt[0].sha256, attempt[0].size)
+                    for leftover in scratch.glob(".download-*"):
+                        leftover.unlink(missing_ok=True)
+                    return loaded
+                except LocalDiskError as e:  # no donor is at fault, and none would do better
+                    log.error("could not download a checkpoint: %s (free space in the state dir, or fix it)", e)
+                    return None
+                except (TimeoutError, DownloadError, CheckpointError, aiohttp.ClientError, OSError, ValueError) as e:
+                    names = ", ".join(f"{o.donor.peer_id[-8:]} ({o.base})" for o in attempt)
+                    log.warning("could not sync from %s: %s; trying the next peer", names, e)
+                    if isinstance(e, CheckpointError):
+                        break  # the file itself is unusable: no donor of this group can help
+                finally:
+                    if path is not None:
+                        path.unlink(missing_ok=True)
+    return None
+
+
+BIND_POLL_S = 0.1
+
+
+def _keep_as(path: Path, final: Path) -> None:
+    """The downloaded file (fsynced before it was hashed) renamed to a checkpoint, durably."""
+    os.replace(path, final)
+    fsync_dir(final.parent)
+
+
+async def _bind(
+    offers: list[Offer], refresh: Callable[[], Awaitable[dict[str, PeerRecord]]] | None, wait: float
+) -> list[Offer]:
+    """The offers, each bound when its donor's newest signed record announces its file; while
+    none is, the records are read again (`refresh`) for up to `wait` seconds."""
+    deadline = time.monotonic() + wait
+    while offers and not any(o.bound for o in offers) and refresh is not None:
+        # read at once first: the view predates the probes, and a donor announces a step as soon
+        # as its hash is in, often before its metadata reached us
+        fresh = await refresh()
+        offers = [replace(o, bound=_signed(fresh.get(o.donor.peer_id), o.step, o.sha256)) for o in offers]
+        if any(o.bound for o in offers) or time.monotonic() >= deadline:
+            break
+        await asyncio.sleep(BIND_POLL_S)
+    return offers
+
+
+async def _verifiable_hosts(members: dict[str, PeerRecord], own_id: str, model_hash: str) -> int:
+    """Distinct network groups whose signed records serve checkpoints of this model: what a
+    majority is of."""
+    urls = {
+        m.http_addr
+        for m in members.values()
+        if m.peer_id != own_id
+        and m.model_hash == model_hash
+        and m.http_addr
+        and not m.client_mode
+        and m.state in ("training", "averaging")
+    }
+    groups = await asyncio.gather(*(url_group(url) for url in sorted(urls)))
+    return len({g for g in groups if g is not None})

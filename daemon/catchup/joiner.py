@@ -1,0 +1,464 @@
+"""Getting into step with the swarm: a pure plan (`plan_sync`) and the driver that carries it out.
+
+A node is in step when it trains the swarm's open round from the θ_g that round starts
+from. `plan_sync` decides, from the peers' records and this node's position alone, whether
+to train on, wait for the round to open, download, ask again later, or give up for now; it
+does no I/O, so every case is a unit test. `Joiner` reads the records, follows the plan and
+installs what it downloads. What happens when a download fails: `fetch_from_swarm` (catchup/donors.py)
+tries every group of donors and then each donor alone; if none serves, the plan is made
+again from fresh records: a round that moved is downloaded at once, one that has not is asked
+for again a heartbeat later (its θ_g may not be served yet), and after MAX_SYNC_DOWNLOADS
+the node trains on from its own θ_g, asking its next groups to re-sync it.
+
+The open round comes from the records (`swarm_position`): a round whose peers already
+average it is closed, so a node arriving then waits for the next round's θ_g instead of
+training a round nobody will average with it, and a round that closes during the download
+sends it back for the next one. The swarm's round is the upper median over the peers, not
+their maximum: one node that raced ahead alone must not pull everyone onto its branch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from enum import StrEnum
+from functools import partial
+
+import torch
+
+from dtnode.daemon.catchup.donors import SwarmPosition, fetch_from_swarm, pause, swarm_moves_past, swarm_position
+from dtnode.daemon.catchup.trust_radius import judge_split_vote
+from dtnode.daemon.checkpoints.file_format import LoadedCheckpoint
+from dtnode.daemon.checkpoints.store import CheckpointStore
+from dtnode.daemon.config.settings import NodeSettings
+from dtnode.daemon.rounds.landing import Landing
+from dtnode.daemon.training.trainer import InnerResult
+from dtnode.daemon.training.worker import ModelWorker
+from dtnode.daemon.workload.recipe import SwarmRecipe, check_members, check_same_protocol, differences
+from dtnode.ops.coded import CodedDelta
+from dtnode.peers.auth import SwarmAuth
+from dtnode.peers.membership import Membership, PeerRecord, SwarmMismatch
+from dtnode.peers.tls import TrustStore
+
+log = logging.getLogger("dtnode")
+
+MAX_SYNC_DOWNLOADS = 3  # downloads in a row that did not put a node in the swarm's round
+MAX_REENTRIES = 3  # a joiner's first rounds given up in a row because the swarm averaged them without it
+OPEN_POLL_S = 0.2  # how often a node waiting for the swarm's round to open re-reads the records
+# heartbeats a node waits for peers' records to catch up: a donor's to announce a file served
+# on demand, or a joiner whose average found no group for its peers' to show the round closed
+BIND_HEARTBEATS = 2.5
+
+
+class SyncAction(StrEnum):
+    IN_STEP = "in step"  # train the open round from this node's θ_g
+    NO_SWARM = "no swarm"  # no other peer trains: train alone
+    WAIT = "wait"  # the open round's θ_g is still being made (its peers apply the outer step)
+    DOWNLOAD = "download"  # fetch the θ_g the open round starts from
+    RETRY = "retry"  # its download just found no donor, and the round has not moved: ask again a heartbeat later
+    GIVE_UP = "give up"  # train on from this node's θ_g (the wait or the downloads ran out)
+
+
+@dataclass(frozen=True)
+class LocalPosition:
+    """This node as the plan sees it."""
+
+    peer_id: str
+    model_hash: str
+    outer_step: int
+    max_lag: int = 0  # outer steps it may trail the swarm and still train its own round
+    downloads: int = 0  # downloads already made in this sync
+    failed_step: int = -1  # the θ_g step whose download just found no donor (-1: none)
+    waited_too_long: bool = False  # the round has not opened within --join-timeout
+
+
+@dataclass(frozen=True)
+class SyncPlan:
+    action: SyncAction
+    position: SwarmPosition | None = None  # the swarm's open round, when there is a swarm
+    ahead: bool = False  # this node made rounds the swarm never saw (cut off): they are given up
+    waited_too_long: bool = False  # GIVE_UP: the round did not open in time (else: downloads ran out)
+
+    @property
+    def step(self) -> int:
+        """The θ_g step to download (DOWNLOAD) or that the open round starts from."""
+        return self.position.start_step if self.position is not None else -1
+
+
+def plan_sync(view: Mapping[str, PeerRecord], local: LocalPosition) -> SyncPlan:
+    """What to do to be in step, from the records and this node's position (no I/O).
+
+    Behind the swarm's open round by more than `max_lag`, or ahead of it by more than a
+    round plus `max_lag` (solo rounds while cut off: a branch the swarm never saw), the node
+    downloads the θ_g that round starts from, once a peer holds it."""
+    position = swarm_position(view.values(), local.peer_id, local.model_hash)
+    if position is None:
+        return SyncPlan(SyncAction.NO_SWARM)
+    behind = position.start_step > local.outer_step + local.max_lag
+    ahead = local.outer_step > position.start_step + 1 + local.max_lag
+    if not behind and not ahead:
+        return SyncPlan(SyncAction.IN_STEP, position)
+    if not position.ready:  # its peers are still applying the outer step that opens it
+        if local.waited_too_long:
+            return SyncPlan(SyncAction.GIVE_UP, position, ahead, waited_too_long=True)
+        return SyncPlan(SyncAction.WAIT, position, ahead)
+    if local.downloads >= MAX_SYNC_DOWNLOADS:
+        return SyncPlan(SyncAction.GIVE_UP, position, ahead)
+    if local.failed_step == position.start_step:
+        # the round's θ_g is made but not served yet: its donors still hash it, or fewer than a
+        # majority of hosts hold it (the first groups out of their average). Training on from
+        # here would average the round alone and go on a step behind (seen on a graceful
+        # restart while the swarm averaged); a round that moved is downloaded at once
+        return SyncPlan(SyncAction.RETRY, position, ahead)
+    return SyncPlan(SyncAction.DOWNLOAD, position, ahead)
+
+
+def check_same_model(view: Mapping[str, PeerRecord], peer_id: str, model_hash: str) -> None:
+    """Refuse to join a swarm that trains another model (or tokenizer): peers of another
+    config hash are never averaged with, so this node would train alone."""
+    hashes = collections.Counter(r.model_hash for p, r in view.items() if p != peer_id and r.state != "stopped")
+    if not hashes or model_hash in hashes:
+        return
+    theirs, count = hashes.most_common(1)[0]
+    raise SwarmMismatch(
+        f"this swarm trains model config {theirs} ({count} peer(s)) and this node {model_hash}: "
+        f"give the same --model, --tokenizer and model files as the swarm "
+        f"(`curl <peer>/status` shows its model)"
+    )
+
+
+class RecipeMismatch(SwarmMismatch):
+    """This node's recipe differs from every live peer's (exit 4, one line per field)."""
+
+
+def check_same_recipe(view: Mapping[str, PeerRecord], peer_id: str, model_hash: str, ours: SwarmRecipe) -> None:
+    """Refuse to join a swarm of the same model that trains it another way (other data, round
+    size, schedule, outer optimizer or wire format): its pseudo-gradients would be averaged
+    with this node's though they mean something else."""
+    peers = [r.recipe for p, r in view.items() if p != peer_id and r.state != "stopped" and r.model_hash == model_hash]
+    found = check_members(ours, peers)
+    if found is None:
+        return
+    theirs, count = found
+    lines = "\n".join(d.line() for d in differences(ours, theirs))
+    raise RecipeMismatch(
+        f"this node's recipe differs from the swarm's ({count} peer(s)); give the swarm's values, or join with "
+        f"--peer http://<a peer's sidecar> and leave these flags out to take them from it:\n{lines}"
+    )
+
+
+def check_same_data_plane(view: Mapping[str, PeerRecord], peer_id: str, tls: bool) -> None:
+    """Refuse to join a swarm whose peers average over the other kind of data plane: TLS and
+    plaintext peers cannot open streams to each other, so every round would lose them."""
+    other = sorted(p for p, r in view.items() if p != peer_id and r.state != "stopped" and bool(r.tls_cert) != tls)
+    if other:
+        theirs, mine = ("plaintext", "TLS") if tls else ("TLS", "plaintext")
+        fix = "add --insecure-data-plane" if tls else "drop --insecure-data-plane"
+        who = f"peer {other[0]}" if len(other) == 1 else f"{len(other)} peers ({other[0]}, ...)"
+        verb = "averages" if len(other) == 1 else "average"
+        raise SwarmMismatch(
+            f"{who} of this swarm {verb} over a {theirs} data plane and this node over {mine}: "
+            f"every peer of a swarm must use the same ({fix} to join this one)"
+        )
+
+
+class Joiner:
+    """Carries out `plan_sync`: downloads, installs, and the --overlap catch-up."""
+
+    def __init__(
+        self,
+        settings: NodeSettings,
+        peer_id: str,
+        model_hash: str,
+        membership: Membership,
+        worker: ModelWorker,
+        store: CheckpointStore,
+        landing: Landing,
+        trust: TrustStore | None,
+        auth: SwarmAuth | None,
+        stopping: asyncio.Event,
+        syncing: Callable[[], AbstractContextManager],
+        publish: Callable[[], Awaitable[None]],
+    ):
+        self.settings = settings
+        self.peer_id = peer_id
+        self.model_hash = model_hash
+        self.membership = membership
+        self.worker = worker
+        self.store = store
+        self.landing = landing
+        self.trust = trust
+        self.auth = auth
+        self.stopping = stopping
+        self.syncing = syncing  # the round loop's state move for the time of a download
+        self.publish = publish
+        self.catch_up_round: int | None = None  # --overlap: a round entered from a download or a start (see catch_up)
+        self.entered_round: int | None = None  # the round entered from a download (its first after it)
+        self.reentries = 0  # rounds given up in a row for that reason (bounded: see closed_under_us)
+        self.joined_at: float | None = None  # monotonic: when a download put this node in step (for the log)
+        self.resync_wanted = False  # a download or a failed catch-up: the next groups re-sync θ_g
+
+    def take_resync_wish(self) -> bool:
+        wanted, self.resync_wanted = self.resync_wanted, False
+        return wanted
+
+    async def _pause(self, seconds: float) -> None:
+        await pause(self.stopping, seconds)
+
+    async def sync(self, joining: bool = False) -> bool:
+        """Put this node in the swarm's open round, downloading its θ_g when this node's differs
+        (behind by more than --max-lag, or at all when `joining`: a node that just started).
+        True when a download put it in step. A node that was training keeps its inner AdamW
+        state and data position through the download (no warmup restart)."""
+        lag = 0 if joining else self.settings.max_lag
+        deadline = time.monotonic() + self.settings.join_timeout
+        synced, downloads, waiting, failed_step = False, 0, False, -1
+        while not self.stopping.is_set():
+            view = await self.membership.members()
+            if joining:
+                check_same_model(view, self.peer_id, self.model_hash)
+                check_same_protocol(r for p, r in view.items() if p != self.peer_id and r.state != "stopped")
+                check_same_recipe(view, self.peer_id, self.model_hash, self.worker.workload.recipe)
+                check_same_data_plane(view, self.peer_id, self.trust is not None)
+            own = self.worker.outer_step
+            plan = plan_sync(
+                view,
+                LocalPosition(
+                    self.peer_id, self.model_hash, own, lag, downloads, failed_step, time.monotonic() > deadline
+                ),
+            )
+            position = plan.position
+            if plan.action == SyncAction.NO_SWARM:
+                return synced
+            assert position is not None
+            if plan.action == SyncAction.IN_STEP:
+                # from where the swarm is now: the download may have brought a newer step than asked.
+                # A node that just started from its own checkpoint is in the same place: in an
+                # overlapped round one past its θ_g, without the average the swarm has in flight
+                if synced or joining:
+                    self.catch_up_round = position.round if position.round == own + 1 else None
+                return synced
+            if plan.action == SyncAction.WAIT:
+                if not waiting:
+                    log.info(
+                        "the swarm is closing round %d; waiting for the θ_g of step %d that opens round %d (peers: %s)",
+                        position.round - 1,
+                        position.start_step,
+                        position.round,
+                        ", ".join(
+                            f"{r.peer_id[-6:]} {r.state} round {r.round} {r.phase or '-'} step {r.outer_step}"
+                            for r in view.values()
+                            if r.peer_id != self.peer_id
+                        ),
+                    )
+                    waiting = True
+                await self._pause(OPEN_POLL_S)
+                continue
+            if plan.action == SyncAction.GIVE_UP:
+                if plan.waited_too_long:
+                    log.warning(
+                        "the swarm's round %d did not open within %.0fs (--join-timeout); training from "
+                        "outer step %d meanwhile",
+                        position.round,
+                        self.settings.join_timeout,
+                        own,
+                    )
+                else:
+                    log.warning(
+                        "%d downloads in a row did not put this node in the swarm's round (it moved on, or "
+                        "no donor served its θ_g); training from outer step %d",
+                        downloads,
+                        own,
+                    )
+                return synced
+            if plan.action == SyncAction.RETRY:
+                await self._pause(self.settings.heartbeat_interval)
+                failed_step = -1
+                continue
+            downloads += 1
+            if plan.ahead:
+                log.warning(
+                    "this node is at outer step %d, ahead of the swarm at %d (rounds it made while cut off): "
+                    "giving them up for the swarm's state",
+                    own,
+                    position.start_step,
+                )
+            else:
+                log.info(
+                    "the swarm is in round %d (from outer step %d), this node at outer step %d: downloading a "
+                    "checkpoint",
+                    position.round,
+                    position.start_step,
+                    own,
+                )
+            started = time.monotonic()
+            if await self.download(view, position.start_step, own, majority=not joining):
+                synced, lag = True, 0  # in step now, unless the round closed meanwhile: the loop checks
+                self.joined_at = started
+                # --overlap peers train round r from θ_g of step r-1: this node trains round r too
+                self.catch_up_round = position.round if position.round == self.worker.outer_step + 1 else None
+            else:
+                failed_step = position.start_step  # the next plan says whether to ask again at once
+        return synced
+
+    async def _fetch(
+        self, view: dict[str, PeerRecord], steps: range, majority: bool = False, rollback: bool = False
+    ) -> LoadedCheckpoint | None:
+        """The newest checkpoint with its step in `steps` that the swarm serves, kept as this
+        node's checkpoint of that step (the donors' bytes, verified). With `majority` (a running
+        node replacing its own θ_g) a majority of the hosts it can verify must serve it; with `rollback`
+        (giving up steps it made) the file must also lie within reach of its own θ_g, whoever serves
+        it: when the rest of the swarm has stopped, a majority of the hosts left may be one liar, and
+        a node rolled back to a lone member's θ_g of an older step at 35x ‖θ‖ (the hostile bench)."""
+        s = self.settings
+        return await fetch_from_swarm(
+            view,
+            self.peer_id,
+            steps,
+            self.model_hash,
+            s.run_id,
+            self.store.layout,
+            self.store.state_dir,
+            s.join_timeout,
+            self.auth,
+            keep=True,
+            majority=majority,
+            refresh=self.membership.members,
+            bind_wait=BIND_HEARTBEATS * s.heartbeat_interval,
+            judge=partial(judge_split_vote, self.worker)
+            if majority or rollback
+            else None,  # see catchup/trust_radius.py
+            judge_every=rollback,
+        )
+
+    async def download(self, view: dict[str, PeerRecord], step: int, own: int, majority: bool = False) -> bool:
+        """Fetch and install the swarm's checkpoint of `step` (or the next, if the swarm moved on);
+        `majority`: see `_fetch`."""
+        s = self.settings
+        if self.landing.in_flight:  # the download replaces the θ_g that average was for
+            await self.landing.settle(s.averaging_bound_s)
+            self.landing.forget()
+        with self.syncing():
+            loaded = await self._fetch(view, range(step, step + 2), majority, rollback=step < own)
+        if loaded is None:
+            log.warning("no peer could serve the checkpoint of step %d yet (this node is at outer step %d)", step, own)
+            return False
+        keep_inner = self.worker.trainer.inner_step > 0
+        installing = time.monotonic()
+        await self.store.settle_hash()  # it reads the θ_g about to be replaced
+        await self.worker.call(self.worker.install, loaded, None, keep_inner)
+        loaded.timings["installing"] = time.monotonic() - installing
+        self.store.rehash()  # for the record and logs: off the join's path
+        await self.store.settle_write()
+        if loaded.step < own:
+            await self.store.set_aside_after(loaded.step)
+        await self.store.keep_downloaded(loaded)
+        self.resync_wanted = True  # the donor's θ_g may differ slightly from its neighbours'
+        stages = ", ".join(f"{stage} {seconds:.1f}s" for stage, seconds in loaded.timings.items())
+        log.info(
+            "in sync at outer step %d%s%s",
+            loaded.step,
+            f" ({stages})" if stages else "",
+            "; inner optimizer state kept" if keep_inner else "",
+        )
+        await self.publish()
+        return True
+
+    async def entering(self, round_no: int) -> None:
+        """Round `round_no` starts: the first after a download is noted (see closed_under_us)."""
+        self.entered_round = round_no if self.joined_at is not None else None
+        if self.joined_at is None:
+            return
+        await asyncio.wrap_future(self.worker.trainer.build_optimizer_in_background())  # the first step needs it
+        position = swarm_position((await self.membership.members()).values(), self.peer_id, self.model_hash)
+        log.info(
+            "training round %d with the swarm (%s), %.1fs after the download began",
+            round_no,
+            "no other peer"
+            if position is None
+            else f"its open round is {position.round}, {position.peers} other peer(s)",
+            time.monotonic() - self.joined_at,
+        )
+        self.joined_at = None
+
+    def closed_under_us(self, view: Mapping[str, PeerRecord], round_no: int, alone: bool = False) -> bool:
+        """Whether the swarm's open round moved past `round_no`, the first this node trains
+        after a download, while this node trained it: its peers averaged it without this node
+        (with `alone`: this node's average found no group while the swarm has peers). At most
+        MAX_REENTRIES rounds in a row are given up so: a node that can never reach a group
+        (unreachable, always late) trains on rather than downloading every round."""
+        if self.settings.overlap or round_no != self.entered_round or self.reentries >= MAX_REENTRIES:
+            return False
+        position = swarm_position(view.values(), self.peer_id, self.model_hash)
+        return position is not None and (alone or position.round > round_no)
+
+    async def enter_next_round(self, round_no: int, inner: InnerResult, alone: bool = False) -> bool:
+        """A joiner that arrived in a round's last seconds, whose peers averaged it before its
+        first steps were done: it takes the θ_g of the next round instead of averaging alone
+        (a θ_g of its own that the swarm never had). Those few steps are a Δ nobody can average
+        any more; they are dropped with the round. False (the round goes on as it is) when the
+        swarm turns out not to have moved on, or no peer served its θ_g.
+
+        `alone`: this node's average found no group. Its peers may have just closed the round
+        (a group formed without it a moment before), and their records show it up to a
+        heartbeat later: seen as a joiner that averaged its first round alone."""
+        if alone and not await swarm_moves_past(
+            self.membership.members,
+            self.peer_id,
+            self.model_hash,
+            round_no,
+            BIND_HEARTBEATS * self.settings.heartbeat_interval,
+            OPEN_POLL_S,
+            self.stopping,
+        ):
+            return False
+        self.reentries += 1
+        if not await self.sync(joining=True):
+            return False
+        log.info(
+            "round %d closed while this node took its first %d step(s) in it; it joined the swarm's open round",
+            round_no,
+            inner.steps,
+        )
+        self.worker.end_round_count()
+        return True
+
+    async def catch_up(self, round_no: int) -> torch.Tensor | CodedDelta | None:
+        """--overlap, the first round after a download or a start from this node's own
+        checkpoint: this node entered round r from θ_g of step r-1, as the swarm did, but took
+        no part in the average of round r-1 that the swarm applies now. So instead of an outer
+        step of its own it takes the swarm's θ_g of step r once a peer holds it (the delayed
+        outer step, done by the swarm), and sends this round's Δ out with theirs. None when no peer could serve it in time (the round then
+        goes on as after a failed average, and the next groups re-sync θ_g)."""
+        s = self.settings
+        deadline = time.monotonic() + s.averaging_bound_s
+        while not self.stopping.is_set() and time.monotonic() < deadline:
+            view = await self.membership.members()
+            if any(
+                r.outer_step >= round_no and r.model_hash == self.model_hash
+                for r in view.values()
+                if r.peer_id != self.peer_id and r.state in ("training", "averaging")
+            ):
+                loaded = await self._fetch(view, range(round_no, round_no + 1))
+                if loaded is None:
+                    break
+                await self.store.keep_downloaded(loaded)
+                delta = await self.worker.call(self.worker.adopt_downloaded, loaded)
+                log.info(
+                    "took the swarm's θ_g of step %d for round %d (entered without its average of round %d)",
+                    loaded.step,
+                    round_no,
+                    round_no - 1,
+                )
+                return delta
+            await self._pause(OPEN_POLL_S)
+        log.warning(
+            "no peer served θ_g of step %d in time; round %d goes on as after a failed average", round_no, round_no
+        )
+        self.resync_wanted = True
+        return None

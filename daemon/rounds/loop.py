@@ -1,0 +1,586 @@
+"""The round loop: train → match → average → outer step, behind one error boundary.
+
+Where a round ends is the pacer's call (`rounds/pacer.py`); getting into step is the joiner's
+(`catchup/joiner.py`); an overlapped average lands through `rounds/landing.py`. This module strings them
+together and is the only one that moves the round state (`rounds/state.py`). Two strategies
+share one interface: `PlainRound` averages a round's Δ before the next round starts;
+`OverlappedRound` (--overlap) trains the next round while it is averaged.
+
+The error boundary: θ_g only changes in whole steps (outer step, adoption of a re-sync, a
+download), so a round that raises leaves θ_g as it was; θ_l keeps its inner progress, which
+the next round's Δ carries. The failure is logged with its cause, counted by type, and the
+next groups are asked to re-sync θ_g. No exception inside a round ends the node.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import threading
+import time
+from collections.abc import Awaitable, Callable
+from functools import partial
+from typing import Protocol
+
+import torch
+
+from dtnode.daemon.catchup.donors import pause
+from dtnode.daemon.catchup.joiner import Joiner
+from dtnode.daemon.checkpoints.store import CheckpointStore
+from dtnode.daemon.config.settings import NodeSettings
+from dtnode.daemon.rounds.backoff import FailureStreak
+from dtnode.daemon.rounds.landing import Landing
+from dtnode.daemon.rounds.pacer import EXTRAPOLATE_HEARTBEATS, FixedPacer, Pacer, SwarmPacer
+from dtnode.daemon.rounds.state import Publisher, RoundState
+from dtnode.daemon.serve.history import RoundHistory
+from dtnode.daemon.serve.metrics import NodeMetrics, observe_device_memory, observe_ranks
+from dtnode.daemon.serve.report import Outcome, RoundSummary, RunStats, WireStats
+from dtnode.daemon.training.ranks.host import HostRestartNeeded, LocalRankFailure, RankOutOfMemory
+from dtnode.daemon.training.trainer import InnerResult
+from dtnode.daemon.training.worker import ModelWorker
+from dtnode.ops.coded import CodedDelta
+from dtnode.peers import failpoints
+from dtnode.peers.averager import AveragingResult, AveragingTimeout, MoshpitAverager
+from dtnode.peers.membership import Membership, PeerRecord
+from dtnode.peers.part_result import DriftBound
+
+log = logging.getLogger("dtnode")
+
+# failures whose message says all: logged without their (always identical) call path
+KNOWN_CAUSES = (LocalRankFailure, FloatingPointError, AveragingTimeout)
+
+
+class RoundStrategy(Protocol):
+    async def run_round(self) -> None: ...
+
+    async def drain(self) -> None:
+        """On the way out: whatever the strategy still owes the final θ_g."""
+
+
+class RoundLoop:
+    def __init__(
+        self,
+        settings: NodeSettings,
+        peer_id: str,
+        state: RoundState,
+        publisher: Publisher,
+        worker: ModelWorker,
+        store: CheckpointStore,
+        joiner: Joiner,
+        landing: Landing,
+        averager: MoshpitAverager,
+        membership: Membership,
+        stats: RunStats,
+        metrics: NodeMetrics,
+        history: RoundHistory,
+        loss_floor: float | None,
+        stopping: asyncio.Event,
+        stop_flag: threading.Event,
+    ):
+        self.settings = settings
+        self.peer_id = peer_id
+        self.state = state
+        self.publisher = publisher
+        self.worker = worker
+        self.store = store
+        self.joiner = joiner
+        self.landing = landing
+        self.averager = averager
+        self.membership = membership
+        self.stats = stats
+        self.metrics = metrics
+        self.history = history
+        self.loss_floor = loss_floor
+        self.stopping = stopping
+        self.stop_flag = stop_flag  # seen by the training thread
+        self.needs_resync = False  # set by a failed hop or round; cleared by a clean round
+        self._clips_seen = 0  # the replica's `resyncs_clipped` when `resync_clipped` last looked
+        self.failures = FailureStreak()  # rounds failed in a row: the pause before the next try
+        self.rounds_done = 0
+        self._announcing: asyncio.Task | None = None  # the record published once a step's hash is in
+        self.finished = False  # --max-rounds: the swarm's run is over
+        self.model_hash = worker.workload.model_hash
+        self.tokens_total = history.tokens_total  # over the whole record, across restarts
+        self.pacer: Pacer = (
+            FixedPacer(settings.inner_steps)
+            if settings.pacing == "fixed"
+            else SwarmPacer(
+                membership.members,
+                publisher.record,
+                settings.inner_steps,
+                settings.round_tokens,
+                joiner.closed_under_us,
+                on_progress=stats.show_progress,
+                max_extrapolation=EXTRAPOLATE_HEARTBEATS * settings.heartbeat_interval,
+            )
+        )
+        self.strategy: RoundStrategy = OverlappedRound(self) if settings.overlap else PlainRound(self)
+
+    async def pause(self, seconds: float) -> None:
+        """Sleep, or less if the node is stopping."""
+        await pause(self.stopping, seconds)
+
+    # ---- the loop ----------------------------------------------------------------------------
+    async def join(self) -> None:
+        """Reach the swarm's round for the first time (a download if the swarm is ahead)."""
+        self.state.start_syncing()
+        await self.joiner.sync(joining=True)
+        self.state.ready()
+
+    async def run(self) -> None:
+        s = self.settings
+        await self.publisher.publish()
+        if s.min_peers > 1:
+            log.info("waiting for %d peers (up to %.0fs)", s.min_peers, s.join_timeout)
+            waiting = asyncio.ensure_future(self.membership.wait_for(s.min_peers, s.join_timeout))
+            stopper = asyncio.ensure_future(self.stopping.wait())
+            await asyncio.wait({waiting, stopper}, return_when=asyncio.FIRST_COMPLETED)
+            stopper.cancel()
+            if not waiting.done():
+                waiting.cancel()
+            elif len(view := waiting.result()) < s.min_peers:
+                log.warning("only %d of %d peers after %.0fs; training anyway", len(view), s.min_peers, s.join_timeout)
+        while not self.stopping.is_set() and not self.finished:
+            await self.guarded_round()
+
+    async def _run_is_over(self, round_no: int) -> bool:
+        """--max-rounds N: the run ends at the swarm's outer step N. A round numbered N or later is
+        never trained (with --overlap the last average in flight still lands: step N); and a node
+        behind a swarm that already stopped at N (the stopped peers' records say so) stops where
+        it is rather than training the missing rounds alone, which no peer would average."""
+        own = self.settings.max_own_rounds
+        if own is not None and self.rounds_done >= own:
+            log.info("finished %d rounds (--max-own-rounds)", self.rounds_done)
+            self.finished = True
+            return True
+        last = self.settings.max_rounds
+        if last is None:
+            return False
+        if round_no >= last:
+            log.info("the swarm's run ends at outer step %d (--max-rounds): stopping", last)
+            self.finished = True
+            return True
+        view = await self.membership.members()
+        mine = [r for r in view.values() if r.peer_id != self.peer_id and r.model_hash == self.model_hash]
+        if any(r.state == "stopped" and r.outer_step >= last for r in mine) and not any(
+            r.state in ("training", "averaging") for r in mine
+        ):
+            log.warning(
+                "the swarm stopped at outer step %d (--max-rounds) while this node is at %d: stopping here "
+                "rather than training the rounds in between alone",
+                last,
+                self.worker.outer_step,
+            )
+            self.finished = True
+            return True
+        return False
+
+    async def guarded_round(self) -> None:
+        """One round behind the error boundary (see the module docstring)."""
+        try:
+            await self.strategy.run_round()
+            self.failures.ended()
+        except (asyncio.CancelledError, KeyboardInterrupt, RankOutOfMemory, HostRestartNeeded):
+            raise
+        except Exception as e:
+            reason = type(e).__name__
+            outer = self.worker.outer_step
+            self.stats.round_ended(Outcome.FAILED)
+            self.metrics.round_failures.labels(reason=reason).inc()
+            self.metrics.rounds.labels(outcome=Outcome.FAILED.value).inc()
+            backoff, repeated = self.failures.failed(e)
+            if repeated:  # its traceback is in the log already
+                log.error(
+                    "round %d failed again (%s: %s), %d rounds in a row; trying again in %.0fs",
+                    outer,
+                    reason,
+                    e,
+                    self.failures.count,
+                    backoff,
+                )
+            else:
+                log.error(
+                    "round %d failed (%s: %s); continuing from outer step %d with a re-sync",
+                    outer,
+                    reason,
+                    e,
+                    outer,
+                    # a known cause, said in full by its message: a rank that died, a non-finite loss or
+                    # Δ, an average past its bound (whose call path is always the same and tells an
+                    # operator nothing)
+                    exc_info=None if isinstance(e, KNOWN_CAUSES) else e,
+                )
+            self.needs_resync = True
+            self.state.enter_round(outer + (1 if self.landing.in_flight else 0), outer)
+            if isinstance(e, FloatingPointError):  # θ_l (and its optimizer state) are unusable
+                await self.worker.call(self.worker.reset_local)
+            if isinstance(e, LocalRankFailure):
+                await self.restart_ranks()
+            await self.pause(backoff)
+
+    async def restart_ranks(self) -> None:
+        """A local rank died: the host starts all of them again from θ_g, as the same peer."""
+        if self.stopping.is_set():
+            return
+        try:
+            await self.worker.call(self.worker.restart_ranks)
+            self.metrics.rank_restarts.inc()
+            log.warning("restarted the local ranks from θ_g of outer step %d", self.worker.outer_step)
+        except LocalRankFailure as e:  # tried again after the next round's first step fails
+            log.error("could not restart the local ranks (%s); trying again next round", e)
+
+    async def drain(self) -> None:
+        await self.strategy.drain()
+
+    # ---- shared by both strategies -------------------------------------------------------------
+    def wants_resync(self, round_no: int) -> bool:
+        """Whether this round's groups also average θ_g: after a failure or a download, and on
+        schedule (--consensus-every)."""
+        every = self.settings.consensus_every
+        scheduled = bool(every) and round_no % every == every - 1
+        return self.joiner.take_resync_wish() or self.needs_resync or scheduled
+
+    def resync_clipped(self) -> bool:
+        """Whether a re-sync since the last look moved this node's state only part of the way
+        (`Replica._clip_consensus`): it stands apart from its group, and re-syncs again."""
+        clipped = self.worker.replica.resyncs_clipped
+        new, self._clips_seen = clipped > self._clips_seen, clipped
+        return new
+
+    async def train_round(self) -> tuple[int, InnerResult] | None:
+        """A round's inner steps, after a catch-up if the swarm left this node behind; None when
+        a stop ended them. The round is the outer step being built, one past θ_g's while an
+        average is in flight (--overlap)."""
+        await self.joiner.sync()
+        outer = self.worker.outer_step
+        ahead = self.landing.in_flight or self.joiner.catch_up_round == outer + 1
+        round_no = outer + (1 if ahead else 0)
+        if await self._run_is_over(round_no):
+            return None
+        self.state.train(round_no)  # published with --overlap: pacing counts this round's tokens under it
+        self.state.enter_round(round_no, outer)
+        await self.joiner.entering(round_no)
+        inner = await self._inner_steps(round_no)
+        if self.stopping.is_set():
+            log.info("round %d abandoned after %d inner steps", round_no, inner.steps)
+            return None
+        self.stats.observe_inner(inner)
+        if (p := self.pacer.progress) is not None:
+            log.debug(
+                "round %d ends after %d steps: swarm %.0f of %d tokens from %d peers, %.0f tok/s",
+                round_no,
+                inner.steps,
+                p.done,
+                p.target,
+                p.peers,
+                p.rate,
+            )
+        failpoints.reach("round-error", round_no)
+        return round_no, inner
+
+    async def _inner_steps(self, round_no: int) -> InnerResult:
+        """Inner steps until the pacer ends the round (or --round-seconds runs out)."""
+        s = self.settings
+        self.stats.round_started()
+        deadline = time.monotonic() + s.round_seconds if s.round_seconds else None
+        after_step = partial(self.landing.land_on_arrival, asyncio.get_running_loop()) if s.overlap else None
+        self.pacer.start_round()
+        following = asyncio.ensure_future(self.pacer.follow(round_no))
+        try:
+            inner = await self.worker.call(
+                self.worker.run_inner,
+                self.pacer.max_steps,
+                self.stop_flag,
+                deadline,
+                self.pacer.keep_going,
+                round_no * s.inner_steps,
+                s.inner_steps,
+                after_step,
+            )
+            if not self.stopping.is_set() and (deadline is None or time.monotonic() < deadline):
+                await self.pacer.wait_for_end(self.worker.trainer.step_seconds)
+            return inner
+        finally:
+            following.cancel()
+            await asyncio.gather(following, return_exceptions=True)
+
+    def allow_for(self, inner: InnerResult) -> None:
+        """The outer step of this round's average may be longer than this node's own Δ when it
+        trained less than an average peer of the round (`Replica.allow_for_shortfall`): fewer
+        tokens (a late start), or fewer steps in the same time (a slower device, a bigger step)."""
+        p = self.pacer.progress
+        if p is None:
+            self.worker.replica.allow_for_shortfall(1.0)
+            return
+        typical = p.target / max(p.round_peers, p.peers, 1)
+        tokens = typical / inner.tokens if inner.tokens > 0 else math.inf
+        steps = p.step_rate / p.own_step_rate if p.own_step_rate > 0 else 1.0
+        self.worker.replica.allow_for_shortfall(max(tokens, steps))
+
+    def average(
+        self,
+        round_no: int,
+        delta: torch.Tensor | CodedDelta,
+        inner: InnerResult,
+        resync: bool,
+        consensus_on: Callable,
+        drift: DriftBound,
+    ) -> asyncio.Future[AveragingResult]:
+        """This round's Δ averaged over the swarm's groups (a peer that took no step still
+        averages, with a negligible weight: its θ_g stays in step); a θ_g re-sync may move this
+        node's state by `drift` at most (`ModelWorker.resync_bound`)."""
+        replica = self.worker.replica
+        return asyncio.ensure_future(
+            self.averager.average(
+                round_no,
+                delta,
+                float(max(inner.tokens, 1)),
+                resync,
+                lambda: consensus_on(replica.consensus_state),
+                None if replica.coded else self.worker.residual,  # a coded Δ took its feedback already
+                replica.delta_on_host,
+                replica.params_sha256(),  # "" while it is being computed: then a re-sync asked for happens
+                drift,
+            )
+        )
+
+    def _wire_stats(self) -> WireStats:
+        s, worker = self.settings, self.worker
+        wire = s.wire_format()
+        density = min(wire.top_k, wire.block_size) / wire.block_size if s.compression == "sparse" else 1.0
+        return WireStats(s.compression, worker.replica.numel, density, worker.feedback_norm)
+
+    def finish(
+        self,
+        round_no: int,
+        inner: InnerResult,
+        result: AveragingResult | None,
+        duration: float,
+        landed_after: int | None = None,
+    ) -> RoundSummary:
+        """The round into `/status`, the metrics, the history and the log."""
+        trainer = self.worker.trainer
+        summary = RoundSummary(
+            round_no,
+            self.worker.outer_step,
+            inner,
+            result,
+            duration,
+            self.landing.take_waited(),
+            trainer.eval_seconds,
+            self.settings.overlap,
+            self.worker.eval_loss,
+            self.worker.eval_step,
+            trainer.lr,
+            landed_after,
+            self.peer_id,
+            self._wire_stats(),
+        )
+        trainer.eval_seconds = 0.0
+        self.stats.last = summary
+        self.stats.round_ended(summary.outcome)
+        m = self.metrics
+        summary.observe(m)
+        m.outer_step.set(self.worker.outer_step)
+        m.inner_step.set(trainer.inner_step)
+        m.tokens_per_second.set(self.stats.tokens_per_s)
+        m.compute_utilization.set(self.stats.utilization() or 0.0)
+        observe_device_memory(m, self.worker.device)
+        observe_ranks(m, self.worker.rank_reports())
+        self.tokens_total += inner.tokens
+        entry = summary.history_entry(self.tokens_total, self.stats.tokens_per_s)
+        line = summary.log_line(self.stats.tokens_per_s, self.loss_floor)
+        loop = asyncio.get_running_loop()
+
+        async def announce_hashed() -> None:
+            try:
+                await self.publisher.publish()
+            except Exception as e:  # noqa: BLE001  (hivemind's DHT stores fail with many types; the heartbeat retries)
+                log.debug("could not announce the hashed step at once: %s", e)
+
+        def hashed() -> None:  # the round's θ_g hash is in: the history entry and the log line name it
+            params = self.worker.replica.params_sha256()
+            recorded = self.history.append({**entry, "params_sha256": params})
+            loop.run_in_executor(self.store.io_thread, self.history.persist, recorded)
+            log.info("%s%s", line, params[:12])
+            # the step's checkpoint is servable now: its signed record says so at once, not a
+            # heartbeat later (a joiner's vote binds only what a record announces, daemon/catchup/donors.py)
+            self._announcing = loop.create_task(announce_hashed())
+
+        self.store.when_hashed(hashed)
+        return summary
+
+
+async def left_off_the_swarm(
+    view: Callable[[], Awaitable[dict[str, PeerRecord]]],
+    peer_id: str,
+    model_hash: str,
+    round_no: int,
+    result: AveragingResult | None,
+) -> bool:
+    """Whether this round's average found no partner in any hop while other peers of this
+    model train: θ_g then took a step nobody else took. Both sides may report the round
+    clean: a node paused past its record's expiry is not expected by peers that close the
+    round without it, and alone in its own view when it averages on its return. So its next
+    groups re-sync θ_g; before, it stayed off the swarm's until the scheduled
+    --consensus-every (a drill's paused peer had an eval loss 0.15 above its peers' for the
+    four rounds that followed)."""
+    if result is None or not result.alone:
+        return False
+    records = await view()
+    others = sum(
+        r.peer_id != peer_id and r.model_hash == model_hash and r.state in ("training", "averaging")
+        for r in records.values()
+    )
+    if others:
+        log.info("round %d averaged alone while %d other peer(s) train: its next groups re-sync θ_g", round_no, others)
+    return others > 0
+
+
+class PlainRound:
+    """Average this round's Δ, apply the outer step, then start the next round."""
+
+    def __init__(self, loop: RoundLoop):
+        self.loop = loop
+
+    async def run_round(self) -> None:
+        lp, worker, state, joiner = self.loop, self.loop.worker, self.loop.state, self.loop.joiner
+        started = time.monotonic()
+        if (trained := await lp.train_round()) is None:
+            return
+        round_no, inner = trained
+        if joiner.closed_under_us(await lp.membership.members(), round_no) and await joiner.enter_next_round(
+            round_no, inner
+        ):
+            lp.metrics.dropped_inner_steps.inc(inner.steps)
+            return
+        delta = await worker.call(worker.pseudo_gradient)
+        drift = await worker.call(worker.resync_bound)
+        lp.allow_for(inner)
+        state.begin_averaging()
+        await lp.publisher.publish()
+        resync = lp.wants_resync(round_no)
+        result = await lp.average(round_no, delta, inner, resync, worker.call, drift)
+        # a wanted re-sync that found nobody to sync with is still wanted next round
+        lp.needs_resync = (
+            not result.clean
+            or (resync and result.theta is None)
+            or await left_off_the_swarm(lp.membership.members, lp.peer_id, lp.model_hash, round_no, result)
+        )
+        if (
+            result.alone
+            and joiner.closed_under_us(await lp.membership.members(), round_no, alone=True)
+            and await joiner.enter_next_round(round_no, inner, alone=True)
+        ):
+            lp.metrics.dropped_inner_steps.inc(inner.steps)
+            return  # the records it judged by were a heartbeat behind
+        joiner.reentries = 0
+        state.applying_outer_step()
+        await lp.store.settle_hash()  # the hash of the previous θ_g reads it
+        await worker.call(worker.apply, result)
+        lp.needs_resync = lp.resync_clipped() or lp.needs_resync
+        state.outer_applied()
+        await lp.publisher.publish()  # a joiner may download the new θ_g at once
+        lp.store.rehash()
+        await failpoints.pause("outer-phase", round_no)
+        if worker.eval_due():
+            await worker.call(worker.evaluate_local)
+        lp.rounds_done += 1
+        if worker.outer_step % lp.settings.checkpoint_every == 0:
+            await lp.store.schedule()
+        state.enter_round(worker.outer_step, worker.outer_step)
+        lp.finish(round_no, inner, result, time.monotonic() - started)
+        await lp.publisher.publish()
+
+    async def drain(self) -> None:
+        """Nothing is in flight between plain rounds."""
+
+
+class OverlappedRound:
+    """--overlap: inner steps while the previous round's Δ is averaged; then that average's
+    outer step if it has not landed yet, and this round's Δ goes out to be averaged during
+    the next round.
+
+    The trade-off (streaming DiLoCo's overlapped outer step): the network's time hides behind
+    compute, while the first steps of each round run from a θ_g that lacks the last round's
+    average, with the node's own part of it kept in θ_l. The average lands between two inner
+    steps as soon as it is in (`Landing.land_on_arrival`), so those are few when the average
+    is quick; at the round's end this waits for one still running."""
+
+    def __init__(self, loop: RoundLoop):
+        self.loop = loop
+
+    async def run_round(self) -> None:
+        lp, worker, state, landing = self.loop, self.loop.worker, self.loop.state, self.loop.landing
+        started = time.monotonic()
+        if (trained := await lp.train_round()) is None:
+            return
+        round_no, inner = trained
+        state.begin_averaging()
+        had_average = landing.in_flight
+        if had_average:
+            state.waiting_for_average()
+        previous = await landing.settle()
+        if had_average:
+            lp.needs_resync = landing.needs_resync(previous) or await left_off_the_swarm(
+                lp.membership.members, lp.peer_id, lp.model_hash, round_no - 1, previous
+            )
+        state.applying_outer_step()
+        await lp.store.settle_hash()
+        delta = None
+        if lp.joiner.catch_up_round == round_no and previous is None:
+            lp.joiner.catch_up_round = None
+            delta = await lp.joiner.catch_up(round_no)
+        # θ_g moves now (a new hash): a catch-up, or an average that did not land during the steps
+        changed = delta is not None or (previous is not None and not landing.landed)
+        landed_after = landing.landed_after_steps if previous is not None and landing.landed else inner.steps
+        if delta is None:
+            delta = await worker.call(landing.land_and_stage, previous)
+        lp.needs_resync = lp.resync_clipped() or lp.needs_resync  # (landed during the steps, or now)
+        state.outer_applied()
+        if changed:
+            lp.store.rehash()
+        resync = lp.wants_resync(round_no)
+        # θ_g does not change while the average runs (only its outer step, awaited first, writes
+        # it): the consensus state is read on the I/O thread, not behind this round's inner steps
+        io = asyncio.get_running_loop()
+        drift = await worker.call(worker.resync_bound)
+        lp.allow_for(inner)  # read when this average lands, during the next round's steps
+        landing.launch(
+            lp.average(round_no, delta, inner, resync, lambda fn: io.run_in_executor(lp.store.io_thread, fn), drift),
+            resync,
+        )
+        if previous is not None:  # the new θ_g's eval, once its hash and the next average are under way
+            await worker.call(worker.evaluate_theta_g)
+        lp.rounds_done += 1
+        if previous is not None and worker.outer_step % lp.settings.checkpoint_every == 0:
+            await lp.store.schedule()
+        state.train(round_no + 1)  # peers count this node in the next round at once
+        state.enter_round(round_no + 1, worker.outer_step)
+        lp.finish(round_no, inner, previous, time.monotonic() - started, landed_after if previous is not None else None)
+        await lp.publisher.publish()
+
+    async def drain(self) -> None:
+        """The last average's outer step, so the final θ_g (and its checkpoint) holds every
+        round this node took part in."""
+        lp, landing, worker = self.loop, self.loop.landing, self.loop.worker
+        if not landing.in_flight:
+            return
+        result = await landing.settle(2 * lp.settings.averaging_bound_s)
+
+        def settle() -> None:
+            if not landing.landed:
+                landing.land(result)
+            if result is not None:
+                worker.evaluate_theta_g(force=bool(lp.settings.eval_every))
+
+        await worker.call(settle)
+        if result is not None:
+            lp.store.rehash()
+            await lp.store.settle_hash()
+            log.info(
+                "applied the last round's average: outer step %d (params %s)",
+                worker.outer_step,
+                worker.replica.params_sha256()[:12],
+            )

@@ -1,0 +1,193 @@
+"""Where the node is, as one typed record with its legal moves, and the one place that says so.
+
+Three things describe it, read by three audiences:
+- `NodeState`: what an operator sees in `/status.state` (joining, syncing, training,
+  averaging, stopped);
+- `RoundPhase`: the finer step a chaos test keys on (`/status.phase`): inner, matchmaking,
+  allreduce, averaging (waiting for an overlapped average), outer;
+- `RecordPhase` with the round number and the θ_g step it starts from: what a joiner reads
+  from the membership record to know which round it can still enter (see `catchup/joiner.py`).
+
+Only the round loop (`rounds/loop.py`) moves it, through the methods below; an illegal move
+raises `IllegalTransition` (a bug, caught by the round's error boundary like any other).
+Every move peers must see goes out through `Publisher.publish()`, the one writer of the DHT
+record, the state metric and the status, so a record never shows a state the node has left.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Awaitable, Callable, Iterator
+from enum import StrEnum
+
+from dtnode.daemon.serve.metrics import NodeMetrics
+from dtnode.peers.membership import PeerRecord
+
+
+class NodeState(StrEnum):
+    JOINING = "joining"
+    SYNCING = "syncing"
+    TRAINING = "training"
+    AVERAGING = "averaging"
+    STOPPED = "stopped"
+
+
+class RoundPhase(StrEnum):
+    STARTING = "starting"
+    INNER = "inner"
+    MATCHMAKING = "matchmaking"
+    ALLREDUCE = "allreduce"
+    AVERAGING = "averaging"  # --overlap: waiting for the previous round's average
+    OUTER = "outer"
+
+
+class RecordPhase(StrEnum):
+    """The round's phase in a joiner's terms: `inner` and `matchmaking` are open (a joiner
+    may still enter the round), `averaging` and `outer` closed; none between rounds."""
+
+    NONE = ""
+    INNER = "inner"
+    MATCHMAKING = "matchmaking"  # published only: averaging while hop 0's group still forms
+    AVERAGING = "averaging"
+    OUTER = "outer"
+
+
+class IllegalTransition(RuntimeError):
+    """A move the state machine does not allow: a bug in the round loop."""
+
+
+# A download (syncing) returns to the state it interrupted; nothing leaves `stopped`.
+STATE_MOVES: dict[NodeState, frozenset[NodeState]] = {
+    NodeState.JOINING: frozenset({NodeState.SYNCING, NodeState.STOPPED}),
+    NodeState.SYNCING: frozenset({NodeState.TRAINING, NodeState.AVERAGING, NodeState.STOPPED}),
+    NodeState.TRAINING: frozenset({NodeState.AVERAGING, NodeState.SYNCING, NodeState.STOPPED}),
+    NodeState.AVERAGING: frozenset({NodeState.TRAINING, NodeState.SYNCING, NodeState.STOPPED}),
+    NodeState.STOPPED: frozenset(),
+}
+# The joiner-facing phase: a round opens in `inner`, closes in `averaging`, applies in `outer`;
+# a download clears it; a failed round re-enters `inner` from wherever it was.
+RECORD_MOVES: dict[RecordPhase, frozenset[RecordPhase]] = {
+    RecordPhase.NONE: frozenset({RecordPhase.INNER}),
+    RecordPhase.INNER: frozenset({RecordPhase.AVERAGING, RecordPhase.NONE}),
+    RecordPhase.AVERAGING: frozenset({RecordPhase.OUTER, RecordPhase.INNER, RecordPhase.NONE}),
+    RecordPhase.OUTER: frozenset({RecordPhase.INNER, RecordPhase.NONE}),
+    RecordPhase.MATCHMAKING: frozenset(),  # never held, only published
+}
+
+
+class RoundState:
+    """The node's state, phase and round, moved only through its methods."""
+
+    def __init__(self, overlap: bool):
+        self.overlap = overlap
+        self.state = NodeState.JOINING
+        self.phase = RoundPhase.STARTING
+        self.round = -1  # the round in progress (trained, averaged or applied)
+        self.record_phase = RecordPhase.NONE
+        self.start_step = -1  # the step of the θ_g that round starts from
+        self.training_round = 0  # --overlap: the round whose inner steps run (one past the outer step)
+        self.first_group_formed = False  # while not, a round being averaged still takes members (hop 0)
+
+    def _move(self, state: NodeState) -> None:
+        if state != self.state and state not in STATE_MOVES[self.state]:
+            raise IllegalTransition(f"state {self.state} -> {state}")
+        self.state = state
+
+    def _move_record(self, phase: RecordPhase) -> None:
+        if phase != self.record_phase and phase not in RECORD_MOVES[self.record_phase]:
+            raise IllegalTransition(f"round phase {self.record_phase!r} -> {phase!r}")
+        self.record_phase = phase
+
+    # ---- the moves --------------------------------------------------------------------------
+    def start_syncing(self) -> None:
+        """The node reaches the swarm for the first time (after its services started)."""
+        self._move(NodeState.SYNCING)
+
+    def ready(self) -> None:
+        """In step with the swarm (or alone): about to train its first round."""
+        self._move(NodeState.TRAINING)
+
+    def enter_round(self, round_no: int, start_step: int) -> None:
+        """Round `round_no` is open on this node: its inner steps start (or are about to)."""
+        self._move(NodeState.TRAINING)
+        self._move_record(RecordPhase.INNER)
+        self.round, self.start_step, self.phase = round_no, start_step, RoundPhase.INNER
+
+    def train(self, round_no: int) -> None:
+        """--overlap: peers count this node's tokens under `round_no` (published at once)."""
+        self.training_round = round_no
+
+    def begin_averaging(self) -> None:
+        """The round's inner steps are done: it is closed to joiners. Without --overlap the
+        node now averages; with it, the node settles the previous average and trains on."""
+        if not self.overlap:
+            self._move(NodeState.AVERAGING)
+            self.first_group_formed = False
+        self._move_record(RecordPhase.AVERAGING)
+
+    def averager_phase(self, phase: str) -> None:
+        """The averager's progress (matchmaking, allreduce); a formed group closes hop 0."""
+        self.phase = RoundPhase(phase)
+        if self.phase == RoundPhase.ALLREDUCE:
+            self.first_group_formed = True
+
+    def waiting_for_average(self) -> None:
+        self.phase = RoundPhase.AVERAGING
+
+    def applying_outer_step(self) -> None:
+        self.phase = RoundPhase.OUTER
+
+    def outer_applied(self) -> None:
+        self._move_record(RecordPhase.OUTER)
+
+    @contextlib.contextmanager
+    def syncing(self) -> Iterator[None]:
+        """A download: the node is syncing, in no round, until it is back where it was."""
+        previous = self.state
+        self._move(NodeState.SYNCING)
+        self._move_record(RecordPhase.NONE)
+        try:
+            yield
+        finally:
+            self._move(previous)
+
+    def stop(self) -> None:
+        self._move(NodeState.STOPPED)
+
+    # ---- what the record says ----------------------------------------------------------------
+    def published_phase(self) -> RecordPhase:
+        """`matchmaking` (open) while averaging and hop 0's group, which waits for peers that
+        train this round, has not formed yet; else the phase held."""
+        if self.record_phase == RecordPhase.AVERAGING and not self.first_group_formed and not self.overlap:
+            return RecordPhase.MATCHMAKING
+        return self.record_phase
+
+    @property
+    def in_round(self) -> bool:
+        return self.record_phase != RecordPhase.NONE
+
+    @property
+    def serving(self) -> bool:
+        """Whether θ_g is settled enough to be served on demand (training or averaging)."""
+        return self.state in (NodeState.TRAINING, NodeState.AVERAGING)
+
+
+class Publisher:
+    """The one writer of what peers and operators read of the node's state: the DHT record
+    (built fresh by `record`) and the state metric. `/status` reads the same RoundState."""
+
+    def __init__(
+        self,
+        state: RoundState,
+        record: Callable[[], PeerRecord],
+        announce: Callable[[PeerRecord], Awaitable[bool]],
+        metrics: NodeMetrics,
+    ):
+        self.state = state
+        self.record = record
+        self._announce = announce
+        self.metrics = metrics
+
+    async def publish(self) -> None:
+        self.metrics.state.state(self.state.state.value)
+        await self._announce(self.record())
