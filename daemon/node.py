@@ -65,7 +65,7 @@ from dtnode.ops.quantization import use_fused_kernels
 from dtnode.peers import failpoints
 from dtnode.peers.auth import ENV_KEY, AuthError, SwarmAuth, load_swarm_key
 from dtnode.peers.averager import AveragingConfig, MoshpitAverager
-from dtnode.peers.butterfly import ChannelPool
+from dtnode.peers.channel_pool import ChannelPool
 from dtnode.peers.deadlines import AdaptiveDeadlines
 from dtnode.peers.identity import identity_key
 from dtnode.peers.known_peers import own_peer_id

@@ -32,14 +32,17 @@ import torch
 from dtnode.ops.coded import CodedDelta
 
 from . import failpoints
+from .allreduce_report import AllReduceReport
 from .auth import SwarmAuth
-from .butterfly import AllReduceReport, ChannelPool, Feedback, butterfly_allreduce
+from .butterfly import butterfly_allreduce
+from .channel_pool import ChannelPool
 from .deadlines import AdaptiveDeadlines, expected_payload_bytes
 from .expectations import GroupExpectations
 from .grid import Slot, cells, coordinates, first_slot, grid_shape, next_slots
 from .matchmaking import LEADER_GRACE_S, MAX_PASSES, FormedGroup, Matchmaker
 from .membership import PeerRecord
 from .outcome import AveragingResult, HopReport
+from .part_codec import Feedback
 from .part_result import DriftBound
 from .plan import FP32, Compression, GroupPlan, Member, WireFormat, make_plan
 from .presence import GroupPresence

@@ -11,7 +11,10 @@ import grpc
 import torch
 from cryptography.hazmat.primitives.asymmetric import rsa
 
-from dtnode.peers.butterfly import AllReduceReport, ChannelPool, Feedback, butterfly_allreduce
+from dtnode.peers.allreduce_report import AllReduceReport
+from dtnode.peers.butterfly import butterfly_allreduce
+from dtnode.peers.channel_pool import ChannelPool
+from dtnode.peers.part_codec import Feedback
 from dtnode.peers.plan import INT8, Member, make_plan
 from dtnode.peers.reducer import ReductionRegistry
 from dtnode.peers.server import start_grpc_server

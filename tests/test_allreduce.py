@@ -10,8 +10,9 @@ from allreduce_harness import allreduce, allreduce_beside, send_to_each_reducer,
 
 from dtnode.ops import sparse
 from dtnode.ops.quantization import quantize
-from dtnode.peers.butterfly import Feedback, butterfly_allreduce
+from dtnode.peers.butterfly import butterfly_allreduce
 from dtnode.peers.deadlines import expected_payload_bytes
+from dtnode.peers.part_codec import Feedback
 from dtnode.peers.part_result import DriftBound
 from dtnode.peers.plan import FP32, INT8, SPARSE, Compression, Member, WireFormat, make_plan
 from dtnode.peers.reducer import ReductionRegistry

@@ -16,7 +16,8 @@ from hivemind.p2p import P2P
 from hivemind.utils import get_dht_time
 
 from dtnode.peers.auth import GRPC_METADATA, HTTP_HEADER, AuthError, SwarmAuth, load_swarm_key
-from dtnode.peers.butterfly import ChannelPool, butterfly_allreduce
+from dtnode.peers.butterfly import butterfly_allreduce
+from dtnode.peers.channel_pool import ChannelPool
 from dtnode.peers.identity import identity_key
 from dtnode.peers.membership import Membership, PeerRecord
 from dtnode.peers.plan import INT8, Member, make_plan

@@ -17,7 +17,8 @@ from dtnode.daemon.workload.model import build_model
 from dtnode.ops.coded import CodedDelta, SpanEncoder
 from dtnode.ops.outer_optimizer import NesterovOuterOptimizer
 from dtnode.ops.quantization import dequantize, quantize, quantize_with_feedback
-from dtnode.peers.butterfly import Feedback, butterfly_allreduce
+from dtnode.peers.butterfly import butterfly_allreduce
+from dtnode.peers.part_codec import Feedback
 from dtnode.peers.plan import FP32, INT8, Member, make_plan
 
 

@@ -11,8 +11,9 @@ from path_tampering import FlippingProxy
 
 from dtnode.ops import positions, sparse
 from dtnode.peers.averager import AveragingConfig, as_a_group_of_one
-from dtnode.peers.butterfly import Feedback, butterfly_allreduce
+from dtnode.peers.butterfly import butterfly_allreduce
 from dtnode.peers.matchmaking import FormedGroup
+from dtnode.peers.part_codec import Feedback
 from dtnode.peers.plan import SPARSE, Compression, Member, WireFormat, make_plan
 from dtnode.peers.wire import ChunkError, RefusalReason, chunk_message, decode_chunk
 

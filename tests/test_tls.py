@@ -15,7 +15,8 @@ from allreduce_harness import allreduce, start_peers, stop_peers, tls_stores
 from cryptography.hazmat.primitives.asymmetric import rsa
 from path_tampering import FlippingProxy
 
-from dtnode.peers.butterfly import ChannelPool, butterfly_allreduce
+from dtnode.peers.butterfly import butterfly_allreduce
+from dtnode.peers.channel_pool import ChannelPool
 from dtnode.peers.membership import PeerRecord
 from dtnode.peers.plan import INT8, Member, make_plan
 from dtnode.peers.tls import (
@@ -197,7 +198,7 @@ def test_the_trust_store_forgets_peers_gone_and_a_full_one_still_learns():
 def test_the_channel_pool_keeps_one_channel_per_peer_and_drops_peers_gone():
     """Issue 56, finding 10: the channel pool never dropped a channel, so a member announcing a
     new address with every registration left a connection open in each group-mate per hop."""
-    from dtnode.peers.butterfly import ChannelPool
+    from dtnode.peers.channel_pool import ChannelPool
 
     async def main():
         pool = ChannelPool(1 << 20)

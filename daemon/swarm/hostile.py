@@ -32,7 +32,7 @@ from hivemind.utils import get_dht_time
 from hivemind.utils.crypto import RSAPrivateKey
 
 from dtnode.peers import failpoints
-from dtnode.peers.butterfly import ChannelPool
+from dtnode.peers.channel_pool import ChannelPool
 from dtnode.peers.grid import grid_shape
 from dtnode.peers.identity import peer_id_of_owner, signed_subkey
 from dtnode.peers.membership import PeerRecord

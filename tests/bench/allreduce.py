@@ -106,7 +106,8 @@ def _worker(rank: int, n: int, numel: int, reps: int, port: int, systems: tuple[
 async def _ours(rank, n, values, exact, reps, store, codec_name) -> dict:
     from dtnode.ops import sparse
     from dtnode.ops.quantization import use_fused_kernels
-    from dtnode.peers.butterfly import ChannelPool, butterfly_allreduce
+    from dtnode.peers.butterfly import butterfly_allreduce
+    from dtnode.peers.channel_pool import ChannelPool
     from dtnode.peers.plan import FP32, INT8, SPARSE, Member, make_plan
     from dtnode.peers.reducer import ReductionRegistry
     from dtnode.peers.server import start_grpc_server
