@@ -28,10 +28,6 @@ import time
 from collections.abc import Awaitable
 from pathlib import Path
 
-from hivemind.dht import DHT
-from hivemind.dht.crypto import RSASignatureValidator
-from hivemind.p2p import P2P
-
 from dtnode import __version__
 from dtnode.daemon.catchup.joiner import Joiner
 from dtnode.daemon.checkpoints.state_dir import claim_state_dir, startup_error
@@ -67,6 +63,7 @@ from dtnode.peers.auth import ENV_KEY, AuthError, SwarmAuth, load_swarm_key
 from dtnode.peers.averager import AveragingConfig, MoshpitAverager
 from dtnode.peers.channel_pool import ChannelPool
 from dtnode.peers.deadlines import AdaptiveDeadlines
+from dtnode.peers.hivemind_adapter import DHT, P2P, RSASignatureValidator
 from dtnode.peers.identity import identity_key
 from dtnode.peers.known_peers import own_peer_id
 from dtnode.peers.matchmaking import Matchmaker

@@ -21,9 +21,7 @@ every field of what they take (membership.py, matchmaking.py): this validator ch
 
 from __future__ import annotations
 
-from hivemind.dht.validation import DHTRecord, RecordValidatorBase
-from hivemind.utils import MSGPackSerializer, get_dht_time
-
+from .hivemind_adapter import DHTRecord, MSGPackSerializer, RecordValidatorBase, get_dht_time
 from .identity import writer_of
 
 MAX_VALUE_BYTES = 16384  # a membership record with a 4 KB certificate and a 2 KB recipe is about 8 KB

@@ -17,10 +17,8 @@ from pathlib import Path
 import multihash
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import rsa
-from hivemind.dht.crypto import RSASignatureValidator
-from hivemind.p2p import PeerID
-from hivemind.p2p.p2p_daemon_bindings.datastructures import crypto_pb2
-from hivemind.utils.crypto import RSAPrivateKey
+
+from .hivemind_adapter import PeerID, RSAPrivateKey, RSASignatureValidator, crypto_pb2, signing_key
 
 OWNER_PREFIX, OWNER_SUFFIX = RSASignatureValidator.PUBLIC_KEY_FORMAT.split(b"_key_")
 
@@ -31,9 +29,10 @@ def identity_key(identity_path: Path) -> RSAPrivateKey:
     stored = crypto_pb2.PrivateKey.FromString(identity_path.read_bytes())
     if stored.key_type != crypto_pb2.RSA:
         raise ValueError(f"{identity_path} holds a {crypto_pb2.KeyType.Name(stored.key_type)} key, not RSA")
-    key = RSAPrivateKey.__new__(RSAPrivateKey)
-    key._private_key = serialization.load_der_private_key(stored.data, password=None)
-    return key
+    key = serialization.load_der_private_key(stored.data, password=None)
+    if not isinstance(key, rsa.RSAPrivateKey):
+        raise ValueError(f"{identity_path} does not hold an RSA private key")  # noqa: TRY004  (a bad file, as above)
+    return signing_key(key)
 
 
 @lru_cache(maxsize=4096)

@@ -18,9 +18,8 @@ import time
 from collections.abc import Iterable
 from pathlib import Path
 
-from hivemind.p2p import PeerID
-
 from .durable import write_durably
+from .hivemind_adapter import PeerID
 
 log = logging.getLogger(__name__)
 

@@ -28,13 +28,12 @@ from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
 
-from hivemind.dht import DHT
-from hivemind.utils import get_dht_time
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from . import failpoints
 from .auth import AuthError, SwarmAuth
 from .grid import split_groups
+from .hivemind_adapter import DHT, get_dht_time
 from .identity import signed_subkey, writer_of
 from .leadership import ClosedList, ReadList, Standing, by_rank, ranked_below, standing, valid_lists
 from .plan import Member

@@ -36,17 +36,13 @@ from functools import partial
 from typing import Annotated
 
 import psutil
-from hivemind.dht import DHT, DHTNode
-from hivemind.dht.crypto import RSASignatureValidator
-from hivemind.p2p import PeerID
-from hivemind.utils import get_dht_time
-from hivemind.utils.multiaddr import Multiaddr
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from . import failpoints
 from .auth import AuthError, SwarmAuth
 from .dht_records import SwarmRecords
 from .forks import FORK_LOCK
+from .hivemind_adapter import DHT, DHTNode, Multiaddr, PeerID, RSASignatureValidator, get_dht_time
 from .identity import signed_subkey, writer_of
 from .tls import MAX_CERT_CHARS, TrustStore
 

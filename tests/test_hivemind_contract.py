@@ -8,7 +8,7 @@ import logging
 
 import pytest
 
-import dtnode.peers  # noqa: F401  (hivemind registered without its trainer stack first)
+import dtnode.peers.hivemind_adapter  # noqa: F401  (hivemind registered without its trainer stack first)
 
 
 def test_the_pinned_version_is_the_one_installed():
@@ -18,7 +18,8 @@ def test_the_pinned_version_is_the_one_installed():
 
 
 def test_an_rsa_key_is_a_cryptography_key_in_a_private_attribute():
-    """peers/identity.py builds RSAPrivateKey from the identity file by setting `_private_key`;
+    """peers/hivemind_adapter.py wraps a key read from the identity file by setting
+    `_private_key` (`signing_key`), and reads it back for the TLS certificate (`key_of`);
     hivemind signs with it."""
     from cryptography.hazmat.primitives.asymmetric import rsa
     from hivemind.utils.crypto import RSAPrivateKey
@@ -27,6 +28,14 @@ def test_an_rsa_key_is_a_cryptography_key_in_a_private_attribute():
     assert isinstance(key._private_key, rsa.RSAPrivateKey)
     assert key.get_public_key().to_bytes().startswith(b"ssh-rsa ")
     assert {"sign", "get_public_key"} <= set(dir(key))
+
+    from dtnode.peers.hivemind_adapter import key_of, signing_key
+
+    inner = rsa.generate_private_key(65537, 2048)
+    wrapped = signing_key(inner)
+    assert key_of(wrapped) is inner
+    signature = wrapped.sign(b"record")
+    assert wrapped.get_public_key().verify(b"record", signature)
 
 
 def test_the_owner_marker_format_is_the_one_records_are_checked_against():
@@ -75,7 +84,7 @@ def test_the_dht_api_dtnode_calls_is_there():
 
 @pytest.mark.parametrize("module", ["hivemind.dht", "hivemind.p2p", "hivemind.utils"])
 def test_dtnode_loads_hivemind_without_its_trainer_stack(module):
-    """peers/__init__.py registers the package without its __init__ (over a second of start-up):
+    """peers/hivemind_adapter.py registers the package without its __init__ (over a second of start-up):
     the subpackages dtnode uses must load alone."""
     import importlib
 

@@ -227,12 +227,10 @@ def configure_logging(level: str, log_format: str = "human") -> None:
     else:
         handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)-7s %(name)s: %(message)s", "%H:%M:%S"))
     logging.basicConfig(level=level, handlers=[handler])
-    from hivemind.utils.logging import use_hivemind_log_handler
+    from dtnode.peers.hivemind_adapter import P2P_DAEMON_LOGGER, log_through_root
 
-    import dtnode.peers  # noqa: F401  (before any hivemind import: see dtnode.peers)
-
-    use_hivemind_log_handler("nowhere")  # hivemind's lines go through this handler too, in the same format
-    logging.getLogger("hivemind.p2p.p2p_daemon").addFilter(ClosedListenerFilter())  # the DHT's process forks with it
+    log_through_root()  # hivemind's lines go through this handler too, in the same format
+    logging.getLogger(P2P_DAEMON_LOGGER).addFilter(ClosedListenerFilter())  # the DHT's process forks with it
     # grpc's own debug lines are about its internals: a "Loaded running loop" per call, and the
     # traceback of a request iterator cut short when a reducer refused the stream (a refusal this
     # node logs itself), which read in a --log-level DEBUG run like a bug of ours

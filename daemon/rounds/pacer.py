@@ -22,8 +22,7 @@ import random
 import time
 from collections.abc import Awaitable, Callable
 
-from hivemind.utils import get_dht_time
-
+from dtnode.peers.hivemind_adapter import get_dht_time
 from dtnode.peers.membership import PeerRecord
 from dtnode.peers.pacing import SwarmProgress, swarm_progress
 

@@ -13,7 +13,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from hivemind.utils import get_dht_time
 from prometheus_client import CollectorRegistry
 
 from dtnode import __version__
@@ -31,6 +30,7 @@ from dtnode.daemon.workload.build import Workload
 from dtnode.ops.quantization import fused_kernels_active
 from dtnode.peers import failpoints
 from dtnode.peers.deadlines import AdaptiveDeadlines, expected_payload_bytes
+from dtnode.peers.hivemind_adapter import get_dht_time
 from dtnode.peers.membership import Membership, PeerRecord
 from dtnode.peers.tls import TrustStore, encode_certificate
 

@@ -19,13 +19,11 @@ from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from hivemind.dht import DHT
-from hivemind.dht.crypto import RSASignatureValidator
-
 from dtnode.daemon.config.model_source import is_hub_id
 from dtnode.daemon.config.settings import NodeSettings
 from dtnode.daemon.serve.metrics import NodeMetrics
 from dtnode.daemon.workload.recipe import SwarmRecipe, recipe_flags
+from dtnode.peers.hivemind_adapter import DHT, RSASignatureValidator, key_of
 from dtnode.peers.known_peers import FILE_NAME as KNOWN_PEERS_FILE
 from dtnode.peers.known_peers import KnownPeers, peer_of
 from dtnode.peers.membership import JoinError, Membership, PeerRecord, public_maddrs, start_dht
@@ -33,7 +31,7 @@ from dtnode.peers.sidecar_address import PROBE_TIMEOUT_S, SidecarAddressError, i
 from dtnode.peers.tls import NodeIdentity, TrustStore
 
 if TYPE_CHECKING:
-    from hivemind.utils.crypto import RSAPrivateKey
+    from dtnode.peers.hivemind_adapter import RSAPrivateKey
 
 log = logging.getLogger("dtnode")
 
@@ -179,7 +177,7 @@ def announce_host(settings: NodeSettings, dht: DHT) -> str:
 def tls_identity(state_dir: Path, record_key: RSAPrivateKey, peer_id: str) -> TrustStore:
     """This node's TLS certificate, self-signed with its record key, kept in the state dir
     (operators can compare its fingerprint with the one peers log)."""
-    identity = NodeIdentity.from_key(record_key._private_key, peer_id)
+    identity = NodeIdentity.from_key(key_of(record_key), peer_id)
     path = state_dir / TLS_CERT_FILE
     if not path.exists() or path.read_bytes() != identity.cert_pem:
         path.write_bytes(identity.cert_pem)

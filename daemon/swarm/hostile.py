@@ -25,15 +25,18 @@ from functools import partial
 from urllib.parse import urlsplit
 
 import aiohttp
-from hivemind.dht import DHT, DHTNode
-from hivemind.dht.crypto import RSASignatureValidator
-from hivemind.dht.validation import CompositeValidator
-from hivemind.utils import get_dht_time
-from hivemind.utils.crypto import RSAPrivateKey
 
 from dtnode.peers import failpoints
 from dtnode.peers.channel_pool import ChannelPool
 from dtnode.peers.grid import grid_shape
+from dtnode.peers.hivemind_adapter import (
+    DHT,
+    CompositeValidator,
+    DHTNode,
+    RSAPrivateKey,
+    RSASignatureValidator,
+    get_dht_time,
+)
 from dtnode.peers.identity import peer_id_of_owner, signed_subkey
 from dtnode.peers.membership import PeerRecord
 from dtnode.proto import averaging_pb2 as pb

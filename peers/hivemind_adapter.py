@@ -1,0 +1,105 @@
+"""Everything dtnode takes from hivemind, in one module: its DHT, its record validators, its
+peer ids and keys, its clock, and two pieces of its logging.
+
+dtnode uses hivemind for the DHT only. Every other module imports these names from here (an
+import-linter contract in pyproject.toml holds that), so an upgrade of hivemind is read in
+one file, and `tests/test_hivemind_contract.py` says by name what a new version must keep.
+
+hivemind's package `__init__` imports its whole trainer stack (averaging, MoE, optimizers,
+scipy): over a second of CPU at every start, which a joiner pays while its donors keep the
+cores busy. The package is registered here without running that `__init__`, before the
+imports below, so that `hivemind.dht`, `hivemind.p2p` and `hivemind.utils` load alone; only if
+nothing imported hivemind first (then the whole package is already there and is used as it
+is). A name of the package's own (`hivemind.DHT`, `hivemind.__version__`) still works: its
+first use runs the real `__init__`.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+import types
+
+
+def _register_hivemind_without_its_trainer_stack() -> None:
+    if "hivemind" in sys.modules:
+        return
+    spec = importlib.util.find_spec("hivemind")
+    if spec is None or not spec.submodule_search_locations or spec.loader is None:
+        return  # not installed: the import that needs it reports that
+    loader = spec.loader
+    package = types.ModuleType("hivemind")
+    package.__spec__ = spec
+    package.__path__ = list(spec.submodule_search_locations)
+    package.__file__ = spec.origin
+    package.__package__ = "hivemind"
+
+    def load_the_rest(name: str) -> object:
+        submodule = sys.modules.get(f"hivemind.{name}")
+        if submodule is not None:  # `import hivemind.x.y as z` while hivemind.x is still loading
+            return submodule
+        if name.startswith("__") and name != "__version__":
+            raise AttributeError(name)
+        delattr(package, "__getattr__")  # the real __init__ defines what it defines; no second pass
+        loader.exec_module(package)
+        return getattr(package, name)
+
+    setattr(package, "__getattr__", load_the_rest)  # noqa: B010  (a module attribute mypy would refuse)
+    sys.modules["hivemind"] = package
+
+
+_register_hivemind_without_its_trainer_stack()
+
+
+from cryptography.hazmat.primitives.asymmetric import rsa
+from hivemind.dht import DHT, DHTNode
+from hivemind.dht.crypto import RSASignatureValidator
+from hivemind.dht.validation import CompositeValidator, DHTRecord, RecordValidatorBase
+from hivemind.p2p import P2P, PeerID
+from hivemind.p2p.p2p_daemon_bindings.datastructures import crypto_pb2
+from hivemind.utils import MSGPackSerializer, get_dht_time
+from hivemind.utils.crypto import RSAPrivateKey
+from hivemind.utils.logging import use_hivemind_log_handler
+from hivemind.utils.multiaddr import Multiaddr
+
+__all__ = [
+    "DHT",
+    "P2P",
+    "P2P_DAEMON_LOGGER",
+    "CompositeValidator",
+    "DHTNode",
+    "DHTRecord",
+    "MSGPackSerializer",
+    "Multiaddr",
+    "PeerID",
+    "RSAPrivateKey",
+    "RSASignatureValidator",
+    "RecordValidatorBase",
+    "crypto_pb2",
+    "get_dht_time",
+    "key_of",
+    "log_through_root",
+    "signing_key",
+]
+
+P2P_DAEMON_LOGGER = "hivemind.p2p.p2p_daemon"  # where p2pd's own lines are logged (one line per message)
+
+
+def signing_key(key: rsa.RSAPrivateKey) -> RSAPrivateKey:
+    """hivemind's RSA key around a cryptography key (hivemind signs DHT records with it). Its
+    constructor only generates new keys: the key it wraps is a private attribute, set here."""
+    wrapped = RSAPrivateKey.__new__(RSAPrivateKey)
+    wrapped._private_key = key
+    return wrapped
+
+
+def key_of(key: RSAPrivateKey) -> rsa.RSAPrivateKey:
+    """The cryptography key inside hivemind's (the one that also signs this node's TLS certificate)."""
+    inner = key._private_key
+    assert isinstance(inner, rsa.RSAPrivateKey)
+    return inner
+
+
+def log_through_root() -> None:
+    """hivemind's loggers hand their lines to the root logger's handlers (the node's format)."""
+    use_hivemind_log_handler("nowhere")
