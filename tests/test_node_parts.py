@@ -84,6 +84,22 @@ def test_ahead_of_the_swarm_it_gives_up_its_solo_rounds_for_the_swarms_state():
     assert plan.action == SyncAction.DOWNLOAD and plan.ahead and plan.step == 5
 
 
+def test_a_node_that_is_half_the_swarm_keeps_its_rounds():
+    """In a pair whose other host restarted at an older step, the host that trained on is as
+    much the swarm as it: it keeps its rounds, and the restarted one downloads them. A swarm
+    split evenly between two steps goes to the newer one from both sides."""
+    restarted = {"b": _peer("b", 3)}
+    assert plan_sync(restarted, _local(5)).action == SyncAction.IN_STEP
+    trained_on = {"a": _peer("a", 5)}
+    plan = plan_sync(trained_on, LocalPosition("b", MODEL, 3))
+    assert plan.action == SyncAction.DOWNLOAD and plan.step == 5 and not plan.ahead
+    split = {p.peer_id: p for p in (_peer("a", 9), _peer("b", 5), _peer("c", 5))}
+    assert plan_sync(split, _local(9)).action == SyncAction.IN_STEP  # 9, 9 against 5, 5
+    assert plan_sync(split, LocalPosition("c", MODEL, 5)).step == 9  # a 5 of the same split goes to 9
+    outvoted = {p.peer_id: p for p in (_peer("b", 5), _peer("c", 5))}
+    assert plan_sync(outvoted, _local(9)).ahead  # one against two: its solo rounds are a branch
+
+
 def test_in_the_outer_phase_the_round_is_closed_and_it_waits_for_the_next_rounds_theta():
     # both peers averaged round 5 and are applying its outer step: round 6 is the open one,
     # and its θ_g (step 6) is not served by anyone yet

@@ -31,7 +31,15 @@ from functools import partial
 
 import torch
 
-from dtnode.daemon.catchup.donors import SwarmPosition, fetch_from_swarm, pause, swarm_moves_past, swarm_position
+from dtnode.daemon.catchup.donors import (
+    SwarmPosition,
+    fetch_from_swarm,
+    open_round,
+    pause,
+    swarm_moves_past,
+    swarm_position,
+    swarm_step,
+)
 from dtnode.daemon.catchup.trust_radius import judge_split_vote
 from dtnode.daemon.checkpoints.file_format import LoadedCheckpoint
 from dtnode.daemon.checkpoints.store import CheckpointStore
@@ -100,7 +108,7 @@ def plan_sync(view: Mapping[str, PeerRecord], local: LocalPosition) -> SyncPlan:
     if position is None:
         return SyncPlan(SyncAction.NO_SWARM)
     behind = position.start_step > local.outer_step + local.max_lag
-    ahead = local.outer_step > position.start_step + 1 + local.max_lag
+    ahead = local.outer_step > position.start_step + 1 + local.max_lag and not _holds_the_median(view, local)
     if not behind and not ahead:
         return SyncPlan(SyncAction.IN_STEP, position)
     if not position.ready:  # its peers are still applying the outer step that opens it
@@ -116,6 +124,21 @@ def plan_sync(view: Mapping[str, PeerRecord], local: LocalPosition) -> SyncPlan:
         # restart while the swarm averaged); a round that moved is downloaded at once
         return SyncPlan(SyncAction.RETRY, position, ahead)
     return SyncPlan(SyncAction.DOWNLOAD, position, ahead)
+
+
+def _holds_the_median(view: Mapping[str, PeerRecord], local: LocalPosition) -> bool:
+    """Whether this node, counted with the others, is at the swarm's step: at least half of
+    the live peers, itself included, are as far as it (`swarm_step`'s upper median). Then its
+    rounds are the swarm's, not a branch: in a pair whose other host restarts (its ranks, or
+    the whole node) the host that trained on meanwhile keeps its rounds, and the restarted one
+    downloads them; in a swarm split evenly between two steps both halves go to the newer one
+    (each counting only the others, the two halves would trade places)."""
+    rounds = [
+        open_round(r)
+        for r in view.values()
+        if r.peer_id != local.peer_id and r.model_hash == local.model_hash and r.state in ("training", "averaging")
+    ]
+    return local.outer_step <= swarm_step([*rounds, local.outer_step]) + 1 + local.max_lag
 
 
 def check_same_model(view: Mapping[str, PeerRecord], peer_id: str, model_hash: str) -> None:
