@@ -34,6 +34,7 @@ from dtnode.ops.coded import CodedDelta
 from . import failpoints
 from .allreduce_report import AllReduceReport
 from .auth import SwarmAuth
+from .averaging_result import AveragingResult, HopReport
 from .butterfly import butterfly_allreduce
 from .channel_pool import ChannelPool
 from .deadlines import AdaptiveDeadlines, expected_payload_bytes
@@ -41,7 +42,6 @@ from .expectations import GroupExpectations
 from .grid import Slot, cells, coordinates, first_slot, grid_shape, next_slots
 from .matchmaking import LEADER_GRACE_S, MAX_PASSES, FormedGroup, Matchmaker
 from .membership import PeerRecord
-from .outcome import AveragingResult, HopReport
 from .part_codec import Feedback
 from .part_result import DriftBound
 from .plan import FP32, Compression, GroupPlan, Member, WireFormat, make_plan

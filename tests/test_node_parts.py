@@ -20,7 +20,7 @@ from dtnode.daemon.rounds.loop import left_off_the_swarm
 from dtnode.daemon.rounds.pacer import FixedPacer, SwarmPacer
 from dtnode.daemon.rounds.state import IllegalTransition, NodeState, RecordPhase, RoundPhase, RoundState
 from dtnode.daemon.serve.metrics import NodeMetrics
-from dtnode.daemon.serve.report import Condition, NodeStatus, Outcome, RoundSummary, RunStats
+from dtnode.daemon.serve.report import Condition, NodeStatus, RoundOutcome, RoundSummary, RunStats
 from dtnode.daemon.training.trainer import InnerResult
 from dtnode.daemon.workload.recipe import recipe_of
 from dtnode.peers.averager import AveragingResult, HopReport
@@ -363,7 +363,7 @@ def test_a_hop_whose_mean_lacks_a_member_in_some_part_is_not_clean():
     assert whole.clean and whole.dropped_senders == 0
     assert not dropped.clean and dropped.dropped_senders == 1
     summary = _summary([dropped])
-    assert summary.outcome == Outcome.PARTIAL and summary.reasons == ["dropped_sender"]
+    assert summary.outcome == RoundOutcome.PARTIAL and summary.reasons == ["dropped_sender"]
     assert _hop(1, 1, 0, 0).dropped_senders == 0  # alone: nobody to lack
 
 
@@ -385,7 +385,7 @@ def test_theta_resyncs_are_counted_by_why_they_happened():
 def test_a_round_summary_is_the_one_source_of_status_history_and_metrics():
     summary = _summary([_hop(2, 2, 1000, 900), _hop(2, 3, 500, 400, failed=["b"])])
     assert summary.bytes_sent == 1500 and summary.bytes_received == 1300
-    assert summary.outcome == Outcome.PARTIAL and summary.reasons == ["deadline_exceeded", "incomplete_group"]
+    assert summary.outcome == RoundOutcome.PARTIAL and summary.reasons == ["deadline_exceeded", "incomplete_group"]
     last = summary.last_round()
     assert (last.bytes_sent, last.bytes_received, last.group_size, last.tokens) == (1500, 1300, 2, 2560)
     entry = summary.history_entry(tokens_total=10_000, tokens_per_s=640.0)
@@ -426,7 +426,7 @@ def test_status_carries_the_summary_and_the_condition_the_stats_give():
     alone = _summary([])
     stats.round_ended(alone.outcome)
     assert stats.condition(NodeState.TRAINING)[0] == Condition.ALONE
-    stats.round_ended(Outcome.FAILED)
+    stats.round_ended(RoundOutcome.FAILED)
     assert stats.condition(NodeState.TRAINING)[0] == Condition.FAILING and stats.round_failures == 1
     summary = _summary([_hop(2, 2, 10, 10)])
     condition, detail = stats.condition(NodeState.TRAINING)

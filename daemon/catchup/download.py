@@ -74,7 +74,7 @@ def auth_headers(auth: SwarmAuth | None, path: str) -> dict[str, str]:
     return {HTTP_HEADER: auth.issue("http", path)} if auth is not None else {}
 
 
-class Progress:
+class TransferProgress:
     """A rich progress bar on a terminal, a log line every few seconds otherwise."""
 
     def __init__(self, total: int, label: str, interval: float = 2.0):
@@ -200,7 +200,7 @@ async def _fetch_piece(
     start: int,
     length: int,
     partial: PartialDownload,
-    progress: Progress,
+    progress: TransferProgress,
     timeout: float,
     auth: SwarmAuth | None = None,
 ) -> None:
@@ -248,7 +248,7 @@ async def _fetch_patiently(
     start: int,
     length: int,
     partial: PartialDownload,
-    progress: Progress,
+    progress: TransferProgress,
     timeout: float,
     auth: SwarmAuth | None,
 ) -> None:
@@ -277,7 +277,7 @@ class _Dropped(Exception):
         self.cause = cause
 
 
-async def _write_batch(partial: PartialDownload, offset: int, batch: bytearray, progress: Progress) -> int:
+async def _write_batch(partial: PartialDownload, offset: int, batch: bytearray, progress: TransferProgress) -> int:
     if not batch:
         return 0
     await asyncio.to_thread(partial.write, offset, batch)
@@ -291,7 +291,7 @@ async def _fetch_range(
     start: int,
     length: int,
     partial: PartialDownload,
-    progress: Progress,
+    progress: TransferProgress,
     timeout: float,
     auth: SwarmAuth | None,
 ) -> int:
@@ -352,7 +352,7 @@ async def download_parallel(
             resumed / 1e6,
             first.size / 1e6,
         )
-    progress = Progress(first.size, f"checkpoint {first.step} from {len(offers)} peer(s)")
+    progress = TransferProgress(first.size, f"checkpoint {first.step} from {len(offers)} peer(s)")
     progress.advance(resumed)
     failures: dict[str, str] = {}
     in_flight: set[int] = set()

@@ -35,7 +35,7 @@ from dtnode.daemon.rounds.pacer import EXTRAPOLATE_HEARTBEATS, FixedPacer, Pacer
 from dtnode.daemon.rounds.state import Publisher, RoundState
 from dtnode.daemon.serve.history import RoundHistory
 from dtnode.daemon.serve.metrics import NodeMetrics, observe_device_memory, observe_ranks
-from dtnode.daemon.serve.report import Outcome, RoundSummary, RunStats, WireStats
+from dtnode.daemon.serve.report import RoundOutcome, RoundSummary, RunStats, WireStats
 from dtnode.daemon.training.ranks.host import HostRestartNeeded, LocalRankFailure, RankOutOfMemory
 from dtnode.daemon.training.trainer import InnerResult
 from dtnode.daemon.training.worker import ModelWorker
@@ -186,9 +186,9 @@ class RoundLoop:
         except Exception as e:
             reason = type(e).__name__
             outer = self.worker.outer_step
-            self.stats.round_ended(Outcome.FAILED)
+            self.stats.round_ended(RoundOutcome.FAILED)
             self.metrics.round_failures.labels(reason=reason).inc()
-            self.metrics.rounds.labels(outcome=Outcome.FAILED.value).inc()
+            self.metrics.rounds.labels(outcome=RoundOutcome.FAILED.value).inc()
             backoff, repeated = self.failures.failed(e)
             if repeated:  # its traceback is in the log already
                 log.error(

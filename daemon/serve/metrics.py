@@ -99,6 +99,24 @@ class NodeMetrics:
         Info("dtnode_build", "This node's version, run and model", registry=r).info(
             {"version": version, "run_id": run_id, "model": model, "device": device}
         )
+        self._progress_families(r)
+        self._wire_families(r)
+        self._round_families(r)
+        self._checkpoint_families(r)
+        self._device_families(r)
+        self._membership_families(r)
+        self.swarm_health_gauges(r)
+        for outcome in ROUND_OUTCOMES:
+            self.rounds.labels(outcome=outcome)
+        for reason in COMMON_FAILURES:
+            self.hop_failures.labels(reason=reason)
+        for reason in ("asked", "diverged"):  # present at zero too, for rate()
+            self.theta_resyncs.labels(reason=reason)
+        for phase in PHASES:
+            self.phase_seconds.labels(phase=phase)
+
+    def _progress_families(self, r: CollectorRegistry) -> None:
+        """Where training stands: state, steps, loss, throughput, utilization, group size."""
         self.state = Enum("dtnode_state", "The node's state (as /status.state)", states=list(NODE_STATES), registry=r)
         self.outer_step = Gauge("dtnode_outer_step", "Completed outer steps (θ_g's step)", registry=r)
         self.inner_step = Gauge("dtnode_inner_step", "Inner steps taken by this node", registry=r)
@@ -112,6 +130,9 @@ class NodeMetrics:
             registry=r,
         )
         self.group_size = Gauge("dtnode_group_size", "Size of the last round's first averaging group", registry=r)
+
+    def _wire_families(self, r: CollectorRegistry) -> None:
+        """What this node sends: bytes per parameter, the code's density, what error feedback holds."""
         self.wire_bytes_per_param = Gauge(
             "dtnode_wire_bytes_per_param",
             "Bytes this node sent in the last round per parameter of Δ, by --compression",
@@ -126,6 +147,9 @@ class NodeMetrics:
             "L2 norm of what this node's code has not sent yet (NaN: none kept)",
             registry=r,
         )
+
+    def _round_families(self, r: CollectorRegistry) -> None:
+        """How rounds end and how long they and their phases take; retries and θ_g re-syncs."""
         self.rounds = Counter(
             "dtnode_rounds",
             "Outer rounds ended, by outcome (full: every group whole; "
@@ -188,6 +212,9 @@ class NodeMetrics:
             registry=r,
             buckets=(0.01, 0.05, 0.1, 0.5, 1, 2, 5, 10, 30, 60, 120),
         )
+
+    def _checkpoint_families(self, r: CollectorRegistry) -> None:
+        """Checkpoints written, served and downloaded, and the room left for them."""
         self.checkpoint_write_seconds = Histogram(
             "dtnode_checkpoint_write_seconds",
             "Time to write a checkpoint",
@@ -214,6 +241,9 @@ class NodeMetrics:
         self.state_dir_free = Gauge(
             "dtnode_state_dir_free_bytes", "Free space on the state dir's disk (checkpoints need room)", registry=r
         )
+
+    def _device_families(self, r: CollectorRegistry) -> None:
+        """Memory and throughput of the device and of each local rank."""
         self.device_memory = Gauge(
             "dtnode_device_memory_bytes",
             "Memory of the training device: allocated and reserved by torch on a GPU, resident on a CPU",
@@ -235,6 +265,9 @@ class NodeMetrics:
         self.rank_restarts = Counter(
             "dtnode_local_rank_restarts", "Restarts of this host's local ranks after one of them failed", registry=r
         )
+
+    def _membership_families(self, r: CollectorRegistry) -> None:
+        """Catch-ups, a joiner's dropped steps, and the peers seen."""
         self.catchups = Counter("dtnode_catchups", "Downloads of the swarm's state to join or catch up", registry=r)
         self.dropped_inner_steps = Counter(
             "dtnode_dropped_inner_steps",
@@ -248,15 +281,6 @@ class NodeMetrics:
         self.peers_seen = Gauge(
             "dtnode_peers_seen", "Distinct peers this node has seen since it started, this node included", registry=r
         )
-        self.swarm_health_gauges(r)
-        for outcome in ROUND_OUTCOMES:
-            self.rounds.labels(outcome=outcome)
-        for reason in COMMON_FAILURES:
-            self.hop_failures.labels(reason=reason)
-        for reason in ("asked", "diverged"):  # present at zero too, for rate()
-            self.theta_resyncs.labels(reason=reason)
-        for phase in PHASES:
-            self.phase_seconds.labels(phase=phase)
 
     def swarm_health_gauges(self, r: CollectorRegistry) -> None:
         """What deploy/prometheus/alerts.yml keys on beyond rounds: memory against the host's,

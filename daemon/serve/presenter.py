@@ -23,7 +23,7 @@ from dtnode.daemon.config.settings import NodeSettings
 from dtnode.daemon.rounds.state import RoundState
 from dtnode.daemon.serve.history import RoundHistory
 from dtnode.daemon.serve.metrics import NodeMetrics
-from dtnode.daemon.serve.report import Health, NodeStatus, Outcome, RankStatus, RoundProgress, RunStats
+from dtnode.daemon.serve.report import Health, NodeStatus, RankStatus, RoundOutcome, RoundProgress, RunStats
 from dtnode.daemon.swarm.reachability import DialBack, Reachability
 from dtnode.daemon.training.worker import ModelWorker
 from dtnode.daemon.workload.build import Workload
@@ -204,7 +204,7 @@ class NodePresenter:
         unreachable by a peer's dial-back."""
         state = self.state.state
         recent = list(self.stats.recent)[-READY_ROUNDS:]
-        if not any(o in (Outcome.FULL, Outcome.PARTIAL) for o in recent):
+        if not any(o in (RoundOutcome.FULL, RoundOutcome.PARTIAL) for o in recent):
             why = (
                 "no round finished yet"
                 if not recent

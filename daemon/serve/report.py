@@ -33,7 +33,7 @@ from dtnode.peers.pacing import SwarmProgress
 RECENT_ROUNDS = 5  # the outcomes the condition banner judges by
 
 
-class Outcome(StrEnum):
+class RoundOutcome(StrEnum):
     """How a round ended (the `dtnode_rounds_total` label): full (every group whole, no part
     failed), partial (a group lacked a member or a part failed), alone (no group), failed (raised)."""
 
@@ -147,10 +147,10 @@ class RoundSummary:
         }
 
     @cached_property
-    def outcome(self) -> Outcome:
+    def outcome(self) -> RoundOutcome:
         if self.result is None or self.result.alone:
-            return Outcome.ALONE
-        return Outcome.FULL if self.result.clean else Outcome.PARTIAL
+            return RoundOutcome.ALONE
+        return RoundOutcome.FULL if self.result.clean else RoundOutcome.PARTIAL
 
     @cached_property
     def reasons(self) -> list[str]:
@@ -294,7 +294,7 @@ class RunStats:
         self.tokens_per_s = 0.0  # of the last round
         self.rate_estimate = 0.0  # what the record announces before this round's own rate is known
         self.round_failures = 0
-        self.recent: collections.deque[Outcome] = collections.deque(maxlen=RECENT_ROUNDS)
+        self.recent: collections.deque[RoundOutcome] = collections.deque(maxlen=RECENT_ROUNDS)
         self.last: RoundSummary | None = None  # the last round that ended (its outer step made)
         self.round_progress: SwarmProgress | None = None  # the swarm's progress in this round (swarm pacing)
 
@@ -316,9 +316,9 @@ class RunStats:
                 else self.tokens_per_s
             )
 
-    def round_ended(self, outcome: Outcome) -> None:
+    def round_ended(self, outcome: RoundOutcome) -> None:
         self.recent.append(outcome)
-        if outcome == Outcome.FAILED:
+        if outcome == RoundOutcome.FAILED:
             self.round_failures += 1
         else:
             self.last_round_end_at = time.monotonic()
@@ -342,15 +342,15 @@ class RunStats:
     def condition(self, state: NodeState) -> tuple[Condition, str]:
         """The banner's word and a line saying why."""
         recent = list(self.recent)
-        bad = sum(o in (Outcome.FAILED, Outcome.PARTIAL) for o in recent)
+        bad = sum(o in (RoundOutcome.FAILED, RoundOutcome.PARTIAL) for o in recent)
         if state in (NodeState.JOINING, NodeState.SYNCING):
             return Condition.CATCHING_UP, "downloading the swarm's state"
-        if recent and (recent[-1] == Outcome.FAILED or bad >= 3):
+        if recent and (recent[-1] == RoundOutcome.FAILED or bad >= 3):
             return (
                 Condition.FAILING,
                 f"{bad} of the last {len(recent)} rounds failed or were partial; see the node's log",
             )
-        if recent and recent[-1] == Outcome.ALONE:
+        if recent and recent[-1] == RoundOutcome.ALONE:
             return Condition.ALONE, "no other peer averaged with this node last round"
         if not recent:
             return Condition.STARTING, "no round finished yet"
