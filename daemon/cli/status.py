@@ -90,6 +90,7 @@ def watch_status(url: str, every_s: float, auth: SwarmAuth | None = None) -> int
 
 
 def show_status(url: str, as_json: bool = False, auth: SwarmAuth | None = None, console: Console | None = None) -> int:
+    """Print the node at `url` and the swarm it sees (tables, or --json); 1 when it does not answer."""
     base = url.rstrip("/")
     err = console.print if console is not None else (lambda text: print(text, file=sys.stderr))
     try:
@@ -111,6 +112,21 @@ def show_status(url: str, as_json: bool = False, auth: SwarmAuth | None = None, 
         print(json.dumps({"status": status, "peers": peers}, indent=2))
         return 0
     console = console or Console()
+    console.print(_node_table(status))
+    ranks = status.get("ranks") or []
+    if len(ranks) > 1:  # a host training on several devices: one row per local rank
+        console.print(_ranks_table(ranks))
+    if peers is None:
+        console.print(
+            "swarm: this node's swarm is closed; pass --swarm-key-file (or set DTNODE_SWARM_KEY) to list its peers"
+        )
+        return 0
+    console.print(_swarm_table(peers, status))
+    return 0
+
+
+def _node_table(status: dict[str, Any]) -> Table:
+    """The node itself, a row per fact."""
     node = Table(title=f"node {status['peer_id']}", show_header=False)
     last = status.get("last_round") or {}
     rows = [
@@ -141,32 +157,33 @@ def show_status(url: str, as_json: bool = False, auth: SwarmAuth | None = None, 
     ]
     for key, value in rows:
         node.add_row(key, str(value))
-    console.print(node)
-    ranks = status.get("ranks") or []
-    if len(ranks) > 1:  # a host training on several devices: one row per local rank
-        table = Table(title=f"local ranks: {len(ranks)}")
-        for col in ("rank", "device", "state", "tokens/s", "step", "memory", "GPU peak", "restarts"):
-            table.add_column(col)
-        for r in ranks:
-            table.add_row(
-                str(r["rank"]),
-                r["device"],
-                r["state"],
-                f"{r['tokens_per_s']:.0f}",
-                f"{r['step_seconds']:.3f}s",
-                filesize.decimal(r["memory_bytes"]),
-                filesize.decimal(r["device_memory_bytes"]) if r["device_memory_bytes"] else "-",
-                str(r["restarts"]),
-            )
-        console.print(table)
-    if peers is None:
-        console.print(
-            "swarm: this node's swarm is closed; pass --swarm-key-file (or set DTNODE_SWARM_KEY) to list its peers"
+    return node
+
+
+def _ranks_table(ranks: list[dict[str, Any]]) -> Table:
+    """A multi-rank host's local ranks, one row each."""
+    table = Table(title=f"local ranks: {len(ranks)}")
+    for col in ("rank", "device", "state", "tokens/s", "step", "memory", "GPU peak", "restarts"):
+        table.add_column(col)
+    for r in ranks:
+        table.add_row(
+            str(r["rank"]),
+            r["device"],
+            r["state"],
+            f"{r['tokens_per_s']:.0f}",
+            f"{r['step_seconds']:.3f}s",
+            filesize.decimal(r["memory_bytes"]),
+            filesize.decimal(r["device_memory_bytes"]) if r["device_memory_bytes"] else "-",
+            str(r["restarts"]),
         )
-        return 0
+    return table
+
+
+def _swarm_table(peers: list[dict[str, Any]], status: dict[str, Any]) -> Table:
+    """The peers this node sees: the columns an operator compares across peers, within an
+    80-column terminal (addresses, devices, checkpoints and client modes are in --json and on
+    the dashboard)."""
     swarm = Table(title=f"swarm: {len(peers)} peers", box=box.SIMPLE_HEAD, pad_edge=False, padding=(0, 1, 0, 0))
-    # the columns an operator compares across peers, within an 80-column terminal (addresses,
-    # devices, checkpoints and client modes are in --json and on the dashboard)
     for col in ("peer", "state", "round", "step", "lag", "θ_g", "loss", "condition", "tok/s", "seen"):
         swarm.add_column(col, no_wrap=True)
     for p in peers:
@@ -185,8 +202,7 @@ def show_status(url: str, as_json: bool = False, auth: SwarmAuth | None = None, 
             seen,
         )
     swarm.caption = "θ_g: the start of its hash; * at this node's step with another θ_g"
-    console.print(swarm)
-    return 0
+    return swarm
 
 
 def _theta(peer: dict[str, Any], status: dict[str, Any]) -> str:
