@@ -123,7 +123,7 @@ class LocalState:
 
 
 class SharedBytes(Protocol):
-    """The bytes of a `ckpt-N` file, in order (memory_checkpoint.MemoryCheckpoint)."""
+    """The bytes of a `ckpt-N` file, in order (in_memory.MemoryCheckpoint)."""
 
     def pieces(self) -> Iterator[bytes | memoryview]: ...
 
