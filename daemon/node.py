@@ -97,23 +97,23 @@ class Node:
 
     def __init__(self, settings: NodeSettings):
         self.settings = settings
-        self.device = resolve_device(settings.device)
-        self.state_dir = Path(settings.state_dir)
+        self.device = resolve_device(settings.hardware.device)
+        self.state_dir = Path(settings.checkpoints.state_dir)
         self.started_at = time.time()
         self.stopping = asyncio.Event()
         self.stop_flag = threading.Event()  # seen by the training thread
         self.workload = build_workload(settings, self.state_dir)
-        self.metrics = NodeMetrics(__version__, settings.run_id, settings.model, str(self.device))
+        self.metrics = NodeMetrics(__version__, settings.swarm.run_id, settings.workload.model, str(self.device))
         watch_state_dir(self.metrics, self.state_dir)
         self.history = RoundHistory(self.state_dir / HISTORY_FILE)
-        self.state = RoundState(settings.overlap)
+        self.state = RoundState(settings.diloco.overlap)
         self.stats = RunStats()
         self.worker = ModelWorker(settings, self.workload, self.device)
         self.deadlines = AdaptiveDeadlines(
-            settings.matchmaking_window_min,
-            settings.matchmaking_window,
-            settings.allreduce_timeout_min,
-            settings.allreduce_timeout,
+            settings.averaging.matchmaking_window_min,
+            settings.averaging.matchmaking_window,
+            settings.averaging.allreduce_timeout_min,
+            settings.averaging.allreduce_timeout,
         )
         self.auth: SwarmAuth | None = None
         self.trust: TrustStore | None = None  # the data plane's TLS identities; None with --insecure-data-plane
@@ -144,7 +144,7 @@ class Node:
             stack.push_async_callback(self._stop_rounds)
             stack.callback(self._stop_everything)  # however the run ends, the first thing on the way out
             await self.rounds.join()
-            if self.settings.fused_kernels and self.settings.compression == "int8":
+            if self.settings.wire.fused_kernels and self.settings.wire.compression == "int8":
                 # compiling takes seconds of CPU: in the background (eager kernels meanwhile), after
                 # the sync, so that a joiner's download does not compete with it; it ends with the
                 # first step or the stop flag
@@ -174,9 +174,11 @@ class Node:
         stack.push_async_callback(asyncio.to_thread, self.dht.shutdown)
         self.addr.peer_id = str(self.dht.peer_id)
         self.validator = validator
-        self.addr.dht_addrs = dialable_addrs(self.dht, s.announce_host)
+        self.addr.dht_addrs = dialable_addrs(self.dht, s.network.announce_host)
         await asyncio.to_thread(bootstrap.remember_dht_port, self.addr.dht_addrs)
-        await asyncio.to_thread(remember_workload, self.state_dir, s.model, s.tokenizer)  # for `dtnode export`
+        await asyncio.to_thread(
+            remember_workload, self.state_dir, s.workload.model, s.workload.tokenizer
+        )  # for `dtnode export`
         if key is None:
             log.warning(
                 "no swarm key (--swarm-key-file or DTNODE_SWARM_KEY): this swarm is open, anyone who can "
@@ -184,7 +186,7 @@ class Node:
             )
         else:
             self.auth = SwarmAuth(key, self.addr.peer_id)
-        if s.insecure_data_plane:
+        if s.security.insecure_data_plane:
             log.warning(
                 "--insecure-data-plane: pseudo-gradients travel in plaintext; anyone on the path can read "
                 "or alter them, and a swarm key holder can speak as another peer"
@@ -197,20 +199,20 @@ class Node:
             self.state_dir,
             self.worker,
             self.workload.checkpoint_metadata(s),
-            s.keep_checkpoints,
+            s.checkpoints.keep_checkpoints,
             self.metrics,
             served.in_use,
         )
         stack.callback(self.store.shutdown)
-        await asyncio.to_thread(self.store.resume, s.run_id, self.workload.model_hash)
+        await asyncio.to_thread(self.store.resume, s.swarm.run_id, self.workload.model_hash)
         await asyncio.to_thread(self.history.load)
         host = announce_host(s, self.dht)
         registry = ReductionRegistry()
-        if not s.client_mode:
+        if not s.network.client_mode:
             service = AveragingService(
                 registry,
-                s.run_id,
-                registration_wait=min(REGISTRATION_WAIT_S, s.matchmaking_window),
+                s.swarm.run_id,
+                registration_wait=min(REGISTRATION_WAIT_S, s.averaging.matchmaking_window),
                 auth=self.auth,
                 trust=self.trust,
             )
@@ -218,16 +220,22 @@ class Node:
             credentials = self.trust.server_credentials() if self.trust is not None else None
             try:
                 server, grpc_port = await start_grpc_server(
-                    service, s.host, s.grpc_port, max_message_bytes(s.chunk_elements), credentials=credentials
+                    service,
+                    s.network.host,
+                    s.network.grpc_port,
+                    max_message_bytes(s.wire.chunk_elements),
+                    credentials=credentials,
                 )
             except GrpcPortError as e:  # taken since the check at start
                 raise SettingsError("--grpc-port", str(e)) from None
             stack.push_async_callback(server.stop, GRPC_STOP_GRACE_S)
             self.addr.grpc_addr = f"{host}:{grpc_port}"
-        channels = ChannelPool(max_message_bytes(s.chunk_elements), self.trust)
+        channels = ChannelPool(max_message_bytes(s.wire.chunk_elements), self.trust)
         stack.push_async_callback(channels.close)
         self._build_round_parts(registry, channels, redial)
-        sidecar = Sidecar(self.presenter, served=served, auth=self.auth, separate_status=s.status_port is not None)
+        sidecar = Sidecar(
+            self.presenter, served=served, auth=self.auth, separate_status=s.network.status_port is not None
+        )
         stack.push_async_callback(sidecar.stop)
         http_port, status_url = await _listen(sidecar, s)
         self.addr.http_addr = f"http://{host}:{http_port}"
@@ -241,24 +249,24 @@ class Node:
         stack.push_async_callback(self._stop_remembering, remembering, bootstrap)
         if (warning := announce_warning(s, host)) is not None:
             log.warning("%s", warning)
-        if not s.client_mode:  # a client is dialled by nobody
+        if not s.network.client_mode:  # a client is dialled by nobody
             checking = asyncio.ensure_future(self._check_reachable())
             stack.push_async_callback(_cancel, checking)
         if failpoints.armed() is not None:  # a test's attacker acting beside its rounds (daemon/swarm/hostile.py)
             attacking = asyncio.ensure_future(
                 hostile.run(
                     self.dht,
-                    s.run_id,
-                    s.target_group_size,
+                    s.swarm.run_id,
+                    s.averaging.target_group_size,
                     self.membership.members,
                     self.presenter.record,
                     channels,
-                    s.heartbeat_interval,
+                    s.swarm.heartbeat_interval,
                     self.stopping,
                 )
             )
             stack.push_async_callback(_cancel, attacking)
-        maddr = public_maddrs(self.dht, s.announce_host)[0]
+        maddr = public_maddrs(self.dht, s.network.announce_host)[0]
         self.addr.join_command = join_command(s, self.workload.recipe, maddr, public=True)  # what /status shows
         _say_up(s, self.addr, status_url, join_command(s, self.workload.recipe, maddr))
 
@@ -267,9 +275,9 @@ class Node:
         s = self.settings
         self.membership = Membership(
             self.dht,
-            s.run_id,
-            s.peer_ttl,
-            s.heartbeat_interval,
+            s.swarm.run_id,
+            s.swarm.peer_ttl,
+            s.swarm.heartbeat_interval,
             self.validator,
             self.auth,
             initial_peers=redial,
@@ -277,21 +285,21 @@ class Node:
         )
         matchmaker = Matchmaker(
             self.dht,
-            s.run_id,
-            Member(self.addr.peer_id, self.addr.grpc_addr, s.client_mode, s.bandwidth_mbps),
+            s.swarm.run_id,
+            Member(self.addr.peer_id, self.addr.grpc_addr, s.network.client_mode, s.network.bandwidth_mbps),
             auth=self.auth,
             owner=self.validator.local_public_key,
         )
         config = AveragingConfig(
-            s.run_id,
+            s.swarm.run_id,
             self.workload.model_hash,
-            s.target_group_size,
-            s.grid_dims,
-            s.wire_format(),
-            s.chunk_elements,
-            s.in_flight_chunks,
-            s.robust_trim(),
-            s.feedback_decay,
+            s.averaging.target_group_size,
+            s.averaging.grid_dims,
+            s.wire.wire_format(),
+            s.wire.chunk_elements,
+            s.wire.in_flight_chunks,
+            s.averaging.robust_trim(),
+            s.wire.feedback_decay,
         )
         averager = MoshpitAverager(
             config,
@@ -416,12 +424,12 @@ def _swarm_key(s: NodeSettings) -> bytes | None:
     with --require-swarm-key); a bad key file ends the start with one line."""
     try:
         key = load_swarm_key(
-            str(s.swarm_key_file) if s.swarm_key_file else None,
-            {ENV_KEY: s.swarm_key.get_secret_value()} if s.swarm_key else {},
+            str(s.security.swarm_key_file) if s.security.swarm_key_file else None,
+            {ENV_KEY: s.security.swarm_key.get_secret_value()} if s.security.swarm_key else {},
         )
     except AuthError as e:
         raise SettingsError("--swarm-key-file", str(e)) from None
-    if key is None and s.require_swarm_key:
+    if key is None and s.security.require_swarm_key:
         raise SettingsError(
             "--require-swarm-key",
             "no swarm key was given (--swarm-key-file or DTNODE_SWARM_KEY; in Kubernetes, the "
@@ -434,18 +442,20 @@ async def _listen(sidecar: Sidecar, s: NodeSettings) -> tuple[int, str | None]:
     """Start the sidecar: its port, and the status listener's URL with --status-port (None:
     /status is on the sidecar's port). A port that cannot be had ends the start with one line."""
     try:
-        http_port = await sidecar.start(s.host, s.http_port)
-    except OSError as e:
-        raise SettingsError("--http-port", f"cannot listen on {s.host}:{s.http_port}: {e.strerror or e}") from None
-    if s.status_port is None:
-        return http_port, None
-    try:
-        status_port = await sidecar.start_status(s.status_host, s.status_port)
+        http_port = await sidecar.start(s.network.host, s.network.http_port)
     except OSError as e:
         raise SettingsError(
-            "--status-port", f"cannot listen on {s.status_host}:{s.status_port}: {e.strerror or e}"
+            "--http-port", f"cannot listen on {s.network.host}:{s.network.http_port}: {e.strerror or e}"
         ) from None
-    return http_port, f"http://{s.status_host}:{status_port}"
+    if s.network.status_port is None:
+        return http_port, None
+    try:
+        status_port = await sidecar.start_status(s.network.status_host, s.network.status_port)
+    except OSError as e:
+        raise SettingsError(
+            "--status-port", f"cannot listen on {s.network.status_host}:{s.network.status_port}: {e.strerror or e}"
+        ) from None
+    return http_port, f"http://{s.network.status_host}:{status_port}"
 
 
 def _say_up(s: NodeSettings, addr: Addresses, status_url: str, line: str) -> None:
@@ -453,7 +463,7 @@ def _say_up(s: NodeSettings, addr: Addresses, status_url: str, line: str) -> Non
     host's paths whole (one JSON log line with --log-format json, else two lines on stdout for
     the person who started it)."""
     up = f"dtnode node {addr.peer_id} is up: status {status_url}/status, gRPC {addr.grpc_addr or 'client mode'}"
-    if s.log_format == "json":  # every line a JSON object
+    if s.operations.log_format == "json":  # every line a JSON object
         log.info("%s; to add a peer to this swarm: %s", up, line)
     else:
         print(up, flush=True)
@@ -470,11 +480,11 @@ async def _quietly(work: Awaitable[object], what: str) -> None:
 
 def check_ports(s: NodeSettings) -> None:
     """End at once, naming the option, when a port this node must listen on is taken."""
-    wanted = [("--dht-port", s.dht_port, s.host), ("--http-port", s.http_port, s.host)]
-    if not s.client_mode:
-        wanted.append(("--grpc-port", s.grpc_port, s.host))
-    if s.status_port:
-        wanted.append(("--status-port", s.status_port, s.status_host))
+    wanted = [("--dht-port", s.network.dht_port, s.network.host), ("--http-port", s.network.http_port, s.network.host)]
+    if not s.network.client_mode:
+        wanted.append(("--grpc-port", s.network.grpc_port, s.network.host))
+    if s.network.status_port:
+        wanted.append(("--status-port", s.network.status_port, s.network.status_host))
     seen: dict[int, str] = {}
     for option, port, host in wanted:
         if not port:
@@ -501,7 +511,7 @@ async def run_node(settings: NodeSettings) -> int:
     check_ports(settings)
     settings = await take_recipe_from_peer(settings)
     limit_tensor_threads(plan_ranks(settings).threads)
-    async with claim_state_dir(Path(settings.state_dir)):
+    async with claim_state_dir(Path(settings.checkpoints.state_dir)):
         try:
             node = Node(settings)
         except OSError as e:

@@ -17,11 +17,10 @@ def test_example_config_is_valid_settings_and_leaves_the_recipe_to_the_swarm():
     """Values from a config file count as given: an example that set the run id, the model or H
     never joined another swarm (exit 4, and a unit restarting it every 10 s). It names a peer's
     sidecar and sets none of them, so it joins whatever that peer trains."""
-    values = tomllib.loads((DEPLOY / "node.example.toml").read_text())
-    settings = NodeSettings(**values)
+    settings = NodeSettings(config=DEPLOY / "node.example.toml")
     recipe = set(SwarmRecipe.model_fields) | {"run_id", "model", "tokenizer"}
-    assert not recipe & settings.model_fields_set, recipe & settings.model_fields_set
-    assert settings.peers and all(is_sidecar_address(p) for p in settings.peers)
+    assert not recipe & settings.given(), recipe & settings.given()
+    assert settings.swarm.peers and all(is_sidecar_address(p) for p in settings.swarm.peers)
 
 
 def test_systemd_unit_runs_join_with_config():
@@ -69,7 +68,7 @@ JOIN_OPTIONS = {
     for action in build_parser()._subparsers._group_actions[0].choices["join"]._actions
     for opt in action.option_strings
 }
-ENV_FIELDS = {"DTNODE_" + name.upper() for name in NodeSettings.model_fields}
+ENV_FIELDS = {"DTNODE_" + name.upper() for name in [*NodeSettings.GROUP_OF, "config"]}
 
 
 def _join_flags(argv: list[str]) -> list[str]:
@@ -356,8 +355,10 @@ def test_the_systemd_unit_s_exec_start_and_environment_parse_as_dtnode_settings(
     argv = shlex.split(service["ExecStart"])
     assert argv[0] == "/opt/dtnode/.venv/bin/dtnode"
     settings = load_settings(_node_values(build_parser().parse_args(argv[1:])))
-    assert settings.log_format == "json" and str(settings.state_dir) == "/var/lib/dtnode"
-    assert settings.peers == ["http://node1.example.org:7702"] and settings.batch_size == 32  # from the config file
+    assert settings.operations.log_format == "json" and str(settings.checkpoints.state_dir) == "/var/lib/dtnode"
+    assert (
+        settings.swarm.peers == ["http://node1.example.org:7702"] and settings.hardware.batch_size == 32
+    )  # from the config file
 
 
 def test_the_systemd_guide_installs_from_a_clone_with_install_d():

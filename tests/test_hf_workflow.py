@@ -449,7 +449,7 @@ def test_a_hub_id_is_read_through_the_hugging_face_cache(workspace, tmp_path, mo
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     assert is_hub_id("test-org/tiny-llama") and is_hub_id("gpt2") and is_hub_id("org/name@v1.0")
     assert not is_hub_id(str(workspace["model"])) and not is_hub_id("../up") and not is_hub_id("/abs/path")
-    assert load_settings({"model": "hf:test-org/tiny-llama"}).model == "hf:test-org/tiny-llama"
+    assert load_settings({"model": "hf:test-org/tiny-llama"}).workload.model == "hf:test-org/tiny-llama"
     _, from_hub = build_model("hf:test-org/tiny-llama", seed=5)
     _, from_dir = build_model(f"hf:{workspace['model']}", seed=5)
     assert config_hash(from_hub) == config_hash(from_dir)

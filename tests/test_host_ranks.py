@@ -122,7 +122,7 @@ def test_gpu_selection_is_checked_against_the_host():
     for spec, message in (("5", "no GPU 5"), ("1,1", "twice"), ("0,7", "no GPU 7")):
         with pytest.raises(SettingsError, match=message):
             selected_gpus(spec, 4)
-    assert NodeSettings(gpus="0").gpus == "0" and NodeSettings(gpus=" ALL ").gpus == "all"
+    assert NodeSettings(gpus="0").hardware.gpus == "0" and NodeSettings(gpus=" ALL ").hardware.gpus == "all"
     with pytest.raises(ValueError, match="write all, or GPU indices"):
         NodeSettings(gpus="zero")
 

@@ -517,7 +517,7 @@ def test_the_join_line_status_shows_names_the_files_each_host_brings_not_where_t
     from dtnode.daemon.swarm.bootstrap import join_command
 
     paths = {"data": Path("/home/alice/private/corpus.txt"), "tokenizer": Path("/home/alice/tok")}
-    s = NodeSettings().model_copy(update={**paths, "model": "hf:/srv/models/m1"})  # paths of another host
+    s = NodeSettings().replaced(**paths, model="hf:/srv/models/m1")  # paths of another host
     recipe = recipe_of(s, 64, "100 tokens, sha256 0123456789abcdef")
     public, local = (join_command(s, recipe, "/ip4/1.2.3.4/tcp/1/p2p/Qm", public=p) for p in (True, False))
     assert "/home/alice" not in public and "/srv/" not in public
@@ -529,7 +529,7 @@ def test_the_join_line_names_a_hub_model_as_it_is():
     """`--model hf:ORG/NAME` is a Hub id every host resolves through its own cache, not a path."""
     from dtnode.daemon.swarm.bootstrap import join_command
 
-    s = NodeSettings().model_copy(update={"model": "hf:test-org/tiny-llama"})
+    s = NodeSettings().replaced(model="hf:test-org/tiny-llama")
     recipe = recipe_of(s, 64, "synthetic (seed 0)")
     for public in (True, False):
         assert "--model hf:test-org/tiny-llama" in join_command(s, recipe, "/ip4/1.2.3.4/tcp/1/p2p/Qm", public=public)
@@ -538,6 +538,6 @@ def test_the_join_line_names_a_hub_model_as_it_is():
 def test_the_join_line_carries_the_runs_end():
     from dtnode.daemon.swarm.bootstrap import join_command
 
-    s = NodeSettings().model_copy(update={"max_rounds": 40})
+    s = NodeSettings().replaced(max_rounds=40)
     line = join_command(s, recipe_of(s, 64, "synthetic (seed 0)"), "/ip4/1.2.3.4/tcp/1/p2p/Qm")
     assert line.endswith("--max-rounds 40")

@@ -23,7 +23,7 @@ def _tiny():
 def test_auto_is_fp32_on_a_cpu_and_a_choice_is_kept():
     assert Precision.AUTO.resolve(CPU) == Precision.FP32
     assert Precision.FP16.resolve(CPU) == Precision.FP16 and Precision.BF16.autocast_dtype == torch.bfloat16
-    assert NodeSettings(precision="fp16").precision == "fp16"
+    assert NodeSettings(precision="fp16").hardware.precision == "fp16"
     with pytest.raises(ValueError, match="'auto', 'bf16', 'fp16' or 'fp32'"):
         NodeSettings(precision="fp8")
 

@@ -67,7 +67,7 @@ def _keep(node: NodeProcess) -> None:
 
 def _recipe(**changes) -> SwarmRecipe:
     s = NodeSettings()
-    return SwarmRecipe(data="synthetic (seed 0)", seq_len=64, **{k: getattr(s, k) for k in ("inner_steps", "pacing", "inner_lr", "lr_schedule", "warmup_steps", "min_lr_ratio", "outer_lr", "outer_momentum", "compression", "quant_block_size")}).model_copy(update=changes)  # fmt: skip
+    return SwarmRecipe(data="synthetic (seed 0)", seq_len=64, **{k: s.value(k) for k in ("inner_steps", "pacing", "inner_lr", "lr_schedule", "warmup_steps", "min_lr_ratio", "outer_lr", "outer_momentum", "compression", "quant_block_size")}).model_copy(update=changes)  # fmt: skip
 
 
 def test_differences_name_the_field_both_values_and_the_flag():

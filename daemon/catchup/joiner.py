@@ -238,8 +238,8 @@ class Joiner:
         (behind by more than --max-lag, or at all when `joining`: a node that just started).
         True when a download put it in step. A node that was training keeps its inner AdamW
         state and data position through the download (no warmup restart)."""
-        lag = 0 if joining else self.settings.max_lag
-        deadline = time.monotonic() + self.settings.join_timeout
+        lag = 0 if joining else self.settings.swarm.max_lag
+        deadline = time.monotonic() + self.settings.swarm.join_timeout
         synced, downloads, waiting, failed_step = False, 0, False, -1
         while not self.stopping.is_set():
             view = await self.membership.members()
@@ -288,7 +288,7 @@ class Joiner:
                         "the swarm's round %d did not open within %.0fs (--join-timeout); training from "
                         "outer step %d meanwhile",
                         position.round,
-                        self.settings.join_timeout,
+                        self.settings.swarm.join_timeout,
                         own,
                     )
                 else:
@@ -300,7 +300,7 @@ class Joiner:
                     )
                 return synced
             if plan.action == SyncAction.RETRY:
-                await self._pause(self.settings.heartbeat_interval)
+                await self._pause(self.settings.swarm.heartbeat_interval)
                 failed_step = -1
                 continue
             downloads += 1
@@ -344,15 +344,15 @@ class Joiner:
             self.peer_id,
             steps,
             self.model_hash,
-            s.run_id,
+            s.swarm.run_id,
             self.store.layout,
             self.store.state_dir,
-            s.join_timeout,
+            s.swarm.join_timeout,
             self.auth,
             keep=True,
             majority=majority,
             refresh=self.membership.members,
-            bind_wait=BIND_HEARTBEATS * s.heartbeat_interval,
+            bind_wait=BIND_HEARTBEATS * s.swarm.heartbeat_interval,
             judge=partial(judge_split_vote, self.worker)
             if majority or rollback
             else None,  # see catchup/trust_radius.py
@@ -364,7 +364,7 @@ class Joiner:
         `majority`: see `_fetch`."""
         s = self.settings
         if self.landing.in_flight:  # the download replaces the θ_g that average was for
-            await self.landing.settle(s.averaging_bound_s)
+            await self.landing.settle(s.averaging.bound_s)
             self.landing.forget()
         with self.syncing():
             loaded = await self._fetch(view, range(step, step + 2), majority, rollback=step < own)
@@ -415,7 +415,7 @@ class Joiner:
         (with `alone`: this node's average found no group while the swarm has peers). At most
         MAX_REENTRIES rounds in a row are given up so: a node that can never reach a group
         (unreachable, always late) trains on rather than downloading every round."""
-        if self.settings.overlap or round_no != self.entered_round or self.reentries >= MAX_REENTRIES:
+        if self.settings.diloco.overlap or round_no != self.entered_round or self.reentries >= MAX_REENTRIES:
             return False
         position = swarm_position(view.values(), self.peer_id, self.model_hash)
         return position is not None and (alone or position.round > round_no)
@@ -435,7 +435,7 @@ class Joiner:
             self.peer_id,
             self.model_hash,
             round_no,
-            BIND_HEARTBEATS * self.settings.heartbeat_interval,
+            BIND_HEARTBEATS * self.settings.swarm.heartbeat_interval,
             OPEN_POLL_S,
             self.stopping,
         ):
@@ -459,7 +459,7 @@ class Joiner:
         outer step, done by the swarm), and sends this round's Δ out with theirs. None when no peer could serve it in time (the round then
         goes on as after a failed average, and the next groups re-sync θ_g)."""
         s = self.settings
-        deadline = time.monotonic() + s.averaging_bound_s
+        deadline = time.monotonic() + s.averaging.bound_s
         while not self.stopping.is_set() and time.monotonic() < deadline:
             view = await self.membership.members()
             if any(

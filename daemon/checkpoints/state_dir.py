@@ -87,10 +87,10 @@ def startup_error(e: OSError, settings: NodeSettings) -> SettingsError:
     """An OSError while the node starts: the data's when it names a data file, else the state dir's."""
     name = str(e.filename or "")
     for option, value in (
-        ("--data", settings.data),
-        ("--eval-data", settings.eval_data),
-        ("--tokenizer", settings.tokenizer),
+        ("--data", settings.workload.data),
+        ("--eval-data", settings.evaluation.eval_data),
+        ("--tokenizer", settings.workload.tokenizer),
     ):
         if value is not None and name.startswith(str(value)):
             return SettingsError(option, f"cannot read {name}: {e.strerror or e}")
-    return state_dir_error(e, Path(settings.state_dir))
+    return state_dir_error(e, Path(settings.checkpoints.state_dir))

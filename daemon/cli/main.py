@@ -18,8 +18,15 @@ from pathlib import Path
 from typing import Any, Literal, get_args, get_origin
 
 from dtnode import __version__
-from dtnode.daemon.config.option_groups import OPTION_GROUPS
-from dtnode.daemon.config.settings import ENV_PREFIX, NodeSettings, SettingsError, flag, load_settings
+from dtnode.daemon.config.settings import (
+    ENV_PREFIX,
+    NodeSettings,
+    SettingsError,
+    flag,
+    load_settings,
+    option_groups,
+)
+from dtnode.daemon.config.sources import TOP_LEVEL
 
 EXIT_USAGE = 2
 EXIT_JOIN = 3  # the DHT or the --peer addresses could not be reached (a restart may help)
@@ -47,19 +54,21 @@ def _is_bool(annotation: Any) -> bool:
 def add_node_options(
     parser: argparse.ArgumentParser, skip: Collection[str] = frozenset(), show_all: bool = False
 ) -> None:
-    """The settings as flags, in the groups of config/option_groups.py; the advanced group's flags
-    are parsed always and listed only with --help-all."""
-    for group_spec in OPTION_GROUPS:
-        shown = show_all or not group_spec.advanced
-        title = group_spec.title + ("" if shown else " (listed by --help-all)")
-        group = parser.add_argument_group(title, group_spec.description if shown else None)
-        for name in group_spec.fields:
-            if name not in skip and name not in ENV_ONLY:
-                _add_option(group, name, shown)
+    """The settings as flags, one help section per group of NodeSettings, in its order; a group's
+    advanced flags are parsed always and listed only with --help-all (`--config` ends the
+    operations section, which is where a supervisor looks for it)."""
+    for attribute, group_model in option_groups():
+        names = [name for name in group_model.model_fields if name not in skip and name not in ENV_ONLY]
+        names += sorted(TOP_LEVEL - set(skip)) if attribute == "operations" else []
+        if not names:
+            continue
+        group = parser.add_argument_group(group_model.TITLE, group_model.HELP)
+        for name in names:
+            _add_option(group, name, show_all or name not in group_model.ADVANCED)
 
 
 def _add_option(group: argparse._ArgumentGroup, name: str, shown: bool) -> None:
-    field = NodeSettings.model_fields[name]
+    field = NodeSettings.option(name)
     default = field.get_default(call_default_factory=True)
     default_text = "none" if default in (None, []) else default
     help_text = (
@@ -193,7 +202,7 @@ def build_parser(show_all: bool = False) -> argparse.ArgumentParser:
 
 
 def _node_values(args: argparse.Namespace) -> dict[str, Any]:
-    return {k: v for k, v in vars(args).items() if k in NodeSettings.model_fields}
+    return {k: v for k, v in vars(args).items() if k in NodeSettings.GROUP_OF or k in TOP_LEVEL}
 
 
 class JsonLogFormatter(logging.Formatter):
@@ -242,11 +251,11 @@ def require_a_swarm(settings: NodeSettings) -> None:
     """A node with no --peer either rejoins the peers its state dir knows (a restart) or, given
     --new-swarm, starts a swarm. Anything else is a typo or a missing option: training alone in
     a swarm of one, silently, is the wrong answer to it (Petals asks for --new_swarm too)."""
-    if settings.peers or settings.new_swarm:
+    if settings.swarm.peers or settings.swarm.new_swarm:
         return
     from dtnode.peers.known_peers import FILE_NAME, KnownPeers
 
-    if KnownPeers(settings.state_dir / FILE_NAME).load().peers:
+    if KnownPeers(settings.checkpoints.state_dir / FILE_NAME).load().peers:
         return
     raise SettingsError(
         "--peer",
@@ -258,7 +267,7 @@ def require_a_swarm(settings: NodeSettings) -> None:
 def cmd_join(args: argparse.Namespace) -> int:
     settings = load_settings(_node_values(args))
     require_a_swarm(settings)
-    configure_logging(settings.log_level, settings.log_format)
+    configure_logging(settings.operations.log_level, settings.operations.log_format)
     import uvloop
 
     from dtnode.daemon.node import run_node
@@ -289,8 +298,8 @@ def cmd_local(args: argparse.Namespace) -> int:
         raise SettingsError("--nodes", "must be between 1 and 64")
     from dtnode.daemon.cli.local_swarm import run_local, threads_per_rank
 
-    if settings.threads_per_rank is None:  # not given on the command line, in DTNODE_* or the TOML file
-        ranks = settings.nproc_per_node or 1
+    if settings.hardware.threads_per_rank is None:  # not given on the command line, in DTNODE_* or the TOML file
+        ranks = settings.hardware.nproc_per_node or 1
         values["threads_per_rank"] = threads_per_rank(args.nodes, ranks, os.cpu_count() or 1)
     if args.http_port and not 1024 <= args.http_port <= 65535 - args.nodes:
         raise SettingsError("--http-port", f"must be 0 or 1024..{65535 - args.nodes}")
@@ -357,7 +366,7 @@ def _word_before(word: str, words: list[str]) -> str | None:
     return words[words.index(word) - 1] if word in words and words.index(word) > 0 else None
 
 
-BOOL_FIELDS = {name for name, field in NodeSettings.model_fields.items() if _is_bool(field.annotation)}
+BOOL_FIELDS = {name for name in NodeSettings.GROUP_OF if _is_bool(NodeSettings.option(name).annotation)}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -103,19 +103,19 @@ class RoundLoop:
         self.model_hash = worker.workload.model_hash
         self.tokens_total = history.tokens_total  # over the whole record, across restarts
         self.pacer: Pacer = (
-            FixedPacer(settings.inner_steps)
-            if settings.pacing == "fixed"
+            FixedPacer(settings.diloco.inner_steps)
+            if settings.diloco.pacing == "fixed"
             else SwarmPacer(
                 membership.members,
                 publisher.record,
-                settings.inner_steps,
-                settings.round_tokens,
+                settings.diloco.inner_steps,
+                settings.diloco.round_tokens,
                 joiner.closed_under_us,
                 on_progress=stats.show_progress,
-                max_extrapolation=EXTRAPOLATE_HEARTBEATS * settings.heartbeat_interval,
+                max_extrapolation=EXTRAPOLATE_HEARTBEATS * settings.swarm.heartbeat_interval,
             )
         )
-        self.strategy: RoundStrategy = OverlappedRound(self) if settings.overlap else PlainRound(self)
+        self.strategy: RoundStrategy = OverlappedRound(self) if settings.diloco.overlap else PlainRound(self)
 
     async def pause(self, seconds: float) -> None:
         """Sleep, or less if the node is stopping."""
@@ -131,16 +131,21 @@ class RoundLoop:
     async def run(self) -> None:
         s = self.settings
         await self.publisher.publish()
-        if s.min_peers > 1:
-            log.info("waiting for %d peers (up to %.0fs)", s.min_peers, s.join_timeout)
-            waiting = asyncio.ensure_future(self.membership.wait_for(s.min_peers, s.join_timeout))
+        if s.swarm.min_peers > 1:
+            log.info("waiting for %d peers (up to %.0fs)", s.swarm.min_peers, s.swarm.join_timeout)
+            waiting = asyncio.ensure_future(self.membership.wait_for(s.swarm.min_peers, s.swarm.join_timeout))
             stopper = asyncio.ensure_future(self.stopping.wait())
             await asyncio.wait({waiting, stopper}, return_when=asyncio.FIRST_COMPLETED)
             stopper.cancel()
             if not waiting.done():
                 waiting.cancel()
-            elif len(view := waiting.result()) < s.min_peers:
-                log.warning("only %d of %d peers after %.0fs; training anyway", len(view), s.min_peers, s.join_timeout)
+            elif len(view := waiting.result()) < s.swarm.min_peers:
+                log.warning(
+                    "only %d of %d peers after %.0fs; training anyway",
+                    len(view),
+                    s.swarm.min_peers,
+                    s.swarm.join_timeout,
+                )
         while not self.stopping.is_set() and not self.finished:
             await self.guarded_round()
 
@@ -149,12 +154,12 @@ class RoundLoop:
         never trained (with --overlap the last average in flight still lands: step N); and a node
         behind a swarm that already stopped at N (the stopped peers' records say so) stops where
         it is rather than training the missing rounds alone, which no peer would average."""
-        own = self.settings.max_own_rounds
+        own = self.settings.diloco.max_own_rounds
         if own is not None and self.rounds_done >= own:
             log.info("finished %d rounds (--max-own-rounds)", self.rounds_done)
             self.finished = True
             return True
-        last = self.settings.max_rounds
+        last = self.settings.diloco.max_rounds
         if last is None:
             return False
         if round_no >= last:
@@ -237,7 +242,7 @@ class RoundLoop:
     def wants_resync(self, round_no: int) -> bool:
         """Whether this round's groups also average θ_g: after a failure or a download, and on
         schedule (--consensus-every)."""
-        every = self.settings.consensus_every
+        every = self.settings.averaging.consensus_every
         scheduled = bool(every) and round_no % every == every - 1
         return self.joiner.take_resync_wish() or self.needs_resync or scheduled
 
@@ -283,8 +288,8 @@ class RoundLoop:
         """Inner steps until the pacer ends the round (or --round-seconds runs out)."""
         s = self.settings
         self.stats.round_started()
-        deadline = time.monotonic() + s.round_seconds if s.round_seconds else None
-        after_step = partial(self.landing.land_on_arrival, asyncio.get_running_loop()) if s.overlap else None
+        deadline = time.monotonic() + s.diloco.round_seconds if s.diloco.round_seconds else None
+        after_step = partial(self.landing.land_on_arrival, asyncio.get_running_loop()) if s.diloco.overlap else None
         self.pacer.start_round()
         following = asyncio.ensure_future(self.pacer.follow(round_no))
         try:
@@ -294,8 +299,8 @@ class RoundLoop:
                 self.stop_flag,
                 deadline,
                 self.pacer.keep_going,
-                round_no * s.inner_steps,
-                s.inner_steps,
+                round_no * s.diloco.inner_steps,
+                s.diloco.inner_steps,
                 after_step,
             )
             if not self.stopping.is_set() and (deadline is None or time.monotonic() < deadline):
@@ -347,9 +352,9 @@ class RoundLoop:
 
     def _wire_stats(self) -> WireStats:
         s, worker = self.settings, self.worker
-        wire = s.wire_format()
-        density = min(wire.top_k, wire.block_size) / wire.block_size if s.compression == "sparse" else 1.0
-        return WireStats(s.compression, worker.replica.numel, density, worker.feedback_norm)
+        wire = s.wire.wire_format()
+        density = min(wire.top_k, wire.block_size) / wire.block_size if s.wire.compression == "sparse" else 1.0
+        return WireStats(s.wire.compression, worker.replica.numel, density, worker.feedback_norm)
 
     def finish(
         self,
@@ -369,7 +374,7 @@ class RoundLoop:
             duration,
             self.landing.take_waited(),
             trainer.eval_seconds,
-            self.settings.overlap,
+            self.settings.diloco.overlap,
             self.worker.eval_loss,
             self.worker.eval_step,
             trainer.lr,
@@ -487,7 +492,7 @@ class PlainRound:
         if worker.eval_due():
             await worker.call(worker.evaluate_local)
         lp.rounds_done += 1
-        if worker.outer_step % lp.settings.checkpoint_every == 0:
+        if worker.outer_step % lp.settings.checkpoints.checkpoint_every == 0:
             await lp.store.schedule()
         state.enter_round(worker.outer_step, worker.outer_step)
         lp.finish(round_no, inner, result, time.monotonic() - started)
@@ -554,7 +559,7 @@ class OverlappedRound:
         if previous is not None:  # the new θ_g's eval, once its hash and the next average are under way
             await worker.call(worker.evaluate_theta_g)
         lp.rounds_done += 1
-        if previous is not None and worker.outer_step % lp.settings.checkpoint_every == 0:
+        if previous is not None and worker.outer_step % lp.settings.checkpoints.checkpoint_every == 0:
             await lp.store.schedule()
         state.train(round_no + 1)  # peers count this node in the next round at once
         state.enter_round(round_no + 1, worker.outer_step)
@@ -567,13 +572,13 @@ class OverlappedRound:
         lp, landing, worker = self.loop, self.loop.landing, self.loop.worker
         if not landing.in_flight:
             return
-        result = await landing.settle(2 * lp.settings.averaging_bound_s)
+        result = await landing.settle(2 * lp.settings.averaging.bound_s)
 
         def settle() -> None:
             if not landing.landed:
                 landing.land(result)
             if result is not None:
-                worker.evaluate_theta_g(force=bool(lp.settings.eval_every))
+                worker.evaluate_theta_g(force=bool(lp.settings.evaluation.eval_every))
 
         await worker.call(settle)
         if result is not None:

@@ -99,16 +99,16 @@ class NodePresenter:
             served=tuple(f"{step}:{sha}" for step, sha in self.store.recently_served()),
             tokens_per_s=self.stats.live_rate(trainer.round_tokens, trainer.tokens_per_step, trainer.round_seconds),
             round_tokens=int(failpoints.HOSTILE_TOKENS) if lying else trainer.round_tokens,
-            training_round=st.training_round if s.overlap else -1,
+            training_round=st.training_round if s.diloco.overlap else -1,
             round=st.round if st.in_round else -1,
             phase=st.published_phase().value,
             round_checkpoint=st.start_step if st.in_round else -1,
             dht_addrs=self.addr.dht_addrs,
             tokens_per_step=1 << 40 if lying else trainer.tokens_per_step,
             progress_at=self._counted_at(trainer.running, trainer.progress_at),
-            bandwidth_mbps=s.bandwidth_mbps,
+            bandwidth_mbps=s.network.bandwidth_mbps,
             device=self._devices(),
-            client_mode=s.client_mode,
+            client_mode=s.network.client_mode,
             model_hash=self.workload.model_hash,
             version=__version__,
             recipe=self.workload.recipe.to_record(),
@@ -137,7 +137,7 @@ class NodePresenter:
         condition, detail = self.stats.condition(self.state.state)
         return NodeStatus(
             peer_id=self.addr.peer_id,
-            run_id=s.run_id,
+            run_id=s.swarm.run_id,
             state=self.state.state,
             phase=self.state.phase.value,
             outer_step=w.outer_step,
@@ -156,12 +156,12 @@ class NodePresenter:
             join_command=self.addr.join_command,
             dht_addrs=list(self.addr.dht_addrs),
             tls_fingerprint=self.trust.own.fingerprint if self.trust else None,
-            model=s.model,
+            model=s.workload.model,
             model_hash=self.workload.model_hash,
             recipe=self.workload.recipe,
-            max_rounds=s.max_rounds,
+            max_rounds=s.diloco.max_rounds,
             device=self._devices(),
-            client_mode=s.client_mode,
+            client_mode=s.network.client_mode,
             reachability=self.reachability,
             version=__version__,
             last_round=summary.last_round() if summary else None,
@@ -169,7 +169,7 @@ class NodePresenter:
                 self._expected_bytes(summary.hops[0].group_size if summary and summary.hops else 2)
             ),
             fused_kernels=fused_kernels_active(),
-            pacing=s.pacing,
+            pacing=s.diloco.pacing,
             round_failures=self.stats.round_failures,
             condition=condition,
             condition_detail=detail,
@@ -190,11 +190,11 @@ class NodePresenter:
         trainer = self.worker.trainer if self.worker.built else None
         if trainer is not None and trainer.running:
             idle = time.monotonic() - trainer.progress_at
-            if idle > self.settings.health_stall_s:
+            if idle > self.settings.operations.health_stall_s:
                 return Health(
                     ok=False,
                     state=self.state.state,
-                    detail=f"no inner step for {idle:.0f}s (--health-stall-s {self.settings.health_stall_s:g})",
+                    detail=f"no inner step for {idle:.0f}s (--health-stall-s {self.settings.operations.health_stall_s:g})",
                 )
         return Health(ok=True, state=self.state.state)
 
@@ -222,7 +222,7 @@ class NodePresenter:
         if not self.worker.built:
             return 0
         s = self.settings
-        return expected_payload_bytes(self.worker.replica.numel, max(group_size, 2), s.wire_format())
+        return expected_payload_bytes(self.worker.replica.numel, max(group_size, 2), s.wire.wire_format())
 
     async def peer_records(self) -> list[dict[str, Any]]:
         """The swarm's records, with what a reader wants from them: seconds since each was

@@ -70,17 +70,17 @@ class DhtBootstrap:
                 next(a for a in given if a not in named),
             )
         known = [a for a in self.known_peers.addresses(exclude=own) if a not in named]
-        port = s.dht_port or await asyncio.to_thread(self._previous_dht_port)
+        port = s.network.dht_port or await asyncio.to_thread(self._previous_dht_port)
         start = partial(
             start_dht,
-            host=s.host,
+            host=s.network.host,
             port=port,
-            announce_host=s.announce_host,
-            timeout=s.join_timeout,
+            announce_host=s.network.announce_host,
+            timeout=s.swarm.join_timeout,
             identity_path=str(identity),
             validator=validator,
             fresh_identity=fresh_identity,
-            client_mode=s.client_mode,
+            client_mode=s.network.client_mode,
         )
         try:
             # the peers it knew may all be gone: only --peer is dialled until --join-timeout
@@ -101,22 +101,22 @@ class DhtBootstrap:
         """--peer with each sidecar address (http://HOST:PORT) replaced by that node's multiaddrs.
         A node that knew peers before goes on without a sidecar that does not answer."""
         s = self.settings
-        if not any(is_sidecar_address(p) for p in s.peers):
-            return list(s.peers)
+        if not any(is_sidecar_address(p) for p in s.swarm.peers):
+            return list(s.swarm.peers)
         knows_peers = bool(self.known_peers.addresses(exclude=own))
         try:
             resolved = await resolve_peers(
-                s.peers, min(s.join_timeout, PROBE_TIMEOUT_S) if knows_peers else s.join_timeout
+                s.swarm.peers, min(s.swarm.join_timeout, PROBE_TIMEOUT_S) if knows_peers else s.swarm.join_timeout
             )
         except SidecarAddressError as e:
             if not knows_peers:
                 raise JoinError(f"could not join through --peer: {e}") from None
             log.warning("%s; joining through the peers this node knew", e)
-            return [p for p in s.peers if not is_sidecar_address(p)]
+            return [p for p in s.swarm.peers if not is_sidecar_address(p)]
         log.info(
             "--peer %s: %s",
-            ", ".join(p for p in s.peers if is_sidecar_address(p)),
-            ", ".join(a for a in resolved if a not in s.peers),
+            ", ".join(p for p in s.swarm.peers if is_sidecar_address(p)),
+            ", ".join(a for a in resolved if a not in s.swarm.peers),
         )
         return resolved
 
@@ -128,7 +128,7 @@ class DhtBootstrap:
             for peer, (addrs, _) in sorted(self.known_peers.peers.items(), key=lambda i: -i[1][1])
             if peer != own
         ]
-        return [a for a in firsts if a not in self.settings.peers][:REDIAL_KNOWN_PEERS]
+        return [a for a in firsts if a not in self.settings.swarm.peers][:REDIAL_KNOWN_PEERS]
 
     def _previous_dht_port(self) -> int:
         """The DHT port of this state dir's last run, if it is free: a restarted node keeps the
@@ -139,10 +139,10 @@ class DhtBootstrap:
             return 0
         if not 0 < port < 65536:
             return 0
-        with socket.socket(socket.AF_INET6 if ":" in self.settings.host else socket.AF_INET) as probe:
+        with socket.socket(socket.AF_INET6 if ":" in self.settings.network.host else socket.AF_INET) as probe:
             probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             try:
-                probe.bind((self.settings.host, port))
+                probe.bind((self.settings.network.host, port))
             except OSError:
                 return 0
         return port
@@ -163,10 +163,10 @@ def dialable_addrs(dht: DHT, announce_host: str | None) -> tuple[str, ...]:
 def announce_host(settings: NodeSettings, dht: DHT) -> str:
     """The host peers dial this node's gRPC and HTTP at: --announce-host, the listening host,
     or the first non-loopback IPv4 address the DHT listens on."""
-    if settings.announce_host:
-        return settings.announce_host
-    if settings.host not in ("0.0.0.0", "::", ""):
-        return settings.host
+    if settings.network.announce_host:
+        return settings.network.announce_host
+    if settings.network.host not in ("0.0.0.0", "::", ""):
+        return settings.network.host
     for addr in public_maddrs(dht, None):
         parts = addr.split("/")
         if len(parts) > 2 and parts[1] == "ip4" and not parts[2].startswith("127.") and parts[2] != "0.0.0.0":
@@ -195,14 +195,21 @@ def join_command(settings: NodeSettings, recipe: SwarmRecipe, maddr: str, public
         return Path(path).name if public else path
 
     words = ["dtnode", "join", "--peer", maddr]
-    words += ["--run-id", s.run_id] if s.run_id != NodeSettings.model_fields["run_id"].default else []
-    if s.model != NodeSettings.model_fields["model"].default:
-        hf_directory = s.model.startswith("hf:") and not is_hub_id(s.model[3:])
-        words += ["--model", f"hf:{local(s.model[3:])}" if hf_directory else s.model]  # a Hub id as it is
-    words += ["--tokenizer", local(str(s.tokenizer))] if s.tokenizer is not None else []  # every peer needs the same
-    words += ["--text-field", s.text_field] if s.data is not None and "text_field" in s.model_fields_set else []
-    words += recipe_flags(recipe, Path(local(str(s.data))) if s.data is not None else None)
-    words += ["--max-rounds", str(s.max_rounds)] if s.max_rounds is not None else []  # the run's end
+    words += ["--run-id", s.swarm.run_id] if s.swarm.run_id != NodeSettings.default("run_id") else []
+    if s.workload.model != NodeSettings.default("model"):
+        hf_directory = s.workload.model.startswith("hf:") and not is_hub_id(s.workload.model[3:])
+        words += [
+            "--model",
+            f"hf:{local(s.workload.model[3:])}" if hf_directory else s.workload.model,
+        ]  # a Hub id as it is
+    words += (
+        ["--tokenizer", local(str(s.workload.tokenizer))] if s.workload.tokenizer is not None else []
+    )  # every peer needs the same
+    words += (
+        ["--text-field", s.workload.text_field] if s.workload.data is not None and "text_field" in s.given() else []
+    )
+    words += recipe_flags(recipe, Path(local(str(s.workload.data))) if s.workload.data is not None else None)
+    words += ["--max-rounds", str(s.diloco.max_rounds)] if s.diloco.max_rounds is not None else []  # the run's end
     return shlex.join(words)
 
 

@@ -47,7 +47,7 @@ UNREACHABLE = "unreachable"  # all a dial-back says of a failed dial
 
 def announce_warning(settings: NodeSettings, host: str) -> str | None:
     """The warning for an announced address other hosts cannot dial, unless it was chosen."""
-    if settings.announce_host:
+    if settings.network.announce_host:
         return None
     try:
         ip = ipaddress.ip_address(host)

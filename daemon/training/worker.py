@@ -102,10 +102,10 @@ class ModelWorker:
             torch.set_num_threads(plan.threads)
         # one stream for the node: each step's batch holds every rank's rows, so the data
         # position is the node's whatever its rank count
-        rows = s.batch_size * plan.world_size
-        stream = DataStream(w.sources, s.run_id, peer_id, rows, w.seq_len, s.eval_sequences)
-        precision = Precision(s.precision)
-        if s.shard and plan.world_size > 1 and precision.resolve(self.device) == Precision.FP16:
+        rows = s.hardware.batch_size * plan.world_size
+        stream = DataStream(w.sources, s.swarm.run_id, peer_id, rows, w.seq_len, s.evaluation.eval_sequences)
+        precision = Precision(s.hardware.precision)
+        if s.hardware.shard and plan.world_size > 1 and precision.resolve(self.device) == Precision.FP16:
             raise SettingsError(
                 "--precision",
                 f"fp16{' (what auto means on this GPU, which has no bf16)' if precision == Precision.AUTO else ''} "
@@ -118,24 +118,28 @@ class ModelWorker:
             except LocalRankFailure as e:
                 option = "--gpus" if plan.backend == "nccl" else "--nproc-per-node"
                 raise SettingsError(option, str(e)) from None
-        schedule = LearningRateSchedule(s.inner_lr, s.warmup_steps, s.total_steps, s.lr_schedule, s.min_lr_ratio)
+        schedule = LearningRateSchedule(
+            s.inner.inner_lr, s.inner.warmup_steps, s.inner.total_steps, s.inner.lr_schedule, s.inner.min_lr_ratio
+        )
         trainer = Trainer(
             w.model,
             stream,
             self.device,
             schedule=schedule,
-            weight_decay=s.inner_weight_decay,
-            grad_clip=s.grad_clip,
-            compile=s.compile,
+            weight_decay=s.inner.inner_weight_decay,
+            grad_clip=s.inner.grad_clip,
+            compile=s.hardware.compile,
             ranks=ranks,
             precision=precision,
         )
-        if s.compression == "int8" and trainer.local_weights.span_device.type == "cpu":  # θ_g in host memory
-            self._replica = CodedReplica(trainer, s.outer_lr, s.outer_momentum, s.wire_format().block_size)
+        if s.wire.compression == "int8" and trainer.local_weights.span_device.type == "cpu":  # θ_g in host memory
+            self._replica = CodedReplica(
+                trainer, s.diloco.outer_lr, s.diloco.outer_momentum, s.wire.wire_format().block_size
+            )
         else:
-            self._replica = Replica(trainer, s.outer_lr, s.outer_momentum)
+            self._replica = Replica(trainer, s.diloco.outer_lr, s.diloco.outer_momentum)
         self._trainer = trainer
-        if (s.error_feedback and s.compression == "int8") or s.compression == "sparse":
+        if (s.wire.error_feedback and s.wire.compression == "int8") or s.wire.compression == "sparse":
             self.residual = torch.zeros(self._replica.numel, dtype=torch.float32)
             if isinstance(self._replica, CodedReplica):  # the rounding error arises as Δ is coded
                 self._replica.feedback = self.residual
@@ -159,7 +163,7 @@ class ModelWorker:
     @property
     def layout(self) -> Layout:
         flat = self.trainer.flat
-        return Layout(tuple(flat.names), tuple(flat.shapes), outer_momentum=self.settings.outer_momentum > 0)
+        return Layout(tuple(flat.names), tuple(flat.shapes), outer_momentum=self.settings.diloco.outer_momentum > 0)
 
     @property
     def outer_step(self) -> int:
@@ -273,7 +277,7 @@ class ModelWorker:
     def round_rate(self, round_no: int) -> float:
         """The swarm's mean inner learning rate over round `round_no` (schedule positions
         round_no x H onwards, sampled at most RATE_SAMPLES times): what a round's Δ scales with."""
-        span = self.settings.inner_steps
+        span = self.settings.diloco.inner_steps
         positions = range(round_no * span, (round_no + 1) * span, max(1, -(-span // RATE_SAMPLES)))
         schedule = self.trainer.schedule
         return sum(schedule(p) for p in positions) / len(positions)
@@ -331,7 +335,7 @@ class ModelWorker:
         return delta
 
     def eval_due(self) -> bool:
-        every = self.settings.eval_every
+        every = self.settings.evaluation.eval_every
         return bool(every) and self.outer_step % every == 0
 
     def evaluate_local(self) -> None:

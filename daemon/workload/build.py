@@ -56,9 +56,9 @@ class Workload:
         """The metadata of this run's checkpoints: the same bytes on every peer of a group
         (joiners fetch ranges of one file from several), so no local path: an hf: model is
         named by its kind and its config in `model_config`."""
-        model = "hf" if settings.model.startswith(HF_PREFIX) else settings.model
+        model = "hf" if settings.workload.model.startswith(HF_PREFIX) else settings.workload.model
         return {
-            "run_id": settings.run_id,
+            "run_id": settings.swarm.run_id,
             "model_hash": self.model_hash,
             "model": model,
             "model_config": json.dumps(self.description, sort_keys=True),
@@ -69,35 +69,38 @@ class Workload:
 
 def build_workload(s: NodeSettings, state_dir: Path) -> Workload:
     """Build the model and open the data; SettingsError naming the option when one cannot serve."""
-    seed = stable_seed(s.run_id, s.seed, "init")
+    seed = stable_seed(s.swarm.run_id, s.workload.seed, "init")
     try:
-        model, description = build_model(s.model, seed)
+        model, description = build_model(s.workload.model, seed)
     except HFModelError as e:
         raise SettingsError("--model", str(e)) from None
     except (ImportError, AttributeError, TypeError) as e:  # a module:factory that cannot serve
-        raise SettingsError("--model", f"cannot build {s.model}: {e}") from None
+        raise SettingsError("--model", f"cannot build {s.workload.model}: {e}") from None
     vocab_size, context_length = vocab_and_context(model)
-    tokenizer = load_tokenizer(s.tokenizer)
+    tokenizer = load_tokenizer(s.workload.tokenizer)
     check_vocabulary(tokenizer, vocab_size)
-    if s.tokenizer is not None:  # peers that split text differently must not average
+    if s.workload.tokenizer is not None:  # peers that split text differently must not average
         description["tokenizer"] = tokenizer.sha256
-    seq_len = min(s.seq_len or context_length, context_length)
+    seq_len = min(s.workload.seq_len or context_length, context_length)
     sources = open_sources(
-        s.run_id,
-        s.seed,
-        s.data,
-        s.eval_data,
-        s.eval_fraction,
+        s.swarm.run_id,
+        s.workload.seed,
+        s.workload.data,
+        s.evaluation.eval_data,
+        s.evaluation.eval_fraction,
         seq_len,
         tokenizer=tokenizer,
-        text_field=s.text_field,
-        data_dtype=s.data_dtype,
+        text_field=s.workload.text_field,
+        data_dtype=s.workload.data_dtype,
         cache_dir=state_dir / TOKEN_CACHE_DIR,
     )
-    for source, option in ((sources.train, "--data"), (sources.eval, "--eval-data" if s.eval_data else "--data")):
+    for source, option in (
+        (sources.train, "--data"),
+        (sources.eval, "--eval-data" if s.evaluation.eval_data else "--data"),
+    ):
         if isinstance(source, TokenCorpus):
             check_token_ids(source, vocab_size, option)
-    recipe = recipe_of(s, seq_len, data_fingerprint(sources, s.data, s.seed))
+    recipe = recipe_of(s, seq_len, data_fingerprint(sources, s.workload.data, s.workload.seed))
     return Workload(
         model, description, config_hash(description), seq_len, sources, seed, export_format(description), recipe
     )

@@ -96,7 +96,7 @@ _PROTOCOL_FIX = "the dtnode version: run the one the swarm's peers run (`curl <p
 
 def recipe_of(settings: NodeSettings, seq_len: int, data: str) -> SwarmRecipe:
     """This node's recipe: its settings, its effective sequence length and its data's fingerprint."""
-    values = {name: getattr(settings, name) for name in ADOPTABLE if name != "seq_len"}
+    values = {name: settings.value(name) for name in ADOPTABLE if name != "seq_len"}
     return SwarmRecipe(data=data, seq_len=seq_len, wire_protocol=wire.PROTOCOL, **values)
 
 
@@ -159,22 +159,21 @@ def swarm_recipe(published: Iterable[str]) -> tuple[SwarmRecipe | None, int]:
 def adopted_settings(settings: NodeSettings, theirs: SwarmRecipe) -> dict[str, Any]:
     """The recipe fields this node was not given (by flag, environment or config file) whose
     values differ from the swarm's: what it takes from the peer."""
-    given = settings.model_fields_set
+    given = settings.given()
     return {
         name: getattr(theirs, name)
         for name in ADOPTABLE
-        if name not in given and getattr(theirs, name) != getattr(settings, name)
+        if name not in given and getattr(theirs, name) != settings.value(name)
     }
 
 
 def recipe_flags(recipe: SwarmRecipe, data: Path | None) -> list[str]:
     """The flags a contributor pastes to train with this recipe: every field whose value is not
     the default (the others a fresh node has anyway), and --data when the swarm trains on files."""
-    defaults = NodeSettings.model_fields
     out: list[str] = []
     for name in ADOPTABLE:
         value = getattr(recipe, name)
-        if name == "seq_len" or value != defaults[name].default:
+        if name == "seq_len" or value != NodeSettings.default(name):
             if isinstance(value, bool):
                 out += [flag(name)] if value else []
             elif value is not None:
@@ -241,38 +240,38 @@ async def take_recipe_from_peer(settings: NodeSettings) -> NodeSettings:
     was not given, from that peer. A --run-id given that differs from the peer's is a SwarmMismatch
     naming both (a node of another run would train alone, silently). A peer that does not
     answer is left to the DHT bootstrap, which reports it."""
-    urls = [p for p in settings.peers if is_sidecar_address(p)]
+    urls = [p for p in settings.swarm.peers if is_sidecar_address(p)]
     if not urls:
         return settings
     try:
         async with aiohttp.ClientSession() as session:
-            status = await fetch_status(session, urls[0], min(settings.join_timeout, PROBE_TIMEOUT_S * 3))
+            status = await fetch_status(session, urls[0], min(settings.swarm.join_timeout, PROBE_TIMEOUT_S * 3))
     except SidecarAddressError as e:
         log.warning(
             "could not read the swarm's recipe from %s (%s): going on with this node's own settings", urls[0], e
         )
         return settings
     run_id, model, recipe = _from_peer(status)
-    given = settings.model_fields_set
-    if run_id is not None and run_id != settings.run_id and "run_id" in given:
+    given = settings.given()
+    if run_id is not None and run_id != settings.swarm.run_id and "run_id" in given:
         raise SwarmMismatch(
-            f"--run-id {settings.run_id}: the peer at {urls[0]} trains run {run_id!r}; "
-            f"give --run-id {run_id} to join it (or another --peer for run {settings.run_id})"
+            f"--run-id {settings.swarm.run_id}: the peer at {urls[0]} trains run {run_id!r}; "
+            f"give --run-id {run_id} to join it (or another --peer for run {settings.swarm.run_id})"
         )
     taken: dict[str, Any] = {}
-    if run_id is not None and run_id != settings.run_id:
+    if run_id is not None and run_id != settings.swarm.run_id:
         taken["run_id"] = run_id
-    if model is not None and model != settings.model and "model" not in given:
+    if model is not None and model != settings.workload.model and "model" not in given:
         taken["model"] = model
     if recipe is not None:
         taken |= adopted_settings(settings, recipe)
     last = _run_end(status)
-    if last is not None and last != settings.max_rounds and "max_rounds" not in given:
+    if last is not None and last != settings.diloco.max_rounds and "max_rounds" not in given:
         taken["max_rounds"] = last  # the run ends at the same step for every node, however it joined
     if not taken:
         return settings
     log.info("taking the swarm's settings from %s: %s", urls[0], " ".join(f"{flag(k)} {v}" for k, v in taken.items()))
-    values = {name: getattr(settings, name) for name in given} | taken
+    values = {name: settings.value(name) for name in given} | taken
     try:
         return NodeSettings(**values)
     except ValidationError as e:  # a peer's values that this version refuses

@@ -9,7 +9,8 @@ from __future__ import annotations
 from typing import Any
 
 from dtnode.daemon.cli.main import ENV_ONLY
-from dtnode.daemon.config.settings import ENV_PREFIX, NodeSettings, flag
+from dtnode.daemon.config.settings import ENV_PREFIX, NodeSettings, flag, option_groups
+from dtnode.daemon.config.sources import TOP_LEVEL
 
 MARKER = "<!-- settings-reference -->"
 
@@ -19,15 +20,32 @@ def on_page_markdown(markdown: str, **_: Any) -> str:
 
 
 def settings_table() -> str:
-    """One row per option: its flag, its environment variable, its default and its help text."""
-    rows = ["| option | environment variable | default | meaning |", "| --- | --- | --- | --- |"]
-    for name, field in NodeSettings.model_fields.items():
-        default = field.get_default(call_default_factory=True)
-        shown = "none" if default in (None, []) else f"`{default}`"
-        if name in ENV_ONLY:
-            option = "(environment only)"
-        else:
-            option = "`--peer`" if name == "peers" else f"`{flag(name)}`"
-        meaning = " ".join((field.description or "").split()).replace("|", "\\|")
-        rows.append(f"| {option} | `{ENV_PREFIX}{name.upper()}` | {shown} | {meaning} |")
-    return "\n".join(rows)
+    """One table per group of options, in the help's order; one row per option: its flag, its
+    environment variable, its default and its help text. `dtnode join --help` lists the same
+    groups; a TOML file may hold each option at its top level or in a table named for its group."""
+    sections = []
+    for attribute, group in option_groups():
+        names = [*group.model_fields, *(sorted(TOP_LEVEL) if attribute == "operations" else [])]
+        rows = [
+            f"### {group.TITLE} (`[{attribute}]`)",
+            "",
+            group.HELP,
+            "",
+            "| option | environment variable | default | meaning |",
+            "| --- | --- | --- | --- |",
+        ]
+        rows += [_row(name) for name in names]
+        sections.append("\n".join(rows))
+    return "\n\n".join(sections)
+
+
+def _row(name: str) -> str:
+    field = NodeSettings.option(name)
+    default = field.get_default(call_default_factory=True)
+    shown = "none" if default in (None, []) else f"`{default}`"
+    if name in ENV_ONLY:
+        option = "(environment only)"
+    else:
+        option = "`--peer`" if name == "peers" else f"`{flag(name)}`"
+    meaning = " ".join((field.description or "").split()).replace("|", "\\|")
+    return f"| {option} | `{ENV_PREFIX}{name.upper()}` | {shown} | {meaning} |"

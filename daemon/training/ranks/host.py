@@ -95,8 +95,8 @@ class RankPlan:
 
 def plan_ranks(s: NodeSettings) -> RankPlan:
     """The ranks `--device`, `--gpus` and `--nproc-per-node` ask for, checked against the host."""
-    device = resolve_device(s.device)
-    count = s.nproc_per_node
+    device = resolve_device(s.hardware.device)
+    count = s.hardware.nproc_per_node
     if device.type == "cuda" and device.index is None:
         devices = [torch.device("cuda", i) for i in selected_gpus(s.gpus, torch.cuda.device_count())]
         if count is not None:
@@ -107,7 +107,7 @@ def plan_ranks(s: NodeSettings) -> RankPlan:
         devices = [device] * (count or 1)
     else:  # cuda:N or mps: that one device (the settings refuse several ranks on it)
         devices = [device]
-    threads = s.threads_per_rank
+    threads = s.hardware.threads_per_rank
     if threads is None and len(devices) > 1 and device.type == "cpu":
         threads = max(1, (os.cpu_count() or 1) // len(devices))
     return RankPlan(tuple(devices), threads)
@@ -201,7 +201,7 @@ class LocalRanks:
 
     @property
     def shard(self) -> bool:
-        return self.settings.shard
+        return self.settings.hardware.shard
 
     @property
     def device(self) -> torch.device:
@@ -223,13 +223,13 @@ class LocalRanks:
                 port=port,
                 backend=self.plan.backend,
                 device=str(self.plan.devices[rank]),
-                model=self.settings.model,
-                compile=self.settings.compile,
-                grad_clip=self.settings.grad_clip,
-                weight_decay=self.settings.inner_weight_decay,
+                model=self.settings.workload.model,
+                compile=self.settings.hardware.compile,
+                grad_clip=self.settings.inner.grad_clip,
+                weight_decay=self.settings.inner.inner_weight_decay,
                 threads=self.plan.threads,
                 shard=self.shard,
-                precision=self.settings.precision,
+                precision=self.settings.hardware.precision,
                 parent_pid=os.getpid(),
                 timeout_s=self.collective_timeout_s,
             )
