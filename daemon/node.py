@@ -10,7 +10,8 @@ The parts, each one concept:
 - `rounds/loop.py`: the round loop, with `rounds/pacer.py` (when a round ends), `catchup/joiner.py` (getting
   into step) and `rounds/landing.py` (an overlapped average);
 - `serve/report.py`: the typed round summary and `/status`;
-- `serve/sidecar.py`: the HTTP endpoints, which read the node through `NodeView`.
+- `serve/sidecar.py`: the HTTP endpoints, which read the node through `NodeView`;
+- `listeners.py`: the swarm key and ports checked, the gRPC server and the sidecar started.
 
 Everything runs on one asyncio loop (uvloop). Inner steps run on the worker's training
 thread, checkpoint writes on the store's I/O thread, tensor work of the data plane in the
@@ -32,16 +33,17 @@ from dtnode import __version__
 from dtnode.daemon.catchup.joiner import Joiner
 from dtnode.daemon.checkpoints.state_dir import claim_state_dir, startup_error
 from dtnode.daemon.checkpoints.store import CheckpointStore
-from dtnode.daemon.config.settings import NodeSettings, SettingsError
+from dtnode.daemon.config.settings import NodeSettings
+from dtnode.daemon.listeners import check_ports, serve_averaging, serve_http, swarm_key
 from dtnode.daemon.rounds.landing import Landing
 from dtnode.daemon.rounds.loop import RoundLoop
 from dtnode.daemon.rounds.state import Publisher, RoundState
 from dtnode.daemon.serve.history import FILE_NAME as HISTORY_FILE
 from dtnode.daemon.serve.history import RoundHistory
-from dtnode.daemon.serve.metrics import NodeMetrics, RefusalCollector, watch_state_dir
+from dtnode.daemon.serve.metrics import NodeMetrics, watch_state_dir
 from dtnode.daemon.serve.presenter import Addresses, NodePresenter
 from dtnode.daemon.serve.report import RunStats
-from dtnode.daemon.serve.sidecar import ServedSteps, Sidecar
+from dtnode.daemon.serve.sidecar import ServedSteps
 from dtnode.daemon.swarm import hostile
 from dtnode.daemon.swarm.bootstrap import (
     DhtBootstrap,
@@ -59,27 +61,23 @@ from dtnode.daemon.workload.recipe import take_recipe_from_peer
 from dtnode.daemon.workload.remembered import remember_workload
 from dtnode.ops.quantization import use_fused_kernels
 from dtnode.peers import failpoints
-from dtnode.peers.auth import ENV_KEY, AuthError, SwarmAuth, load_swarm_key
+from dtnode.peers.auth import SwarmAuth
 from dtnode.peers.averager import AveragingConfig, MoshpitAverager
 from dtnode.peers.channel_pool import ChannelPool
 from dtnode.peers.deadlines import AdaptiveDeadlines
-from dtnode.peers.hivemind_adapter import DHT, P2P, RSASignatureValidator
+from dtnode.peers.hivemind_adapter import DHT, P2P, RSAPrivateKey, RSASignatureValidator
 from dtnode.peers.identity import identity_key
 from dtnode.peers.known_peers import own_peer_id
 from dtnode.peers.matchmaking import Matchmaker
 from dtnode.peers.membership import JoinError, Membership, public_maddrs
 from dtnode.peers.plan import Member
 from dtnode.peers.reducer import ReductionRegistry
-from dtnode.peers.server import GrpcPortError, port_in_use, start_grpc_server
-from dtnode.peers.service import AveragingService
 from dtnode.peers.tls import TrustStore
 from dtnode.peers.wire import max_message_bytes
 
 log = logging.getLogger("dtnode")
 
-REGISTRATION_WAIT_S = 5.0  # how long a reducer waits for a sender's group to form on its side
 FINAL_ANNOUNCE_S = 2.0  # the stopped record, so no group waits for us; it then expires
-GRPC_STOP_GRACE_S = 5.0  # streams still open at stop get this long to finish (a reply to a slower member)
 KERNEL_POLL_S = 0.5  # how often the kernel compiler checks for the first inner step
 
 
@@ -156,29 +154,56 @@ class Node:
         """Start every part, pushing how to stop it (the stack stops them in reverse order)."""
         s = self.settings
         self.state_dir.mkdir(parents=True, exist_ok=True)
-        key = _swarm_key(s)
-        identity = (self.state_dir / "identity.key").resolve()
-        fresh_identity = not identity.exists()
-        if fresh_identity:  # made here rather than by hivemind: the peer id is known before the DHT runs
-            await asyncio.to_thread(P2P.generate_identity, str(identity))
-        # the key that names this peer also signs its records: readers check the one against the other
-        record_key = await asyncio.to_thread(identity_key, identity)
-        validator = RSASignatureValidator(record_key)
-        known_id = await asyncio.to_thread(own_peer_id, identity)
-        self.addr.peer_id = known_id or ""
+        key = swarm_key(s)
+        record_key, fresh_identity = await self._identity()
         stack.callback(self.worker.shutdown)
         # the model is built while the DHT starts (both take seconds for a joiner)
         building = asyncio.ensure_future(self.worker.call(self.worker.build, self.addr.peer_id))
         bootstrap = DhtBootstrap(s, self.state_dir)
-        self.dht, redial = await bootstrap.start(self.addr.peer_id, fresh_identity, validator)
+        self.dht, redial = await bootstrap.start(self.addr.peer_id, fresh_identity, self.validator)
         stack.push_async_callback(asyncio.to_thread, self.dht.shutdown)
         self.addr.peer_id = str(self.dht.peer_id)
-        self.validator = validator
         self.addr.dht_addrs = dialable_addrs(self.dht, s.network.announce_host)
         await asyncio.to_thread(bootstrap.remember_dht_port, self.addr.dht_addrs)
-        await asyncio.to_thread(
-            remember_workload, self.state_dir, s.workload.model, s.workload.tokenizer
-        )  # for `dtnode export`
+        # for `dtnode export`
+        await asyncio.to_thread(remember_workload, self.state_dir, s.workload.model, s.workload.tokenizer)
+        await self._secure(key, record_key)
+        await building
+        served = ServedSteps()
+        await self._open_store(stack, served)
+        host = announce_host(s, self.dht)
+        registry = ReductionRegistry()
+        if not s.network.client_mode:
+            grpc_port = await serve_averaging(stack, s, registry, self.auth, self.trust, self.metrics)
+            self.addr.grpc_addr = f"{host}:{grpc_port}"
+        channels = ChannelPool(max_message_bytes(s.wire.chunk_elements), self.trust)
+        stack.push_async_callback(channels.close)
+        self._build_round_parts(registry, channels, redial)
+        http_port, status_url = await serve_http(stack, s, self.presenter, served, self.auth)
+        self.addr.http_addr = f"http://{host}:{http_port}"
+        await self.publisher.publish()
+        self._start_background(stack, bootstrap, channels, host)
+        maddr = public_maddrs(self.dht, s.network.announce_host)[0]
+        self.addr.join_command = join_command(s, self.workload.recipe, maddr, public=True)  # what /status shows
+        _say_up(s, self.addr, status_url or self.addr.http_addr, join_command(s, self.workload.recipe, maddr))
+
+    async def _identity(self) -> tuple[RSAPrivateKey, bool]:
+        """This peer's key (made here rather than by hivemind, so that the peer id is known before
+        the DHT runs) and the validator it signs its records with: (the key, whether it is new)."""
+        identity = (self.state_dir / "identity.key").resolve()
+        fresh_identity = not identity.exists()
+        if fresh_identity:
+            await asyncio.to_thread(P2P.generate_identity, str(identity))
+        # the key that names this peer also signs its records: readers check the one against the other
+        record_key = await asyncio.to_thread(identity_key, identity)
+        self.validator = RSASignatureValidator(record_key)
+        known_id = await asyncio.to_thread(own_peer_id, identity)
+        self.addr.peer_id = known_id or ""
+        return record_key, fresh_identity
+
+    async def _secure(self, key: bytes | None, record_key: RSAPrivateKey) -> None:
+        """The swarm key's authenticator and the data plane's TLS identity, each with the warning
+        an operator must see when it is off."""
         if key is None:
             log.warning(
                 "no swarm key (--swarm-key-file or DTNODE_SWARM_KEY): this swarm is open, anyone who can "
@@ -186,15 +211,17 @@ class Node:
             )
         else:
             self.auth = SwarmAuth(key, self.addr.peer_id)
-        if s.security.insecure_data_plane:
+        if self.settings.security.insecure_data_plane:
             log.warning(
                 "--insecure-data-plane: pseudo-gradients travel in plaintext; anyone on the path can read "
                 "or alter them, and a swarm key holder can speak as another peer"
             )
         else:
             self.trust = await asyncio.to_thread(tls_identity, self.state_dir, record_key, self.addr.peer_id)
-        await building
-        served = ServedSteps()
+
+    async def _open_store(self, stack: contextlib.AsyncExitStack, served: ServedSteps) -> None:
+        """The checkpoint store, resumed from the state dir, and the round history beside it."""
+        s = self.settings
         self.store = CheckpointStore(
             self.state_dir,
             self.worker,
@@ -206,41 +233,13 @@ class Node:
         stack.callback(self.store.shutdown)
         await asyncio.to_thread(self.store.resume, s.swarm.run_id, self.workload.model_hash)
         await asyncio.to_thread(self.history.load)
-        host = announce_host(s, self.dht)
-        registry = ReductionRegistry()
-        if not s.network.client_mode:
-            service = AveragingService(
-                registry,
-                s.swarm.run_id,
-                registration_wait=min(REGISTRATION_WAIT_S, s.averaging.matchmaking_window),
-                auth=self.auth,
-                trust=self.trust,
-            )
-            self.metrics.registry.register(RefusalCollector(service.refused))
-            credentials = self.trust.server_credentials() if self.trust is not None else None
-            try:
-                server, grpc_port = await start_grpc_server(
-                    service,
-                    s.network.host,
-                    s.network.grpc_port,
-                    max_message_bytes(s.wire.chunk_elements),
-                    credentials=credentials,
-                )
-            except GrpcPortError as e:  # taken since the check at start
-                raise SettingsError("--grpc-port", str(e)) from None
-            stack.push_async_callback(server.stop, GRPC_STOP_GRACE_S)
-            self.addr.grpc_addr = f"{host}:{grpc_port}"
-        channels = ChannelPool(max_message_bytes(s.wire.chunk_elements), self.trust)
-        stack.push_async_callback(channels.close)
-        self._build_round_parts(registry, channels, redial)
-        sidecar = Sidecar(
-            self.presenter, served=served, auth=self.auth, separate_status=s.network.status_port is not None
-        )
-        stack.push_async_callback(sidecar.stop)
-        http_port, status_url = await _listen(sidecar, s)
-        self.addr.http_addr = f"http://{host}:{http_port}"
-        status_url = status_url or self.addr.http_addr
-        await self.publisher.publish()
+
+    def _start_background(
+        self, stack: contextlib.AsyncExitStack, bootstrap: DhtBootstrap, channels: ChannelPool, host: str
+    ) -> None:
+        """What runs beside the rounds: the heartbeat, the peers remembered for a restart, the
+        dial-back check of this node's addresses, and a test's attacker when one is armed."""
+        s = self.settings
         heartbeat = asyncio.ensure_future(self.membership.heartbeat(self.presenter.record, self.stopping))
         stack.push_async_callback(self._final_announce, heartbeat)
         remembering = asyncio.ensure_future(
@@ -266,52 +265,11 @@ class Node:
                 )
             )
             stack.push_async_callback(_cancel, attacking)
-        maddr = public_maddrs(self.dht, s.network.announce_host)[0]
-        self.addr.join_command = join_command(s, self.workload.recipe, maddr, public=True)  # what /status shows
-        _say_up(s, self.addr, status_url, join_command(s, self.workload.recipe, maddr))
 
     def _build_round_parts(self, registry: ReductionRegistry, channels: ChannelPool, redial: list[str]) -> None:
         """The parts a round needs, each given the others it uses."""
         s = self.settings
-        self.membership = Membership(
-            self.dht,
-            s.swarm.run_id,
-            s.swarm.peer_ttl,
-            s.swarm.heartbeat_interval,
-            self.validator,
-            self.auth,
-            initial_peers=redial,
-            trust=self.trust,
-        )
-        matchmaker = Matchmaker(
-            self.dht,
-            s.swarm.run_id,
-            Member(self.addr.peer_id, self.addr.grpc_addr, s.network.client_mode, s.network.bandwidth_mbps),
-            auth=self.auth,
-            owner=self.validator.local_public_key,
-        )
-        config = AveragingConfig(
-            s.swarm.run_id,
-            self.workload.model_hash,
-            s.averaging.target_group_size,
-            s.averaging.grid_dims,
-            s.wire.wire_format(),
-            s.wire.chunk_elements,
-            s.wire.in_flight_chunks,
-            s.averaging.robust_trim(),
-            s.wire.feedback_decay,
-        )
-        averager = MoshpitAverager(
-            config,
-            self.addr.peer_id,
-            self.membership.members,
-            matchmaker,
-            registry,
-            channels,
-            self.deadlines,
-            self.auth,
-            on_phase=self.state.averager_phase,
-        )
+        averager = self._averager(registry, channels, redial)
         self.presenter = NodePresenter(
             s,
             self.addr,
@@ -363,6 +321,50 @@ class Node:
             self.stopping,
             self.stop_flag,
         )
+
+    def _averager(self, registry: ReductionRegistry, channels: ChannelPool, redial: list[str]) -> MoshpitAverager:
+        """Membership, matchmaking and the averager over them: the swarm side of a round."""
+        s = self.settings
+        self.membership = Membership(
+            self.dht,
+            s.swarm.run_id,
+            s.swarm.peer_ttl,
+            s.swarm.heartbeat_interval,
+            self.validator,
+            self.auth,
+            initial_peers=redial,
+            trust=self.trust,
+        )
+        matchmaker = Matchmaker(
+            self.dht,
+            s.swarm.run_id,
+            Member(self.addr.peer_id, self.addr.grpc_addr, s.network.client_mode, s.network.bandwidth_mbps),
+            auth=self.auth,
+            owner=self.validator.local_public_key,
+        )
+        config = AveragingConfig(
+            s.swarm.run_id,
+            self.workload.model_hash,
+            s.averaging.target_group_size,
+            s.averaging.grid_dims,
+            s.wire.wire_format(),
+            s.wire.chunk_elements,
+            s.wire.in_flight_chunks,
+            s.averaging.robust_trim(),
+            s.wire.feedback_decay,
+        )
+        averager = MoshpitAverager(
+            config,
+            self.addr.peer_id,
+            self.membership.members,
+            matchmaker,
+            registry,
+            channels,
+            self.deadlines,
+            self.auth,
+            on_phase=self.state.averager_phase,
+        )
+        return averager
 
     async def _stop_rounds(self) -> None:
         """The rounds' share of the way out: the overlapped average still in flight (still a
@@ -419,45 +421,6 @@ class Node:
                 return
 
 
-def _swarm_key(s: NodeSettings) -> bytes | None:
-    """The swarm key of --swarm-key-file or DTNODE_SWARM_KEY (None: an open swarm, refused
-    with --require-swarm-key); a bad key file ends the start with one line."""
-    try:
-        key = load_swarm_key(
-            str(s.security.swarm_key_file) if s.security.swarm_key_file else None,
-            {ENV_KEY: s.security.swarm_key.get_secret_value()} if s.security.swarm_key else {},
-        )
-    except AuthError as e:
-        raise SettingsError("--swarm-key-file", str(e)) from None
-    if key is None and s.security.require_swarm_key:
-        raise SettingsError(
-            "--require-swarm-key",
-            "no swarm key was given (--swarm-key-file or DTNODE_SWARM_KEY; in Kubernetes, the "
-            "dtnode-swarm-key secret); refusing to start an open swarm",
-        )
-    return key
-
-
-async def _listen(sidecar: Sidecar, s: NodeSettings) -> tuple[int, str | None]:
-    """Start the sidecar: its port, and the status listener's URL with --status-port (None:
-    /status is on the sidecar's port). A port that cannot be had ends the start with one line."""
-    try:
-        http_port = await sidecar.start(s.network.host, s.network.http_port)
-    except OSError as e:
-        raise SettingsError(
-            "--http-port", f"cannot listen on {s.network.host}:{s.network.http_port}: {e.strerror or e}"
-        ) from None
-    if s.network.status_port is None:
-        return http_port, None
-    try:
-        status_port = await sidecar.start_status(s.network.status_host, s.network.status_port)
-    except OSError as e:
-        raise SettingsError(
-            "--status-port", f"cannot listen on {s.network.status_host}:{s.network.status_port}: {e.strerror or e}"
-        ) from None
-    return http_port, f"http://{s.network.status_host}:{status_port}"
-
-
 def _say_up(s: NodeSettings, addr: Addresses, status_url: str, line: str) -> None:
     """The node is up: where its status is, and the command that adds a peer, `line` with this
     host's paths whole (one JSON log line with --log-format json, else two lines on stdout for
@@ -476,28 +439,6 @@ async def _quietly(work: Awaitable[object], what: str) -> None:
         await work
     except Exception as e:
         log.error("%s failed on the way out (%s: %s)", what, type(e).__name__, e, exc_info=e)
-
-
-def check_ports(s: NodeSettings) -> None:
-    """End at once, naming the option, when a port this node must listen on is taken."""
-    wanted = [("--dht-port", s.network.dht_port, s.network.host), ("--http-port", s.network.http_port, s.network.host)]
-    if not s.network.client_mode:
-        wanted.append(("--grpc-port", s.network.grpc_port, s.network.host))
-    if s.network.status_port:
-        wanted.append(("--status-port", s.network.status_port, s.network.status_host))
-    seen: dict[int, str] = {}
-    for option, port, host in wanted:
-        if not port:
-            continue
-        if port in seen:
-            raise SettingsError(option, f"port {port} is also given to {seen[port]}; each needs its own")
-        seen[port] = option
-        if port_in_use(host, port):
-            raise SettingsError(
-                option,
-                f"port {port} on {host} is in use (another dtnode on this host? give "
-                f"each node its own ports, or 0 for any free one)",
-            )
 
 
 async def _cancel(task: asyncio.Future) -> None:
@@ -519,4 +460,4 @@ async def run_node(settings: NodeSettings) -> int:
         return await node.run()
 
 
-__all__ = ["JoinError", "Node", "check_ports", "run_node"]
+__all__ = ["JoinError", "Node", "run_node"]

@@ -22,10 +22,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
-from functools import partial
 
 import torch
 
@@ -35,40 +33,25 @@ from . import failpoints
 from .allreduce_report import AllReduceReport
 from .auth import SwarmAuth
 from .averaging_result import AveragingResult, HopReport
-from .butterfly import butterfly_allreduce
 from .channel_pool import ChannelPool
 from .deadlines import AdaptiveDeadlines, expected_payload_bytes
 from .expectations import GroupExpectations
 from .grid import Slot, cells, coordinates, first_slot, grid_shape, next_slots
+from .group_reduce import AveragingConfig, GroupReducer, GroupWork, as_a_group_of_one, recodes_alone
 from .matchmaking import LEADER_GRACE_S, MAX_PASSES, FormedGroup, Matchmaker
 from .membership import PeerRecord
 from .part_codec import Feedback
 from .part_result import DriftBound
-from .plan import FP32, Compression, GroupPlan, Member, WireFormat, make_plan
-from .presence import GroupPresence
+from .plan import Compression, WireFormat
 from .reducer import ReductionRegistry
+from .scratch_buffers import ScratchBuffers
 
 __all__ = ["AveragingConfig", "AveragingResult", "AveragingTimeout", "HopReport", "MoshpitAverager"]
 
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class AveragingConfig:
-    run_id: str
-    model_hash: str
-    target_group_size: int
-    grid_dims: int = 0
-    wire: WireFormat = field(default_factory=WireFormat)
-    chunk_elements: int = 1 << 20
-    in_flight: int = 4
-    trim_fraction: float | None = None
-    feedback_decay: float = 1.0  # the error-feedback buffer's decay per round (sparse)
-
-
-FP32_WIRE = WireFormat(Compression.FP32)
 MAX_CHAINS = 16  # classes one peer carries through a hop at most (each holds a model-sized buffer)
-LONE_TIMEOUT_S = 1.0  # a group of one streams nothing and serves no late result: its reduction goes at once
 ROUND_BOUND_SLACK_S = 30.0  # on top of `round_bound`'s sum: a loaded host's DHT polls take seconds
 
 
@@ -176,6 +159,7 @@ class MoshpitAverager:
         self.auth = auth
         self.on_phase = on_phase
         self.scratch = ScratchBuffers()
+        self.reducer = GroupReducer(config, peer_id, matchmaker, registry, channels, deadlines, auth)
         self.expect = GroupExpectations(
             config.run_id, config.model_hash, config.target_group_size, peer_id, view, matchmaker, deadlines
         )
@@ -282,31 +266,7 @@ class MoshpitAverager:
         primary, first, theta_primary = done[0]
         if hop == 0 and theta_primary is not None and state.drift is not None:
             state.theta_bound = hop0_drift(state.drift, primary)
-        report.group_key, report.group_size, report.registrants = primary.key, len(primary.members), primary.registrants
-        # a group its closer found whole held everyone expected (cells split unevenly, so
-        # the size alone says little); otherwise what this node expected, to show the gap
-        report.expected = (
-            len(primary.members)
-            if primary.complete
-            else self.expect.hop0_size(state.hop0_cells, chains[0].slot.key)
-            if hop == 0
-            else primary.expected
-        )
-        report.complete, report.matchmaking_s = all(g.complete for g in groups), round(primary.seconds, 4)
-        log.debug(
-            "round %d hop %d: %s",
-            round_no,
-            hop,
-            "; ".join(
-                f"{g.key.rsplit('.', 1)[-1]} {[m.peer_id[-6:] for m in g.members]} expected {g.expected} "
-                f"in {g.seconds:.2f}s"
-                for g in groups
-            ),
-        )
-        if hop == 0:  # the adaptive window is hop 0's; later hops follow the formed groups
-            self.deadlines.observe_matchmaking(primary.last_arrival_lag, primary.complete)
-        if first is not None:
-            report.included_peers = first.included_peers
+        self._complete_report(report, state, hop, chains[0].slot.key, groups, first)
         if state.theta is not None and theta_primary is not None and theta_primary is not state.theta:
             state.theta.copy_(theta_primary)
         state.hops.append(report)
@@ -320,6 +280,43 @@ class MoshpitAverager:
             for chain, out, (group, result, _) in zip(chains, outputs, done, strict=True)
         ]
         return next_chains(after, groups, round_no, hop, self.peer_id, state.side) if hop + 1 < state.dims else after
+
+    def _complete_report(
+        self,
+        report: HopReport,
+        state: _Round,
+        hop: int,
+        primary_key: str,
+        groups: list[FormedGroup],
+        first: AllReduceReport | None,
+    ) -> None:
+        """The hop's report from its primary group (the first), and the adaptive window fed."""
+        primary = groups[0]
+        report.group_key, report.group_size, report.registrants = primary.key, len(primary.members), primary.registrants
+        # a group its closer found whole held everyone expected (cells split unevenly, so
+        # the size alone says little); otherwise what this node expected, to show the gap
+        report.expected = (
+            len(primary.members)
+            if primary.complete
+            else self.expect.hop0_size(state.hop0_cells, primary_key)
+            if hop == 0
+            else primary.expected
+        )
+        report.complete, report.matchmaking_s = all(g.complete for g in groups), round(primary.seconds, 4)
+        log.debug(
+            "round %d hop %d: %s",
+            state.round_no,
+            hop,
+            "; ".join(
+                f"{g.key.rsplit('.', 1)[-1]} {[m.peer_id[-6:] for m in g.members]} expected {g.expected} "
+                f"in {g.seconds:.2f}s"
+                for g in groups
+            ),
+        )
+        if hop == 0:  # the adaptive window is hop 0's; later hops follow the formed groups
+            self.deadlines.observe_matchmaking(primary.last_arrival_lag, primary.complete)
+        if first is not None:
+            report.included_peers = first.included_peers
 
     async def _run_slot(
         self, h: _Hop, chain: Chain, out: torch.Tensor | CodedDelta, report: HopReport
@@ -370,7 +367,7 @@ class MoshpitAverager:
                 self.config, h.round_no, h.hop, group, values, chain.weight, out, feedback, self.registry, self.channels
             )
         else:
-            result = await self._reduce(
+            work = GroupWork(
                 h.round_no,
                 h.hop,
                 h.hop + h.dims,
@@ -381,10 +378,10 @@ class MoshpitAverager:
                 theta_in,
                 theta_out,
                 feedback,
-                report,
                 h.load,
                 hop0_drift(h.drift, group) if h.drift is not None and h.hop == 0 else h.drift,
             )
+            result = await self.reducer.reduce(work, report)
         return group, result, theta_out
 
     def _feedback(self, residual: torch.Tensor | None, hop: int) -> Feedback | None:
@@ -398,207 +395,6 @@ class MoshpitAverager:
         if self.config.wire.compression == Compression.SPARSE:
             return Feedback(residual, inject=hop == 0, decay=self.config.feedback_decay if hop == 0 else 1.0)
         return Feedback(residual) if hop == 0 else None
-
-    async def _reduce(
-        self,
-        round_no: int,
-        hop: int,
-        theta_hop: int,
-        group: FormedGroup,
-        values: torch.Tensor | CodedDelta,
-        weight: float,
-        out: torch.Tensor | CodedDelta,
-        theta: torch.Tensor | None,
-        theta_out: torch.Tensor | None,
-        feedback: Feedback | None,
-        report: HopReport,
-        load: int,
-        drift: DriftBound | None = None,
-    ) -> AllReduceReport | None:
-        """All-reduce Δ (and θ_g when the group re-syncs) in one group; counts into `report`.
-        Its deadline allows for `load` all-reduces of this size at once."""
-        c = self.config
-        if len(group.members) <= 1:
-            self.registry.slot_settled(c.run_id, round_no, hop, None)
-            return None
-        expected = expected_payload_bytes(values.numel(), len(group.members), c.wire, hop)
-        timeout = self.deadlines.allreduce_timeout(load * expected)
-        log.debug(
-            "round %d hop %d: all-reduce in %d members, %d bytes expected (x%d at once), deadline %.1fs (%d rates measured)",
-            round_no,
-            hop,
-            len(group.members),
-            expected,
-            load,
-            timeout,
-            self.deadlines.rates_measured,
-        )
-        plan = delta_plan(c, round_no, hop, group.members, values.numel(), group.key)
-        self.registry.slot_settled(c.run_id, round_no, hop, plan.group_id)  # before its reduction registers
-        presence = GroupPresence(
-            [m.peer_id for m in group.members],
-            self.peer_id,
-            partial(self.matchmaker.formed, group.key),
-            lag=self.matchmaker.formed_lag(),
-        )
-        result = await butterfly_allreduce(
-            plan,
-            self.peer_id,
-            values,
-            weight,
-            out,
-            self.registry,
-            self.channels,
-            timeout,
-            in_flight=c.in_flight,
-            feedback=feedback,
-            auth=self.auth,
-            trim_fraction=c.trim_fraction,
-            absent=presence.absent,
-        )
-        self.deadlines.observe_allreduce(
-            result.bytes_sent + result.bytes_received, result.seconds, not result.failed_parts
-        )
-        log.debug(
-            "round %d hop %d: all-reduce took %.2fs for %d bytes (%d parts failed)",
-            round_no,
-            hop,
-            result.seconds,
-            result.bytes_sent + result.bytes_received,
-            len(result.failed_parts),
-        )
-        report.allreduce_s = round(max(report.allreduce_s, result.seconds), 4)
-        report.timeout_s = round(timeout, 3)
-        _count_into(report, result)
-        if theta is not None and theta_out is not None:
-            # θ_g re-sync: every previous group counts the same (each member by the share of its
-            # group's mean it brings, at most 1: nobody's own word on tokens; two groups of a
-            # later hop that hold one θ_g from two members at ½ and from one at 1 then weigh it
-            # alike, where weight 1 each split θ_g again), by the same rule as Δ (a trimmed mean
-            # in robust mode), and a result that moves our state farther than `drift` (a few of
-            # this node's recent outer steps) is refused: honest θ_g differ by a few outer steps
-            # at most, so only a hostile member's could move it that far
-            attack = failpoints.hostile(round_no)  # a test's attacker
-            own_share = next(m.share for m in group.members if m.peer_id == self.peer_id)
-            theta_plan = make_plan(
-                c.run_id,
-                round_no,
-                theta_hop,
-                [replace(m, weight=m.share) for m in group.members],
-                theta.numel(),
-                c.wire.block_size,
-                c.chunk_elements,
-                FP32,
-                key=group.key,
-            )
-            sync = await butterfly_allreduce(
-                theta_plan,
-                self.peer_id,
-                _hostile_theta(attack, theta),
-                failpoints.HOSTILE_CLAIM if attack == "hostile-resync" else own_share,
-                theta_out,
-                self.registry,
-                self.channels,
-                self.deadlines.allreduce_timeout(
-                    2 * load * expected_payload_bytes(theta.numel(), len(group.members), FP32_WIRE)
-                ),
-                in_flight=c.in_flight,
-                auth=self.auth,
-                trim_fraction=c.trim_fraction,
-                drift=drift,
-                absent=presence.absent,
-            )
-            report.theta_resync_s = round(sync.seconds, 4)
-            _count_into(report, sync)
-        return result
-
-
-def _hostile_theta(attack: str | None, theta: torch.Tensor) -> torch.Tensor:
-    """What a test's attacker sends in a θ_g re-sync: θ x HOSTILE_SCALE (`hostile-resync`), or 2T
-    - θ (`hostile-pair`), which makes a pair's mean T = PAIR_TARGET x θ; an honest node, θ."""
-    if attack == "hostile-resync":
-        return theta * failpoints.HOSTILE_SCALE
-    if attack == "hostile-pair":
-        return theta * (2 * failpoints.PAIR_TARGET - 1)
-    return theta
-
-
-def recodes_alone(config: AveragingConfig) -> bool:
-    """Whether a member alone in a group, holding a mean that other peers' Δ went into
-    (`Chain.pooled`), must still put it through the group's code.
-
-    From hop 1 on, two groups can hold the same mean: every member of the group that made it
-    carries it on, and views differ, so one class-mate may stand alone with it while others
-    meet in a group beside it. A group returns a mean of one distinct value through its code,
-    bit for bit as a group of one does here. Sparse's later-hop code cuts a mean to its
-    LATER_HOP_WIDTH x k largest values per block, and a group whose members brought different
-    means returns up to their union (3 x 2k from a group of 3): kept whole by a member alone, it
-    left that member's θ_g off the others' (seen in a 6-peer sparse swarm in pairs, about one
-    round in six; sparse mode has no scheduled re-sync to bring it back). int8's and fp32's
-    codes give a group's result back as it is, and this peer's own Δ alone is nobody else's:
-    those stay as they are, with no work."""
-    return config.wire.compression == Compression.SPARSE
-
-
-def delta_plan(
-    config: AveragingConfig, round_no: int, hop: int, members: list[Member], numel: int, key: str
-) -> GroupPlan:
-    """The plan of one group's all-reduce of Δ, in the config's wire format."""
-    return make_plan(
-        config.run_id,
-        round_no,
-        hop,
-        members,
-        numel,
-        config.wire.block_size,
-        config.chunk_elements,
-        config.wire.codec,
-        key=key,
-        top_k=config.wire.plan_top_k,
-    )
-
-
-async def as_a_group_of_one(
-    config: AveragingConfig,
-    round_no: int,
-    hop: int,
-    group: FormedGroup,
-    values: torch.Tensor | CodedDelta,
-    weight: float,
-    out: torch.Tensor | CodedDelta,
-    feedback: Feedback | None,
-    registry: ReductionRegistry,
-    channels: ChannelPool,
-) -> AllReduceReport:
-    """`values` into `out` as a group whose members all held them would return them: the
-    same butterfly (no stream leaves this node), its code and its buffer's share of the cut
-    included. The part's weight is `weight`, the chain's whole weight, as a group of
-    members that each brought a share of one mean sums them back to it."""
-    (own,) = group.members
-    # no stream, no claim to bound
-    plan = delta_plan(config, round_no, hop, [replace(own, client_mode=False, weight=0.0)], values.numel(), group.key)
-    return await butterfly_allreduce(
-        plan,
-        own.peer_id,
-        values,
-        weight,
-        out,
-        registry,
-        channels,
-        LONE_TIMEOUT_S,
-        in_flight=config.in_flight,
-        feedback=feedback,
-        trim_fraction=config.trim_fraction,
-    )
-
-
-def _count_into(report: HopReport, result: AllReduceReport) -> None:
-    """One all-reduce's bytes, failed parts and retried streams, added to its hop's report."""
-    report.bytes_sent += result.bytes_sent
-    report.bytes_received += result.bytes_received
-    report.failed_parts += [p.reducer for p in result.failed_parts]
-    report.failure_codes += [p.error.split(":", 1)[0] for p in result.failed_parts]
-    report.retried_codes += result.retried
 
 
 def hop_load(slots: int, hop: int, population: int, side: int, dims: int) -> int:
@@ -640,44 +436,3 @@ def next_chains(
         log.debug("round %d: standing in %d classes of hop %d; carrying %d", round_no, len(chains), hop + 1, MAX_CHAINS)
         chains = chains[:MAX_CHAINS]
     return chains
-
-
-class ScratchBuffers:
-    """Where each group of a hop writes its results: into its own input, in place (a part's
-    result replaces those values only once whole and checked, see `PartResult`), unless another
-    group of the hop reads the same input (a member of a small group carrying one mean into
-    several groups); then into model-sized scratch buffers, kept across rounds, that no input is."""
-
-    def __init__(self) -> None:
-        self._scratch: list[torch.Tensor | CodedDelta] = []
-
-    def outputs(self, inputs: list[torch.Tensor | CodedDelta]) -> list[torch.Tensor | CodedDelta]:
-        """One output buffer per input."""
-        busy = {id(t) for t in inputs}
-        readers = Counter(id(t) for t in inputs)
-        outputs, index = [], 0
-        for values in inputs:
-            if readers[id(values)] == 1:
-                outputs.append(values)
-                continue
-            while id(buffer := self._buffer(index, values)) in busy:
-                index += 1
-            outputs.append(buffer)
-            index += 1
-        return outputs
-
-    def _buffer(self, index: int, like: torch.Tensor | CodedDelta) -> torch.Tensor | CodedDelta:
-        while len(self._scratch) <= index:
-            self._scratch.append(_empty_like(like))
-        kept = self._scratch[index]
-        if kept.numel() != like.numel() or type(kept) is not type(like) or _block_of(kept) != _block_of(like):
-            self._scratch[index] = _empty_like(like)
-        return self._scratch[index]
-
-
-def _empty_like(like: torch.Tensor | CodedDelta) -> torch.Tensor | CodedDelta:
-    return like.empty_like() if isinstance(like, CodedDelta) else torch.empty_like(like)
-
-
-def _block_of(buffer: torch.Tensor | CodedDelta) -> int:
-    return buffer.block_size if isinstance(buffer, CodedDelta) else 0

@@ -28,13 +28,11 @@ from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
-
 from . import failpoints
-from .auth import AuthError, SwarmAuth
+from .auth import SwarmAuth
 from .grid import split_groups
-from .hivemind_adapter import DHT, get_dht_time
-from .identity import signed_subkey, writer_of
+from .group_board import REGISTRATION_TTL_S, GroupBoard, Registrants, Registration
+from .hivemind_adapter import DHT
 from .leadership import ClosedList, ReadList, Standing, by_rank, ranked_below, standing, valid_lists
 from .plan import Member
 from .presence import FORMED_LAG_S
@@ -42,35 +40,7 @@ from .presence import FORMED_LAG_S
 log = logging.getLogger(__name__)
 
 
-class Registration(BaseModel):
-    model_config = ConfigDict(extra="ignore", frozen=True)
-
-    grpc_addr: str = Field("", max_length=256)
-    client_mode: bool = False
-    bandwidth_mbps: float = Field(1000.0, gt=0, le=1e9)
-    resync: bool = False  # asks the group to also average θ_g this hop (after a failure, a join)
-    theta: str = Field("", max_length=64)  # sha256 of the θ_g it would re-sync from ("": not known)
-    # its Δ's weight here (tokens): its streams may claim no more, and the group's plan caps it;
-    # never 0 (a weight of 0 used to switch every cap of its group off)
-    weight: float = Field(1.0, gt=0, le=1e12)
-    # the share of its previous group's mean it brings (moshpit classes): its weight in a θ_g re-sync
-    share: float = Field(1.0, gt=0, le=1)
-    auth: str = Field("", max_length=512)
-
-    def subject(self, key: str) -> str:
-        """What the swarm-key tag of this registration signs."""
-        subject = (
-            f"{key}|{self.grpc_addr}|{self.client_mode}|{self.bandwidth_mbps!r}|{self.resync}|{self.theta}|"
-            f"{self.weight!r}"
-        )
-        # a whole share signs as before the field existed: older peers still read the common case
-        return subject if self.share == 1.0 else f"{subject}|{self.share!r}"
-
-
-MAX_REGISTRANTS = 4096  # valid entries of distinct writers read per group key: a flood stays bounded
 UNKNOWN = "?"  # an expectation that can never be met: wait for the window
-LIST_TTL_S = 120.0  # closed and formed member lists outlive every hop that reads them
-REGISTRATION_TTL_S = 60.0  # a registration outlives its window by this much (late readers still see it)
 POLLS_PER_WINDOW = 2  # a window lasts at least this many of the recent slowest polls
 POLL_HISTORY = 32
 # past its own window and settle time, a follower still waits this long for a leader's list
@@ -85,8 +55,6 @@ MAX_PASSES = 2
 # ahead of it to confirm it (they do within a poll of their settle if they took it; they did not
 # if it jumped: they wait for this leader), before it names them itself
 HOLD_S = 0.5
-
-Registrants = dict[str, tuple[Member, Registration]]
 
 
 @dataclass
@@ -206,83 +174,19 @@ class Matchmaker:
         self.auth = auth
         self.settle_s = settle_s  # how long a closed list waits for lists closed at the same time
         self._poll_seconds: deque[float] = deque(maxlen=POLL_HISTORY)  # recent polls of a group's key
-        # with `owner` (this peer's `[owner:...]` key marker, as a node has), registrations and
-        # member lists are written under subkeys only this peer can sign, and entries of other
-        # peers count only under their own keys (identity.py): nobody overwrites another's
-        # registration or list, nor writes one for an id whose key they lack
-        self.owner = owner
-        self.subkey: str | bytes = signed_subkey(own.peer_id, owner) if owner is not None else own.peer_id
-
-    def _writer(self, subkey: object) -> str | None:
-        """Whose entry a subkey holds: signed by its peer's own key, or (without `owner`) as named."""
-        if self.owner is not None:
-            return writer_of(subkey)
-        return subkey if isinstance(subkey, str) and len(subkey) <= 128 else None
-
-    def _authentic(self, purpose: str, subject: str, tag: str, peer_id: str) -> bool:
-        if self.auth is None:
-            return True
-        try:
-            self.auth.verify(purpose, subject, tag, peer_id=peer_id, single_use=False, max_age=None)
-            return True
-        except AuthError:
-            return False
+        self.board = GroupBoard(dht, own.peer_id, auth, owner)
 
     def group_key(self, round: int, hop: int, cell: str = "all") -> str:
         return f"{self.run_id}.group.{round}.{hop}.{cell}"
 
-    async def _entries(self, key: str, allowed: set[str] | None) -> list[tuple[str, object]]:
-        """(writer, value) of the entries under `key` whose writer is known (and `allowed`), at
-        most MAX_REGISTRANTS of them: the writer is checked before anything else is parsed, and
-        the cap counts only entries that pass it."""
-        found = await self.dht.get(key, latest=True, return_future=True)
-        entries = found.value if found is not None and isinstance(found.value, dict) else {}
-        out = []
-        for subkey, item in entries.items():
-            writer = self._writer(subkey)
-            if writer is None or (allowed is not None and writer not in allowed):
-                continue
-            out.append((writer, getattr(item, "value", None)))
-            if len(out) >= MAX_REGISTRANTS:
-                break
-        return out
-
-    async def _registrations(
-        self, key: str, allowed: set[str] | None = None, refused: set[str] | None = None
-    ) -> Registrants:
-        """The valid, authentic registrations under `key` (of `allowed` writers, when given);
-        writers whose own entry is refused are added to `refused`, when given."""
-        members = {}
-        for peer_id, value in await self._entries(key, allowed):
-            try:
-                reg = Registration.model_validate(value)
-            except (ValidationError, AttributeError, TypeError):
-                reg = None
-            if reg is None or (not reg.client_mode and not reg.grpc_addr):
-                if refused is not None:
-                    refused.add(peer_id)
-                continue
-            if not self._authentic("register", reg.subject(key), reg.auth, peer_id):
-                if refused is not None:
-                    refused.add(peer_id)
-                continue  # without the swarm key nobody joins our groups
-            members[peer_id] = (
-                Member(peer_id, reg.grpc_addr, reg.client_mode, reg.bandwidth_mbps, reg.weight, reg.share),
-                reg,
-            )
-        return members
-
     async def registered(self, key: str) -> set[str]:
         """Peers with a valid, authentic registration under `key`."""
-        return set(await self._registrations(key))
+        return await self.board.registered(key)
 
-    async def _member_lists(self, key: str, purpose: str, allowed: set[str] | None = None) -> dict[str, ClosedList]:
-        lists = {}
-        for peer_id, value in await self._entries(f"{key}.{purpose}", allowed):
-            entry = parse_list(value, peer_id)
-            if entry is not None and self._authentic(purpose, entry.subject(key), _tag(value), peer_id):
-                lists[peer_id] = entry
-        return lists
+    async def formed(self, key: str) -> dict[str, tuple[str, ...]]:
+        """The group each registrant ended up in (alone counts): what the groups of the next
+        hop wait for, and what confirms a list (`leadership.confirmed`)."""
+        return await self.board.formed(key)
 
     def leader_grace(self) -> float:
         """How long past its settle a follower waits for a leader's list once every peer it
@@ -299,31 +203,14 @@ class Matchmaker:
         reads the list a poll later, then stores its record) — never under FORMED_LAG_S."""
         return max(FORMED_LAG_S, self.poll_interval + 2 * max(self._poll_seconds, default=0.0))
 
-    async def formed(self, key: str) -> dict[str, tuple[str, ...]]:
-        """The group each registrant ended up in (alone counts): what the groups of the next
-        hop wait for, and what confirms a list (`leadership.confirmed`)."""
-        return {p: entry.members for p, entry in (await self._member_lists(key, "formed")).items()}
-
-    async def _publish(
-        self, key: str, purpose: str, members: tuple[str, ...], complete: bool = False, resync: bool = False
-    ) -> None:
-        entry = ClosedList(members, complete, resync)
-        tag = self.auth.issue(purpose, entry.subject(key)) if self.auth else ""
-        await self.dht.store(
-            f"{key}.{purpose}",
-            subkey=self.subkey,
-            value={"members": list(members), "complete": complete, "resync": resync, "auth": tag},
-            expiration_time=get_dht_time() + LIST_TTL_S,
-            return_future=True,
-        )
-
     async def _read(self, forming: Forming, admitted: Callable[[], Awaitable[set[str]]] | None) -> None:
         """Registrants (admitted ones, this peer always) and the lists they closed, added to
         what this hop's earlier reads found (see `Forming`)."""
         allowed = await admitted() if admitted is not None else None
         refused: set[str] = set()
         found, lists = await asyncio.gather(
-            self._registrations(forming.key, allowed, refused), self._member_lists(forming.key, "closed", allowed)
+            self.board.registrations(forming.key, allowed, refused),
+            self.board.member_lists(forming.key, "closed", allowed),
         )
         forming.registrants |= found
         forming.refused |= refused - set(forming.registrants)
@@ -365,27 +252,7 @@ class Matchmaker:
         window = max(window, POLLS_PER_WINDOW * max(self._poll_seconds, default=0.0))
         key = self.group_key(round, hop, cell)
         attack = failpoints.hostile(round)
-        bandwidth = failpoints.HOSTILE_BANDWIDTH if attack == "hostile-bandwidth" else self.own.bandwidth
-        reg = Registration(
-            grpc_addr=self.own.grpc_addr,
-            client_mode=self.own.client_mode,
-            bandwidth_mbps=bandwidth,
-            resync=resync,
-            theta=theta,
-            weight=weight if attack != "hostile-zero-weight" else 1.0,
-            share=share,
-        )
-        if attack == "hostile-zero-weight":  # a test's attacker: a build that skips its own checks
-            reg = reg.model_copy(update={"weight": 0.0})
-        reg = reg.model_copy(update={"auth": self.auth.issue("register", reg.subject(key)) if self.auth else ""})
-        await self.dht.store(
-            key,
-            subkey=self.subkey,
-            value=reg.model_dump(),
-            expiration_time=get_dht_time() + window + REGISTRATION_TTL_S,
-            return_future=True,
-        )
-        own = replace(self.own, weight=weight, bandwidth=bandwidth, share=share)
+        own, reg = await self._register(key, attack, window, resync, weight, theta, share)
         forming = Forming(key, own.peer_id, {own.peer_id: (own, reg)})
         if attack in ("hostile-leader", "hostile-pair") and (
             lone := await self._attack(attack, forming, admitted, window, started)
@@ -399,12 +266,46 @@ class Matchmaker:
         members = [forming.registrants[p][0] for p in group]
         if all(m.client_mode for m in members):
             members = [own]  # nobody can reduce: average alone
-        # a list cut by the settling (a member went to another list) is no longer whole
-        complete = decided.complete and len(members) == len(decided.members)
         try:
-            await self._publish(key, "formed", tuple(sorted(m.peer_id for m in members)))
+            await self.board.publish(key, "formed", tuple(sorted(m.peer_id for m in members)))
         except Exception as e:  # noqa: BLE001  (the next hop then waits for this peer until its window ends)
             log.warning("could not publish the formed group: %s", e)
+        return self._formed_group(forming, members, decided, wanted, last_arrival, started, theta)
+
+    async def _register(
+        self, key: str, attack: str | None, window: float, resync: bool, weight: float, theta: str, share: float
+    ) -> tuple[Member, Registration]:
+        """Store this peer's signed registration under `key`: (itself as a member, the registration)."""
+        bandwidth = failpoints.HOSTILE_BANDWIDTH if attack == "hostile-bandwidth" else self.own.bandwidth
+        reg = Registration(
+            grpc_addr=self.own.grpc_addr,
+            client_mode=self.own.client_mode,
+            bandwidth_mbps=bandwidth,
+            resync=resync,
+            theta=theta,
+            weight=weight if attack != "hostile-zero-weight" else 1.0,
+            share=share,
+        )
+        if attack == "hostile-zero-weight":  # a test's attacker: a build that skips its own checks
+            reg = reg.model_copy(update={"weight": 0.0})
+        reg = reg.model_copy(update={"auth": self.auth.issue("register", reg.subject(key)) if self.auth else ""})
+        await self.board.register(key, reg, window + REGISTRATION_TTL_S)
+        return replace(self.own, weight=weight, bandwidth=bandwidth, share=share), reg
+
+    def _formed_group(
+        self,
+        forming: Forming,
+        members: list[Member],
+        decided: ClosedList,
+        wanted: set[str],
+        last_arrival: float,
+        started: float,
+        theta: str,
+    ) -> FormedGroup:
+        """What this peer's group turned out to be, as the averager needs it."""
+        key, me = forming.key, forming.me
+        # a list cut by the settling (a member went to another list) is no longer whole
+        complete = decided.complete and len(members) == len(decided.members)
         registrations = [forming.registrants[m.peer_id][1] for m in members]
         return FormedGroup(
             key,
@@ -420,7 +321,7 @@ class Matchmaker:
             sum(
                 1
                 for m in members
-                if m.peer_id != own.peer_id and (not theta or forming.registrants[m.peer_id][1].theta != theta)
+                if m.peer_id != me and (not theta or forming.registrants[m.peer_id][1].theta != theta)
             ),
         )
 
@@ -508,7 +409,7 @@ class Matchmaker:
             complete=UNKNOWN not in wanted and wanted - set(view.taken) - forming.refused <= set(candidates),
             resync=needs_resync([forming.registrants[p][1] for p in group]),
         )
-        await self._publish(forming.key, "closed", group, decided.complete, decided.resync)
+        await self.board.publish(forming.key, "closed", group, decided.complete, decided.resync)
         forming.lists[forming.me] = decided
         return group, decided
 
@@ -558,36 +459,13 @@ class Matchmaker:
             return FormedGroup(key, [forming.registrants[me][0]], 1, time.monotonic() - started)
         while time.monotonic() - started < window:
             allowed = await admitted() if admitted is not None else None
-            others = by_rank(key, set(await self._registrations(key, allowed)) - {me})
+            others = by_rank(key, set(await self.board.registrations(key, allowed)) - {me})
             after = [p for p in others if p not in ranked_below(key, me, others)]
             if after:
-                await self._publish(key, "closed", (me, after[0]), resync=True)
+                await self.board.publish(key, "closed", (me, after[0]), resync=True)
                 return None
             await asyncio.sleep(self.poll_interval)
         return None
-
-
-def parse_list(value: object, publisher: str) -> ClosedList | None:
-    """A member list as a peer stored it (untrusted), or None if malformed or not its publisher's."""
-    if not isinstance(value, dict):
-        return None
-    members, complete, resync = value.get("members"), value.get("complete"), value.get("resync")
-    if not (
-        isinstance(members, (list, tuple))
-        and 0 < len(members) <= MAX_REGISTRANTS
-        and all(isinstance(v, str) and 0 < len(v) <= 128 for v in members)
-        and len(set(members)) == len(members)
-        and publisher in members
-        and isinstance(complete, bool)
-        and isinstance(resync, bool)
-        and isinstance(value.get("auth", ""), str)
-    ):
-        return None
-    return ClosedList(tuple(members), complete, resync)
-
-
-def _tag(value: object) -> str:
-    return str(value.get("auth", "")) if isinstance(value, dict) else ""
 
 
 def _part_of(candidates: list[str], me: str, target_size: int) -> tuple[str, ...]:

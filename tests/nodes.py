@@ -95,6 +95,7 @@ class NodeProcess:
     ):
         self.name = name
         self.state_dir = state_dir
+        self.started_at = time.time()  # a history.jsonl entry's `time` tells this process's rounds from earlier ones
         self.lines: list[str] = []
         self.times: list[float] = []  # time.monotonic() at which each line was read
         # `prefix` wraps the command, e.g. `ip netns exec NS` (which execs it: signals reach the node).
@@ -211,6 +212,11 @@ class NodeProcess:
             except ValueError:  # the line being written
                 continue
         return out
+
+    @property
+    def own_rounds(self) -> list[dict[str, Any]]:
+        """The rounds this process ended (`rounds` without a restarted node's earlier ones)."""
+        return [r for r in self.rounds if r["time"] >= self.started_at]
 
     def round(self, number: int) -> dict[str, Any] | None:
         """The newest entry of round `number` (None if it has not ended here)."""

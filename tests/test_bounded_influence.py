@@ -220,7 +220,7 @@ def test_a_pair_partner_cannot_move_theta_by_a_resync_beyond_a_few_outer_steps()
     """Issue 56, finding 4: a re-sync result was bounded by 4x the norm of θ itself, and a group of
     two trims nothing, so a member paired with a victim that sent 2T - θ set the victim's θ_g to
     any T within about 4‖θ‖ of it, -θ included (T = -2.5θ here, 3.5‖θ‖ away). The bound is now
-    a few of the node's own recent outer steps (`Replica.resync_bound`): refused, θ_g kept."""
+    a few of the node's own recent outer steps (`UpdateBounds.resync_bound`): refused, θ_g kept."""
 
     async def main():
         peers = await start_peers(2)

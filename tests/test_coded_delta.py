@@ -281,19 +281,19 @@ def test_an_averaged_delta_is_held_to_a_few_of_the_nodes_own_with_room_for_a_nod
     own = torch.linalg.vector_norm(r.theta_g - r.trainer.parameters_flat).item()
 
     def length_after(ratio: float, times: float) -> float:
-        r.allow_for_shortfall(ratio)
+        r.bounds.allow_for_shortfall(ratio)
         mean = r.pseudo_gradient()  # this node's own Δ, staged where the average lands
         if isinstance(mean, CodedDelta):
             mean.scales.mul_(times)
-            return r.bounded(mean).norm().item()
-        return torch.linalg.vector_norm(r.bounded(mean.mul_(times))).item()
+            return r.bounds.bounded(mean).norm().item()
+        return torch.linalg.vector_norm(r.bounds.bounded(mean.mul_(times))).item()
 
     assert length_after(1.0, 10.0) == pytest.approx(OUTER_REACH * own, rel=1e-3)
     assert length_after(2.0, 10.0) == pytest.approx(10.0 * own, rel=1e-3)
     assert length_after(2.0, 20.0) == pytest.approx(OUTER_REACH * 4 * own, rel=1e-3)
     assert length_after(math.inf, 1e6) == pytest.approx(OUTER_REACH * MAX_ALLOWANCE * own, rel=1e-3)
     assert length_after(0.5, 2.0) == pytest.approx(2.0 * own, rel=1e-3)  # never below its own reach
-    assert r.outer_steps_scaled == 3
+    assert r.bounds.outer_steps_scaled == 3
 
 
 @pytest.mark.parametrize("coded", [False, True])
@@ -302,14 +302,14 @@ def test_a_node_that_trained_no_steps_takes_the_groups_mean_whole(coded):
     taken as it came (a bound of 0 x its Δ zeroed it, and the node's θ_g split from its group's)."""
     r = _replica(coded)
     empty = r.pseudo_gradient()
-    assert r.own_scale() is None
+    assert r.bounds.own_scale() is None
     if isinstance(empty, CodedDelta):
         empty.scales.fill_(1.0)
         empty.codes.fill_(1)
-        assert r.bounded(empty).norm().item() > 0
+        assert r.bounds.bounded(empty).norm().item() > 0
     else:
-        assert torch.linalg.vector_norm(r.bounded(empty.fill_(1.0))).item() > 0
-    assert r.outer_steps_scaled == 0
+        assert torch.linalg.vector_norm(r.bounds.bounded(empty.fill_(1.0))).item() > 0
+    assert r.bounds.outer_steps_scaled == 0
 
 
 @pytest.mark.parametrize("coded", [False, True])
@@ -323,7 +323,7 @@ def test_a_resynced_state_moves_this_nodes_as_a_whole_no_farther_than_its_bound(
     r.trainer.parameters_flat.add_(torch.randn(n, generator=torch.Generator().manual_seed(5)) * 1e-2)
     r.pseudo_gradient()
     r.outer.momentum_buffer.normal_(generator=torch.Generator().manual_seed(6))
-    drift = r.resync_bound(0)
+    drift = r.bounds.resync_bound(0)
     assert 0 < drift.theta and 0 < drift.momentum
     theta0, momentum0 = r.theta_g.clone(), r.outer.momentum_buffer.clone()
     away = torch.randn(2 * n, generator=torch.Generator().manual_seed(7))

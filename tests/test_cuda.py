@@ -139,7 +139,7 @@ def test_the_outer_step_on_the_gpu_matches_the_cpu():
         cpu.apply_outer_step(delta.clone())
         torch.testing.assert_close(gpu.theta_g.cpu(), cpu.theta_g, rtol=0, atol=1e-6)
     # what a running node judges a split-vote download by, read back from the device
-    assert math.isclose(gpu.update_scale() or 0.0, cpu.update_scale() or 1.0, rel_tol=1e-4)
+    assert math.isclose(gpu.bounds.update_scale() or 0.0, cpu.bounds.update_scale() or 1.0, rel_tol=1e-4)
     assert math.isclose(gpu.distance_to(cpu.theta_g), 0.0, abs_tol=1e-4)
 
 

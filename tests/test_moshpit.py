@@ -356,7 +356,7 @@ def test_the_lowest_ranked_registrant_closes_and_everyone_agrees(dht):
 
         groups = await asyncio.gather(*(makers[p].form_group(0, 0, want, window=10, target_size=4) for p in "abcd"))
         assert all([m.peer_id for m in g.members] == list("abcd") and g.complete for g in groups)
-        closed = await makers["a"]._member_lists(makers["a"].group_key(0, 0), "closed")
+        closed = await makers["a"].board.member_lists(makers["a"].group_key(0, 0), "closed")
         assert set(closed) == {_ranked("mm-rank", "abcd")[0]}
 
     asyncio.run(main())
@@ -452,7 +452,7 @@ def test_a_list_that_jumps_ahead_of_its_leader_takes_nobody_and_a_made_up_id_iso
         victim = rest[0]
         for p in (jumper, victim):
             await _register(makers[p], key)
-        await makers[jumper]._publish(key, "closed", (jumper, victim, "ghost"), complete=True)
+        await makers[jumper].board.publish(key, "closed", (jumper, victim, "ghost"), complete=True)
 
         async def want():
             return {leader, *rest}
@@ -479,7 +479,7 @@ def test_a_made_up_id_in_the_leaders_list_is_left_out_and_the_others_still_meet(
         makers = {p: Matchmaker(dht, run_id, _member(p), poll_interval=0.05, settle_s=0.3) for p in "abc"}
         key = makers[leader].group_key(0, 0)
         await _register(makers[leader], key)
-        await makers[leader]._publish(key, "closed", (leader, *followers, "zz-ghost"), complete=True)
+        await makers[leader].board.publish(key, "closed", (leader, *followers, "zz-ghost"), complete=True)
 
         async def want():
             return {"a", "b", "c"}

@@ -84,13 +84,13 @@ def test_a_cpu_replica_holds_three_model_sized_buffers_through_its_rounds(moment
 def test_a_replica_knows_how_far_its_outer_steps_move_theta_g_and_how_far_a_download_is():
     """The two figures a running node judges a split-vote download by (`daemon/catchup/trust_radius.py`)."""
     r = _replica("a")
-    assert r.update_scale() is None  # no outer step yet: nothing to judge by
+    assert r.bounds.update_scale() is None  # no outer step yet: nothing to judge by
     sizes = []
     for scale in (1e-3, 4e-3, 2e-3):
         before = r.theta_g.clone()
         r.apply_outer_step(torch.full((r.numel,), scale))
         sizes.append(float((r.theta_g - before).norm()))
-    assert max(sizes) <= r.update_scale() <= 2 * max(sizes)  # momentum 0.9: a bound, not an equality
+    assert max(sizes) <= r.bounds.update_scale() <= 2 * max(sizes)  # momentum 0.9: a bound, not an equality
     other = r.theta_g.clone()
     other[:10] += 3.0
     assert abs(r.distance_to(other) - (10 * 9) ** 0.5) < 1e-4

@@ -850,7 +850,7 @@ def test_a_running_node_judges_a_split_vote_by_its_own_outer_steps(tmp_path, cap
         before = await judge_split_vote(worker, _file(replica.theta_g.clone(), 1))
         delta = torch.full((replica.numel,), 1e-3)
         await worker.call(replica.apply_outer_step, delta)
-        scale = replica.update_scale()
+        scale = replica.bounds.update_scale()
         assert scale is not None and scale > 0
         own = replica.theta_g.clone()
         with caplog.at_level(logging.INFO, logger="dtnode"):
@@ -884,11 +884,11 @@ def test_outer_steps_measured_during_the_rate_warmup_are_scaled_to_the_swarms_ra
         replica = worker.replica
         await worker.call(replica.apply_outer_step, torch.full((replica.numel,), 1e-3))  # round 0's
         own = replica.theta_g.clone()
-        unscaled = replica.update_scale()
+        unscaled = replica.bounds.update_scale()
         assert unscaled is not None
         peak, first = worker.round_rate(6), worker.round_rate(0)
         assert first < 0.25 * peak and worker.round_rate(3) == peak  # warm-up over after 50 steps
-        scaled = replica.update_scale(worker.round_rate, peak)
+        scaled = replica.bounds.update_scale(worker.round_rate, peak)
         assert scaled == pytest.approx(unscaled * peak / first, rel=1e-5)
         direction = torch.ones(replica.numel) / replica.numel**0.5
         radius = Reach.of(unscaled, 6, worker.outer_step, 0).radius

@@ -35,9 +35,9 @@ from dtnode.daemon.checkpoints.file_format import (
 from dtnode.daemon.serve.sidecar import dialback_peer, history_query, path_step
 from dtnode.daemon.swarm.reachability import Reachability
 from dtnode.daemon.workload.recipe import SwarmRecipe
+from dtnode.peers.group_board import Registration, parse_list
 from dtnode.peers.identity import writer_of
 from dtnode.peers.leadership import ClosedList, by_rank, standing, valid_lists
-from dtnode.peers.matchmaking import Registration, parse_list
 from dtnode.peers.membership import PeerRecord
 from dtnode.peers.plan import FP32, INT8, SPARSE, Member, make_plan
 from dtnode.peers.wire import ChunkError, decode_chunk, numel_of

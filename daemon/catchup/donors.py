@@ -314,76 +314,131 @@ async def fetch_from_swarm(
     if not donors:
         return None
     scratch.mkdir(parents=True, exist_ok=True)
-    started = time.monotonic()
+    fetch = _Fetch(layout, run_id, model_hash, scratch, timeout, auth, keep, judge, judge_every, time.monotonic())
     async with aiohttp.ClientSession() as session:
-        probes = await asyncio.gather(
-            *(probe(session, d, layout, min(timeout, PROBE_TIMEOUT_S), auth) for d in donors), return_exceptions=True
-        )
-        offers = []
-        for donor, result in zip(donors, probes):
-            if isinstance(result, Offer):
-                if result.step in steps:
-                    offers.append(result)
-            else:
-                log.warning("peer %s (%s) offers no usable checkpoint: %s", donor.peer_id[-8:], donor.http_addr, result)
+        offers = await _offers(session, donors, steps, layout, timeout, auth)
         offers = await with_voters(await _bind(offers, refresh, bind_wait))
         hosts = await _verifiable_hosts(members, own_id, model_hash) if majority else None
-        wanted = {o.sha256[:16] for o in offers}
-        for stale in scratch.glob(".download-*"):  # partial files nobody offers any more
-            if stale.name.split("-", 1)[1].split(".", 1)[0] not in wanted:
-                stale.unlink(missing_ok=True)
-        for group in group_offers(offers, hosts, own_id):
-            # several donors first; if the assembled file is bad, each donor alone (to skip the liar)
-            attempts = [group] + ([[o] for o in group] if len(group) > 1 else [])
-            for attempt in attempts:
-                path = None
-                try:
-                    asked = time.monotonic()
-                    path = await download_parallel(session, attempt, scratch, timeout, auth)
-                    downloaded = time.monotonic()
-                    loaded = await asyncio.to_thread(read_checkpoint, path, layout, run_id, model_hash)
-                    if judge_every or split_vote(group, hosts):
-                        refusal = await judge(loaded) if judge is not None else "nothing to judge it by"
-                        if refusal is not None:
-                            log.warning(
-                                "not adopting step %d (sha256 %s), which %d of the %d hosts this node can verify "
-                                "serve: %s",
-                                loaded.step,
-                                group[0].sha256[:12],
-                                host_votes(group),
-                                hosts,
-                                refusal,
-                            )
-                            break  # the same verified bytes from any donor of the group
-                    loaded.timings = {
-                        "asking": asked - started,
-                        "transfer": downloaded - asked,
-                        "checking": time.monotonic() - downloaded,
-                    }
-                    if keep:
-                        final = checkpoint_path(scratch, loaded.step)
-                        try:
-                            await asyncio.to_thread(_keep_as, path, final)
-                        except OSError as e:
-                            raise LocalDiskError(
-                                f"cannot keep {final.name} in the state dir: {e.strerror or e}"
-                            ) from None
-                        loaded.file = CheckpointInfo(loaded.step, final, attempt[0].sha256, attempt[0].size)
-                    for leftover in scratch.glob(".download-*"):
-                        leftover.unlink(missing_ok=True)
+        _forget_partial_downloads(scratch, offers)
+        try:
+            for group in group_offers(offers, hosts, own_id):
+                loaded = await fetch.from_group(session, group, hosts)
+                if loaded is not None:
                     return loaded
-                except LocalDiskError as e:  # no donor is at fault, and none would do better
-                    log.error("could not download a checkpoint: %s (free space in the state dir, or fix it)", e)
-                    return None
-                except (TimeoutError, DownloadError, CheckpointError, aiohttp.ClientError, OSError, ValueError) as e:
-                    names = ", ".join(f"{o.donor.peer_id[-8:]} ({o.base})" for o in attempt)
-                    log.warning("could not sync from %s: %s; trying the next peer", names, e)
-                    if isinstance(e, CheckpointError):
-                        break  # the file itself is unusable: no donor of this group can help
-                finally:
-                    if path is not None:
-                        path.unlink(missing_ok=True)
+        except LocalDiskError as e:  # no donor is at fault, and none would do better
+            log.error("could not download a checkpoint: %s (free space in the state dir, or fix it)", e)
     return None
+
+
+async def _offers(
+    session: aiohttp.ClientSession,
+    donors: list[PeerRecord],
+    steps: range,
+    layout: Layout,
+    timeout: float,
+    auth: SwarmAuth | None,
+) -> list[Offer]:
+    """What each donor offers of `steps`, probed at once (a donor that offers nothing usable is
+    named in a warning and left out)."""
+    probes = await asyncio.gather(
+        *(probe(session, d, layout, min(timeout, PROBE_TIMEOUT_S), auth) for d in donors), return_exceptions=True
+    )
+    offers = []
+    for donor, result in zip(donors, probes, strict=True):
+        if isinstance(result, Offer):
+            if result.step in steps:
+                offers.append(result)
+        else:
+            log.warning("peer %s (%s) offers no usable checkpoint: %s", donor.peer_id[-8:], donor.http_addr, result)
+    return offers
+
+
+def _forget_partial_downloads(scratch: Path, offers: list[Offer]) -> None:
+    """Partial files of earlier downloads that nobody offers any more (the others resume)."""
+    wanted = {o.sha256[:16] for o in offers}
+    for stale in scratch.glob(".download-*"):
+        if stale.name.split("-", 1)[1].split(".", 1)[0] not in wanted:
+            stale.unlink(missing_ok=True)
+
+
+@dataclass(frozen=True)
+class _Fetch:
+    """One `fetch_from_swarm`: how a group's file is downloaded, checked, judged and kept."""
+
+    layout: Layout
+    run_id: str
+    model_hash: str
+    scratch: Path
+    timeout: float
+    auth: SwarmAuth | None
+    keep: bool
+    judge: Callable[[LoadedCheckpoint], Awaitable[str | None]] | None
+    judge_every: bool
+    started: float
+
+    async def from_group(
+        self, session: aiohttp.ClientSession, group: list[Offer], hosts: int | None
+    ) -> LoadedCheckpoint | None:
+        """The group's file from several donors at once; if the assembled file is bad, from
+        each donor alone (to skip the liar). None: no donor of the group gave a usable file, or
+        the judge refused it. A LocalDiskError goes up: no other donor would do better."""
+        attempts = [group] + ([[o] for o in group] if len(group) > 1 else [])
+        for attempt in attempts:
+            path = None
+            try:
+                asked = time.monotonic()
+                path = await download_parallel(session, attempt, self.scratch, self.timeout, self.auth)
+                downloaded = time.monotonic()
+                loaded = await asyncio.to_thread(read_checkpoint, path, self.layout, self.run_id, self.model_hash)
+                if await self._refused(loaded, group, hosts):
+                    return None  # the same verified bytes from any donor of the group
+                loaded.timings = {
+                    "asking": asked - self.started,
+                    "transfer": downloaded - asked,
+                    "checking": time.monotonic() - downloaded,
+                }
+                if self.keep:
+                    await self._keep(loaded, path, attempt[0])
+                for leftover in self.scratch.glob(".download-*"):
+                    leftover.unlink(missing_ok=True)
+                return loaded
+            except LocalDiskError:
+                raise
+            except (TimeoutError, DownloadError, CheckpointError, aiohttp.ClientError, OSError, ValueError) as e:
+                names = ", ".join(f"{o.donor.peer_id[-8:]} ({o.base})" for o in attempt)
+                log.warning("could not sync from %s: %s; trying the next peer", names, e)
+                if isinstance(e, CheckpointError):
+                    return None  # the file itself is unusable: no donor of this group can help
+            finally:
+                if path is not None:
+                    path.unlink(missing_ok=True)
+        return None
+
+    async def _refused(self, loaded: LoadedCheckpoint, group: list[Offer], hosts: int | None) -> bool:
+        """Whether the judge refuses a file no majority serves (or any, with `judge_every`)."""
+        if not (self.judge_every or split_vote(group, hosts)):
+            return False
+        refusal = await self.judge(loaded) if self.judge is not None else "nothing to judge it by"
+        if refusal is None:
+            return False
+        log.warning(
+            "not adopting step %d (sha256 %s), which %d of the %d hosts this node can verify serve: %s",
+            loaded.step,
+            group[0].sha256[:12],
+            host_votes(group),
+            hosts,
+            refusal,
+        )
+        return True
+
+    async def _keep(self, loaded: LoadedCheckpoint, path: Path, offer: Offer) -> None:
+        """The verified file becomes this node's own checkpoint of its step."""
+        final = checkpoint_path(self.scratch, loaded.step)
+        try:
+            await asyncio.to_thread(_keep_as, path, final)
+        except OSError as e:
+            raise LocalDiskError(f"cannot keep {final.name} in the state dir: {e.strerror or e}") from None
+        loaded.file = CheckpointInfo(loaded.step, final, offer.sha256, offer.size)
 
 
 BIND_POLL_S = 0.1

@@ -340,10 +340,6 @@ async def download_parallel(
     """Assemble one checkpoint file from ranges served by every donor in `offers` (same file)."""
     first = offers[0]
     partial = PartialDownload(scratch, first.sha256, first.size)
-    todo: asyncio.Queue[int] = asyncio.Queue()
-    for index in range(len(partial.pieces)):
-        if index not in partial.finished:
-            todo.put_nowait(index)
     resumed = sum(partial.pieces[i][1] for i in partial.finished)
     if resumed:
         log.info(
@@ -354,71 +350,101 @@ async def download_parallel(
         )
     progress = TransferProgress(first.size, f"checkpoint {first.step} from {len(offers)} peer(s)")
     progress.advance(resumed)
-    failures: dict[str, str] = {}
-    in_flight: set[int] = set()
     started = time.monotonic()
-
-    async def worker(offer: Offer) -> None:
-        while offer.donor.peer_id not in failures and len(partial.finished) < len(partial.pieces):
-            try:
-                index = todo.get_nowait()
-            except asyncio.QueueEmpty:  # ranges in flight elsewhere may still come back
-                if (
-                    all(o.donor.peer_id in failures for o in offers if o is not offer)
-                    and todo.empty()
-                    and not in_flight
-                ):
-                    return
-                await asyncio.sleep(QUEUE_POLL_S)
-                continue
-            in_flight.add(index)
-            start, length = partial.pieces[index]
-            try:
-                await _fetch_patiently(session, offer, start, length, partial, progress, timeout, auth)
-                await asyncio.to_thread(partial.finish_piece, index)
-                in_flight.discard(index)
-            except LocalDiskError:
-                raise  # this node's disk: ends the download (the task group stops the other workers)
-            except (TimeoutError, _Busy, DownloadError, aiohttp.ClientError, OSError) as e:
-                in_flight.discard(index)
-                todo.put_nowait(index)  # another donor takes this range
-                failures[offer.donor.peer_id] = "busy" if isinstance(e, _Busy) else str(e) or type(e).__name__
-                log.warning(
-                    "donor %s failed (%s); its ranges go to the others",
-                    offer.donor.peer_id[-8:],
-                    failures[offer.donor.peer_id],
-                )
-                return
-
+    ranges = _Ranges(session, offers, partial, progress, timeout, auth)
     try:
         try:
             async with asyncio.TaskGroup() as group:
                 for offer in offers:
                     for _ in range(PER_DONOR):
-                        group.create_task(worker(offer))
+                        group.create_task(ranges.fetch_from(offer))
         except* LocalDiskError as errors:
             raise errors.exceptions[0] from None
         if len(partial.finished) < len(partial.pieces):
-            raise DownloadError(f"every donor failed: {failures}")
+            raise DownloadError(f"every donor failed: {ranges.failures}")
         digest = await asyncio.to_thread(partial.sha256)
     finally:
         progress.close()
         partial.close()
-    if digest != first.sha256:
+    dest = _whole_file(partial, digest, first, scratch)
+    log.info(
+        "downloaded checkpoint %d from %d peer(s): %.1f MB in %.2fs",
+        first.step,
+        len(offers) - len(ranges.failures),
+        first.size / 1e6,
+        time.monotonic() - started,
+    )
+    return dest
+
+
+class _Ranges:
+    """The pieces of one download still to fetch, shared by every donor's workers: a range a
+    donor fails goes back to the queue for the others, and that donor takes no more."""
+
+    def __init__(
+        self,
+        session: aiohttp.ClientSession,
+        offers: list[Offer],
+        partial: PartialDownload,
+        progress: TransferProgress,
+        timeout: float,
+        auth: SwarmAuth | None,
+    ):
+        self.session, self.offers, self.partial = session, offers, partial
+        self.progress, self.timeout, self.auth = progress, timeout, auth
+        self.todo: asyncio.Queue[int] = asyncio.Queue()
+        for index in range(len(partial.pieces)):
+            if index not in partial.finished:
+                self.todo.put_nowait(index)
+        self.failures: dict[str, str] = {}  # donor -> why it was given up
+        self.in_flight: set[int] = set()
+
+    def _hopeless(self, offer: Offer) -> bool:
+        """Nothing left for this worker: every other donor failed and no range is out or queued."""
+        others_failed = all(o.donor.peer_id in self.failures for o in self.offers if o is not offer)
+        return others_failed and self.todo.empty() and not self.in_flight
+
+    async def fetch_from(self, offer: Offer) -> None:
+        """One worker of `offer`'s donor: ranges from the queue until the file is whole or the
+        donor fails (a LocalDiskError ends the whole download)."""
+        partial = self.partial
+        while offer.donor.peer_id not in self.failures and len(partial.finished) < len(partial.pieces):
+            try:
+                index = self.todo.get_nowait()
+            except asyncio.QueueEmpty:  # ranges in flight elsewhere may still come back
+                if self._hopeless(offer):
+                    return
+                await asyncio.sleep(QUEUE_POLL_S)
+                continue
+            self.in_flight.add(index)
+            start, length = partial.pieces[index]
+            try:
+                await _fetch_patiently(
+                    self.session, offer, start, length, partial, self.progress, self.timeout, self.auth
+                )
+                await asyncio.to_thread(partial.finish_piece, index)
+                self.in_flight.discard(index)
+            except LocalDiskError:
+                raise  # this node's disk: ends the download (the task group stops the other workers)
+            except (TimeoutError, _Busy, DownloadError, aiohttp.ClientError, OSError) as e:
+                self.in_flight.discard(index)
+                self.todo.put_nowait(index)  # another donor takes this range
+                why = "busy" if isinstance(e, _Busy) else str(e) or type(e).__name__
+                self.failures[offer.donor.peer_id] = why
+                log.warning("donor %s failed (%s); its ranges go to the others", offer.donor.peer_id[-8:], why)
+                return
+
+
+def _whole_file(partial: PartialDownload, digest: str, offer: Offer, scratch: Path) -> Path:
+    """The assembled file under its final scratch name, once its sha256 is the offer's."""
+    if digest != offer.sha256:
         partial.discard()
         raise DownloadError("sha256 of the downloaded checkpoint does not match its metadata")
-    dest = scratch / f".download-{first.sha256[:16]}.safetensors"
+    dest = scratch / f".download-{offer.sha256[:16]}.safetensors"
     try:
         os.replace(partial.path, dest)  # its bytes were fsynced before they were hashed
         fsync_dir(dest.parent)
     except OSError as e:
         raise _local("rename", partial.path, e) from None
     partial.ledger.unlink(missing_ok=True)
-    log.info(
-        "downloaded checkpoint %d from %d peer(s): %.1f MB in %.2fs",
-        first.step,
-        len(offers) - len(failures),
-        first.size / 1e6,
-        time.monotonic() - started,
-    )
     return dest

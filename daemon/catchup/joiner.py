@@ -244,10 +244,7 @@ class Joiner:
         while not self.stopping.is_set():
             view = await self.membership.members()
             if joining:
-                check_same_model(view, self.peer_id, self.model_hash)
-                check_same_protocol(r for p, r in view.items() if p != self.peer_id and r.state != "stopped")
-                check_same_recipe(view, self.peer_id, self.model_hash, self.worker.workload.recipe)
-                check_same_data_plane(view, self.peer_id, self.trust is not None)
+                self._check_swarm(view)
             own = self.worker.outer_step
             plan = plan_sync(
                 view,
@@ -268,57 +265,19 @@ class Joiner:
                 return synced
             if plan.action == SyncAction.WAIT:
                 if not waiting:
-                    log.info(
-                        "the swarm is closing round %d; waiting for the θ_g of step %d that opens round %d (peers: %s)",
-                        position.round - 1,
-                        position.start_step,
-                        position.round,
-                        ", ".join(
-                            f"{r.peer_id[-6:]} {r.state} round {r.round} {r.phase or '-'} step {r.outer_step}"
-                            for r in view.values()
-                            if r.peer_id != self.peer_id
-                        ),
-                    )
+                    self._say_waiting(position, view)
                     waiting = True
                 await self._pause(OPEN_POLL_S)
                 continue
             if plan.action == SyncAction.GIVE_UP:
-                if plan.waited_too_long:
-                    log.warning(
-                        "the swarm's round %d did not open within %.0fs (--join-timeout); training from "
-                        "outer step %d meanwhile",
-                        position.round,
-                        self.settings.swarm.join_timeout,
-                        own,
-                    )
-                else:
-                    log.warning(
-                        "%d downloads in a row did not put this node in the swarm's round (it moved on, or "
-                        "no donor served its θ_g); training from outer step %d",
-                        downloads,
-                        own,
-                    )
+                self._say_giving_up(plan.waited_too_long, position, own, downloads)
                 return synced
             if plan.action == SyncAction.RETRY:
                 await self._pause(self.settings.swarm.heartbeat_interval)
                 failed_step = -1
                 continue
             downloads += 1
-            if plan.ahead:
-                log.warning(
-                    "this node is at outer step %d, ahead of the swarm at %d (rounds it made while cut off): "
-                    "giving them up for the swarm's state",
-                    own,
-                    position.start_step,
-                )
-            else:
-                log.info(
-                    "the swarm is in round %d (from outer step %d), this node at outer step %d: downloading a "
-                    "checkpoint",
-                    position.round,
-                    position.start_step,
-                    own,
-                )
+            _say_downloading(plan.ahead, position, own)
             started = time.monotonic()
             if await self.download(view, position.start_step, own, majority=not joining):
                 synced, lag = True, 0  # in step now, unless the round closed meanwhile: the loop checks
@@ -328,6 +287,43 @@ class Joiner:
             else:
                 failed_step = position.start_step  # the next plan says whether to ask again at once
         return synced
+
+    def _check_swarm(self, view: dict[str, PeerRecord]) -> None:
+        """A joiner's checks at the door: the swarm's model, protocol, recipe and data plane are
+        this node's, or it stops with an error naming the difference (SwarmMismatch)."""
+        check_same_model(view, self.peer_id, self.model_hash)
+        check_same_protocol(r for p, r in view.items() if p != self.peer_id and r.state != "stopped")
+        check_same_recipe(view, self.peer_id, self.model_hash, self.worker.workload.recipe)
+        check_same_data_plane(view, self.peer_id, self.trust is not None)
+
+    def _say_waiting(self, position: SwarmPosition, view: dict[str, PeerRecord]) -> None:
+        log.info(
+            "the swarm is closing round %d; waiting for the θ_g of step %d that opens round %d (peers: %s)",
+            position.round - 1,
+            position.start_step,
+            position.round,
+            ", ".join(
+                f"{r.peer_id[-6:]} {r.state} round {r.round} {r.phase or '-'} step {r.outer_step}"
+                for r in view.values()
+                if r.peer_id != self.peer_id
+            ),
+        )
+
+    def _say_giving_up(self, waited_too_long: bool, position: SwarmPosition, own: int, downloads: int) -> None:
+        if waited_too_long:
+            log.warning(
+                "the swarm's round %d did not open within %.0fs (--join-timeout); training from outer step %d meanwhile",
+                position.round,
+                self.settings.swarm.join_timeout,
+                own,
+            )
+        else:
+            log.warning(
+                "%d downloads in a row did not put this node in the swarm's round (it moved on, or no donor served "
+                "its θ_g); training from outer step %d",
+                downloads,
+                own,
+            )
 
     async def _fetch(
         self, view: dict[str, PeerRecord], steps: range, majority: bool = False, rollback: bool = False
@@ -485,3 +481,20 @@ class Joiner:
         )
         self.resync_wanted = True
         return None
+
+
+def _say_downloading(ahead: bool, position: SwarmPosition, own: int) -> None:
+    if ahead:
+        log.warning(
+            "this node is at outer step %d, ahead of the swarm at %d (rounds it made while cut off): giving them up "
+            "for the swarm's state",
+            own,
+            position.start_step,
+        )
+    else:
+        log.info(
+            "the swarm is in round %d (from outer step %d), this node at outer step %d: downloading a checkpoint",
+            position.round,
+            position.start_step,
+            own,
+        )

@@ -71,7 +71,7 @@ async def judge_split_vote(worker: ModelWorker, loaded: LoadedCheckpoint) -> str
     low, high = min(own, loaded.step), max(own, loaded.step)
     between = range(low, high + 1, max(1, -(-(high - low + 1) // RATE_STEPS)))
     at_rate = max(worker.round_rate(step) for step in [*between, high])  # the fastest rate in between
-    scale = await worker.call(worker.replica.update_scale, worker.round_rate, at_rate)
+    scale = await worker.call(worker.replica.bounds.update_scale, worker.round_rate, at_rate)
     if scale is None:
         return "this node has made no outer step since it started, so nothing to judge its θ_g by"
     reach = Reach.of(scale, loaded.step, own, worker.solo_steps)

@@ -47,6 +47,9 @@ LOCAL_MANAGED = {
 }
 
 
+Subcommands = argparse._SubParsersAction  # what add_subparsers returns: one add_parser per command
+
+
 def _is_bool(annotation: Any) -> bool:
     return annotation is bool
 
@@ -112,6 +115,14 @@ def build_parser(show_all: bool = False) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dtnode", description="Fault-tolerant peer-to-peer DiLoCo training node.")
     parser.add_argument("--version", action="version", version=f"dtnode {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _add_join(sub, show_all)
+    _add_local(sub, show_all)
+    _add_status(sub)
+    _add_export(sub)
+    return parser
+
+
+def _add_join(sub: Subcommands, show_all: bool) -> None:
     join = sub.add_parser(
         "join",
         usage="dtnode join (--peer ADDRESS | --new-swarm) [--data PATH] [--model MODEL] [--gpus all|0,1,...] [options]",
@@ -126,6 +137,9 @@ def build_parser(show_all: bool = False) -> argparse.ArgumentParser:
     )
     join.add_argument("--help-all", action=HelpAll, help="show every option, tuning and test knobs included")
     add_node_options(join, show_all=show_all)
+
+
+def _add_local(sub: Subcommands, show_all: bool) -> None:
     local = sub.add_parser(
         "local",
         help="run a whole swarm of N nodes on this host",
@@ -144,6 +158,9 @@ def build_parser(show_all: bool = False) -> argparse.ArgumentParser:
     )
     local.add_argument("--help-all", action=HelpAll, help="show every option, tuning and test knobs included")
     add_node_options(local, skip=LOCAL_MANAGED, show_all=show_all)
+
+
+def _add_status(sub: Subcommands) -> None:
     status = sub.add_parser(
         "status",
         help="show a node and its swarm as a table",
@@ -174,6 +191,9 @@ def build_parser(show_all: bool = False) -> argparse.ArgumentParser:
         default=None,
         help="the swarm key, to list a closed swarm's peers (default: DTNODE_SWARM_KEY if set)",
     )
+
+
+def _add_export(sub: Subcommands) -> None:
     export = sub.add_parser(
         "export",
         help="write a checkpoint as a Hugging Face save_pretrained directory",
@@ -198,7 +218,6 @@ def build_parser(show_all: bool = False) -> argparse.ArgumentParser:
         "model that started from weights and has frozen parameters (default: the one "
         "the node noted in its state dir)",
     )
-    return parser
 
 
 def _node_values(args: argparse.Namespace) -> dict[str, Any]:

@@ -19,9 +19,8 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from functools import partial
-from typing import Protocol
 
 import torch
 
@@ -32,30 +31,25 @@ from dtnode.daemon.config.settings import NodeSettings
 from dtnode.daemon.rounds.backoff import FailureStreak
 from dtnode.daemon.rounds.landing import Landing
 from dtnode.daemon.rounds.pacer import EXTRAPOLATE_HEARTBEATS, FixedPacer, Pacer, SwarmPacer
+from dtnode.daemon.rounds.recorder import RoundRecorder
 from dtnode.daemon.rounds.state import Publisher, RoundState
+from dtnode.daemon.rounds.strategies import OverlappedRound, PlainRound, RoundStrategy
 from dtnode.daemon.serve.history import RoundHistory
-from dtnode.daemon.serve.metrics import NodeMetrics, observe_device_memory, observe_ranks
-from dtnode.daemon.serve.report import RoundOutcome, RoundSummary, RunStats, WireStats
+from dtnode.daemon.serve.metrics import NodeMetrics
+from dtnode.daemon.serve.report import RoundOutcome, RoundSummary, RunStats
 from dtnode.daemon.training.ranks.host import HostRestartNeeded, LocalRankFailure, RankOutOfMemory
 from dtnode.daemon.training.trainer import InnerResult
 from dtnode.daemon.training.worker import ModelWorker
 from dtnode.ops.coded import CodedDelta
 from dtnode.peers import failpoints
 from dtnode.peers.averager import AveragingResult, AveragingTimeout, MoshpitAverager
-from dtnode.peers.membership import Membership, PeerRecord
+from dtnode.peers.membership import Membership
 from dtnode.peers.part_result import DriftBound
 
 log = logging.getLogger("dtnode")
 
 # failures whose message says all: logged without their (always identical) call path
 KNOWN_CAUSES = (LocalRankFailure, FloatingPointError, AveragingTimeout)
-
-
-class RoundStrategy(Protocol):
-    async def run_round(self) -> None: ...
-
-    async def drain(self) -> None:
-        """On the way out: whatever the strategy still owes the final θ_g."""
 
 
 class RoundLoop:
@@ -98,10 +92,11 @@ class RoundLoop:
         self._clips_seen = 0  # the replica's `resyncs_clipped` when `resync_clipped` last looked
         self.failures = FailureStreak()  # rounds failed in a row: the pause before the next try
         self.rounds_done = 0
-        self._announcing: asyncio.Task | None = None  # the record published once a step's hash is in
         self.finished = False  # --max-rounds: the swarm's run is over
         self.model_hash = worker.workload.model_hash
-        self.tokens_total = history.tokens_total  # over the whole record, across restarts
+        self.recorder = RoundRecorder(
+            settings, peer_id, worker, store, landing, publisher, stats, metrics, history, loss_floor
+        )
         self.pacer: Pacer = (
             FixedPacer(settings.diloco.inner_steps)
             if settings.diloco.pacing == "fixed"
@@ -116,6 +111,17 @@ class RoundLoop:
             )
         )
         self.strategy: RoundStrategy = OverlappedRound(self) if settings.diloco.overlap else PlainRound(self)
+
+    def finish(
+        self,
+        round_no: int,
+        inner: InnerResult,
+        result: AveragingResult | None,
+        duration: float,
+        landed_after: int | None = None,
+    ) -> RoundSummary:
+        """The round into `/status`, the metrics, the history and the log."""
+        return self.recorder.finish(round_no, inner, result, duration, landed_after)
 
     async def pause(self, seconds: float) -> None:
         """Sleep, or less if the node is stopping."""
@@ -312,16 +318,16 @@ class RoundLoop:
 
     def allow_for(self, inner: InnerResult) -> None:
         """The outer step of this round's average may be longer than this node's own Δ when it
-        trained less than an average peer of the round (`Replica.allow_for_shortfall`): fewer
+        trained less than an average peer of the round (`UpdateBounds.allow_for_shortfall`): fewer
         tokens (a late start), or fewer steps in the same time (a slower device, a bigger step)."""
         p = self.pacer.progress
         if p is None:
-            self.worker.replica.allow_for_shortfall(1.0)
+            self.worker.replica.bounds.allow_for_shortfall(1.0)
             return
         typical = p.target / max(p.round_peers, p.peers, 1)
         tokens = typical / inner.tokens if inner.tokens > 0 else math.inf
         steps = p.step_rate / p.own_step_rate if p.own_step_rate > 0 else 1.0
-        self.worker.replica.allow_for_shortfall(max(tokens, steps))
+        self.worker.replica.bounds.allow_for_shortfall(max(tokens, steps))
 
     def average(
         self,
@@ -349,243 +355,3 @@ class RoundLoop:
                 drift,
             )
         )
-
-    def _wire_stats(self) -> WireStats:
-        s, worker = self.settings, self.worker
-        wire = s.wire.wire_format()
-        density = min(wire.top_k, wire.block_size) / wire.block_size if s.wire.compression == "sparse" else 1.0
-        return WireStats(s.wire.compression, worker.replica.numel, density, worker.feedback_norm)
-
-    def finish(
-        self,
-        round_no: int,
-        inner: InnerResult,
-        result: AveragingResult | None,
-        duration: float,
-        landed_after: int | None = None,
-    ) -> RoundSummary:
-        """The round into `/status`, the metrics, the history and the log."""
-        trainer = self.worker.trainer
-        summary = RoundSummary(
-            round_no,
-            self.worker.outer_step,
-            inner,
-            result,
-            duration,
-            self.landing.take_waited(),
-            trainer.eval_seconds,
-            self.settings.diloco.overlap,
-            self.worker.eval_loss,
-            self.worker.eval_step,
-            trainer.lr,
-            landed_after,
-            self.peer_id,
-            self._wire_stats(),
-        )
-        trainer.eval_seconds = 0.0
-        self.stats.last = summary
-        self.stats.round_ended(summary.outcome)
-        m = self.metrics
-        summary.observe(m)
-        m.outer_step.set(self.worker.outer_step)
-        m.inner_step.set(trainer.inner_step)
-        m.tokens_per_second.set(self.stats.tokens_per_s)
-        m.compute_utilization.set(self.stats.utilization() or 0.0)
-        observe_device_memory(m, self.worker.device)
-        observe_ranks(m, self.worker.rank_reports())
-        self.tokens_total += inner.tokens
-        entry = summary.history_entry(self.tokens_total, self.stats.tokens_per_s)
-        line = summary.log_line(self.stats.tokens_per_s, self.loss_floor)
-        loop = asyncio.get_running_loop()
-
-        async def announce_hashed() -> None:
-            try:
-                await self.publisher.publish()
-            except Exception as e:  # noqa: BLE001  (hivemind's DHT stores fail with many types; the heartbeat retries)
-                log.debug("could not announce the hashed step at once: %s", e)
-
-        def hashed() -> None:  # the round's θ_g hash is in: the history entry and the log line name it
-            params = self.worker.replica.params_sha256()
-            recorded = self.history.append({**entry, "params_sha256": params})
-            loop.run_in_executor(self.store.io_thread, self.history.persist, recorded)
-            log.info("%s%s", line, params[:12])
-            # the step's checkpoint is servable now: its signed record says so at once, not a
-            # heartbeat later (a joiner's vote binds only what a record announces, daemon/catchup/donors.py)
-            self._announcing = loop.create_task(announce_hashed())
-
-        self.store.when_hashed(hashed)
-        return summary
-
-
-async def left_off_the_swarm(
-    view: Callable[[], Awaitable[dict[str, PeerRecord]]],
-    peer_id: str,
-    model_hash: str,
-    round_no: int,
-    result: AveragingResult | None,
-) -> bool:
-    """Whether this round's average found no partner in any hop while other peers of this
-    model train: θ_g then took a step nobody else took. Both sides may report the round
-    clean: a node paused past its record's expiry is not expected by peers that close the
-    round without it, and alone in its own view when it averages on its return. So its next
-    groups re-sync θ_g; before, it stayed off the swarm's until the scheduled
-    --consensus-every (a drill's paused peer had an eval loss 0.15 above its peers' for the
-    four rounds that followed)."""
-    if result is None or not result.alone:
-        return False
-    records = await view()
-    others = sum(
-        r.peer_id != peer_id and r.model_hash == model_hash and r.state in ("training", "averaging")
-        for r in records.values()
-    )
-    if others:
-        log.info("round %d averaged alone while %d other peer(s) train: its next groups re-sync θ_g", round_no, others)
-    return others > 0
-
-
-class PlainRound:
-    """Average this round's Δ, apply the outer step, then start the next round."""
-
-    def __init__(self, loop: RoundLoop):
-        self.loop = loop
-
-    async def run_round(self) -> None:
-        lp, worker, state, joiner = self.loop, self.loop.worker, self.loop.state, self.loop.joiner
-        started = time.monotonic()
-        if (trained := await lp.train_round()) is None:
-            return
-        round_no, inner = trained
-        if joiner.closed_under_us(await lp.membership.members(), round_no) and await joiner.enter_next_round(
-            round_no, inner
-        ):
-            lp.metrics.dropped_inner_steps.inc(inner.steps)
-            return
-        delta = await worker.call(worker.pseudo_gradient)
-        drift = await worker.call(worker.resync_bound)
-        lp.allow_for(inner)
-        state.begin_averaging()
-        await lp.publisher.publish()
-        resync = lp.wants_resync(round_no)
-        result = await lp.average(round_no, delta, inner, resync, worker.call, drift)
-        # a wanted re-sync that found nobody to sync with is still wanted next round
-        lp.needs_resync = (
-            not result.clean
-            or (resync and result.theta is None)
-            or await left_off_the_swarm(lp.membership.members, lp.peer_id, lp.model_hash, round_no, result)
-        )
-        if (
-            result.alone
-            and joiner.closed_under_us(await lp.membership.members(), round_no, alone=True)
-            and await joiner.enter_next_round(round_no, inner, alone=True)
-        ):
-            lp.metrics.dropped_inner_steps.inc(inner.steps)
-            return  # the records it judged by were a heartbeat behind
-        joiner.reentries = 0
-        state.applying_outer_step()
-        await lp.store.settle_hash()  # the hash of the previous θ_g reads it
-        await worker.call(worker.apply, result)
-        lp.needs_resync = lp.resync_clipped() or lp.needs_resync
-        state.outer_applied()
-        await lp.publisher.publish()  # a joiner may download the new θ_g at once
-        lp.store.rehash()
-        await failpoints.pause("outer-phase", round_no)
-        if worker.eval_due():
-            await worker.call(worker.evaluate_local)
-        lp.rounds_done += 1
-        if worker.outer_step % lp.settings.checkpoints.checkpoint_every == 0:
-            await lp.store.schedule()
-        state.enter_round(worker.outer_step, worker.outer_step)
-        lp.finish(round_no, inner, result, time.monotonic() - started)
-        await lp.publisher.publish()
-
-    async def drain(self) -> None:
-        """Nothing is in flight between plain rounds."""
-
-
-class OverlappedRound:
-    """--overlap: inner steps while the previous round's Δ is averaged; then that average's
-    outer step if it has not landed yet, and this round's Δ goes out to be averaged during
-    the next round.
-
-    The trade-off (streaming DiLoCo's overlapped outer step): the network's time hides behind
-    compute, while the first steps of each round run from a θ_g that lacks the last round's
-    average, with the node's own part of it kept in θ_l. The average lands between two inner
-    steps as soon as it is in (`Landing.land_on_arrival`), so those are few when the average
-    is quick; at the round's end this waits for one still running."""
-
-    def __init__(self, loop: RoundLoop):
-        self.loop = loop
-
-    async def run_round(self) -> None:
-        lp, worker, state, landing = self.loop, self.loop.worker, self.loop.state, self.loop.landing
-        started = time.monotonic()
-        if (trained := await lp.train_round()) is None:
-            return
-        round_no, inner = trained
-        state.begin_averaging()
-        had_average = landing.in_flight
-        if had_average:
-            state.waiting_for_average()
-        previous = await landing.settle()
-        if had_average:
-            lp.needs_resync = landing.needs_resync(previous) or await left_off_the_swarm(
-                lp.membership.members, lp.peer_id, lp.model_hash, round_no - 1, previous
-            )
-        state.applying_outer_step()
-        await lp.store.settle_hash()
-        delta = None
-        if lp.joiner.catch_up_round == round_no and previous is None:
-            lp.joiner.catch_up_round = None
-            delta = await lp.joiner.catch_up(round_no)
-        # θ_g moves now (a new hash): a catch-up, or an average that did not land during the steps
-        changed = delta is not None or (previous is not None and not landing.landed)
-        landed_after = landing.landed_after_steps if previous is not None and landing.landed else inner.steps
-        if delta is None:
-            delta = await worker.call(landing.land_and_stage, previous)
-        lp.needs_resync = lp.resync_clipped() or lp.needs_resync  # (landed during the steps, or now)
-        state.outer_applied()
-        if changed:
-            lp.store.rehash()
-        resync = lp.wants_resync(round_no)
-        # θ_g does not change while the average runs (only its outer step, awaited first, writes
-        # it): the consensus state is read on the I/O thread, not behind this round's inner steps
-        io = asyncio.get_running_loop()
-        drift = await worker.call(worker.resync_bound)
-        lp.allow_for(inner)  # read when this average lands, during the next round's steps
-        landing.launch(
-            lp.average(round_no, delta, inner, resync, lambda fn: io.run_in_executor(lp.store.io_thread, fn), drift),
-            resync,
-        )
-        if previous is not None:  # the new θ_g's eval, once its hash and the next average are under way
-            await worker.call(worker.evaluate_theta_g)
-        lp.rounds_done += 1
-        if previous is not None and worker.outer_step % lp.settings.checkpoints.checkpoint_every == 0:
-            await lp.store.schedule()
-        state.train(round_no + 1)  # peers count this node in the next round at once
-        state.enter_round(round_no + 1, worker.outer_step)
-        lp.finish(round_no, inner, previous, time.monotonic() - started, landed_after if previous is not None else None)
-        await lp.publisher.publish()
-
-    async def drain(self) -> None:
-        """The last average's outer step, so the final θ_g (and its checkpoint) holds every
-        round this node took part in."""
-        lp, landing, worker = self.loop, self.loop.landing, self.loop.worker
-        if not landing.in_flight:
-            return
-        result = await landing.settle(2 * lp.settings.averaging.bound_s)
-
-        def settle() -> None:
-            if not landing.landed:
-                landing.land(result)
-            if result is not None:
-                worker.evaluate_theta_g(force=bool(lp.settings.evaluation.eval_every))
-
-        await worker.call(settle)
-        if result is not None:
-            lp.store.rehash()
-            await lp.store.settle_hash()
-            log.info(
-                "applied the last round's average: outer step %d (params %s)",
-                worker.outer_step,
-                worker.replica.params_sha256()[:12],
-            )

@@ -60,7 +60,7 @@ class CodedReplica(Replica):
     def pseudo_gradient(self) -> CodedDelta:
         """Δ = θ_g − θ_l, coded into the staging buffer (returned)."""
         self._code_difference(self.local.read, self.staged)
-        self._measure_own(self.staged)
+        self.bounds.measure_own(self.staged)
         return self.staged
 
     def _code_difference(self, read: Callable[[SpanWork], object], target: CodedDelta) -> None:
@@ -94,7 +94,7 @@ class CodedReplica(Replica):
         staging buffer, which the network writes the mean over (returned)."""
         in_flight = self._coded_in_flight()
         self._code_difference(self.local.read, in_flight)
-        self._measure_own(in_flight)
+        self.bounds.measure_own(in_flight)
         self.has_in_flight = True
         self.staged.whole().copy_(in_flight.whole())
         return self.staged
@@ -128,7 +128,7 @@ class CodedReplica(Replica):
         if consensus_cpu is not None:
             self._check_consensus(consensus_cpu, bound)
         if mean_cpu is not None:
-            mean_cpu = self.bounded(mean_cpu)
+            mean_cpu = self.bounds.bounded(mean_cpu)
         replaced = self.has_in_flight and mean_cpu is not None
         in_flight = self._coded_in_flight()
         moved = 0  # θ_g's values [0, moved) have their re-sync and step

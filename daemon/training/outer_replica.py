@@ -29,13 +29,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-from collections import deque
-from collections.abc import Callable
 
 import torch
 
 from dtnode.daemon.training.ranks.host import LocalRankFailure
 from dtnode.daemon.training.trainer import Trainer
+from dtnode.daemon.training.update_bounds import UpdateBounds
 from dtnode.ops.coded import CodedDelta
 from dtnode.ops.flat import sha256_of
 from dtnode.ops.outer_optimizer import NesterovOuterOptimizer
@@ -44,28 +43,6 @@ from dtnode.peers.part_result import DriftBound
 log = logging.getLogger("dtnode")
 
 DISTANCE_SLICE = 1 << 22  # values per slice of `distance_to`
-UPDATES_REMEMBERED = 8  # outer steps whose size `update_scale` takes the largest of
-# How far the swarm may move this node's θ_g, relative to this node's own recent pseudo-gradients
-# (the last OWN_DELTAS_REMEMBERED of them, the longest): never relative to a quantity a peer
-# chooses (its weight, its Δ, ‖θ‖ itself), and never to what the swarm applied before (a member
-# that moved it to the bound each round would raise the bound each round)
-OWN_DELTAS_REMEMBERED = 8
-# an averaged Δ at most this many times this node's longest recent Δ (times `allowance`, for a
-# node that trained less than the round's average peer (fewer tokens or fewer steps)); a longer mean is scaled down to
-# it, whoever in the group made it long
-OUTER_REACH = 3.0
-# ‖Δ‖ grows with the steps taken: linearly with aligned updates, and with their square while the
-# learning rate warms up (a sum of rising rates: a 9-node swarm's round 0, peers of 4 to 24 steps,
-# held a mean 7x the shortest one's Δ); so (typical / own)² in tokens or steps, up to a peer 4x slower's
-MAX_ALLOWANCE = 16.0
-# a θ_g re-sync may move θ_g by this many of this node's recent outer steps, and the momentum by
-# this many of its recent Δ (its own, or the bounded means it applied), per step the two states may
-# lie apart (one, plus the steps this node made alone): a failed part, a download from another
-# moshpit group's θ_g of the step, a few solo rounds. Two honest groups' momenta differ by the
-# difference of the means they added since they parted, at most about twice a mean per step;
-# a bound of Δ/(1−μ) per step (10x at μ = 0.9) let a member re-syncing its partner every round
-# build its momentum up to 48 from 3, and the outer steps along it to 5x the clean swarm's
-RESYNC_REACH = 4.0
 
 
 class Replica:
@@ -88,18 +65,8 @@ class Replica:
         self.has_in_flight = False
         self._copy_stream = torch.cuda.Stream(device) if pin else None
         self._copied = torch.cuda.Event() if pin else None  # the last copy of Δ to the host is done
-        # bounds on the sizes of the last outer steps (0-d tensors, read only when asked), with the
-        # round each came from (its inner learning rate scales it: see update_scale)
-        self._update_sizes: deque[tuple[torch.Tensor, int]] = deque(maxlen=UPDATES_REMEMBERED)
-        # ‖Δ‖ of this node's own last pseudo-gradients (0-d tensors): what bounds the swarm's moves
-        self._own_norms: deque[torch.Tensor] = deque(maxlen=OWN_DELTAS_REMEMBERED)
-        # ‖mean Δ‖ of the last outer steps, after `bounded` (0-d tensors): with the own ones, the
-        # scale of the momentum a re-sync may move (`resync_bound`)
-        self._mean_norms: deque[torch.Tensor] = deque(maxlen=OWN_DELTAS_REMEMBERED)
-        self.outer_steps_scaled = 0  # averaged Δ scaled down to OUTER_REACH (`bounded`)
+        self.bounds = UpdateBounds(self.outer, n)  # how far the swarm may move θ_g and the momentum
         self.resyncs_clipped = 0  # re-synced states moved only part of the way (`_clip_consensus`)
-        self._drift: DriftBound | None = None  # the last `resync_bound`: what `_clip_consensus` holds to
-        self.allowance = 1.0  # `bounded`'s factor for this round (`allow_for_shortfall`)
 
     def _new_staging(self, n: int, pin: bool) -> torch.Tensor | CodedDelta:
         """The buffer Δ is staged in for the network: fp32 here (pinned on CUDA)."""
@@ -124,69 +91,10 @@ class Replica:
         self._after_copy()
         target = self._fp32_staging() if self._delta_device is None else self._delta_device
         self._difference_into(target)
-        self._measure_own(target)
+        self.bounds.measure_own(target)
         if self._delta_device is not None:
             self._copy_to_host(self._delta_device)
         return self.delta_cpu
-
-    def _measure_own(self, delta: torch.Tensor | CodedDelta) -> None:
-        """Remember ‖Δ‖ of this node's own pseudo-gradient (no host sync until it is read)."""
-        self._own_norms.append(delta.norm() if isinstance(delta, CodedDelta) else torch.linalg.vector_norm(delta))
-
-    def own_scale(self) -> float | None:
-        """The longest of this node's recent own pseudo-gradients (None before its first, and
-        while all were empty: a node that joined at a round's end trained 0 steps, and a bound of
-        0 x its Δ zeroed the group's mean for it alone, splitting its θ_g from its partner's)."""
-        if not self._own_norms:
-            return None
-        longest = float(torch.stack(list(self._own_norms)).max())
-        return longest if longest > 0 else None
-
-    def allow_for_shortfall(self, ratio: float) -> None:
-        """An average peer of the round trained `ratio` times what this node did (in tokens or in
-        steps, whichever is more): this node may take a mean longer than its own Δ by ratio², up to
-        MAX_ALLOWANCE (the swarm's pacing reports are clamped)."""
-        ratio = ratio if math.isfinite(ratio) else MAX_ALLOWANCE
-        self.allowance = min(max(ratio * ratio, 1.0), MAX_ALLOWANCE)
-
-    def bounded(self, mean: torch.Tensor | CodedDelta) -> torch.Tensor | CodedDelta:
-        """The averaged Δ, scaled down in place to OUTER_REACH x this node's longest recent own Δ
-        (x `allowance`) if it is longer: however a group's mean was made (a member's Δ x1000, a
-        weight of 1e12 in a pair), this node's outer step stays within a few of its own."""
-        scale = self.own_scale()
-        if scale is None:
-            return mean
-        limit = OUTER_REACH * self.allowance * scale
-        size = float(mean.norm() if isinstance(mean, CodedDelta) else torch.linalg.vector_norm(mean))
-        if size <= limit:
-            return mean
-        factor = limit / size if math.isfinite(size) else 0.0
-        log.warning(
-            "the averaged Δ is %.4g long, over %.3g x this node's longest recent own Δ (%.4g): scaled down to that",
-            size,
-            OUTER_REACH * self.allowance,
-            scale,
-        )
-        self.outer_steps_scaled += 1
-        if isinstance(mean, CodedDelta):
-            mean.scales.mul_(factor)
-        else:
-            mean.mul_(factor)
-        return mean
-
-    def resync_bound(self, solo_steps: int) -> DriftBound:
-        """How far a θ_g re-sync may move this node's θ_g and momentum (see RESYNC_REACH), per
-        step apart: θ_g by the largest of its recent outer steps (before its first, the step
-        lr·(1+μ)·‖Δ‖ of its own longest recent Δ), the momentum by the longest of its recent own
-        Δ and applied means. Each part of the result is checked against its share where it
-        arrives (peers/part_result.py), and the whole move once more before it is taken
-        (`_clip_consensus`)."""
-        own = self.own_scale() or 0.0
-        step = max(self.update_scale() or 0.0, self.outer.lr * (1 + self.outer.momentum) * own)
-        means = float(torch.stack(list(self._mean_norms)).max()) if self._mean_norms else 0.0
-        apart = RESYNC_REACH * (1 + solo_steps)
-        self._drift = DriftBound(apart * step, apart * max(own, means), self.numel)
-        return self._drift
 
     def _difference_into(self, target: torch.Tensor) -> None:
         """target ← θ_g − θ_l."""
@@ -250,33 +158,15 @@ class Replica:
 
     def _outer_step(self, mean_cpu: torch.Tensor | CodedDelta) -> None:
         """θ_g's outer step of the averaged Δ, and its size remembered (`update_scale`)."""
-        mean = self.bounded(self._mean_on_device(mean_cpu))
+        mean = self.bounds.bounded(self._mean_on_device(mean_cpu))
         self.outer.step(self.theta_g, mean)
         self._stepped(mean)
 
     def _stepped(self, mean: torch.Tensor | CodedDelta) -> None:
         """An outer step was made along `mean`: its size remembered, the count and hash moved on."""
-        self._update_sizes.append((self.outer.step_norm_bound(mean), self.outer_step))
-        self._mean_norms.append(mean.norm() if isinstance(mean, CodedDelta) else torch.linalg.vector_norm(mean))
+        self.bounds.stepped(mean, self.outer_step)
         self.outer_step += 1
         self._sha256 = ""
-
-    def update_scale(self, rate_of: Callable[[int], float] | None = None, at_rate: float | None = None) -> float | None:
-        """The largest of the last few outer steps' sizes (a bound on ‖θ_g after − θ_g before‖),
-        or None before this process made one: how far θ_g moves in a step, which tells a
-        download that is this node's swarm a few steps on from one that is not.
-
-        With `rate_of` (a round's mean inner learning rate) and `at_rate`, each size is scaled
-        to that rate first: Δ grows with the inner rate, and steps measured during its warmup
-        (a node paused after its first rounds) are a fraction of the swarm's steps since."""
-        if not self._update_sizes:
-            return None
-        sizes = torch.stack([size for size, _ in self._update_sizes])
-        if rate_of is not None and at_rate is not None:
-            rates = [rate_of(round_no) for _, round_no in self._update_sizes]
-            factors = [at_rate / rate if rate > 0 else 1.0 for rate in rates]
-            sizes = sizes * torch.tensor(factors, dtype=sizes.dtype, device=sizes.device)
-        return float(sizes.max())
 
     @torch.no_grad()
     def distance_to(self, theta_g: torch.Tensor) -> float:
@@ -313,7 +203,7 @@ class Replica:
         n = self.numel
         if state_cpu.numel() not in (n, 2 * n):
             raise ValueError(f"a consensus state holds θ_g and maybe the momentum: {state_cpu.numel()} values for {n}")
-        self._clip_consensus(state_cpu, bound or self._drift)
+        self._clip_consensus(state_cpu, bound or self.bounds.drift)
 
     @torch.no_grad()
     def _clip_consensus(self, state_cpu: torch.Tensor, drift: DriftBound | None) -> None:
@@ -431,7 +321,7 @@ class Replica:
         in_flight = self._in_flight_buffer()
         self._after_copy()
         self._difference_into(in_flight)
-        self._measure_own(in_flight)
+        self.bounds.measure_own(in_flight)
         self.has_in_flight = True
         self._copy_to_host(in_flight)
         return self.delta_cpu

@@ -298,7 +298,7 @@ class ModelWorker:
     def resync_bound(self) -> DriftBound:
         """How far this round's θ_g re-sync may move θ_g (training thread: it reads the norms of
         the replica's own Δ, on the training device)."""
-        return self.replica.resync_bound(self.solo_steps)
+        return self.replica.bounds.resync_bound(self.solo_steps)
 
     def _count_solo(self, result: AveragingResult) -> None:
         self.solo_steps = self.solo_steps + 1 if result.alone else 0

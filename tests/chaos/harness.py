@@ -24,7 +24,6 @@ from __future__ import annotations
 import itertools
 import json
 import math
-import re
 import signal
 import time
 import urllib.request
@@ -195,23 +194,24 @@ class Swarm:
             self.link.close()
 
 
-def round_lines(node: NodeProcess) -> list[tuple[int, str]]:
-    """(round, its log line) for every round the node finished."""
-    return [(int(m.group(1)), line) for line in list(node.lines) if (m := re.search(r"round (\d+) \|", line))]
-
-
 def finished_round(node: NodeProcess) -> int:
-    return max((n for n, _ in round_lines(node)), default=-1)
+    """The newest round this process ended (from its history.jsonl), -1 before its first."""
+    return max((r["round"] for r in node.own_rounds), default=-1)
+
+
+def groups(entry: dict) -> str:
+    """A round's groups as the round log line writes them: size/expected per hop ("4/4")."""
+    return " ".join(f"{size}/{expected}" for size, expected in entry["groups"]) or "-"
+
+
+def round_groups(node: NodeProcess, first: int = 0) -> list[str]:
+    """The groups of each round this process ended, from round `first` on."""
+    return [groups(r) for r in node.own_rounds if r["round"] >= first]
 
 
 def round_durations(node: NodeProcess) -> list[float]:
-    """Seconds between consecutive round lines of a node's log (HH:MM:SS resolution)."""
-    stamps = []
-    for line in node.lines:
-        if m := re.match(r"\s*(\d\d):(\d\d):(\d\d) INFO\s+dtnode: round \d+ \|", line):
-            h, mi, se = map(int, m.groups())
-            stamps.append(h * 3600 + mi * 60 + se)
-    return [b - a for a, b in itertools.pairwise(stamps)]
+    """Seconds between the ends of consecutive rounds of this process."""
+    return [b["time"] - a["time"] for a, b in itertools.pairwise(node.own_rounds)]
 
 
 def check(swarm: Swarm, trial: Trial, dims: int = 1) -> Trial:
@@ -245,13 +245,13 @@ def check(swarm: Swarm, trial: Trial, dims: int = 1) -> Trial:
     else:
         trial.notes.append("survivors share no two checkpoint steps")
     for node in swarm.nodes:
-        # a restarted node's history begins in the log of its process before the restart
-        history = "\n".join(n.output for n in swarm.gone if n.name == node.name) + "\n" + node.output
-        evals = [float(x) for x in re.findall(r"\| eval (\d+\.\d+)", history)]
+        # its whole history.jsonl: a restarted node's rounds before the restart included
+        evals = [r["eval_loss"] for r in node.rounds if r["eval_loss"] is not None]
         if len(evals) >= 2 and not evals[-1] < evals[0]:
             trial.notes.append(f"{node.name}: eval loss did not fall ({evals[0]:.3f} -> {evals[-1]:.3f})")
-        if any(math.isnan(x) for x in evals):
-            trial.notes.append(f"{node.name}: NaN loss")
+        trained = [r["loss"] for r in node.rounds if r["inner_steps"] > 0]
+        if any(loss is None or not math.isfinite(loss) for loss in trained):
+            trial.notes.append(f"{node.name}: a non-finite training loss")
     _no_tracebacks(swarm, trial)
     trial.passed = not trial.notes
     return trial
@@ -331,8 +331,7 @@ def _slow_link(swarm: Swarm, trial: Trial) -> None:
     first = finished_round(victim) + 1
     swarm.wait_round(victim, first + 3)
     link.unthrottle()
-    groups = [re.search(r"groups (\S+)", line).group(1) for n, line in round_lines(victim) if n >= first]
-    trial.fired = f"{SLOW_MBIT} Mbit/s from {fired}; its groups while slow: {' '.join(groups[:4])}"
+    trial.fired = f"{SLOW_MBIT} Mbit/s from {fired}; its groups while slow: {' '.join(round_groups(victim, first)[:4])}"
     swarm.settle(victim, finished_round(victim) + 1)
 
 
@@ -361,10 +360,24 @@ def _sigstop_past_the_timeout(swarm: Swarm, trial: Trial) -> None:
 def _late_joiner(swarm: Swarm, trial: Trial) -> None:
     swarm.wait_round(swarm.nodes[0], 2)
     joiner = swarm.start("late", "--peer", swarm.address)
-    synced = int(joiner.wait_for_line(r"in sync at outer step (\d+)", timeout=60).group(1))
+    synced = _in_sync_at(joiner)
     trial.fired = f"joined and synced at step {synced}"
     for node in swarm.nodes:
         swarm.wait_round(node, synced + 3)
+
+
+def _in_sync_at(joiner: NodeProcess, timeout: float = 60) -> int:
+    """The outer step a joiner trains from: its /status once it has left joining and syncing
+    (the step changes only when its first round ends, which takes longer than a poll)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        status = _status(joiner)
+        if status and status["state"] in ("training", "averaging"):
+            return int(status["outer_step"])
+        if joiner.proc.poll() is not None:
+            break
+        time.sleep(0.1)
+    raise AssertionError(f"{joiner.name} was not in sync within {timeout:.0f}s; output:\n{joiner.output[-6000:]}")
 
 
 def _slow_peer(swarm: Swarm, trial: Trial) -> None:
@@ -376,13 +389,13 @@ def _slow_peer(swarm: Swarm, trial: Trial) -> None:
     for node in swarm.nodes:
         swarm.wait_round(node, 6)
     size = len(swarm.nodes)
-    groups = [re.search(r"groups (\S+)", line).group(1) for n, line in round_lines(slow) if n >= 1]
-    trial.fired = f"4x slower inner steps; its groups: {' '.join(groups)}"
-    if any(g != f"{size}/{size}" for g in groups):
-        trial.notes.append(f"the slow node was not in a full group every round: {groups}")
+    slow_groups = round_groups(slow, 1)
+    trial.fired = f"4x slower inner steps; its groups: {' '.join(slow_groups)}"
+    if any(g != f"{size}/{size}" for g in slow_groups):
+        trial.notes.append(f"the slow node was not in a full group every round: {slow_groups}")
 
     def tokens(node: NodeProcess) -> int:
-        return sum(int(m) for m in re.findall(r"round (?:[1-9]\d*) \| .*? (\d+) tok \|", node.output))
+        return sum(r["tokens"] for r in node.own_rounds if r["round"] >= 1)
 
     slow_tokens, others = tokens(slow), [tokens(n) for n in swarm.nodes[:-1]]
     trial.fired += f"; tokens from round 1: slow {slow_tokens}, others {others}"
@@ -416,16 +429,12 @@ def _kill_and_restart(swarm: Swarm, trial: Trial, victim: NodeProcess, peer: str
     back = swarm.start(victim.name, "--peer", peer)
     size = len(swarm.nodes)
     deadline = time.monotonic() + 180
-    while time.monotonic() < deadline and back.proc.poll() is None and len(round_lines(back)) < 2:
+    while time.monotonic() < deadline and back.proc.poll() is None and len(back.own_rounds) < 2:
         time.sleep(0.2)
-    early = [g for _, g in round_lines_groups(back)[:2]]
+    early = round_groups(back)[:2]
     if f"{size}/{size}" not in early:
         trial.notes.append(f"{victim.name} restarted was in no full group within two rounds: {early}")
     return back
-
-
-def round_lines_groups(node: NodeProcess) -> list[tuple[int, str]]:
-    return [(n, re.search(r"groups (\S+)", line).group(1)) for n, line in round_lines(node)]
 
 
 def _no_tracebacks(swarm: Swarm, trial: Trial) -> None:
@@ -444,7 +453,7 @@ def _restart_the_first_node(swarm: Swarm, trial: Trial) -> None:
         trial.notes.append(f"the first node came back at {back.join_address}, not {swarm.address}")
     trial.fired = (
         f"killed the first node at its round {finished_round(first)}; back at round "
-        f"{min((n for n, _ in round_lines(back)), default=-1)}: {' '.join(g for _, g in round_lines_groups(back)[:2])}"
+        f"{min((r['round'] for r in back.own_rounds), default=-1)}: {' '.join(round_groups(back)[:2])}"
     )
     for node in swarm.nodes:
         swarm.wait_round(node, finished_round(back) + 1)
@@ -457,7 +466,7 @@ def _restart_each_node(swarm: Swarm, trial: Trial) -> None:
     for name in [n.name for n in swarm.nodes]:
         victim = next(n for n in swarm.nodes if n.name == name)
         back = _kill_and_restart(swarm, trial, victim, swarm.address)
-        fired.append(f"{name}: {' '.join(g for _, g in round_lines_groups(back)[:2])}")
+        fired.append(f"{name}: {' '.join(round_groups(back)[:2])}")
     trial.fired = "; ".join(fired)
     newest = max(finished_round(n) for n in swarm.nodes)
     for node in swarm.nodes:
