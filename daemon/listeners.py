@@ -10,9 +10,9 @@ from __future__ import annotations
 import contextlib
 
 from dtnode.daemon.config.settings import NodeSettings, SettingsError
-from dtnode.daemon.serve.metrics import NodeMetrics, RefusalCollector
 from dtnode.daemon.serve.presenter import NodePresenter
 from dtnode.daemon.serve.sidecar import ServedSteps, Sidecar
+from dtnode.daemon.telemetry.metrics import NodeMetrics, RefusalCollector
 from dtnode.peers.auth import ENV_KEY, AuthError, SwarmAuth, load_swarm_key
 from dtnode.peers.reducer import ReductionRegistry
 from dtnode.peers.server import GrpcPortError, port_in_use, start_grpc_server

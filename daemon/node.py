@@ -6,10 +6,10 @@ The parts, each one concept:
 - `training/worker.py`: θ_l, θ_g and the outer optimizer on the training thread;
 - `checkpoints/store.py`: this node's checkpoints (written, pruned, served, resumed);
 - `swarm/bootstrap.py`: the DHT started through --peer and the peers it knew;
-- `rounds/state.py`: the node's state and the one `publish()` of it;
+- `records/state.py`: the node's state and the one `publish()` of it;
 - `rounds/loop.py`: the round loop, with `rounds/pacer.py` (when a round ends), `catchup/joiner.py` (getting
   into step) and `rounds/landing.py` (an overlapped average);
-- `serve/report.py`: the typed round summary and `/status`;
+- `records/report.py`: the typed round summary and `/status`;
 - `serve/sidecar.py`: the HTTP endpoints, which read the node through `NodeView`;
 - `listeners.py`: the swarm key and ports checked, the gRPC server and the sidecar started.
 
@@ -35,14 +35,13 @@ from dtnode.daemon.checkpoints.state_dir import claim_state_dir, startup_error
 from dtnode.daemon.checkpoints.store import CheckpointStore
 from dtnode.daemon.config.settings import NodeSettings
 from dtnode.daemon.listeners import check_ports, serve_averaging, serve_http, swarm_key
+from dtnode.daemon.records.history import FILE_NAME as HISTORY_FILE
+from dtnode.daemon.records.history import RoundHistory
+from dtnode.daemon.records.report import RunStats
+from dtnode.daemon.records.state import Publisher, RoundState
 from dtnode.daemon.rounds.landing import Landing
 from dtnode.daemon.rounds.loop import RoundLoop
-from dtnode.daemon.rounds.state import Publisher, RoundState
-from dtnode.daemon.serve.history import FILE_NAME as HISTORY_FILE
-from dtnode.daemon.serve.history import RoundHistory
-from dtnode.daemon.serve.metrics import NodeMetrics, watch_state_dir
 from dtnode.daemon.serve.presenter import Addresses, NodePresenter
-from dtnode.daemon.serve.report import RunStats
 from dtnode.daemon.serve.sidecar import ServedSteps
 from dtnode.daemon.swarm import hostile
 from dtnode.daemon.swarm.bootstrap import (
@@ -54,6 +53,7 @@ from dtnode.daemon.swarm.bootstrap import (
     tls_identity,
 )
 from dtnode.daemon.swarm.reachability import DialBack, announce_warning, ask_dial_back
+from dtnode.daemon.telemetry.metrics import NodeMetrics, watch_state_dir
 from dtnode.daemon.training.ranks.host import plan_ranks
 from dtnode.daemon.training.worker import ModelWorker, limit_tensor_threads
 from dtnode.daemon.workload.build import build_workload, resolve_device

@@ -1,7 +1,7 @@
 """What one outer step's averaging produced: a typed report per hop, and the result.
 
 Reports are what `/status`, `/history`, the metrics and the round's log line are built
-from (daemon/serve/report.py); the result is what the outer step applies.
+from (daemon/records/report.py); the result is what the outer step applies.
 """
 
 from __future__ import annotations

@@ -249,7 +249,7 @@ def test_the_store_writes_theta_g_in_place_and_an_outer_step_during_the_write_ke
     from dtnode.daemon.checkpoints.in_memory import MemoryCheckpoint
     from dtnode.daemon.checkpoints.store import CheckpointStore
     from dtnode.daemon.config.settings import NodeSettings
-    from dtnode.daemon.serve.metrics import NodeMetrics
+    from dtnode.daemon.telemetry.metrics import NodeMetrics
     from dtnode.daemon.training.worker import ModelWorker
     from dtnode.daemon.workload.build import build_workload
 

@@ -53,7 +53,7 @@ import subprocess
 import pytest
 
 from dtnode.daemon.cli.main import EXIT_JOIN, EXIT_MISMATCH, EXIT_USAGE, build_parser
-from dtnode.daemon.serve.metrics import NodeMetrics
+from dtnode.daemon.telemetry.metrics import NodeMetrics
 
 MANIFESTS = ("statefulset.yaml", "gpu-host.yaml", "host-network.yaml")
 

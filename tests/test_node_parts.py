@@ -16,11 +16,11 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from dtnode.daemon.catchup.joiner import LocalPosition, SyncAction, plan_sync
 from dtnode.daemon.config.settings import NodeSettings
+from dtnode.daemon.records.report import Condition, NodeStatus, RoundOutcome, RoundSummary, RunStats
+from dtnode.daemon.records.state import IllegalTransition, NodeState, RecordPhase, RoundPhase, RoundState
 from dtnode.daemon.rounds.pacer import FixedPacer, SwarmPacer
-from dtnode.daemon.rounds.state import IllegalTransition, NodeState, RecordPhase, RoundPhase, RoundState
 from dtnode.daemon.rounds.strategies import left_off_the_swarm
-from dtnode.daemon.serve.metrics import NodeMetrics
-from dtnode.daemon.serve.report import Condition, NodeStatus, RoundOutcome, RoundSummary, RunStats
+from dtnode.daemon.telemetry.metrics import NodeMetrics
 from dtnode.daemon.training.trainer import InnerResult
 from dtnode.daemon.workload.recipe import recipe_of
 from dtnode.peers.averager import AveragingResult, HopReport

@@ -322,7 +322,7 @@ def test_local_says_which_port_is_in_use(tmp_path):
 
 
 def test_round_history_survives_a_torn_line_and_stays_bounded(tmp_path):
-    from dtnode.daemon.serve.history import RoundHistory
+    from dtnode.daemon.records.history import RoundHistory
 
     path = tmp_path / "history.jsonl"
     history = RoundHistory(path, limit=3)

@@ -32,10 +32,10 @@ from dtnode.daemon.checkpoints.file_format import (
 )
 from dtnode.daemon.checkpoints.in_memory import MemoryCheckpoint
 from dtnode.daemon.config.settings import NodeSettings
-from dtnode.daemon.rounds.state import NodeState
-from dtnode.daemon.serve.metrics import NodeMetrics
-from dtnode.daemon.serve.report import Health
+from dtnode.daemon.records.report import Health
+from dtnode.daemon.records.state import NodeState
 from dtnode.daemon.serve.sidecar import ServedSteps, Sidecar
+from dtnode.daemon.telemetry.metrics import NodeMetrics
 from dtnode.daemon.training.worker import ModelWorker
 from dtnode.daemon.workload.build import build_workload
 from dtnode.peers.membership import PeerRecord

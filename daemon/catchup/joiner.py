@@ -28,6 +28,7 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from enum import StrEnum
 from functools import partial
+from typing import Protocol
 
 import torch
 
@@ -44,7 +45,6 @@ from dtnode.daemon.catchup.trust_radius import judge_split_vote
 from dtnode.daemon.checkpoints.file_format import LoadedCheckpoint
 from dtnode.daemon.checkpoints.store import CheckpointStore
 from dtnode.daemon.config.settings import NodeSettings
-from dtnode.daemon.rounds.landing import Landing
 from dtnode.daemon.training.trainer import InnerResult
 from dtnode.daemon.training.worker import ModelWorker
 from dtnode.daemon.workload.recipe import SwarmRecipe, check_members, check_same_protocol, differences
@@ -70,6 +70,18 @@ class SyncAction(StrEnum):
     DOWNLOAD = "download"  # fetch the θ_g the open round starts from
     RETRY = "retry"  # its download just found no donor, and the round has not moved: ask again a heartbeat later
     GIVE_UP = "give up"  # train on from this node's θ_g (the wait or the downloads ran out)
+
+
+class AverageInFlight(Protocol):
+    """The overlapped average a download must settle first (rounds/landing.py's `Landing`, an
+    interface here so that catching up stays below the round loop)."""
+
+    @property
+    def in_flight(self) -> bool: ...
+
+    async def settle(self, timeout: float | None = None) -> object: ...
+
+    def forget(self) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -201,7 +213,7 @@ class Joiner:
         membership: Membership,
         worker: ModelWorker,
         store: CheckpointStore,
-        landing: Landing,
+        landing: AverageInFlight,
         trust: TrustStore | None,
         auth: SwarmAuth | None,
         stopping: asyncio.Event,

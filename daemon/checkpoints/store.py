@@ -42,7 +42,7 @@ from dtnode.daemon.checkpoints.file_format import (
     write_checkpoint,
 )
 from dtnode.daemon.checkpoints.in_memory import MemoryCheckpoint
-from dtnode.daemon.serve.metrics import NodeMetrics
+from dtnode.daemon.telemetry.metrics import NodeMetrics
 from dtnode.daemon.training.worker import ModelWorker
 from dtnode.ops.flat import sha256_of
 from dtnode.peers import failpoints

@@ -18,7 +18,7 @@ from collections.abc import Awaitable
 import torch
 
 from dtnode.daemon.checkpoints.store import CheckpointStore
-from dtnode.daemon.serve.metrics import NodeMetrics
+from dtnode.daemon.telemetry.metrics import NodeMetrics
 from dtnode.daemon.training.worker import ModelWorker
 from dtnode.ops.coded import CodedDelta
 from dtnode.peers import failpoints

@@ -2,7 +2,7 @@
 
 Where a round ends is the pacer's call (`rounds/pacer.py`); getting into step is the joiner's
 (`catchup/joiner.py`); an overlapped average lands through `rounds/landing.py`. This module strings them
-together and is the only one that moves the round state (`rounds/state.py`). Two strategies
+together and is the only one that moves the round state (`records/state.py`). Two strategies
 share one interface: `PlainRound` averages a round's Δ before the next round starts;
 `OverlappedRound` (--overlap) trains the next round while it is averaged.
 
@@ -28,15 +28,15 @@ from dtnode.daemon.catchup.donors import pause
 from dtnode.daemon.catchup.joiner import Joiner
 from dtnode.daemon.checkpoints.store import CheckpointStore
 from dtnode.daemon.config.settings import NodeSettings
+from dtnode.daemon.records.history import RoundHistory
+from dtnode.daemon.records.report import RoundOutcome, RoundSummary, RunStats
+from dtnode.daemon.records.state import Publisher, RoundState
 from dtnode.daemon.rounds.backoff import FailureStreak
 from dtnode.daemon.rounds.landing import Landing
 from dtnode.daemon.rounds.pacer import EXTRAPOLATE_HEARTBEATS, FixedPacer, Pacer, SwarmPacer
 from dtnode.daemon.rounds.recorder import RoundRecorder
-from dtnode.daemon.rounds.state import Publisher, RoundState
 from dtnode.daemon.rounds.strategies import OverlappedRound, PlainRound, RoundStrategy
-from dtnode.daemon.serve.history import RoundHistory
-from dtnode.daemon.serve.metrics import NodeMetrics
-from dtnode.daemon.serve.report import RoundOutcome, RoundSummary, RunStats
+from dtnode.daemon.telemetry.metrics import NodeMetrics
 from dtnode.daemon.training.ranks.host import HostRestartNeeded, LocalRankFailure, RankOutOfMemory
 from dtnode.daemon.training.trainer import InnerResult
 from dtnode.daemon.training.worker import ModelWorker

@@ -11,11 +11,11 @@ import logging
 
 from dtnode.daemon.checkpoints.store import CheckpointStore
 from dtnode.daemon.config.settings import NodeSettings
+from dtnode.daemon.records.history import RoundHistory
+from dtnode.daemon.records.report import RoundSummary, RunStats, WireStats
+from dtnode.daemon.records.state import Publisher
 from dtnode.daemon.rounds.landing import Landing
-from dtnode.daemon.rounds.state import Publisher
-from dtnode.daemon.serve.history import RoundHistory
-from dtnode.daemon.serve.metrics import NodeMetrics, observe_device_memory, observe_ranks
-from dtnode.daemon.serve.report import RoundSummary, RunStats, WireStats
+from dtnode.daemon.telemetry.metrics import NodeMetrics, observe_device_memory, observe_ranks
 from dtnode.daemon.training.trainer import InnerResult
 from dtnode.daemon.training.worker import ModelWorker
 from dtnode.peers.averager import AveragingResult

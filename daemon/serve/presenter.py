@@ -20,11 +20,11 @@ from dtnode.daemon.checkpoints.file_format import CheckpointInfo
 from dtnode.daemon.checkpoints.in_memory import MemoryCheckpoint
 from dtnode.daemon.checkpoints.store import CheckpointStore
 from dtnode.daemon.config.settings import NodeSettings
-from dtnode.daemon.rounds.state import RoundState
-from dtnode.daemon.serve.history import RoundHistory
-from dtnode.daemon.serve.metrics import NodeMetrics
-from dtnode.daemon.serve.report import Health, NodeStatus, RankStatus, RoundOutcome, RoundProgress, RunStats
+from dtnode.daemon.records.history import RoundHistory
+from dtnode.daemon.records.report import Health, NodeStatus, RankStatus, RoundOutcome, RoundProgress, RunStats
+from dtnode.daemon.records.state import RoundState
 from dtnode.daemon.swarm.reachability import DialBack, Reachability
+from dtnode.daemon.telemetry.metrics import NodeMetrics
 from dtnode.daemon.training.worker import ModelWorker
 from dtnode.daemon.workload.build import Workload
 from dtnode.ops.quantization import fused_kernels_active

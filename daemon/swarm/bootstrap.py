@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 
 from dtnode.daemon.config.model_source import is_hub_id
 from dtnode.daemon.config.settings import NodeSettings
-from dtnode.daemon.serve.metrics import NodeMetrics
+from dtnode.daemon.telemetry.metrics import NodeMetrics
 from dtnode.daemon.workload.recipe import SwarmRecipe, recipe_flags
 from dtnode.peers.hivemind_adapter import DHT, RSASignatureValidator, key_of
 from dtnode.peers.known_peers import FILE_NAME as KNOWN_PEERS_FILE

@@ -20,10 +20,10 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, field_validator
 from rich.filesize import decimal as human_bytes
 
-from dtnode.daemon.rounds.state import NodeState
-from dtnode.daemon.serve.history import finite_or_none
-from dtnode.daemon.serve.metrics import NodeMetrics, failure_reason
+from dtnode.daemon.records.history import finite_or_none
+from dtnode.daemon.records.state import NodeState
 from dtnode.daemon.swarm.reachability import Reachability
+from dtnode.daemon.telemetry.metrics import NodeMetrics, failure_reason
 from dtnode.daemon.training.ranks.host import RankReport
 from dtnode.daemon.training.trainer import InnerResult
 from dtnode.daemon.workload.recipe import SwarmRecipe

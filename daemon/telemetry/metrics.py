@@ -12,7 +12,7 @@ import math
 import shutil
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import psutil
 import torch
@@ -20,8 +20,16 @@ from prometheus_client import CollectorRegistry, Counter, Enum, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector
 
-if TYPE_CHECKING:
-    from dtnode.daemon.training.ranks.host import RankReport
+
+class RankFigures(Protocol):
+    """What a local rank reports into the metrics (training/ranks/host.py's RankReport)."""
+
+    rank: int
+    device: str
+    tokens_per_s: float
+    memory_bytes: int
+    device_memory_bytes: int
+
 
 ROUND_OUTCOMES = ("full", "partial", "alone", "failed")
 NODE_STATES = ("joining", "syncing", "training", "averaging", "stopped")
@@ -58,7 +66,7 @@ def observe_device_memory(metrics: NodeMetrics, device: torch.device) -> None:
         metrics.device_memory.labels(device=str(device), kind="resident").set(psutil.Process().memory_info().rss)
 
 
-def observe_ranks(metrics: NodeMetrics, reports: Iterable[RankReport]) -> None:
+def observe_ranks(metrics: NodeMetrics, reports: Iterable[RankFigures]) -> None:
     """Every local rank's throughput and memory (called at each round's end)."""
     for report in reports:
         labels = (str(report.rank), report.device)

@@ -20,7 +20,7 @@ import contextlib
 from collections.abc import Awaitable, Callable, Iterator
 from enum import StrEnum
 
-from dtnode.daemon.serve.metrics import NodeMetrics
+from dtnode.daemon.telemetry.metrics import NodeMetrics
 from dtnode.peers.membership import PeerRecord
 
 
