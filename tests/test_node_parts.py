@@ -14,7 +14,7 @@ import torch
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from dtnode.daemon.catchup.joiner import LocalPosition, SyncAction, plan_sync
+from dtnode.daemon.catchup.sync_plan import LocalPosition, SyncAction, plan_sync
 from dtnode.daemon.config.settings import NodeSettings
 from dtnode.daemon.records.report import Condition, NodeStatus, RoundOutcome, RoundSummary, RunStats
 from dtnode.daemon.records.state import IllegalTransition, NodeState, RecordPhase, RoundPhase, RoundState

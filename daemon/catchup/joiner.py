@@ -1,4 +1,5 @@
-"""Getting into step with the swarm: a pure plan (`plan_sync`) and the driver that carries it out.
+"""Getting into step with the swarm: the driver that carries out the pure plan (`plan_sync`,
+catchup/sync_plan.py) and the checks at the door (catchup/admission.py).
 
 A node is in step when it trains the swarm's open round from the θ_g that round starts
 from. `plan_sync` decides, from the peers' records and this node's position alone, whether
@@ -20,56 +21,43 @@ their maximum: one node that raced ahead alone must not pull everyone onto its b
 from __future__ import annotations
 
 import asyncio
-import collections
 import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from contextlib import AbstractContextManager
-from dataclasses import dataclass
-from enum import StrEnum
 from functools import partial
 from typing import Protocol
 
 import torch
 
+from dtnode.daemon.catchup.admission import check_same_data_plane, check_same_model, check_same_recipe
 from dtnode.daemon.catchup.donors import (
     SwarmPosition,
     fetch_from_swarm,
-    open_round,
     pause,
     swarm_moves_past,
     swarm_position,
-    swarm_step,
 )
+from dtnode.daemon.catchup.sync_plan import LocalPosition, SyncAction, plan_sync
 from dtnode.daemon.catchup.trust_radius import judge_split_vote
 from dtnode.daemon.checkpoints.file_format import LoadedCheckpoint
 from dtnode.daemon.checkpoints.store import CheckpointStore
 from dtnode.daemon.config.settings import NodeSettings
 from dtnode.daemon.training.trainer import InnerResult
 from dtnode.daemon.training.worker import ModelWorker
-from dtnode.daemon.workload.recipe import SwarmRecipe, check_members, check_same_protocol, differences
+from dtnode.daemon.workload.recipe import check_same_protocol
 from dtnode.ops.coded import CodedDelta
 from dtnode.peers.auth import SwarmAuth
-from dtnode.peers.membership import Membership, PeerRecord, SwarmMismatch
+from dtnode.peers.membership import Membership, PeerRecord
 from dtnode.peers.tls import TrustStore
 
 log = logging.getLogger("dtnode")
 
-MAX_SYNC_DOWNLOADS = 3  # downloads in a row that did not put a node in the swarm's round
 MAX_REENTRIES = 3  # a joiner's first rounds given up in a row because the swarm averaged them without it
 OPEN_POLL_S = 0.2  # how often a node waiting for the swarm's round to open re-reads the records
 # heartbeats a node waits for peers' records to catch up: a donor's to announce a file served
 # on demand, or a joiner whose average found no group for its peers' to show the round closed
 BIND_HEARTBEATS = 2.5
-
-
-class SyncAction(StrEnum):
-    IN_STEP = "in step"  # train the open round from this node's θ_g
-    NO_SWARM = "no swarm"  # no other peer trains: train alone
-    WAIT = "wait"  # the open round's θ_g is still being made (its peers apply the outer step)
-    DOWNLOAD = "download"  # fetch the θ_g the open round starts from
-    RETRY = "retry"  # its download just found no donor, and the round has not moved: ask again a heartbeat later
-    GIVE_UP = "give up"  # train on from this node's θ_g (the wait or the downloads ran out)
 
 
 class AverageInFlight(Protocol):
@@ -82,124 +70,6 @@ class AverageInFlight(Protocol):
     async def settle(self, timeout: float | None = None) -> object: ...
 
     def forget(self) -> None: ...
-
-
-@dataclass(frozen=True)
-class LocalPosition:
-    """This node as the plan sees it."""
-
-    peer_id: str
-    model_hash: str
-    outer_step: int
-    max_lag: int = 0  # outer steps it may trail the swarm and still train its own round
-    downloads: int = 0  # downloads already made in this sync
-    failed_step: int = -1  # the θ_g step whose download just found no donor (-1: none)
-    waited_too_long: bool = False  # the round has not opened within --join-timeout
-
-
-@dataclass(frozen=True)
-class SyncPlan:
-    action: SyncAction
-    position: SwarmPosition | None = None  # the swarm's open round, when there is a swarm
-    ahead: bool = False  # this node made rounds the swarm never saw (cut off): they are given up
-    waited_too_long: bool = False  # GIVE_UP: the round did not open in time (else: downloads ran out)
-
-    @property
-    def step(self) -> int:
-        """The θ_g step to download (DOWNLOAD) or that the open round starts from."""
-        return self.position.start_step if self.position is not None else -1
-
-
-def plan_sync(view: Mapping[str, PeerRecord], local: LocalPosition) -> SyncPlan:
-    """What to do to be in step, from the records and this node's position (no I/O).
-
-    Behind the swarm's open round by more than `max_lag`, or ahead of it by more than a
-    round plus `max_lag` (solo rounds while cut off: a branch the swarm never saw), the node
-    downloads the θ_g that round starts from, once a peer holds it."""
-    position = swarm_position(view.values(), local.peer_id, local.model_hash)
-    if position is None:
-        return SyncPlan(SyncAction.NO_SWARM)
-    behind = position.start_step > local.outer_step + local.max_lag
-    ahead = local.outer_step > position.start_step + 1 + local.max_lag and not _holds_the_median(view, local)
-    if not behind and not ahead:
-        return SyncPlan(SyncAction.IN_STEP, position)
-    if not position.ready:  # its peers are still applying the outer step that opens it
-        if local.waited_too_long:
-            return SyncPlan(SyncAction.GIVE_UP, position, ahead, waited_too_long=True)
-        return SyncPlan(SyncAction.WAIT, position, ahead)
-    if local.downloads >= MAX_SYNC_DOWNLOADS:
-        return SyncPlan(SyncAction.GIVE_UP, position, ahead)
-    if local.failed_step == position.start_step:
-        # the round's θ_g is made but not served yet: its donors still hash it, or fewer than a
-        # majority of hosts hold it (the first groups out of their average). Training on from
-        # here would average the round alone and go on a step behind (seen on a graceful
-        # restart while the swarm averaged); a round that moved is downloaded at once
-        return SyncPlan(SyncAction.RETRY, position, ahead)
-    return SyncPlan(SyncAction.DOWNLOAD, position, ahead)
-
-
-def _holds_the_median(view: Mapping[str, PeerRecord], local: LocalPosition) -> bool:
-    """Whether this node, counted with the others, is at the swarm's step: at least half of
-    the live peers, itself included, are as far as it (`swarm_step`'s upper median). Then its
-    rounds are the swarm's, not a branch: in a pair whose other host restarts (its ranks, or
-    the whole node) the host that trained on meanwhile keeps its rounds, and the restarted one
-    downloads them; in a swarm split evenly between two steps both halves go to the newer one
-    (each counting only the others, the two halves would trade places)."""
-    rounds = [
-        open_round(r)
-        for r in view.values()
-        if r.peer_id != local.peer_id and r.model_hash == local.model_hash and r.state in ("training", "averaging")
-    ]
-    return local.outer_step <= swarm_step([*rounds, local.outer_step]) + 1 + local.max_lag
-
-
-def check_same_model(view: Mapping[str, PeerRecord], peer_id: str, model_hash: str) -> None:
-    """Refuse to join a swarm that trains another model (or tokenizer): peers of another
-    config hash are never averaged with, so this node would train alone."""
-    hashes = collections.Counter(r.model_hash for p, r in view.items() if p != peer_id and r.state != "stopped")
-    if not hashes or model_hash in hashes:
-        return
-    theirs, count = hashes.most_common(1)[0]
-    raise SwarmMismatch(
-        f"this swarm trains model config {theirs} ({count} peer(s)) and this node {model_hash}: "
-        f"give the same --model, --tokenizer and model files as the swarm "
-        f"(`curl <peer>/status` shows its model)"
-    )
-
-
-class RecipeMismatch(SwarmMismatch):
-    """This node's recipe differs from every live peer's (exit 4, one line per field)."""
-
-
-def check_same_recipe(view: Mapping[str, PeerRecord], peer_id: str, model_hash: str, ours: SwarmRecipe) -> None:
-    """Refuse to join a swarm of the same model that trains it another way (other data, round
-    size, schedule, outer optimizer or wire format): its pseudo-gradients would be averaged
-    with this node's though they mean something else."""
-    peers = [r.recipe for p, r in view.items() if p != peer_id and r.state != "stopped" and r.model_hash == model_hash]
-    found = check_members(ours, peers)
-    if found is None:
-        return
-    theirs, count = found
-    lines = "\n".join(d.line() for d in differences(ours, theirs))
-    raise RecipeMismatch(
-        f"this node's recipe differs from the swarm's ({count} peer(s)); give the swarm's values, or join with "
-        f"--peer http://<a peer's sidecar> and leave these flags out to take them from it:\n{lines}"
-    )
-
-
-def check_same_data_plane(view: Mapping[str, PeerRecord], peer_id: str, tls: bool) -> None:
-    """Refuse to join a swarm whose peers average over the other kind of data plane: TLS and
-    plaintext peers cannot open streams to each other, so every round would lose them."""
-    other = sorted(p for p, r in view.items() if p != peer_id and r.state != "stopped" and bool(r.tls_cert) != tls)
-    if other:
-        theirs, mine = ("plaintext", "TLS") if tls else ("TLS", "plaintext")
-        fix = "add --insecure-data-plane" if tls else "drop --insecure-data-plane"
-        who = f"peer {other[0]}" if len(other) == 1 else f"{len(other)} peers ({other[0]}, ...)"
-        verb = "averages" if len(other) == 1 else "average"
-        raise SwarmMismatch(
-            f"{who} of this swarm {verb} over a {theirs} data plane and this node over {mine}: "
-            f"every peer of a swarm must use the same ({fix} to join this one)"
-        )
 
 
 class Joiner:
