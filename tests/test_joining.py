@@ -13,7 +13,7 @@ import time
 import pytest
 from nodes import FAST, NodeProcess, step_floor, wait_until
 
-from dtnode.daemon.catchup.donors import open_round, swarm_position
+from dtnode.daemon.catchup.swarm_position import open_round, swarm_position
 from dtnode.peers.known_peers import KnownPeers, peer_of
 from dtnode.peers.membership import PeerRecord
 

@@ -18,8 +18,9 @@ import torch
 from aiohttp import web
 
 from dtnode.daemon.catchup import donors as sync
-from dtnode.daemon.catchup.donors import PIECE_BYTES, fetch_from_swarm, group_offers, split_vote, swarm_step
+from dtnode.daemon.catchup.donors import PIECE_BYTES, fetch_from_swarm, group_offers, split_vote
 from dtnode.daemon.catchup.download import Offer
+from dtnode.daemon.catchup.swarm_position import swarm_step
 from dtnode.daemon.catchup.trust_radius import REACH_FACTOR, Reach, judge_split_vote
 from dtnode.daemon.checkpoints.file_format import (
     CheckpointInfo,
@@ -706,7 +707,7 @@ def test_a_node_that_found_no_group_waits_for_records_a_heartbeat_behind():
     before, while their records still said round 3 in inner steps (seen in a long_swarms run:
     the joiner then averaged its first round alone). It re-reads them for a while before it
     concludes that the swarm has not moved on."""
-    from dtnode.daemon.catchup.donors import swarm_moves_past
+    from dtnode.daemon.catchup.swarm_position import swarm_moves_past
 
     def donor(name: str, phase: str, round_no: int, step: int) -> PeerRecord:
         return PeerRecord(

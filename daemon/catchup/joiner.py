@@ -31,18 +31,14 @@ from typing import Protocol
 import torch
 
 from dtnode.daemon.catchup.admission import check_same_data_plane, check_same_model, check_same_recipe
-from dtnode.daemon.catchup.donors import (
-    SwarmPosition,
-    fetch_from_swarm,
-    pause,
-    swarm_moves_past,
-    swarm_position,
-)
+from dtnode.daemon.catchup.donors import fetch_from_swarm
+from dtnode.daemon.catchup.swarm_position import SwarmPosition, swarm_moves_past, swarm_position
 from dtnode.daemon.catchup.sync_plan import LocalPosition, SyncAction, plan_sync
 from dtnode.daemon.catchup.trust_radius import judge_split_vote
 from dtnode.daemon.checkpoints.file_format import LoadedCheckpoint
 from dtnode.daemon.checkpoints.store import CheckpointStore
 from dtnode.daemon.config.settings import NodeSettings
+from dtnode.daemon.stopping import pause
 from dtnode.daemon.training.trainer import InnerResult
 from dtnode.daemon.training.worker import ModelWorker
 from dtnode.daemon.workload.recipe import check_same_protocol

@@ -9,7 +9,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import StrEnum
 
-from dtnode.daemon.catchup.donors import SwarmPosition, open_round, swarm_position, swarm_step
+from dtnode.daemon.catchup.swarm_position import SwarmPosition, open_round, swarm_position, swarm_step
 from dtnode.peers.membership import PeerRecord
 
 MAX_SYNC_DOWNLOADS = 3  # downloads in a row that did not put a node in the swarm's round

@@ -24,7 +24,6 @@ from functools import partial
 
 import torch
 
-from dtnode.daemon.catchup.donors import pause
 from dtnode.daemon.catchup.joiner import Joiner
 from dtnode.daemon.checkpoints.store import CheckpointStore
 from dtnode.daemon.config.settings import NodeSettings
@@ -36,6 +35,7 @@ from dtnode.daemon.rounds.landing import Landing
 from dtnode.daemon.rounds.pacer import EXTRAPOLATE_HEARTBEATS, FixedPacer, Pacer, SwarmPacer
 from dtnode.daemon.rounds.recorder import RoundRecorder
 from dtnode.daemon.rounds.strategies import OverlappedRound, PlainRound, RoundStrategy
+from dtnode.daemon.stopping import pause
 from dtnode.daemon.telemetry.metrics import NodeMetrics
 from dtnode.daemon.training.ranks.host import HostRestartNeeded, LocalRankFailure, RankOutOfMemory
 from dtnode.daemon.training.trainer import InnerResult

@@ -30,8 +30,8 @@ from urllib.parse import urlsplit
 import aiohttp
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from dtnode.daemon.catchup.donors import pause
 from dtnode.daemon.config.settings import NodeSettings
+from dtnode.daemon.stopping import pause
 from dtnode.peers.auth import HTTP_HEADER, SwarmAuth
 from dtnode.peers.membership import PeerRecord
 
