@@ -32,6 +32,7 @@ import torch.nn.functional as F
 
 from dtnode.daemon.training.adam_state import flat_moments, install_adam_state, ordered_parameters
 from dtnode.daemon.training.precision import Precision, StepPrecision
+from dtnode.daemon.training.ranks.ddp import ReplicatedRanks
 from dtnode.daemon.training.ranks.fsdp import HostShards
 from dtnode.daemon.training.ranks.host import (
     HostRestartNeeded,
@@ -39,7 +40,6 @@ from dtnode.daemon.training.ranks.host import (
     LocalRanks,
     RankOutOfMemory,
     RankSync,
-    ReplicatedRanks,
     out_of_memory_line,
 )
 from dtnode.daemon.training.schedule import LearningRateSchedule
@@ -140,7 +140,7 @@ class Trainer:
     def _forward_model(self) -> Callable[[torch.Tensor], torch.Tensor]:
         """The module a step calls: the model, behind DDP with several ranks, compiled with
         --compile (the compiled module shares the already flattened parameters)."""
-        model = self.sync.ranks.wrap(self.model) if isinstance(self.sync, ReplicatedRanks) else self.model
+        model = self.sync.wrap(self.model) if isinstance(self.sync, ReplicatedRanks) else self.model
         return torch.compile(model) if self.compile else model
 
     def restart_ranks(self) -> None:

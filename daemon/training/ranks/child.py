@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from dtnode.daemon.training.adam_state import install_adam_state, ordered_parameters
 from dtnode.daemon.training.precision import Precision, StepPrecision
+from dtnode.daemon.training.ranks.ddp import ddp_replica
 from dtnode.daemon.training.ranks.fsdp import (
     gather_moments,
     gather_params,
@@ -35,7 +36,6 @@ from dtnode.daemon.training.ranks.host import (
     SPEC_ENV,
     Command,
     RankSpec,
-    ddp_replica,
     die_with_parent,
     out_of_memory_line,
     own_memory,

@@ -46,9 +46,7 @@ import torch.distributed as dist
 from pydantic import BaseModel
 
 from dtnode.daemon.config.settings import NodeSettings, SettingsError
-from dtnode.daemon.training.adam_state import flat_moments, install_adam_state, ordered_parameters
 from dtnode.daemon.workload.build import resolve_device
-from dtnode.ops.flat import FlatParameters
 from dtnode.peers.forks import popen
 from dtnode.peers.membership import free_port
 
@@ -266,9 +264,6 @@ class LocalRanks:
             self.plan.backend,
         )
 
-    def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
-        return ddp_replica(model, self.plan.devices[0])
-
     def stop(self) -> None:
         """Kill the children and leave the process group (a stopping node's, or a restart's)."""
         for child in self._children:
@@ -376,19 +371,10 @@ class LocalRanks:
         return float(torch.stack([g[0] for g in gathered]).mean())
 
 
-def ddp_replica(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
-    """A rank's model behind DDP (every rank wraps its replica at the same point: DDP's
-    constructor is a collective that also copies rank 0's weights to the others)."""
-    from torch.nn.parallel import DistributedDataParallel
-
-    ids = [device.index] if device.type == "cuda" else None
-    return DistributedDataParallel(model, device_ids=ids, forward_sync_buffers=False)
-
-
 class RankSync(Protocol):
     """How rank 0 keeps the other local ranks' replicas in step with its θ_l and its
-    AdamW state: `ReplicatedRanks` (DDP, every rank holds everything) or, with --shard,
-    `sharded.HostShards`. The trainer calls these on its thread, between inner steps."""
+    AdamW state: `ddp.ReplicatedRanks` (DDP, every rank holds everything) or, with --shard,
+    `fsdp.HostShards`. The trainer calls these on its thread, between inner steps."""
 
     evaluates_together: bool  # the held-out eval runs on every rank (its forward passes are collectives)
 
@@ -411,34 +397,6 @@ class RankSync(Protocol):
 
 
 FlatMoments = tuple[torch.Tensor, torch.Tensor, int]
-
-
-@dataclass
-class ReplicatedRanks:
-    """DDP ranks: each holds all of θ_l and its own AdamW state, kept equal to rank 0's by
-    identical steps; rank 0 sends them θ_l or the moments only when those changed otherwise."""
-
-    ranks: LocalRanks
-    flat: FlatParameters
-    model: torch.nn.Module
-    evaluates_together: bool = False  # rank 0 holds the whole model: it evaluates alone
-
-    def push_params(self) -> None:
-        with self.ranks.collective():
-            self.ranks.send_params(self.flat.buffer)
-
-    def push_inner(self, optimizer: torch.optim.Optimizer) -> None:
-        with self.ranks.collective():
-            self.ranks.send_inner(*self.gather_inner(optimizer))
-
-    def gather_inner(self, optimizer: torch.optim.Optimizer) -> FlatMoments:
-        return flat_moments(optimizer, ordered_parameters(self.model), self.flat.numel)
-
-    def load_inner(self, optimizer: torch.optim.Optimizer, model: torch.nn.Module, moments: FlatMoments) -> None:
-        install_adam_state(optimizer, model, *moments)
-
-    def eval_tokens(self, eval_set: torch.Tensor) -> torch.Tensor:
-        return eval_set
 
 
 def own_memory(device: torch.device) -> tuple[float, float]:
