@@ -65,11 +65,12 @@ from dtnode.peers.auth import SwarmAuth
 from dtnode.peers.averager import AveragingConfig, MoshpitAverager
 from dtnode.peers.channel_pool import ChannelPool
 from dtnode.peers.deadlines import AdaptiveDeadlines
+from dtnode.peers.dht_start import public_maddrs
 from dtnode.peers.hivemind_adapter import DHT, P2P, RSAPrivateKey, RSASignatureValidator
 from dtnode.peers.identity import identity_key
 from dtnode.peers.known_peers import own_peer_id
 from dtnode.peers.matchmaking import Matchmaker
-from dtnode.peers.membership import JoinError, Membership, public_maddrs
+from dtnode.peers.membership import JoinError, Membership
 from dtnode.peers.plan import Member
 from dtnode.peers.reducer import ReductionRegistry
 from dtnode.peers.tls import TrustStore

@@ -21,34 +21,21 @@ peers and to the peers it saw recently, so a healed partition heals the DHT too.
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import ctypes
 import hashlib
-import ipaddress
 import logging
-import os
-import re
-import signal
-import socket
 import time
 from collections.abc import Callable
 from functools import partial
 from typing import Annotated
 
-import psutil
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from . import failpoints
 from .auth import AuthError, SwarmAuth
-from .dht_records import SwarmRecords
-from .forks import FORK_LOCK
 from .hivemind_adapter import DHT, DHTNode, Multiaddr, PeerID, RSASignatureValidator, get_dht_time
 from .identity import signed_subkey, writer_of
 from .tls import MAX_CERT_CHARS, TrustStore
 
 log = logging.getLogger(__name__)
-BOOTSTRAP_FAILED = "failed to connect to bootstrap peers"  # how hivemind's p2pd says no initial peer answered
-BOOTSTRAP_RETRY_S = 2.0  # between a joiner's tries to reach its initial peers, within --join-timeout
 
 REMEMBER_PEERS_S = 600.0  # how long a peer seen once is worth a reconnection attempt
 VIEW_REUSE_S = 0.1  # matchmaking asks for the view twice per poll: one DHT read serves both
@@ -122,184 +109,6 @@ class PeerRecord(BaseModel):
     def auth_subject(self) -> str:
         cert = hashlib.sha256(self.tls_cert.encode()).hexdigest() if self.tls_cert else ""
         return f"record|{self.peer_id}|{self.grpc_addr}|{self.http_addr}|{self.client_mode}|{cert}"
-
-
-def _proto(host: str) -> str:
-    """The multiaddr protocol of a host: an IP literal, or a name to resolve (--announce-host node1)."""
-    try:
-        return "ip6" if ipaddress.ip_address(host).version == 6 else "ip4"
-    except ValueError:
-        return "dns"
-
-
-def _maddr(host: str, port: int) -> str:
-    return f"/{_proto(host)}/{host}/tcp/{port}"
-
-
-def _die_with_parent() -> None:
-    """In a forked child (hivemind's DHT process): get SIGKILL when the node dies, even by kill -9.
-
-    Without it the DHT process and its p2pd outlive a crashed node, keep its identity alive
-    in the swarm, and make its restart fail with "identity already taken".
-    """
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        return  # not Linux: nothing to do
-    if os.getppid() == 1:  # the parent died before the line above ran
-        os._exit(1)
-
-
-_HOOKED = False
-
-
-def _reap_orphaned_daemons(identity_path: str) -> int:
-    """Kill p2pd daemons that a crashed node left behind with our identity (orphans: their
-    parent, the node's DHT process, is gone)."""
-    killed = 0
-    marker = f"-id={identity_path}"
-    for proc in psutil.process_iter(["name", "cmdline", "ppid"]):
-        argv = proc.info.get("cmdline") or []
-        if not argv or not argv[0].endswith("p2pd") or marker not in argv or proc.info.get("ppid") != 1:
-            continue
-        with contextlib.suppress(psutil.Error):
-            proc.kill()
-            killed += 1
-    return killed
-
-
-async def start_dht(
-    initial_peers: list[str],
-    host: str,
-    port: int,
-    announce_host: str | None,
-    timeout: float,
-    identity_path: str | None = None,
-    validator: RSASignatureValidator | None = None,
-    fresh_identity: bool = False,
-    client_mode: bool = False,
-    keep_trying: bool = True,
-) -> DHT:
-    """Start hivemind's DHT process and reach the initial peers, or raise JoinError in bounded time.
-
-    With `fresh_identity` (just generated) hivemind's check that no live peer uses it is skipped.
-    With `client_mode` (behind NAT) the DHT only asks: other peers never store keys on it or
-    route through it. An announced host needs a known port: port 0 becomes a free port first,
-    so the announced address (hivemind's and the record's) carries the port that is bound.
-    With `keep_trying`, initial peers that do not answer are dialled again until `timeout`."""
-    for addr in initial_peers:
-        if not addr.startswith("/") or "/p2p/" not in addr:
-            raise JoinError(f"--peer {addr!r} is not a multiaddr like /ip4/1.2.3.4/tcp/7700/p2p/Qm...")
-    kwargs: dict = {
-        "initial_peers": initial_peers,
-        "host_maddrs": [_maddr(host, port)],
-    }
-    global _HOOKED
-    if not _HOOKED:
-        os.register_at_fork(after_in_child=_die_with_parent)
-        _HOOKED = True
-    if identity_path:
-        kwargs["identity_path"] = identity_path  # a restarted node keeps its peer id
-        kwargs["check_if_identity_free"] = not fresh_identity
-        if await asyncio.to_thread(_reap_orphaned_daemons, os.path.abspath(identity_path)):
-            log.warning("stopped the DHT daemon a crashed run of this node left behind")
-            await asyncio.sleep(1.0)  # let the swarm notice it is gone
-    if validator is not None:
-        # the swarm's shapes, checked on store and on read; a test's outsider runs a plain DHT
-        outsider = failpoints.armed() == "hostile-shadow"
-        kwargs["record_validators"] = [validator] if outsider else [validator, SwarmRecords()]
-    if client_mode:
-        kwargs["client_mode"] = True
-    if announce_host:
-        port = port or free_port(host)
-        kwargs["host_maddrs"] = [_maddr(host, port)]
-        kwargs["announce_maddrs"] = [_maddr(announce_host, port)]
-    deadline = time.monotonic() + timeout
-    while True:
-        left = max(deadline - time.monotonic(), 1.0)
-        try:
-            return await asyncio.to_thread(_forked_dht, {**kwargs, "startup_timeout": left}, left + 5)
-        except TimeoutError:
-            raise JoinError(
-                f"no answer from the DHT or the initial peers within {timeout:.0f}s "
-                f"(--join-timeout); are {initial_peers} reachable?"
-            ) from None
-        except Exception as e:  # noqa: BLE001  (hivemind reports daemon failures with several exception types)
-            reason = _daemon_reason(e)
-            redial = bool(initial_peers) and keep_trying and BOOTSTRAP_FAILED in reason
-            if redial and deadline - time.monotonic() > BOOTSTRAP_RETRY_S:
-                # one dial that failed (the peer still starting, or too busy to answer in time)
-                # is not the peer being gone: --join-timeout is how long to keep trying
-                log.warning(
-                    "could not reach %s yet (%s); trying again for up to %.0fs more (--join-timeout)",
-                    ", ".join(initial_peers),
-                    reason,
-                    deadline - time.monotonic(),
-                )
-                await asyncio.sleep(BOOTSTRAP_RETRY_S)
-                continue
-            if initial_peers:
-                tried = f" (dialled for {timeout:.0f}s, --join-timeout)" if redial else ""
-                raise JoinError(f"could not join through {', '.join(initial_peers)}: {reason}{tried}") from None
-            raise JoinError(f"could not start the DHT on {host}:{port}: {reason}") from None
-
-
-def _forked_dht(kwargs: dict, wait_s: float) -> DHT:
-    """hivemind's DHT process, forked under FORK_LOCK (see forks.py) and ready within `wait_s`;
-    TimeoutError, with the process stopped, if it is not."""
-    dht = DHT(start=False, **kwargs)
-    with FORK_LOCK:
-        dht.run_in_background(await_ready=False)
-    try:
-        dht.wait_until_ready(wait_s)
-    except TimeoutError:
-        dht.terminate()
-        dht.join(5)
-        raise
-    return dht
-
-
-def _daemon_reason(error: Exception) -> str:
-    """The last line of a DHT start failure, without the timestamp hivemind's p2pd puts in it."""
-    text = str(error).strip()
-    if not text:
-        return type(error).__name__
-    return re.sub(r"\d{4}/\d\d/\d\d \d\d:\d\d:\d\d ", "", text.splitlines()[-1])
-
-
-def free_port(host: str) -> int:
-    """A TCP port free on `host` now (for the DHT to bind a moment later)."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family) as probe:
-        probe.bind((host, 0))
-        return int(probe.getsockname()[1])
-
-
-def public_maddrs(dht: DHT, announce_host: str | None) -> list[str]:
-    """Multiaddrs others can dial, best first: the announced host, then non-loopback, then loopback."""
-    addrs = [str(a) for a in dht.get_visible_maddrs()]
-
-    def rank(addr: str) -> int:
-        parts = addr.split("/")
-        host = parts[2] if len(parts) > 2 else ""
-        if announce_host and host == announce_host:
-            return 0
-        try:
-            ip = ipaddress.ip_address(host)
-        except ValueError:
-            return 3
-        if ip.is_unspecified:
-            return 4
-        return 2 if ip.is_loopback else 1
-
-    ranked = sorted(addrs, key=rank)
-    if announce_host and (not ranked or rank(ranked[0]) != 0) and ranked:
-        # Port 0 was bound before we could announce: rewrite the best address onto the announced host.
-        parts = ranked[0].split("/")
-        parts[1], parts[2] = _proto(announce_host), announce_host
-        ranked.insert(0, "/".join(parts))
-    return ranked
 
 
 async def _neighbour_count(_dht: DHT, node: DHTNode) -> int:

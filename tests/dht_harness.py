@@ -11,7 +11,7 @@ from typing import Any
 
 from hivemind import DHT
 
-from dtnode.peers.membership import _forked_dht
+from dtnode.peers.dht_start import _forked_dht
 
 READY_S = 30.0
 

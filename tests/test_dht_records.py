@@ -16,9 +16,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dtnode.peers.dht_records import MAX_EXPIRY_S, MAX_VALUE_BYTES, SwarmRecords, refusal
+from dtnode.peers.dht_start import start_dht
 from dtnode.peers.identity import identity_key, signed_subkey
 from dtnode.peers.matchmaking import Matchmaker
-from dtnode.peers.membership import Membership, PeerRecord, start_dht
+from dtnode.peers.membership import Membership, PeerRecord
 from dtnode.peers.plan import Member
 
 NOW = 1_000_000.0

@@ -236,8 +236,8 @@ def test_the_dht_is_never_forked_inside_another_threads_popen():
     import subprocess
     import threading
 
+    from dtnode.peers.dht_start import start_dht
     from dtnode.peers.forks import popen
-    from dtnode.peers.membership import start_dht
 
     stop = threading.Event()
     started: list[int] = []

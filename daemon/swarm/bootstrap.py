@@ -23,10 +23,11 @@ from dtnode.daemon.config.model_source import is_hub_id
 from dtnode.daemon.config.settings import NodeSettings
 from dtnode.daemon.telemetry.metrics import NodeMetrics
 from dtnode.daemon.workload.recipe import SwarmRecipe, recipe_flags
+from dtnode.peers.dht_start import public_maddrs, start_dht
 from dtnode.peers.hivemind_adapter import DHT, RSASignatureValidator, key_of
 from dtnode.peers.known_peers import FILE_NAME as KNOWN_PEERS_FILE
 from dtnode.peers.known_peers import KnownPeers, peer_of
-from dtnode.peers.membership import JoinError, Membership, PeerRecord, public_maddrs, start_dht
+from dtnode.peers.membership import JoinError, Membership, PeerRecord
 from dtnode.peers.sidecar_address import PROBE_TIMEOUT_S, SidecarAddressError, is_sidecar_address, resolve_peers
 from dtnode.peers.tls import NodeIdentity, TrustStore
 

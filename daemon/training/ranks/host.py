@@ -47,8 +47,8 @@ from pydantic import BaseModel
 
 from dtnode.daemon.config.settings import NodeSettings, SettingsError
 from dtnode.daemon.workload.build import resolve_device
+from dtnode.peers.dht_start import free_port
 from dtnode.peers.forks import popen
-from dtnode.peers.membership import free_port
 
 log = logging.getLogger("dtnode")
 
