@@ -34,9 +34,10 @@ from dtnode.daemon.config.settings import SettingsError, load_settings
 from dtnode.daemon.training.outer_replica import Replica
 from dtnode.daemon.training.schedule import LearningRateSchedule
 from dtnode.daemon.training.trainer import Trainer
-from dtnode.daemon.workload.corpus import LLMC_MAGIC, write_bin
+from dtnode.daemon.workload.corpus import LLMC_MAGIC
 from dtnode.daemon.workload.data import DataStream, check_token_ids, open_sources, stable_seed
 from dtnode.daemon.workload.model import build_model, config_hash, export_format
+from dtnode.daemon.workload.sources import write_bin
 from dtnode.daemon.workload.tokenizer import LocalTokenizer, check_vocabulary
 from dtnode.ops.flat import FlatParameters
 

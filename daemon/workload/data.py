@@ -22,7 +22,8 @@ import torch
 
 from dtnode.daemon.config.presets import VOCAB_SIZE
 from dtnode.daemon.config.settings import SettingsError
-from dtnode.daemon.workload.corpus import CorpusError, CorpusReader, TokenCorpus, open_corpus, stable_seed
+from dtnode.daemon.workload.corpus import CorpusError, CorpusReader, TokenCorpus, stable_seed
+from dtnode.daemon.workload.sources import open_corpus
 from dtnode.daemon.workload.tokenizer import ByteTokenizer, Tokenizer
 
 __all__ = ["DataSources", "DataStream", "MarkovLanguage", "check_token_ids", "open_sources", "stable_seed"]

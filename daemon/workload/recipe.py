@@ -30,8 +30,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from dtnode import __version__
 from dtnode.daemon.config.settings import NodeSettings, flag
-from dtnode.daemon.workload.corpus import TokenCorpus, source_files
+from dtnode.daemon.workload.corpus import TokenCorpus
 from dtnode.daemon.workload.data import DataSources, MarkovLanguage
+from dtnode.daemon.workload.sources import source_files
 from dtnode.peers import wire
 from dtnode.peers.membership import PeerRecord, SwarmMismatch
 from dtnode.peers.sidecar_address import PROBE_TIMEOUT_S, SidecarAddressError, fetch_status, is_sidecar_address
