@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from dtnode.daemon.config.settings import NodeSettings, SettingsError
+from dtnode.daemon.training.inner_step import inner_optimizer, inner_step, next_token_loss
 from dtnode.daemon.training.precision import Precision, StepPrecision
-from dtnode.daemon.training.trainer import inner_optimizer, inner_step, next_token_loss
 from dtnode.daemon.training.worker import ModelWorker
 from dtnode.daemon.workload.build import build_workload
 from dtnode.daemon.workload.model import build_model

@@ -30,7 +30,7 @@ from dtnode.daemon.checkpoints.file_format import (
     read_metadata,
 )
 from dtnode.daemon.config.settings import SettingsError
-from dtnode.daemon.training.trainer import learned_buffers
+from dtnode.daemon.training.inner_step import learned_buffers
 from dtnode.daemon.workload.corpus import stable_seed
 from dtnode.daemon.workload.hf_model import CausalLM, require_transformers
 from dtnode.daemon.workload.model import GPT, build_model, config_hash, export_format, model_from_description

@@ -85,8 +85,8 @@ from torch.nn.utils import parameters_to_vector
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from nodes import NodeProcess, run_swarm
 
+from dtnode.daemon.training.inner_step import held_out_loss, inner_optimizer, next_token_loss
 from dtnode.daemon.training.schedule import LearningRateSchedule
-from dtnode.daemon.training.trainer import held_out_loss, inner_optimizer, next_token_loss
 from dtnode.daemon.workload.corpus import TokenCorpus
 from dtnode.daemon.workload.data import DataSources, DataStream, MarkovLanguage, stable_seed
 from dtnode.daemon.workload.model import build_model

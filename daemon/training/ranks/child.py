@@ -20,6 +20,12 @@ import torch
 import torch.distributed as dist
 
 from dtnode.daemon.training.adam_state import install_adam_state, ordered_parameters
+from dtnode.daemon.training.inner_step import (
+    held_out_loss,
+    inner_optimizer,
+    inner_step,
+    learned_buffers,
+)
 from dtnode.daemon.training.precision import Precision, StepPrecision
 from dtnode.daemon.training.ranks.ddp import ddp_replica
 from dtnode.daemon.training.ranks.fsdp import (
@@ -39,12 +45,6 @@ from dtnode.daemon.training.ranks.host import (
     die_with_parent,
     out_of_memory_line,
     own_memory,
-)
-from dtnode.daemon.training.trainer import (
-    held_out_loss,
-    inner_optimizer,
-    inner_step,
-    learned_buffers,
 )
 from dtnode.daemon.workload.model import build_model
 from dtnode.ops.flat import FlatParameters, flat_names
