@@ -1,0 +1,112 @@
+"""What one peer knows of one group it is forming: the group it ends up in (`FormedGroup`),
+whether that group re-syncs θ_g (`needs_resync`), and what it has read of the group key so
+far (`Forming`), which a later read can add to but never take from.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from .group_board import Registrants, Registration
+from .leadership import ClosedList, ReadList, Standing, by_rank, ranked_below, standing, valid_lists
+from .plan import Member
+
+
+@dataclass
+class FormedGroup:
+    key: str
+    members: list[Member]
+    registrants: int
+    seconds: float
+    complete: bool = False  # its closer had every member it expected (the window did not close it)
+    last_arrival_lag: float = 0.0  # seconds from our registration to the last registrant's
+    resync: bool = False  # the group averages θ_g too (decided by its closer: `needs_resync`)
+    expected: int = 0  # members it waited for when it closed
+    theta_hashes: tuple[str, ...] = ()  # the distinct θ_g hashes its members announced
+    unasked: bool = False  # no member asked for a re-sync (one that happens: their hashes differed)
+    # the other members whose announced θ_g hash is not this node's (or is unknown): the ones a
+    # re-sync could legitimately move this node's θ_g toward (`DriftBound.shared`)
+    theta_apart: int = 0
+
+
+def needs_resync(registrations: list[Registration]) -> bool:
+    """Whether a group also averages θ_g.
+
+    - Members that announce two different θ_g hashes re-sync, asked or not: after a clean
+      round every member holds the same θ_g bits (the means are order-independent,
+      ops/ordered_mean.py), so two hashes mean one of them left the swarm's θ_g (a part that
+      failed in another group, a restart from an older checkpoint) and nothing else would
+      bring it back: sparse mode has no scheduled re-sync.
+    - A member that asked (after a failure, a download, on schedule) and one that does not
+      know its hash ("") re-sync too.
+    - Otherwise not: the average of equal θ_g is that θ_g again, and an fp32 re-sync costs 4
+      bytes per parameter each way (8 with an outer momentum), 30 rounds of sparse traffic.
+
+    A member can force a re-sync either way (by asking); its weight there is its share like
+    everyone's, and a result that moves θ_g farther than the swarm's recent outer steps reach
+    is refused (peers/averager.py)."""
+    if len(registrations) < 2:
+        return False
+    hashes = {r.theta for r in registrations}
+    if len(hashes - {""}) > 1:
+        return True
+    return "" in hashes and any(r.resync for r in registrations)
+
+
+@dataclass
+class Forming:
+    """What one peer has read of one group key during a hop, and what it decided so far.
+
+    A read on a loaded swarm can miss records another read saw (a lookup answered by a node
+    that lacks them, a membership record lapsing for a moment). A follower that read its
+    leader's list and then, settling, forgot the leader's registration averaged alone while
+    the group counted on it; so a registration or a list, once read and checked, stays."""
+
+    key: str
+    me: str
+    registrants: Registrants
+    lists: dict[str, ClosedList] = field(default_factory=dict)
+    formed: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    passed_over: set[str] = field(default_factory=set)  # pending registrants ahead, given up on
+    # writers whose own registration here was refused (malformed, a weight of 0, no swarm key's
+    # tag): they came, and will not be in this group; nobody waits for them to the window's end
+    refused: set[str] = field(default_factory=set)
+    held_since: dict[str, float] = field(default_factory=dict)  # list on hold -> when first seen so
+    gave_up: bool = False
+
+    def valid(self) -> dict[str, ReadList]:
+        return valid_lists(self.key, self.lists, self.registrants)
+
+    def standing(self) -> Standing:
+        view = standing(self.key, self.registrants, self.valid(), self.formed, self.passed_over)
+        now = time.monotonic()
+        for publisher in view.on_hold:
+            self.held_since.setdefault(publisher, now)
+        return view
+
+    def candidates(self, view: Standing) -> list[str]:
+        """Registrants a leader may name: not in a list in force, not passed over."""
+        return by_rank(self.key, set(self.registrants) - set(view.taken) - self.passed_over)
+
+    def holding(self, view: Standing, candidates: list[str], hold_s: float) -> list[str]:
+        """Lists on hold that name one of these candidates and may still be confirmed."""
+        now = time.monotonic()
+        return [
+            p
+            for p, read in view.on_hold.items()
+            if set(read.members) & set(candidates) and now - self.held_since[p] < hold_s
+        ]
+
+    def pass_over(self, view: Standing, everyone: bool) -> set[str]:
+        """Give up on the leader this peer waits for (its own clock said so), or on every
+        pending registrant ahead of it (`everyone`). One at a time, a follower that gave up on a
+        dead leader a moment before another waits for that other to take over, and they meet."""
+        if everyone:
+            pending = set(self.registrants) - set(view.taken) - set(self.lists) - self.passed_over
+            gone = ranked_below(self.key, self.me, pending)
+        else:
+            gone = {view.leader} if view.leader is not None and view.leader != self.me else set()
+        self.passed_over |= gone
+        self.gave_up = True
+        return gone
