@@ -195,6 +195,19 @@ class NodeProcess:
         except (OSError, ValueError):
             return None
 
+    def in_step_at(self, timeout: float = 60) -> int:
+        """The outer step a starting node trains from once it is in step with its swarm (after
+        a download, or from its own checkpoint): its /status once it has left joining and
+        syncing. The step moves only when its first round ends, later than a poll."""
+
+        def training() -> dict[str, Any] | None:
+            status = self.status()
+            return status if status and status["state"] in ("training", "averaging") else None
+
+        return int(
+            wait_until(training, timeout, lambda: f"{self.name} in step; output:\n{self.output[-6000:]}")["outer_step"]
+        )
+
     @property
     def rounds(self) -> list[dict[str, Any]]:
         """The node's rounds as `/history` serves them, from the file behind it in the state dir

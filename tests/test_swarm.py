@@ -156,7 +156,7 @@ def test_late_joiner_downloads_state_and_trains_in_step(tmp_path, cleanup):
     b.wait_for_round(lambda r: r["round"] >= 2 and r["groups"][0][0] == 2, timeout=90)
     c = NodeProcess.join("c", tmp_path, *FAST, "--peer", a.join_address, "--max-own-rounds", "3")
     cleanup.append(c)
-    synced = int(c.wait_for_line(r"in sync at outer step (\d+)", timeout=60).group(1))
+    synced = c.in_step_at(timeout=60)
     assert synced >= 2
     assert c.wait(90) == 0, c.output
     # the joiner's state equals the donor's checkpoint, bit for bit

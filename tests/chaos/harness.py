@@ -360,24 +360,10 @@ def _sigstop_past_the_timeout(swarm: Swarm, trial: Trial) -> None:
 def _late_joiner(swarm: Swarm, trial: Trial) -> None:
     swarm.wait_round(swarm.nodes[0], 2)
     joiner = swarm.start("late", "--peer", swarm.address)
-    synced = _in_sync_at(joiner)
+    synced = joiner.in_step_at(timeout=60)
     trial.fired = f"joined and synced at step {synced}"
     for node in swarm.nodes:
         swarm.wait_round(node, synced + 3)
-
-
-def _in_sync_at(joiner: NodeProcess, timeout: float = 60) -> int:
-    """The outer step a joiner trains from: its /status once it has left joining and syncing
-    (the step changes only when its first round ends, which takes longer than a poll)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        status = _status(joiner)
-        if status and status["state"] in ("training", "averaging"):
-            return int(status["outer_step"])
-        if joiner.proc.poll() is not None:
-            break
-        time.sleep(0.1)
-    raise AssertionError(f"{joiner.name} was not in sync within {timeout:.0f}s; output:\n{joiner.output[-6000:]}")
 
 
 def _slow_peer(swarm: Swarm, trial: Trial) -> None:
