@@ -14,7 +14,7 @@ from dtnode.daemon.serve.presenter import NodePresenter
 from dtnode.daemon.serve.sidecar import ServedSteps, Sidecar
 from dtnode.daemon.telemetry.metrics import NodeMetrics, RefusalCollector
 from dtnode.peers.auth import ENV_KEY, AuthError, SwarmAuth, load_swarm_key
-from dtnode.peers.reducer import ReductionRegistry
+from dtnode.peers.reduction_registry import ReductionRegistry
 from dtnode.peers.server import GrpcPortError, port_in_use, start_grpc_server
 from dtnode.peers.service import AveragingService
 from dtnode.peers.tls import TrustStore

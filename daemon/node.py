@@ -72,7 +72,7 @@ from dtnode.peers.known_peers import own_peer_id
 from dtnode.peers.matchmaking import Matchmaker
 from dtnode.peers.membership import JoinError, Membership
 from dtnode.peers.plan import Member
-from dtnode.peers.reducer import ReductionRegistry
+from dtnode.peers.reduction_registry import ReductionRegistry
 from dtnode.peers.tls import TrustStore
 from dtnode.peers.wire import max_message_bytes
 

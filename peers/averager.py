@@ -43,7 +43,7 @@ from .membership import PeerRecord
 from .part_codec import Feedback
 from .part_result import DriftBound
 from .plan import Compression, WireFormat
-from .reducer import ReductionRegistry
+from .reduction_registry import ReductionRegistry
 from .scratch_buffers import ScratchBuffers
 
 __all__ = ["AveragingConfig", "AveragingResult", "AveragingTimeout", "HopReport", "MoshpitAverager"]

@@ -36,7 +36,8 @@ from .part_codec import Feedback, assign, encode_part, keep_own, sparsify_own, t
 from .part_result import DriftBound, PartResult
 from .part_stream import PartStream
 from .plan import INT8, SPARSE, GroupPlan
-from .reducer import PartReduction, ReductionFailed, ReductionRegistry, maybe_thread
+from .reducer import PartReduction, ReductionFailed, maybe_thread
+from .reduction_registry import ReductionRegistry
 from .wire import MAX_WEIGHT, Payload
 
 REDUCER_SHARE = 0.8  # a reducer stops waiting for senders here, leaving the rest to stream the result back

@@ -27,7 +27,7 @@ from .part_codec import Feedback
 from .part_result import DriftBound
 from .plan import FP32, Compression, GroupPlan, Member, WireFormat, make_plan
 from .presence import GroupPresence
-from .reducer import ReductionRegistry
+from .reduction_registry import ReductionRegistry
 
 log = logging.getLogger(__name__)
 

@@ -25,7 +25,6 @@ import logging
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import torch
 
@@ -373,78 +372,3 @@ class PartReduction:
         """The senders' weights summed correctly rounded: the same bits in any arrival order,
         and for a weight that came split among several senders (`ordered_mean`)."""
         return sum_weights([self.own_weight, *(self.weights[s] for s in self.committed)])
-
-
-@dataclass
-class _HopGroups:
-    """The groups this node formed in one hop of a round: once every slot of the hop (a peer
-    alone in one hop stands in two classes of the next) has its group, a plan that is not
-    among them is one this node will never reduce for."""
-
-    slots: int
-    settled: int = 0
-    group_ids: set[bytes] = field(default_factory=set)
-
-
-class ReductionRegistry:
-    """The reductions this node currently serves, keyed by what a chunk names."""
-
-    KEPT_ROUNDS = 3  # hops of rounds this far behind the newest are forgotten
-
-    def __init__(self) -> None:
-        self._reductions: dict[tuple, PartReduction] = {}
-        self._changed = asyncio.Condition()
-        self._hops: dict[tuple[str, int, int], _HopGroups] = {}
-
-    def hop_begins(self, run_id: str, round: int, hop: int, slots: int) -> None:
-        """This node forms `slots` groups in this hop of Δ's averaging (see `elsewhere`)."""
-        self._hops = {k: v for k, v in self._hops.items() if k[0] == run_id and k[1] > round - self.KEPT_ROUNDS}
-        self._hops[(run_id, round, hop)] = _HopGroups(slots)
-
-    def slot_settled(self, run_id: str, round: int, hop: int, group_id: bytes | None) -> None:
-        """One slot of the hop has its group: the plan's id, or None for a group of one."""
-        groups = self._hops.get((run_id, round, hop))
-        if groups is not None:
-            groups.settled += 1
-            if group_id is not None:
-                groups.group_ids.add(bytes(group_id))
-
-    def may_come(self, run_id: str, round: int) -> bool:
-        """Whether a reduction of `round` may still register here: a round this node is in,
-        about to enter, or has just left (a stream for a round far ahead is nobody's yet)."""
-        newest = max((r for (run, r, _) in self._hops if run == run_id), default=None)
-        return newest is None or round <= newest + 1
-
-    def elsewhere(self, key: tuple) -> bool:
-        """Whether a sender's plan names a group this node is not in: every slot of that hop
-        has its group here, and none is the plan's. Its view of the group differed from ours
-        (a member it counted in left our view, or the grid's cells fell otherwise), so its
-        members must not wait for this node's slices until their deadline."""
-        run_id, round, hop, group_id, _ = key
-        groups = self._hops.get((run_id, round, hop))
-        return groups is not None and groups.settled >= groups.slots and bytes(group_id) not in groups.group_ids
-
-    @staticmethod
-    def key(run_id: str, round: int, hop: int, group_id: bytes, part: int) -> tuple:
-        return (run_id, round, hop, bytes(group_id), part)
-
-    async def register(self, reduction: PartReduction) -> None:
-        plan = reduction.plan
-        reduction.start()
-        async with self._changed:
-            self._reductions[self.key(plan.run_id, plan.round, plan.hop, plan.group_id, reduction.part)] = reduction
-            self._changed.notify_all()
-
-    def unregister(self, reduction: PartReduction) -> None:
-        plan = reduction.plan
-        reduction.stop()
-        self._reductions.pop(self.key(plan.run_id, plan.round, plan.hop, plan.group_id, reduction.part), None)
-
-    async def lookup(self, key: tuple, wait: float) -> PartReduction | None:
-        """A sender may reach us before we formed the same group: wait for it, boundedly."""
-        async with self._changed:
-            try:
-                await asyncio.wait_for(self._changed.wait_for(lambda: key in self._reductions), wait)
-            except TimeoutError:
-                return None
-            return self._reductions[key]

@@ -24,7 +24,8 @@ from dtnode.proto import averaging_pb2_grpc as pb_grpc
 
 from .auth import GRPC_METADATA, AuthError, SwarmAuth, stream_subject
 from .netgroups import network_group
-from .reducer import PartReduction, ReductionFailed, ReductionRegistry
+from .reducer import PartReduction, ReductionFailed
+from .reduction_registry import ReductionRegistry
 from .tls import TrustStore, client_fingerprint
 from .wire import ChunkError, RefusalReason, chunk_message, decode_chunk, payload_size
 

@@ -16,7 +16,7 @@ from dtnode.peers.butterfly import butterfly_allreduce
 from dtnode.peers.channel_pool import ChannelPool
 from dtnode.peers.part_codec import Feedback
 from dtnode.peers.plan import INT8, Member, make_plan
-from dtnode.peers.reducer import ReductionRegistry
+from dtnode.peers.reduction_registry import ReductionRegistry
 from dtnode.peers.server import start_grpc_server
 from dtnode.peers.service import AveragingService
 from dtnode.peers.tls import NodeIdentity, TrustStore, encode_certificate

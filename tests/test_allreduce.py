@@ -15,7 +15,7 @@ from dtnode.peers.deadlines import expected_payload_bytes
 from dtnode.peers.part_codec import Feedback
 from dtnode.peers.part_result import DriftBound
 from dtnode.peers.plan import FP32, INT8, SPARSE, Compression, Member, WireFormat, make_plan
-from dtnode.peers.reducer import ReductionRegistry
+from dtnode.peers.reduction_registry import ReductionRegistry
 from dtnode.peers.wire import chunk_message
 from dtnode.proto import averaging_pb2 as pb
 from dtnode.proto import averaging_pb2_grpc as pb_grpc
@@ -641,7 +641,7 @@ def test_silent_streams_are_closed_and_the_oldest_waiting_one_makes_room():
     shut every honest sender of that address out). Now a stream takes a slot only once its
     first chunk checks out; until then it waits in a pool where a newcomer evicts the oldest
     waiting stream, and it is ended after the first-message timeout."""
-    from dtnode.peers.reducer import ReductionRegistry
+    from dtnode.peers.reduction_registry import ReductionRegistry
     from dtnode.peers.server import start_grpc_server
     from dtnode.peers.service import AveragingService, PendingStreams
     from dtnode.peers.wire import max_message_bytes

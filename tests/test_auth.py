@@ -21,7 +21,7 @@ from dtnode.peers.channel_pool import ChannelPool
 from dtnode.peers.identity import identity_key
 from dtnode.peers.membership import Membership, PeerRecord
 from dtnode.peers.plan import INT8, Member, make_plan
-from dtnode.peers.reducer import ReductionRegistry
+from dtnode.peers.reduction_registry import ReductionRegistry
 from dtnode.peers.server import start_grpc_server
 from dtnode.peers.service import AveragingService
 from dtnode.peers.wire import chunk_message, max_message_bytes

@@ -109,7 +109,7 @@ async def _ours(rank, n, values, exact, reps, store, codec_name) -> dict:
     from dtnode.peers.butterfly import butterfly_allreduce
     from dtnode.peers.channel_pool import ChannelPool
     from dtnode.peers.plan import FP32, INT8, SPARSE, Member, make_plan
-    from dtnode.peers.reducer import ReductionRegistry
+    from dtnode.peers.reduction_registry import ReductionRegistry
     from dtnode.peers.server import start_grpc_server
     from dtnode.peers.service import AveragingService
     from dtnode.peers.wire import max_message_bytes
