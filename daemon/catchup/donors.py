@@ -23,14 +23,8 @@ from pathlib import Path
 
 import aiohttp
 
-from dtnode.daemon.catchup.download import (
-    PIECE_BYTES,
-    DownloadError,
-    LocalDiskError,
-    Offer,
-    auth_headers,
-    download_parallel,
-)
+from dtnode.daemon.catchup.download import DownloadError, Offer, auth_headers, download_parallel
+from dtnode.daemon.catchup.partial_download import PIECE_BYTES, LocalDiskError
 from dtnode.daemon.checkpoints.file_format import (
     MAX_STEP,
     CheckpointError,
