@@ -22,8 +22,8 @@ from dataclasses import replace
 
 import torch
 
-from dtnode.peers.averager import MAX_CHAINS
 from dtnode.peers.grid import coordinates, first_slot, grid_shape, hop_key, next_slots, split_groups
+from dtnode.peers.hops import MAX_CHAINS
 
 
 def distance(values: torch.Tensor, target: torch.Tensor, start: float) -> float:
