@@ -9,7 +9,7 @@ The parts, each one concept:
 - `records/state.py`: the node's state and the one `publish()` of it;
 - `rounds/loop.py`: the round loop, with `rounds/pacer.py` (when a round ends), `catchup/joiner.py` (getting
   into step) and `rounds/landing.py` (an overlapped average);
-- `records/report.py`: the typed round summary and `/status`;
+- `records/report.py` and `records/status.py`: the typed round summary and `/status`;
 - `serve/sidecar.py`: the HTTP endpoints, which read the node through `NodeView`;
 - `listeners.py`: the swarm key and ports checked, the gRPC server and the sidecar started.
 

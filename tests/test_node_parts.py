@@ -16,8 +16,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from dtnode.daemon.catchup.sync_plan import LocalPosition, SyncAction, plan_sync
 from dtnode.daemon.config.settings import NodeSettings
-from dtnode.daemon.records.report import Condition, NodeStatus, RoundOutcome, RoundSummary, RunStats
+from dtnode.daemon.records.report import Condition, RoundOutcome, RoundSummary, RunStats
 from dtnode.daemon.records.state import IllegalTransition, NodeState, RecordPhase, RoundPhase, RoundState
+from dtnode.daemon.records.status import NodeStatus
 from dtnode.daemon.rounds.pacer import FixedPacer, SwarmPacer
 from dtnode.daemon.rounds.strategies import left_off_the_swarm
 from dtnode.daemon.telemetry.metrics import NodeMetrics

@@ -33,8 +33,8 @@ from dtnode.daemon.checkpoints.file_format import (
 )
 from dtnode.daemon.checkpoints.in_memory import MemoryCheckpoint
 from dtnode.daemon.config.settings import NodeSettings
-from dtnode.daemon.records.report import Health
 from dtnode.daemon.records.state import NodeState
+from dtnode.daemon.records.status import Health
 from dtnode.daemon.serve.sidecar import ServedSteps, Sidecar
 from dtnode.daemon.telemetry.metrics import NodeMetrics
 from dtnode.daemon.training.worker import ModelWorker

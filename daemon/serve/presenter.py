@@ -21,8 +21,9 @@ from dtnode.daemon.checkpoints.in_memory import MemoryCheckpoint
 from dtnode.daemon.checkpoints.store import CheckpointStore
 from dtnode.daemon.config.settings import NodeSettings
 from dtnode.daemon.records.history import RoundHistory
-from dtnode.daemon.records.report import Health, NodeStatus, RankStatus, RoundOutcome, RoundProgress, RunStats
+from dtnode.daemon.records.report import RoundOutcome, RunStats
 from dtnode.daemon.records.state import RoundState
+from dtnode.daemon.records.status import Health, NodeStatus, RankStatus, RoundProgress
 from dtnode.daemon.swarm.reachability import DialBack, Reachability
 from dtnode.daemon.telemetry.metrics import NodeMetrics
 from dtnode.daemon.training.worker import ModelWorker

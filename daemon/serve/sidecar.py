@@ -26,7 +26,7 @@ from rich.filesize import decimal
 from dtnode.daemon.checkpoints.file_format import MAX_STEP, CheckpointInfo
 from dtnode.daemon.checkpoints.in_memory import MemoryCheckpoint
 from dtnode.daemon.records.history import RoundHistory
-from dtnode.daemon.records.report import Health, NodeStatus
+from dtnode.daemon.records.status import Health, NodeStatus
 from dtnode.daemon.swarm.reachability import DialBusy, Reachability
 from dtnode.daemon.telemetry.metrics import NodeMetrics
 from dtnode.peers.auth import HTTP_HEADER, AuthError, SwarmAuth
