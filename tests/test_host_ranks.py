@@ -127,6 +127,20 @@ def test_gpu_selection_is_checked_against_the_host():
         NodeSettings(gpus="zero")
 
 
+def test_a_gpu_hosts_ranks_are_the_gpus_it_selects(tmp_path, monkeypatch):
+    """The planning of a GPU host, on a CPU: torch's device answers stand in for the GPUs
+    (mypy cannot see this branch: torch types a device's index as never None)."""
+    from dtnode.daemon.training.ranks import host
+
+    monkeypatch.setattr(host, "resolve_device", lambda spec: torch.device("cuda"))
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    plan = plan_ranks(NodeSettings(state_dir=tmp_path, gpus="1,3"))
+    assert plan.devices == (torch.device("cuda", 1), torch.device("cuda", 3)) and plan.backend == "nccl"
+    assert plan_ranks(NodeSettings(state_dir=tmp_path, nproc_per_node=3)).world_size == 3
+    with pytest.raises(SettingsError, match="3 ranks asked, but --gpus selects 2 GPUs"):
+        plan_ranks(NodeSettings(state_dir=tmp_path, gpus="0,1", nproc_per_node=3))
+
+
 def test_cpu_ranks_share_the_cores_and_a_single_device_has_one_rank(tmp_path):
     plan = plan_ranks(NodeSettings(state_dir=tmp_path, device="cpu", nproc_per_node=2))
     assert plan.world_size == 2 and plan.backend == "gloo" and plan.threads == max(1, (os.cpu_count() or 1) // 2)

@@ -96,7 +96,7 @@ def plan_ranks(s: NodeSettings) -> RankPlan:
     device = resolve_device(s.hardware.device)
     count = s.hardware.nproc_per_node
     if device.type == "cuda" and device.index is None:
-        devices = [torch.device("cuda", i) for i in selected_gpus(s.gpus, torch.cuda.device_count())]
+        devices = [torch.device("cuda", i) for i in selected_gpus(s.hardware.gpus, torch.cuda.device_count())]
         if count is not None:
             if count > len(devices):
                 raise SettingsError("--nproc-per-node", f"{count} ranks asked, but --gpus selects {len(devices)} GPUs")
