@@ -464,3 +464,16 @@ def test_a_clean_stop_logs_no_error_for_p2pd_closing_its_listener():
         p2pd.removeHandler(collect)
     errors = [r.getMessage() for r in records if r.levelno >= logging.ERROR]
     assert errors == ["error accepting connection: accept unix /tmp/hivemind-p2pd.sock: too many open files"]
+
+
+def test_dtnode_status_finds_the_nodes_ports_in_its_config_file_flat_or_grouped(tmp_path, monkeypatch):
+    from dtnode.daemon.cli.status import local_node_url
+
+    monkeypatch.delenv("DTNODE_HTTP_PORT", raising=False)
+    monkeypatch.delenv("DTNODE_STATUS_PORT", raising=False)
+    flat, grouped = tmp_path / "flat.toml", tmp_path / "grouped.toml"
+    flat.write_text("http-port = 9100\n")
+    grouped.write_text('[network]\nstatus_port = 9200\nstatus-host = "10.0.0.5"\n')
+    assert local_node_url(str(flat), None, None, None) == "http://127.0.0.1:9100"
+    assert local_node_url(str(grouped), None, None, None) == "http://10.0.0.5:9200"
+    assert local_node_url(str(grouped), None, 9300, None) == "http://10.0.0.5:9300"  # a flag wins

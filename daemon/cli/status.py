@@ -59,10 +59,14 @@ def local_node_url(config: str | None, http_port: int | None, status_port: int |
 
     path = config or os.environ.get(ENV_PREFIX + "CONFIG")
     try:
-        file = {k.replace("-", "_"): v for k, v in tomllib.loads(Path(path).read_text()).items()} if path else {}
+        raw = tomllib.loads(Path(path).read_text()) if path else {}
     except (OSError, tomllib.TOMLDecodeError) as e:
         print(f"dtnode: warning: ignoring --config {path}: {e}", file=sys.stderr)
-        file = {}
+        raw = {}
+    file: dict[str, object] = {}
+    for key, item in raw.items():  # an option at the top level, or in its group's table ([network])
+        table = item if isinstance(item, dict) else {key: item}
+        file |= {k.replace("-", "_"): v for k, v in table.items()}
 
     def value(name: str, given: object) -> object:
         return given if given is not None else os.environ.get(ENV_PREFIX + name.upper(), file.get(name))
