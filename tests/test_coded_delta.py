@@ -9,7 +9,8 @@ import torch
 from allreduce_harness import start_peers, stop_peers
 
 from dtnode.daemon.training.coded_replica import CodedReplica
-from dtnode.daemon.training.outer_replica import MAX_ALLOWANCE, OUTER_REACH, Replica
+from dtnode.daemon.training.outer_replica import Replica
+from dtnode.daemon.training.update_bounds import MAX_ALLOWANCE, OUTER_REACH
 from dtnode.daemon.training.schedule import LearningRateSchedule
 from dtnode.daemon.training.trainer import Trainer
 from dtnode.daemon.workload.data import DataSources, DataStream, MarkovLanguage
