@@ -188,6 +188,20 @@ class NodeProcess:
         with urllib.request.urlopen(self.http_url + path, timeout=5) as resp:
             return json.load(resp)
 
+    def metric(self, name: str, **labels: str) -> float:
+        """One sample of /metrics (0.0 while the node does not answer, or has not counted it)."""
+        from prometheus_client.parser import text_string_to_metric_families
+
+        try:
+            text = self.get_text("/metrics")
+        except (OSError, ValueError):
+            return 0.0
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                    return float(sample.value)
+        return 0.0
+
     def status(self) -> dict[str, Any] | None:
         """/status, or None while the node does not answer."""
         try:

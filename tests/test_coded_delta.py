@@ -10,9 +10,9 @@ from allreduce_harness import start_peers, stop_peers
 
 from dtnode.daemon.training.coded_replica import CodedReplica
 from dtnode.daemon.training.outer_replica import Replica
-from dtnode.daemon.training.update_bounds import MAX_ALLOWANCE, OUTER_REACH
 from dtnode.daemon.training.schedule import LearningRateSchedule
 from dtnode.daemon.training.trainer import Trainer
+from dtnode.daemon.training.update_bounds import MAX_ALLOWANCE, OUTER_REACH
 from dtnode.daemon.workload.data import DataSources, DataStream, MarkovLanguage
 from dtnode.daemon.workload.model import build_model
 from dtnode.ops.coded import CodedDelta, SpanEncoder

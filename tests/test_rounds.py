@@ -7,7 +7,7 @@ import time
 
 import pytest
 import torch
-from nodes import FAST, NodeProcess
+from nodes import FAST, NodeProcess, wait_until
 
 from dtnode.daemon.checkpoints.file_format import LoadedCheckpoint, TrainingState, list_checkpoints
 from dtnode.daemon.config.settings import NodeSettings
@@ -57,7 +57,11 @@ def test_an_exception_inside_a_round_does_not_end_the_node(tmp_path, cleanup):
     still forming, waits for it: the round is still open) or, if that group closed, takes the
     swarm's new θ_g; either way it never averages a round alone, and both finish in step."""
     a, b = _swarm(tmp_path, cleanup, [{}, {"DTNODE_TEST_FAILPOINT": "round-error@1"}], "--max-rounds", "5")
-    b.wait_for_line(r"round 1 failed \(FailpointError: failpoint round-error@1 reached\)", timeout=120)
+    wait_until(
+        lambda: b.metric("dtnode_round_failures_total", reason="FailpointError"),
+        120,
+        lambda: f"round 1 failed by its failpoint; output:\n{b.output[-6000:]}",
+    )
     for node in (a, b):
         assert node.wait(240) == 0, node.output
     b_rounds = [(r["round"], r["groups"][0][0]) for r in b.rounds]
