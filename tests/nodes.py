@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import signal
@@ -95,7 +96,9 @@ class NodeProcess:
     ):
         self.name = name
         self.state_dir = state_dir
-        self.started_at = time.time()  # a history.jsonl entry's `time` tells this process's rounds from earlier ones
+        # a history.jsonl entry's `time` tells this process's rounds from a restart's before and after it
+        self.started_at = time.time()
+        self.ended_at = math.inf  # when its output closed: it exited
         self.lines: list[str] = []
         self.times: list[float] = []  # time.monotonic() at which each line was read
         # `prefix` wraps the command, e.g. `ip netns exec NS` (which execs it: signals reach the node).
@@ -123,6 +126,7 @@ class NodeProcess:
                 if log is not None:
                     log.write(line)
         finally:
+            self.ended_at = time.time()
             if log is not None:
                 log.close()
 
@@ -242,8 +246,9 @@ class NodeProcess:
 
     @property
     def own_rounds(self) -> list[dict[str, Any]]:
-        """The rounds this process ended (`rounds` without a restarted node's earlier ones)."""
-        return [r for r in self.rounds if r["time"] >= self.started_at]
+        """The rounds this process ended (`rounds` without those of the node's other processes on
+        its state dir: before a restart, or after it for the process that was killed)."""
+        return [r for r in self.rounds if self.started_at <= r["time"] <= self.ended_at]
 
     def round(self, number: int) -> dict[str, Any] | None:
         """The newest entry of round `number` (None if it has not ended here)."""
