@@ -12,7 +12,7 @@ import contextlib
 from dtnode.daemon.config.settings import NodeSettings, SettingsError
 from dtnode.daemon.serve.presenter import NodePresenter
 from dtnode.daemon.serve.sidecar import ServedSteps, Sidecar
-from dtnode.daemon.telemetry.metrics import NodeMetrics, RefusalCollector
+from dtnode.daemon.telemetry.metrics import CountsCollector, NodeMetrics
 from dtnode.peers.auth import ENV_KEY, AuthError, SwarmAuth, load_swarm_key
 from dtnode.peers.reduction_registry import ReductionRegistry
 from dtnode.peers.server import GrpcPortError, port_in_use, start_grpc_server
@@ -82,7 +82,11 @@ async def serve_averaging(
         auth=auth,
         trust=trust,
     )
-    metrics.registry.register(RefusalCollector(service.refused))
+    metrics.registry.register(
+        CountsCollector(
+            "dtnode_refused_streams", "Streams refused for what they carried, by reason", "reason", service.refused
+        )
+    )
     credentials = trust.server_credentials() if trust is not None else None
     try:
         server, grpc_port = await start_grpc_server(

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from . import dht_requests
 from .auth import AuthError, SwarmAuth
+from .dht_requests import DhtOp
 from .hivemind_adapter import DHT, get_dht_time
 from .identity import signed_subkey, writer_of
 from .leadership import ClosedList
@@ -65,6 +67,7 @@ class GroupBoard:
 
     async def register(self, key: str, reg: Registration, expires_in: float) -> None:
         """Store this peer's registration under `key`, for `expires_in` seconds."""
+        dht_requests.count(DhtOp.STORE)
         await self.dht.store(
             key,
             subkey=self.subkey,
@@ -92,6 +95,7 @@ class GroupBoard:
         """(writer, value) of the entries under `key` whose writer is known (and `allowed`), at
         most MAX_REGISTRANTS of them: the writer is checked before anything else is parsed, and
         the cap counts only entries that pass it."""
+        dht_requests.count(DhtOp.GET)
         found = await self.dht.get(key, latest=True, return_future=True)
         entries = found.value if found is not None and isinstance(found.value, dict) else {}
         out = []
@@ -151,6 +155,7 @@ class GroupBoard:
     ) -> None:
         entry = ClosedList(members, complete, resync)
         tag = self.auth.issue(purpose, entry.subject(key)) if self.auth else ""
+        dht_requests.count(DhtOp.STORE)
         await self.dht.store(
             f"{key}.{purpose}",
             subkey=self.subkey,

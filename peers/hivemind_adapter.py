@@ -17,6 +17,7 @@ first use runs the real `__init__`.
 from __future__ import annotations
 
 import importlib.util
+import os
 import sys
 import types
 
@@ -49,6 +50,11 @@ def _register_hivemind_without_its_trainer_stack() -> None:
 
 
 _register_hivemind_without_its_trainer_stack()
+# hivemind's futures share one byte each across the DHT's two processes (utils/mpfuture.py),
+# through torch's "file_system" strategy unless told otherwise: that starts a torch_shm_manager
+# process per node, 107 MB resident (it links all of libtorch) for a few bytes. Passed as file
+# descriptors instead, the bytes need no manager. A user's own choice stands.
+os.environ.setdefault("HIVEMIND_MEMORY_SHARING_STRATEGY", "file_descriptor")
 
 
 from cryptography.hazmat.primitives.asymmetric import rsa

@@ -30,7 +30,9 @@ from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from . import dht_requests
 from .auth import AuthError, SwarmAuth
+from .dht_requests import DhtOp
 from .hivemind_adapter import DHT, DHTNode, Multiaddr, PeerID, RSASignatureValidator, get_dht_time
 from .identity import signed_subkey, writer_of
 from .tls import MAX_CERT_CHARS, TrustStore
@@ -172,6 +174,7 @@ class Membership:
         if self.auth is not None:
             record = record.model_copy(update={"auth": self.auth.issue("record", record.auth_subject())})
         self._read_at = -1.0  # the next read sees this write
+        dht_requests.count(DhtOp.STORE)
         return bool(
             await self.dht.store(
                 self.key,
@@ -237,6 +240,7 @@ class Membership:
             return self._live(get_dht_time())
         self._read_at = time.monotonic()
         try:
+            dht_requests.count(DhtOp.GET)
             found = await self.dht.get(self.key, latest=True, return_future=True)
         except Exception as e:  # noqa: BLE001  (hivemind's DHT reads fail with many types)
             log.warning("membership lookup failed: %s; using the records read before", e)

@@ -297,6 +297,44 @@ def test_an_averaged_delta_is_held_to_a_few_of_the_nodes_own_with_room_for_a_nod
     assert r.bounds.outer_steps_scaled == 3
 
 
+def _steps_along(r: Replica, means: list[torch.Tensor]) -> list[float]:
+    """‖θ_g after − θ_g before‖ of each outer step along `means` (each coded first on a coded replica)."""
+    sizes = []
+    for values in means:
+        mean: torch.Tensor | CodedDelta = values.clone()
+        if r.coded:
+            mean = CodedDelta(r.numel, 256)
+            mean.whole().store_values(values)
+        before = r.theta_g.clone()
+        r.apply_outer_step(mean)
+        sizes.append(torch.linalg.vector_norm(r.theta_g - before).item())
+    return sizes
+
+
+@pytest.mark.parametrize("coded", [False, True])
+def test_a_mean_pushed_one_way_round_after_round_does_not_build_the_momentum_past_its_reach(coded):
+    """Issue 56: each averaged Δ is held to OUTER_REACH x this node's own, but a member pushing
+    the mean to that bound in one direction every round had the momentum add the rounds up, and
+    the outer steps grew to lr·(3 + 3μ/(1−μ)) own Δ (30 at μ = 0.9, where 3 + 3μ is 5.7). The momentum
+    is now held to what means no longer than its own Δ could build (1/(1−μ) of it), so a step
+    stays within lr·(3 + μ/(1−μ)) own Δ; honest means, however aligned, are never scaled."""
+    gen = torch.Generator().manual_seed(7)
+    r = _replica(coded)
+    r.trainer.parameters_flat.add_(torch.randn(r.numel, generator=gen) * 1e-2)
+    own = torch.linalg.vector_norm(r.theta_g - r.trainer.parameters_flat).item()
+    r.pseudo_gradient()  # this node's own Δ: the scale its bounds hold the swarm to
+    lr, mu = r.outer.lr, r.outer.momentum
+    one_way = torch.randn(r.numel, generator=gen)
+    aligned = one_way * (0.97 * own / torch.linalg.vector_norm(one_way))  # an honest mean: no longer than its own
+    honest = _steps_along(r, [aligned] * 60)
+    assert r.bounds.momenta_scaled == 0 and r.bounds.outer_steps_scaled == 0
+    assert honest[-1] > 0.9 * lr * (1 + mu / (1 - mu)) * 0.97 * own  # it built its momentum up whole
+    hostile = _steps_along(r, [aligned * 10] * 40)  # every mean scaled down to OUTER_REACH x own
+    assert r.bounds.outer_steps_scaled == 40 and r.bounds.momenta_scaled > 0
+    assert max(hostile) <= lr * (OUTER_REACH + mu / (1 - mu)) * own * 1.01
+    assert max(hostile) > lr * (OUTER_REACH + mu * OUTER_REACH) * own  # the bound is the momentum's, not below it
+
+
 @pytest.mark.parametrize("coded", [False, True])
 def test_a_node_that_trained_no_steps_takes_the_groups_mean_whole(coded):
     """A node that joined at a round's end has a Δ of 0: nothing to bound the mean by, so it is

@@ -472,6 +472,28 @@ def test_status_carries_the_summary_and_the_condition_the_stats_give():
     assert shown["last_round"]["bytes_sent"] == 10 and shown["last_round"]["group_size"] == 2
 
 
+def test_the_pacer_reads_the_swarm_a_few_times_a_heartbeat_not_at_every_poll():
+    """Issue 60: each read is every peer's record, so a node reading 5 times a second made the
+    swarm's DHT traffic grow as n² (32 nodes spent a 2-core box on it). `follow` reads every
+    `read_s` (a quarter heartbeat in the node); the wait for the round's end still looks at
+    its own clock every `poll_s`."""
+    reads = 0
+
+    async def view() -> dict[str, PeerRecord]:
+        nonlocal reads
+        reads += 1
+        return {}
+
+    async def main() -> None:
+        pacer = SwarmPacer(view, lambda: PeerRecord(peer_id="me"), 10, None, poll_s=0.01, read_s=0.2)
+        following = asyncio.ensure_future(pacer.follow(0))
+        await asyncio.sleep(0.5)
+        following.cancel()
+
+    asyncio.run(main())
+    assert 2 <= reads <= 4  # at 0, 0.2 and 0.4 s; a read per poll would be about 50
+
+
 def test_a_peer_whose_last_step_did_not_fit_waits_for_the_round_s_end_or_its_close():
     """It reaches matchmaking with the swarm, not a step early: it idles until the expected end,
     at most one step, and at once when another peer closes the round (follow sets -inf)."""

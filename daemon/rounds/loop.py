@@ -32,7 +32,7 @@ from dtnode.daemon.records.report import RoundOutcome, RoundSummary, RunStats
 from dtnode.daemon.records.state import Publisher, RoundState
 from dtnode.daemon.rounds.backoff import FailureStreak
 from dtnode.daemon.rounds.landing import Landing
-from dtnode.daemon.rounds.pacer import EXTRAPOLATE_HEARTBEATS, FixedPacer, Pacer, SwarmPacer
+from dtnode.daemon.rounds.pacer import EXTRAPOLATE_HEARTBEATS, READ_HEARTBEATS, FixedPacer, Pacer, SwarmPacer
 from dtnode.daemon.rounds.recorder import RoundRecorder
 from dtnode.daemon.rounds.strategies import OverlappedRound, PlainRound, RoundStrategy
 from dtnode.daemon.stopping import pause
@@ -107,6 +107,7 @@ class RoundLoop:
                 settings.diloco.round_tokens,
                 joiner.closed_under_us,
                 on_progress=stats.show_progress,
+                read_s=READ_HEARTBEATS * settings.swarm.heartbeat_interval,
                 max_extrapolation=EXTRAPOLATE_HEARTBEATS * settings.swarm.heartbeat_interval,
             )
         )
@@ -139,7 +140,9 @@ class RoundLoop:
         await self.publisher.publish()
         if s.swarm.min_peers > 1:
             log.info("waiting for %d peers (up to %.0fs)", s.swarm.min_peers, s.swarm.join_timeout)
-            waiting = asyncio.ensure_future(self.membership.wait_for(s.swarm.min_peers, s.swarm.join_timeout))
+            waiting = asyncio.ensure_future(
+                self.membership.wait_for(s.swarm.min_peers, s.swarm.join_timeout, poll=s.swarm.heartbeat_interval / 2)
+            )
             stopper = asyncio.ensure_future(self.stopping.wait())
             await asyncio.wait({waiting, stopper}, return_when=asyncio.FIRST_COMPLETED)
             stopper.cancel()
@@ -269,6 +272,8 @@ class RoundLoop:
         round_no = outer + (1 if ahead else 0)
         if await self._run_is_over(round_no):
             return None
+        if self.joiner.joined_at is not None:  # a test holds a joiner here while the swarm closes the round
+            await failpoints.pause("entering", 0)
         self.state.train(round_no)  # published with --overlap: pacing counts this round's tokens under it
         self.state.enter_round(round_no, outer)
         await self.joiner.entering(round_no)

@@ -28,7 +28,13 @@ from dtnode.peers.pacing import SwarmProgress, swarm_progress
 
 log = logging.getLogger("dtnode")
 
-PACER_POLL_S = 0.2  # how often a training node re-reads the swarm's progress
+PACER_POLL_S = 0.2  # how often a node idling until the round's end looks at the expected end again
+# The swarm's progress is read from the DHT (every record, of every peer) this many heartbeats
+# apart: records change once a heartbeat and at a peer's phase changes, and the end read from them
+# is a time on this node's clock that holds between reads. Read every PACER_POLL_S, the pacer
+# made most of a node's DHT reads (5 a second, each of all n records: n² across the swarm),
+# and 32 nodes on one box spent their cores on them (tests/bench/scale.py).
+READ_HEARTBEATS = 0.25
 MAX_ROUND_FACTOR = 100  # a paced round takes at most this many times H steps on one peer
 CLOSE_FRACTION = 0.9  # another peer's close ends the round once the swarm counts this much of its target
 EXTRAPOLATE_HEARTBEATS = 1.5  # a record's count is extrapolated this many heartbeats at most
@@ -74,6 +80,7 @@ class SwarmPacer:
         clock: Callable[[], float] = time.monotonic,
         dht_time: Callable[[], float] = get_dht_time,
         poll_s: float = PACER_POLL_S,
+        read_s: float = PACER_POLL_S,
         max_extrapolation: float = 0.0,
         draw: Callable[[], float] = random.random,
     ):
@@ -86,6 +93,7 @@ class SwarmPacer:
         self.clock = clock
         self.dht_time = dht_time
         self.poll_s = poll_s
+        self.read_s = read_s  # between reads of the swarm's progress (`follow`)
         self.max_extrapolation = max_extrapolation  # seconds (EXTRAPOLATE_HEARTBEATS heartbeats)
         self.draw = draw  # uniform in [0, 1): the straddling step's coin
         self.round_end_at = math.inf  # on `clock`: when the swarm's round is expected to end
@@ -147,7 +155,7 @@ class SwarmPacer:
                 await self.update(round_no)
             except Exception as e:  # noqa: BLE001  (a failed read keeps the last estimate; the next poll retries)
                 log.warning("reading the swarm's progress failed: %s", e)
-            await asyncio.sleep(self.poll_s)
+            await asyncio.sleep(self.read_s)
 
 
 Pacer = FixedPacer | SwarmPacer

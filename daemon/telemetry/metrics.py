@@ -20,6 +20,8 @@ from prometheus_client import CollectorRegistry, Counter, Enum, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector
 
+from dtnode.peers.dht_requests import REQUESTS as DHT_REQUESTS
+
 
 class RankFigures(Protocol):
     """What a local rank reports into the metrics (training/ranks/host.py's RankReport)."""
@@ -81,20 +83,19 @@ def failure_reason(error: str) -> str:
     return "".join(c for c in code if c.isalnum() or c == "_")[:40] or "unknown"
 
 
-class RefusalCollector(Collector):
-    """`dtnode_refused_streams_total{reason}`: streams this node's reducer refused for what they
-    carried (a position out of range, a repeated one, a wrong count, a bad scale, ...), read
-    from the data plane's counter at each scrape."""
+class CountsCollector(Collector):
+    """A counter family with one label, read from a lower layer's plain counts at each scrape
+    (the data plane keeps `Counter`s of its own and imports nothing of the daemon's):
+    `dtnode_refused_streams_total{reason}`, streams this node's reducer refused for what they
+    carried; `dtnode_dht_requests_total{op}`, the DHT reads and writes this node made."""
 
-    def __init__(self, counts: Mapping[str, int]):
-        self.counts = counts
+    def __init__(self, name: str, documentation: str, label: str, counts: Mapping[str, int]):
+        self.name, self.documentation, self.label, self.counts = name, documentation, label, counts
 
     def collect(self) -> Iterator[CounterMetricFamily]:
-        family = CounterMetricFamily(
-            "dtnode_refused_streams", "Streams refused for what they carried, by reason", labels=["reason"]
-        )
-        for reason, count in sorted(self.counts.items()):
-            family.add_metric([reason], count)
+        family = CounterMetricFamily(self.name, self.documentation, labels=[self.label])
+        for value, count in sorted(self.counts.items()):
+            family.add_metric([value], count)
         yield family
 
 
@@ -113,6 +114,11 @@ class NodeMetrics:
         self._checkpoint_families(r)
         self._device_families(r)
         self._membership_families(r)
+        r.register(
+            CountsCollector(
+                "dtnode_dht_requests", "DHT reads (get) and writes (store) this node made", "op", DHT_REQUESTS
+            )
+        )
         self.swarm_health_gauges(r)
         for outcome in ROUND_OUTCOMES:
             self.rounds.labels(outcome=outcome)

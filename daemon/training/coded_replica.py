@@ -129,6 +129,8 @@ class CodedReplica(Replica):
             self._check_consensus(consensus_cpu, bound)
         if mean_cpu is not None:
             mean_cpu = self.bounds.bounded(mean_cpu)
+            if consensus_cpu is None:  # a re-synced momentum arrives span by span, held to its own bound
+                self.bounds.bound_momentum(mean_cpu)
         replaced = self.has_in_flight and mean_cpu is not None
         in_flight = self._coded_in_flight()
         moved = 0  # θ_g's values [0, moved) have their re-sync and step

@@ -159,6 +159,7 @@ class Replica:
     def _outer_step(self, mean_cpu: torch.Tensor | CodedDelta) -> None:
         """θ_g's outer step of the averaged Δ, and its size remembered (`update_scale`)."""
         mean = self.bounds.bounded(self._mean_on_device(mean_cpu))
+        self.bounds.bound_momentum(mean)
         self.outer.step(self.theta_g, mean)
         self._stepped(mean)
 

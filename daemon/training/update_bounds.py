@@ -44,6 +44,13 @@ MAX_ALLOWANCE = 16.0
 # a bound of Δ/(1−μ) per step (10x at μ = 0.9) let a member re-syncing its partner every round
 # build its momentum up to 48 from 3, and the outer steps along it to 5x the clean swarm's
 RESYNC_REACH = 4.0
+# The outer momentum is held to what means no longer than this node's own Δ (x `allowance`)
+# could build: 1/(1−μ) of its longest recent own Δ, 10 at μ = 0.9, reached only by means that
+# all point one way. OUTER_REACH bounds each averaged Δ, yet a member that pushes the mean to
+# that bound in one direction round after round had the momentum add the rounds up, to 3/(1−μ)
+# of its own Δ: the hostile bench's plain-mean rows made outer steps of 22.8-24.9 against a bound
+# of 21.1 (4x the clean run's largest). Held so, a step is at most lr·(3 + μ/(1−μ)) = 12 own Δ
+# at μ = 0.9, where the attack's grew toward lr·(3 + 3μ/(1−μ)) = 30.
 
 
 class UpdateBounds:
@@ -61,6 +68,7 @@ class UpdateBounds:
         # momentum a re-sync may move (`resync_bound`)
         self._mean_norms: deque[torch.Tensor] = deque(maxlen=OWN_DELTAS_REMEMBERED)
         self.outer_steps_scaled = 0  # averaged Δ scaled down to OUTER_REACH (`bounded`)
+        self.momenta_scaled = 0  # momentum scaled down to its reach (`bound_momentum`)
         self.drift: DriftBound | None = None  # the last `resync_bound`: what a re-sync is clipped to
         self.allowance = 1.0  # `bounded`'s factor for this round (`allow_for_shortfall`)
 
@@ -108,6 +116,34 @@ class UpdateBounds:
         else:
             mean.mul_(factor)
         return mean
+
+    def bound_momentum(self, mean: torch.Tensor | CodedDelta) -> None:
+        """Scale the outer momentum down in place, before the step along `mean` (already
+        `bounded`), so that the buffer the step builds (μ·buf + mean) is at most 1/(1−μ) x this
+        node's longest recent own Δ (x `allowance`): what means no longer than its own Δ could
+        build (see above). By the triangle inequality, μ·‖buf‖ + ‖mean‖ is kept within it.
+        Nothing before this node's first own Δ (no scale to hold it to)."""
+        mu = self.outer.momentum
+        scale = self.own_scale()
+        if mu == 0 or scale is None:
+            return
+        reach = self.allowance / (1 - mu)
+        limit = reach * scale
+        size = float(mean.norm() if isinstance(mean, CodedDelta) else torch.linalg.vector_norm(mean))
+        held = float(torch.linalg.vector_norm(self.outer.momentum_buffer))
+        if math.isfinite(held) and mu * held + size <= limit:
+            return
+        # a bounded mean is at most OUTER_REACH·(1−μ) of the limit: the factor is positive
+        factor = max(limit - size, 0.0) / (mu * held) if math.isfinite(held) and held > 0 else 0.0
+        log.warning(
+            "the outer momentum is %.4g long, with this round's mean over %.3g x this node's longest recent own Δ "
+            "(%.4g): scaled down to that",
+            held,
+            reach,
+            scale,
+        )
+        self.momenta_scaled += 1
+        self.outer.momentum_buffer.mul_(factor)
 
     def resync_bound(self, solo_steps: int) -> DriftBound:
         """How far a θ_g re-sync may move this node's θ_g and momentum (see RESYNC_REACH), per

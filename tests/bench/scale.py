@@ -1,0 +1,352 @@
+"""Scale: n real node processes on one box, and how each cost grows with n (issue 60).
+
+    .venv/bin/python -m tests.bench.scale                          # n = 8, 16, 24, 32, 10 rounds each
+    .venv/bin/python -m tests.bench.scale --sizes 8,16 --rounds 6 --keep /tmp/scale-keep
+
+Every run starts n `tiny` nodes (one --peer, the first node's address), --min-peers n, the
+default moshpit grid for n (`--target-group-size` 4), and rounds paced by time: each round's
+inner steps end after --round-seconds whatever the tokens (the tokens asked for are out of
+reach), and every inner step takes at least --step-floor seconds (it sleeps the rest), so that
+the training of n nodes does not take the cores their swarm's costs are measured on: what is
+left is what a node costs besides its training. Per n it prints:
+
+- `full`: the share of rounds in which every node's average ended `full` (every group whole,
+  no part failed: history.jsonl's `outcome`);
+- `agree`: the share of rounds after which every node holds one θ_g (one `params_sha256`), and
+  the most distinct θ_g seen after a round;
+- `mm p50/p95`: matchmaking seconds per hop (a round's matchmaking phase over its hops);
+- `dht req`: the DHT reads and writes a node makes per round (`dtnode_dht_requests_total`);
+- `dht kB`: bytes the node's DHT side (its hivemind DHT process and p2pd daemon) passed through
+  read and write calls per round (/proc/PID/io: the network and the pipe between the two);
+  both counted from the moment the last node starts (a node's own start is no round's cost);
+- `resync`: θ_g re-syncs per node per round (`dtnode_theta_resyncs_total`);
+- `rss` and `pss`: the median node's peak resident and proportional memory (the node, its DHT
+  process and p2pd together; PSS counts a page shared by k processes as 1/k of it in each), and
+  the swarm's PSS summed at its peak;
+- `idle pss` and `idle cores`: n - 1 nodes started and waiting for the last one (--min-peers n),
+  for --idle-seconds: their summed PSS (scaled by n / (n - 1)) and CPU use, the cost of a swarm
+  that has nothing to do (polls, heartbeats, record checks, the DHT processes);
+- `tracebacks`: nodes whose log holds one.
+
+The counters are read from each node's /metrics and /proc every few seconds while it runs (a
+node that exited keeps its last reading). Runs under no test marker: it is a benchmark.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import astuple, dataclass, field
+from pathlib import Path
+
+import psutil
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from nodes import NodeProcess, step_floor, wait_until
+
+SAMPLE_S = 10.0  # between readings of every node's counters and memory
+GROUP_SIZE = 4
+
+
+def smaps_rollup(pid: int) -> tuple[float, float]:
+    """(RSS, PSS) in bytes from /proc/PID/smaps_rollup: the kernel's sums, far cheaper to read
+    than the per-mapping smaps that psutil's memory_full_info parses (a torch process has
+    thousands of mappings, and 96 processes are read every few seconds)."""
+    rss = pss = 0.0
+    with open(f"/proc/{pid}/smaps_rollup") as f:
+        for row in f:
+            if row.startswith("Rss:"):
+                rss = float(row.split()[1]) * 1024
+            elif row.startswith("Pss:"):
+                pss = float(row.split()[1]) * 1024
+    return rss, pss
+
+
+def is_up(node: NodeProcess) -> bool:
+    """Whether the node has said where its status endpoint is (without waiting for it: a box
+    starting 32 nodes takes minutes to bring the last one up)."""
+    return any("/status, gRPC" in line for line in node.lines)
+
+
+def metric_samples(node: NodeProcess) -> dict[tuple[str, tuple], float]:
+    """Every sample of the node's /metrics, by (name, sorted labels); empty while it does not answer."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    if not is_up(node):
+        return {}
+    try:
+        text = node.get_text("/metrics")
+    except (OSError, ValueError):
+        return {}
+    return {
+        (sample.name, tuple(sorted(sample.labels.items()))): float(sample.value)
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+
+
+@dataclass
+class Reading:
+    """The last counters read from one node (its process tree and its /metrics)."""
+
+    rss: float = 0.0  # bytes, node + DHT process + p2pd
+    pss: float = 0.0
+    dht_io: float = 0.0  # read + write chars of the DHT process and p2pd
+    dht_requests: float = 0.0
+    resyncs: float = 0.0
+    cpu_s: float = 0.0  # user + system seconds of the tree
+
+
+@dataclass
+class Sampler:
+    """Reads every node's counters every SAMPLE_S on a thread of its own; keeps each node's last
+    reading, the swarm's peak summed PSS and its CPU seconds over time."""
+
+    nodes: list[NodeProcess]
+    last: dict[str, Reading] = field(default_factory=dict)
+    peak_pss: float = 0.0
+    cpu_track: list[tuple[float, float]] = field(default_factory=list)  # (monotonic, summed cpu seconds)
+    current_pss: dict[str, float] = field(default_factory=dict)  # each node's PSS at the last reading
+    _stop: threading.Event = field(default_factory=threading.Event)
+
+    def start(self) -> None:
+        threading.Thread(target=self._run, daemon=True).start()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _run(self) -> None:
+        while not self._stop.wait(SAMPLE_S):
+            total_pss = total_cpu = 0.0
+            for node in self.nodes:
+                reading = self.read(node)
+                if reading is not None:
+                    self.current_pss[node.name] = reading.pss
+                if reading is None:
+                    reading = self.last.get(node.name, Reading())
+                else:  # counters only grow, and memory is kept at its peak: a node shutting down reads low
+                    reading = self.last[node.name] = Reading(
+                        *(max(a, b) for a, b in zip(astuple(reading), astuple(self.last.get(node.name, Reading()))))
+                    )
+                total_pss += self.current_pss.get(node.name, 0.0) if node.proc.poll() is None else 0.0
+                total_cpu += reading.cpu_s
+            self.peak_pss = max(self.peak_pss, total_pss)
+            self.cpu_track.append((time.monotonic(), total_cpu))
+
+    @staticmethod
+    def read(node: NodeProcess) -> Reading | None:
+        if node.proc.poll() is not None:
+            return None
+        try:
+            root = psutil.Process(node.proc.pid)
+            out = Reading()
+            for proc in [root, *root.children(recursive=True)]:
+                rss, pss = smaps_rollup(proc.pid)
+                times = proc.cpu_times()
+                out.rss, out.pss, out.cpu_s = out.rss + rss, out.pss + pss, out.cpu_s + times.user + times.system
+                if proc.pid != root.pid:  # the DHT process and p2pd
+                    io = proc.io_counters()
+                    out.dht_io += io.read_chars + io.write_chars
+        except (psutil.Error, OSError):
+            return None
+        samples = metric_samples(node)
+        out.dht_requests = sum(v for (name, _), v in samples.items() if name == "dtnode_dht_requests_total")
+        out.resyncs = sum(v for (name, _), v in samples.items() if name == "dtnode_theta_resyncs_total")
+        return out
+
+    def cores_between(self, start: float, end: float) -> float:
+        """The swarm's mean CPU use (cores) between two monotonic times, from the readings."""
+        inside = [(t, c) for t, c in self.cpu_track if start <= t <= end]
+        if len(inside) < 2:
+            return float("nan")
+        (t0, c0), (t1, c1) = inside[0], inside[-1]
+        return (c1 - c0) / max(t1 - t0, 1e-9)
+
+
+@dataclass
+class Row:
+    n: int
+    rounds: int
+    full: float
+    agree: float
+    most_hashes: int
+    mm_p50: float
+    mm_p95: float
+    dht_requests: float
+    dht_kb: float
+    resyncs: float
+    rss_mb: float
+    pss_mb: float
+    peak_pss_gb: float
+    idle_pss_gb: float  # the waiting n - 1 nodes' summed PSS, scaled to n
+    idle_cores: float  # the waiting n - 1 nodes' CPU use
+    tracebacks: int
+    wall_s: float
+
+
+def node_args(n: int, args: argparse.Namespace) -> list[str]:
+    return [
+        "--model",
+        "tiny",
+        "--batch-size",
+        "4",
+        "--seq-len",
+        "32",
+        "--inner-steps",
+        "1000",
+        "--round-tokens",
+        str(10**12),  # out of reach: --round-seconds ends each round
+        "--round-seconds",
+        str(args.round_seconds),
+        "--max-rounds",
+        str(args.rounds),
+        "--min-peers",
+        str(n),
+        "--target-group-size",
+        str(GROUP_SIZE),
+        "--eval-every",
+        "0",
+        "--checkpoint-every",
+        "5",
+        "--join-timeout",
+        "900",
+        "--no-fused-kernels",
+    ]
+
+
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(int(q * len(ordered)), len(ordered) - 1)]
+
+
+def run_size(n: int, args: argparse.Namespace, base: Path) -> Row:
+    env = {"OMP_NUM_THREADS": "1", **step_floor(args.step_floor)}
+    common = node_args(n, args)
+    started = time.monotonic()
+    first = NodeProcess.join("n00", base, *common, env=env)
+    nodes = [first]
+    sampler = Sampler(nodes)
+    sampler.start()
+    try:
+        address = first.wait_for_line(r"dtnode join --peer (\S+)", 900).group(1)
+        for i in range(1, n - 1):
+            nodes.append(NodeProcess.join(f"n{i:02d}", base, *common, "--peer", address, env=env))
+        # n - 1 nodes up, waiting for the last one (--min-peers n): the swarm's cost while nothing happens
+        wait_until(lambda: all(is_up(node) and node.status() for node in nodes), 900, "every node's /status")
+        idle_from = time.monotonic()
+        time.sleep(args.idle_seconds)
+        idle = (idle_from, time.monotonic(), sampler.peak_pss)
+        before = dict(sampler.last)  # the counters at the start of training: startup is not a round's
+        nodes.append(NodeProcess.join(f"n{n - 1:02d}", base, *common, "--peer", address, env=env))
+        deadline = time.monotonic() + args.cap_s
+        for node in nodes:
+            try:
+                code = node.wait(max(deadline - time.monotonic(), 0.1))
+            except AssertionError:  # capped: the rounds count up to now
+                print(f"  n={n}: capped after {args.cap_s:.0f}s, {node.name} still running", file=sys.stderr)
+                break
+            if code != 0:
+                print(f"  {node.name} exited {code}: {node.output[-1500:]}", file=sys.stderr)
+    finally:
+        sampler.stop()
+        for node in nodes:
+            node.kill()
+    histories = {node.name: [r for r in node.rounds if r["round"] < args.rounds] for node in nodes}
+    by_round: dict[int, list[dict]] = {}
+    for entries in histories.values():
+        for entry in entries:
+            by_round.setdefault(entry["round"], []).append(entry)
+    rounds = sorted(r for r, entries in by_round.items() if len(entries) == n)
+    full = [all(e["outcome"] == "full" for e in by_round[r]) for r in rounds]
+    hashes = [len({e["params_sha256"] for e in by_round[r]}) for r in rounds]
+    per_hop = [
+        e["phases_s"]["matchmaking"] / len(e["groups"])
+        for entries in histories.values()
+        for e in entries
+        if e["groups"]
+    ]
+    done = max(len(rounds), 1)
+    last = [sampler.last.get(node.name, Reading()) for node in nodes]
+    first = [before.get(node.name, Reading()) for node in nodes]
+    return Row(
+        n=n,
+        rounds=len(rounds),
+        full=sum(full) / done,
+        agree=sum(h == 1 for h in hashes) / done,
+        most_hashes=max(hashes, default=0),
+        mm_p50=percentile(per_hop, 0.5),
+        mm_p95=percentile(per_hop, 0.95),
+        dht_requests=statistics.median(b.dht_requests - a.dht_requests for a, b in zip(first, last)) / done,
+        dht_kb=statistics.median(b.dht_io - a.dht_io for a, b in zip(first, last)) / done / 1e3,
+        resyncs=statistics.median(b.resyncs - a.resyncs for a, b in zip(first, last)) / done,
+        rss_mb=statistics.median(r.rss for r in last) / 2**20,
+        pss_mb=statistics.median(r.pss for r in last) / 2**20,
+        peak_pss_gb=sampler.peak_pss / 2**30,
+        idle_cores=sampler.cores_between(idle[0], idle[1]),
+        idle_pss_gb=idle[2] / 2**30 * n / max(n - 1, 1),
+        tracebacks=sum("Traceback" in node.output for node in nodes),
+        wall_s=time.monotonic() - started,
+    )
+
+
+HEADER = (
+    f"{'n':>3} {'rounds':>6} {'full':>6} {'agree':>6} {'hashes':>6} {'mm p50':>7} {'mm p95':>7} "
+    f"{'dht req':>8} {'dht kB':>8} {'resync':>6} {'rss MB':>7} {'pss MB':>7} {'peak pss':>9} "
+    f"{'idle pss':>9} {'idle cores':>10} {'tracebacks':>10} {'wall':>6}"
+)
+
+
+def line(row: Row) -> str:
+    return (
+        f"{row.n:>3} {row.rounds:>6} {row.full:>6.0%} {row.agree:>6.0%} {row.most_hashes:>6} "
+        f"{row.mm_p50:>6.2f}s {row.mm_p95:>6.2f}s {row.dht_requests:>8.1f} {row.dht_kb:>8.1f} "
+        f"{row.resyncs:>6.2f} {row.rss_mb:>7.0f} {row.pss_mb:>7.0f} {row.peak_pss_gb:>7.2f}GB "
+        f"{row.idle_pss_gb:>7.2f}GB {row.idle_cores:>10.2f} {row.tracebacks:>10} {row.wall_s:>5.0f}s"
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sizes", default="8,16,24,32", help="swarm sizes to run, one run each")
+    parser.add_argument("--rounds", type=int, default=10, help="rounds per run")
+    parser.add_argument("--round-seconds", type=float, default=20.0, help="each round's inner steps, in seconds")
+    parser.add_argument(
+        "--step-floor",
+        type=float,
+        default=1.0,
+        help="the least seconds of an inner step (a test hook that sleeps): n nodes' training leaves the cores "
+        "to what is measured; 0 trains flat out",
+    )
+    parser.add_argument("--idle-seconds", type=float, default=30.0, help="n - 1 waiting nodes sampled this long")
+    parser.add_argument(
+        "--cap-s", type=float, default=900.0, help="the most a run's rounds may take, once all nodes are up"
+    )
+    parser.add_argument("--keep", type=Path, help="keep every node's state dir (and history.jsonl) here")
+    args = parser.parse_args()
+    sizes = [int(s) for s in args.sizes.split(",")]
+    print(
+        f"n tiny nodes on {psutil.cpu_count()} cores, {psutil.virtual_memory().total / 2**30:.0f} GiB; "
+        f"groups of {GROUP_SIZE}, {args.rounds} rounds of {args.round_seconds:g}s inner steps each, "
+        f"steps of {args.step_floor:g}s at least",
+        flush=True,
+    )
+    print(HEADER, flush=True)
+    for n in sizes:
+        if args.keep:
+            base = args.keep / f"n{n}"
+            base.mkdir(parents=True, exist_ok=True)
+            row = run_size(n, args, base)
+        else:
+            with tempfile.TemporaryDirectory() as tmp:
+                row = run_size(n, args, Path(tmp))
+        print(line(row), flush=True)
+
+
+if __name__ == "__main__":
+    main()
