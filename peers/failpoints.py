@@ -15,10 +15,7 @@ after its inner steps), to show that the node's per-round error boundary holds, 
 `landing-error` (--overlap: the outer step of round N's average fails as it lands, as when a
 local rank dies while θ_l is gathered), to show that the average lands later. One point
 pauses: `outer-phase` (`outer-phase@2:6` holds the node 6 s right after it applied round 2's
-outer step, without blocking its event loop), so a test can land a joiner in that phase;
-`entering` (`entering@0:4` holds a joiner 4 s between its download and the first round it
-trains: round 0 stands for that round, whichever it is), so a test can have the swarm close
-that round before the joiner's first step.
+outer step, without blocking its event loop), so a test can land a joiner in that phase.
 One point makes the node lie from that round on: `wrong-checkpoint` (`wrong-checkpoint@1`
 writes every checkpoint of step 1 and later with θ_g shifted, hashed and announced as if
 right, while the node itself trains on), so a test can show joiners skip a lying donor.
@@ -87,7 +84,6 @@ POINTS = (
     "round-error",
     "landing-error",
     "outer-phase",
-    "entering",
     "wrong-checkpoint",
     "stall-training",
     "diverge-theta",
@@ -100,7 +96,7 @@ HOSTILE_CLAIM = 1e12  # a hostile stream's weight: MAX_WEIGHT
 PAIR_TARGET = -2.5  # hostile-pair: where it moves a pair's θ_g, x θ (‖T - θ‖ = 3.5‖θ‖)
 HOSTILE_STREAMS = 24  # hostile-slots: streams held open to each peer
 RAISING = ("round-error", "landing-error")
-PAUSING = ("outer-phase", "stall-training", "entering")
+PAUSING = ("outer-phase", "stall-training")
 DEFAULT_PAUSE_S = 5.0
 
 

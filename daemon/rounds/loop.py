@@ -272,8 +272,6 @@ class RoundLoop:
         round_no = outer + (1 if ahead else 0)
         if await self._run_is_over(round_no):
             return None
-        if self.joiner.joined_at is not None:  # a test holds a joiner here while the swarm closes the round
-            await failpoints.pause("entering", 0)
         self.state.train(round_no)  # published with --overlap: pacing counts this round's tokens under it
         self.state.enter_round(round_no, outer)
         await self.joiner.entering(round_no)
