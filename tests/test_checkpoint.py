@@ -294,7 +294,7 @@ def test_a_restored_adamw_step_count_lies_where_the_kernel_reads_it(kernel):
     """The fused and capturable AdamW kernels read the step count on the parameters' device (the
     fused CUDA kernel refuses one on the host), the others on the host: as torch's own
     load_state_dict puts it. ("meta" stands for a GPU here: the rule, not the kernel.)"""
-    from dtnode.daemon.training.adam_state import step_count
+    from dtnode.daemon.training.inner_state import step_count
 
     optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(4))], **{kernel: True})
     count = step_count(optimizer, 7, torch.device("meta"))

@@ -32,18 +32,21 @@ from dtnode.daemon.training.ranks.host import RankOutOfMemory, out_of_memory_lin
 from dtnode.daemon.training.worker import ModelWorker
 from dtnode.daemon.workload.build import build_workload
 from dtnode.daemon.workload.data import DataStream, open_sources
+from dtnode.daemon.workload.model import build_model
 from dtnode.ops.coded import CodedDelta
+from dtnode.ops.flat import FlatParameters
 
 ARGS = [*FAST, "--device", "cpu", "--threads-per-rank", "1"]
 
 
 def _one_round(
-    tmp: Path, ranks: int, batch: int, shard: bool = False, steps: int = 4
+    tmp: Path, ranks: int, batch: int, shard: bool = False, steps: int = 4, inner_optimizer: str = "adamw"
 ) -> tuple[torch.Tensor, torch.Tensor, int, float | None, torch.Tensor]:
     """θ_g after one round alone (H steps, the outer step of its own Δ), θ_l after a few more
-    steps, the tokens counted, the held-out loss of θ_g and the AdamW moments, on a worker
-    with `ranks` local ranks at per-rank `batch`."""
+    steps, the tokens counted, the held-out loss of θ_g and the inner optimizer's first
+    moments, on a worker with `ranks` local ranks at per-rank `batch`."""
     settings = NodeSettings(
+        inner_optimizer=inner_optimizer,
         shard=shard,
         eval_sequences=8,
         state_dir=tmp,
@@ -111,6 +114,24 @@ def test_two_ranks_at_batch_b_take_the_step_of_one_rank_at_batch_2b(tmp_path, sh
     torch.testing.assert_close(two_local, one_local, rtol=0, atol=1e-6 * scale)
     assert one_eval is not None and two_eval == pytest.approx(one_eval, rel=1e-6)
     torch.testing.assert_close(two_moments, one_moments, rtol=1e-4, atol=1e-9)
+
+
+@pytest.mark.multi_rank
+@pytest.mark.parametrize("shard", [False, True], ids=["ddp", "shard"])
+def test_a_muon_host_of_two_ranks_steps_as_one_rank_to_bf16_rounding(tmp_path, shard):
+    """--inner-optimizer muon on 2 ranks (DDP replicas, or FSDP2 shards whose matrices Muon
+    orthogonalises whole through DTensor) against 1 rank at twice the batch: Muon's
+    Newton-Schulz iterations run in bf16, so the two agree to its rounding (here about 1e-5 of a round's move), not to fp32's; the
+    momentum goes out to every rank and back (a resume's path) on both."""
+    initial = FlatParameters(build_model("tiny", 0)[0].named_parameters()).buffer.clone()
+    one_theta, one_local, one_tokens, _, one_moments = _one_round(tmp_path / "one", 1, 8, inner_optimizer="muon")
+    two_theta, two_local, two_tokens, _, two_moments = _one_round(tmp_path / "two", 2, 4, shard, inner_optimizer="muon")
+    assert one_tokens == two_tokens
+    moved = one_theta[: initial.numel()] - initial
+    gap = two_theta[: initial.numel()] - one_theta[: initial.numel()]
+    assert float(moved.norm()) > 0 and float(gap.norm() / moved.norm()) < 1e-3
+    assert float((two_local - one_local).norm() / (one_local[: initial.numel()] - initial).norm()) < 1e-3
+    assert float((two_moments - one_moments).norm() / one_moments.norm()) < 1e-3
 
 
 def test_gpu_selection_is_checked_against_the_host():

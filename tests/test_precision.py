@@ -5,7 +5,9 @@ import pytest
 import torch
 
 from dtnode.daemon.config.settings import NodeSettings, SettingsError
-from dtnode.daemon.training.inner_step import inner_optimizer, inner_step, next_token_loss
+from dtnode.daemon.config.training_options import InnerOptimizerKind
+from dtnode.daemon.training.inner_optimizer import build_inner_optimizer
+from dtnode.daemon.training.inner_step import inner_step, next_token_loss
 from dtnode.daemon.training.precision import Precision, StepPrecision
 from dtnode.daemon.training.worker import ModelWorker
 from dtnode.daemon.workload.build import build_workload
@@ -14,10 +16,10 @@ from dtnode.daemon.workload.model import build_model
 CPU = torch.device("cpu")
 
 
-def _tiny():
+def _tiny(kind: InnerOptimizerKind = InnerOptimizerKind.ADAMW):
     model, _ = build_model("tiny", 0)
     batch = torch.randint(0, 256, (4, 33), generator=torch.Generator().manual_seed(1))
-    return model, inner_optimizer(model, 1e-3, 0.1), batch
+    return model, build_inner_optimizer(model, 1e-3, 0.1, kind), batch
 
 
 def test_auto_is_fp32_on_a_cpu_and_a_choice_is_kept():
@@ -28,12 +30,14 @@ def test_auto_is_fp32_on_a_cpu_and_a_choice_is_kept():
         NodeSettings(precision="fp8")
 
 
+@pytest.mark.parametrize("kind", list(InnerOptimizerKind))
 @pytest.mark.parametrize("precision", [Precision.BF16, Precision.FP16])
-def test_a_half_precision_step_trains_the_fp32_weights_like_an_fp32_step(precision):
+def test_a_half_precision_step_trains_the_fp32_weights_like_an_fp32_step(precision, kind):
     """The weights stay fp32; the step's loss is the fp32 one within half precision's error,
-    and the step moves the weights in the same direction."""
-    model, optimizer, batch = _tiny()
-    reference, ref_optimizer, _ = _tiny()
+    and the step moves the weights in the same direction (fp16's loss scaler steps Muon's
+    half and AdamW's alike)."""
+    model, optimizer, batch = _tiny(kind)
+    reference, ref_optimizer, _ = _tiny(kind)
     before = torch.cat([p.detach().flatten().clone() for p in model.parameters()])
     step = StepPrecision(precision, CPU)
     loss = inner_step(model, optimizer, batch, CPU, 1.0, list(model.parameters()), precision=step)
@@ -47,8 +51,9 @@ def test_a_half_precision_step_trains_the_fp32_weights_like_an_fp32_step(precisi
     assert (step.scaler is not None) == (precision == Precision.FP16)
 
 
-def test_fp16_skips_a_step_whose_gradients_overflow_and_lowers_its_scale():
-    model, optimizer, batch = _tiny()
+@pytest.mark.parametrize("kind", list(InnerOptimizerKind))
+def test_fp16_skips_a_step_whose_gradients_overflow_and_lowers_its_scale(kind):
+    model, optimizer, batch = _tiny(kind)
     step = StepPrecision(Precision.FP16, CPU)
     step.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**40)  # scaled gradients overflow fp16
     before = [p.detach().clone() for p in model.parameters()]

@@ -89,6 +89,17 @@ def test_a_swarm_of_mixed_recipes_is_joined_when_any_peer_shares_ours():
     assert check_members(ours, ["", "{not json", '{"data": 1}']) is None  # unreadable: not counted
 
 
+def test_a_record_of_before_the_inner_optimizer_field_is_adamws_and_muon_is_carried_by_the_join_line():
+    legacy = {k: v for k, v in _recipe().model_dump().items() if k != "inner_optimizer"}
+    assert SwarmRecipe.model_validate(legacy).inner_optimizer == "adamw"
+    assert recipe_flags(_recipe(inner_optimizer="muon"), None) == ["--seq-len", "64", "--inner-optimizer", "muon"]
+    assert adopted_settings(NodeSettings(), _recipe(inner_optimizer="muon")) == {
+        "inner_optimizer": "muon",
+        "seq_len": 64,
+    }
+    assert SwarmRecipe.from_record(_recipe().to_record().replace('"adamw"', '"lion"')) is None  # unreadable
+
+
 def test_only_fields_not_given_are_adopted():
     theirs = _recipe(inner_steps=50, outer_lr=0.5, seq_len=24)
     given = NodeSettings(inner_steps=30)
@@ -135,7 +146,7 @@ def test_a_joiner_with_other_data_h_and_seq_len_is_refused_with_the_fields_named
     other = _text(tmp_path / "other.txt", 2)
     b = NodeProcess.join(
         "b", tmp_path, *NOT_RECIPE, "--inner-steps", "9", "--seq-len", "16", "--warmup-steps", "5",
-        "--run-id", "recipe-test", "--data", str(other), "--peer", a.join_address,
+        "--run-id", "recipe-test", "--data", str(other), "--peer", a.join_address, "--inner-optimizer", "muon",
     )  # fmt: skip
     assert b.wait(120) == EXIT_MISMATCH, b.output
     _keep(b)
@@ -143,6 +154,7 @@ def test_a_joiner_with_other_data_h_and_seq_len_is_refused_with_the_fields_named
     for field, ours, theirs in (("inner_steps", "9", "12"), ("seq_len", "16", "24")):
         assert f"{field}: this node {ours}, the swarm {theirs} (set by --{field.replace('_', '-')})" in b.output
     assert "data: this node '" in b.output and "(set by --data" in b.output
+    assert "inner_optimizer: this node 'muon', the swarm 'adamw' (set by --inner-optimizer)" in b.output
     assert "Traceback" not in b.output
 
 

@@ -36,6 +36,7 @@ import torch
 from safetensors import safe_open
 
 from dtnode import __version__
+from dtnode.daemon.config.training_options import InnerOptimizerKind
 from dtnode.peers.durable import write_durably
 
 MAX_STEP = 1 << 62  # the largest outer step a checkpoint, a record or a request may name
@@ -44,6 +45,7 @@ log = logging.getLogger(__name__)
 
 FORMAT = "dtnode-checkpoint-v2"
 INNER = ("inner/exp_avg", "inner/exp_avg_sq")
+INNER_OPTIMIZERS = tuple(kind.value for kind in InnerOptimizerKind)
 GENERATOR = "data/generator_state"
 FEEDBACK = "outer/error_feedback"  # what the wire code has not sent yet (sparse; int8 with --error-feedback)
 GENERATOR_LIMIT = 1 << 16  # bytes; a CPU torch.Generator state is about 5 kB
@@ -120,6 +122,9 @@ class LocalState:
     batches_drawn: int  # of the batch size it was written with (files before sequences_drawn)
     sequences_drawn: int | None = None  # the data position; None in a file that predates it
     error_feedback: torch.Tensor | None = None  # owed to the swarm: not sent yet, not in θ_g
+    # which optimizer the moments are of (--inner-optimizer): Muon's hold no second moment, which
+    # AdamW would divide by; a file that predates the field is AdamW's
+    inner_optimizer: str = "adamw"
 
 
 class SharedBytes(Protocol):
@@ -184,6 +189,7 @@ def write_checkpoint(
             "inner_step": str(local.inner_step),
             "adam_steps": str(local.adam_steps),
             "data_batches_drawn": str(local.batches_drawn),
+            "inner_optimizer": local.inner_optimizer,
         }
         if local.sequences_drawn is not None:
             local_meta["data_sequences_drawn"] = str(local.sequences_drawn)
@@ -404,6 +410,9 @@ def read_local_state(directory: Path, step: int, layout: Layout, run_id: str, mo
     if sequences and (not sequences.isdigit() or len(sequences) > 18):
         raise CheckpointError(f"{path.name}: data_sequences_drawn is not a non-negative integer")
     inner_step, adam_steps, batches = counts
+    kind = str(meta.get("inner_optimizer", "adamw"))
+    if kind not in INNER_OPTIMIZERS:
+        raise CheckpointError(f"{path.name}: inner_optimizer {kind[:40]!r} is none of {', '.join(INNER_OPTIMIZERS)}")
     return LocalState(
         exp_avg,
         exp_avg_sq,
@@ -413,6 +422,7 @@ def read_local_state(directory: Path, step: int, layout: Layout, run_id: str, mo
         batches,
         int(sequences) if sequences else None,
         feedback,
+        kind,
     )
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import re
+from enum import Enum
 from pathlib import Path
 from typing import ClassVar, Literal
 
@@ -258,14 +259,28 @@ class DilocoOptions(OptionGroup):
     )
 
 
+class InnerOptimizerKind(str, Enum):
+    """Which inner optimizer a swarm trains with (a recipe field: one swarm, one kind;
+    training/inner_optimizer.py builds it)."""
+
+    ADAMW = "adamw"
+    MUON = "muon"
+
+
 class InnerOptimizerOptions(OptionGroup):
-    """The inner AdamW's rate, decay and schedule: part of the recipe a joiner takes from its swarm."""
+    """The inner optimizer, its rate, decay and schedule: part of the recipe a joiner takes from its swarm."""
 
     TITLE: ClassVar[str] = "inner optimizer"
-    HELP: ClassVar[str] = "The inner AdamW and its learning-rate schedule, shared by the swarm."
+    HELP: ClassVar[str] = "The inner optimizer and its learning-rate schedule, shared by the swarm."
     ADVANCED: ClassVar[frozenset[str]] = frozenset({"inner_weight_decay", "grad_clip"})
 
-    inner_lr: float = Field(1e-3, gt=0, le=1, description="Peak learning rate of the inner AdamW.")
+    inner_optimizer: InnerOptimizerKind = Field(
+        InnerOptimizerKind.ADAMW,
+        description="The inner optimizer: adamw, or muon (Muon on the hidden weight matrices, AdamW on "
+        "embeddings, the output layer, gains and biases, at the same --inner-lr: Muon's rate is matched "
+        "to AdamW's RMS).",
+    )
+    inner_lr: float = Field(1e-3, gt=0, le=1, description="Peak learning rate of the inner optimizer.")
     lr_schedule: LrSchedule = Field(
         "cosine",
         description="Decay of the inner learning rate after warmup, over --total-steps: cosine, linear or constant.",
@@ -287,7 +302,9 @@ class InnerOptimizerOptions(OptionGroup):
     min_lr_ratio: float = Field(
         0.1, ge=0, le=1, description="The inner learning rate at the end of the schedule, as a fraction of --inner-lr."
     )
-    inner_weight_decay: float = Field(0.1, ge=0, le=1, description="Weight decay of the inner AdamW.")
+    inner_weight_decay: float = Field(
+        0.1, ge=0, le=1, description="Weight decay of the inner optimizer (not on gains and biases)."
+    )
     grad_clip: float = Field(1.0, ge=0, description="Gradient norm clip of inner steps (0 disables).")
 
     @model_validator(mode="after")

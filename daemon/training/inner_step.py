@@ -1,6 +1,6 @@
-"""One inner step and the losses, as every local rank computes them: the AdamW step on a batch
-(forward under the rank's autocast, backward, clip, step), the next-token loss, the held-out
-loss, and the inner optimizer itself. `Trainer` (trainer.py) drives them on rank 0, and each
+"""One inner step and the losses, as every local rank computes them: the optimizer's step on a batch
+(forward under the rank's autocast, backward, clip, step), the next-token loss, and the held-out
+loss (the optimizer itself is inner_optimizer.py's). `Trainer` (trainer.py) drives them on rank 0, and each
 child rank runs the same step on its rows (ranks/child.py).
 """
 
@@ -27,7 +27,7 @@ def inner_step(
     while_device_runs: Callable[[], None] | None = None,
     precision: StepPrecision | None = None,
 ) -> float:
-    """One AdamW step on `batch` (every local rank runs this, on its rows); the loss.
+    """One inner step on `batch` (every local rank runs this, on its rows); the loss.
     `while_device_runs` is called once the step's kernels are queued, before the loss is
     read back (on a GPU the CPU is otherwise idle until the step ends)."""
     precision = precision or StepPrecision(Precision.AUTO, device)
@@ -67,23 +67,6 @@ def held_out_loss(
         count += len(chunk)
     model.train(was_training)
     return total / count
-
-
-def inner_optimizer(model: torch.nn.Module, lr: float, weight_decay: float) -> torch.optim.AdamW:
-    """DiLoCo's inner AdamW (also the data-parallel baseline's optimizer in the convergence benchmark):
-    no decay on gains and biases, β2 = 0.95 as is usual for transformers; trainable parameters
-    only; the fused CUDA kernel on a GPU."""
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    decay = [p for p in trainable if p.dim() >= 2]
-    no_decay = [p for p in trainable if p.dim() < 2]
-    on_cuda = trainable[0].device.type == "cuda"
-    kernel = {"fused": True} if on_cuda else {}
-    return torch.optim.AdamW(
-        [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=lr,
-        betas=(0.9, 0.95),
-        **kernel,
-    )
 
 
 def learned_buffers(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:

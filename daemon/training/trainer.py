@@ -28,8 +28,9 @@ from dataclasses import dataclass
 
 import torch
 
-from dtnode.daemon.training.adam_state import flat_moments, install_adam_state, ordered_parameters
-from dtnode.daemon.training.inner_step import held_out_loss, inner_optimizer, inner_step, learned_buffers
+from dtnode.daemon.training.inner_optimizer import InnerOptimizerKind, build_inner_optimizer
+from dtnode.daemon.training.inner_state import flat_moments, install_inner_state, ordered_parameters
+from dtnode.daemon.training.inner_step import held_out_loss, inner_step, learned_buffers
 from dtnode.daemon.training.precision import Precision, StepPrecision
 from dtnode.daemon.training.ranks.ddp import ReplicatedRanks
 from dtnode.daemon.training.ranks.fsdp import HostShards
@@ -69,6 +70,7 @@ class Trainer:
         compile: bool = False,
         ranks: LocalRanks | None = None,
         precision: Precision = Precision.AUTO,
+        optimizer_kind: InnerOptimizerKind = InnerOptimizerKind.ADAMW,
     ):
         self.device = device
         self.precision = StepPrecision(precision, device)  # autocast, and fp16's loss scale
@@ -96,6 +98,7 @@ class Trainer:
         self.lr = schedule(0)  # the rate of the last step taken (or of the next one, before it)
         self.grad_clip = grad_clip
         self.weight_decay = weight_decay
+        self.optimizer_kind = optimizer_kind
         self._optimizer_built: concurrent.futures.Future = concurrent.futures.Future()
         # set after the first AdamW step, whose lazy imports (torch._dynamo) must not run while
         # another thread imports the same modules (TorchInductor compiling the int8 kernels):
@@ -122,7 +125,7 @@ class Trainer:
         self.step_floor_s = hooks.step_floor_s
 
     def build_optimizer_in_background(self) -> concurrent.futures.Future:
-        """Start making the AdamW optimizer on a side thread (once); its future.
+        """Start making the inner optimizer on a side thread (once); its future.
 
         torch imports its compiler stack (seconds of CPU) at the first optimizer a process
         makes: made from the start, off the path of a joiner's DHT start and download. (Started
@@ -158,12 +161,14 @@ class Trainer:
 
     def _build_optimizer(self) -> None:
         try:
-            self._optimizer_built.set_result(inner_optimizer(self.model, self.lr, self.weight_decay))
+            self._optimizer_built.set_result(
+                build_inner_optimizer(self.model, self.lr, self.weight_decay, self.optimizer_kind)
+            )
         except BaseException as e:  # noqa: BLE001  (raised to whoever first needs the optimizer)
             self._optimizer_built.set_exception(e)
 
     @property
-    def optimizer(self) -> torch.optim.AdamW:
+    def optimizer(self) -> torch.optim.Optimizer:
         return self.build_optimizer_in_background().result()
 
     def _params_changed(self) -> None:
@@ -327,15 +332,16 @@ class Trainer:
 
     @torch.no_grad()
     def inner_state(self) -> tuple[torch.Tensor, torch.Tensor, int]:
-        """AdamW's moments flattened in parameter order (CPU copies; zeros over the learned
-        buffers at the flat buffer's end), and its step count."""
+        """The inner optimizer's moments flattened in parameter order (CPU copies; zeros over
+        the learned buffers at the flat buffer's end and where Muon keeps no second moment),
+        and its step count."""
         if self.sync is not None:
             return self.sync.gather_inner(self.optimizer)
         return flat_moments(self.optimizer, self._trainable, self.flat.numel)
 
     @torch.no_grad()
     def load_inner_state(self, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, steps: int) -> None:
-        """Install AdamW moments (a resumed node's own), or with steps 0 start them fresh."""
+        """Install the inner optimizer's moments (a resumed node's own), or with steps 0 start them fresh."""
         self.adam_steps = max(steps, 0)
         if self.sync is not None:  # the other ranks take them before the next step
             self.ranks_need_inner = True
@@ -343,7 +349,7 @@ class Trainer:
             return
         if steps <= 0 and not self._optimizer_built.done():  # one still being made starts with no state anyway
             return
-        install_adam_state(self.optimizer, self.model, exp_avg, exp_avg_sq, steps)
+        install_inner_state(self.optimizer, self.model, exp_avg, exp_avg_sq, steps)
 
     def eval_loss(self) -> float | None:
         """Mean loss on the swarm-wide held-out eval set (comparable across peers); None without one."""

@@ -127,6 +127,7 @@ class ModelWorker:
             self.device,
             schedule=schedule,
             weight_decay=s.inner.inner_weight_decay,
+            optimizer_kind=s.inner.inner_optimizer,
             grad_clip=s.inner.grad_clip,
             compile=s.hardware.compile,
             ranks=ranks,
@@ -232,7 +233,7 @@ class ModelWorker:
 
     def install(self, loaded: LoadedCheckpoint, local: LocalState | None = None, keep_inner: bool = False) -> None:
         """Load a checkpoint: with this node's own inner state and data position when resuming;
-        a donor's checkpoint brings θ_g and the outer momentum only, and the inner AdamW starts
+        a donor's checkpoint brings θ_g and the outer momentum only, and the inner optimizer starts
         fresh (with its warmup), or is kept (`keep_inner`) by a node that was training."""
         with self.theta_changing():
             self.replica.load(loaded.theta_g, loaded.momentum, loaded.step)
@@ -247,7 +248,15 @@ class ModelWorker:
                 self.residual.zero_()
                 self.measure_feedback()
             return
-        trainer.load_inner_state(local.exp_avg, local.exp_avg_sq, local.adam_steps)
+        if local.inner_optimizer == trainer.optimizer_kind.value:
+            trainer.load_inner_state(local.exp_avg, local.exp_avg_sq, local.adam_steps)
+        else:  # another optimizer's moments (Muon's hold no second moment, which AdamW divides by)
+            log.warning(
+                "the saved inner state is %s's and this node trains with %s: the inner optimizer starts fresh",
+                local.inner_optimizer,
+                trainer.optimizer_kind.value,
+            )
+            trainer.load_inner_state(torch.empty(0), torch.empty(0), 0)
         trainer.inner_step = local.inner_step
         if self.residual is not None:  # what this node owed the swarm when it stopped (none: a fresh buffer)
             if local.error_feedback is not None:
@@ -383,6 +392,14 @@ class ModelWorker:
             settled = self._settled_feedback if self._settled_feedback is not None else self.residual
             feedback = settled.clone() if settled is not None else None
             own = LocalState(
-                exp_avg, exp_avg_sq, generator, trainer.inner_step, adam_steps, batches, sequences, feedback
+                exp_avg,
+                exp_avg_sq,
+                generator,
+                trainer.inner_step,
+                adam_steps,
+                batches,
+                sequences,
+                feedback,
+                trainer.optimizer_kind.value,
             )
         return step, TrainingState(theta, momentum, own, state_live)

@@ -54,6 +54,7 @@ class SwarmRecipe(BaseModel):
     round_tokens: int | None = Field(None, ge=1)
     round_seconds: float | None = Field(None, gt=0, le=86400)
     overlap: bool = False
+    inner_optimizer: str = Field("adamw", pattern=r"^(adamw|muon)$")  # a record without it is AdamW's
     inner_lr: float = Field(gt=0, le=1)
     lr_schedule: str = Field(pattern=r"^(cosine|linear|constant)$")
     warmup_steps: int = Field(ge=0)

@@ -35,6 +35,8 @@ trained by:
   ...-linear, -constant (suffix, reference and dp/solo) the inner rate's decay after warmup (default cosine)
   ...-minlrX      (suffix, reference and dp/solo) the inner rate's floor at the end, as a fraction of its peak (0.1)
   ...-b2X         (suffix, reference and dp/solo) the inner AdamW's β2 (0.95)
+  ...-muon        (suffix, every run) Muon as the inner optimizer on the hidden matrices, AdamW on
+                  the rest (--inner-optimizer muon), at the same peak rate
   ...-syncm, -syncv, -syncmv (suffix, reference) AdamW's first, second or both moments averaged
                   over the workers every outer step
   diloco-hH-sparsemeanN, diloco-hH-sparsemeanrN (-efdX)
@@ -85,7 +87,8 @@ from torch.nn.utils import parameters_to_vector
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from nodes import NodeProcess, run_swarm
 
-from dtnode.daemon.training.inner_step import held_out_loss, inner_optimizer, next_token_loss
+from dtnode.daemon.training.inner_optimizer import build_inner_optimizer
+from dtnode.daemon.training.inner_step import held_out_loss, next_token_loss
 from dtnode.daemon.training.schedule import LearningRateSchedule
 from dtnode.daemon.workload.corpus import TokenCorpus
 from dtnode.daemon.workload.data import DataSources, DataStream, MarkovLanguage, stable_seed
@@ -98,8 +101,9 @@ GROUPS = re.compile(r"round \d+ \| groups ([^|]+?) \|")
 UNITS = {"B": 1, "kB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12}
 LR = r"\d+(?:\.\d+)?(?:e-?\d+)?"
 OUTER = rf"(?:-lr({LR}))?(?:-olr({LR}))?(?:-om({LR}))?"  # a DiLoCo run's rates and outer momentum
-RUN_NAME = re.compile(rf"(moshpit-)?(fp32|int8|sparse)-h(\d+){OUTER}(?:-efd({LR}))?(?:-k(\d+))?(-overlap)?")
-SCHEDULE = rf"(?:-(linear|constant))?(?:-minlr({LR}))?(?:-b2({LR}))?"  # inner-rate decay and floor, AdamW's β2
+RUN_NAME = re.compile(rf"(moshpit-)?(fp32|int8|sparse)-h(\d+){OUTER}(?:-efd({LR}))?(?:-k(\d+))?(-overlap)?(-muon)?")
+# inner-rate decay and floor, AdamW's β2, and Muon as the inner optimizer (--inner-optimizer muon)
+SCHEDULE = rf"(?:-(linear|constant))?(?:-minlr({LR}))?(?:-b2({LR}))?(-muon)?"
 OUTER_MOMENTUM = 0.9
 DEFAULT_RUNS = (
     "dp,dp-lr0.004,dp-lr0.008,dp-lr0.016,solo,fp32-h50,int8-h10,int8-h50,int8-h100,int8-h50-overlap,moshpit-int8-h50,"
@@ -153,6 +157,7 @@ class Reference:
     min_lr_ratio: float = 0.1  # the inner rate at the end of the run, as a fraction of its peak
     beta2: float = 0.95  # the inner AdamW's second-moment decay
     sync_moments: str = ""  # "m", "v" or "mv": AdamW's first and/or second moments averaged every outer step
+    optimizer: str = "adamw"  # the inner optimizer (dtnode's --inner-optimizer)
 
 
 # ---- data -------------------------------------------------------------------------------
@@ -212,9 +217,10 @@ def _worker(
     steps = cfg.steps * cfg.workers // world
     sources = sources_for(dataset, files, cfg.seed)
     stream = DataStream(sources, RUN_ID, f"sync-{world}-{rank}", cfg.batch_size, cfg.seq_len, cfg.eval_sequences)
-    optimizer = inner_optimizer(model, cfg.inner_lr, 0.1)
+    optimizer = build_inner_optimizer(model, cfg.inner_lr, 0.1, ref.optimizer)
     for group in optimizer.param_groups:
-        group["betas"] = (group["betas"][0], ref.beta2)
+        if "betas" in group:  # AdamW's groups (Muon's have a momentum instead)
+            group["betas"] = (group["betas"][0], ref.beta2)
     schedule = LearningRateSchedule(cfg.inner_lr, cfg.warmup_steps, steps, ref.schedule, ref.min_lr_ratio)
     trained = torch.nn.parallel.DistributedDataParallel(model) if world > 1 and not h else model
     params = list(model.parameters())
@@ -388,6 +394,7 @@ def run_dtnode(
     workdir: Path,
     feedback_decay: float | None = None,
     top_k: int = 64,
+    inner_optimizer: str = "adamw",
 ) -> Result:
     rounds = cfg.steps // h
     args = [
@@ -417,6 +424,8 @@ def run_dtnode(
         str(cfg.inner_lr),
         "--compression",
         compression,
+        "--inner-optimizer",
+        inner_optimizer,
         "--sparse-top-k",
         str(top_k),
         "--target-group-size",
@@ -524,7 +533,10 @@ def run_one(name: str, cfg: Config, dataset: str, files, workdir: Path) -> Resul
     if m := re.fullmatch(rf"(dp|solo)(?:-lr({LR}))?{SCHEDULE}", name):
         tuned = replace(cfg, inner_lr=float(m.group(2))) if m.group(2) else cfg
         ref = Reference(
-            schedule=m.group(3) or "cosine", min_lr_ratio=float(m.group(4) or 0.1), beta2=float(m.group(5) or 0.95)
+            schedule=m.group(3) or "cosine",
+            min_lr_ratio=float(m.group(4) or 0.1),
+            beta2=float(m.group(5) or 0.95),
+            optimizer="muon" if m.group(6) else "adamw",
         )
         return run_synchronous(name, cfg.workers if m.group(1) == "dp" else 1, tuned, dataset, files, workdir, ref)
     if m := re.fullmatch(
@@ -548,6 +560,7 @@ def run_one(name: str, cfg: Config, dataset: str, files, workdir: Path) -> Resul
             schedule=m.group(12) or "cosine",
             min_lr_ratio=float(m.group(13) or 0.1),
             beta2=float(m.group(14) or 0.95),
+            optimizer="muon" if m.group(15) else "adamw",
         )
         return run_synchronous(name, cfg.workers, tuned, dataset, files, workdir, ref)
     m = RUN_NAME.fullmatch(name)
@@ -571,6 +584,7 @@ def run_one(name: str, cfg: Config, dataset: str, files, workdir: Path) -> Resul
         workdir,
         float(m.group(7)) if m.group(7) else None,
         int(m.group(8) or 64),
+        "muon" if m.group(10) else "adamw",
     )
 
 

@@ -12,6 +12,7 @@ Scenarios (real node processes on loopback):
   d        4 tiny peers, one paused (SIGSTOP) for 3 s during its inner steps in every round
   e        5 tiny peers, target group 2 (three hops, cells of 0 to 3), started 2 s apart
   f        4 tiny peers, H=50 (the pacing check: tokens trained over tokens asked)
+  g        4 tiny peers, H=10 at the default 2 s heartbeat: rounds shorter than a heartbeat
 
 Printed per scenario, over the rounds from --from-round on:
   full      fraction of rounds in which every peer took part and every group it joined held
@@ -112,6 +113,12 @@ def scenarios() -> dict[str, Scenario]:
         ),
         "e": Scenario("e", "5 tiny, group 2, 2 s apart", [Peer(TINY) for _ in range(5)], group=2, stagger=2.0),
         "f": Scenario("f", "4 tiny, H=50", [Peer([*TINY, "--inner-steps", "50"]) for _ in range(4)], group=4),
+        "g": Scenario(
+            "g",
+            "4 tiny, H=10, heartbeat 2 s (rounds shorter than a heartbeat)",
+            [Peer([*TINY, "--inner-steps", "10", "--heartbeat-interval", "2"]) for _ in range(4)],
+            group=4,
+        ),
     }
 
 

@@ -19,13 +19,9 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from dtnode.daemon.training.adam_state import install_adam_state, ordered_parameters
-from dtnode.daemon.training.inner_step import (
-    held_out_loss,
-    inner_optimizer,
-    inner_step,
-    learned_buffers,
-)
+from dtnode.daemon.training.inner_optimizer import build_inner_optimizer
+from dtnode.daemon.training.inner_state import install_inner_state, ordered_parameters
+from dtnode.daemon.training.inner_step import held_out_loss, inner_step, learned_buffers
 from dtnode.daemon.training.precision import Precision, StepPrecision
 from dtnode.daemon.training.ranks.ddp import ddp_replica
 from dtnode.daemon.training.ranks.fsdp import (
@@ -81,7 +77,7 @@ class ChildRank:
         found = dict(self.model.named_parameters()) | dict(self.model.named_buffers())
         self.synced = [found[name] for name in names]
         self.forward_model: Callable[[torch.Tensor], torch.Tensor] = torch.compile(wrapped) if spec.compile else wrapped
-        self.optimizer = inner_optimizer(self.model, 0.0, spec.weight_decay)
+        self.optimizer = build_inner_optimizer(self.model, 0.0, spec.weight_decay, spec.inner_optimizer)
         self.precision = StepPrecision(Precision(spec.precision), self.device)
         self.trainable = ordered_parameters(self.model)
 
@@ -139,7 +135,7 @@ class ChildRank:
         if steps > 0:
             for buffer in moments:
                 dist.broadcast(buffer, 0)
-        install_adam_state(self.optimizer, self.model, moments[0], moments[1], steps)
+        install_inner_state(self.optimizer, self.model, moments[0], moments[1], steps)
 
 
 def report_out_of_memory(spec: RankSpec, e: torch.cuda.OutOfMemoryError) -> None:

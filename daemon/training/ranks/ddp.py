@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dtnode.daemon.training.adam_state import flat_moments, install_adam_state, ordered_parameters
+from dtnode.daemon.training.inner_state import flat_moments, install_inner_state, ordered_parameters
 from dtnode.daemon.training.ranks.host import FlatMoments, LocalRanks
 from dtnode.ops.flat import FlatParameters
 
@@ -48,7 +48,7 @@ class ReplicatedRanks:
         return flat_moments(optimizer, ordered_parameters(self.model), self.flat.numel)
 
     def load_inner(self, optimizer: torch.optim.Optimizer, model: torch.nn.Module, moments: FlatMoments) -> None:
-        install_adam_state(optimizer, model, *moments)
+        install_inner_state(optimizer, model, *moments)
 
     def eval_tokens(self, eval_set: torch.Tensor) -> torch.Tensor:
         return eval_set

@@ -21,7 +21,8 @@ import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
-from dtnode.daemon.training.adam_state import step_count
+from dtnode.daemon.training.inner_optimizer import moment_names
+from dtnode.daemon.training.inner_state import moment_state
 from dtnode.daemon.training.ranks.host import Command, FlatMoments, LocalRankFailure, LocalRanks
 from dtnode.daemon.training.theta_local import SpanWork
 from dtnode.ops.flat import FlatParameters
@@ -90,44 +91,50 @@ def scatter_moments(
     steps: int,
     device: torch.device,
 ) -> None:
-    """Rank 0's AdamW moments (full, per parameter) into every rank's optimizer state, as
+    """Rank 0's optimizer moments (full, per parameter) into every rank's optimizer state, as
     shards like the parameters'; steps 0 clears the state everywhere."""
     optimizer.state.clear()
     if steps <= 0:
         return
     for i, param in enumerate(params):
-        state: dict[str, torch.Tensor] = {"step": step_count(optimizer, steps, device)}
-        for name, which in (("exp_avg", 0), ("exp_avg_sq", 1)):
+        shards: list[torch.Tensor] = []
+        for which in (0, 1):
             full = torch.empty(param.shape, dtype=torch.float32, device=device)
             if moments is not None:
                 full.copy_(moments[which][i])
             dist.broadcast(full, 0)
             rows = own_rows(full, param).clone()
             if isinstance(param, DTensor):
-                state[name] = DTensor.from_local(
-                    rows, param.device_mesh, param.placements, shape=param.shape, stride=param.stride()
+                shards.append(
+                    DTensor.from_local(
+                        rows, param.device_mesh, param.placements, shape=param.shape, stride=param.stride()
+                    )
                 )
             else:
-                state[name] = rows
-        optimizer.state[param] = state
+                shards.append(rows)
+        optimizer.state[param] = moment_state(optimizer, param, steps, device, shards[0], shards[1])
 
 
 @torch.no_grad()
 def gather_moments(
     optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor], into: tuple[torch.Tensor, torch.Tensor] | None
 ) -> int:
-    """Every rank's AdamW moments into rank 0's flat buffers (`into`, parameter order); the step count."""
+    """Every rank's optimizer moments into rank 0's flat buffers (`into`, parameter order; zeros
+    where Muon keeps no second moment); the step count."""
     steps, offset = 0, 0
     for param in params:
         state = optimizer.state.get(param)
         n = param.numel()
-        if state and "exp_avg" in state:
-            for name, which in (("exp_avg", 0), ("exp_avg_sq", 1)):
+        names = moment_names(optimizer, param)
+        if state and names[0] in state:
+            for which, name in enumerate(names):
+                if name is None:
+                    continue
                 value = state[name]
                 full = value.full_tensor() if isinstance(value, DTensor) else value
                 if into is not None:
                     into[which][offset : offset + n] = full.reshape(-1).float().cpu()
-            steps = int(state["step"])
+            steps = max(steps, int(state.get("step", 0)))
         offset += n
     return steps
 

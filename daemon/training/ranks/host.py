@@ -136,6 +136,7 @@ class RankSpec(BaseModel):
     compile: bool
     grad_clip: float
     weight_decay: float
+    inner_optimizer: str = "adamw"  # --inner-optimizer (an InnerOptimizerKind's value)
     threads: int | None
     shard: bool
     parent_pid: int
@@ -225,6 +226,7 @@ class LocalRanks:
                 compile=self.settings.hardware.compile,
                 grad_clip=self.settings.inner.grad_clip,
                 weight_decay=self.settings.inner.inner_weight_decay,
+                inner_optimizer=self.settings.inner.inner_optimizer.value,
                 threads=self.plan.threads,
                 shard=self.shard,
                 precision=self.settings.hardware.precision,
