@@ -160,6 +160,27 @@ class SwarmProgress:
     # step of twice the tokens, in the same time or longer)
     step_rate: float = 0.0
     own_step_rate: float = 0.0
+    # this peer's own count (extrapolated like the others') and rate, and the summed rate of
+    # every peer of the round, closed ones included: what its share of the target is made of
+    own_tokens: float = 0.0
+    own_rate: float = 0.0
+    round_rate: float = 0.0
+
+    def own_share_seconds_left(self) -> float:
+        """Seconds until this peer has trained its share of the target at its published rate:
+        the part that rate is of the summed published rates of the peers the target counts
+        (inf while a rate is unknown). Every peer divides by the same published rates, so the
+        shares add up to the target, and each takes the same time, target / summed rate; see
+        SwarmPacer._share for why a share."""
+        if self.own_rate <= 0 or self.round_rate <= 0:
+            return math.inf
+        share = self.target * min(self.own_rate / self.round_rate, 1.0)
+        return max(share - self.own_tokens, 0.0) / self.own_rate
+
+    def end_in(self) -> float:
+        """Seconds until this peer's round ends: when the swarm's count reaches the target, or
+        this peer's share of it is trained, whichever comes first."""
+        return min(self.seconds_left(), self.own_share_seconds_left())
 
     @property
     def reached(self) -> bool:
@@ -217,6 +238,10 @@ def swarm_progress(
     `own` is this peer's live progress, which replaces its (older) published record. Every
     report, own included, is clamped first (`clamp_reports`): all peers count the same way.
     """
+    records = list(records)
+    # the rate others read of this peer (its published record), for its share: every peer then
+    # divides the target by the same published rates, and the shares add up to it
+    published_rate = next((r.tokens_per_s for r in records if r.peer_id == own.peer_id), own.tokens_per_s)
     records = clamp_reports([r for r in records if r.peer_id != own.peer_id] + [own], round, inner_steps)
     own = records[-1]
     members = {r.peer_id: r for r in records if r.round_in_training == round and r.state in ACTIVE}
@@ -230,7 +255,7 @@ def swarm_progress(
         and r.state in ACTIVE
         and ((r.round == round and r.phase in CLOSED_PHASES) or r.round_in_training == round + 1)
     }
-    done, rate = 0.0, 0.0
+    done, rate, own_tokens = 0.0, 0.0, 0.0
     for r in members.values():
         tokens = float(max(r.round_tokens, 0))
         if r.state == "training":  # own too: its count is as of its last step's end (progress_at)
@@ -241,9 +266,12 @@ def swarm_progress(
             tokens += extra
         if r.state == "training":
             rate += max(r.tokens_per_s, 0.0)
+        if r is own:
+            own_tokens = tokens
         done += tokens
     target = round_target(records, round, inner_steps, round_tokens)
     rates = [step_rate(r) for r in members.values() if step_rate(r) > 0]
+    share_rate = max(published_rate, 0.0) if math.isfinite(published_rate) else 0.0
     return SwarmProgress(
         target,
         done,
@@ -253,6 +281,20 @@ def swarm_progress(
         len(set(members) | closers),
         step_rate=sum(rates) / len(rates) if rates else 0.0,
         own_step_rate=step_rate(own),
+        own_tokens=own_tokens,
+        own_rate=share_rate if own.peer_id in members else 0.0,
+        # a peer silent past its extrapolation (paused, stalled) trains no share: the others take it
+        round_rate=sum(
+            max(r.tokens_per_s, 0.0)
+            for r in members.values()
+            if r is not own
+            and not (
+                r.state == "training"
+                and max_extrapolation > 0
+                and now - r.progress_at > _extrapolation_cap(r, max_extrapolation)
+            )
+        )
+        + share_rate,
     )
 
 

@@ -12,11 +12,13 @@ import torch
 from dtnode.daemon.checkpoints.file_format import (
     CheckpointError,
     Layout,
+    LoadedCheckpoint,
     LocalState,
     TrainingState,
     read_local_state,
     write_checkpoint,
 )
+from dtnode.daemon.config.settings import NodeSettings
 from dtnode.daemon.config.training_options import InnerOptimizerKind
 from dtnode.daemon.training.inner_optimizer import (
     MuonWithAdamW,
@@ -27,6 +29,8 @@ from dtnode.daemon.training.inner_optimizer import (
 )
 from dtnode.daemon.training.inner_state import flat_moments, install_inner_state, ordered_parameters
 from dtnode.daemon.training.inner_step import inner_step
+from dtnode.daemon.training.worker import ModelWorker
+from dtnode.daemon.workload.build import build_workload
 from dtnode.daemon.workload.model import build_model, config_hash
 from dtnode.ops.flat import FlatParameters
 
@@ -125,3 +129,28 @@ def test_a_local_state_names_its_optimizer_and_an_unknown_one_is_refused(tmp_pat
     write_checkpoint(tmp_path, 1, layout, TrainingState(flat.buffer.clone(), torch.empty(0), local), _meta(description))
     with pytest.raises(CheckpointError, match="inner_optimizer 'lion' is none of adamw, muon"):
         read_local_state(tmp_path, 1, layout, "run", config_hash(description))
+
+
+@pytest.mark.parametrize(("saved", "now"), [("muon", "adamw"), ("adamw", "muon")])
+def test_a_node_resuming_from_another_optimizers_state_starts_its_inner_state_fresh(tmp_path, saved, now):
+    """A local file of Muon's moments read by an AdamW node would divide a momentum by the
+    zeros Muon keeps for the second moment (steps of about lr x 1e8): a node resumed under
+    another --inner-optimizer keeps θ_g, its inner step and data position, and starts the
+    inner optimizer fresh (with its warmup); the same optimizer resumes its moments."""
+    settings = NodeSettings(
+        state_dir=tmp_path, model="tiny", batch_size=2, seq_len=16, device="cpu", inner_optimizer=now
+    )
+    worker = ModelWorker(settings, build_workload(settings, tmp_path), torch.device("cpu"))
+    try:
+        worker.build("peer")
+        flat = worker.trainer.flat
+        state = TrainingState(worker.replica.theta_g.clone(), torch.zeros(flat.numel))
+        ones = torch.ones(flat.numel)
+        for kind, steps in ((saved, 0), (now, 7)):
+            local = LocalState(ones, ones, torch.zeros(8, dtype=torch.uint8), 70, 7, 0, 0, None, kind)
+            worker.install(LoadedCheckpoint(3, state, {}), local)
+            assert worker.trainer.inner_step == 70 and worker.trainer.adam_steps == steps
+            first, _, count = worker.trainer.inner_state()
+            assert count == steps and bool(first.any()) == (steps > 0)
+    finally:
+        worker.shutdown()

@@ -19,7 +19,7 @@ from dtnode.daemon.config.settings import NodeSettings
 from dtnode.daemon.records.report import Condition, RoundOutcome, RoundSummary, RunStats
 from dtnode.daemon.records.state import IllegalTransition, NodeState, RecordPhase, RoundPhase, RoundState
 from dtnode.daemon.records.status import NodeStatus
-from dtnode.daemon.rounds.pacer import FixedPacer, SwarmPacer
+from dtnode.daemon.rounds.pacer import SHARE_SLACK, FixedPacer, SwarmPacer
 from dtnode.daemon.rounds.strategies import left_off_the_swarm
 from dtnode.daemon.telemetry.metrics import NodeMetrics
 from dtnode.daemon.training.trainer import InnerResult
@@ -252,6 +252,69 @@ def test_the_swarm_pacer_extrapolates_records_and_ends_when_another_peer_closed_
     records["c"] = c.model_copy(update={"state": "averaging", "round": 3, "phase": "matchmaking"})
     asyncio.run(pacer.update(3))
     assert pacer.progress.closed == 2 and pacer.round_end_at == -math.inf
+
+
+def test_a_round_shorter_than_a_heartbeat_ends_at_each_peers_share_of_the_published_rates():
+    """Four peers, H=10, 100 tokens a step: a round of 4000 tokens at the published 10,000
+    tok/s lasts 0.4 s, less than the 2 s heartbeat, so the others' counts never arrive within
+    it. Each peer trains its share of the target (its published rate over the summed
+    published rates), in time (this peer: 3000 of 10,000 tok/s, 1200 tokens, 0.4 s) and at
+    most SHARE_SLACK times it in its own tokens; a long round is left to the swarm's count."""
+    clock = FakeClock()
+    counted = [0]  # this peer's tokens so far this round, read live by the training thread
+    published = {
+        "me": PeerRecord(peer_id="me", outer_step=3, state="training", tokens_per_s=3000.0, tokens_per_step=100),
+        **{
+            name: PeerRecord(
+                peer_id=name,
+                outer_step=3,
+                state="training",
+                tokens_per_s=rate,
+                tokens_per_step=100,
+                progress_at=clock.now,
+            )
+            for name, rate in (("b", 2000.0), ("c", 2500.0), ("d", 2500.0))
+        },
+    }
+    # its live rate this round (1500 tok/s, the host busier) is not what the others divide by
+    own = published["me"].model_copy(update={"tokens_per_s": 1500.0, "progress_at": clock.now})
+
+    async def view() -> dict[str, PeerRecord]:
+        return published
+
+    def pacer(heartbeat: float) -> SwarmPacer:
+        return SwarmPacer(
+            view,
+            lambda: own,
+            10,
+            None,
+            clock=clock,
+            dht_time=clock,
+            own_count=lambda: (counted[0], 100),
+            share_below_s=heartbeat,
+            draw=lambda: 0.99,
+        )
+
+    short = pacer(2.0)
+    asyncio.run(short.update(3))
+    assert short.progress.target == 4000 and short.progress.round_rate == pytest.approx(10_000)
+    assert short.share_tokens == pytest.approx(1200) and short.round_end_at == pytest.approx(clock.now + 0.4)
+    clock.now += 0.39  # the share's time is nearly up: a 0.1 s step no longer fits
+    assert short.keep_going(0.005) and not short.keep_going(0.1)
+    clock.now -= 0.39
+    counted[0] = int(SHARE_SLACK * 1200)  # a peer that sped up: its own tokens end it before its time
+    assert not short.keep_going(0.01)
+    short.start_round()  # the next round starts from the last read's share, before any read of its own
+    counted[0] = 0
+    assert short.share_tokens == pytest.approx(1200) and short.round_end_at == math.inf
+    assert short.keep_going(0.01)
+    counted[0] = 2000
+    assert not short.keep_going(0.01)
+
+    long = pacer(0.1)  # heartbeats shorter than the round: the others' counts decide
+    counted[0] = 2000
+    asyncio.run(long.update(3))
+    assert long.share_tokens == math.inf and long.keep_going(0.01)
 
 
 def test_a_joiner_whose_round_closed_under_it_stops_at_once_and_fixed_pacing_never_asks():

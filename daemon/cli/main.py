@@ -14,6 +14,7 @@ import logging
 import os
 import sys
 from collections.abc import Collection
+from enum import Enum
 from pathlib import Path
 from typing import Any, Literal, get_args, get_origin
 
@@ -73,7 +74,7 @@ def add_node_options(
 def _add_option(group: argparse._ArgumentGroup, name: str, shown: bool) -> None:
     field = NodeSettings.option(name)
     default = field.get_default(call_default_factory=True)
-    default_text = "none" if default in (None, []) else default
+    default_text = "none" if default in (None, []) else default.value if isinstance(default, Enum) else default
     help_text = (
         f"{field.description} (default: {default_text}; env {ENV_PREFIX}{name.upper()})" if shown else argparse.SUPPRESS
     )

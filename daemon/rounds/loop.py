@@ -109,6 +109,8 @@ class RoundLoop:
                 on_progress=stats.show_progress,
                 read_s=READ_HEARTBEATS * settings.swarm.heartbeat_interval,
                 max_extrapolation=EXTRAPOLATE_HEARTBEATS * settings.swarm.heartbeat_interval,
+                own_count=lambda: (worker.trainer.round_tokens, worker.trainer.tokens_per_step),
+                share_below_s=settings.swarm.heartbeat_interval,
             )
         )
         self.strategy: RoundStrategy = OverlappedRound(self) if settings.diloco.overlap else PlainRound(self)

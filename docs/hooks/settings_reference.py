@@ -6,6 +6,7 @@ The table replaces a marker in `reference/configuration.md`, so the page lists e
 
 from __future__ import annotations
 
+from enum import Enum
 from typing import Any
 
 from dtnode.daemon.cli.main import ENV_ONLY
@@ -42,7 +43,8 @@ def settings_table() -> str:
 def _row(name: str) -> str:
     field = NodeSettings.option(name)
     default = field.get_default(call_default_factory=True)
-    shown = "none" if default in (None, []) else f"`{default}`"
+    value = default.value if isinstance(default, Enum) else default
+    shown = "none" if default in (None, []) else f"`{value}`"
     if name in ENV_ONLY:
         option = "(environment only)"
     else:
