@@ -98,16 +98,11 @@ def dequantize(q: QuantizedBlocks, out: torch.Tensor | None = None) -> torch.Ten
     """Decode to fp32; writes into `out` when given."""
     if out is None:
         out = torch.empty(q.numel, dtype=torch.float32, device=q.codes.device)
-    _decode_into(q, out, accumulate=False, weight=1.0)
+    _decode_into(q, out)
     return out
 
 
-def dequantize_accumulate(q: QuantizedBlocks, acc: torch.Tensor, weight: float = 1.0) -> None:
-    """acc += weight * dequantize(q), without materialising the decoded tensor in full."""
-    _decode_into(q, acc, accumulate=True, weight=weight)
-
-
-def _decode_into(q: QuantizedBlocks, out: torch.Tensor, accumulate: bool, weight: float) -> None:
+def _decode_into(q: QuantizedBlocks, out: torch.Tensor) -> None:
     if out.numel() != q.numel or out.dtype != torch.float32:
         raise ValueError("output must be fp32 with one value per code")
     if q.numel == 0:
@@ -117,18 +112,14 @@ def _decode_into(q: QuantizedBlocks, out: torch.Tensor, accumulate: bool, weight
     full = code_body.shape[0]
     parts = []
     kernels = _fused
-    if full and kernels is not None and not accumulate and out.device.type == "cpu" and out.is_contiguous():
+    if full and kernels is not None and out.device.type == "cpu" and out.is_contiguous():
         kernels.dequantize(code_body, q.scales[:full], out_body)
     elif full:
         parts.append((code_body, out_body, q.scales[:full]))
     if code_tail is not None and out_tail is not None:
         parts.append((code_tail, out_tail, q.scales[full:]))
     for codes, target, scales in parts:
-        factors = (scales * weight).unsqueeze(1) if weight != 1.0 else scales.unsqueeze(1)
-        if accumulate:
-            target.addcmul_(codes.float(), factors)
-        else:
-            torch.mul(codes, factors, out=target)
+        torch.mul(codes, scales.unsqueeze(1), out=target)
 
 
 class _FusedKernels:

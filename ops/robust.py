@@ -14,6 +14,13 @@ noisier than the mean (it drops 2·trim of n honest values per coordinate).
 The coordinate-wise median (`--aggregation median`) is the same rule trimmed as far as it goes
 (MEDIAN_FRACTION): it bounds up to (n-1)/2 hostile members of a group of n, the trimmed mean
 floor(fraction·n) (at least one from 3 up), and it is noisier still without an attacker.
+
+The plain mean (`--aggregation mean`) is bounded too, by length rather than by coordinate
+(`clip_to_median`): in every chunk of a part, a contribution longer than CLIP_REACH x the lower
+median of the contributions' lengths is scaled down to that. The reducer does it, so every
+member of the group receives the same clipped mean and honest θ_g stay one: a bound each node
+took on its own (daemon/training/update_bounds.py) scaled the same attacker-made mean by each
+node's own factor and split them.
 """
 
 from __future__ import annotations
@@ -27,11 +34,43 @@ import torch
 MEDIAN_FRACTION = 0.4999
 
 
+# the plain mean's bound: how many times the lower median of a chunk's contribution lengths one
+# contribution may be long. Honest peers that trained a round's share from one θ_g send Δ of
+# similar length (within tens of percent); 2x leaves them untouched and holds one member of a
+# group of n to moving the mean by at most about 2/n of a typical Δ.
+CLIP_REACH = 2.0
+
+
 def lower_median(values: Iterable[float]) -> float:
     """The lower median (of an even count, the smaller middle value; 0.0 of none): what a peer's
     report or weight is bounded by, so that in a pair the smaller, honest one bounds the other."""
     ordered = sorted(values)
     return ordered[(len(ordered) - 1) // 2] if ordered else 0.0
+
+
+def clip_to_median(rows: torch.Tensor, reach: float = CLIP_REACH) -> int:
+    """Scale down in place every row of `rows` (contributors, values) whose length is over
+    `reach` x the lower median of the non-zero rows' lengths; returns how many were scaled.
+
+    A row is its sender's values over one chunk, so the bound holds for a sender's whole part
+    too (its squared length is the sum of its chunks'), and since every chunk's median is some
+    contributor's length, one hostile member of a group with an honest majority is held to
+    `reach` x an honest length in every chunk. In a pair the lower median is the shorter of
+    the two: a member can shrink its partner's Δ to its own (a round lost, never a step
+    steered), and cannot stretch its own past `reach` x its partner's. Each row's length is its
+    own reduction, so the set of rows decides the result, not their order.
+    Rows of length 0 (a peer that trained nothing) neither count in the median nor are scaled.
+    """
+    if rows.shape[0] < 2 or rows.shape[1] == 0:
+        return 0
+    lengths = torch.linalg.vector_norm(rows, dim=1).tolist()
+    limit = reach * lower_median(length for length in lengths if length > 0)
+    scaled = 0
+    for row, length in zip(rows, lengths, strict=True):
+        if length > limit > 0:
+            row.mul_(limit / length)
+            scaled += 1
+    return scaled
 
 
 def trim_count(contributors: int, fraction: float) -> int:

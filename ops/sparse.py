@@ -108,13 +108,6 @@ def decode(payload: SparseBlocks, out: torch.Tensor | None = None) -> torch.Tens
     return out
 
 
-def decode_accumulate(payload: SparseBlocks, acc: torch.Tensor, weight: float = 1.0) -> None:
-    """acc += weight * decode(payload), touching only the kept positions."""
-    if acc.numel() != payload.numel or acc.dtype != torch.float32:
-        raise ValueError("accumulator must be fp32 with one value per position")
-    acc.index_add_(0, positions(payload), values_of(payload), alpha=weight)
-
-
 def _top_k_rows(rows: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Positions (ascending) and values of the k largest magnitudes of every row."""
     picked = rows.abs().topk(k, dim=1, sorted=False).indices

@@ -176,6 +176,7 @@ class GroupReducer:
             c.chunk_elements,
             FP32,
             key=group.key,
+            clip_lengths=False,
         )
         sync = await butterfly_allreduce(
             theta_plan,

@@ -120,6 +120,10 @@ class GroupPlan:
     # per member (in `members` order): the weight its stream counts with, its announced weight
     # capped at WEIGHT_SPREAD x the lower median announced; empty when a member announced none
     weight_caps: tuple[float, ...] = ()
+    # the plain mean holds each contribution to a chunk to CLIP_REACH x the lower median of their
+    # lengths (ops/robust.py): a Δ's bound. Off for a θ_g re-sync, whose values are states, not
+    # steps (equal lengths in the swarm, held to the node's drift bound instead: part_result.py)
+    clip_lengths: bool = True
 
     def announced_weight(self, peer_id: str) -> tuple[float, float] | None:
         """(announced, counted) weight of a member, or None when this plan bounds no weights."""
@@ -189,6 +193,7 @@ def make_plan(
     codec: pb.Codec = INT8,
     key: str = "",
     top_k: int = 0,
+    clip_lengths: bool = True,
 ) -> GroupPlan:
     """Build the plan every member derives identically from the same member list.
 
@@ -198,7 +203,7 @@ def make_plan(
     weights are capped (`capped_weights`): what each stream may claim and counts with. `key` (the
     group's matchmaking key) keeps two groups of one hop with the same members apart.
     A sparse plan's block is the sparse block (so no block straddles two parts or chunks)
-    and `top_k` its kept values per block.
+    and `top_k` its kept values per block. `clip_lengths`: see `GroupPlan.clip_lengths`.
     """
     ordered = tuple(sorted(members, key=lambda m: m.peer_id))
     if len({m.peer_id for m in ordered}) != len(ordered):
@@ -224,6 +229,7 @@ def make_plan(
         chunk_elements,
         codec,
         top_k,
+        clip_lengths,
         *[m.peer_id for m in ordered],
         *[repr(w) for w in weight_caps],
     ):
@@ -243,6 +249,7 @@ def make_plan(
         digest.digest(),
         top_k,
         weight_caps,
+        clip_lengths,
     )
 
 

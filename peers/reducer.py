@@ -1,9 +1,9 @@
 """Reducer side of the butterfly: one fp32 accumulator per part, finished chunk by chunk.
 
 Memory stays bounded: a reducer holds its fp32 accumulator, the int8 result it returns and,
-per sender stream, the chunk being folded (at most 4 chunks per sender in robust mode, and in
-the plans whose chunks are added in a fixed order once all are in: see `PartReduction`); it
-never keeps a copy of any sender's part.
+per sender stream, the chunks that wait for the others' (at most 4 per sender: the mean of a
+chunk is taken once all its contributions are in, see `PartReduction`); it never keeps a copy
+of any sender's whole part.
 Chunk k of the result is final as soon as every sender still in the group has delivered
 chunk k (or has failed), and it streams back to every sender at once, so sending, reducing
 and returning overlap across the whole part instead of running one after the other.
@@ -12,6 +12,11 @@ A sender that fails mid-stream therefore counts in the chunks it delivered in fu
 in the rest: each chunk is the weighted mean of the senders that delivered it, which is the
 price of not holding every sender's part for a rollback. Every member still receives the
 same bytes for every chunk.
+
+In the plain mean, each contribution to a chunk is first held to CLIP_REACH x the lower median
+of the chunk's contribution lengths (ops/robust.py): the reducer does it for the whole group,
+so one member's outsized Δ moves every member's result alike, by a bounded amount, and honest
+members keep one θ_g.
 
 A chunk of the mean that cannot be finished (its sum overflowed, or the reducer's own values
 were not finite) fails the whole part at once: every member keeps its own values there, as
@@ -34,11 +39,10 @@ from dtnode.ops.quantization import (
     NonFiniteError,
     QuantizedBlocks,
     dequantize,
-    dequantize_accumulate,
     num_blocks,
     quantize,
 )
-from dtnode.ops.robust import trim_count, trimmed_mean
+from dtnode.ops.robust import CLIP_REACH, clip_to_median, trim_count, trimmed_mean
 
 from . import failpoints
 from .plan import FP32, SPARSE, GroupPlan, chunk_spans
@@ -97,10 +101,14 @@ def decode_into(payload: Payload, target: torch.Tensor) -> None:
         target.copy_(payload)
 
 
-def ordered_mean_into(own: torch.Tensor, own_weight: float, held: list[tuple[Payload, float]]) -> None:
-    """own ← the weighted mean of `own` and the senders' chunks, added in a fixed order
-    (`ordered_weighted_mean`). Sparse chunks are laid out on their union support only: the
-    sort and the sums touch the few positions someone kept, not the whole chunk."""
+def clipped_mean_into(own: torch.Tensor, own_weight: float, held: list[tuple[Payload, float]], plan: GroupPlan) -> int:
+    """own ← the weighted mean of `own` and the senders' chunks, each first held (where the plan
+    says `clip_lengths`) to CLIP_REACH x the lower median of their lengths (`clip_to_median`);
+    returns how many contributions were scaled down. Where two groups may reduce the same
+    contributions (`plan.sums_as_sent`) they are added in a fixed order (`ordered_weighted_mean`),
+    elsewhere (int8's hop 0, where no two groups share one) in one matrix product. Sparse chunks
+    are laid out on their union support only: the sort and the sums touch the few positions
+    someone kept, not the whole chunk."""
     weights = [own_weight, *(w for _, w in held)]
     kept = [(sparse.positions(p), sparse.values_of(p)) for p, _ in held if isinstance(p, sparse.SparseBlocks)]
     if held and len(kept) == len(held):
@@ -109,14 +117,20 @@ def ordered_mean_into(own: torch.Tensor, own_weight: float, held: list[tuple[Pay
         rows[0] = own[support]
         for row, (at, values) in zip(rows[1:], kept, strict=True):
             row[torch.searchsorted(support, at)] = values
+        scaled = clip_to_median(rows) if plan.clip_lengths else 0
         own.zero_()
         own[support] = ordered_weighted_mean(rows, weights, out=torch.empty(support.numel()), mostly_zero=True)
-        return
+        return scaled
     rows = torch.empty(len(weights), own.numel())
     rows[0].copy_(own)
     for row, (payload, _) in zip(rows[1:], held, strict=True):
         decode_into(payload, row)
-    ordered_weighted_mean(rows, weights, out=own)
+    scaled = clip_to_median(rows) if plan.clip_lengths else 0
+    if plan.sums_as_sent:
+        ordered_weighted_mean(rows, weights, out=own)
+    else:
+        torch.mv(rows.t(), torch.tensor(weights, dtype=torch.float32), out=own).div_(sum_weights(weights))
+    return scaled
 
 
 async def maybe_thread(fn: Callable, *args, size: int):
@@ -145,23 +159,19 @@ class PartReduction:
         self.deadline = deadline
         # Robust mode keeps each sender's decoded chunk until the chunk is final (a few chunks
         # per sender at most, see `add`) and takes a trimmed mean instead of the weighted sum.
-        # A plan whose members' values all enter the sum as sent (`plan.sums_as_sent`) keeps
-        # each sender's chunk too, and adds them in an order of their own values
-        # (`ordered_weighted_mean`): two moshpit groups that reduce the same contributions (a
-        # peer alone in one hop stands in two classes of the next) then return the same bits,
-        # whoever reduces and whatever arrives first.
+        # The plain mean keeps each sender's chunk too (`held`): each contribution is clipped
+        # against the others' lengths (`clipped_mean_into`), then they are added in an order of
+        # their own values (`ordered_weighted_mean`): two moshpit groups that reduce the same
+        # contributions (a peer alone in one hop stands in two classes of the next) then return
+        # the same bits, whoever reduces and whatever arrives first.
         self.trim_fraction = trim_fraction
-        self.ordered = trim_fraction is None and plan.sums_as_sent
         self.pending: dict[int, list[tuple[torch.Tensor, float]]] = {}  # robust: chunk -> (values, weight) per sender
-        self.held: dict[int, list[tuple[Payload, float]]] = {}  # ordered: chunk -> (payload, weight) per sender
+        self.held: dict[int, list[tuple[Payload, float]]] = {}  # the mean: chunk -> (payload, weight) per sender
         bound = plan.announced_weight(own_id)  # the reducer's own weight is bounded like a sender's
         own_weight = float(own_weight) if bound is None else min(float(own_weight), bound[1])
         self.own_weight = own_weight
-        if trim_fraction is None and not self.ordered:
-            self.accumulator = own_values.to(torch.float32) * own_weight
-        else:
-            self.accumulator = own_values.to(torch.float32, copy=True)
-        self.chunk_weight = [self.own_weight] * len(self.spans)
+        self.accumulator = own_values.to(torch.float32, copy=True)
+        self.clipped = 0  # contributions to a chunk scaled down to the plain mean's bound
         self.expected = {m.peer_id for m in plan.members} - {own_id}
         self.weights: dict[str, float] = {}
         self.progress: dict[str, int] = {}  # chunks folded in, per sender
@@ -244,19 +254,17 @@ class PartReduction:
     async def add(self, sender: str, index: int, payload: Payload) -> None:
         """Fold chunk `index` of a sender into the accumulator (chunks arrive in order)."""
         offset, _ = self.spans[index]
-        if self.buffers_senders:  # bounded buffering: a sender runs at most 4 chunks ahead
-            async with self._changed:
-                await self._changed.wait_for(
-                    lambda: index < self.finalized + 4 or sender in self.failed or self.failure is not None
-                )
+        async with self._changed:  # bounded buffering: a sender runs at most 4 chunks ahead
+            await self._changed.wait_for(
+                lambda: index < self.finalized + 4 or sender in self.failed or self.failure is not None
+            )
         async with self._chunk_locks[index]:
             if self.failure is not None:
                 raise ChunkError(str(self.failure))
             if sender in self.failed:
                 raise ChunkError("the reduction's deadline has passed")
             await maybe_thread(self._fold, index, offset, payload, self.weights[sender], size=numel_of(payload))
-            # A folded chunk counts even if the sender was dropped meanwhile: it is in the sum.
-            self.chunk_weight[index] += self.weights[sender]
+            # A held chunk counts even if the sender was dropped meanwhile: it is in the sum.
             self.progress[sender] = index + 1
         failpoints.reach("reducing", self.plan.round)
         if sender in self.failed:
@@ -268,19 +276,10 @@ class PartReduction:
     def _fold(self, index: int, offset: int, payload: Payload, weight: float) -> None:
         if not largest_magnitude(payload) * weight <= MAX_CONTRIBUTION:
             raise ChunkError(f"values x weight exceed {MAX_CONTRIBUTION:g}: the sum would overflow")
-        if self.ordered:
+        if self.trim_fraction is None:
             self.held.setdefault(index, []).append((payload, weight))
             return
-        if self.trim_fraction is not None:
-            self.pending.setdefault(index, []).append((decode_payload(payload), weight))
-            return
-        target = self.accumulator[offset : offset + numel_of(payload)]
-        if isinstance(payload, QuantizedBlocks):
-            dequantize_accumulate(payload, target, weight)
-        elif isinstance(payload, sparse.SparseBlocks):
-            sparse.decode_accumulate(payload, target, weight)
-        else:
-            target.add_(payload, alpha=weight)
+        self.pending.setdefault(index, []).append((decode_payload(payload), weight))
 
     async def fail(self, sender: str) -> None:
         """Drop a sender from every chunk it has not delivered in full."""
@@ -308,9 +307,7 @@ class PartReduction:
                 offset, length = self.spans[index]
                 async with self._chunk_locks[index]:  # a fold in flight completes first
                     try:
-                        await maybe_thread(
-                            self._finish_chunk, index, offset, length, self.chunk_weight[index], size=length
-                        )
+                        await maybe_thread(self._finish_chunk, index, offset, length, size=length)
                     except Exception as e:  # nobody is to blame in the stream that got here first
                         self.failure = ReductionFailed(f"chunk {index} of the mean cannot be finished: {e!r}")
                         log.log(
@@ -328,13 +325,22 @@ class PartReduction:
                     self._changed.notify_all()
         if self.settled or self.failure is not None:
             self.stop()
+            if self.clipped:  # honest too, where step counts differ much (a warm-up, a joiner)
+                log.info(
+                    "round %s hop %s part %s: %d contributions to its chunks were longer than %g x the "
+                    "chunk's lower median: scaled down to that",
+                    self.plan.round,
+                    self.plan.hop,
+                    self.part,
+                    self.clipped,
+                    CLIP_REACH,
+                )
+                self.clipped = 0
 
-    def _finish_chunk(self, index: int, offset: int, length: int, weight: float) -> None:
+    def _finish_chunk(self, index: int, offset: int, length: int) -> None:
         mean = self.accumulator[offset : offset + length]
-        if self.ordered:
-            ordered_mean_into(mean, self.own_weight, self.held.pop(index, []))
-        elif self.trim_fraction is None:
-            mean.div_(weight)
+        if self.trim_fraction is None:
+            self.clipped += clipped_mean_into(mean, self.own_weight, self.held.pop(index, []), self.plan)
         else:
             senders = self.pending.pop(index, [])
             stacked = torch.stack([mean, *(values for values, _ in senders)])
@@ -361,11 +367,6 @@ class PartReduction:
     def included(self) -> list[str]:
         """Senders counted in every chunk, this reducer included."""
         return sorted([self.own_id, *self.committed])
-
-    @property
-    def buffers_senders(self) -> bool:
-        """Senders' chunks wait here until their chunk is final (robust or ordered mode)."""
-        return self.trim_fraction is not None or self.ordered
 
     @property
     def total_weight(self) -> float:

@@ -12,10 +12,10 @@ import pytest
 import torch
 from allreduce_harness import start_peers, stop_peers
 
-from dtnode.ops.robust import trim_count, trimmed_mean
+from dtnode.ops.robust import CLIP_REACH, clip_to_median, lower_median, trim_count, trimmed_mean
 from dtnode.peers.butterfly import butterfly_allreduce
 from dtnode.peers.part_result import DriftBound
-from dtnode.peers.plan import FP32, WEIGHT_SPREAD, Member, capped_weights, make_plan
+from dtnode.peers.plan import FP32, INT8, WEIGHT_SPREAD, Member, capped_weights, make_plan
 from dtnode.peers.wire import RefusalReason, chunk_message
 from dtnode.proto import averaging_pb2_grpc as pb_grpc
 
@@ -67,7 +67,7 @@ def test_a_stream_claiming_more_than_its_registration_is_refused_and_a_big_regis
         peers = await start_peers(4)
         numel = 16384
         values = [torch.randn(numel) for _ in peers]
-        values[0] = values[0] * 3  # the attacker's Δ: off, but not so long that the norm check refuses it
+        values[0] = values[0] * 1.5  # the attacker's Δ: off, but within the plain mean's length bound
         announced = [1e9, 100.0, 100.0, 100.0]  # the attacker also announced a huge token count
         members = [replace(p.member, weight=w) for p, w in zip(peers, announced)]
         plan = _plan(members, numel)
@@ -156,7 +156,7 @@ def test_a_theta_resync_result_that_drifts_too_far_is_refused():
         theta = torch.randn(numel)
         values = [theta + 1e-3 * torch.randn(numel) for _ in peers]
         values[0] = theta * 50  # the attacker's θ_g
-        plan = _plan([replace(p.member, weight=1.0) for p in peers], numel)
+        plan = _plan([replace(p.member, weight=1.0) for p in peers], numel, clip_lengths=False)  # a re-sync's
         outs = [torch.empty(numel) for _ in peers]
         try:
             huge = await asyncio.gather(
@@ -202,7 +202,7 @@ async def _resync(peers: list, values: list[torch.Tensor], drift: DriftBound) ->
     """A θ_g re-sync of `values` among `peers` (weight 1 each), every member holding `drift`;
     (their reports, their results). Stops the peers."""
     numel = values[0].numel()
-    plan = _plan([replace(p.member, weight=1.0) for p in peers], numel)
+    plan = _plan([replace(p.member, weight=1.0) for p in peers], numel, clip_lengths=False)  # as group_reduce's
     outs = [torch.empty(numel) for _ in peers]
     try:
         reports = await asyncio.gather(
@@ -287,5 +287,64 @@ def test_a_member_of_a_group_of_one_theta_moves_the_others_by_its_share_of_the_b
         reports, outs = await _resync(peers, values, shared)
         for report, out in zip(reports[1:], outs[1:]):
             assert report.failed_parts and float((out - theta).norm()) <= 2 * shared.theta
+
+    asyncio.run(main())
+
+
+def test_the_plain_mean_holds_each_contribution_to_twice_the_lower_median_length_in_any_order():
+    """Issue 56: the plain mean was bounded only by each node on its own, after the mean, by its
+    own factor: one member's 1000x Δ set the direction of every mean, and the honest θ_g split. Each
+    contribution to a chunk is now held to CLIP_REACH x the lower median of the chunk's lengths."""
+    honest = torch.randn(3, 4096)
+    rows = torch.cat([honest, -1000 * honest[:1]])
+    lengths = [float(row.norm()) for row in rows]
+    clipped = rows.clone()
+    assert clip_to_median(clipped) == 1
+    assert torch.equal(clipped[:3], honest)  # honest rows of similar length: untouched
+    assert float(clipped[3].norm()) == pytest.approx(CLIP_REACH * lower_median(lengths), rel=1e-5)
+    order = [2, 3, 0, 1]  # the rows' order decides nothing
+    permuted = rows[order].clone()
+    clip_to_median(permuted)
+    assert torch.equal(permuted, clipped[order])
+    # a pair: the shorter bounds the longer, both ways
+    pair = torch.stack([honest[0], 1000 * honest[1]])
+    clip_to_median(pair)
+    assert float(pair[1].norm()) == pytest.approx(CLIP_REACH * float(honest[0].norm()), rel=1e-5)
+    # a peer that trained nothing neither counts nor is scaled
+    with_zero = torch.cat([honest[:2], torch.zeros(1, 4096)])
+    assert clip_to_median(with_zero) == 0 and torch.equal(with_zero[:2], honest[:2])
+
+
+@pytest.mark.parametrize("codec", [INT8, FP32])
+def test_one_member_s_outsized_delta_moves_every_member_s_mean_alike_and_within_the_bound(codec):
+    """Issue 56: in the plain mean, a member sending a 1000x Δ made the group's mean its own, and
+    each honest node then scaled that mean by its own factor, splitting their θ_g. Every reducer
+    now clips the outsized contribution: all honest members receive one result (bit for bit), no
+    farther from the honest mean than the attacker's clipped share, real gRPC on loopback."""
+
+    async def main():
+        peers = await start_peers(4)
+        numel = 16384
+        common = torch.randn(numel)
+        values = [common + 0.3 * torch.randn(numel) for _ in peers]
+        values[0] = -1000 * values[0]
+        plan = make_plan("test-run", 0, 0, [replace(p.member, weight=100.0) for p in peers], numel, 64, 4096, codec)
+        outs = [torch.empty(numel) for _ in peers]
+        try:
+            reports = await asyncio.gather(
+                *(
+                    butterfly_allreduce(plan, p.member.peer_id, v, 100.0, o, p.registry, p.channels, timeout=5.0)
+                    for p, v, o in zip(peers, values, outs)
+                )
+            )
+        finally:
+            await stop_peers(peers)
+        assert not any(r.failed_parts for r in reports)
+        assert torch.equal(outs[1], outs[2]) and torch.equal(outs[1], outs[3])
+        honest_mean = exact_mean(values[1:], [1.0] * 3)
+        typical = float(values[1].norm())
+        # the attacker counts a quarter, at most CLIP_REACH x an honest length (x a little, for the
+        # chunk medians and int8); before, the result was 250x an honest Δ away
+        assert float((outs[1] - honest_mean).norm()) <= 1.1 * (CLIP_REACH + 1) * typical / 4
 
     asyncio.run(main())

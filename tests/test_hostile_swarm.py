@@ -85,17 +85,33 @@ def _averaged_together(honest: list[NodeProcess]) -> None:
 @pytest.mark.long_swarms
 @pytest.mark.parametrize(
     "attack",
-    ["hostile-leader", "hostile-shadow", "hostile-pair", "hostile-zero-weight"],
+    ["hostile-leader", "hostile-shadow", "hostile-pair", "hostile-zero-weight", "hostile-delta"],
 )
 def test_one_hostile_peer_neither_stalls_the_honest_swarm_nor_steers_its_theta(tmp_path, attack, cleanup):
     """Findings 1, 2, 4 and 5: a leader that never closes its groups (it held them forever), an
     outsider's plain values over the swarm's keys (everyone read nobody), a pair partner
     re-syncing θ_g to -2.5 θ (it was within 4‖θ‖), a zero weight with a 1e12 claim (every cap
-    was off). The honest nodes finish their rounds together, within the bound."""
+    was off), a member sending Δ x1000 in the plain mean (each node scaled the mean by its own
+    factor, the honest θ_g split and the held-out loss grew 10x). The honest nodes finish their
+    rounds together, within the bound."""
     honest, extra = _swarm(tmp_path, {"DTNODE_TEST_FAILPOINT": f"{attack}@1"})
     _finish(honest, extra)
     _averaged_together(honest)
     _bounded(honest)
+    if attack == "hostile-delta":
+        _one_theta_and_learning(honest)
+
+
+def _one_theta_and_learning(honest: list[NodeProcess]) -> None:
+    """The plain mean under a member's Δ x1000: every reducer clips it alike, so the honest nodes
+    end every round with one θ_g, and their held-out loss falls (before the clip, each node scaled
+    the attacker-made mean by its own factor: their θ_g split and the loss rose from round 2)."""
+    for r in range(ROUNDS):
+        hashes = {rec["params_sha256"] for node in honest if (rec := node.round(r)) is not None}
+        assert len(hashes) <= 1, (r, hashes)
+    for node in honest:
+        losses = [rec["eval_loss"] for rec in node.rounds if rec["eval_loss"] is not None]
+        assert losses[-1] < losses[0], (node.name, losses)
 
 
 @pytest.mark.long_swarms

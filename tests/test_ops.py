@@ -9,7 +9,6 @@ from dtnode.ops.quantization import (
     NonFiniteError,
     QuantizedBlocks,
     dequantize,
-    dequantize_accumulate,
     quantize,
     quantize_with_feedback,
     relative_l2_error,
@@ -60,14 +59,6 @@ def test_codes_are_symmetric_and_scales_absmax():
     q = quantize(x, 256)
     assert int(q.codes.min()) >= -127 and int(q.codes.max()) <= 127
     assert torch.allclose(q.scales, x.view(-1, 256).abs().amax(1) / 127)
-
-
-def test_dequantize_accumulate_matches_weighted_sum():
-    x = torch.randn(1000)
-    q = quantize(x, 64)
-    acc = torch.ones(1000)
-    dequantize_accumulate(q, acc, weight=2.5)
-    assert torch.allclose(acc, 1 + 2.5 * dequantize(q), atol=1e-6)
 
 
 def test_quantize_into_preallocated_buffers():
