@@ -166,15 +166,21 @@ class SwarmProgress:
     own_rate: float = 0.0
     round_rate: float = 0.0
 
-    def own_share_seconds_left(self) -> float:
-        """Seconds until this peer has trained its share of the target at its published rate:
-        the part that rate is of the summed published rates of the peers the target counts
-        (inf while a rate is unknown). Every peer divides by the same published rates, so the
-        shares add up to the target, and each takes the same time, target / summed rate; see
-        SwarmPacer._share for why a share."""
+    @property
+    def share(self) -> float:
+        """This peer's share of the target, in tokens: the part its published rate is of the
+        summed published rates of the peers the target counts (inf while a rate is unknown).
+        Every peer divides by the same published rates, so the shares add up to the target, and
+        each takes the same time, target / summed rate; see daemon/rounds/pacer.py for why a share."""
         if self.own_rate <= 0 or self.round_rate <= 0:
             return math.inf
-        share = self.target * min(self.own_rate / self.round_rate, 1.0)
+        return self.target * min(self.own_rate / self.round_rate, 1.0)
+
+    def own_share_seconds_left(self) -> float:
+        """Seconds until this peer has trained its `share` at its published rate (inf while a
+        rate is unknown)."""
+        if math.isinf(share := self.share):
+            return math.inf
         return max(share - self.own_tokens, 0.0) / self.own_rate
 
     def end_in(self) -> float:

@@ -133,9 +133,8 @@ class SwarmPacer:
 
     @staticmethod
     def _share(progress: SwarmProgress | None, below_s: float) -> float:
-        """This peer's share of the round's target, in tokens: the part its published rate is
-        of the summed published rates of the peers the target counts (inf while a rate is
-        unknown).
+        """This peer's share of the round's target, in tokens (`SwarmProgress.share`), in a
+        round shorter than `below_s`; inf in longer ones, and while a rate is unknown.
 
         The others' counts reach this peer a heartbeat apart; in a round shorter than that it
         sees them only as they were at the round's start, extrapolated one step at most (see
@@ -149,11 +148,11 @@ class SwarmPacer:
         stops at its share): measured at 0.85-0.89 of the tokens asked. In tokens, the share
         is a ceiling (x SHARE_SLACK), for a peer that speeds up once the others stop on a
         shared host."""
-        if progress is None or progress.own_rate <= 0 or progress.round_rate <= 0:
+        if progress is None or math.isinf(share := progress.share):
             return math.inf
         if progress.target / progress.round_rate >= below_s:  # the counts are fresh enough: the swarm's count decides
             return math.inf
-        return progress.target * min(progress.own_rate / progress.round_rate, 1.0)
+        return share
 
     async def update(self, round_no: int) -> None:
         """Read the swarm's progress once and move the expected end."""
