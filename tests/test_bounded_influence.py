@@ -10,7 +10,7 @@ from dataclasses import replace
 import grpc
 import pytest
 import torch
-from allreduce_harness import start_peers, stop_peers
+from allreduce_harness import allreduce, start_peers, stop_peers
 
 from dtnode.ops.robust import CLIP_REACH, clip_to_median, lower_median, trim_count, trimmed_mean
 from dtnode.peers.butterfly import butterfly_allreduce
@@ -328,15 +328,9 @@ def test_one_member_s_outsized_delta_moves_every_member_s_mean_alike_and_within_
         common = torch.randn(numel)
         values = [common + 0.3 * torch.randn(numel) for _ in peers]
         values[0] = -1000 * values[0]
-        plan = make_plan("test-run", 0, 0, [replace(p.member, weight=100.0) for p in peers], numel, 64, 4096, codec)
-        outs = [torch.empty(numel) for _ in peers]
+        members = [replace(p.member, weight=100.0) for p in peers]
         try:
-            reports = await asyncio.gather(
-                *(
-                    butterfly_allreduce(plan, p.member.peer_id, v, 100.0, o, p.registry, p.channels, timeout=5.0)
-                    for p, v, o in zip(peers, values, outs)
-                )
-            )
+            outs, reports = await allreduce(peers, values, [100.0] * 4, codec=codec, members=members, timeout=5.0)
         finally:
             await stop_peers(peers)
         assert not any(r.failed_parts for r in reports)
