@@ -13,7 +13,11 @@ class PartOutcome:
     included: list[str] = field(default_factory=list)
     total_weight: float = 0.0
     length: int = 0
-    error: str = ""
+    error: str = ""  # "code: detail" (part_stream.error_code)
+
+    @property
+    def error_code(self) -> str:
+        return self.error.split(":", 1)[0].strip()
 
 
 @dataclass

@@ -38,6 +38,7 @@ class HopReport:
     extra_groups: int = 0
     theta_resync_s: float | None = None
     unasked_resync: bool = False  # θ_g re-synced because members' hashes differed, not on request
+    benched: list[str] = field(default_factory=list)  # registrants this node left out: they let its groups down
 
     @property
     def dropped_senders(self) -> int:

@@ -28,6 +28,7 @@ class FormedGroup:
     # the other members whose announced θ_g hash is not this node's (or is unknown): the ones a
     # re-sync could legitimately move this node's θ_g toward (`DriftBound.shared`)
     theta_apart: int = 0
+    benched: tuple[str, ...] = ()  # registrants left out for letting this node's groups down (absentees.py)
 
 
 def needs_resync(registrations: list[Registration]) -> bool:
@@ -74,6 +75,11 @@ class Forming:
     refused: set[str] = field(default_factory=set)
     held_since: dict[str, float] = field(default_factory=dict)  # list on hold -> when first seen so
     gave_up: bool = False
+    # members this node benched (absentees.py): passed over from the start, and not missed
+    benched: frozenset[str] = frozenset()
+
+    def __post_init__(self) -> None:
+        self.passed_over |= self.benched - {self.me}
 
     def valid(self) -> dict[str, ReadList]:
         return valid_lists(self.key, self.lists, self.registrants)

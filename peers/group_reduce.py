@@ -144,8 +144,12 @@ class GroupReducer:
         report.allreduce_s = round(max(report.allreduce_s, result.seconds), 4)
         report.timeout_s = round(timeout, 3)
         _count_into(report, result)
+        members = [m.peer_id for m in group.members]
+        self.matchmaker.absentees.observe(work.round_no, members, self.peer_id, result)
         if work.theta is not None and work.theta_out is not None:
-            await self._resync(work, work.theta, work.theta_out, presence, report)
+            sync = await self._resync(work, work.theta, work.theta_out, presence, report)
+            # a part refused for moving θ_g too far: in a pair, its reducer pulled (peers/absentees.py)
+            self.matchmaker.absentees.observe(work.round_no, members, self.peer_id, sync)
         return result
 
     async def _resync(
@@ -155,7 +159,7 @@ class GroupReducer:
         theta_out: torch.Tensor,
         presence: GroupPresence,
         report: HopReport,
-    ) -> None:
+    ) -> AllReduceReport:
         """θ_g re-sync: every previous group counts the same (each member by the share of its
         group's mean it brings, at most 1: nobody's own word on tokens; two groups of a later
         hop that hold one θ_g from two members at ½ and from one at 1 then weigh it alike,
@@ -197,6 +201,7 @@ class GroupReducer:
         )
         report.theta_resync_s = round(sync.seconds, 4)
         _count_into(report, sync)
+        return sync
 
 
 def _hostile_theta(attack: str | None, theta: torch.Tensor) -> torch.Tensor:

@@ -29,6 +29,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import replace
 
 from . import failpoints
+from .absentees import Absentees
 from .auth import SwarmAuth
 from .forming import FormedGroup, Forming, needs_resync
 from .grid import split_groups
@@ -77,6 +78,7 @@ class Matchmaker:
         self.settle_s = settle_s  # how long a closed list waits for lists closed at the same time
         self._poll_seconds: deque[float] = deque(maxlen=POLL_HISTORY)  # recent polls of a group's key
         self.board = GroupBoard(dht, own.peer_id, auth, owner)
+        self.absentees = Absentees()  # members benched for letting this node's groups down
 
     def group_key(self, round: int, hop: int, cell: str = "all") -> str:
         return f"{self.run_id}.group.{round}.{hop}.{cell}"
@@ -155,13 +157,13 @@ class Matchmaker:
         key = self.group_key(round, hop, cell)
         attack = failpoints.hostile(round)
         own, reg = await self._register(key, attack, window, resync, weight, theta, share)
-        forming = Forming(key, own.peer_id, {own.peer_id: (own, reg)})
+        forming = Forming(key, own.peer_id, {own.peer_id: (own, reg)}, benched=self.absentees.benched(round))
         if attack in ("hostile-leader", "hostile-pair") and (
             lone := await self._attack(attack, forming, admitted, window, started)
         ):
             return lone
         group, decided, wanted, last_arrival = await self._until_grouped(
-            forming, expected, admitted, started, window, target_size
+            forming, expected, admitted, started, window, target_size, round
         )
         if len(group) > 1:
             group, decided = await self._settle(forming, group, decided, admitted)
@@ -225,6 +227,7 @@ class Matchmaker:
                 for m in members
                 if m.peer_id != me and (not theta or forming.registrants[m.peer_id][1].theta != theta)
             ),
+            tuple(sorted(forming.benched & set(forming.registrants))),
         )
 
     async def _until_grouped(
@@ -235,6 +238,7 @@ class Matchmaker:
         started: float,
         window: float,
         target_size: int,
+        round_no: int,
     ) -> tuple[tuple[str, ...], ClosedList, set[str], float]:
         """Poll until a list in force names this peer, or it leads and closes one: (the group,
         its list, whom this peer expected, seconds to the last registrant's arrival)."""
@@ -292,8 +296,11 @@ class Matchmaker:
                     return group, decided, wanted, last_arrival
             elif now >= give_up_at:
                 passes += 1
-                gone = forming.pass_over(view, everyone=passes > MAX_PASSES)
+                everyone = passes > MAX_PASSES
+                gone = forming.pass_over(view, everyone=everyone)
                 log.info("%s: no list from %s by this peer's own deadline; passing over", key, _short(sorted(gone)))
+                if not everyone:  # a leader that closed nothing in time let its group down (the others
+                    self.absentees.strike(round_no, gone)  # passed over at once are its followers)
                 give_up_at = now + LEADER_GRACE_S  # the next leader's grace: it may be taking over now
                 view = forming.standing()
                 continue
@@ -308,7 +315,9 @@ class Matchmaker:
         decided = ClosedList(
             group,
             # a refused registrant is not missed: it came, and no group of honest peers takes it
-            complete=UNKNOWN not in wanted and wanted - set(view.taken) - forming.refused <= set(candidates),
+            # nor is a benched one (absentees.py): it let this peer's groups down
+            complete=UNKNOWN not in wanted
+            and wanted - set(view.taken) - forming.refused - forming.benched <= set(candidates),
             resync=needs_resync([forming.registrants[p][1] for p in group]),
         )
         await self.board.publish(forming.key, "closed", group, decided.complete, decided.resync)

@@ -182,6 +182,10 @@ class AveragingService(pb_grpc.AveragingServicer):
         self, requests: AsyncIterator[pb.PartChunk], context: grpc.aio.ServicerContext, evicted: asyncio.Event
     ) -> pb.PartChunk:
         reading = asyncio.ensure_future(anext(requests))
+        # a read given up on (evicted, timed out) is cancelled, but grpc's read under it may still
+        # end with an error of its own once the server stops ("Server already stopped"): taken
+        # here, or asyncio logs it as a traceback at shutdown
+        reading.add_done_callback(_swallow_result)
         evicting = asyncio.ensure_future(evicted.wait())
         try:
             await asyncio.wait(
@@ -330,3 +334,9 @@ class AveragingService(pb_grpc.AveragingServicer):
         except BaseException:
             await reduction.fail(sender)
             raise
+
+
+def _swallow_result(task: asyncio.Future) -> None:
+    """Marks a read's error as retrieved: whoever still waited for it read it first."""
+    if not task.cancelled():
+        task.exception()

@@ -93,13 +93,27 @@ def test_one_hostile_peer_neither_stalls_the_honest_swarm_nor_steers_its_theta(t
     re-syncing θ_g to -2.5 θ (it was within 4‖θ‖), a zero weight with a 1e12 claim (every cap
     was off), a member sending Δ x1000 in the plain mean (each node scaled the mean by its own
     factor, the honest θ_g split and the held-out loss grew 10x). The honest nodes finish their
-    rounds together, within the bound."""
+    rounds together, within the bound; the silent leader is benched after its first round."""
     honest, extra = _swarm(tmp_path, {"DTNODE_TEST_FAILPOINT": f"{attack}@1"})
     _finish(honest, extra)
     _averaged_together(honest)
     _bounded(honest)
     if attack == "hostile-delta":
         _one_theta_and_learning(honest)
+    if attack == "hostile-leader":
+        _benched_after_its_first_round(honest)
+
+
+def _benched_after_its_first_round(honest: list[NodeProcess]) -> None:
+    """The silent member (it registers, then neither closes, reduces nor sends) let round 1's
+    group down, so every honest node benched it (peers/absentees.py): rounds 2 and 3 are whole
+    groups of the honest nodes alone, and end with one θ_g. Before the bench it sat in every
+    group, failed its part of every all-reduce, and the honest θ_g parted every round."""
+    for r in (2, 3):
+        records = [node.round(r) for node in honest]
+        assert all(rec is not None and rec["outcome"] == "full" for rec in records), (r, records)
+        assert all(rec["groups"] == [[HONEST, HONEST]] for rec in records), (r, records)
+        assert len({rec["params_sha256"] for rec in records}) == 1, (r, records)
 
 
 def _one_theta_and_learning(honest: list[NodeProcess]) -> None:

@@ -13,6 +13,7 @@ from hivemind.utils import get_dht_time
 
 from dtnode.ops.ordered_mean import ordered_weighted_mean, sum_weights
 from dtnode.ops.quantization import dequantize, quantize
+from dtnode.peers.absentees import BENCH_ROUNDS
 from dtnode.peers.averager import AveragingConfig, MoshpitAverager
 from dtnode.peers.deadlines import AdaptiveDeadlines, expected_payload_bytes
 from dtnode.peers.expectations import GroupExpectations
@@ -385,6 +386,42 @@ def test_a_leader_that_never_closes_holds_its_followers_only_until_their_own_dea
             assert all([m.peer_id for m in g.members] == sorted(followers) and not g.complete for g in groups)
             # its window (or less: everyone expected registered at once), settle, grace, and polls of slack
             assert took < min(window, 0.5) + 0.3 + 2.0 + 3.0, (window, took)
+
+    asyncio.run(main())
+
+
+def test_a_leader_passed_over_once_is_benched_and_not_waited_for_in_the_next_rounds(dht):
+    """Issue 56 (the silent leader's cost): a registrant that leads and never closes cost its
+    followers a settle time and a grace in every round it ranked first. Passed over once, it is
+    benched (peers/absentees.py): the next round its followers neither wait for it nor name it,
+    close at once and count their group whole; past the bench, it is waited for again."""
+
+    async def main():
+        async def want():
+            return {"a", "b", "c"}
+
+        # a run whose silent registrant ranks first in rounds 0 and 1 (rank changes with the key)
+        run_id = next(
+            f"mm-benched-{i}"
+            for i in range(1000)
+            if all(by_rank(f"mm-benched-{i}.group.{r}.0.all", "abc")[0] == "a" for r in (0, 1))
+        )
+        makers = {p: Matchmaker(dht, run_id, _member(p), poll_interval=0.05, settle_s=0.3) for p in "abc"}
+        for round_no in (0, 1):
+            await _register(makers["a"], makers["a"].group_key(round_no, 0))  # and never closes
+            started = time.monotonic()
+            groups = await asyncio.gather(
+                *(makers[p].form_group(round_no, 0, want, window=30.0, target_size=3) for p in "bc")
+            )
+            took = time.monotonic() - started
+            assert all([m.peer_id for m in g.members] == ["b", "c"] for g in groups), round_no
+            if round_no == 0:  # waited for it: settle and a grace, and the group is not whole
+                assert not any(g.complete for g in groups) and took > 0.3 + 0.5, took
+            else:  # benched: not waited for, not missed, and said so (`/status` hops' `benched`)
+                assert all(g.complete and g.benched == ("a",) for g in groups)
+                assert took < 0.3 + 0.5, took
+        assert all(makers[p].absentees.strikes("a") == 1 for p in "bc")
+        assert not any("a" in makers[p].absentees.benched(1 + BENCH_ROUNDS + 1) for p in "bc")
 
     asyncio.run(main())
 

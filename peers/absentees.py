@@ -1,0 +1,103 @@
+"""Members that let this node's group down, benched for a few rounds: not waited for as a
+leader, not named in a group, not counted missing.
+
+A member can register for every group and then take no part: it sends no chunk, reduces no
+part, or (as the lowest-ranked registrant) closes no list. Each such round cost its group a
+deadline, left the part it owned to each member's own values (the honest θ_g parted and had to
+be re-synced) and, where it led, a grace. Registering is free, and nothing in a registration
+says who will show up; what a node can check is what happened in its own groups. So a leader
+passed over, a member whose part failed for want of it (it formed no group with this member,
+refused the connection or never answered), or whose contribution is missing from a part that
+succeeded, and in a pair a member whose part this node refused (a re-sync that moved θ_g
+farther than the swarm's recent outer steps, say: in a pair only the other member can cause it), is struck out by each member that
+saw it (every honest member of that group did), and benched:
+
+- from the strike on, for BENCH_ROUNDS rounds after the one it let down, doubled at each
+  further strike (up to MAX_BENCH_ROUNDS): a member that fails every time it is let back in
+  costs its group one round in 2, 4, 8, 16, ... rather than every round;
+- a bench ends on its own clock; a member that then takes part cleanly is forgiven its strikes.
+
+An honest member that crashed, stalled or restarted is benched too, for BENCH_ROUNDS rounds:
+it averages alone meanwhile (as it would have, being away), and is back in the round after.
+A bench is this node's own view; a list in force that names a benched member still stands (a
+leader that does not bench it named it), so two views of a bench cost at most one settle.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from .allreduce_report import AllReduceReport
+
+log = logging.getLogger(__name__)
+
+BENCH_ROUNDS = 2  # rounds after the one it let down that a first-time absentee sits out
+MAX_BENCH_ROUNDS = 16
+# failures of a part that say its reducer was not there: it formed no group with this member
+# (failure_detector.py), refused the connection, or never answered in time
+ABSENCE_CODES = frozenset({"ReducerAbsent", "UNAVAILABLE", "DEADLINE_EXCEEDED", "TimeoutError"})
+FORGET_AFTER_ROUNDS = 64  # a bench this long over is forgotten, strikes and all (ids are free: bounded)
+
+
+@dataclass
+class _Strikes:
+    count: int
+    until_round: int  # benched in every round up to this one (inclusive)
+
+
+class Absentees:
+    """The members this node benches, by round (see the module)."""
+
+    def __init__(self) -> None:
+        self._strikes: dict[str, _Strikes] = {}
+
+    def strike(self, round_no: int, peers: Iterable[str]) -> list[str]:
+        """Bench these members from `round_no` on; returns the ones newly benched."""
+        newly = []
+        for gone in [p for p, s in self._strikes.items() if s.until_round < round_no - FORGET_AFTER_ROUNDS]:
+            del self._strikes[gone]
+        for peer in peers:
+            old = self._strikes.get(peer)
+            if old is not None and old.until_round >= round_no:
+                continue  # one strike per bench: a round's several parts and hops count once
+            count = 1 if old is None else old.count + 1
+            rounds = min(BENCH_ROUNDS << (count - 1), MAX_BENCH_ROUNDS)
+            self._strikes[peer] = _Strikes(count, round_no + rounds)
+            newly.append(peer)
+        if newly:
+            log.info(
+                "round %d: benched %s (it let this node's group down: no list, no part or no contribution)",
+                round_no,
+                ", ".join(f"{p[-6:]} to round {self._strikes[p].until_round}" for p in newly),
+            )
+        return newly
+
+    def observe(self, round_no: int, members: Iterable[str], me: str, report: AllReduceReport) -> None:
+        """What one group's all-reduce showed of its members, as this member saw it: the
+        reducers of parts that failed, and the members missing from a part that succeeded, are
+        struck; the others took part."""
+        others = set(members) - {me}
+        # a part that failed for want of its reducer is its reducer's doing; one whose result
+        # this member refused (a bad weight, a result too long, a re-sync that drifted) may be
+        # any contributor's, so it counts only in a pair, where the only other member is both
+        missing = {p.reducer for p in report.failed_parts if len(others) == 1 or p.error_code in ABSENCE_CODES}
+        if any(p.ok for p in report.parts):
+            missing |= others - set(report.included_peers)
+        self.strike(round_no, sorted(missing & others))
+        self.took_part(round_no, others - missing)
+
+    def took_part(self, round_no: int, peers: Iterable[str]) -> None:
+        """These members took part cleanly: past their bench, their strikes are forgiven."""
+        for peer in peers:
+            old = self._strikes.get(peer)
+            if old is not None and old.until_round < round_no:
+                del self._strikes[peer]
+
+    def benched(self, round_no: int) -> frozenset[str]:
+        return frozenset(p for p, s in self._strikes.items() if s.until_round >= round_no)
+
+    def strikes(self, peer: str) -> int:
+        s = self._strikes.get(peer)
+        return s.count if s is not None else 0

@@ -1,0 +1,66 @@
+"""Benching members that let this node's groups down (peers/absentees.py): pure bookkeeping,
+fed the typed report of a group's all-reduce."""
+
+from __future__ import annotations
+
+from dtnode.peers.absentees import BENCH_ROUNDS, FORGET_AFTER_ROUNDS, MAX_BENCH_ROUNDS, Absentees
+from dtnode.peers.allreduce_report import AllReduceReport, PartOutcome
+
+
+def _report(parts: list[tuple[str, bool, list[str]]], error: str = "ReducerAbsent: formed no group") -> AllReduceReport:
+    return AllReduceReport(
+        [
+            PartOutcome(i, reducer, ok, included, error="" if ok else error)
+            for i, (reducer, ok, included) in enumerate(parts)
+        ]
+    )
+
+
+def test_a_silent_member_is_benched_for_doubling_rounds_and_only_once_per_bench():
+    bench = Absentees()
+    assert bench.strike(3, ["x"]) == ["x"]
+    assert bench.strike(3, ["x"]) == []  # a round's several parts count once
+    assert "x" in bench.benched(3) and "x" in bench.benched(3 + BENCH_ROUNDS)
+    assert "x" not in bench.benched(4 + BENCH_ROUNDS)
+    bench.strike(10, ["x"])
+    assert "x" in bench.benched(10 + 2 * BENCH_ROUNDS) and "x" not in bench.benched(11 + 2 * BENCH_ROUNDS)
+    for r in range(20, 200, 40):  # it fails every time it is let back in
+        bench.strike(r, ["x"])
+    assert bench.benched(180 + MAX_BENCH_ROUNDS) == {"x"} and not bench.benched(181 + MAX_BENCH_ROUNDS)
+
+
+def test_a_member_that_takes_part_past_its_bench_is_forgiven_and_a_stale_one_forgotten():
+    bench = Absentees()
+    bench.strike(1, ["x", "y"])
+    bench.took_part(2, ["x"])  # within its bench: nothing changes
+    assert bench.strikes("x") == 1
+    bench.took_part(1 + BENCH_ROUNDS + 1, ["x"])
+    assert bench.strikes("x") == 0 and bench.strikes("y") == 1
+    bench.strike(1 + BENCH_ROUNDS + FORGET_AFTER_ROUNDS + 1, ["z"])  # y's bench is long over
+    assert bench.strikes("y") == 0 and bench.strikes("z") == 1
+
+
+def test_the_reducer_of_a_failed_part_and_a_sender_missing_from_a_good_part_are_struck_never_oneself():
+    bench = Absentees()
+    members = ["me", "a", "b", "c"]
+    report = _report([("me", True, ["me", "a", "b"]), ("a", True, ["me", "a", "b"]), ("c", False, [])])
+    bench.observe(5, members, "me", report)
+    assert bench.benched(5) == {"c"}  # c reduced nothing and sent nothing; a and b took part
+    bench.observe(6, members, "me", _report([("a", False, []), ("b", False, [])], "UNAVAILABLE: refused"))
+    assert bench.benched(6) == {"a", "b", "c"}  # a missing sender is only known from a good part
+    bench = Absentees()
+    bench.observe(5, members, "me", _report([("me", False, []), ("a", True, ["a", "b", "c"])]))
+    assert "me" not in bench.benched(5) and bench.benched(5) == frozenset()
+
+
+def test_a_refused_result_is_struck_in_a_pair_only():
+    """A result this member refused (a re-sync that drifted, a bad weight) may be any
+    contributor's doing in a group of 3 or more: its honest reducer is not benched for it."""
+    bench = Absentees()
+    refused = "ChunkError: the re-sync would move our values farther than this node's bound of it"
+    everyone = ["me", "a", "b", "c"]
+    took = ["me", "a", "b"]
+    bench.observe(5, everyone, "me", _report([("me", True, took), ("a", False, []), ("b", True, took)], refused))
+    assert bench.benched(5) == {"c"}  # missing from the good parts; a's refused part is not a's doing alone
+    bench.observe(5, ["me", "a"], "me", _report([("me", True, ["me", "a"]), ("a", False, [])], refused))
+    assert bench.benched(5) == {"a", "c"}
