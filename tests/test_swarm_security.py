@@ -291,15 +291,16 @@ def test_a_member_forcing_a_1e12_weight_resync_cannot_replace_theta(tmp_path, cl
     # its own θ_g makes its loss or Δ non-finite: a known cause, logged as one line without a traceback
     attacker.wait(30)
     assert "Traceback" not in attacker.output, attacker.output
-    # the attacker was in the groups of rounds 1 and 2, and each honest node refused its 1e12 θ_g
-    # streams there. Round 3 it may sit out: the outer step of round 2 leaves its own θ_g (x1000 where
-    # the re-sync refused it) so large that its first inner step of round 3 gives a NaN loss, and
-    # whether its retry of the round gets back into the group with 0 steps or fails again on a
-    # non-finite Δ is a race of its own
-    attacked = [r for r in a.rounds if r["round"] in (1, 2)]
-    assert len(attacked) == 2 and all(r["groups"][0][0] == 3 for r in attacked), attacked
+    # Round 1: the attacker was in the group, and each honest node refused its 1e12 θ_g stream to
+    # the part it reduced. A sender whose contribution was refused let the group down, so each
+    # benched it (peers/absentees.py): in round 2 neither waits for it nor counts it missing. (It may
+    # still be in a round-2 group: a closed list it wrote first and that names them stands.)
+    attacked = a.round(1)
+    assert attacked is not None and attacked["groups"][0][0] == 3, a.rounds
     for node in (a, b):
-        assert node.output.count("is above the 1 its registration announced") >= 2, node.output
+        assert node.output.count("is above the 1 its registration announced") >= 1, node.output
+        after = node.round(2)
+        assert after is not None and len(after["benched"]) == 1, node.rounds
     last = max(r["step"] for r in a.rounds)
     first, final = theta(a.state_dir, 1), theta(a.state_dir, last)
     assert float(final.norm()) < 2 * float(first.norm()), (float(first.norm()), float(final.norm()))

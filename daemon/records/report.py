@@ -219,6 +219,7 @@ class RoundSummary:
             "inner_steps": self.inner.steps,
             "lr": self.inner_lr,
             "groups": [[h.group_size, h.expected] for h in self.hops],
+            "benched": sorted({p for h in self.hops for p in h.benched}),
             "bytes_sent": self.bytes_sent,
             "bytes_received": self.bytes_received,
             "phases_s": {k: round(v, 3) for k, v in self.phases.items()},
