@@ -11,6 +11,23 @@ from __future__ import annotations
 from collections import Counter
 from enum import StrEnum
 
+# A write goes to the REPLICAS nodes nearest its key (hivemind's default, set explicitly). A read
+# of the latest value (every dictionary we read: membership, registrations, lists) asks the
+# READ_BEAM nearest: hivemind's own default asks its whole bucket, 20 nodes, so that below 21
+# peers every read asked every peer and each answered with every entry, n² record checks per
+# read (issue 60). A few past REPLICAS cover routing tables that disagree for a moment.
+REPLICAS = 5
+READ_BEAM = REPLICAS + 3
+# Every read of the membership key brings back all n records. Polls of it (the pacer's, the
+# wait for --min-peers) run at their own rate up to this many peers, and proportionally less
+# often above, so that what a node reads per second stays flat as the swarm grows
+FULL_RATE_PEERS = 8
+
+
+def poll_stretch(peers: int) -> float:
+    """The factor a membership poll's interval is stretched by in a swarm of `peers` (see above)."""
+    return max(1.0, peers / FULL_RATE_PEERS)
+
 
 class DhtOp(StrEnum):
     GET = "get"

@@ -19,7 +19,8 @@ import time
 import psutil
 
 from . import failpoints
-from .dht_records import SwarmRecords
+from .dht_records import SwarmValidator
+from .dht_requests import REPLICAS
 from .forks import FORK_LOCK
 from .hivemind_adapter import DHT, RSASignatureValidator
 from .membership import JoinError
@@ -97,6 +98,7 @@ async def start_dht(
         if not addr.startswith("/") or "/p2p/" not in addr:
             raise JoinError(f"--peer {addr!r} is not a multiaddr like /ip4/1.2.3.4/tcp/7700/p2p/Qm...")
     kwargs: dict = {
+        "num_replicas": REPLICAS,
         "initial_peers": initial_peers,
         "host_maddrs": [_maddr(host, port)],
     }
@@ -113,7 +115,7 @@ async def start_dht(
     if validator is not None:
         # the swarm's shapes, checked on store and on read; a test's outsider runs a plain DHT
         outsider = failpoints.armed() == "hostile-shadow"
-        kwargs["record_validators"] = [validator] if outsider else [validator, SwarmRecords()]
+        kwargs["record_validators"] = [validator] if outsider else [SwarmValidator(validator)]
     if client_mode:
         kwargs["client_mode"] = True
     if announce_host:

@@ -96,7 +96,7 @@ class GroupBoard:
         most MAX_REGISTRANTS of them: the writer is checked before anything else is parsed, and
         the cap counts only entries that pass it."""
         dht_requests.count(DhtOp.GET)
-        found = await self.dht.get(key, latest=True, return_future=True)
+        found = await self.dht.get(key, latest=True, beam_size=dht_requests.READ_BEAM, return_future=True)
         entries = found.value if found is not None and isinstance(found.value, dict) else {}
         out = []
         for subkey, item in entries.items():

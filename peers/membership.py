@@ -241,7 +241,7 @@ class Membership:
         self._read_at = time.monotonic()
         try:
             dht_requests.count(DhtOp.GET)
-            found = await self.dht.get(self.key, latest=True, return_future=True)
+            found = await self.dht.get(self.key, latest=True, beam_size=dht_requests.READ_BEAM, return_future=True)
         except Exception as e:  # noqa: BLE001  (hivemind's DHT reads fail with many types)
             log.warning("membership lookup failed: %s; using the records read before", e)
             found = None
@@ -280,11 +280,13 @@ class Membership:
 
     async def wait_for(self, count: int, timeout: float, poll: float = 0.5) -> dict[str, PeerRecord]:
         """Until `count` peers are ready to train (not still starting or syncing), or `timeout`;
-        returns those ready. Counting one that is still downloading would start round 0
+        returns those ready. Polls every `poll` seconds, less often in a large swarm
+        (`dht_requests.poll_stretch`). Counting one that is still downloading would start round 0
         without it, and it would then enter the swarm a round later."""
         deadline = time.monotonic() + timeout
         while True:
-            view = {p: r for p, r in (await self.members()).items() if r.state in ("training", "averaging")}
+            everyone = await self.members()
+            view = {p: r for p, r in everyone.items() if r.state in ("training", "averaging")}
             if len(view) >= count or time.monotonic() >= deadline:
                 return view
-            await asyncio.sleep(poll)
+            await asyncio.sleep(poll * dht_requests.poll_stretch(len(everyone)))

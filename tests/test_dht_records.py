@@ -4,6 +4,7 @@ by our nodes nor read by them."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import pytest
 from dht_harness import ready_dht
@@ -15,7 +16,7 @@ from hivemind.utils import MSGPackSerializer, get_dht_time
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dtnode.peers.dht_records import MAX_EXPIRY_S, MAX_VALUE_BYTES, SwarmRecords, refusal
+from dtnode.peers.dht_records import MAX_EXPIRY_S, MAX_VALUE_BYTES, SwarmRecords, SwarmValidator, entry_digest, refusal
 from dtnode.peers.dht_start import start_dht
 from dtnode.peers.identity import identity_key, signed_subkey
 from dtnode.peers.matchmaking import Matchmaker
@@ -118,3 +119,60 @@ def test_a_plain_value_shadows_neither_membership_nor_groups(tmp_path):
                 dht.shutdown()
 
     asyncio.run(main())
+
+
+def _signed_entry(validator: RSASignatureValidator, subkey: bytes, value: object, expiration: float) -> DHTRecord:
+    record = _record(subkey, value, expiration)
+    return dataclasses.replace(record, value=validator.sign_value(record))
+
+
+def test_an_entry_found_valid_is_remembered_and_nothing_else_passes_for_it(tmp_path):
+    """Issue 60: a lookup brings back every entry from every node it asks, and the RSA check of
+    each took a third of an idle DHT process's CPU. SwarmValidator remembers entries it found
+    valid; an entry that differs in any byte, or in its expiration, is checked afresh and refused."""
+    validator, peer_id = _owner(tmp_path, "writer")
+    subkey = signed_subkey(peer_id, validator.local_public_key)
+    now = get_dht_time()
+    entry = _signed_entry(validator, subkey, {"peer_id": peer_id}, now + 60)
+    checker = SwarmValidator(validator, remembered=4)
+    assert checker.validate(entry) and checker.validate(entry)
+    assert checker.remembered_count == 1
+    tampered = dataclasses.replace(entry, value=entry.value.replace(peer_id.encode(), peer_id[::-1].encode()))
+    assert not checker.validate(tampered)
+    assert not checker.validate(dataclasses.replace(entry, expiration_time=entry.expiration_time + 1))
+    other, other_id = _owner(tmp_path, "other")
+    assert not checker.validate(
+        dataclasses.replace(entry, subkey=_record(signed_subkey(other_id, other.local_public_key), 0).subkey)
+    )
+    # a signed entry of a shape dtnode never writes is refused, and not remembered
+    too_far = _signed_entry(validator, subkey, {"a": 1}, now + MAX_EXPIRY_S + 60)
+    assert not checker.validate(too_far)
+    assert checker.remembered_count == 1
+    # the memory is bounded; an entry pushed out of it is checked again, and still passes
+    entries = [_signed_entry(validator, subkey, {"n": i}, now + 60) for i in range(6)]
+    assert all(checker.validate(e) for e in entries)
+    assert checker.remembered_count == 4
+    assert checker.validate(entry) and checker.remembered_count == 4
+
+
+@settings(max_examples=1500, deadline=None)
+@given(
+    parts=st.lists(
+        st.tuples(
+            st.binary(max_size=40),
+            st.none() | st.binary(max_size=40),
+            st.binary(max_size=40),
+            st.floats(allow_nan=True),
+        ),
+        min_size=2,
+        max_size=2,
+    )
+)
+def test_entries_that_differ_have_different_digests(parts):
+    """The memory's key: any two entries that differ in key, subkey (or its absence), value or
+    expiration get different digests (the parts are length-prefixed: no two entries make one
+    stream of bytes), and no bytes a peer sends make it raise."""
+    one, two = (DHTRecord(*p) for p in parts)
+    same = one.key == two.key and one.subkey == two.subkey and one.value == two.value
+    same = same and repr(one.expiration_time) == repr(two.expiration_time)
+    assert (entry_digest(one) == entry_digest(two)) == same

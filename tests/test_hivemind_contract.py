@@ -82,6 +82,17 @@ def test_the_dht_api_dtnode_calls_is_there():
     assert MSGPackSerializer.loads(MSGPackSerializer.dumps({"a": 1})) == {"a": 1}
 
 
+def test_reads_and_writes_take_the_beam_and_replica_counts_dtnode_sets():
+    """peers/dht_requests.py: reads of the latest value ask READ_BEAM nodes (`beam_size`, passed
+    by DHT.get to DHTNode.get_many_by_id), writes go to REPLICAS (`num_replicas` of DHTNode.create,
+    passed by DHT's keyword arguments); hivemind's default read asks its whole bucket of 20."""
+    from hivemind.dht import DHTNode
+
+    assert "beam_size" in inspect.signature(DHTNode.get_many_by_id).parameters
+    create = inspect.signature(DHTNode.create).parameters
+    assert create["num_replicas"].default == 5 and create["bucket_size"].default == 20
+
+
 @pytest.mark.parametrize("module", ["hivemind.dht", "hivemind.p2p", "hivemind.utils"])
 def test_dtnode_loads_hivemind_without_its_trainer_stack(module):
     """peers/hivemind_adapter.py registers the package without its __init__ (over a second of start-up):

@@ -210,6 +210,35 @@ def test_the_swarm_pacer_ends_the_round_when_the_swarms_tokens_reach_the_target(
     assert pacer.progress.reached and not pacer.keep_going(0.1)
 
 
+@pytest.mark.parametrize(("peers", "stretch"), [(2, 1.0), (8, 1.0), (16, 2.0), (32, 4.0)])
+def test_the_pacer_reads_a_large_swarm_proportionally_less_often(monkeypatch, peers, stretch):
+    """Issue 60: every read of the membership key brings back all n records, so a pacer that
+    read at one rate made n² record reads across the swarm. Up to FULL_RATE_PEERS peers it reads
+    every `read_s`; above, proportionally less often: what a node reads per second stays flat."""
+    import dtnode.daemon.rounds.pacer as pacer_module
+
+    clock = FakeClock()
+    records = {
+        f"p{i}": PeerRecord(peer_id=f"p{i}", outer_step=3, state="training", tokens_per_s=100.0, tokens_per_step=100)
+        for i in range(peers)
+    }
+
+    async def view() -> dict[str, PeerRecord]:
+        return records
+
+    slept: list[float] = []
+
+    async def sleep(seconds: float) -> None:
+        slept.append(seconds)
+        raise asyncio.CancelledError  # one read, then the round's inner steps end
+
+    pacer = SwarmPacer(view, lambda: records["p0"], 10, None, clock=clock, dht_time=clock, read_s=0.5)
+    monkeypatch.setattr(pacer_module.asyncio, "sleep", sleep)
+    with pytest.raises(asyncio.CancelledError):
+        asyncio.run(pacer.follow(3))
+    assert slept == [pytest.approx(0.5 * stretch)]
+
+
 def test_the_swarm_pacer_extrapolates_records_and_ends_when_another_peer_closed_the_round():
     clock = FakeClock()
     own = PeerRecord(

@@ -22,6 +22,7 @@ import random
 import time
 from collections.abc import Awaitable, Callable
 
+from dtnode.peers.dht_requests import poll_stretch
 from dtnode.peers.hivemind_adapter import get_dht_time
 from dtnode.peers.membership import PeerRecord
 from dtnode.peers.pacing import SwarmProgress, swarm_progress
@@ -98,7 +99,8 @@ class SwarmPacer:
         self.clock = clock
         self.dht_time = dht_time
         self.poll_s = poll_s
-        self.read_s = read_s  # between reads of the swarm's progress (`follow`)
+        self.read_s = read_s  # between reads of the swarm's progress (`follow`), stretched in a large swarm
+        self.peers_read = 0  # records in the last read: each read brings all of them (dht_requests.poll_stretch)
         self.max_extrapolation = max_extrapolation  # seconds (EXTRAPOLATE_HEARTBEATS heartbeats)
         self.draw = draw  # uniform in [0, 1): the straddling step's coin
         # this round's tokens so far and tokens per step, read live by the training thread
@@ -157,6 +159,7 @@ class SwarmPacer:
     async def update(self, round_no: int) -> None:
         """Read the swarm's progress once and move the expected end."""
         view = await self.view()
+        self.peers_read = len(view)
         # others' records extrapolated a heartbeat and a half at most: see peers/pacing.py
         progress = swarm_progress(
             view.values(),
@@ -206,7 +209,7 @@ class SwarmPacer:
                 await self.update(round_no)
             except Exception as e:  # noqa: BLE001  (a failed read keeps the last estimate; the next poll retries)
                 log.warning("reading the swarm's progress failed: %s", e)
-            await asyncio.sleep(self.read_s)
+            await asyncio.sleep(self.read_s * poll_stretch(self.peers_read))
 
 
 Pacer = FixedPacer | SwarmPacer
