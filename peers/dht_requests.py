@@ -13,8 +13,10 @@ from enum import StrEnum
 
 # A write goes to the REPLICAS nodes nearest its key (hivemind's default, set explicitly). A read
 # of the latest value (every dictionary we read: membership, registrations, lists) asks the
-# READ_BEAM nearest: hivemind's own default asks its whole bucket, 20 nodes, so that below 21
-# peers every read asked every peer and each answered with every entry, n² record checks per
+# READ_BEAM nearest, and a write looks for its REPLICAS among as many: hivemind's own default
+# asks its whole bucket, 20 nodes, for both, so that below 21 peers every read and every
+# heartbeat's write asked every peer, and each answered with every entry under the key (a
+# write's search for the nearest nodes brings the key's value back too): n² record checks a
 # read (issue 60). A few past REPLICAS cover routing tables that disagree for a moment.
 REPLICAS = 5
 READ_BEAM = REPLICAS + 3

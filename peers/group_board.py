@@ -73,6 +73,7 @@ class GroupBoard:
             subkey=self.subkey,
             value=reg.model_dump(),
             expiration_time=get_dht_time() + expires_in,
+            beam_size=dht_requests.READ_BEAM,
             return_future=True,
         )
 
@@ -161,6 +162,7 @@ class GroupBoard:
             subkey=self.subkey,
             value={"members": list(members), "complete": complete, "resync": resync, "auth": tag},
             expiration_time=get_dht_time() + LIST_TTL_S,
+            beam_size=dht_requests.READ_BEAM,
             return_future=True,
         )
 

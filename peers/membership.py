@@ -181,6 +181,7 @@ class Membership:
                 subkey=self.subkey,
                 value=record.model_dump(),
                 expiration_time=get_dht_time() + self.ttl,
+                beam_size=dht_requests.READ_BEAM,
                 return_future=True,
             )
         )

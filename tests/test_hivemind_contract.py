@@ -84,11 +84,14 @@ def test_the_dht_api_dtnode_calls_is_there():
 
 def test_reads_and_writes_take_the_beam_and_replica_counts_dtnode_sets():
     """peers/dht_requests.py: reads of the latest value ask READ_BEAM nodes (`beam_size`, passed
-    by DHT.get to DHTNode.get_many_by_id), writes go to REPLICAS (`num_replicas` of DHTNode.create,
+    by DHT.get to DHTNode.get_many_by_id; a write's search as well), writes go to REPLICAS (`num_replicas` of DHTNode.create,
     passed by DHT's keyword arguments); hivemind's default read asks its whole bucket of 20."""
     from hivemind.dht import DHTNode
 
     assert "beam_size" in inspect.signature(DHTNode.get_many_by_id).parameters
+    # a write's keyword arguments reach the search for its nearest nodes (DHTNode.store_many)
+    assert "kwargs" in inspect.signature(DHTNode.store_many).parameters
+    assert "beam_size" in inspect.signature(DHTNode.find_nearest_nodes).parameters
     create = inspect.signature(DHTNode.create).parameters
     assert create["num_replicas"].default == 5 and create["bucket_size"].default == 20
 
