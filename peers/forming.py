@@ -1,11 +1,13 @@
 """What one peer knows of one group it is forming: the group it ends up in (`FormedGroup`),
-whether that group re-syncs θ_g (`needs_resync`), and what it has read of the group key so
-far (`Forming`), which a later read can add to but never take from.
+whether that group re-syncs θ_g (`needs_resync`) and who is outvoted there (`outvoted`), and
+what it has read of the group key so far (`Forming`), which a later read can add to but never
+take from.
 """
 
 from __future__ import annotations
 
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 
 from .group_board import Registrants, Registration
@@ -29,6 +31,40 @@ class FormedGroup:
     # re-sync could legitimately move this node's θ_g toward (`DriftBound.shared`)
     theta_apart: int = 0
     benched: tuple[str, ...] = ()  # registrants left out for letting this node's groups down (absentees.py)
+    # members whose announced θ_g hash is not the one a strict majority of the group announced:
+    # in a re-sync they count OUTVOTED_SHARE of their share (`outvoted`)
+    outvoted: tuple[str, ...] = ()
+
+
+# What a member outvoted in a re-sync counts, as a fraction of its share. Not 0: a weight of 0 is
+# refused like an unannounced one (plan.py `capped_weights`), and the outvoted member still
+# needs its part of the result; 2^-20 of its values moves the others' θ_g by a millionth of
+# how far its θ_g is from theirs
+OUTVOTED_SHARE = 2.0**-20
+
+
+def outvoted(registrations: dict[str, Registration]) -> frozenset[str]:
+    """The members (by peer id) a θ_g re-sync all but leaves out: those whose announced hash
+    differs from the one a strict majority of the group announced (an unknown one, "",
+    differs from any). Empty when no hash holds a strict majority (a pair that disagrees, two
+    halves): then every member counts by its share, as before.
+
+    Honest members of a group hold one θ_g after a clean round, so a strict majority of them
+    holding one hash is the swarm's θ_g, and a member whose hash differs (one that averaged
+    alone, restarted from an older checkpoint, or forces a re-sync to pull the group toward
+    values of its own) should take it, not move it: a re-sync used to count each member by its
+    share, so one member of 5 that asked for a re-sync and sent 2T - θ moved every member's
+    θ_g a fifth of the way to T, round after round, within the drift bound each node checks
+    (issue 56, seen in the hostile bench's `hostile-pair` rows when the attacker sat in a
+    group of 5). The hashes are the members' signed registrations, which every member reads
+    alike, so every member computes the same weights, and the group's plan is one."""
+    votes = Counter(r.theta for r in registrations.values() if r.theta)
+    if not votes:
+        return frozenset()
+    theta, count = votes.most_common(1)[0]
+    if 2 * count <= len(registrations):
+        return frozenset()
+    return frozenset(p for p, r in registrations.items() if r.theta != theta)
 
 
 def needs_resync(registrations: list[Registration]) -> bool:

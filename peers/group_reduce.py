@@ -22,6 +22,7 @@ from .averaging_result import HopReport
 from .butterfly import butterfly_allreduce
 from .channel_pool import ChannelPool
 from .deadlines import AdaptiveDeadlines, expected_payload_bytes
+from .forming import OUTVOTED_SHARE
 from .matchmaking import FormedGroup, Matchmaker
 from .part_codec import Feedback
 from .part_result import DriftBound
@@ -166,15 +167,17 @@ class GroupReducer:
         where weight 1 each split θ_g again), by the same rule as Δ (a trimmed mean in robust
         mode), and a result that moves our state farther than `work.drift` (a few of this
         node's recent outer steps) is refused: honest θ_g differ by a few outer steps at most,
-        so only a hostile member's could move it that far."""
+        so only a hostile member's could move it that far. Where a strict majority of the group
+        announced one θ_g hash, a member that announced another counts OUTVOTED_SHARE of its
+        share (`forming.outvoted`): the group takes the majority's θ_g."""
         c, group = self.config, work.group
         attack = failpoints.hostile(work.round_no)  # a test's attacker
-        own_share = next(m.share for m in group.members if m.peer_id == self.peer_id)
+        weights = {m.peer_id: m.share * (OUTVOTED_SHARE if m.peer_id in group.outvoted else 1.0) for m in group.members}
         theta_plan = make_plan(
             c.run_id,
             work.round_no,
             work.theta_hop,
-            [replace(m, weight=m.share) for m in group.members],
+            [replace(m, weight=weights[m.peer_id]) for m in group.members],
             theta.numel(),
             c.wire.block_size,
             c.chunk_elements,
@@ -186,7 +189,7 @@ class GroupReducer:
             theta_plan,
             self.peer_id,
             _hostile_theta(attack, theta),
-            failpoints.HOSTILE_CLAIM if attack == "hostile-resync" else own_share,
+            failpoints.HOSTILE_CLAIM if attack == "hostile-resync" else weights[self.peer_id],
             theta_out,
             self.registry,
             self.channels,

@@ -31,7 +31,7 @@ from dataclasses import replace
 from . import failpoints
 from .absentees import Absentees
 from .auth import SwarmAuth
-from .forming import FormedGroup, Forming, needs_resync
+from .forming import FormedGroup, Forming, needs_resync, outvoted
 from .grid import split_groups
 from .group_board import REGISTRATION_TTL_S, GroupBoard, Registration
 from .hivemind_adapter import DHT
@@ -228,6 +228,7 @@ class Matchmaker:
                 if m.peer_id != me and (not theta or forming.registrants[m.peer_id][1].theta != theta)
             ),
             tuple(sorted(forming.benched & set(forming.registrants))),
+            tuple(sorted(outvoted({m.peer_id: forming.registrants[m.peer_id][1] for m in members}))),
         )
 
     async def _until_grouped(

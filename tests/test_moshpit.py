@@ -967,14 +967,36 @@ def test_a_resync_is_asked_by_any_member_or_found_by_differing_hashes_and_skippe
     assert needs_resync([reg(True, "a"), reg(False, "")])
 
 
-@pytest.mark.parametrize("same_theta", [True, False], ids=["same-theta", "other-theta"])
-def test_a_joiner_asking_for_a_resync_moves_only_theta_that_differs(dht, same_theta, monkeypatch):
+def test_a_resync_outvotes_the_members_off_a_strict_majoritys_theta():
+    from dtnode.peers.forming import outvoted
+
+    def regs(*thetas: str) -> dict[str, Registration]:
+        return {f"p{i}": Registration(theta=t) for i, t in enumerate(thetas)}
+
+    assert outvoted(regs("a", "a", "b")) == {"p2"}
+    assert outvoted(regs("a", "a", "")) == {"p2"}  # an unknown hash is not the majority's
+    assert outvoted(regs("a", "b", "a", "c", "a")) == {"p1", "p3"}
+    assert outvoted(regs("a", "b")) == frozenset()  # a pair that disagrees: nobody is outvoted
+    assert outvoted(regs("a", "a", "b", "b")) == frozenset()  # two halves
+    assert outvoted(regs("a", "", "")) == frozenset()  # one vote of three is no majority
+    assert outvoted(regs("", "", "")) == frozenset()
+    assert outvoted(regs("a", "a", "a")) == frozenset()
+
+
+@pytest.mark.parametrize(
+    ("size", "same_theta"), [(3, True), (3, False), (2, False)], ids=["same-theta", "outvoted", "pair"]
+)
+def test_a_joiner_asking_for_a_resync_moves_only_theta_that_differs(dht, size, same_theta, monkeypatch):
     """A download asks the next groups to re-sync θ_g in fp32 (8 bytes per parameter each way).
     Among members that announce the same θ_g hash the re-sync is skipped (its result would be
-    that θ_g), and no θ is even read; when one member's differs, every member gets the mean,
+    that θ_g), and no θ is even read; when one member's differs, every member gets one result,
     written over the state it read: no second buffer of θ's size (8 bytes per parameter on a
-    node whose memory is mostly θ_g and the momentum)."""
+    node whose memory is mostly θ_g and the momentum). Where the others hold one θ_g (a strict
+    majority of the group announces its hash) that result is theirs: the member that differs
+    counts OUTVOTED_SHARE of its share; in a pair nobody is outvoted, and the pair takes the mean."""
     from allreduce_harness import start_peers, stop_peers
+
+    from dtnode.peers.forming import OUTVOTED_SHARE
 
     numel = 2000
     theta_sized = []
@@ -986,20 +1008,21 @@ def test_a_joiner_asking_for_a_resync_moves_only_theta_that_differs(dht, same_th
         return empty_like(t, *args, **kwargs)
 
     monkeypatch.setattr(torch, "empty_like", counted)
+    run_id = f"resync-{size}-{same_theta}"
 
     async def main():
-        peers = await start_peers(3, run_id=f"resync-{same_theta}")
+        peers = await start_peers(size, run_id=run_id)
         ids = [p.member.peer_id for p in peers]
-        thetas = [torch.ones(2 * numel) * (1.0 if same_theta or i else 4.0) for i in range(3)]
+        thetas = [torch.ones(2 * numel) * (1.0 if same_theta or i else 4.0) for i in range(size)]
         given: dict[int, torch.Tensor] = {}
-        hashes = ["h" * 64 if same_theta or i else "j" * 64 for i in range(3)]
+        hashes = ["h" * 64 if same_theta or i else "j" * 64 for i in range(size)]
         read = []
 
         async def view():
             return {p: PeerRecord(peer_id=p, state="averaging", model_hash="m", outer_step=0) for p in ids}
 
         async def run(i: int, peer):
-            averager = _int8_averager(dht, f"resync-{same_theta}", peer, view)
+            averager = _int8_averager(dht, run_id, peer, view)
 
             async def state() -> torch.Tensor:
                 read.append(ids[i])
@@ -1014,14 +1037,18 @@ def test_a_joiner_asking_for_a_resync_moves_only_theta_that_differs(dht, same_th
         finally:
             await stop_peers(peers)
         for result in results:
-            assert result.clean and result.hops[0].group_size == 3
+            assert result.clean and result.hops[0].group_size == size
         if same_theta:
             assert read == [] and all(r.theta is None and r.hops[0].theta_resync_s is None for r in results)
         else:
             assert sorted(read) == sorted(ids)
+            others = size - 1
+            outvoted = OUTVOTED_SHARE if size > 2 else 1.0
+            expected = (others * 1.0 + outvoted * 4.0) / (others + outvoted)  # pair: 2.5; outvoted: 1 + 1.5e-6
             for i, result in enumerate(results):
                 assert result.theta is given[i]
-                torch.testing.assert_close(result.theta, torch.full((2 * numel,), 2.0))
+                torch.testing.assert_close(result.theta, torch.full((2 * numel,), expected))
+                assert torch.equal(result.theta, results[0].theta)  # one θ_g for the whole group
         assert theta_sized == []
 
     asyncio.run(main())
