@@ -357,7 +357,7 @@ class Node:
         averager = MoshpitAverager(
             config,
             self.addr.peer_id,
-            self.membership.members,
+            self.membership.recent_members,
             matchmaker,
             registry,
             channels,

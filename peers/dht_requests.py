@@ -36,10 +36,21 @@ class DhtOp(StrEnum):
     STORE = "store"
 
 
-# one node per process: a process-wide count, as a metric of the process is
-REQUESTS: Counter[str] = Counter(dict.fromkeys(DhtOp, 0))
+class DhtKey(StrEnum):
+    """Which of the swarm's keys a request is for: what each costs is known by kind (a read of
+    the membership brings every peer's record back, one of a group key that group's entries)."""
+
+    MEMBERSHIP = "membership"  # `{run_id}.peers`: one record per peer
+    REGISTRATIONS = "registrations"  # a group key: one registration per registrant
+    CLOSED = "closed"  # `{group key}.closed`: the member lists leaders closed
+    FORMED = "formed"  # `{group key}.formed`: the group each registrant ended up in
 
 
-def count(op: DhtOp) -> None:
-    """One request of kind `op` is about to go to the DHT."""
-    REQUESTS[op] += 1
+# one node per process: a process-wide count, as a metric of the process is; every pair present
+# from the start (at zero), so that rate() works from the first scrape
+REQUESTS: Counter[tuple[str, ...]] = Counter(dict.fromkeys(((op, key) for op in DhtOp for key in DhtKey), 0))
+
+
+def count(op: DhtOp, key: DhtKey) -> None:
+    """One request of kind `op` for a key of kind `key` is about to go to the DHT."""
+    REQUESTS[(op, key)] += 1

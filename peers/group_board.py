@@ -13,7 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from . import dht_requests
 from .auth import AuthError, SwarmAuth
-from .dht_requests import DhtOp
+from .dht_requests import DhtKey, DhtOp
 from .hivemind_adapter import DHT, get_dht_time
 from .identity import signed_subkey, writer_of
 from .leadership import ClosedList
@@ -67,7 +67,7 @@ class GroupBoard:
 
     async def register(self, key: str, reg: Registration, expires_in: float) -> None:
         """Store this peer's registration under `key`, for `expires_in` seconds."""
-        dht_requests.count(DhtOp.STORE)
+        dht_requests.count(DhtOp.STORE, DhtKey.REGISTRATIONS)
         await self.dht.store(
             key,
             subkey=self.subkey,
@@ -92,11 +92,11 @@ class GroupBoard:
         except AuthError:
             return False
 
-    async def entries(self, key: str, allowed: set[str] | None) -> list[tuple[str, object]]:
+    async def entries(self, key: str, allowed: set[str] | None, kind: DhtKey) -> list[tuple[str, object]]:
         """(writer, value) of the entries under `key` whose writer is known (and `allowed`), at
         most MAX_REGISTRANTS of them: the writer is checked before anything else is parsed, and
         the cap counts only entries that pass it."""
-        dht_requests.count(DhtOp.GET)
+        dht_requests.count(DhtOp.GET, kind)
         found = await self.dht.get(key, latest=True, beam_size=dht_requests.READ_BEAM, return_future=True)
         entries = found.value if found is not None and isinstance(found.value, dict) else {}
         out = []
@@ -115,7 +115,7 @@ class GroupBoard:
         """The valid, authentic registrations under `key` (of `allowed` writers, when given);
         writers whose own entry is refused are added to `refused`, when given."""
         members = {}
-        for peer_id, value in await self.entries(key, allowed):
+        for peer_id, value in await self.entries(key, allowed, DhtKey.REGISTRATIONS):
             try:
                 reg = Registration.model_validate(value)
             except (ValidationError, AttributeError, TypeError):
@@ -140,7 +140,7 @@ class GroupBoard:
 
     async def member_lists(self, key: str, purpose: str, allowed: set[str] | None = None) -> dict[str, ClosedList]:
         lists = {}
-        for peer_id, value in await self.entries(f"{key}.{purpose}", allowed):
+        for peer_id, value in await self.entries(f"{key}.{purpose}", allowed, DhtKey(purpose)):
             entry = parse_list(value, peer_id)
             if entry is not None and self.authentic(purpose, entry.subject(key), _tag(value), peer_id):
                 lists[peer_id] = entry
@@ -156,7 +156,7 @@ class GroupBoard:
     ) -> None:
         entry = ClosedList(members, complete, resync)
         tag = self.auth.issue(purpose, entry.subject(key)) if self.auth else ""
-        dht_requests.count(DhtOp.STORE)
+        dht_requests.count(DhtOp.STORE, DhtKey(purpose))
         await self.dht.store(
             f"{key}.{purpose}",
             subkey=self.subkey,

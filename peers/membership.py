@@ -32,7 +32,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from . import dht_requests
 from .auth import AuthError, SwarmAuth
-from .dht_requests import DhtOp
+from .dht_requests import DhtKey, DhtOp
 from .hivemind_adapter import DHT, DHTNode, Multiaddr, PeerID, RSASignatureValidator, get_dht_time
 from .identity import signed_subkey, writer_of
 from .tls import MAX_CERT_CHARS, TrustStore
@@ -40,7 +40,12 @@ from .tls import MAX_CERT_CHARS, TrustStore
 log = logging.getLogger(__name__)
 
 REMEMBER_PEERS_S = 600.0  # how long a peer seen once is worth a reconnection attempt
-VIEW_REUSE_S = 0.1  # matchmaking asks for the view twice per poll: one DHT read serves both
+VIEW_REUSE_S = 0.1  # callers that ask for the view at once (a poll asks twice) share one DHT read
+# how old a view matchmaking's polls may share, up to FULL_RATE_PEERS peers (stretched above, as
+# the pacer's reads are): a poll comes every fraction of a second, each read of the membership
+# brings all n records back (issue 60: most of a node's DHT bytes in a round), and a record
+# changes once a heartbeat; what a poll must see at once (registrations, lists) is read each poll
+MATCHMAKING_VIEW_S = 1.0
 
 
 MAX_RECIPE_CHARS = 2048
@@ -173,18 +178,21 @@ class Membership:
     async def announce(self, record: PeerRecord) -> bool:
         if self.auth is not None:
             record = record.model_copy(update={"auth": self.auth.issue("record", record.auth_subject())})
-        self._read_at = -1.0  # the next read sees this write
-        dht_requests.count(DhtOp.STORE)
-        return bool(
+        dht_requests.count(DhtOp.STORE, DhtKey.MEMBERSHIP)
+        expiry = get_dht_time() + self.ttl
+        stored = bool(
             await self.dht.store(
                 self.key,
                 subkey=self.subkey,
                 value=record.model_dump(),
-                expiration_time=get_dht_time() + self.ttl,
+                expiration_time=expiry,
                 beam_size=dht_requests.READ_BEAM,
                 return_future=True,
             )
         )
+        if stored:  # this node's view holds its own record as written, without reading it back
+            self._records[record.peer_id] = (expiry, record)
+        return stored
 
     def _accept(self, writer: str, record: PeerRecord) -> bool:
         """Filed under its own peer id and that id's own key (identity.py), tagged when keyed."""
@@ -235,13 +243,14 @@ class Membership:
             self._isolated = True
         await self.dht.run_coroutine(partial(_reconnect, self.initial_peers, known), return_future=True)
 
-    async def members(self) -> dict[str, PeerRecord]:
-        """Live, well-formed records by peer id (this node's own included), each until its expiry."""
-        if time.monotonic() - self._read_at < VIEW_REUSE_S:
+    async def members(self, max_age: float = VIEW_REUSE_S) -> dict[str, PeerRecord]:
+        """Live, well-formed records by peer id (this node's own included), each until its expiry;
+        read from the DHT unless the last read is under `max_age` seconds old."""
+        if time.monotonic() - self._read_at < max_age:
             return self._live(get_dht_time())
         self._read_at = time.monotonic()
         try:
-            dht_requests.count(DhtOp.GET)
+            dht_requests.count(DhtOp.GET, DhtKey.MEMBERSHIP)
             found = await self.dht.get(self.key, latest=True, beam_size=dht_requests.READ_BEAM, return_future=True)
         except Exception as e:  # noqa: BLE001  (hivemind's DHT reads fail with many types)
             log.warning("membership lookup failed: %s; using the records read before", e)
@@ -275,6 +284,11 @@ class Membership:
         if self.trust is not None:
             self.trust.forget_unseen(REMEMBER_PEERS_S)
         return self._live(now)
+
+    async def recent_members(self) -> dict[str, PeerRecord]:
+        """The view as matchmaking polls it: read at most MATCHMAKING_VIEW_S ago, stretched by
+        `dht_requests.poll_stretch` above FULL_RATE_PEERS peers (see MATCHMAKING_VIEW_S)."""
+        return await self.members(MATCHMAKING_VIEW_S * dht_requests.poll_stretch(len(self._records)))
 
     def _live(self, now: float) -> dict[str, PeerRecord]:
         return {p: r for p, (e, r) in self._records.items() if e >= now}

@@ -115,8 +115,13 @@ def test_metrics_an_alert_can_use(swarm):
         )
         assert _value(f, "process_resident_memory_bytes") > 50e6
         # every round reads the membership and its group keys, and writes a registration at least
-        assert _value(f, "dtnode_dht_requests_total", op="get") >= 2 * len(rounds)
-        assert _value(f, "dtnode_dht_requests_total", op="store") >= len(rounds)
+        dht = f["dtnode_dht_requests_total"]
+        assert len(dht) == 8  # (get, store) x (membership, registrations, closed, formed), at zero too
+        assert _value(f, "dtnode_dht_requests_total", op="get", key="membership") >= len(rounds)
+        assert _value(f, "dtnode_dht_requests_total", op="get", key="registrations") >= len(rounds)
+        assert _value(f, "dtnode_dht_requests_total", op="store", key="membership") >= len(rounds)
+        assert _value(f, "dtnode_dht_requests_total", op="store", key="registrations") >= len(rounds)
+        assert _value(f, "dtnode_dht_requests_total", op="store", key="formed") >= len(rounds)
         newest = max(int(p.name[5:13]) for p in node.state_dir.glob("ckpt-*.safetensors"))
         assert _value(f, "dtnode_checkpoint_newest_step") in (newest, newest - 1)  # a write may be landing
         assert _value(f, "dtnode_checkpoint_write_failures_total") == 0

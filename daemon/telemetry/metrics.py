@@ -84,18 +84,26 @@ def failure_reason(error: str) -> str:
 
 
 class CountsCollector(Collector):
-    """A counter family with one label, read from a lower layer's plain counts at each scrape
-    (the data plane keeps `Counter`s of its own and imports nothing of the daemon's):
-    `dtnode_refused_streams_total{reason}`, streams this node's reducer refused for what they
-    carried; `dtnode_dht_requests_total{op}`, the DHT reads and writes this node made."""
+    """A counter family read from a lower layer's plain counts at each scrape (the data plane
+    keeps `Counter`s of its own and imports nothing of the daemon's), keyed by one label's value
+    or by a tuple of values, one per label: `dtnode_refused_streams_total{reason}`, streams this
+    node's reducer refused for what they carried; `dtnode_dht_requests_total{op,key}`, the DHT
+    reads and writes this node made, by the kind of key."""
 
-    def __init__(self, name: str, documentation: str, label: str, counts: Mapping[str, int]):
-        self.name, self.documentation, self.label, self.counts = name, documentation, label, counts
+    def __init__(
+        self,
+        name: str,
+        documentation: str,
+        labels: str | tuple[str, ...],
+        counts: Mapping[str, int] | Mapping[tuple[str, ...], int],
+    ):
+        self.name, self.documentation, self.counts = name, documentation, counts
+        self.labels = (labels,) if isinstance(labels, str) else labels
 
     def collect(self) -> Iterator[CounterMetricFamily]:
-        family = CounterMetricFamily(self.name, self.documentation, labels=[self.label])
-        for value, count in sorted(self.counts.items()):
-            family.add_metric([value], count)
+        family = CounterMetricFamily(self.name, self.documentation, labels=list(self.labels))
+        for values, count in sorted(self.counts.items()):
+            family.add_metric([values] if isinstance(values, str) else list(values), count)
         yield family
 
 
@@ -116,7 +124,10 @@ class NodeMetrics:
         self._membership_families(r)
         r.register(
             CountsCollector(
-                "dtnode_dht_requests", "DHT reads (get) and writes (store) this node made", "op", DHT_REQUESTS
+                "dtnode_dht_requests",
+                "DHT reads (get) and writes (store) this node made, by the kind of key (membership, registrations, closed and formed member lists)",
+                ("op", "key"),
+                DHT_REQUESTS,
             )
         )
         self.swarm_health_gauges(r)
