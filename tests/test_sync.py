@@ -18,7 +18,7 @@ import torch
 from aiohttp import web
 
 from dtnode.daemon.catchup import donors as sync
-from dtnode.daemon.catchup.donors import PIECE_BYTES, fetch_from_swarm, group_offers, split_vote
+from dtnode.daemon.catchup.donors import PIECE_BYTES, fetch_from_swarm, group_offers, outserved, split_vote
 from dtnode.daemon.catchup.download import Offer
 from dtnode.daemon.catchup.swarm_position import swarm_step
 from dtnode.daemon.catchup.trust_radius import REACH_FACTOR, Reach, judge_split_vote
@@ -601,6 +601,41 @@ def test_four_slow_readers_lose_their_slots_and_a_joiner_is_served(tmp_path, fro
     asyncio.run(main())
 
 
+@pytest.mark.parametrize("from_memory", [False, True], ids=["file", "memory"])
+def test_a_reader_that_leaves_mid_file_is_no_error_and_the_sidecar_serves_on(tmp_path, from_memory, caplog):
+    """A reader that asks for a checkpoint and resets its connection mid-file (a joiner that
+    stopped; the hostile bench's pinning reader) made the write fail inside aiohttp's own
+    handling, which logged an ERROR with a traceback in the donor's log. It is the reader's
+    doing: the download ends quietly, and the next reader is served."""
+    import socket
+    import struct
+
+    import aiohttp
+
+    async def main():
+        info, _ = _checkpoint(tmp_path / "src", 3)
+        view = FileView([], [_in_memory(info)]) if from_memory else FileView([info])
+        sidecar = Sidecar(view)
+        port = await sidecar.start("127.0.0.1", 0)
+        try:
+            for _ in range(3):
+                reader = socket.create_connection(("127.0.0.1", port))
+                reader.sendall(b"GET /checkpoint/3 HTTP/1.1\r\nHost: x\r\n\r\n")
+                assert await asyncio.to_thread(reader.recv, 1 << 16)  # the file is on its way
+                reader.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                reader.close()  # a reset, with most of the file still to send
+                await asyncio.sleep(0.3)
+            async with aiohttp.ClientSession() as session, session.get(f"http://127.0.0.1:{port}/checkpoint/3") as resp:
+                assert resp.status == 200
+                assert len(await resp.read()) == info.size_bytes
+        finally:
+            await sidecar.stop()
+
+    with caplog.at_level(logging.INFO):
+        asyncio.run(main())
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR or r.exc_info], caplog.text
+
+
 def _offer(name: str, base: str, step: int, sha: str, latency: float = 0.01) -> Offer:
     record = PeerRecord(peer_id=f"peer-{name}", http_addr=base, state="training", outer_step=step, model_hash=MODEL)
     url = urlsplit(base)
@@ -700,6 +735,59 @@ def test_a_joiner_waits_for_the_record_to_announce_a_file_served_on_demand(tmp_p
         assert loaded is not None and torch.equal(loaded.theta_g, theta) and len(reads) == 2
 
     asyncio.run(main())
+
+
+def test_a_liars_announced_file_does_not_win_while_the_honest_records_lag(tmp_path):
+    """Right after a round the honest donors serve the new step before their records announce
+    it (a heartbeat later); a liar announces its own file of that step at once. Its one vote
+    used to be the only one, and a joiner installed θ_g + 1 (the hostile bench's
+    `mean hostile-donors` row: 4 hosts served the honest file, unannounced). Now a file that
+    no more hosts announce than serve another file of its step, some not announced yet, waits
+    for the records: without a fresh read nothing is taken, with one the honest file is."""
+
+    async def main():
+        honest_info, honest_theta = _checkpoint(tmp_path / "honest", 5)
+        lie_info, _ = _checkpoint(tmp_path / "lie", 5, seed=99)
+        runners, fresh, stale = [], {}, {}
+        for name in ("a", "b"):
+            runner, url = await _serve(_liar(honest_info, honest_info.path.read_bytes()))
+            runners.append(runner)
+            fresh[f"peer-{name}"] = _record(name, url, honest_info)
+            stale[f"peer-{name}"] = fresh[f"peer-{name}"].model_copy(
+                update={"checkpoint_step": 4, "checkpoint_sha256": "0" * 64}
+            )
+        runner, url = await _serve(_liar(lie_info, lie_info.path.read_bytes()))
+        runners.append(runner)
+        liar = _record("liar", url, lie_info)
+        stale[liar.peer_id] = fresh[liar.peer_id] = liar
+        reads = []
+
+        async def refresh():
+            reads.append(1)
+            return fresh if len(reads) >= 2 else stale
+
+        try:
+            args = (stale, "me", range(1, 10**9), MODEL, RUN, LAYOUT, tmp_path / "joiner")
+            waited = await fetch_from_swarm(*args, timeout=10)
+            loaded = await fetch_from_swarm(*args, timeout=10, refresh=refresh, bind_wait=5.0)
+        finally:
+            for runner in runners:
+                await runner.cleanup()
+        assert waited is None  # the liar's announced file is outserved by the unannounced honest one
+        assert loaded is not None and torch.equal(loaded.theta_g, honest_theta) and len(reads) == 2
+
+    asyncio.run(main())
+
+    # the rule itself: a host serving a file unannounced holds a rival back, never wins a vote
+    hosts = [f"http://198.51.100.{i}:7702" for i in range(1, 5)]
+    honest = [replace(_offer(f"h{i}", hosts[i], 5, "a"), bound=False) for i in range(3)]
+    liar = _offer("liar", hosts[3], 5, "e")
+    assert outserved([*honest, liar]) == {(5, "e" * 64, 1000)}
+    assert group_offers([*honest, liar]) == []
+    assert group_offers([liar, *honest[:1]]) == []  # a tie with a file not announced yet waits too
+    assert outserved([liar, replace(honest[0], step=4)]) == set()  # another step is no rival
+    (chosen,) = group_offers([replace(honest[0], bound=True), *honest[1:], liar])  # one record caught up
+    assert chosen[0].sha256[0] == "a"
 
 
 def test_a_node_that_found_no_group_waits_for_records_a_heartbeat_behind():

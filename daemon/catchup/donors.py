@@ -124,7 +124,11 @@ def group_offers(offers: list[Offer], majority_of: int | None = None, tiebreak: 
     always answer first.
 
     Only an offer that its donor's signed record announces (`Offer.bound`) votes: a file no
-    record vouches for is never used. With `majority_of` (a running node, which has a θ_g of
+    record vouches for is never used. Nor, for now, is a file that no more groups announce than
+    serve another file of its step whose records are not all in (`outserved`): a record lags its node by up to a
+    heartbeat, and a liar announces at once, so right after a round the honest donors' new file
+    had no vote yet and one liar's had one (seen in the hostile bench: a joiner installed the
+    liar's θ_g + 1 of the round's step while 4 hosts served the honest file). With `majority_of` (a running node, which has a θ_g of
     its own to lose) a file is used only when more than half of that many hosts serve its
     step. When they serve it split over several files (the groups of a moshpit swarm), the
     caller must judge the file it downloads (`split_vote`, and `catchup/trust_radius.py`)."""
@@ -133,6 +137,7 @@ def group_offers(offers: list[Offer], majority_of: int | None = None, tiebreak: 
         by_file.setdefault((offer.step, offer.sha256, offer.size), []).append(offer)
     votes = {key: host_votes(group) for key, group in by_file.items()}
     most = max(votes.values(), default=0)
+    behind = outserved(offers)
     step_votes = {step: host_votes([o for o in offers if o.step == step]) for step in {o.step for o in offers}}
     groups = []
     for key, group in by_file.items():
@@ -164,8 +169,36 @@ def group_offers(offers: list[Offer], majority_of: int | None = None, tiebreak: 
                 most,
             )
             continue
+        if key in behind:
+            log.warning(
+                "not taking step %d (sha256 %s) from %s yet: more hosts serve another file of that step than "
+                "announce this one (their records may be a heartbeat behind)",
+                group[0].step,
+                group[0].sha256[:12],
+                ", ".join(o.base for o in group),
+            )
+            continue
         groups.append(sorted(group, key=lambda o: o.latency))
     return sorted(groups, key=lambda g: (g[0].step, hashlib.sha256(f"{tiebreak}|{g[0].sha256}".encode()).digest()))
+
+
+def outserved(offers: list[Offer]) -> set[tuple[int, str, int]]:
+    """The announced files (step, sha256, size) that no more network groups announce than serve
+    another file of the same step, some of them unannounced yet: their lead (or tie) may be the
+    records' lag, not the swarm's (see `group_offers`). A host serving a file unannounced can hold
+    another file back this way until its record catches up, never make its own win: it still
+    has no vote."""
+    by_file: dict[tuple[int, str, int], list[Offer]] = {}
+    for offer in offers:
+        by_file.setdefault((offer.step, offer.sha256, offer.size), []).append(offer)
+    votes = {key: host_votes(group) for key, group in by_file.items()}
+    serving = {key: len({o.voter for o in group if o.voter}) for key, group in by_file.items()}
+    behind = {key for key in by_file if serving[key] > votes[key]}  # files some server's record does not announce yet
+    return {
+        key
+        for key in by_file
+        if votes[key] and any(votes[key] <= serving[rival] for rival in behind if rival[0] == key[0] and rival != key)
+    }
 
 
 def host_votes(offers: list[Offer]) -> int:
@@ -221,7 +254,7 @@ async def fetch_from_swarm(
     fetch = _Fetch(layout, run_id, model_hash, scratch, timeout, auth, keep, judge, judge_every, time.monotonic())
     async with aiohttp.ClientSession() as session:
         offers = await _offers(session, donors, steps, layout, timeout, auth)
-        offers = await with_voters(await _bind(offers, refresh, bind_wait))
+        offers = await _bind(await with_voters(offers), refresh, bind_wait)
         hosts = await _verifiable_hosts(members, own_id, model_hash) if majority else None
         _forget_partial_downloads(scratch, offers)
         try:
@@ -358,14 +391,15 @@ async def _bind(
     offers: list[Offer], refresh: Callable[[], Awaitable[dict[str, PeerRecord]]] | None, wait: float
 ) -> list[Offer]:
     """The offers, each bound when its donor's newest signed record announces its file; while
-    none is, the records are read again (`refresh`) for up to `wait` seconds."""
+    none is, or an announced file is outserved by one not announced yet (`outserved`), the
+    records are read again (`refresh`) for up to `wait` seconds."""
     deadline = time.monotonic() + wait
-    while offers and not any(o.bound for o in offers) and refresh is not None:
+    while offers and (not any(o.bound for o in offers) or outserved(offers)) and refresh is not None:
         # read at once first: the view predates the probes, and a donor announces a step as soon
         # as its hash is in, often before its metadata reached us
         fresh = await refresh()
         offers = [replace(o, bound=_signed(fresh.get(o.donor.peer_id), o.step, o.sha256)) for o in offers]
-        if any(o.bound for o in offers) or time.monotonic() >= deadline:
+        if (any(o.bound for o in offers) and not outserved(offers)) or time.monotonic() >= deadline:
             break
         await asyncio.sleep(BIND_POLL_S)
     return offers

@@ -336,6 +336,14 @@ class Sidecar:
         allowed = self.download_grace + size / self.min_download_rate
         try:
             return await asyncio.wait_for(sending, allowed)
+        except ConnectionError:  # reset, broken pipe, or aiohttp's "Connection lost"
+            # the reader went away mid-file (a joiner that stopped, a reader that asks and leaves):
+            # nothing is left to answer, and nothing went wrong here (aiohttp logged it as an error
+            # with a traceback when it reached the server's own handling)
+            log.info("a checkpoint download to %s ended early: the reader closed the connection", request.remote)
+            if request.transport is not None:
+                request.transport.abort()
+            raise web.HTTPBadRequest(text="the reader closed the connection") from None
         except TimeoutError:
             log.warning(
                 "cut a checkpoint download to %s after %.0fs: slower than %s/s",
