@@ -7,11 +7,15 @@ without a deadline, then pytest's timeout)."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from hivemind import DHT
+from hivemind.dht.crypto import RSASignatureValidator
+from hivemind.p2p import P2P
 
-from dtnode.peers.dht_start import _forked_dht
+from dtnode.peers.dht_start import _forked_dht, start_dht
+from dtnode.peers.identity import identity_key
 
 READY_S = 30.0
 
@@ -24,3 +28,17 @@ def ready_dht(**kwargs: Any) -> DHT:
         except TimeoutError:
             continue
     raise AssertionError(f"three DHTs in a row were not ready within {READY_S:g}s")
+
+
+async def signed_dhts(directory: Path, names: tuple[str, ...]) -> list[tuple[DHT, RSASignatureValidator]]:
+    """One DHT per name, each with an identity key of its own and a node's validators (the
+    swarm's record shapes, owner signatures), all joined through the first: (DHT, its validator)."""
+    started: list[tuple[DHT, RSASignatureValidator]] = []
+    for name in names:
+        path = directory / f"{name}.key"
+        P2P.generate_identity(str(path))
+        validator = RSASignatureValidator(identity_key(path))
+        initial = [str(a) for a in started[0][0].get_visible_maddrs()] if started else []
+        dht = await start_dht(initial, "127.0.0.1", 0, None, 60, str(path), validator, fresh_identity=True)
+        started.append((dht, validator))
+    return started

@@ -7,7 +7,7 @@ import asyncio
 import dataclasses
 
 import pytest
-from dht_harness import ready_dht
+from dht_harness import ready_dht, signed_dhts
 from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.dht.routing import DHTID
 from hivemind.dht.validation import DHTRecord
@@ -17,7 +17,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dtnode.peers.dht_records import MAX_EXPIRY_S, MAX_VALUE_BYTES, SwarmRecords, SwarmValidator, entry_digest, refusal
-from dtnode.peers.dht_start import start_dht
 from dtnode.peers.identity import identity_key, signed_subkey
 from dtnode.peers.matchmaking import Matchmaker
 from dtnode.peers.membership import Membership, PeerRecord
@@ -80,14 +79,7 @@ def test_a_plain_value_shadows_neither_membership_nor_groups(tmp_path):
     are asked to store them and where a lookup brings them back."""
 
     async def main():
-        honest = []
-        for name in ("a", "b"):
-            path = tmp_path / f"{name}.key"
-            P2P.generate_identity(str(path))
-            validator = RSASignatureValidator(identity_key(path))
-            initial = [str(a) for a in honest[0][0].get_visible_maddrs()] if honest else []
-            dht = await start_dht(initial, "127.0.0.1", 0, None, 60, str(path), validator, fresh_identity=True)
-            honest.append((dht, validator))
+        honest = await signed_dhts(tmp_path, ("a", "b"))
         outsider = ready_dht(
             host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=[str(a) for a in honest[0][0].get_visible_maddrs()]
         )

@@ -7,13 +7,10 @@ from __future__ import annotations
 import asyncio
 import time
 
-from hivemind.dht.crypto import RSASignatureValidator
-from hivemind.p2p import P2P
+from dht_harness import signed_dhts
 
 from dtnode.peers import dht_requests
 from dtnode.peers.dht_requests import DhtKey, DhtOp
-from dtnode.peers.dht_start import start_dht
-from dtnode.peers.identity import identity_key
 from dtnode.peers.membership import MATCHMAKING_VIEW_S, VIEW_REUSE_S, Membership, PeerRecord
 
 
@@ -23,14 +20,7 @@ def _reads() -> int:
 
 def test_matchmaking_shares_a_view_and_a_heartbeat_shows_itself_without_a_read(tmp_path):
     async def main():
-        nodes = []
-        for name in ("a", "b"):
-            path = tmp_path / f"{name}.key"
-            P2P.generate_identity(str(path))
-            validator = RSASignatureValidator(identity_key(path))
-            initial = [str(m) for m in nodes[0][0].get_visible_maddrs()] if nodes else []
-            dht = await start_dht(initial, "127.0.0.1", 0, None, 60, str(path), validator, fresh_identity=True)
-            nodes.append((dht, validator))
+        nodes = await signed_dhts(tmp_path, ("a", "b"))
         try:
             a, b = (Membership(dht, "viewed", 60, 1, validator) for dht, validator in nodes)
             assert await a.announce(PeerRecord(peer_id=a.peer_id, grpc_addr="127.0.0.1:1", state="training"))
