@@ -132,9 +132,7 @@ def group_offers(offers: list[Offer], majority_of: int | None = None, tiebreak: 
     its own to lose) a file is used only when more than half of that many hosts serve its
     step. When they serve it split over several files (the groups of a moshpit swarm), the
     caller must judge the file it downloads (`split_vote`, and `catchup/trust_radius.py`)."""
-    by_file: dict[tuple[int, str, int], list[Offer]] = {}
-    for offer in offers:
-        by_file.setdefault((offer.step, offer.sha256, offer.size), []).append(offer)
+    by_file = _by_file(offers)
     votes = {key: host_votes(group) for key, group in by_file.items()}
     most = max(votes.values(), default=0)
     behind = outserved(offers)
@@ -182,15 +180,13 @@ def group_offers(offers: list[Offer], majority_of: int | None = None, tiebreak: 
     return sorted(groups, key=lambda g: (g[0].step, hashlib.sha256(f"{tiebreak}|{g[0].sha256}".encode()).digest()))
 
 
-def outserved(offers: list[Offer]) -> set[tuple[int, str, int]]:
+def outserved(offers: list[Offer]) -> set[FileKey]:
     """The announced files (step, sha256, size) that no more network groups announce than serve
     another file of the same step, some of them unannounced yet: their lead (or tie) may be the
     records' lag, not the swarm's (see `group_offers`). A host serving a file unannounced can hold
     another file back this way until its record catches up, never make its own win: it still
     has no vote."""
-    by_file: dict[tuple[int, str, int], list[Offer]] = {}
-    for offer in offers:
-        by_file.setdefault((offer.step, offer.sha256, offer.size), []).append(offer)
+    by_file = _by_file(offers)
     votes = {key: host_votes(group) for key, group in by_file.items()}
     serving = {key: len({o.voter for o in group if o.voter}) for key, group in by_file.items()}
     behind = {key for key in by_file if serving[key] > votes[key]}  # files some server's record does not announce yet
@@ -199,6 +195,17 @@ def outserved(offers: list[Offer]) -> set[tuple[int, str, int]]:
         for key in by_file
         if votes[key] and any(votes[key] <= serving[rival] for rival in behind if rival[0] == key[0] and rival != key)
     }
+
+
+FileKey = tuple[int, str, int]  # (step, sha256, size): one file, whoever serves it
+
+
+def _by_file(offers: list[Offer]) -> dict[FileKey, list[Offer]]:
+    """The offers grouped by the file they serve."""
+    by_file: dict[FileKey, list[Offer]] = {}
+    for offer in offers:
+        by_file.setdefault((offer.step, offer.sha256, offer.size), []).append(offer)
+    return by_file
 
 
 def host_votes(offers: list[Offer]) -> int:
