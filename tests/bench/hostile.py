@@ -20,8 +20,8 @@ with a hostile failpoint armed from round 1 on (peers/failpoints.py, daemon/swar
 - `kill`: no attacker; the extra node is honest and killed (`grouped@0`: its round-0 group
   formed, before its first stream; no rate is measured yet, so the deadline is its bound).
 
-`clean` has no attacker: the baseline, run once per mode with the same number of nodes (the
-extra node honest). `clean-joiner` is `clean` with the same late honest joiner as
+`clean` has no attacker: the baseline, run once per mode and repeat with the same number of
+nodes (the extra node honest). `clean-joiner` is `clean` with the same late honest joiner as
 `hostile-donors`, whose rounds per minute are compared with it (a download costs the swarm time
 with or without an attacker); every other attack is compared with `clean`. A run ends when its nodes exit after `--rounds` rounds, or at `--cap-s`.
 
@@ -79,6 +79,26 @@ class Outcome:
     peak_rss_mb: float  # the largest resident memory of an honest node's process
     kill_round_s: float | None  # the honest nodes' round KILL_ROUND, median seconds (the kill's, in `kill`)
     tracebacks: int  # honest nodes whose log holds a traceback
+    rate_range: tuple[float, float] = (0.0, 0.0)  # with --repeat: the lowest and highest run's rounds/min
+
+
+def combined(runs: list[Outcome]) -> Outcome:
+    """One row from the repeats of one attack and mode: the median rate and loss, the worst bound,
+    memory and tracebacks (a row is only as safe as its worst run)."""
+    kills = [o.kill_round_s for o in runs if o.kill_round_s is not None]
+    rates = [o.rounds_per_min for o in runs]
+    return Outcome(
+        runs[0].attack,
+        runs[0].mode,
+        statistics.median(o.loss for o in runs),
+        statistics.median(rates),
+        max(o.max_step for o in runs),
+        max(o.spread for o in runs),
+        max(o.peak_rss_mb for o in runs),
+        statistics.median(kills) if kills else None,
+        sum(o.tracebacks for o in runs),
+        (min(rates), max(rates)),
+    )
 
 
 class PeakMemory:
@@ -250,13 +270,21 @@ def run(attack: str, mode: str, args: argparse.Namespace, workdir: Path, cfg: Co
 
 
 def report(outcomes: list[Outcome], args: argparse.Namespace) -> None:
+    repeated = args.repeat > 1
     print(
         f"\n{args.honest} honest {args.model} peers + 1 attacker (or 1 more honest node: clean, kill), "
         f"{args.rounds} rounds of H={args.inner_steps}, batch {args.batch_size}x{args.seq_len}, cap {args.cap_s:g}s; "
         f"bound: {BOUND:g}x the clean run's largest honest outer step"
+        + (
+            f"; per row the median of {args.repeat} runs (rounds/min lowest-highest), the worst bound"
+            if repeated
+            else ""
+        )
     )
     print(
-        f"{'mode':<13}{'attack':<21}{'rounds/min':>11}{'vs clean':>9}{'held-out':>10}{'vs clean':>9}"
+        f"{'mode':<13}{'attack':<21}{'rounds/min':>11}{'vs clean':>9}"
+        + (f"{'range':>14}" if repeated else "")
+        + f"{'held-out':>10}{'vs clean':>9}"
         f"{'max step':>10}{'spread':>10}{'bounded':>8}{'peak RSS':>10}{'kill round':>16}{'tracebacks':>11}"
     )
     for o in outcomes:
@@ -266,9 +294,10 @@ def report(outcomes: list[Outcome], args: argparse.Namespace) -> None:
         kill = "-"
         if o.attack == "kill" and o.kill_round_s is not None and clean.kill_round_s is not None:
             kill = f"{o.kill_round_s:.1f}s ({o.kill_round_s - clean.kill_round_s:+.1f})"
+        spread_of_rates = f"{o.rate_range[0]:>7.2f}-{o.rate_range[1]:<6.2f}" if repeated else ""
         print(
             f"{o.mode:<13}{o.attack:<21}{o.rounds_per_min:>11.2f}{o.rounds_per_min / max(baseline.rounds_per_min, 1e-9):>8.2f}x"
-            f"{o.loss:>10.4f}{o.loss / clean.loss:>8.3f}x{o.max_step:>10.3g}{o.spread:>10.3g}{bounded:>8}"
+            f"{spread_of_rates}{o.loss:>10.4f}{o.loss / clean.loss:>8.3f}x{o.max_step:>10.3g}{o.spread:>10.3g}{bounded:>8}"
             f"{o.peak_rss_mb:>8.0f}MB{kill:>16}{o.tracebacks:>11}"
         )
     for attack, base in BASELINE.items():
@@ -291,6 +320,7 @@ def main() -> None:
     parser.add_argument("--cap-s", type=float, default=240.0, help="a run stops here, finished or not")
     parser.add_argument("--eval-sequences", type=int, default=128)
     parser.add_argument("--keep", type=Path, help="keep every node's state dir and log here")
+    parser.add_argument("--repeat", type=int, default=1, help="passes over the list; a row prints the median")
     args = parser.parse_args()
     cfg = Config(
         args.model, args.batch_size, args.seq_len, args.rounds * args.inner_steps, 1, 1e-3, 0.7, 0, 128, 1, "cpu"
@@ -299,18 +329,20 @@ def main() -> None:
     attacks = args.attacks.split(",")
     if "clean" not in attacks:
         attacks.insert(0, "clean")
-    outcomes: list[Outcome] = []
+    runs: dict[tuple[str, str], list[Outcome]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         workdir = args.keep or Path(tmp)
-        for mode in args.modes.split(","):
-            for attack in attacks:
-                outcome = run(attack, mode, args, workdir, cfg)
-                print(
-                    f"  {mode:<12} {attack:<20} {outcome.rounds_per_min:.2f} rounds/min  held-out {outcome.loss:.4f}",
-                    flush=True,
-                )
-                outcomes.append(outcome)
-    report(outcomes, args)
+        for repeat in range(args.repeat):
+            for mode in args.modes.split(","):
+                for attack in attacks:
+                    pass_dir = workdir / f"pass-{repeat}" if args.repeat > 1 else workdir
+                    outcome = run(attack, mode, args, pass_dir, cfg)
+                    print(
+                        f"  {mode:<12} {attack:<20} {outcome.rounds_per_min:.2f} rounds/min  held-out {outcome.loss:.4f}",
+                        flush=True,
+                    )
+                    runs.setdefault((mode, attack), []).append(outcome)
+    report([combined(repeats) for repeats in runs.values()], args)
 
 
 if __name__ == "__main__":
