@@ -207,17 +207,48 @@ class SwarmProgress:
 
 
 def round_target(records: Iterable[Progress], round: int, inner_steps: int, round_tokens: int | None) -> int:
-    """The round's token target: absolute, or H steps of every live peer of the round.
+    """The round's token target: absolute, or H steps of every live peer of the round
+    (`counted_steps`: a step bigger than the median one counts as far as its rate backs it).
 
     Peers still finishing the previous round count too: they are about to join this one,
     and a round sized without them would end before they could take part.
     """
     if round_tokens:
         return round_tokens
-    per_step = sum(
-        max(r.tokens_per_step, 0) for r in records if r.round_in_training in (round - 1, round) and r.state in ACTIVE
-    )
-    return max(inner_steps * per_step, 1)
+    live = [r for r in records if r.round_in_training in (round - 1, round) and r.state in ACTIVE]
+    return max(inner_steps * sum(counted_steps(live)), 1)
+
+
+def counted_steps(live: Sequence[Progress]) -> list[int]:
+    """Each live peer's step as the round's target counts it: in full up to the median step;
+    above it, only the tokens the peer's published rate processes in a median peer's step time
+    (and the median step while it has no rate, unless nobody has one yet).
+
+    The target is H steps of every peer, and every peer trains its share of it in the same time
+    (its published rate over the summed rates, `SwarmProgress.share`), so one peer's step decides
+    how long everybody's round is: a big step at an ordinary rate stretched the rounds of all.
+    A record claiming 2^40 tokens a step at an honest rate (clamped to PACING_SPREAD x the median)
+    made four honest peers' rounds of H = 50 take 60 to 100 steps, at 0.75x their rounds per
+    minute (issue 56's bench). A peer with a bigger batch and a rate to match (a bigger device)
+    still counts in full; one with a bigger batch at an ordinary rate (its steps take longer)
+    counts what it trains in the time of a median step, so the round lasts H median steps and
+    it takes fewer, longer steps in it, as a slow peer does."""
+    steps = [max(r.tokens_per_step, 0) for r in live]
+    positive = [s for s in steps if s > 0]
+    if not positive:
+        return steps
+    median_step = lower_median(positive)
+    times = [r.tokens_per_step / r.tokens_per_s for r in live if r.tokens_per_step > 0 and r.tokens_per_s > 0]
+    if not times:  # nobody's rate is known yet (a swarm's first steps): no step time to go by
+        return steps
+    median_time = lower_median(times)
+    counted = []
+    for r, step in zip(live, steps, strict=True):
+        if step > median_step:
+            backed = r.tokens_per_s * median_time if r.tokens_per_s > 0 and math.isfinite(r.tokens_per_s) else 0.0
+            step = int(max(median_step, min(step, backed)))
+        counted.append(step)
+    return counted
 
 
 def _extrapolation_cap(r: Progress, max_extrapolation: float) -> float:

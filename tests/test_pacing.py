@@ -131,6 +131,44 @@ def test_one_lying_record_can_neither_end_a_round_at_once_nor_stretch_it():
     assert pair.done == 300 + PACING_SPREAD * 300
 
 
+def test_a_big_step_at_an_ordinary_rate_does_not_stretch_the_round():
+    """Issue 56's bench: a record claiming 2^40 tokens a step at an honest rate (clamped to 8x the
+    median) made the target 12 peers' steps for 5 peers, and four honest peers' rounds of H = 50
+    took 60 to 100 steps (0.75x their rounds per minute). A step above the median now counts only
+    as far as its rate backs it: the target is the clean one."""
+    honest = [_peer(f"h{i}", tokens=300, rate=100.0, at=100.0) for i in range(3)]
+    own = _peer("me", tokens=300, rate=100.0, at=100.0)
+    clean = swarm_progress(honest, own, 4, 10, None, now=100.0)
+    liar = _peer("liar", tokens=300, rate=100.0, per_step=1 << 40)
+    stretched = swarm_progress([*honest, liar], own, 4, 10, None, now=100.0)
+    assert stretched.target == 10 * 5 * 100 == clean.target + 10 * 100
+    assert stretched.share == pytest.approx(clean.share) == pytest.approx(10 * 100)  # H of an honest peer's steps
+    # in a pair the honest peer's step time is the lower median: the liar counts as one step of it
+    assert swarm_progress([liar], own, 4, 10, None, now=100.0).target == 10 * 2 * 100
+    # a liar that claims the rate to match (clamped to 8x too) counts in full, and each honest
+    # peer's share is still H of its own steps: the rates it is divided by grew as much
+    fast_liar = _peer("liar", tokens=300, rate=1e15, per_step=1 << 40)
+    both = swarm_progress([*honest, fast_liar], own, 4, 10, None, now=100.0)
+    assert both.target == 10 * (4 * 100 + PACING_SPREAD * 100)
+    assert both.share == pytest.approx(10 * 100)
+
+
+def test_a_bigger_batch_counts_as_far_as_its_rate_backs_it():
+    """A host with 4x the batch at the rate of the others (its steps take 4x as long) counts what
+    it trains in a median step's time: the round lasts H median steps, and it takes fewer steps in
+    it. A peer with no rate yet counts a median step; a smaller step counts in full."""
+    small = [_peer(f"s{i}", rate=100.0) for i in range(2)]
+    own = _peer("me", rate=100.0)
+    slow_big = _peer("big", rate=100.0, per_step=400)
+    assert swarm_progress([*small, slow_big], own, 4, 10, None, now=100.0).target == 10 * 4 * 100
+    half_backed = _peer("big", rate=200.0, per_step=400)  # 2x the rate: counts 2 median steps
+    assert swarm_progress([*small, half_backed], own, 4, 10, None, now=100.0).target == 10 * (3 * 100 + 200)
+    unknown = _peer("big", rate=0.0, per_step=400)
+    assert swarm_progress([*small, unknown], own, 4, 10, None, now=100.0).target == 10 * 4 * 100
+    tiny_step = _peer("little", rate=10.0, per_step=25)  # a slow small peer: in full, as before
+    assert swarm_progress([*small, tiny_step], own, 4, 10, None, now=100.0).target == 10 * (3 * 100 + 25)
+
+
 def test_uneven_honest_peers_count_in_full():
     """A peer with an 8x bigger batch and an 8x faster rate is inside the clamp."""
     small = [_peer(f"s{i}", tokens=100, rate=100.0) for i in range(2)]

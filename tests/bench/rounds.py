@@ -23,8 +23,9 @@ Printed per scenario, over the rounds from --from-round on:
   same-hash fraction of rounds after which all θ_g hashes are equal
   downloads catch-up downloads; given-up inner steps (abandoned rounds); tokens per peer;
   spread    final relative spread of θ_g; the unhandled exceptions in every node's log;
-  tokens/asked  the swarm's tokens over H x the peers' tokens per step, in the counted rounds
-            every peer trained (swarm pacing aims at 1.0);
+  tokens/asked  the swarm's tokens over H x the peers' tokens per step (a step above the
+            median counted as far as the peer's measured rate backs it, as pacing does), in the
+            counted rounds every peer trained (swarm pacing aims at 1.0);
   slow x k  the slow peer's tokens over a fast peer's, times k (its slowness): 1.0 is its share;
   by speed  the same with k measured: the fast peers' mean tok/s over the slow one's.
 Tiny nodes write a checkpoint every round (--checkpoint-every 1) so θ_g can be compared; every
@@ -47,6 +48,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from nodes import NodeProcess, theta
+
+from dtnode.peers.pacing import counted_steps
 
 RATE_LINE = re.compile(r"round (\d+) \|.* \| (\d+) tok/s \|")
 ROUND_LINE = re.compile(r"round (\d+) \| groups ((?:\d+/\d+(?:\+\d+)? ?)+) \| (\d+) steps (\d+) tok .*params (\w+)")
@@ -127,6 +130,14 @@ def _flag(args: list[str], name: str) -> int:
     return int(args[len(args) - 1 - args[::-1].index(name) + 1])
 
 
+@dataclass(frozen=True)
+class _Pace:
+    """A peer's step and measured rate, as `counted_steps` reads a record."""
+
+    tokens_per_step: int
+    tokens_per_s: float
+
+
 def pacing_figures(
     scenario: Scenario,
     per_node_args: list[list[str]],
@@ -146,7 +157,10 @@ def pacing_figures(
     if not whole:
         return float("nan"), None, None
     done = sum(sum(round_tokens[r].values()) for r in whole)
-    asked = len(whole) * max(h.values()) * sum(per_step.values())
+    # what pacing asks (peers/pacing.py counted_steps): a step above the median counts as far as
+    # its peer's measured rate backs it
+    steps = counted_steps([_Pace(per_step[n], rates.get(n, 0.0)) for n in names])
+    asked = len(whole) * max(h.values()) * sum(steps)
     slow = [(n, float(p.env["DTNODE_TEST_SLOW_INNER"])) for n, p in zip(names, scenario.peers) if p.env]
     if not slow:
         return done / asked, None, None
