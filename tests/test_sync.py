@@ -790,6 +790,72 @@ def test_a_liars_announced_file_does_not_win_while_the_honest_records_lag(tmp_pa
     assert chosen[0].sha256[0] == "a"
 
 
+def test_a_liars_step_waits_while_the_honest_donors_are_still_writing_it(tmp_path):
+    """Right after a round a liar that averaged alone is a step ahead at once: it announced its
+    θ_g + 1 of step 5 while the honest donors were still averaging round 4, so no rival file of
+    step 5 existed, its one vote won, and the joiner kept a θ_g 347 away from the swarm's (the
+    hostile bench's `trimmed-mean hostile-donors` row, one run in three). Members this fetch did
+    not probe whose records say they are closing the round that writes step 5 (or already hold it)
+    now hold such a file back: the fetch takes nothing, and the next one, probing the honest
+    donors too, takes their file."""
+
+    async def main():
+        honest_info, honest_theta = _checkpoint(tmp_path / "honest", 5)
+        lie_info, _ = _checkpoint(tmp_path / "lie", 5, seed=99)
+        runners, writing, written = [], {}, {}
+        for name in ("a", "b"):
+            runner, url = await _serve(_liar(honest_info, honest_info.path.read_bytes()))
+            runners.append(runner)
+            written[f"peer-{name}"] = _record(name, url, honest_info)
+            writing[f"peer-{name}"] = written[f"peer-{name}"].model_copy(
+                update={"outer_step": 4, "checkpoint_step": 4, "round": 4, "phase": "averaging", "state": "averaging"}
+            )
+        runner, url = await _serve(_liar(lie_info, lie_info.path.read_bytes()))
+        runners.append(runner)
+        liar = _record("liar", url, lie_info)
+        writing[liar.peer_id] = written[liar.peer_id] = liar
+
+        async def refresh():
+            return written  # they finished: they hold step 5 now, still unprobed by this fetch
+
+        try:
+            args = ("me", range(5, 7), MODEL, RUN, LAYOUT, tmp_path / "joiner")
+            during = await fetch_from_swarm(writing, *args, timeout=10)
+            after_a_read = await fetch_from_swarm(writing, *args, timeout=10, refresh=refresh, bind_wait=0.5)
+            retried = await fetch_from_swarm(written, *args, timeout=10)
+        finally:
+            for runner in runners:
+                await runner.cleanup()
+        assert during is None and after_a_read is None  # the liar's file waited for the round's end
+        assert retried is not None and torch.equal(retried.theta_g, honest_theta)  # 2 hosts outvote 1
+
+    asyncio.run(main())
+
+    # the rule: writers unseen in as many network groups as the file's votes hold it back
+    liar = _offer("liar", "http://203.0.113.9:7702", 5, "e")
+    assert outserved([liar], {5: {"198.51.100.0/24"}}) == {(5, "e" * 64, 1000)}
+    assert outserved([liar], {4: {"a", "b"}}) == set()  # writers of another step are no rivals
+    honest = [_offer(f"h{i}", f"http://198.51.100.{i}:7702", 5, "a") for i in range(1, 3)]
+    assert group_offers([*honest, liar], unseen={5: {"one more"}}) == [honest]  # 2 votes > 1 unseen
+
+    def member(name: str, **update) -> PeerRecord:
+        base = PeerRecord(peer_id=name, http_addr=f"http://127.0.0.1:{7000 + len(name)}", model_hash=MODEL)
+        return base.model_copy(update={"state": "training", **update})
+
+    records = {
+        m.peer_id: m
+        for m in (
+            member("closing", outer_step=4, round=4, phase="averaging", state="averaging"),
+            member("ahead", outer_step=5, round=5, phase="inner"),
+            member("training4", outer_step=4, round=4, phase="inner"),  # round 4 is still open for it
+            member("probed-and-silent", outer_step=5),
+            member("other-model", outer_step=5).model_copy(update={"model_hash": "x"}),
+        )
+    }
+    unseen = asyncio.run(sync.unseen_writers(records, {"probed-and-silent"}, {5}, MODEL))
+    assert unseen == {5: {"loopback:7007", "loopback:7005"}}
+
+
 def test_a_node_that_found_no_group_waits_for_records_a_heartbeat_behind():
     """A joiner's first average found no group: its donors may have formed theirs a moment
     before, while their records still said round 3 in inner steps (seen in a long_swarms run:

@@ -17,7 +17,7 @@ import logging
 import os
 import re
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -25,6 +25,7 @@ import aiohttp
 
 from dtnode.daemon.catchup.download import DownloadError, Offer, auth_headers, download_parallel
 from dtnode.daemon.catchup.partial_download import PIECE_BYTES, LocalDiskError
+from dtnode.daemon.catchup.swarm_position import open_round
 from dtnode.daemon.checkpoints.file_format import (
     MAX_STEP,
     CheckpointError,
@@ -108,7 +109,12 @@ async def with_voters(offers: list[Offer]) -> list[Offer]:
     return [replace(o, voter=groups[o.base] or "") for o in offers]
 
 
-def group_offers(offers: list[Offer], majority_of: int | None = None, tiebreak: str = "") -> list[list[Offer]]:
+def group_offers(
+    offers: list[Offer],
+    majority_of: int | None = None,
+    tiebreak: str = "",
+    unseen: Mapping[int, set[str]] | None = None,
+) -> list[list[Offer]]:
     """Donors serving the same file together, only the files the most network groups serve
     (oldest step first among equals, then in an order no donor controls: a hash of `tiebreak`,
     this node's id, and the file's).
@@ -125,7 +131,8 @@ def group_offers(offers: list[Offer], majority_of: int | None = None, tiebreak: 
 
     Only an offer that its donor's signed record announces (`Offer.bound`) votes: a file no
     record vouches for is never used. Nor, for now, is a file that no more groups announce than
-    serve another file of its step whose records are not all in (`outserved`): a record lags its node by up to a
+    serve another file of its step whose records are not all in, or are still writing that step
+    unseen (`outserved`, `unseen`: see `unseen_writers`): a record lags its node by up to a
     heartbeat, and a liar announces at once, so right after a round the honest donors' new file
     had no vote yet and one liar's had one (seen in the hostile bench: a joiner installed the
     liar's θ_g + 1 of the round's step while 4 hosts served the honest file). With `majority_of` (a running node, which has a θ_g of
@@ -135,7 +142,7 @@ def group_offers(offers: list[Offer], majority_of: int | None = None, tiebreak: 
     by_file = _by_file(offers)
     votes = {key: host_votes(group) for key, group in by_file.items()}
     most = max(votes.values(), default=0)
-    behind = outserved(offers)
+    behind = outserved(offers, unseen)
     step_votes = {step: host_votes([o for o in offers if o.step == step]) for step in {o.step for o in offers}}
     groups = []
     for key, group in by_file.items():
@@ -169,8 +176,8 @@ def group_offers(offers: list[Offer], majority_of: int | None = None, tiebreak: 
             continue
         if key in behind:
             log.warning(
-                "not taking step %d (sha256 %s) from %s yet: more hosts serve another file of that step than "
-                "announce this one (their records may be a heartbeat behind)",
+                "not taking step %d (sha256 %s) from %s yet: more hosts serve another file of that step, or are "
+                "writing it, than announce this one (their records may be a heartbeat behind)",
                 group[0].step,
                 group[0].sha256[:12],
                 ", ".join(o.base for o in group),
@@ -180,21 +187,62 @@ def group_offers(offers: list[Offer], majority_of: int | None = None, tiebreak: 
     return sorted(groups, key=lambda g: (g[0].step, hashlib.sha256(f"{tiebreak}|{g[0].sha256}".encode()).digest()))
 
 
-def outserved(offers: list[Offer]) -> set[FileKey]:
+def outserved(offers: list[Offer], unseen: Mapping[int, set[str]] | None = None) -> set[FileKey]:
     """The announced files (step, sha256, size) that no more network groups announce than serve
-    another file of the same step, some of them unannounced yet: their lead (or tie) may be the
-    records' lag, not the swarm's (see `group_offers`). A host serving a file unannounced can hold
-    another file back this way until its record catches up, never make its own win: it still
-    has no vote."""
+    another file of the same step, some of them unannounced yet, or than are writing that step
+    unseen (`unseen_writers`): their lead (or tie) may be the records' lag or the round's last
+    moments, not the swarm's (see `group_offers`). A host serving a file unannounced, or about
+    to write one, can hold another file back this way until its record catches up, never make
+    its own win: it still has no vote."""
     by_file = _by_file(offers)
     votes = {key: host_votes(group) for key, group in by_file.items()}
-    serving = {key: len({o.voter for o in group if o.voter}) for key, group in by_file.items()}
-    behind = {key for key in by_file if serving[key] > votes[key]}  # files some server's record does not announce yet
+    serving = {key: {o.voter for o in group if o.voter} for key, group in by_file.items()}
+    behind = {key for key in by_file if len(serving[key]) > votes[key]}  # some server's record does not announce it yet
+    unseen = unseen or {}
     return {
         key
         for key in by_file
-        if votes[key] and any(votes[key] <= serving[rival] for rival in behind if rival[0] == key[0] and rival != key)
+        if votes[key]
+        and (
+            any(votes[key] <= len(serving[rival]) for rival in behind if rival[0] == key[0] and rival != key)
+            or votes[key] <= len(unseen.get(key[0], set()) - serving[key])
+        )
     }
+
+
+async def unseen_writers(
+    members: Mapping[str, PeerRecord], probed: set[str], steps: set[int], model_hash: str
+) -> dict[int, set[str]]:
+    """For each offered step, the network groups of the members this fetch did not probe whose
+    records say they hold that step or are closing the round that writes it (their outer step
+    one less, their open round past it): files of that step this node has not seen.
+
+    Right after a round a liar that averaged alone is a step ahead at once, and announces its
+    θ_g + 1 of the step the swarm is still writing; the honest donors were not donors of that
+    step when this node probed them (the hostile bench's `trimmed-mean hostile-donors` row: a
+    joiner downloaded the liar's step 4 while four honest hosts were averaging round 3, and kept a
+    θ_g 347 away from the swarm's). A member that was probed and offered nothing is not counted:
+    a donor whose sidecar does not answer must not hold every file back."""
+    writers: dict[int, set[str]] = {}
+    for m in members.values():
+        if (
+            m.peer_id in probed
+            or m.model_hash != model_hash
+            or not m.http_addr
+            or m.client_mode
+            or m.state not in ("training", "averaging")
+        ):
+            continue
+        for step in steps:
+            if (
+                m.outer_step == step
+                or m.checkpoint_step == step
+                or (m.outer_step == step - 1 and open_round(m) >= step)
+            ):
+                writers.setdefault(step, set()).add(m.http_addr)
+    urls = sorted({url for group in writers.values() for url in group})
+    groups = dict(zip(urls, await asyncio.gather(*(url_group(url) for url in urls)), strict=True))
+    return {step: {g for url in group if (g := groups[url]) is not None} for step, group in writers.items()}
 
 
 FileKey = tuple[int, str, int]  # (step, sha256, size): one file, whoever serves it
@@ -261,11 +309,13 @@ async def fetch_from_swarm(
     fetch = _Fetch(layout, run_id, model_hash, scratch, timeout, auth, keep, judge, judge_every, time.monotonic())
     async with aiohttp.ClientSession() as session:
         offers = await _offers(session, donors, steps, layout, timeout, auth)
-        offers = await _bind(await with_voters(offers), refresh, bind_wait)
+        pending = _Unseen({d.peer_id for d in donors}, model_hash)
+        offers, members = await _bind(await with_voters(offers), members, pending, refresh, bind_wait)
+        unseen = await pending.of(members, offers)
         hosts = await _verifiable_hosts(members, own_id, model_hash) if majority else None
         _forget_partial_downloads(scratch, offers)
         try:
-            for group in group_offers(offers, hosts, own_id):
+            for group in group_offers(offers, hosts, own_id, unseen):
                 loaded = await fetch.from_group(session, group, hosts)
                 if loaded is not None:
                     return loaded
@@ -394,22 +444,42 @@ def _keep_as(path: Path, final: Path) -> None:
     fsync_dir(final.parent)
 
 
+@dataclass(frozen=True)
+class _Unseen:
+    """`unseen_writers` of one fetch: the donors it probed, the model it fetches."""
+
+    probed: set[str]
+    model_hash: str
+
+    async def of(self, members: Mapping[str, PeerRecord], offers: list[Offer]) -> dict[int, set[str]]:
+        return await unseen_writers(members, self.probed, {o.step for o in offers}, self.model_hash)
+
+
 async def _bind(
-    offers: list[Offer], refresh: Callable[[], Awaitable[dict[str, PeerRecord]]] | None, wait: float
-) -> list[Offer]:
-    """The offers, each bound when its donor's newest signed record announces its file; while
-    none is, or an announced file is outserved by one not announced yet (`outserved`), the
-    records are read again (`refresh`) for up to `wait` seconds."""
+    offers: list[Offer],
+    members: dict[str, PeerRecord],
+    unseen: _Unseen,
+    refresh: Callable[[], Awaitable[dict[str, PeerRecord]]] | None,
+    wait: float,
+) -> tuple[list[Offer], dict[str, PeerRecord]]:
+    """The offers, each bound when its donor's newest signed record announces its file, and the
+    records read last; while none is, or an announced file is outserved by one not announced
+    yet or written unseen (`outserved`), the records are read again (`refresh`) for up to
+    `wait` seconds."""
     deadline = time.monotonic() + wait
-    while offers and (not any(o.bound for o in offers) or outserved(offers)) and refresh is not None:
+
+    async def held() -> bool:
+        return not any(o.bound for o in offers) or bool(outserved(offers, await unseen.of(members, offers)))
+
+    while offers and refresh is not None and await held():
         # read at once first: the view predates the probes, and a donor announces a step as soon
         # as its hash is in, often before its metadata reached us
-        fresh = await refresh()
-        offers = [replace(o, bound=_signed(fresh.get(o.donor.peer_id), o.step, o.sha256)) for o in offers]
-        if (any(o.bound for o in offers) and not outserved(offers)) or time.monotonic() >= deadline:
+        members = await refresh()
+        offers = [replace(o, bound=_signed(members.get(o.donor.peer_id), o.step, o.sha256)) for o in offers]
+        if time.monotonic() >= deadline or not await held():
             break
         await asyncio.sleep(BIND_POLL_S)
-    return offers
+    return offers, members
 
 
 async def _verifiable_hosts(members: dict[str, PeerRecord], own_id: str, model_hash: str) -> int:
