@@ -294,15 +294,7 @@ async def fetch_from_swarm(
     (a running node giving up steps of its own: a majority of the hosts left may be one liar). A donor may serve a step its record does not announce yet (a
     checkpoint written on demand, announced at its next heartbeat): with `refresh`, the
     records are read again for up to `bind_wait` seconds until one announces an offered file."""
-    donors = [
-        m
-        for m in members.values()
-        if m.peer_id != own_id
-        and m.model_hash == model_hash
-        and (m.checkpoint_step in steps or m.outer_step in steps)
-        and m.http_addr
-        and not m.client_mode  # behind NAT: its sidecar is not reachable from outside
-    ]
+    donors = _donors(members, own_id, steps, model_hash)
     if not donors:
         return None
     scratch.mkdir(parents=True, exist_ok=True)
@@ -310,7 +302,14 @@ async def fetch_from_swarm(
     async with aiohttp.ClientSession() as session:
         offers = await _offers(session, donors, steps, layout, timeout, auth)
         pending = _Unseen({d.peer_id for d in donors}, model_hash)
-        offers, members = await _bind(await with_voters(offers), members, pending, refresh, bind_wait)
+
+        async def probe_new(view: dict[str, PeerRecord]) -> list[Offer]:
+            """Donors of these steps since the first probes (they finished writing one): asked too."""
+            fresh = [d for d in _donors(view, own_id, steps, model_hash) if d.peer_id not in pending.probed]
+            pending.probed.update(d.peer_id for d in fresh)
+            return await with_voters(await _offers(session, fresh, steps, layout, timeout, auth)) if fresh else []
+
+        offers, members = await _bind(await with_voters(offers), members, pending, refresh, bind_wait, probe_new)
         unseen = await pending.of(members, offers)
         hosts = await _verifiable_hosts(members, own_id, model_hash) if majority else None
         _forget_partial_downloads(scratch, offers)
@@ -455,17 +454,32 @@ class _Unseen:
         return await unseen_writers(members, self.probed, {o.step for o in offers}, self.model_hash)
 
 
+def _donors(members: Mapping[str, PeerRecord], own_id: str, steps: range, model_hash: str) -> list[PeerRecord]:
+    """The members whose records say they hold a checkpoint of `steps` of this model, and whose
+    sidecar others can reach."""
+    return [
+        m
+        for m in members.values()
+        if m.peer_id != own_id
+        and m.model_hash == model_hash
+        and (m.checkpoint_step in steps or m.outer_step in steps)
+        and m.http_addr
+        and not m.client_mode  # behind NAT: its sidecar is not reachable from outside
+    ]
+
+
 async def _bind(
     offers: list[Offer],
     members: dict[str, PeerRecord],
     unseen: _Unseen,
     refresh: Callable[[], Awaitable[dict[str, PeerRecord]]] | None,
     wait: float,
+    probe_new: Callable[[dict[str, PeerRecord]], Awaitable[list[Offer]]] | None = None,
 ) -> tuple[list[Offer], dict[str, PeerRecord]]:
     """The offers, each bound when its donor's newest signed record announces its file, and the
     records read last; while none is, or an announced file is outserved by one not announced
     yet or written unseen (`outserved`), the records are read again (`refresh`) for up to
-    `wait` seconds."""
+    `wait` seconds, and members that became donors meanwhile are asked too (`probe_new`)."""
     deadline = time.monotonic() + wait
 
     async def held() -> bool:
@@ -476,6 +490,8 @@ async def _bind(
         # as its hash is in, often before its metadata reached us
         members = await refresh()
         offers = [replace(o, bound=_signed(members.get(o.donor.peer_id), o.step, o.sha256)) for o in offers]
+        if probe_new is not None:
+            offers += await probe_new(members)
         if time.monotonic() >= deadline or not await held():
             break
         await asyncio.sleep(BIND_POLL_S)
