@@ -27,7 +27,9 @@ huge `round_tokens` would end every round at once, a huge `tokens_per_step` stre
 (`clamp_reports`): one peer can move the round's end by a bounded factor, never end or stall it
 alone. A rate or batch is bounded by the lower median, a token count by the median of the
 others' counts (or, while they have none, one average peer's whole round): in a pair, the
-honest peer's report bounds the other's. Pure functions, no I/O.
+honest peer's report bounds the other's. Within those bounds a claim still counts only as far
+as the peer's rate backs it: a step in the round's target (`counted_steps`), a count in the
+swarm's progress (`COUNT_SLACK`). Pure functions, no I/O.
 """
 
 from __future__ import annotations
@@ -70,6 +72,13 @@ MAX_STEP_S = 600.0  # one step is extrapolated this long at most (a record with 
 # A report counts at most this many times the peers' median: a peer with an 8x bigger batch or
 # an 8x faster device counts in full, a lying one moves the round's end by a bounded factor.
 PACING_SPREAD = 8.0
+# A count counts at most this many times the others' median count, times the peer's rate over the
+# median rate: peers of one rate move through a round together (one that began its round earlier,
+# or a stale record, is ahead by less than this), so a count its rate does not back is a claim.
+# With a step counted only as far as its rate backs it (`counted_steps`), a record claiming 1e11
+# tokens at an honest rate ended four honest peers' rounds of H=50 at 21 steps (8x the median,
+# as PACING_SPREAD alone allowed); at 2x they end at 5/6 of H.
+COUNT_SLACK = 2.0
 
 
 @dataclass(frozen=True)
@@ -102,8 +111,9 @@ def clamp_reports(records: Iterable[Progress], round: int, inner_steps: int = 1)
     """The records as pacing counts them: each peer's `tokens_per_step` and `tokens_per_s` at
     most PACING_SPREAD times the lower median of the live peers' (of those that report one).
 
-    A peer's `round_tokens` is bounded by PACING_SPREAD x the median count of the round's other
-    peers (those with one), and never below a whole round (`inner_steps`) of a median peer: early
+    A peer's `round_tokens` is bounded by the median count of the round's other peers (those with
+    one) times COUNT_SLACK x its rate over the median rate (PACING_SPREAD at most), and never below
+    a whole round (`inner_steps`) of a median peer: early
     in a round, beside a slow peer or joiners, most counts are still 0, and a lone liar then
     counts as one peer that finished its round."""
     reports = [
@@ -130,16 +140,19 @@ def clamp_reports(records: Iterable[Progress], round: int, inner_steps: int = 1)
     rate_cap = PACING_SPREAD * median_rate if median_rate > 0 else math.inf
     counts = sorted(r.round_tokens for r in live if r.round_in_training == round and r.round_tokens > 0)
 
-    def tokens_cap(own: int) -> float:
-        # the others' (upper) median count: a lone liar's claim is no reference for itself
-        return max(PACING_SPREAD * _median_without(counts, own), inner_steps * median_step) or math.inf
+    def tokens_cap(own: int, rate: float) -> float:
+        # the others' (upper) median count, times what the peer's rate says it may have over them
+        # (`COUNT_SLACK` x its rate over the median, PACING_SPREAD at most): a lone liar's claim is
+        # no reference for itself, and a count its rate does not back ends no one's round early
+        reach = min(PACING_SPREAD, COUNT_SLACK * rate / median_rate) if median_rate > 0 else PACING_SPREAD
+        return max(reach * _median_without(counts, own), inner_steps * median_step) or math.inf
 
     return [
         replace(
             r,
             tokens_per_step=int(min(r.tokens_per_step, step_cap)),
             tokens_per_s=min(r.tokens_per_s, rate_cap),
-            round_tokens=int(min(r.round_tokens, tokens_cap(r.round_tokens)))
+            round_tokens=int(min(r.round_tokens, tokens_cap(r.round_tokens, min(r.tokens_per_s, rate_cap))))
             if r.round_in_training == round
             else r.round_tokens,
         )

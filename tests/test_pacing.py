@@ -5,7 +5,7 @@ import math
 import pytest
 
 from dtnode.peers.membership import PeerRecord
-from dtnode.peers.pacing import PACING_SPREAD, round_target, swarm_progress
+from dtnode.peers.pacing import COUNT_SLACK, PACING_SPREAD, round_target, swarm_progress
 
 
 def _peer(
@@ -126,9 +126,18 @@ def test_one_lying_record_can_neither_end_a_round_at_once_nor_stretch_it():
     stretcher = _peer("liar", per_step=1 << 40)
     target = swarm_progress([*honest, stretcher], own, 4, 10, None, now=100.0).target
     assert target <= 10 * (4 * 100 + PACING_SPREAD * 100)  # was: 1e13 tokens, a round 100x H and more
-    # in a pair the lower median is the honest peer's: the liar counts PACING_SPREAD x at most
+    # in a pair the lower median is the honest peer's: a liar with no rate counts one median
+    # peer's whole round (10 x 100), one at the honest rate COUNT_SLACK x the honest count
     pair = swarm_progress([_peer("liar", tokens=10**18)], own, 4, 10, None, now=100.0)
-    assert pair.done == 300 + PACING_SPREAD * 300
+    assert pair.done == 300 + 10 * 100
+    paced = swarm_progress([_peer("liar", tokens=10**18, rate=100.0)], own, 4, 10, None, now=100.0)
+    assert paced.done == 300 + max(COUNT_SLACK * 300, 10 * 100)
+    honest_pair = [_peer(f"h{i}", tokens=3000, rate=100.0) for i in range(2)]
+    crowd = swarm_progress([*honest_pair, _peer("liar", tokens=10**18, rate=100.0)], own, 4, 10, None, now=100.0)
+    assert crowd.done == 300 + 2 * 3000 + COUNT_SLACK * 3000  # was 8x: it ended the round at 5/12 of H
+    # a count a fast peer's rate backs counts in full (up to PACING_SPREAD)
+    fast = swarm_progress([*honest_pair, _peer("fast", tokens=12000, rate=400.0)], own, 4, 10, None, now=100.0)
+    assert fast.done == 300 + 2 * 3000 + 12000
 
 
 def test_a_big_step_at_an_ordinary_rate_does_not_stretch_the_round():
