@@ -737,6 +737,24 @@ def test_a_joiner_waits_for_the_record_to_announce_a_file_served_on_demand(tmp_p
     asyncio.run(main())
 
 
+async def _two_honest_donors_and_a_liar(tmp_path, lagging: dict) -> tuple[list, dict, dict, torch.Tensor]:
+    """Two honest donors serving step 5 and a liar serving its own step 5, all announced:
+    (their servers, their records, the honest records with `lagging` applied, the honest θ_g)."""
+    honest_info, honest_theta = _checkpoint(tmp_path / "honest", 5)
+    lie_info, _ = _checkpoint(tmp_path / "lie", 5, seed=99)
+    runners, current, behind = [], {}, {}
+    for name in ("a", "b"):
+        runner, url = await _serve(_liar(honest_info, honest_info.path.read_bytes()))
+        runners.append(runner)
+        current[f"peer-{name}"] = _record(name, url, honest_info)
+        behind[f"peer-{name}"] = current[f"peer-{name}"].model_copy(update=lagging)
+    runner, url = await _serve(_liar(lie_info, lie_info.path.read_bytes()))
+    runners.append(runner)
+    liar = _record("liar", url, lie_info)
+    behind[liar.peer_id] = current[liar.peer_id] = liar
+    return runners, current, behind, honest_theta
+
+
 def test_a_liars_announced_file_does_not_win_while_the_honest_records_lag(tmp_path):
     """Right after a round the honest donors serve the new step before their records announce
     it (a heartbeat later); a liar announces its own file of that step at once. Its one vote
@@ -746,20 +764,8 @@ def test_a_liars_announced_file_does_not_win_while_the_honest_records_lag(tmp_pa
     for the records: without a fresh read nothing is taken, with one the honest file is."""
 
     async def main():
-        honest_info, honest_theta = _checkpoint(tmp_path / "honest", 5)
-        lie_info, _ = _checkpoint(tmp_path / "lie", 5, seed=99)
-        runners, fresh, stale = [], {}, {}
-        for name in ("a", "b"):
-            runner, url = await _serve(_liar(honest_info, honest_info.path.read_bytes()))
-            runners.append(runner)
-            fresh[f"peer-{name}"] = _record(name, url, honest_info)
-            stale[f"peer-{name}"] = fresh[f"peer-{name}"].model_copy(
-                update={"checkpoint_step": 4, "checkpoint_sha256": "0" * 64}
-            )
-        runner, url = await _serve(_liar(lie_info, lie_info.path.read_bytes()))
-        runners.append(runner)
-        liar = _record("liar", url, lie_info)
-        stale[liar.peer_id] = fresh[liar.peer_id] = liar
+        lag = {"checkpoint_step": 4, "checkpoint_sha256": "0" * 64}
+        runners, fresh, stale, honest_theta = await _two_honest_donors_and_a_liar(tmp_path, lag)
         reads = []
 
         async def refresh():
@@ -800,20 +806,8 @@ def test_a_liars_step_waits_while_the_honest_donors_are_still_writing_it(tmp_pat
     that finished writing are asked too, and their file wins."""
 
     async def main():
-        honest_info, honest_theta = _checkpoint(tmp_path / "honest", 5)
-        lie_info, _ = _checkpoint(tmp_path / "lie", 5, seed=99)
-        runners, writing, written = [], {}, {}
-        for name in ("a", "b"):
-            runner, url = await _serve(_liar(honest_info, honest_info.path.read_bytes()))
-            runners.append(runner)
-            written[f"peer-{name}"] = _record(name, url, honest_info)
-            writing[f"peer-{name}"] = written[f"peer-{name}"].model_copy(
-                update={"outer_step": 4, "checkpoint_step": 4, "round": 4, "phase": "averaging", "state": "averaging"}
-            )
-        runner, url = await _serve(_liar(lie_info, lie_info.path.read_bytes()))
-        runners.append(runner)
-        liar = _record("liar", url, lie_info)
-        writing[liar.peer_id] = written[liar.peer_id] = liar
+        closing = {"outer_step": 4, "checkpoint_step": 4, "round": 4, "phase": "averaging", "state": "averaging"}
+        runners, written, writing, honest_theta = await _two_honest_donors_and_a_liar(tmp_path, closing)
 
         async def refresh():
             return written  # they finished: they hold step 5 now, still unprobed by this fetch
