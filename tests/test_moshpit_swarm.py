@@ -67,6 +67,68 @@ def test_nine_nodes_on_a_3x3_grid_stay_in_consensus(tmp_path, cleanup):
     assert losses[-1] < losses[0]
 
 
+# the scale bench's settings (tests/bench/scale.py): rounds paced by time, every inner step at
+# least 1 s (DTNODE_TEST_STEP_FLOOR_S), so that 16 nodes' training leaves 2 cores to what the swarm
+# itself costs (matchmaking, the DHT, the all-reduces), as hosts training on accelerators do
+SIXTEEN = [
+    "--model",
+    "tiny",
+    "--batch-size",
+    "4",
+    "--seq-len",
+    "32",
+    "--inner-steps",
+    "1000",
+    "--round-tokens",
+    str(10**12),  # out of reach: --round-seconds ends each round
+    "--round-seconds",
+    "10",
+    "--max-rounds",
+    "5",
+    "--min-peers",
+    "16",
+    "--target-group-size",
+    "4",
+    "--eval-every",
+    "0",
+    "--checkpoint-every",
+    "5",
+    "--join-timeout",
+    "600",
+    "--no-fused-kernels",
+]
+
+
+@pytest.mark.long_swarms  # about 4 min on 2 cores
+def test_sixteen_nodes_average_in_full_groups_and_hold_one_theta_after_every_round(tmp_path, cleanup):
+    """Issue 60: a swarm of 16 real nodes on a 4x4 grid (groups of 4, two hops), 5 rounds. Every
+    node's every round ends `full` (each group it joined held every member it expected, no part
+    failed) and after each round all 16 hold one θ_g (one params_sha256 in their histories)."""
+    env = {"OMP_NUM_THREADS": "1", **step_floor(1.0)}
+    first = NodeProcess.join("n00", tmp_path, *SIXTEEN, env=env)
+    cleanup.append(first)
+    nodes = [first]
+    for i in range(1, 16):
+        node = NodeProcess.join(f"n{i:02d}", tmp_path, *SIXTEEN, "--peer", first.join_address, env=env)
+        cleanup.append(node)
+        nodes.append(node)
+    for node in nodes:
+        assert node.wait(600) == 0, node.output
+    histories = {node.name: node.rounds for node in nodes}
+    story = {
+        name: [(r["round"], r["outcome"], r["groups"], r["reasons"]) for r in rounds]
+        for name, rounds in histories.items()
+    }
+    for rounds in histories.values():
+        assert [r["round"] for r in rounds] == list(range(5)), story
+        assert all(r["outcome"] == "full" and len(r["groups"]) == 2 for r in rounds), story
+    for round_no in range(5):
+        hashes = {rounds[round_no]["params_sha256"] for rounds in histories.values()}
+        assert len(hashes) == 1, (round_no, hashes, story)
+    for node in nodes:
+        assert "Traceback" not in node.output, node.output
+
+
 @pytest.mark.long_swarms
 def test_a_stalled_peer_costs_the_others_one_bounded_round_and_catches_up(tmp_path, cleanup):
     """SIGSTOP one of four nodes (groups of up to three) while it is matchmaking: the others finish that outer step
