@@ -55,11 +55,6 @@ _register_hivemind_without_its_trainer_stack()
 # process per node, 107 MB resident (it links all of libtorch) for a few bytes. Passed as file
 # descriptors instead, the bytes need no manager. A user's own choice stands.
 os.environ.setdefault("HIVEMIND_MEMORY_SHARING_STRATEGY", "file_descriptor")
-# hivemind's p2pd (Go) inherits this environment. Its heap is most of its 85 MB: collected when it
-# has grown by half instead of doubled (Go's default, GOGC=100), 8 idle nodes' p2pd held 73 MB each
-# for the same CPU (0.19 cores together); at 25, 65 MB for 40% more of its CPU (issue 60, measured
-# in docs/results/scale.md). A user's own GOGC stands.
-os.environ.setdefault("GOGC", "50")
 
 
 from cryptography.hazmat.primitives.asymmetric import rsa
