@@ -843,10 +843,12 @@ def test_a_liars_step_waits_while_the_honest_donors_are_still_writing_it(tmp_pat
             member("training4", outer_step=4, round=4, phase="inner"),  # round 4 is still open for it
             member("probed-and-silent", outer_step=5),
             member("other-model", outer_step=5).model_copy(update={"model_hash": "x"}),
+            member("me", outer_step=4, round=5, phase="inner"),  # restarted into round 5, which it missed
         )
     }
-    unseen = asyncio.run(sync.unseen_writers(records, {"probed-and-silent"}, {5}, MODEL))
+    unseen = asyncio.run(sync.unseen_writers(records, {"probed-and-silent"}, {5}, MODEL, own_id="me"))
     assert unseen == {5: {"loopback:7007", "loopback:7005"}}
+    assert asyncio.run(sync.unseen_writers(records, {"probed-and-silent"}, {5}, MODEL))[5] >= {"loopback:7002"}
 
 
 def test_a_node_that_found_no_group_waits_for_records_a_heartbeat_behind():

@@ -211,7 +211,7 @@ def outserved(offers: list[Offer], unseen: Mapping[int, set[str]] | None = None)
 
 
 async def unseen_writers(
-    members: Mapping[str, PeerRecord], probed: set[str], steps: set[int], model_hash: str
+    members: Mapping[str, PeerRecord], probed: set[str], steps: set[int], model_hash: str, own_id: str = ""
 ) -> dict[int, set[str]]:
     """For each offered step, the network groups of the members this fetch did not probe whose
     records say they hold that step or are closing the round that writes it (their outer step
@@ -222,11 +222,15 @@ async def unseen_writers(
     step when this node probed them (the hostile bench's `trimmed-mean hostile-donors` row: a
     joiner downloaded the liar's step 4 while four honest hosts were averaging round 3, and kept a
     θ_g 347 away from the swarm's). A member that was probed and offered nothing is not counted:
-    a donor whose sidecar does not answer must not hold every file back."""
+    a donor whose sidecar does not answer must not hold every file back. Nor is this node's own
+    record (`own_id`): a node restarted into a round it missed reads itself as closing it (seen in
+    a long_swarms run: the restarted node held back both its donors' files of the step it missed).
+    """
     writers: dict[int, set[str]] = {}
     for m in members.values():
         if (
             m.peer_id in probed
+            or m.peer_id == own_id
             or m.model_hash != model_hash
             or not m.http_addr
             or m.client_mode
@@ -301,7 +305,7 @@ async def fetch_from_swarm(
     fetch = _Fetch(layout, run_id, model_hash, scratch, timeout, auth, keep, judge, judge_every, time.monotonic())
     async with aiohttp.ClientSession() as session:
         offers = await _offers(session, donors, steps, layout, timeout, auth)
-        pending = _Unseen({d.peer_id for d in donors}, model_hash)
+        pending = _Unseen({d.peer_id for d in donors}, model_hash, own_id)
 
         async def probe_new(view: dict[str, PeerRecord]) -> list[Offer]:
             """Donors of these steps since the first probes (they finished writing one): asked too."""
@@ -445,13 +449,14 @@ def _keep_as(path: Path, final: Path) -> None:
 
 @dataclass(frozen=True)
 class _Unseen:
-    """`unseen_writers` of one fetch: the donors it probed, the model it fetches."""
+    """`unseen_writers` of one fetch: the donors it probed, the model it fetches, the fetching node."""
 
     probed: set[str]
     model_hash: str
+    own_id: str
 
     async def of(self, members: Mapping[str, PeerRecord], offers: list[Offer]) -> dict[int, set[str]]:
-        return await unseen_writers(members, self.probed, {o.step for o in offers}, self.model_hash)
+        return await unseen_writers(members, self.probed, {o.step for o in offers}, self.model_hash, self.own_id)
 
 
 def _donors(members: Mapping[str, PeerRecord], own_id: str, steps: range, model_hash: str) -> list[PeerRecord]:
