@@ -44,6 +44,7 @@ class DhtKey(StrEnum):
     REGISTRATIONS = "registrations"  # a group key: one registration per registrant
     CLOSED = "closed"  # `{group key}.closed`: the member lists leaders closed
     FORMED = "formed"  # `{group key}.formed`: the group each registrant ended up in
+    DECLINED = "declined"  # `{group key}.declined`: lists on hold each member will not take
 
 
 # one node per process: a process-wide count, as a metric of the process is; every pair present

@@ -11,7 +11,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from .group_board import Registrants, Registration
-from .leadership import ClosedList, ReadList, Standing, by_rank, ranked_below, standing, valid_lists
+from .leadership import ClosedList, ReadList, Standing, by_rank, confirmable, ranked_below, standing, valid_lists
 from .plan import Member
 
 
@@ -110,6 +110,8 @@ class Forming:
     # tag): they came, and will not be in this group; nobody waits for them to the window's end
     refused: set[str] = field(default_factory=set)
     held_since: dict[str, float] = field(default_factory=dict)  # list on hold -> when first seen so
+    # member -> publishers of lists it declined (it saw them on hold behind a pending leader)
+    declined: dict[str, frozenset[str]] = field(default_factory=dict)
     gave_up: bool = False
     # members this node benched (absentees.py): passed over from the start, and not missed
     benched: frozenset[str] = frozenset()
@@ -132,13 +134,26 @@ class Forming:
         return by_rank(self.key, set(self.registrants) - set(view.taken) - self.passed_over)
 
     def holding(self, view: Standing, candidates: list[str], hold_s: float) -> list[str]:
-        """Lists on hold that name one of these candidates and may still be confirmed."""
+        """Lists on hold that name one of these candidates and may still be confirmed: seen
+        less than `hold_s` ago, and not declined by most of their members (`confirmable`)."""
         now = time.monotonic()
         return [
             p
             for p, read in view.on_hold.items()
-            if set(read.members) & set(candidates) and now - self.held_since[p] < hold_s
+            if set(read.members) & set(candidates)
+            and now - self.held_since[p] < hold_s
+            and confirmable(p, read.members, self.formed, self.declined)
         ]
+
+    def to_decline(self, view: Standing) -> frozenset[str]:
+        """Every list this peer declines (its publishers): those on hold that name it, and
+        those it declined before; empty when there is nothing new to say."""
+        mine = self.declined.get(self.me, frozenset())
+        on_me = {p for p, read in view.on_hold.items() if p != self.me and self.me in read.members}
+        if on_me <= mine:
+            return frozenset()
+        self.declined[self.me] = mine | on_me
+        return self.declined[self.me]
 
     def pass_over(self, view: Standing, everyone: bool) -> set[str]:
         """Give up on the leader this peer waits for (its own clock said so), or on every

@@ -151,6 +151,12 @@ class GroupBoard:
         hop wait for, and what confirms a list (`leadership.confirmed`)."""
         return {p: entry.members for p, entry in (await self.member_lists(key, "formed")).items()}
 
+    async def declined(self, key: str) -> dict[str, frozenset[str]]:
+        """The lists each member declined (their publishers): lists it saw on hold behind a
+        pending leader (`leadership.confirmable`)."""
+        lists = await self.member_lists(key, "declined")
+        return {p: frozenset(entry.members) - {p} for p, entry in lists.items()}
+
     async def publish(
         self, key: str, purpose: str, members: tuple[str, ...], complete: bool = False, resync: bool = False
     ) -> None:

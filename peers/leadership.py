@@ -14,7 +14,8 @@ announces. Pure functions, no I/O (matchmaking.py reads the DHT and acts on the 
   no lower-ranked list took. A pending registrant ahead of a list holds it: such a list is in
   force only once most of the other members it names confirmed it (each publishes the group it
   formed). A list closed before a latecomer registered is confirmed within a settle time; a
-  list that jumped ahead of its leader never is, since its members wait for that leader.
+  list that jumped ahead of its leader never is, since its members wait for that leader: they
+  say so (each declines it, `confirmable`), and the leader names them without waiting further.
 - **Giving up.** A follower waits for the leaders ahead of it until its own window, a settle
   time and a grace have passed on its own clock (or, once every peer it expects has registered,
   a settle time and a grace from then: a leader that sees what it sees closes within a poll);
@@ -78,6 +79,24 @@ def confirmed(publisher: str, members: Iterable[str], formed: Mapping[str, Colle
     others = [m for m in members if m != publisher]
     agreeing = sum(1 for m in others if publisher in formed.get(m, ()))
     return 2 * agreeing > len(others)
+
+
+def confirmable(
+    publisher: str,
+    members: Iterable[str],
+    formed: Mapping[str, Collection[str]],
+    declined: Mapping[str, Collection[str]],
+) -> bool:
+    """Whether a list on hold can still be confirmed: most members it names besides its
+    publisher formed their group with it or have not declined it. A member declines a list it
+    sees on hold behind a pending leader (it waits for that leader, so it will not take the list
+    while the leader is there): a leader holding its own list for such a list's confirmations
+    need not wait out its hold once most of them declined. A decline only says sooner what a
+    missing confirmation says anyway; a member that declines and then takes the list (its leader
+    passed over) confirms it like any other."""
+    others = [m for m in members if m != publisher]
+    possible = sum(1 for m in others if publisher in formed.get(m, ()) or publisher not in declined.get(m, ()))
+    return 2 * possible > len(others)
 
 
 @dataclass

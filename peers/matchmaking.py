@@ -55,7 +55,8 @@ LEADER_GRACE_S = 2.0
 MAX_PASSES = 2
 # past its settle time, a leader waits this long at most for the members of a list that jumped
 # ahead of it to confirm it (they do within a poll of their settle if they took it; they did not
-# if it jumped: they wait for this leader), before it names them itself
+# if it jumped: they wait for this leader, and most often say so at once: `Forming.to_decline`),
+# before it names them itself
 HOLD_S = 0.5
 
 
@@ -121,7 +122,25 @@ class Matchmaker:
         forming.lists |= {p: entry for p, entry in lists.items() if p in forming.registrants}
 
     async def _read_formed(self, forming: Forming) -> None:
-        forming.formed |= await self.formed(forming.key)
+        """The groups registrants formed and the lists they declined: what confirms a list on
+        hold, or says it never will be."""
+        formed, declined = await asyncio.gather(self.formed(forming.key), self.board.declined(forming.key))
+        forming.formed |= formed
+        own = forming.declined.get(forming.me)
+        forming.declined |= declined
+        if own is not None:  # this peer's own declines, as it knows them (its record may lag)
+            forming.declined[forming.me] = own | forming.declined.get(forming.me, frozenset())
+
+    async def _decline(self, forming: Forming, view: Standing) -> None:
+        """Say that this peer will not take the lists on hold that name it (it waits for the
+        leader ahead of them): their leader then need not hold its own list for them."""
+        declining = forming.to_decline(view)
+        if not declining:
+            return
+        try:
+            await self.board.publish(forming.key, "declined", (forming.me, *sorted(declining)))
+        except Exception as e:  # noqa: BLE001  (the leader then holds its list its full HOLD_S)
+            log.warning("could not publish a declined list: %s", e)
 
     async def form_group(
         self,
@@ -265,6 +284,8 @@ class Matchmaker:
                     view = forming.standing()
                 wanted = await asyncio.wait_for(expected(), left)
                 self._poll_seconds.append(time.monotonic() - polled)
+                if view.on_hold:
+                    await asyncio.wait_for(self._decline(forming, view), left)
             except TimeoutError:  # the leader's deadline passed mid-poll: what it read before decides
                 self._poll_seconds.append(time.monotonic() - polled)
                 view = forming.standing()
