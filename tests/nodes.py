@@ -28,6 +28,40 @@ def step_floor(seconds: float) -> dict[str, str]:
     return {"DTNODE_TEST_STEP_FLOOR_S": str(seconds)}
 
 
+def time_paced_swarm(n: int, rounds: int, round_seconds: float, group_size: int, join_timeout: float) -> list[str]:
+    """Arguments of one node of a swarm of `n` tiny nodes whose rounds are paced by time (each
+    round's inner steps end after `round_seconds`, the tokens asked for are out of reach), with
+    groups of `group_size` on the default moshpit grid: what the scale bench and the 16-node
+    swarm test start, so that the cost of many nodes, not their training, is what they see."""
+    return [
+        "--model",
+        "tiny",
+        "--batch-size",
+        "4",
+        "--seq-len",
+        "32",
+        "--inner-steps",
+        "1000",
+        "--round-tokens",
+        str(10**12),  # out of reach: --round-seconds ends each round
+        "--round-seconds",
+        f"{round_seconds:g}",
+        "--max-rounds",
+        str(rounds),
+        "--min-peers",
+        str(n),
+        "--target-group-size",
+        str(group_size),
+        "--eval-every",
+        "0",
+        "--checkpoint-every",
+        "5",
+        "--join-timeout",
+        f"{join_timeout:g}",
+        "--no-fused-kernels",
+    ]
+
+
 # Small and quick: the tiny preset, short rounds, short timeouts, eager int8 kernels.
 FAST = [
     "--model",

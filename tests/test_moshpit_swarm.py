@@ -7,7 +7,7 @@ import time
 
 import pytest
 import torch
-from nodes import FAST, NodeProcess, step_floor, theta, wait_until
+from nodes import FAST, NodeProcess, step_floor, theta, time_paced_swarm, wait_until
 
 # nine nodes and their nine p2pd daemons on CI's 2 cores starve one another for seconds: the
 # adaptive all-reduce deadline's floor (3 s by default, a tiny model's transfer being quick) made
@@ -70,33 +70,7 @@ def test_nine_nodes_on_a_3x3_grid_stay_in_consensus(tmp_path, cleanup):
 # the scale bench's settings (tests/bench/scale.py): rounds paced by time, every inner step at
 # least 1 s (DTNODE_TEST_STEP_FLOOR_S), so that 16 nodes' training leaves 2 cores to what the swarm
 # itself costs (matchmaking, the DHT, the all-reduces), as hosts training on accelerators do
-SIXTEEN = [
-    "--model",
-    "tiny",
-    "--batch-size",
-    "4",
-    "--seq-len",
-    "32",
-    "--inner-steps",
-    "1000",
-    "--round-tokens",
-    str(10**12),  # out of reach: --round-seconds ends each round
-    "--round-seconds",
-    "10",
-    "--max-rounds",
-    "5",
-    "--min-peers",
-    "16",
-    "--target-group-size",
-    "4",
-    "--eval-every",
-    "0",
-    "--checkpoint-every",
-    "5",
-    "--join-timeout",
-    "600",
-    "--no-fused-kernels",
-]
+SIXTEEN = time_paced_swarm(16, rounds=5, round_seconds=10, group_size=4, join_timeout=600)
 
 
 @pytest.mark.long_swarms  # about 4 min on 2 cores

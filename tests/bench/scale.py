@@ -47,7 +47,7 @@ from pathlib import Path
 import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from nodes import NodeProcess, step_floor, wait_until
+from nodes import NodeProcess, step_floor, time_paced_swarm, wait_until
 
 SAMPLE_S = 10.0  # between readings of every node's counters and memory
 GROUP_SIZE = 4
@@ -199,33 +199,7 @@ class Row:
 
 
 def node_args(n: int, args: argparse.Namespace) -> list[str]:
-    return [
-        "--model",
-        "tiny",
-        "--batch-size",
-        "4",
-        "--seq-len",
-        "32",
-        "--inner-steps",
-        "1000",
-        "--round-tokens",
-        str(10**12),  # out of reach: --round-seconds ends each round
-        "--round-seconds",
-        str(args.round_seconds),
-        "--max-rounds",
-        str(args.rounds),
-        "--min-peers",
-        str(n),
-        "--target-group-size",
-        str(GROUP_SIZE),
-        "--eval-every",
-        "0",
-        "--checkpoint-every",
-        "5",
-        "--join-timeout",
-        "900",
-        "--no-fused-kernels",
-    ]
+    return time_paced_swarm(n, args.rounds, args.round_seconds, GROUP_SIZE, join_timeout=900)
 
 
 def percentile(values: list[float], q: float) -> float:
