@@ -175,11 +175,26 @@ class Membership:
         self._isolated = False
         self._read_at = -1.0  # monotonic time of the last DHT read: polls within VIEW_REUSE_S share it
 
+    def beat_s(self) -> float:
+        """Seconds between this node's heartbeats: `interval` up to FULL_RATE_PEERS peers in its
+        view, stretched in proportion above (`dht_requests.poll_stretch`), its record's life with
+        it (`record_ttl`). A heartbeat is a store, and hivemind's search for the nodes that keep
+        the key brings the key's whole value back from each node it asks: every record of the
+        swarm, so a node's beats cost it and the nodes it asks in proportion to n, and the
+        swarm's idle CPU grew as n² (issue 60: 23 nodes waiting for a 24th burned 2.1 cores).
+        Stretched, what a node moves per second stays flat as the swarm grows; its record is as
+        fresh as the pacer's reads of it, which are stretched alike."""
+        return self.interval * dht_requests.poll_stretch(len(self._records))
+
+    def record_ttl(self) -> float:
+        """How long this node's next record lives without a heartbeat (see `beat_s`)."""
+        return self.ttl * dht_requests.poll_stretch(len(self._records))
+
     async def announce(self, record: PeerRecord) -> bool:
         if self.auth is not None:
             record = record.model_copy(update={"auth": self.auth.issue("record", record.auth_subject())})
         dht_requests.count(DhtOp.STORE, DhtKey.MEMBERSHIP)
-        expiry = get_dht_time() + self.ttl
+        expiry = get_dht_time() + self.record_ttl()
         stored = bool(
             await self.dht.store(
                 self.key,
@@ -220,7 +235,7 @@ class Membership:
             except Exception as e:  # noqa: BLE001  (hivemind's DHT calls fail with many types; the next beat retries)
                 log.warning("DHT reconnection failed: %s", e)
             try:
-                await asyncio.wait_for(stopped.wait(), self.interval)
+                await asyncio.wait_for(stopped.wait(), self.beat_s())
             except TimeoutError:
                 pass
 

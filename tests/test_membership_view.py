@@ -11,6 +11,7 @@ from dht_harness import signed_dhts
 
 from dtnode.peers import dht_requests
 from dtnode.peers.dht_requests import DhtKey, DhtOp
+from dtnode.peers.hivemind_adapter import get_dht_time
 from dtnode.peers.membership import MATCHMAKING_VIEW_S, VIEW_REUSE_S, Membership, PeerRecord
 
 
@@ -51,5 +52,31 @@ def test_matchmaking_shares_a_view_and_a_heartbeat_shows_itself_without_a_read(t
         finally:
             for dht, _ in reversed(nodes):
                 dht.shutdown()
+
+    asyncio.run(main())
+
+
+def test_heartbeats_and_a_records_life_stretch_with_the_swarm_above_eight_peers(tmp_path):
+    """Each heartbeat's store brings every record back from each node it asks, so above
+    FULL_RATE_PEERS peers a node beats n/8 times less often and its record lives as much longer
+    (`Membership.beat_s`): what it moves per second stays flat as the swarm grows. The record it
+    stores carries that longer life in the DHT, where every reader sees it."""
+
+    async def main():
+        nodes = await signed_dhts(tmp_path, ("a",))
+        try:
+            ((dht, validator),) = nodes
+            a = Membership(dht, "stretched", 6.0, 2.0, validator)
+            assert (a.beat_s(), a.record_ttl()) == (2.0, 6.0)  # alone
+            for i in range(15):  # as a read of a 16-peer swarm leaves the view
+                a._records[f"peer-{i}"] = (time.time() + 60, PeerRecord(peer_id=f"peer-{i}"))
+            assert await a.announce(PeerRecord(peer_id=a.peer_id, grpc_addr="127.0.0.1:1", state="training"))
+            assert (a.beat_s(), a.record_ttl()) == (4.0, 12.0)
+            found = await dht.get(a.key, latest=True, return_future=True)
+            (entry,) = found.value.values()
+            assert 11.0 < entry.expiration_time - get_dht_time() <= 12.0
+        finally:
+            for node, _ in reversed(nodes):
+                node.shutdown()
 
     asyncio.run(main())

@@ -226,7 +226,7 @@ class Joiner:
             keep=True,
             majority=majority,
             refresh=self.membership.members,
-            bind_wait=BIND_HEARTBEATS * s.swarm.heartbeat_interval,
+            bind_wait=BIND_HEARTBEATS * self.membership.beat_s(),
             judge=partial(judge_split_vote, self.worker)
             if majority or rollback
             else None,  # see catchup/trust_radius.py
@@ -309,7 +309,7 @@ class Joiner:
             self.peer_id,
             self.model_hash,
             round_no,
-            BIND_HEARTBEATS * self.settings.swarm.heartbeat_interval,
+            BIND_HEARTBEATS * self.membership.beat_s(),
             OPEN_POLL_S,
             self.stopping,
         ):

@@ -160,6 +160,9 @@ class SwarmPacer:
         """Read the swarm's progress once and move the expected end."""
         view = await self.view()
         self.peers_read = len(view)
+        # heartbeats come less often in a large swarm (Membership.beat_s): the limits that are
+        # counted in heartbeats stretch with them
+        beats = poll_stretch(self.peers_read)
         # others' records extrapolated a heartbeat and a half at most: see peers/pacing.py
         progress = swarm_progress(
             view.values(),
@@ -168,10 +171,10 @@ class SwarmPacer:
             self.inner_steps,
             self.round_tokens,
             self.dht_time(),
-            max_extrapolation=self.max_extrapolation,
+            max_extrapolation=self.max_extrapolation * beats,
         )
         self.progress = progress
-        self.share_tokens = self._share(progress, self.share_below_s)
+        self.share_tokens = self._share(progress, self.share_below_s * beats)
         self.on_progress(progress)
         shared = math.isfinite(self.share_tokens)  # a short round: the swarm's count, or this peer's share
         self.round_end_at = self.clock() + (progress.end_in() if shared else progress.seconds_left())
@@ -189,7 +192,7 @@ class SwarmPacer:
         training thread would read the last round's end, already past, and take no step). Its
         share is the last read's until this round's first read: a round shorter than a DHT
         read was otherwise trained blind (20 steps where 10 were asked)."""
-        self.share_tokens = self._share(self.progress, self.share_below_s)
+        self.share_tokens = self._share(self.progress, self.share_below_s * poll_stretch(self.peers_read))
         self.round_end_at = math.inf
 
     async def wait_for_end(self, at_most: float) -> None:
