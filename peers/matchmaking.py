@@ -126,10 +126,9 @@ class Matchmaker:
         hold, or says it never will be."""
         formed, declined = await asyncio.gather(self.formed(forming.key), self.board.declined(forming.key))
         forming.formed |= formed
-        own = forming.declined.get(forming.me)
-        forming.declined |= declined
-        if own is not None:  # this peer's own declines, as it knows them (its record may lag)
-            forming.declined[forming.me] = own | forming.declined.get(forming.me, frozenset())
+        # a read adds to what earlier reads found (a lookup may miss an entry), this peer's own included
+        for member, publishers in declined.items():
+            forming.declined[member] = forming.declined.get(member, frozenset()) | publishers
 
     async def _decline(self, forming: Forming, view: Standing) -> None:
         """Say that this peer will not take the lists on hold that name it (it waits for the
