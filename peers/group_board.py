@@ -20,7 +20,7 @@ from .leadership import ClosedList
 from .plan import Member
 
 MAX_REGISTRANTS = 4096  # valid entries of distinct writers read per group key: a flood stays bounded
-LIST_TTL_S = 120.0  # closed and formed member lists outlive every hop that reads them
+LIST_TTL_S = 120.0  # closed, formed and declined member lists outlive every hop that reads them
 REGISTRATION_TTL_S = 60.0  # a registration outlives its window by this much (late readers still see it)
 
 

@@ -116,7 +116,7 @@ def test_metrics_an_alert_can_use(swarm):
         assert _value(f, "process_resident_memory_bytes") > 50e6
         # every round reads the membership and its group keys, and writes a registration at least
         dht = f["dtnode_dht_requests_total"]
-        assert len(dht) == 8  # (get, store) x (membership, registrations, closed, formed), at zero too
+        assert len(dht) == 10  # (get, store) x (membership, registrations, closed, formed, declined), at zero too
         assert _value(f, "dtnode_dht_requests_total", op="get", key="membership") >= len(rounds)
         assert _value(f, "dtnode_dht_requests_total", op="get", key="registrations") >= len(rounds)
         assert _value(f, "dtnode_dht_requests_total", op="store", key="membership") >= len(rounds)

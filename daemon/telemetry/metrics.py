@@ -125,7 +125,7 @@ class NodeMetrics:
         r.register(
             CountsCollector(
                 "dtnode_dht_requests",
-                "DHT reads (get) and writes (store) this node made, by the kind of key (membership, registrations, closed and formed member lists)",
+                "DHT reads (get) and writes (store) this node made, by the kind of key (membership, registrations, closed, formed and declined member lists)",
                 ("op", "key"),
                 DHT_REQUESTS,
             )
