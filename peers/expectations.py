@@ -72,6 +72,7 @@ class GroupExpectations:
             p.peer_id
             for p in view.values()
             if p.outer_step in (round_no - 1, round_no)
+            and p.first_round <= round_no  # a joiner or restarted peer holds no Δ of an earlier round
             and p.model_hash == self.model_hash
             and p.state in ("training", "averaging")
         } | {self.peer_id}
@@ -116,13 +117,19 @@ class GroupExpectations:
         DHT is broken or shadowed waits for peers it cannot see, announcing round 0 the while,
         and its cell waited out its whole window (15 s) for it each round. A peer that is only
         slow registered late, and is waited for again; one that never registers costs its
-        cell one window, once."""
+        cell one window, once. One that restarted or downloaded since (its record's
+        `first_round` is past the round it missed) is a new start, waited for like any other."""
         if self._no_shows[0] == round_no:
             return self._no_shows[1]
         absent: frozenset[str] = frozenset()
         if self._hop0_missing is not None and self._hop0_missing[0] == round_no - 1:
             _, key, missing = self._hop0_missing
-            absent = frozenset(missing - await self.matchmaker.registered(key))
+            view = await self.view()
+            absent = frozenset(
+                p
+                for p in missing - await self.matchmaker.registered(key)
+                if p not in view or view[p].first_round < round_no
+            )
         self._no_shows = (round_no, absent)
         return absent
 

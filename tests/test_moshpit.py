@@ -717,10 +717,17 @@ def test_a_peer_whose_record_says_it_trains_but_that_never_registers_costs_its_c
         cells = {slot.key: {"a", "b", "ghost"}}
 
         at = [0]  # the round every record says it is in
+        ghost_first = [-1]  # the ghost's `first_round`
 
         async def view():
             return {
-                p: PeerRecord(peer_id=p, state="training", model_hash="m", outer_step=at[0])
+                p: PeerRecord(
+                    peer_id=p,
+                    state="training",
+                    model_hash="m",
+                    outer_step=at[0],
+                    first_round=ghost_first[0] if p == "ghost" else -1,
+                )
                 for p in ("a", "b", "ghost")
             }
 
@@ -747,6 +754,16 @@ def test_a_peer_whose_record_says_it_trains_but_that_never_registers_costs_its_c
         took, groups = await hop0(2)
         assert await expect["a"].no_shows(2) == frozenset()
         assert took >= window and all(not g.complete for g in groups)
+        # it missed round 2 too: a no-show for round 3, unless it restarted (or downloaded) since,
+        # its record's first round past the one it missed: a new start, waited for again
+        ghost_first[0] = 2
+        assert await expect["b"].no_shows(3) == {"ghost"}
+        ghost_first[0] = 3
+        assert await expect["a"].no_shows(3) == frozenset()
+        # and a peer whose first round is a later one (an --overlap joiner entering the next
+        # round while this one is averaged) is not of this round's population: nobody waits for it
+        assert await expect["a"].population(2) == {"a", "b"}
+        assert await expect["a"].population(3) == {"a", "b", "ghost"}
 
     asyncio.run(main())
 

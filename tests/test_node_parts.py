@@ -394,6 +394,23 @@ def test_overlapped_rounds_keep_training_while_they_average():
     assert st.state == NodeState.TRAINING and st.published_phase() == RecordPhase.AVERAGING
 
 
+def test_the_first_round_a_node_averages_is_the_first_it_enters_since_it_started_or_downloaded():
+    """The record's `first_round`: peers' hop 0 of an earlier round does not wait for this node
+    (an --overlap joiner enters round r while round r-1 is averaged). A download gives up what
+    the node had to average, so the next round it enters is its first again."""
+    st = RoundState(overlap=True)
+    st.start_syncing()
+    st.ready()
+    assert st.first_round is None  # in no round yet: of no round's population
+    st.enter_round(4, 3)
+    st.enter_round(5, 4)
+    assert st.first_round == 4
+    with st.syncing():
+        assert st.first_round is None
+    st.enter_round(9, 8)
+    assert st.first_round == 9
+
+
 def test_a_lone_average_while_peers_train_asks_the_next_groups_to_re_sync_theta(caplog):
     """A node paused past its record's expiry: its peers closed the round without expecting it,
     and on its return it averaged alone, both sides clean. Its θ_g took a step nobody took, so

@@ -256,7 +256,13 @@ def test_a_joiner_of_an_overlapped_swarm_takes_its_delayed_step_from_the_swarm(t
     outer step it had no part in) or step r already. From then on it averages with the others
     and holds their θ_g, bit for bit. If the swarm closed the round it entered before its first
     step (CI saw it once: the round closed during a 0.2 s download), its Δ of that round finds no
-    group, and from the next round on it averages with the others all the same."""
+    group, and from the next round on it averages with the others all the same.
+
+    CI saw its first Δ go alone twice more: entering round r while round r-1 was averaged, its
+    record looked like its peers', so their hop 0 of round r-1 waited for it, counted it a
+    no-show, and did not wait for it in round r (now its record's `first_round` says r, published
+    as it enters); and its catch-up fetched θ_g of step r only at the round's end, after its
+    peers had formed their group (now fetched while the round trains)."""
     # rounds of a few seconds: a joiner needs about one to start training
     args = [*FAST, "--overlap", "--inner-steps", "60", "--join-timeout", "90"]
     slow = {"DTNODE_TEST_SLOW_INNER": "3"}

@@ -103,6 +103,8 @@ class Joiner:
         self.reentries = 0  # rounds given up in a row for that reason (bounded: see closed_under_us)
         self.joined_at: float | None = None  # monotonic: when a download put this node in step (for the log)
         self.resync_wanted = False  # a download or a failed catch-up: the next groups re-sync θ_g
+        # --overlap: the catch-up round's θ_g of the next step, fetched while the round trains (see catch_up)
+        self._prefetch: tuple[int, asyncio.Task[LoadedCheckpoint | None]] | None = None
 
     def take_resync_wish(self) -> bool:
         wanted, self.resync_wanted = self.resync_wanted, False
@@ -267,7 +269,10 @@ class Joiner:
         return True
 
     async def entering(self, round_no: int) -> None:
-        """Round `round_no` starts: the first after a download is noted (see closed_under_us)."""
+        """Round `round_no` starts: the first after a download is noted (see closed_under_us),
+        and a catch-up round's θ_g of the next step is fetched from now on (see catch_up)."""
+        if self.settings.diloco.overlap and self.catch_up_round == round_no:
+            self._start_prefetch(round_no)
         self.entered_round = round_no if self.joined_at is not None else None
         if self.joined_at is None:
             return
@@ -329,35 +334,62 @@ class Joiner:
         """--overlap, the first round after a download or a start from this node's own
         checkpoint: this node entered round r from θ_g of step r-1, as the swarm did, but took
         no part in the average of round r-1 that the swarm applies now. So instead of an outer
-        step of its own it takes the swarm's θ_g of step r once a peer holds it (the delayed
-        outer step, done by the swarm), and sends this round's Δ out with theirs. None when no peer could serve it in time (the round then
+        step of its own it takes the swarm's θ_g of step r (the delayed outer step, done by the
+        swarm), and sends this round's Δ out with theirs. That θ_g is fetched while the round
+        trains, from the moment a peer holds it: fetched only now, at the round's end, its
+        download and checks came after the peers had formed their group, and the joiner's first
+        Δ went out alone (CI saw it). None when no peer could serve it in time (the round then
         goes on as after a failed average, and the next groups re-sync θ_g)."""
-        s = self.settings
-        deadline = time.monotonic() + s.averaging.bound_s
-        while not self.stopping.is_set() and time.monotonic() < deadline:
+        if self._prefetch is None or self._prefetch[0] != round_no:
+            self._start_prefetch(round_no)
+        assert self._prefetch is not None
+        task = self._prefetch[1]
+        self._prefetch = None
+        done, _ = await asyncio.wait({task}, timeout=self.settings.averaging.bound_s)
+        loaded = task.result() if done else None
+        if not done:
+            task.cancel()
+        if loaded is None:
+            log.warning(
+                "no peer served θ_g of step %d in time; round %d goes on as after a failed average", round_no, round_no
+            )
+            self.resync_wanted = True
+            return None
+        await self.store.keep_downloaded(loaded)
+        delta = await self.worker.call(self.worker.adopt_downloaded, loaded)
+        log.info(
+            "took the swarm's θ_g of step %d for round %d (entered without its average of round %d)",
+            loaded.step,
+            round_no,
+            round_no - 1,
+        )
+        return delta
+
+    def drop_catch_up(self) -> None:
+        """The catch-up round ended with an average of its own to land instead: no θ_g to take."""
+        self.catch_up_round = None
+        if self._prefetch is not None:
+            self._prefetch[1].cancel()
+            self._prefetch = None
+
+    def _start_prefetch(self, round_no: int) -> None:
+        if self._prefetch is not None:
+            self._prefetch[1].cancel()
+        task = asyncio.create_task(self._fetch_once_served(round_no))
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())  # a stop may leave it unread
+        self._prefetch = (round_no, task)
+
+    async def _fetch_once_served(self, step: int) -> LoadedCheckpoint | None:
+        """The swarm's θ_g of `step`, as soon as a live peer's record says it holds it."""
+        while not self.stopping.is_set():
             view = await self.membership.members()
             if any(
-                r.outer_step >= round_no and r.model_hash == self.model_hash
+                r.outer_step >= step and r.model_hash == self.model_hash
                 for r in view.values()
                 if r.peer_id != self.peer_id and r.state in ("training", "averaging")
             ):
-                loaded = await self._fetch(view, range(round_no, round_no + 1))
-                if loaded is None:
-                    break
-                await self.store.keep_downloaded(loaded)
-                delta = await self.worker.call(self.worker.adopt_downloaded, loaded)
-                log.info(
-                    "took the swarm's θ_g of step %d for round %d (entered without its average of round %d)",
-                    loaded.step,
-                    round_no,
-                    round_no - 1,
-                )
-                return delta
+                return await self._fetch(view, range(step, step + 1))
             await self._pause(OPEN_POLL_S)
-        log.warning(
-            "no peer served θ_g of step %d in time; round %d goes on as after a failed average", round_no, round_no
-        )
-        self.resync_wanted = True
         return None
 
 

@@ -87,6 +87,10 @@ class RoundState:
         self.start_step = -1  # the step of the θ_g that round starts from
         self.training_round = 0  # --overlap: the round whose inner steps run (one past the outer step)
         self.first_group_formed = False  # while not, a round being averaged still takes members (hop 0)
+        # the first round whose Δ this node averages since it started or last downloaded (None: it
+        # has entered none yet): hop 0 of an earlier round must not wait for it (see `first_round`
+        # in peers/membership.py)
+        self.first_round: int | None = None
 
     def _move(self, state: NodeState) -> None:
         if state != self.state and state not in STATE_MOVES[self.state]:
@@ -112,6 +116,8 @@ class RoundState:
         self._move(NodeState.TRAINING)
         self._move_record(RecordPhase.INNER)
         self.round, self.start_step, self.phase = round_no, start_step, RoundPhase.INNER
+        if self.first_round is None:
+            self.first_round = round_no
 
     def train(self, round_no: int) -> None:
         """--overlap: peers count this node's tokens under `round_no` (published at once)."""
@@ -146,6 +152,7 @@ class RoundState:
         previous = self.state
         self._move(NodeState.SYNCING)
         self._move_record(RecordPhase.NONE)
+        self.first_round = None  # a download gives up any Δ still to average (the landing forgets it)
         try:
             yield
         finally:

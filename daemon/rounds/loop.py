@@ -274,8 +274,11 @@ class RoundLoop:
         round_no = outer + (1 if ahead else 0)
         if await self._run_is_over(round_no):
             return None
+        first = self.state.first_round is None
         self.state.train(round_no)  # published with --overlap: pacing counts this round's tokens under it
         self.state.enter_round(round_no, outer)
+        if first:  # peers' hop 0 of this round waits for this node from its record's `first_round` on
+            await self.publisher.publish()
         await self.joiner.entering(round_no)
         inner = await self._inner_steps(round_no)
         if self.stopping.is_set():

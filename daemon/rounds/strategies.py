@@ -120,9 +120,12 @@ class OverlappedRound:
         state.applying_outer_step()
         await lp.store.settle_hash()
         delta = None
-        if lp.joiner.catch_up_round == round_no and previous is None:
-            lp.joiner.catch_up_round = None
-            delta = await lp.joiner.catch_up(round_no)
+        if lp.joiner.catch_up_round == round_no:
+            if previous is None:
+                lp.joiner.catch_up_round = None
+                delta = await lp.joiner.catch_up(round_no)
+            else:
+                lp.joiner.drop_catch_up()
         # θ_g moves now (a new hash): a catch-up, or an average that did not land during the steps
         changed = delta is not None or (previous is not None and not landing.landed)
         landed_after = landing.landed_after_steps if previous is not None and landing.landed else inner.steps
