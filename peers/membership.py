@@ -49,7 +49,6 @@ MATCHMAKING_VIEW_S = 1.0
 
 
 MAX_RECIPE_CHARS = 2048
-NOT_ENTERED = 1 << 62  # a record's `first_round` while the peer has entered no round yet
 MAX_RECORDS = 4096  # valid records of distinct writers read per lookup: a Sybil flood stays bounded
 
 
@@ -85,11 +84,12 @@ class PeerRecord(BaseModel):
     round: int = Field(-1, ge=-1, le=1 << 62)  # the round in progress (trained, averaged or applied); -1: none
     phase: str = Field("", max_length=16)  # "inner", "matchmaking" (open), "averaging", "outer" (closed)
     round_checkpoint: int = Field(-1, ge=-1, le=1 << 62)  # the step of the θ_g that round `round` starts from
-    # The first round whose Δ this peer averages since it started or last downloaded (NOT_ENTERED:
-    # none yet; -1: not said). A joiner of an --overlap swarm enters round r while round r-1 is
-    # averaged, with a record just like its peers'; without this, hop 0 of round r-1 waited for it
-    # and, as it never came, counted it a no-show and left it out of round r (its first Δ alone).
-    first_round: int = Field(-1, ge=-1, le=NOT_ENTERED)
+    # The first round whose Δ this peer averages since it started or last downloaded (-1: it has
+    # entered none yet, and is counted as before: a node that waits to enter round 0 is waited
+    # for). A joiner of an --overlap swarm enters round r while round r-1 is averaged, with a
+    # record just like its peers'; without this, hop 0 of round r-1 waited for it and, as it never
+    # came, counted it a no-show and left it out of round r (its first Δ alone).
+    first_round: int = Field(-1, ge=-1, le=1 << 62)
     dht_addrs: tuple[str, ...] = Field((), max_length=4)  # multiaddrs a restarted peer can bootstrap from
     tokens_per_step: int = Field(0, ge=0, le=1 << 40)  # batch x sequence: sizes the swarm's round
     progress_at: float = Field(0.0, ge=0, le=1e12)  # DHT time at which round_tokens was counted

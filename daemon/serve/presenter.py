@@ -32,7 +32,7 @@ from dtnode.ops.quantization import fused_kernels_active
 from dtnode.peers import failpoints
 from dtnode.peers.deadlines import AdaptiveDeadlines, expected_payload_bytes
 from dtnode.peers.hivemind_adapter import get_dht_time
-from dtnode.peers.membership import NOT_ENTERED, Membership, PeerRecord
+from dtnode.peers.membership import Membership, PeerRecord
 from dtnode.peers.tls import TrustStore, encode_certificate
 
 READY_ROUNDS = 3  # /readyz: a node that averaged with a peer in none of its last 3 rounds is not ready
@@ -104,7 +104,7 @@ class NodePresenter:
             round=st.round if st.in_round else -1,
             phase=st.published_phase().value,
             round_checkpoint=st.start_step if st.in_round else -1,
-            first_round=NOT_ENTERED if st.first_round is None else st.first_round,
+            first_round=-1 if st.first_round is None else st.first_round,
             dht_addrs=self.addr.dht_addrs,
             tokens_per_step=1 << 40 if lying else trainer.tokens_per_step,
             progress_at=self._counted_at(trainer.running, trainer.progress_at),
