@@ -364,6 +364,7 @@ class Node:
             self.deadlines,
             self.auth,
             on_phase=self.state.averager_phase,
+            on_grid=self.state.use_grid,
         )
         return averager
 

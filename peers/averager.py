@@ -117,6 +117,7 @@ class MoshpitAverager:
         deadlines: AdaptiveDeadlines,
         auth: SwarmAuth | None = None,
         on_phase: Callable[[str], None] = lambda phase: None,
+        on_grid: Callable[[int], None] = lambda dims: None,
     ):
         self.config = config
         self.peer_id = peer_id
@@ -127,6 +128,7 @@ class MoshpitAverager:
         self.deadlines = deadlines
         self.auth = auth
         self.on_phase = on_phase
+        self.on_grid = on_grid  # the hops of the grid this average uses: the node's record says them
         self.scratch = ScratchBuffers()
         self.reducer = GroupReducer(config, peer_id, matchmaker, registry, channels, deadlines, auth)
         self.expect = GroupExpectations(
@@ -161,7 +163,10 @@ class MoshpitAverager:
             resync, theta_sha256 = True, ""
         population = await self.expect.population(round_no)
         self.channels.retain(await self.expect.admissible())  # channels of peers gone go
-        side, dims = grid_shape(len(population), c.target_group_size, c.grid_dims)
+        side, dims = grid_shape(
+            len(population), c.target_group_size, c.grid_dims or await self.expect.grid_dims(population)
+        )
+        self.on_grid(dims)
         state = _Round(
             round_no,
             len(population),

@@ -14,7 +14,7 @@ import time
 from collections.abc import Awaitable, Callable
 
 from .deadlines import AdaptiveDeadlines
-from .grid import Slot, classes_of, coordinates, hop_key, split_groups
+from .grid import Slot, agreed_dims, classes_of, coordinates, hop_key, split_groups
 from .matchmaking import UNKNOWN, FormedGroup, Matchmaker
 from .membership import PeerRecord
 
@@ -53,6 +53,13 @@ class GroupExpectations:
     async def population(self, round_no: int) -> set[str]:
         """Peers of `round_no`: live, same model, at this step or finishing the one before."""
         return self._remember(round_no, await self.view())
+
+    async def grid_dims(self, population: set[str]) -> int:
+        """The hops of this round's grid: those most of `population` used last round, while
+        they fit its size (`agreed_dims`), so that every node of the round uses one grid."""
+        view = await self.view()
+        published = (view[p].grid_dims for p in population - {self.peer_id} if p in view)
+        return agreed_dims(len(population), self.target_group_size, published)
 
     async def traced_population(self, round_no: int) -> set[str]:
         """The peers a later hop traces paths through: the live population, and peers seen in

@@ -25,12 +25,23 @@ from __future__ import annotations
 
 import hashlib
 import math
+from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+CELL_FILL = 2  # a grid's hop-0 cells hold at most this many groups' worth of peers on average
+
 
 def grid_shape(num_peers: int, group_size: int, dims: int = 0) -> tuple[int, int]:
-    """(M, d): M is the group size; d the hops needed for M^d >= num_peers (or `dims`)."""
+    """(M, d): M is the group size; d (or `dims`) the fewest hops, 2 at least once the peers
+    overfill one group, whose hop-0 cells hold at most CELL_FILL * M peers on average.
+
+    Not the d with M^d >= n: that grid's cells run nearly empty just past a power of M (24
+    peers in groups of 4 got 3 hops over 64 cells, most groups of hop 0 one or two peers,
+    who then stood in up to 4 groups each of hop 1). A cell holding more than M splits into
+    groups of at most M (`split_groups`), which costs nothing, and the next hop takes one
+    share of every one of them, so the mean stays exact. One group (d = 1) must not split,
+    so it holds M peers at most."""
     if group_size < 1 or num_peers < 0 or dims < 0:
         raise ValueError("group_size must be >= 1, num_peers and dims >= 0")
     side = max(group_size, 2)
@@ -38,7 +49,39 @@ def grid_shape(num_peers: int, group_size: int, dims: int = 0) -> tuple[int, int
         return side, dims
     if num_peers <= side:
         return side, 1
-    return side, math.ceil(math.log(num_peers) / math.log(side) - 1e-9)
+    hops = 2
+    while num_peers > CELL_FILL * side**hops:
+        hops += 1
+    return side, hops
+
+
+def fits(dims: int, num_peers: int, side: int) -> bool:
+    """Whether a grid of `dims` hops still serves `num_peers` peers well enough to keep it (a
+    band twice as wide each way as `grid_shape`'s, so a swarm near one of its bounds does not
+    flip between two grids from round to round)."""
+    if dims == 1:
+        return num_peers <= side
+    lowest = max(side, side ** (dims - 1) // CELL_FILL)  # a swarm that fits one group is one group
+    return dims >= 2 and lowest < num_peers <= 2 * CELL_FILL * side**dims
+
+
+def agreed_dims(num_peers: int, group_size: int, published: Iterable[int]) -> int:
+    """The hops of this round's grid: the dims most peers of the population used last round,
+    while they still fit this node's count (`fits`); this node's own `grid_shape` otherwise.
+
+    Every node of a round must use one grid (a node on 2 hops and one on 3 never share a group
+    key, and their later hops wait for each other in vain), but counts differ between views: on
+    a loaded 24-node swarm, views held 9 to 24 peers. Following the majority of the records
+    makes one grid stick while the swarm's size drifts within the band, and a swarm that grows
+    past it moves to the next grid as its nodes see it, once. Only a strict majority counts, so
+    a minority of peers publishing some other value moves nobody; a majority can only pick
+    among grids that fit."""
+    side, own = grid_shape(num_peers, group_size)
+    votes = [d for d in published if d > 0]
+    if not votes:
+        return own
+    most, count = Counter(votes).most_common(1)[0]
+    return most if 2 * count > len(votes) and fits(most, num_peers, side) else own
 
 
 def coordinates(peer_id: str, outer_step: int, side: int, dims: int, salt: str = "") -> tuple[int, ...]:

@@ -90,6 +90,10 @@ class PeerRecord(BaseModel):
     # record just like its peers'; without this, hop 0 of round r-1 waited for it and, as it never
     # came, counted it a no-show and left it out of round r (its first Δ alone).
     first_round: int = Field(-1, ge=-1, le=1 << 62)
+    # The hops of the grid this peer's last average used (0: none yet): a node takes the grid most
+    # of its round's peers used, so views that count different populations still share one grid
+    # (peers/grid.py `agreed_dims`).
+    grid_dims: int = Field(0, ge=0, le=16)
     dht_addrs: tuple[str, ...] = Field((), max_length=4)  # multiaddrs a restarted peer can bootstrap from
     tokens_per_step: int = Field(0, ge=0, le=1 << 40)  # batch x sequence: sizes the swarm's round
     progress_at: float = Field(0.0, ge=0, le=1e12)  # DHT time at which round_tokens was counted

@@ -20,6 +20,7 @@ from dtnode.peers.deadlines import AdaptiveDeadlines, expected_payload_bytes
 from dtnode.peers.expectations import GroupExpectations
 from dtnode.peers.grid import (
     Slot,
+    agreed_dims,
     cells,
     classes_of,
     coordinates,
@@ -35,9 +36,34 @@ from dtnode.peers.membership import PeerRecord
 from dtnode.peers.plan import Compression, Member, WireFormat
 
 
-@pytest.mark.parametrize("n,m,d", [(9, 3, 2), (16, 4, 2), (64, 4, 3), (8, 2, 3), (5, 16, 1), (17, 16, 2)])
-def test_grid_shape(n, m, d):
+@pytest.mark.parametrize(
+    "n,m,d",
+    [(9, 3, 2), (16, 4, 2), (24, 4, 2), (32, 4, 2), (33, 4, 3), (64, 4, 3), (129, 4, 4), (8, 2, 2), (9, 2, 3)]
+    + [(4, 4, 1), (5, 4, 2), (5, 16, 1), (17, 16, 2)],
+)
+def test_grid_shape_fills_its_cells_with_up_to_two_groups(n, m, d):
+    """The fewest hops whose hop-0 cells hold at most 2M peers on average; one group only up to M."""
     assert grid_shape(n, m) == (m, d)
+    if d > 1:
+        assert n <= 2 * m**d and (d == 2 or n > 2 * m ** (d - 1))
+
+
+@pytest.mark.parametrize(
+    "n,published,d",
+    [
+        (24, [], 2),  # no peer averaged yet: this node's own grid
+        (24, [3] * 10 + [2] * 3, 3),  # the swarm's grid while it fits
+        (40, [2] * 20, 2),  # a swarm grown past 2M^2 keeps its two hops up to 4M^2 peers
+        (65, [2] * 20, 3),  # and moves on past it
+        (12, [3] * 20, 3),  # a shrunk one keeps three hops down to M^2 / 2 peers
+        (8, [3] * 20, 2),
+        (24, [3] * 5 + [2] * 5, 2),  # no strict majority: its own
+        (24, [7] * 4 + [0] * 20, 2),  # out of band, however many say it; zeros (none yet) do not vote
+        (4, [2] * 20, 1),  # a swarm that fits one group is one group, whatever its records say
+    ],
+)
+def test_a_node_takes_the_grid_most_of_its_peers_used_while_it_fits(n, published, d):
+    assert agreed_dims(n, 4, published) == d
 
 
 def _exact_mean(brought: list[tuple[float, torch.Tensor]]) -> tuple[torch.Tensor, float]:
@@ -101,8 +127,7 @@ def _average_over_grid(
 def test_three_hops_give_the_exact_weighted_mean_too(n, m):
     """With d >= 3 a lone member's extra classes must travel on, or the groups of those
     classes in the later hops miss its slab (a relative error of order 1 on 5 peers)."""
-    side, dims = grid_shape(n, m)
-    assert dims == 3
+    side, dims = grid_shape(n, m, dims=3)
     ids = [f"p{i}" for i in range(n)]
     for step in range(20):
         values = {p: torch.randn(16, dtype=torch.float64) for p in ids}
@@ -121,8 +146,7 @@ def test_three_hops_of_uneven_groups_leave_every_peer_the_same_bits(n, m):
     weights correctly rounded, so both groups add the same terms, and a group that got only
     that mean holds it bit for bit, as a peer alone with it does: every peer ends with the
     same bits (before, an uneven swarm of 3 hops split its θ_g and re-synced each round)."""
-    side, dims = grid_shape(n, m)
-    assert dims == 3
+    side, dims = grid_shape(n, m, dims=3)
     ids = [f"p{i}" for i in range(n)]
     shared = 0  # groups that got one mean from several members
 
@@ -143,7 +167,7 @@ def test_three_hops_of_uneven_groups_leave_every_peer_the_same_bits(n, m):
     assert shared > 0  # the test did meet them
 
 
-@pytest.mark.parametrize("n,m", [(9, 3), (12, 4), (6, 3), (16, 4), (5, 4), (4, 4), (30, 16)])
+@pytest.mark.parametrize("n,m", [(9, 3), (12, 4), (6, 3), (16, 4), (5, 4), (4, 4), (30, 16), (24, 4), (32, 4)])
 def test_uneven_hashed_cells_still_give_the_exact_weighted_mean_in_two_hops(n, m):
     """Hashed cells fill unevenly (1 to 5 peers), yet every peer ends with the exact token-
     weighted global mean: classes taken from ranks in agreed groups cover every group once."""
@@ -764,6 +788,34 @@ def test_a_peer_whose_record_says_it_trains_but_that_never_registers_costs_its_c
         # round while this one is averaged) is not of this round's population: nobody waits for it
         assert await expect["a"].population(2) == {"a", "b"}
         assert await expect["a"].population(3) == {"a", "b", "ghost"}
+
+    asyncio.run(main())
+
+
+def test_a_node_counting_another_population_takes_the_grid_its_peers_records_say():
+    """Issue 60: on a loaded 24-node swarm views counted 9 to 24 peers, and 9 nodes ran 2 hops
+    while 15 ran 3 (their keys never meet; parts failed). A node takes the hops most of its
+    round's peers published, its own record left out; a minority publishing another grid does not
+    move it."""
+
+    async def main():
+        peers = [f"p{i:02d}" for i in range(24)]
+        published = {p: 2 for p in peers[:14]} | {p: 7 for p in peers[14:20]} | {"p00": 3}  # p00 is this node
+
+        async def view():
+            return {
+                p: PeerRecord(peer_id=p, state="training", model_hash="m", outer_step=5, grid_dims=published.get(p, 0))
+                for p in peers
+            }
+
+        expect = GroupExpectations("grid-run", "m", 4, "p00", view, None, AdaptiveDeadlines(1.0, 10.0, 1.0, 10.0))
+        population = await expect.population(5)
+        assert await expect.grid_dims(population) == 2
+        for counted in (9, 17, 24):  # whatever this node's view counts
+            assert await expect.grid_dims(set(peers[:counted])) == 2
+        published.update(dict.fromkeys(peers[1:14], 3))  # the swarm moved on: most say 3, which fits 24
+        assert await expect.grid_dims(population) == 3
+        assert await expect.grid_dims(set(peers[:4])) == 1  # four fit one group, whatever anyone says
 
     asyncio.run(main())
 

@@ -74,7 +74,8 @@ def test_three_joined_processes_train_in_consensus(tmp_path, cleanup):
     )
     peers = first.get("/peers")
     assert peers and all(RECORD_FIELDS <= set(p) for p in peers)
-    assert status["peer_id"] in {p["peer_id"] for p in peers}
+    own = next(p for p in peers if p["peer_id"] == status["peer_id"])
+    assert own["grid_dims"] == 1  # three peers: one group (peers take the grid their peers' records say)
     table = dtnode_status(first.http_url)
     assert table.returncode == 0 and status["peer_id"] in table.stdout and "swarm:" in table.stdout
     first.stop(signal.SIGTERM)

@@ -239,6 +239,7 @@ class Joiner:
         """Fetch and install the swarm's checkpoint of `step` (or the next, if the swarm moved on);
         `majority`: see `_fetch`."""
         s = self.settings
+        self.drop_catch_up()  # a catch-up round's prefetch is for a θ_g this download replaces
         if self.landing.in_flight:  # the download replaces the θ_g that average was for
             await self.landing.settle(s.averaging.bound_s)
             self.landing.forget()

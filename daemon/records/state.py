@@ -91,6 +91,7 @@ class RoundState:
         # has entered none yet): hop 0 of an earlier round must not wait for it (see `first_round`
         # in peers/membership.py)
         self.first_round: int | None = None
+        self.grid_dims = 0  # the hops of the grid this node's last average used (0: none yet)
 
     def _move(self, state: NodeState) -> None:
         if state != self.state and state not in STATE_MOVES[self.state]:
@@ -118,6 +119,11 @@ class RoundState:
         self.round, self.start_step, self.phase = round_no, start_step, RoundPhase.INNER
         if self.first_round is None:
             self.first_round = round_no
+
+    def use_grid(self, dims: int) -> None:
+        """The averager's grid for the round it averages: published, so that peers whose counts
+        of the swarm differ take the same grid (peers/grid.py `agreed_dims`)."""
+        self.grid_dims = dims
 
     def train(self, round_no: int) -> None:
         """--overlap: peers count this node's tokens under `round_no` (published at once)."""
