@@ -29,7 +29,11 @@ class ReductionRegistry:
 
     def __init__(self) -> None:
         self._reductions: dict[tuple, PartReduction] = {}
-        self._changed = asyncio.Condition()
+        # set, and replaced by a fresh one, whenever a reduction registers: a waiter holds no lock
+        # (with an asyncio.Condition, a lookup cancelled while its timed-out wait re-took the lock
+        # left `async with` releasing a lock it did not hold: RuntimeError in the gRPC handler,
+        # seen on a loaded 32-node swarm when a sender's stream was cut at its deadline)
+        self._changed = asyncio.Event()
         self._hops: dict[tuple[str, int, int], _HopGroups] = {}
 
     def hop_begins(self, run_id: str, round: int, hop: int, slots: int) -> None:
@@ -67,9 +71,9 @@ class ReductionRegistry:
     async def register(self, reduction: PartReduction) -> None:
         plan = reduction.plan
         reduction.start()
-        async with self._changed:
-            self._reductions[self.key(plan.run_id, plan.round, plan.hop, plan.group_id, reduction.part)] = reduction
-            self._changed.notify_all()
+        self._reductions[self.key(plan.run_id, plan.round, plan.hop, plan.group_id, reduction.part)] = reduction
+        changed, self._changed = self._changed, asyncio.Event()
+        changed.set()
 
     def unregister(self, reduction: PartReduction) -> None:
         plan = reduction.plan
@@ -78,9 +82,10 @@ class ReductionRegistry:
 
     async def lookup(self, key: tuple, wait: float) -> PartReduction | None:
         """A sender may reach us before we formed the same group: wait for it, boundedly."""
-        async with self._changed:
-            try:
-                await asyncio.wait_for(self._changed.wait_for(lambda: key in self._reductions), wait)
-            except TimeoutError:
-                return None
-            return self._reductions[key]
+        try:
+            async with asyncio.timeout(wait):
+                while key not in self._reductions:
+                    await self._changed.wait()
+        except TimeoutError:
+            return None
+        return self._reductions[key]

@@ -2,6 +2,7 @@
 
 import asyncio
 import time
+from types import SimpleNamespace
 
 import grpc
 import pytest
@@ -340,6 +341,33 @@ def test_the_registry_says_a_group_is_elsewhere_only_once_every_slot_of_the_hop_
     assert not registry.elsewhere(ReductionRegistry.key("run", 7, 3, b"other", 0))  # θ_g's re-sync hop, or another
     registry.hop_begins("run", 7 + ReductionRegistry.KEPT_ROUNDS, 0, slots=1)
     assert not registry.elsewhere(other)  # forgotten with its round
+
+
+def test_a_lookup_cut_off_while_its_wait_times_out_leaves_the_registry_whole():
+    """A sender's stream may be cut (its deadline, the peer gone) just as the reducer's wait for
+    its group times out. With the wait on an asyncio.Condition under `asyncio.wait_for`, the cut
+    came while the timed-out wait was re-taking the lock, and the handler then released a lock
+    it did not hold: a RuntimeError traceback in a 32-node swarm's log. Lookups hold no lock now;
+    every one ends with the reduction, None or its cancellation, and later ones still find theirs."""
+
+    async def main():
+        registry = ReductionRegistry()
+        key = ReductionRegistry.key("run", 1, 0, b"group", 0)
+        lookups = [asyncio.create_task(registry.lookup(key, 0.05)) for _ in range(200)]
+        await asyncio.sleep(0.05)  # their waits end together: cut off every other one meanwhile
+        for task in lookups[::2]:
+            await asyncio.sleep(0)
+            task.cancel()
+        done = await asyncio.gather(*lookups, return_exceptions=True)
+        assert all(r is None or isinstance(r, asyncio.CancelledError) for r in done), done
+        later = asyncio.create_task(registry.lookup(key, 5.0))
+        await asyncio.sleep(0.01)
+        reduction = SimpleNamespace(plan=SimpleNamespace(run_id="run", round=1, hop=0, group_id=b"group"), part=0)
+        reduction.start = reduction.stop = lambda: None
+        await registry.register(reduction)
+        assert await later is reduction and await registry.lookup(key, 0.0) is reduction
+
+    asyncio.run(main())
 
 
 def test_a_mean_that_cannot_be_finished_fails_its_part_at_once_and_everyone_keeps_own_values():

@@ -2,6 +2,7 @@
 
     .venv/bin/python -m tests.bench.scale                          # n = 8, 16, 24, 32, 10 rounds each
     .venv/bin/python -m tests.bench.scale --sizes 8,16 --rounds 6 --keep /tmp/scale-keep
+    .venv/bin/python -m tests.bench.scale --sizes 32 --rounds 6 --churn 4   # 4 killed, 4 joining mid-round
 
 Every run starts n `tiny` nodes (one --peer, the first node's address), --min-peers n, the
 default moshpit grid for n (`--target-group-size` 4), and rounds paced by time: each round's
@@ -29,6 +30,11 @@ left is what a node costs besides its training. Per n it prints:
   that has nothing to do (polls, heartbeats, record checks, the DHT processes);
 - `tracebacks`: nodes whose log holds one.
 
+With --churn K, K nodes (never the first) are killed (SIGKILL) halfway through round
+--churn-round's inner steps and K new ones join at once; a second table says, for the rounds
+after it, the share of survivors whose average ended `full`, and for each joiner the round it
+first averaged, that round's outcome and the seconds from its start to the end of that round.
+
 The counters are read from each node's /metrics and /proc every few seconds while it runs (a
 node that exited keeps its last reading). Runs under no test marker: it is a benchmark.
 """
@@ -36,6 +42,7 @@ node that exited keeps its last reading). Runs under no test marker: it is a ben
 from __future__ import annotations
 
 import argparse
+import random
 import statistics
 import sys
 import tempfile
@@ -199,7 +206,8 @@ class Row:
 
 
 def node_args(n: int, args: argparse.Namespace) -> list[str]:
-    return time_paced_swarm(n, args.rounds, args.round_seconds, GROUP_SIZE, join_timeout=900)
+    timeouts = ["--allreduce-timeout-min", f"{args.allreduce_timeout_min:g}"] if args.allreduce_timeout_min else []
+    return [*time_paced_swarm(n, args.rounds, args.round_seconds, GROUP_SIZE, join_timeout=900), *timeouts]
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -207,6 +215,60 @@ def percentile(values: list[float], q: float) -> float:
         return float("nan")
     ordered = sorted(values)
     return ordered[min(int(q * len(ordered)), len(ordered) - 1)]
+
+
+@dataclass
+class Churn:
+    """K nodes killed halfway through a round's inner steps, and K new ones joined at once."""
+
+    round_no: int
+    killed: list[NodeProcess]
+    survivors: list[NodeProcess]
+    joiners: list[NodeProcess]
+    started: dict[str, float]  # joiner -> wall time it was started
+
+    @classmethod
+    def during(
+        cls, nodes: list[NodeProcess], args: argparse.Namespace, base: Path, address: str, env: dict, deadline: float
+    ) -> Churn:
+        round_no = args.churn_round if args.churn_round >= 0 else args.rounds // 2
+        # round `round_no` is under way once the first node has a history entry of the round before
+        wait_until(
+            lambda: any(e["round"] >= round_no - 1 for e in nodes[0].rounds),
+            max(deadline - time.monotonic(), 1),
+            f"round {round_no}",
+        )
+        time.sleep(args.round_seconds / 2)
+        killed = random.Random(round_no).sample(nodes[1:], args.churn)
+        for node in killed:
+            node.kill()
+        survivors = [node for node in nodes if node not in killed]
+        started, joiners = {}, []
+        for i in range(args.churn):
+            name = f"j{i:02d}"
+            started[name] = time.time()
+            joiners.append(NodeProcess.join(name, base, *node_args(len(nodes), args), "--peer", address, env=env))
+        nodes.extend(joiners)
+        return cls(round_no, killed, survivors, joiners, started)
+
+    def report(self, args: argparse.Namespace) -> str:
+        """Survivors' rounds after the churn (full share) and each joiner's first round."""
+        survivors = self.survivors
+        lines = [f"  churn: {', '.join(n.name for n in self.killed)} killed in round {self.round_no}"]
+        for r in range(self.round_no, args.rounds):
+            entries = [e for node in survivors for e in node.rounds if e["round"] == r]
+            full = sum(e["outcome"] == "full" for e in entries)
+            lines.append(f"    round {r}: {full}/{len(survivors)} survivors full")
+        for joiner in self.joiners:
+            first = next(iter(joiner.rounds), None)
+            if first is None:
+                lines.append(f"    {joiner.name}: no round averaged")
+            else:
+                took = first["time"] - self.started[joiner.name]
+                lines.append(
+                    f"    {joiner.name}: first round {first['round']} {first['outcome']}, {took:.1f}s after its start"
+                )
+        return "\n".join(lines)
 
 
 def run_size(n: int, args: argparse.Namespace, base: Path) -> Row:
@@ -229,6 +291,8 @@ def run_size(n: int, args: argparse.Namespace, base: Path) -> Row:
         before = dict(sampler.last)  # the counters at the start of training: startup is not a round's
         nodes.append(NodeProcess.join(f"n{n - 1:02d}", base, *common, "--peer", address, env=env))
         deadline = time.monotonic() + args.cap_s
+        if args.churn:
+            churn = Churn.during(nodes, args, base, address, env, deadline)  # the sampler reads the joiners too
         for node in nodes:
             try:
                 code = node.wait(max(deadline - time.monotonic(), 0.1))
@@ -239,14 +303,17 @@ def run_size(n: int, args: argparse.Namespace, base: Path) -> Row:
                 print(f"  {node.name} exited {code}: {node.output[-1500:]}", file=sys.stderr)
     finally:
         sampler.stop()
-        for node in nodes:
+        for node in sampler.nodes:
             node.kill()
+    if args.churn:
+        print(churn.report(args), flush=True)
+        nodes = [node for node in nodes if node not in churn.killed]  # the table below: survivors
     histories = {node.name: [r for r in node.rounds if r["round"] < args.rounds] for node in nodes}
     by_round: dict[int, list[dict]] = {}
     for entries in histories.values():
         for entry in entries:
             by_round.setdefault(entry["round"], []).append(entry)
-    rounds = sorted(r for r, entries in by_round.items() if len(entries) == n)
+    rounds = sorted(r for r, entries in by_round.items() if len(entries) == len(nodes))
     full = [all(e["outcome"] == "full" for e in by_round[r]) for r in rounds]
     hashes = [len({e["params_sha256"] for e in by_round[r]}) for r in rounds]
     per_hop = [
@@ -313,12 +380,25 @@ def main() -> None:
         "--cap-s", type=float, default=900.0, help="the most a run's rounds may take, once all nodes are up"
     )
     parser.add_argument("--keep", type=Path, help="keep every node's state dir (and history.jsonl) here")
+    parser.add_argument(
+        "--allreduce-timeout-min",
+        type=float,
+        default=0.0,
+        help="the nodes' --allreduce-timeout-min (0: their default): n nodes on one box starve one another's "
+        "streams for seconds, which hosts of their own do not",
+    )
+    parser.add_argument("--churn", type=int, default=0, help="nodes killed mid-round, and as many joining then")
+    parser.add_argument(
+        "--churn-round", type=int, default=-1, help="the round whose inner steps the churn cuts (default: rounds / 2)"
+    )
     args = parser.parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]
     print(
         f"n tiny nodes on {psutil.cpu_count()} cores, {psutil.virtual_memory().total / 2**30:.0f} GiB; "
         f"groups of {GROUP_SIZE}, {args.rounds} rounds of {args.round_seconds:g}s inner steps each, "
-        f"steps of {args.step_floor:g}s at least",
+        f"steps of {args.step_floor:g}s at least"
+        + (f", all-reduce deadlines of {args.allreduce_timeout_min:g}s at least" if args.allreduce_timeout_min else "")
+        + (f", {args.churn} nodes replaced mid-round" if args.churn else ""),
         flush=True,
     )
     print(HEADER, flush=True)
