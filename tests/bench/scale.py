@@ -33,7 +33,8 @@ left is what a node costs besides its training. Per n it prints:
 With --churn K, K nodes (never the first) are killed (SIGKILL) halfway through round
 --churn-round's inner steps and K new ones join at once; a second table says, for the rounds
 after it, the share of survivors whose average ended `full`, and for each joiner the round it
-first averaged, that round's outcome and the seconds from its start to the end of that round.
+first averaged, that round's outcome and the seconds from its start to the end of that round;
+the row's figures are then the survivors' (the nodes that ran every round).
 
 The counters are read from each node's /metrics and /proc every few seconds while it runs (a
 node that exited keeps its last reading). Runs under no test marker: it is a benchmark.
@@ -307,7 +308,7 @@ def run_size(n: int, args: argparse.Namespace, base: Path) -> Row:
             node.kill()
     if args.churn:
         print(churn.report(args), flush=True)
-        nodes = [node for node in nodes if node not in churn.killed]  # the table below: survivors
+        nodes = churn.survivors  # the row below: the nodes that ran every round
     histories = {node.name: [r for r in node.rounds if r["round"] < args.rounds] for node in nodes}
     by_round: dict[int, list[dict]] = {}
     for entries in histories.values():
@@ -342,7 +343,7 @@ def run_size(n: int, args: argparse.Namespace, base: Path) -> Row:
         peak_pss_gb=sampler.peak_pss / 2**30,
         idle_cores=sampler.cores_between(idle[0], idle[1]),
         idle_pss_gb=idle[2] / 2**30 * n / max(n - 1, 1),
-        tracebacks=sum("Traceback" in node.output for node in nodes),
+        tracebacks=sum("Traceback" in node.output for node in sampler.nodes),  # killed and joined ones too
         wall_s=time.monotonic() - started,
     )
 
