@@ -26,7 +26,10 @@ from .hivemind_adapter import DHT, RSASignatureValidator
 from .membership import JoinError
 
 log = logging.getLogger(__name__)
-BOOTSTRAP_FAILED = "failed to connect to bootstrap peers"  # how hivemind's p2pd says no initial peer answered
+# How hivemind says that no initial peer answered: p2pd could not connect, or it connected and the
+# DHT behind it did not answer a ping in time (a busy first node of a 32-node swarm on one box:
+# a joiner gave up at once although its --join-timeout had 15 minutes left)
+NOT_ANSWERED = ("failed to connect to bootstrap peers", "none of the initial_peers responded to a ping")
 BOOTSTRAP_RETRY_S = 2.0  # between a joiner's tries to reach its initial peers, within --join-timeout
 
 
@@ -134,7 +137,7 @@ async def start_dht(
             ) from None
         except Exception as e:  # noqa: BLE001  (hivemind reports daemon failures with several exception types)
             reason = _daemon_reason(e)
-            redial = bool(initial_peers) and keep_trying and BOOTSTRAP_FAILED in reason
+            redial = bool(initial_peers) and keep_trying and any(text in reason for text in NOT_ANSWERED)
             if redial and deadline - time.monotonic() > BOOTSTRAP_RETRY_S:
                 # one dial that failed (the peer still starting, or too busy to answer in time)
                 # is not the peer being gone: --join-timeout is how long to keep trying

@@ -226,6 +226,35 @@ def test_a_joiner_started_before_its_peer_listens_keeps_dialling_until_it_does(t
     assert joiner.round(0)["groups"][0][0] == 2, joiner.rounds
 
 
+@pytest.mark.long_swarms  # about 40 s: outside the default suite's 10 minutes, run by .ci/run
+def test_a_joiner_whose_peer_connects_but_does_not_answer_keeps_dialling(tmp_path, cleanup):
+    """A peer's p2pd may take the connection while the DHT behind it is too busy to answer the
+    ping (the first node of a 32-node swarm on one box): hivemind then says "none of the
+    initial_peers responded to a ping", and the joiner ended with an error at once, 15 minutes of
+    its --join-timeout left. It dials again until the DHT answers, and joins."""
+    import psutil
+
+    args = [*FAST, "--min-peers", "2", "--max-rounds", "1"]  # --join-timeout 120 (NodeProcess.join)
+    first = NodeProcess.join("a", tmp_path, *args)
+    cleanup.append(first)
+    address = first.join_address
+    node = psutil.Process(first.proc.pid)
+    dht = [p for p in node.children() if p.cmdline() == node.cmdline()]  # forked, never exec'd
+    assert len(dht) == 1, [p.cmdline() for p in node.children()]
+    dht[0].suspend()  # its p2pd still takes connections
+    try:
+        joiner = NodeProcess.join("b", tmp_path, *args, "--peer", address)
+        cleanup.append(joiner)
+        time.sleep(20)  # several pings unanswered
+        assert joiner.proc.poll() is None, joiner.output  # still dialling, not given up
+    finally:
+        dht[0].resume()
+    for each in (first, joiner):
+        assert each.wait(120) == 0, each.output
+        assert "Traceback" not in each.output, each.output
+    assert joiner.round(0)["groups"][0][0] == 2, joiner.rounds
+
+
 def test_the_dht_is_never_forked_inside_another_threads_popen():
     """hivemind's DHT is a forked child that never execs. A 2-rank node hung at its start (1 in
     12 here, once in CI): the DHT was forked while the training thread's Popen started a rank,
