@@ -14,7 +14,7 @@ import time
 import urllib.request
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 T = TypeVar("T")
 PORTS = ["--dht-port", "0", "--grpc-port", "0", "--http-port", "0"]
@@ -125,6 +125,10 @@ def theta(state_dir: Path, step: int):
 
 
 class NodeProcess:
+    # every node the running test started: a failed test's report ends with each one's last lines
+    # (conftest.py), so a failure in CI, where no log dir survives, says what the nodes were doing
+    started: ClassVar[list[NodeProcess]] = []
+
     def __init__(
         self, name: str, args: list[str], state_dir: Path, env: dict | None = None, prefix: list[str] | None = None
     ):
@@ -145,6 +149,7 @@ class NodeProcess:
         )
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
+        NodeProcess.started.append(self)
 
     def _read(self) -> None:
         # DTNODE_TEST_LOG_DIR keeps every node's whole log, for reading after a run (tests/bench/gpu.sh
