@@ -34,6 +34,7 @@ log = logging.getLogger(__name__)
 
 FP32_WIRE = WireFormat(Compression.FP32)
 LONE_TIMEOUT_S = 1.0  # a group of one streams nothing and serves no late result: its reduction goes at once
+CUT_FRACTION = 0.9  # an all-reduce that lost a part or a sender after this share of its deadline was cut by it
 
 
 @dataclass(frozen=True)
@@ -131,9 +132,12 @@ class GroupReducer:
             trim_fraction=c.trim_fraction,
             absent=presence.absent,
         )
-        self.deadlines.observe_allreduce(
-            result.bytes_sent + result.bytes_received, result.seconds, not result.failed_parts
-        )
+        if _cut_at_deadline(result, len(group.members), timeout):
+            self.deadlines.observe_cut(work.load * expected, timeout)
+        else:
+            self.deadlines.observe_allreduce(
+                result.bytes_sent + result.bytes_received, result.seconds, not result.failed_parts
+            )
         log.debug(
             "round %d hop %d: all-reduce took %.2fs for %d bytes (%d parts failed)",
             work.round_no,
@@ -284,6 +288,13 @@ async def as_a_group_of_one(
         feedback=feedback,
         trim_fraction=config.trim_fraction,
     )
+
+
+def _cut_at_deadline(result: AllReduceReport, members: int, deadline: float) -> bool:
+    """Whether the deadline, not a member found gone, ended this all-reduce short: a part failed
+    or a sender is missing from a part that succeeded, and it ran to the deadline."""
+    short = bool(result.failed_parts) or (any(p.ok for p in result.parts) and len(result.included_peers) < members)
+    return short and result.seconds >= CUT_FRACTION * deadline
 
 
 def _count_into(report: HopReport, result: AllReduceReport) -> None:

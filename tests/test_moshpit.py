@@ -274,6 +274,43 @@ def test_deadlines_follow_measurements_within_bounds():
     assert 0 < expected_payload_bytes(4096 * 100, 4, WireFormat(Compression.SPARSE, 4096, 64)) < 0.2 * 4096 * 100
 
 
+def test_an_all_reduce_cut_at_its_deadline_makes_the_next_one_of_its_size_wait_longer():
+    """Issue 60: learning only from all-reduces that finished, a deadline learned in a quiet hop 0
+    cut every busier hop 1 of a 24-node swarm at the 3 s floor, round after round. A cut counts
+    as the rate it fell short of: the next deadline of that size is 3x the cut one plus 1 s, up
+    to the upper bound, and the history forgets it after `history` all-reduces."""
+    d = AdaptiveDeadlines(window_min=1.0, window_max=15.0, timeout_min=3.0, timeout_max=60.0, history=4)
+    d.observe_allreduce(10**8, 1.0, ok=True)  # a quiet hop: 100 MB/s
+    assert d.allreduce_timeout(10**7) == 3.0  # the floor
+    d.observe_cut(10**7, 3.0)  # a busy hop of 10 MB, cut at 3 s
+    assert d.allreduce_timeout(10**7) == pytest.approx(10.0)
+    d.observe_cut(10**7, 10.0)  # cut again
+    assert d.allreduce_timeout(10**7) == pytest.approx(31.0)
+    d.observe_cut(10**7, 31.0)
+    assert d.allreduce_timeout(10**7) == 60.0  # never past the upper bound
+    d.observe_cut(0, 3.0)  # nothing was expected of it: says nothing
+    for _ in range(4):
+        d.observe_allreduce(10**8, 1.0, ok=True)
+    assert d.allreduce_timeout(10**7) == 3.0  # forgotten
+
+
+def test_only_an_all_reduce_that_ran_to_its_deadline_short_of_a_part_or_sender_counts_as_cut():
+    from dtnode.peers.allreduce_report import AllReduceReport, PartOutcome
+    from dtnode.peers.group_reduce import _cut_at_deadline
+
+    def report(seconds: float, *parts: PartOutcome) -> AllReduceReport:
+        return AllReduceReport(list(parts), seconds=seconds)
+
+    whole = [PartOutcome(p, f"r{p}", True, ["a", "b", "c"]) for p in range(3)]
+    dropped = [PartOutcome(0, "r0", True, ["a", "b"]), *whole[1:]]
+    failed = [PartOutcome(0, "r0", False, error="DEADLINE_EXCEEDED: no chunk"), *whole[1:]]
+    assert not _cut_at_deadline(report(3.0, *whole), 3, 3.0)  # every part, every sender: slow, not cut
+    assert _cut_at_deadline(report(2.9, *failed), 3, 3.0)  # a part lost at the deadline
+    assert _cut_at_deadline(report(3.0, *dropped), 3, 3.0)  # a sender dropped at the deadline
+    assert not _cut_at_deadline(report(0.4, *failed), 3, 3.0)  # a member found gone early: no rate in it
+    assert not _cut_at_deadline(report(0.4, *dropped), 3, 3.0)
+
+
 def test_a_later_hop_of_an_uneven_grid_gives_its_all_reduce_time_for_a_group_mate_covering_two_cells():
     from dtnode.peers.averager import hop_load
 
