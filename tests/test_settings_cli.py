@@ -152,6 +152,25 @@ def test_cli_bad_input_exits_2_with_one_line(args, option):
     assert len(lines) == 1 and lines[0].startswith(f"dtnode: error: {option}:"), result.stderr
 
 
+def test_a_second_dtnode_local_after_its_run_ended_says_so_and_starts_nothing(tmp_path):
+    """`make swarm` twice: the second run's nodes found the first one's state at the run's last
+    outer step and stopped at once, with no word to a newcomer of why."""
+    (tmp_path / "node0").mkdir()
+    (tmp_path / "node0" / "ckpt-00000003.safetensors").write_bytes(b"")  # only its name is read
+    result = dtnode("local", "--nodes", "1", "--max-rounds", "3", "--base-dir", str(tmp_path))
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("dtnode: error: --max-rounds:"), result.stderr
+    assert "already reached outer step 3" in lines[0] and str(tmp_path) in lines[0]
+    assert not (tmp_path / "node0" / "history.jsonl").exists()  # no node started
+
+    from dtnode.daemon.cli.local_swarm import finished_before
+
+    assert finished_before(tmp_path, 4) is None  # a round left: the swarm goes on
+    assert finished_before(tmp_path, None) is None  # no last round
+    assert finished_before(tmp_path / "elsewhere", 3) is None  # a fresh base dir
+
+
 def test_cli_env_var_is_validated_too():
     result = dtnode("join", env={"DTNODE_HTTP_PORT": "-1"})
     assert result.returncode == 2 and "--http-port" in result.stderr

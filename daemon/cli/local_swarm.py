@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from dtnode.daemon.checkpoints.file_format import list_checkpoints
 from dtnode.daemon.config.settings import flag
 
 JOIN_LINE = re.compile(r"dtnode join --peer ([^\s\"]+)")  # plain or inside a JSON log line
@@ -25,6 +26,18 @@ def threads_per_rank(nodes: int, ranks_per_node: int, cores: int) -> int:
     threads whose parallel ops wait on each other (`dtnode local --nodes 3` of tiny on 2 cores:
     30k tok/s a node with torch's default, 41k with one thread each)."""
     return max(1, cores // (nodes * ranks_per_node))
+
+
+def finished_before(base_dir: Path, max_rounds: int | None) -> int | None:
+    """The outer step an earlier `dtnode local` in `base_dir` ended at, when it is already the
+    run's last (`max_rounds`); None when there is a round left to train. node0 starts the swarm
+    from its own state, so its newest checkpoint is where a second run would begin: a node
+    there stops at once (the run is over), which a newcomer running `make swarm` twice took for
+    a swarm that does nothing."""
+    if max_rounds is None:
+        return None
+    found = list_checkpoints(base_dir / "node0")
+    return found[0][0] if found and found[0][0] >= max_rounds else None
 
 
 def _argv(values: dict[str, Any]) -> list[str]:

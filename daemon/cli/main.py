@@ -316,7 +316,15 @@ def cmd_local(args: argparse.Namespace) -> int:
     settings = load_settings(values)  # fail fast, before any process starts
     if args.nodes < 1 or args.nodes > 64:
         raise SettingsError("--nodes", "must be between 1 and 64")
-    from dtnode.daemon.cli.local_swarm import run_local, threads_per_rank
+    from dtnode.daemon.cli.local_swarm import finished_before, run_local, threads_per_rank
+
+    if (reached := finished_before(Path(args.base_dir), settings.diloco.max_rounds)) is not None:
+        raise SettingsError(
+            "--max-rounds",
+            f"the swarm in {args.base_dir} already reached outer step {reached}, the run's last "
+            f"({settings.diloco.max_rounds}): nothing to train; give a larger --max-rounds to go on, "
+            f"or another --base-dir (or remove {args.base_dir}) to start over",
+        )
 
     if settings.hardware.threads_per_rank is None:  # not given on the command line, in DTNODE_* or the TOML file
         ranks = settings.hardware.nproc_per_node or 1
