@@ -167,3 +167,43 @@ class Forming:
         self.passed_over |= gone
         self.gave_up = True
         return gone
+
+    def jumped(self, view: Standing) -> frozenset[str]:
+        """Registrants this peer benched that rank ahead of it and published no list: it led
+        past them, and a member that does not bench them (one that was not in the group they
+        let down) still waits for them as its leader (see `Matchmaker._hold_own_list`)."""
+        pending = set(self.registrants) - set(view.taken) - set(self.lists) - self.refused
+        return frozenset(ranked_below(self.key, self.me, pending & self.benched))
+
+    def result(
+        self,
+        members: list[Member],
+        decided: ClosedList,
+        wanted: set[str],
+        last_arrival: float,
+        started: float,
+        theta: str,
+    ) -> FormedGroup:
+        """What this peer's group turned out to be, as the averager needs it."""
+        # a list cut by the settling (a member went to another list) is no longer whole
+        complete = decided.complete and len(members) == len(decided.members)
+        registrations = [self.registrants[m.peer_id][1] for m in members]
+        return FormedGroup(
+            self.key,
+            members,
+            len(self.registrants),
+            time.monotonic() - started,
+            complete,
+            last_arrival,
+            decided.resync and len(members) > 1,
+            len(wanted),
+            tuple(sorted({r.theta for r in registrations})),
+            not any(r.resync for r in registrations),
+            sum(
+                1
+                for m in members
+                if m.peer_id != self.me and (not theta or self.registrants[m.peer_id][1].theta != theta)
+            ),
+            tuple(sorted(self.benched & set(self.registrants))),
+            tuple(sorted(outvoted({m.peer_id: self.registrants[m.peer_id][1] for m in members}))),
+        )

@@ -31,11 +31,12 @@ from dataclasses import replace
 from . import failpoints
 from .absentees import Absentees
 from .auth import SwarmAuth
-from .forming import FormedGroup, Forming, needs_resync, outvoted
+from .forming import FormedGroup, Forming, needs_resync
 from .grid import split_groups
 from .group_board import REGISTRATION_TTL_S, GroupBoard, Registration
 from .hivemind_adapter import DHT
-from .leadership import ClosedList, Standing, by_rank, ranked_below
+from .hostile_grouping import hostile_group
+from .leadership import ClosedList, Standing, confirmed
 from .plan import Member
 from .presence import FORMED_LAG_S
 
@@ -177,13 +178,13 @@ class Matchmaker:
         own, reg = await self._register(key, attack, window, resync, weight, theta, share)
         forming = Forming(key, own.peer_id, {own.peer_id: (own, reg)}, benched=self.absentees.benched(round))
         if attack in ("hostile-leader", "hostile-pair") and (
-            lone := await self._attack(attack, forming, admitted, window, started)
+            lone := await hostile_group(self.board, self.poll_interval, attack, forming, admitted, window, started)
         ):
             return lone
-        group, decided, wanted, last_arrival = await self._until_grouped(
+        group, decided, wanted, last_arrival, settled = await self._until_grouped(
             forming, expected, admitted, started, window, target_size, round
         )
-        if len(group) > 1:
+        if len(group) > 1 and not settled:
             group, decided = await self._settle(forming, group, decided, admitted)
         members = [forming.registrants[p][0] for p in group]
         if all(m.client_mode for m in members):
@@ -192,7 +193,7 @@ class Matchmaker:
             await self.board.publish(key, "formed", tuple(sorted(m.peer_id for m in members)))
         except Exception as e:  # noqa: BLE001  (the next hop then waits for this peer until its window ends)
             log.warning("could not publish the formed group: %s", e)
-        return self._formed_group(forming, members, decided, wanted, last_arrival, started, theta)
+        return forming.result(members, decided, wanted - {UNKNOWN}, last_arrival, started, theta)
 
     async def _register(
         self, key: str, attack: str | None, window: float, resync: bool, weight: float, theta: str, share: float
@@ -214,41 +215,6 @@ class Matchmaker:
         await self.board.register(key, reg, window + REGISTRATION_TTL_S)
         return replace(self.own, weight=weight, bandwidth=bandwidth, share=share), reg
 
-    def _formed_group(
-        self,
-        forming: Forming,
-        members: list[Member],
-        decided: ClosedList,
-        wanted: set[str],
-        last_arrival: float,
-        started: float,
-        theta: str,
-    ) -> FormedGroup:
-        """What this peer's group turned out to be, as the averager needs it."""
-        key, me = forming.key, forming.me
-        # a list cut by the settling (a member went to another list) is no longer whole
-        complete = decided.complete and len(members) == len(decided.members)
-        registrations = [forming.registrants[m.peer_id][1] for m in members]
-        return FormedGroup(
-            key,
-            members,
-            len(forming.registrants),
-            time.monotonic() - started,
-            complete,
-            last_arrival,
-            decided.resync and len(members) > 1,
-            len(wanted - {UNKNOWN}),
-            tuple(sorted({r.theta for r in registrations})),
-            not any(r.resync for r in registrations),
-            sum(
-                1
-                for m in members
-                if m.peer_id != me and (not theta or forming.registrants[m.peer_id][1].theta != theta)
-            ),
-            tuple(sorted(forming.benched & set(forming.registrants))),
-            tuple(sorted(outvoted({m.peer_id: forming.registrants[m.peer_id][1] for m in members}))),
-        )
-
     async def _until_grouped(
         self,
         forming: Forming,
@@ -258,9 +224,10 @@ class Matchmaker:
         window: float,
         target_size: int,
         round_no: int,
-    ) -> tuple[tuple[str, ...], ClosedList, set[str], float]:
+    ) -> tuple[tuple[str, ...], ClosedList, set[str], float, bool]:
         """Poll until a list in force names this peer, or it leads and closes one: (the group,
-        its list, whom this peer expected, seconds to the last registrant's arrival)."""
+        its list, whom this peer expected, seconds to the last registrant's arrival, whether it
+        was settled already: a leader that held its list for confirmations read past a settle)."""
         me, key = forming.me, forming.key
         deadline = started + window
         give_up_at = deadline + self.settle_s + LEADER_GRACE_S
@@ -304,7 +271,7 @@ class Matchmaker:
                 # a list naming a registrant this peer has not read yet waits a poll or so for it
                 # (a read that missed it); past this peer's own deadline, without it
                 if not forming.valid()[publisher].unknown or forming.gave_up or now >= give_up_at:
-                    return group, forming.lists[publisher], wanted, last_arrival
+                    return group, forming.lists[publisher], wanted, last_arrival, False
             elif view.leader == me:
                 candidates = forming.candidates(view)
                 # a peer passed over is waited for no longer (its absence leaves the group not whole)
@@ -314,7 +281,10 @@ class Matchmaker:
                 )
                 if ready and not forming.holding(view, candidates, self.settle_s + HOLD_S):
                     group, decided = await self._close(forming, view, candidates, wanted, target_size)
-                    return group, decided, wanted, last_arrival
+                    if len(group) > 1 and (jumped := forming.jumped(view)):
+                        group, decided = await self._hold_own_list(forming, group, admitted, jumped, give_up_at)
+                        return group, decided, wanted, last_arrival, True
+                    return group, decided, wanted, last_arrival, False
             elif now >= give_up_at:
                 passes += 1
                 everyone = passes > MAX_PASSES
@@ -345,6 +315,45 @@ class Matchmaker:
         forming.lists[forming.me] = decided
         return group, decided
 
+    async def _hold_own_list(
+        self,
+        forming: Forming,
+        group: tuple[str, ...],
+        admitted: Callable[[], Awaitable[set[str]]] | None,
+        jumped: frozenset[str],
+        until: float,
+    ) -> tuple[tuple[str, ...], ClosedList]:
+        """As a leader that led past registrants it benched (`Forming.jumped`): its list stands
+        once most of its members confirmed it, or once the followers' own clocks have passed the
+        benched ones over (`until`, this peer's own give-up time as a follower); before that, a
+        list from one of them that names this peer is the group the rules give.
+
+        A bench is this node's own view. A member of its list that was not in the group the
+        benched peer let down waits for that peer as its leader; the list that jumped it is on
+        hold there. When the benched peer (honest, only slow once) then closed its own list, it
+        named this node and its members: they took that list and this node its own, and neither
+        group was whole (seen at 24 nodes, and in `drills.sh uneven`, as two groups of one cell
+        and θ_g split). Where every member benched it too, they take this list at once and
+        confirm it within their settle time: the hold costs nothing a settle did not."""
+        me = forming.me
+        log.info(
+            "%s: led past %s (benched here); holding the list until confirmed", forming.key, _short(sorted(jumped))
+        )
+        while True:
+            try:
+                await self._read(forming, admitted)
+                await self._read_formed(forming)
+            except Exception as e:  # noqa: BLE001  (hivemind's DHT reads fail with many types)
+                log.warning("matchmaking lookup failed while holding a list: %s", e)
+            view = forming.standing()
+            publisher = view.taken.get(me, me)
+            if publisher != me:  # a list ranked ahead of ours names this peer: the rules put it there
+                return view.groups[publisher], forming.lists[publisher]
+            mine = view.group_of(me) or (me,)
+            if confirmed(me, mine, forming.formed) or not forming.jumped(view) or time.monotonic() >= until:
+                return mine, forming.lists[me]
+            await asyncio.sleep(self.poll_interval)
+
     async def _settle(
         self,
         forming: Forming,
@@ -372,32 +381,6 @@ class Matchmaker:
             _short(agreed),
         )
         return agreed, forming.lists[view.taken[forming.me]]
-
-    async def _attack(
-        self,
-        attack: str,
-        forming: Forming,
-        admitted: Callable[[], Awaitable[set[str]]] | None,
-        window: float,
-        started: float,
-    ) -> FormedGroup | None:
-        """A test's attacker (peers/failpoints.py). `hostile-leader` never closes its group: it
-        averages alone once its own window is over, and publishes nothing. `hostile-pair` closes
-        a list naming itself and the first registrant ranked after it the moment it reads one;
-        the caller then forms its group as usual (None)."""
-        me, key = forming.me, forming.key
-        if attack == "hostile-leader":
-            await asyncio.sleep(min(window, 10.0))
-            return FormedGroup(key, [forming.registrants[me][0]], 1, time.monotonic() - started)
-        while time.monotonic() - started < window:
-            allowed = await admitted() if admitted is not None else None
-            others = by_rank(key, set(await self.board.registrations(key, allowed)) - {me})
-            after = [p for p in others if p not in ranked_below(key, me, others)]
-            if after:
-                await self.board.publish(key, "closed", (me, after[0]), resync=True)
-                return None
-            await asyncio.sleep(self.poll_interval)
-        return None
 
 
 def _part_of(candidates: list[str], me: str, target_size: int) -> tuple[str, ...]:
