@@ -11,7 +11,17 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from .group_board import Registrants, Registration
-from .leadership import ClosedList, ReadList, Standing, by_rank, confirmable, ranked_below, standing, valid_lists
+from .leadership import (
+    ClosedList,
+    ReadList,
+    Standing,
+    by_rank,
+    confirmable,
+    confirmed,
+    ranked_below,
+    standing,
+    valid_lists,
+)
 from .plan import Member
 
 
@@ -115,6 +125,8 @@ class Forming:
     gave_up: bool = False
     # members this node benched (absentees.py): passed over from the start, and not missed
     benched: frozenset[str] = frozenset()
+    # when this peer, as a follower, gives up on the leader it waits for (its own clock)
+    give_up_at: float = 0.0
 
     def __post_init__(self) -> None:
         self.passed_over |= self.benched - {self.me}
@@ -168,12 +180,24 @@ class Forming:
         self.gave_up = True
         return gone
 
-    def jumped(self, view: Standing) -> frozenset[str]:
-        """Registrants this peer benched that rank ahead of it and published no list: it led
-        past them, and a member that does not bench them (one that was not in the group they
-        let down) still waits for them as its leader (see `Matchmaker._hold_own_list`)."""
+    def jumped(self, view: Standing, publisher: str) -> frozenset[str]:
+        """Registrants this peer benched that rank ahead of `publisher` and published no list:
+        the publisher's list led past them, and a member that does not bench them (one that was
+        not in the group they let down) still waits for them as its leader (`Matchmaker._hold`)."""
         pending = set(self.registrants) - set(view.taken) - set(self.lists) - self.refused
-        return frozenset(ranked_below(self.key, self.me, pending & self.benched))
+        return frozenset(ranked_below(self.key, publisher, pending & self.benched))
+
+    def settled_on(self, publisher: str, members: tuple[str, ...]) -> bool:
+        """Whether the members of a list that led past a benched registrant settled on it: for
+        this peer's own list, most of them confirmed it; for another's, no member (but this one)
+        declines it without having taken it since."""
+        if publisher == self.me:
+            return confirmed(publisher, members, self.formed)
+        return not any(
+            publisher in self.declined.get(m, ()) and publisher not in self.formed.get(m, ())
+            for m in members
+            if m not in (self.me, publisher)
+        )
 
     def result(
         self,

@@ -36,7 +36,7 @@ from .grid import split_groups
 from .group_board import REGISTRATION_TTL_S, GroupBoard, Registration
 from .hivemind_adapter import DHT
 from .hostile_grouping import hostile_group
-from .leadership import ClosedList, Standing, confirmed
+from .leadership import ClosedList, Standing
 from .plan import Member
 from .presence import FORMED_LAG_S
 
@@ -230,7 +230,7 @@ class Matchmaker:
         was settled already: a leader that held its list for confirmations read past a settle)."""
         me, key = forming.me, forming.key
         deadline = started + window
-        give_up_at = deadline + self.settle_s + LEADER_GRACE_S
+        forming.give_up_at = give_up_at = deadline + self.settle_s + LEADER_GRACE_S
         # a leader's window is a promise to the followers (they pass it over a grace after their
         # own, on their clocks): on a loaded host one poll of the DHT takes seconds, so a
         # leader's poll is cut half that grace past its deadline, and it decides with what it read
@@ -265,7 +265,7 @@ class Matchmaker:
                 # everyone this peer expects is here (or was refused): a leader that sees what it sees
                 # closes within a poll, so the leader's grace runs from now, not from the end of this
                 # peer's window
-                give_up_at = min(give_up_at, now + self.settle_s + self.leader_grace())
+                forming.give_up_at = give_up_at = min(give_up_at, now + self.settle_s + self.leader_grace())
             if (group := view.group_of(me)) is not None:
                 publisher = view.taken[me]
                 # a list naming a registrant this peer has not read yet waits a poll or so for it
@@ -281,8 +281,8 @@ class Matchmaker:
                 )
                 if ready and not forming.holding(view, candidates, self.settle_s + HOLD_S):
                     group, decided = await self._close(forming, view, candidates, wanted, target_size)
-                    if len(group) > 1 and (jumped := forming.jumped(view)):
-                        group, decided = await self._hold_own_list(forming, group, admitted, jumped, give_up_at)
+                    if len(group) > 1 and forming.jumped(view, me):
+                        group, decided = await self._hold(forming, admitted, me)
                         return group, decided, wanted, last_arrival, True
                     return group, decided, wanted, last_arrival, False
             elif now >= give_up_at:
@@ -292,7 +292,9 @@ class Matchmaker:
                 log.info("%s: no list from %s by this peer's own deadline; passing over", key, _short(sorted(gone)))
                 if not everyone:  # a leader that closed nothing in time let its group down (the others
                     self.absentees.strike(round_no, gone)  # passed over at once are its followers)
-                give_up_at = now + LEADER_GRACE_S  # the next leader's grace: it may be taking over now
+                forming.give_up_at = give_up_at = (
+                    now + LEADER_GRACE_S
+                )  # the next leader's grace: it may be taking over now
                 view = forming.standing()
                 continue
             await asyncio.sleep(self.poll_interval)
@@ -315,29 +317,29 @@ class Matchmaker:
         forming.lists[forming.me] = decided
         return group, decided
 
-    async def _hold_own_list(
-        self,
-        forming: Forming,
-        group: tuple[str, ...],
-        admitted: Callable[[], Awaitable[set[str]]] | None,
-        jumped: frozenset[str],
-        until: float,
+    async def _hold(
+        self, forming: Forming, admitted: Callable[[], Awaitable[set[str]]] | None, publisher: str
     ) -> tuple[tuple[str, ...], ClosedList]:
-        """As a leader that led past registrants it benched (`Forming.jumped`): its list stands
-        once most of its members confirmed it, or once the followers' own clocks have passed the
-        benched ones over (`until`, this peer's own give-up time as a follower); before that, a
-        list from one of them that names this peer is the group the rules give.
+        """Hold a list that led past registrants this peer benched (`Forming.jumped`): a list
+        from one of them naming this peer, closed meanwhile, is the group the rules give; the
+        held list stands once its members settled on it (this peer's own: most of them confirmed
+        it; another's: no member still declines it), once the benched ones are gone, or once the
+        followers' own clocks have passed them over (`Forming.give_up_at`).
 
-        A bench is this node's own view. A member of its list that was not in the group the
-        benched peer let down waits for that peer as its leader; the list that jumped it is on
-        hold there. When the benched peer (honest, only slow once) then closed its own list, it
-        named this node and its members: they took that list and this node its own, and neither
-        group was whole (seen at 24 nodes, and in `drills.sh uneven`, as two groups of one cell
-        and θ_g split). Where every member benched it too, they take this list at once and
-        confirm it within their settle time: the hold costs nothing a settle did not."""
+        A bench is this node's own view. A member that was not in the group the benched peer let
+        down waits for it as its leader: the list that jumped it is on hold there, and it says so
+        (it declines it). When the benched peer (honest, slow once) then closed its own list, it
+        named those members and this one: they took it, the list's publisher (and its members
+        that benched it too) took the other, and neither group was whole (seen at 24 nodes, and
+        in `drills.sh uneven`, as two groups of one cell and θ_g split). Where every member
+        benched it, they take the list at once and confirm it within their settle time, and
+        nobody declines it: the hold costs a leader what a settle did, and a follower nothing."""
         me = forming.me
         log.info(
-            "%s: led past %s (benched here); holding the list until confirmed", forming.key, _short(sorted(jumped))
+            "%s: %s led past %s (benched here); holding",
+            forming.key,
+            publisher[-6:],
+            _short(sorted(forming.jumped(forming.standing(), publisher))),
         )
         while True:
             try:
@@ -346,13 +348,25 @@ class Matchmaker:
             except Exception as e:  # noqa: BLE001  (hivemind's DHT reads fail with many types)
                 log.warning("matchmaking lookup failed while holding a list: %s", e)
             view = forming.standing()
-            publisher = view.taken.get(me, me)
-            if publisher != me:  # a list ranked ahead of ours names this peer: the rules put it there
-                return view.groups[publisher], forming.lists[publisher]
-            mine = view.group_of(me) or (me,)
-            if confirmed(me, mine, forming.formed) or not forming.jumped(view) or time.monotonic() >= until:
-                return mine, forming.lists[me]
+            group = view.group_of(me)
+            if group is None:  # on hold behind another pending registrant: as read before
+                return forming.lists[publisher].members, forming.lists[publisher]
+            if view.taken[me] != publisher:  # a list ranked ahead names this peer: the rules put it there
+                return group, forming.lists[view.taken[me]]
+            if (
+                forming.settled_on(publisher, group)
+                or not forming.jumped(view, publisher)
+                or time.monotonic() >= forming.give_up_at
+            ):
+                return group, forming.lists[publisher]
             await asyncio.sleep(self.poll_interval)
+
+    @staticmethod
+    def _led_past_benched(forming: Forming, view: Standing) -> bool:
+        """Whether this peer's group, as `view` has it, is another's list that led past a
+        registrant this peer benched."""
+        publisher = view.taken.get(forming.me)
+        return publisher not in (None, forming.me) and bool(forming.jumped(view, publisher))
 
     async def _settle(
         self,
@@ -361,17 +375,24 @@ class Matchmaker:
         decided: ClosedList,
         admitted: Callable[[], Awaitable[set[str]]] | None,
     ) -> tuple[tuple[str, ...], ClosedList]:
-        """Wait out lists published at the same time as ours; keep the group the rules give."""
+        """Wait out lists published at the same time as ours; keep the group the rules give. A
+        list that led past a registrant this peer benched is held while a member declines it
+        (`_hold`)."""
+        me = forming.me
         await asyncio.sleep(self.settle_s)
         try:
             await self._read(forming, admitted)
-            if forming.standing().needs_formed:
-                await self._read_formed(forming)
+            view = forming.standing()
+            if view.needs_formed or self._led_past_benched(forming, view):
+                await self._read_formed(forming)  # the confirmations, and the declines
         except Exception as e:  # noqa: BLE001  (hivemind's DHT reads fail with many types)
             # the lists read before stand: averaging alone would fail the members counting on us
             log.warning("matchmaking lookup failed while settling: %s; keeping the lists read before", e)
         view = forming.standing()
-        agreed = view.group_of(forming.me)
+        agreed = view.group_of(me)
+        held = agreed is not None and self._led_past_benched(forming, view)
+        if held and agreed is not None and not forming.settled_on(view.taken[me], agreed):
+            return await self._hold(forming, admitted, view.taken[me])
         if agreed is None or agreed == group:
             return group, decided
         log.info(

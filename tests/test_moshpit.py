@@ -488,34 +488,34 @@ def test_a_leader_passed_over_once_is_benched_and_not_waited_for_in_the_next_rou
     asyncio.run(main())
 
 
-def test_a_member_that_benched_the_leader_holds_its_list_for_the_members_that_did_not(dht):
+def test_members_that_benched_the_leader_hold_the_list_that_led_past_it_for_those_that_did_not(dht):
     """A bench is one node's view (peers/absentees.py). A member that benched the registrant
-    ranked first led past it at once and took its own list for its group, while a member that
-    did not bench it waited for it as its leader and took the list it closed a moment later:
-    two groups of one key, neither whole, and θ_g split (24 nodes, `drills.sh uneven`). The
-    member that led past a benched leader now holds its list until its members confirm it, and
-    takes the list the benched leader closed in the meantime: one group."""
+    ranked first led past it at once and took its own list for its group (and so did a follower
+    that benched it too), while a member that did not bench it waited for it as its leader and
+    took the list it closed a moment later: two groups of one key, neither whole, and θ_g split
+    (24 nodes, `drills.sh uneven`). The list that led past a benched leader is now held, by its
+    publisher until its members confirm it, by a member that benched it too while another
+    declines it; meanwhile the list the benched leader closed is the group: one group."""
 
-    async def main():
-        slow, jumper, _follower = _ranked("mm-jumped", "abc")  # the follower does not bench the slow one
-        makers = {p: Matchmaker(dht, "mm-jumped", _member(p), poll_interval=0.05, settle_s=0.3) for p in "abc"}
-        makers[jumper].absentees.strike(0, [slow])  # it let the jumper's group down once
-
-        async def want():
-            return {"a", "b", "c"}
-
-        async def want_one_more():  # the slow leader waits its whole window for a peer that never comes
-            return {"a", "b", "c", "z"}
+    async def main(run_id: str, names: str, benching: int):
+        slow, *others = _ranked(run_id, names)
+        makers = {p: Matchmaker(dht, run_id, _member(p), poll_interval=0.05, settle_s=0.3) for p in names}
+        for p in others[:benching]:  # the jumper (ranked next) and maybe a follower: it let their group down
+            makers[p].absentees.strike(0, [slow])
 
         async def form(p):
+            async def want():  # the slow leader waits its whole window for a peer that never comes
+                return set(names) | ({"z"} if p == slow else set())
+
             window = 0.8 if p == slow else 10.0
-            return await makers[p].form_group(0, 0, want_one_more if p == slow else want, window, target_size=3)
+            return await makers[p].form_group(0, 0, want, window, target_size=len(names))
 
-        groups = await asyncio.gather(*(form(p) for p in "abc"))
-        assert [[m.peer_id for m in g.members] for g in groups] == [["a", "b", "c"]] * 3
-        assert set(await makers["a"].formed(makers["a"].group_key(0, 0))) == set("abc")
+        groups = await asyncio.gather(*(form(p) for p in names))
+        assert [[m.peer_id for m in g.members] for g in groups] == [sorted(names)] * len(names), benching
+        assert set(await makers[slow].formed(makers[slow].group_key(0, 0))) == set(names)
 
-    asyncio.run(main())
+    asyncio.run(main("mm-jumped", "abc", benching=1))
+    asyncio.run(main("mm-jumped-2", "abcd", benching=2))
 
 
 def test_a_registrant_refused_for_a_weight_of_0_is_not_waited_for_to_the_windows_end(dht):
