@@ -20,9 +20,9 @@ saw it (every honest member of that group did), and benched:
 An honest member that crashed, stalled or restarted is benched too, for BENCH_ROUNDS rounds:
 it averages alone meanwhile (as it would have, being away), and is back in the round after.
 A bench is this node's own view; a list in force that names a benched member still stands (a
-leader that does not bench it named it), and a member that led past a registrant it benched
-holds its list until its members confirm it (`Matchmaker._hold_own_list`): members that do not
-bench that registrant wait for it as their leader, and take the list it closes.
+leader that does not bench it named it), and a list that led past a registrant its reader
+benched is held until its members settled on it (`Matchmaker._hold`): members that do not bench
+that registrant wait for it as their leader, and take the list it closes.
 """
 
 from __future__ import annotations
