@@ -230,7 +230,7 @@ class Matchmaker:
         was settled already: a leader that held its list for confirmations read past a settle)."""
         me, key = forming.me, forming.key
         deadline = started + window
-        forming.give_up_at = deadline + self.settle_s + LEADER_GRACE_S
+        forming.give_up_at = give_up_at = deadline + self.settle_s + LEADER_GRACE_S
         # a leader's window is a promise to the followers (they pass it over a grace after their
         # own, on their clocks): on a loaded host one poll of the DHT takes seconds, so a
         # leader's poll is cut half that grace past its deadline, and it decides with what it read
@@ -265,12 +265,12 @@ class Matchmaker:
                 # everyone this peer expects is here (or was refused): a leader that sees what it sees
                 # closes within a poll, so the leader's grace runs from now, not from the end of this
                 # peer's window
-                forming.give_up_at = min(forming.give_up_at, now + self.settle_s + self.leader_grace())
+                forming.give_up_at = give_up_at = min(give_up_at, now + self.settle_s + self.leader_grace())
             if (group := view.group_of(me)) is not None:
                 publisher = view.taken[me]
                 # a list naming a registrant this peer has not read yet waits a poll or so for it
                 # (a read that missed it); past this peer's own deadline, without it
-                if not forming.valid()[publisher].unknown or forming.gave_up or now >= forming.give_up_at:
+                if not forming.valid()[publisher].unknown or forming.gave_up or now >= give_up_at:
                     return group, forming.lists[publisher], wanted, last_arrival, False
             elif view.leader == me:
                 candidates = forming.candidates(view)
@@ -285,15 +285,16 @@ class Matchmaker:
                         group, decided = await self._hold(forming, admitted, me)
                         return group, decided, wanted, last_arrival, True
                     return group, decided, wanted, last_arrival, False
-            elif now >= forming.give_up_at:
+            elif now >= give_up_at:
                 passes += 1
                 everyone = passes > MAX_PASSES
                 gone = forming.pass_over(view, everyone=everyone)
                 log.info("%s: no list from %s by this peer's own deadline; passing over", key, _short(sorted(gone)))
                 if not everyone:  # a leader that closed nothing in time let its group down (the others
                     self.absentees.strike(round_no, gone)  # passed over at once are its followers)
-                # the next leader's grace: it may be taking over now
-                forming.give_up_at = now + LEADER_GRACE_S
+                forming.give_up_at = give_up_at = (
+                    now + LEADER_GRACE_S
+                )  # the next leader's grace: it may be taking over now
                 view = forming.standing()
                 continue
             await asyncio.sleep(self.poll_interval)
@@ -389,11 +390,8 @@ class Matchmaker:
             log.warning("matchmaking lookup failed while settling: %s; keeping the lists read before", e)
         view = forming.standing()
         agreed = view.group_of(me)
-        if (
-            agreed is not None
-            and self._led_past_benched(forming, view)
-            and not forming.settled_on(view.taken[me], agreed)
-        ):
+        held = agreed is not None and self._led_past_benched(forming, view)
+        if held and agreed is not None and not forming.settled_on(view.taken[me], agreed):
             return await self._hold(forming, admitted, view.taken[me])
         if agreed is None or agreed == group:
             return group, decided
