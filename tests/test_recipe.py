@@ -67,7 +67,7 @@ def _keep(node: NodeProcess) -> None:
 
 def _recipe(**changes) -> SwarmRecipe:
     s = NodeSettings()
-    return SwarmRecipe(data="synthetic (seed 0)", seq_len=64, **{k: s.value(k) for k in ("inner_steps", "pacing", "inner_lr", "lr_schedule", "warmup_steps", "min_lr_ratio", "outer_lr", "outer_momentum", "compression", "quant_block_size")}).model_copy(update=changes)  # fmt: skip
+    return SwarmRecipe(data="synthetic (seed 0)", seq_len=64, **{k: s.value(k) for k in ("inner_steps", "pacing", "inner_optimizer", "inner_lr", "lr_schedule", "warmup_steps", "min_lr_ratio", "outer_lr", "outer_momentum", "compression", "quant_block_size")}).model_copy(update=changes)  # fmt: skip
 
 
 def test_differences_name_the_field_both_values_and_the_flag():
@@ -89,15 +89,18 @@ def test_a_swarm_of_mixed_recipes_is_joined_when_any_peer_shares_ours():
     assert check_members(ours, ["", "{not json", '{"data": 1}']) is None  # unreadable: not counted
 
 
-def test_a_record_of_before_the_inner_optimizer_field_is_adamws_and_muon_is_carried_by_the_join_line():
+def test_a_record_of_before_the_inner_optimizer_field_is_adamws_and_adamw_is_carried_by_the_join_line():
+    """Muon is the default; a swarm of AdamW (one started before, or by choice) prints it in its
+    join line and a joiner by sidecar takes it."""
     legacy = {k: v for k, v in _recipe().model_dump().items() if k != "inner_optimizer"}
     assert SwarmRecipe.model_validate(legacy).inner_optimizer == "adamw"
-    assert recipe_flags(_recipe(inner_optimizer="muon"), None) == ["--seq-len", "64", "--inner-optimizer", "muon"]
-    assert adopted_settings(NodeSettings(), _recipe(inner_optimizer="muon")) == {
-        "inner_optimizer": "muon",
+    assert _recipe().inner_optimizer == "muon" and recipe_flags(_recipe(), None) == ["--seq-len", "64"]
+    assert recipe_flags(_recipe(inner_optimizer="adamw"), None) == ["--seq-len", "64", "--inner-optimizer", "adamw"]
+    assert adopted_settings(NodeSettings(), _recipe(inner_optimizer="adamw")) == {
+        "inner_optimizer": "adamw",
         "seq_len": 64,
     }
-    assert SwarmRecipe.from_record(_recipe().to_record().replace('"adamw"', '"lion"')) is None  # unreadable
+    assert SwarmRecipe.from_record(_recipe().to_record().replace('"muon"', '"lion"')) is None  # unreadable
 
 
 def test_only_fields_not_given_are_adopted():
@@ -146,7 +149,7 @@ def test_a_joiner_with_other_data_h_and_seq_len_is_refused_with_the_fields_named
     other = _text(tmp_path / "other.txt", 2)
     b = NodeProcess.join(
         "b", tmp_path, *NOT_RECIPE, "--inner-steps", "9", "--seq-len", "16", "--warmup-steps", "5",
-        "--run-id", "recipe-test", "--data", str(other), "--peer", a.join_address, "--inner-optimizer", "muon",
+        "--run-id", "recipe-test", "--data", str(other), "--peer", a.join_address, "--inner-optimizer", "adamw",
     )  # fmt: skip
     assert b.wait(120) == EXIT_MISMATCH, b.output
     _keep(b)
@@ -154,7 +157,7 @@ def test_a_joiner_with_other_data_h_and_seq_len_is_refused_with_the_fields_named
     for field, ours, theirs in (("inner_steps", "9", "12"), ("seq_len", "16", "24")):
         assert f"{field}: this node {ours}, the swarm {theirs} (set by --{field.replace('_', '-')})" in b.output
     assert "data: this node '" in b.output and "(set by --data" in b.output
-    assert "inner_optimizer: this node 'muon', the swarm 'adamw' (set by --inner-optimizer)" in b.output
+    assert "inner_optimizer: this node 'adamw', the swarm 'muon' (set by --inner-optimizer)" in b.output
     assert "Traceback" not in b.output
 
 

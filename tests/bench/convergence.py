@@ -1,6 +1,6 @@
 """Convergence: does dtnode train as well per token as synchronous data-parallel, for how much less traffic?
 
-    .venv/bin/python -m tests.bench.convergence                       # CPU size (about 30 min on 2 cores)
+    .venv/bin/python -m tests.bench.convergence                       # CPU size (about 70 min on 2 cores)
     .venv/bin/python -m tests.bench.convergence --datasets text --runs dp,int8-h50
     .venv/bin/python -m tests.bench.convergence --model small --batch-size 8 --seq-len 256 \\
         --steps 3000 --device cuda --out bench-out                      # a GPU box
@@ -31,21 +31,27 @@ trained by:
                   the reference sending dtnode's sparse code (top 64, or N, of 4096, 2-bit values),
                   what was not sent kept in an error-feedback buffer, or in θ_l
   ...-owN         (suffix, reference) the outer rate warmed up linearly over the first N outer steps
+  ...-hrN         (suffix, reference) H ramped up over the first N rounds: round r (from 0) takes
+                  max(1, round(H (r + 1) / N)) inner steps, then H (post-local SGD's warm-up)
   ...-hb          (suffix, reference) heavy-ball outer momentum (SGD with momentum, not Nesterov)
   ...-linear, -constant (suffix, reference and dp/solo) the inner rate's decay after warmup (default cosine)
   ...-minlrX      (suffix, reference and dp/solo) the inner rate's floor at the end, as a fraction of its peak (0.1)
   ...-b2X         (suffix, reference and dp/solo) the inner AdamW's β2 (0.95)
   ...-muon        (suffix, every run) Muon as the inner optimizer on the hidden matrices, AdamW on
-                  the rest (--inner-optimizer muon), at the same peak rate
+                  the rest (--inner-optimizer muon, dtnode's default), at the same peak rate; a
+                  run without it trains with AdamW (dtnode's runs say --inner-optimizer adamw)
   ...-syncm, -syncv, -syncmv (suffix, reference) AdamW's first, second or both moments averaged
                   over the workers every outer step
   diloco-hH-sparsemeanN, diloco-hH-sparsemeanrN (-efdX)
                   -sparse with the mean cut to its N largest values per block (8-bit values,
                   as a reducer could return it), what the cut dropped fed back by each worker
                   (its own dropped share) or by the part's reducer (all of it, x the group's size)
-Every run takes `--steps` inner steps per worker (solo: W x as many) with the same AdamW, the
-same warmup and the same cosine decay over the run (dtnode: --total-steps). Inner AdamW
-settings are dtnode's defaults; the outer step is dtnode's (Nesterov SGD, --outer-lr).
+Every run takes `--steps` inner steps per worker (solo: W x as many) with the same inner
+optimizer (AdamW, or Muon with -muon), the same warmup and the same cosine decay over the run
+(dtnode: --total-steps). Inner optimizer settings are dtnode's defaults; the outer step is
+dtnode's (Nesterov SGD, --outer-lr). The report ends each dataset with the best run of each kind
+(dp over both optimizers and every rate tried, each dtnode codec, grouping and H, each H of the
+reference): each side at its best.
 
 Datasets: `text` is the source of Python's standard library on this host, split by file
 name (one file in 20 held out: the eval text shares no file with the training text);
@@ -105,9 +111,10 @@ RUN_NAME = re.compile(rf"(moshpit-)?(fp32|int8|sparse)-h(\d+){OUTER}(?:-efd({LR}
 # inner-rate decay and floor, AdamW's β2, and Muon as the inner optimizer (--inner-optimizer muon)
 SCHEDULE = rf"(?:-(linear|constant))?(?:-minlr({LR}))?(?:-b2({LR}))?(-muon)?"
 OUTER_MOMENTUM = 0.9
-DEFAULT_RUNS = (
-    "dp,dp-lr0.004,dp-lr0.008,dp-lr0.016,solo,fp32-h50,int8-h10,int8-h50,int8-h100,int8-h50-overlap,moshpit-int8-h50,"
-    "sparse-h50,moshpit-sparse-h50"
+DEFAULT_RUNS = (  # data-parallel swept for both inner optimizers (its best is the baseline), dtnode's defaults
+    "dp,dp-lr0.004,dp-lr0.008,dp-lr0.016,dp-lr0.008-muon,dp-lr0.012-muon,dp-lr0.024-muon,solo,fp32-h50,int8-h10,"
+    "int8-h50,int8-h100,int8-h50-overlap,moshpit-int8-h50,sparse-h50,moshpit-sparse-h50,int8-h20-muon,"
+    "int8-h10-lr0.016-om0.6-muon,sparse-h10-lr0.016-olr2-muon"
 )
 
 
@@ -158,6 +165,19 @@ class Reference:
     beta2: float = 0.95  # the inner AdamW's second-moment decay
     sync_moments: str = ""  # "m", "v" or "mv": AdamW's first and/or second moments averaged every outer step
     optimizer: str = "adamw"  # the inner optimizer (dtnode's --inner-optimizer)
+    h_ramp: int = 0  # rounds over which H grows linearly to its value (0: every round is H steps)
+
+    def round_ends(self, steps: int) -> list[int]:
+        """The inner steps (counted from 1) after which a round's Δ is averaged: every H, or with
+        `h_ramp` shorter rounds first; the run's last step always ends a round."""
+        if not self.h:
+            return []
+        ends, done, r = [], 0, 0
+        while done < steps:
+            done = min(steps, done + (max(1, round(self.h * (r + 1) / self.h_ramp)) if r < self.h_ramp else self.h))
+            ends.append(done)
+            r += 1
+        return ends
 
 
 # ---- data -------------------------------------------------------------------------------
@@ -208,6 +228,7 @@ def _worker(
     Δ lands `delay` inner steps into the next round, as an average that runs beside them would:
     the outer step is made then, and the progress since the round began is kept on top of it."""
     h, delay, sparse, feedback_decay, top_k = ref.h, ref.delay, ref.sparse, ref.feedback_decay, ref.top_k
+    round_ends = set(ref.round_ends(cfg.steps * cfg.workers // world))
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     device = torch.device(cfg.device)
     if world > 1:
@@ -272,7 +293,7 @@ def _worker(
         if h and pending is not None and (step + 1) % h == delay % h:  # the mean of the last round lands
             land(pending)
             pending = None
-        if h and (step + 1) % h == 0:
+        if (step + 1) in round_ends:
             with torch.no_grad():
                 in_flight.copy_(theta_g.detach() - parameters_to_vector(params))  # this round's Δ
                 if sparse == "buffer" or sparse.startswith("mean"):
@@ -310,7 +331,7 @@ def _worker(
     wall = time.monotonic() - started
     if rank == 0:
         numel = sum(p.numel() for p in params)
-        exchanges = steps // h if h else steps
+        exchanges = len(round_ends) if h else steps
         sent = 2 * (world - 1) / world * 4 * numel * exchanges if world > 1 else 0.0
         if sparse.startswith("mean"):  # a reduce-scatter: payloads to the reducers, the cut means back
             cut = sparse_codec.support_bytes_per_value(4096, int(sparse.split(":")[1]))
@@ -375,7 +396,7 @@ def run_synchronous(
                 break
     data = json.loads(out.read_text())
     curve = [tuple(p) for p in data["curve"]]
-    exchanges = cfg.steps * cfg.workers // world // h if h else cfg.steps * cfg.workers // world
+    exchanges = len(ref.round_ends(cfg.steps * cfg.workers // world)) if h else cfg.steps * cfg.workers // world
     return Result(name, dataset, curve[-1][1], data["bytes"], data["wall_s"], curve[-1][0], curve, exchanges)
 
 
@@ -541,7 +562,7 @@ def run_one(name: str, cfg: Config, dataset: str, files, workdir: Path) -> Resul
         return run_synchronous(name, cfg.workers if m.group(1) == "dp" else 1, tuned, dataset, files, workdir, ref)
     if m := re.fullmatch(
         rf"diloco-h(\d+){OUTER}(?:-delay(\d+))?(-sparse(?:local|meanr?\d+)?)?(?:-efd({LR}))?(?:-k(\d+))?"
-        rf"(?:-ow(\d+))?(-hb)?(?:-sync(mv|m|v))?{SCHEDULE}",
+        rf"(?:-ow(\d+))?(-hb)?(?:-sync(mv|m|v))?(?:-hr(\d+))?{SCHEDULE}",
         name,
     ):
         if m.group(8) and not m.group(6):
@@ -557,11 +578,14 @@ def run_one(name: str, cfg: Config, dataset: str, files, workdir: Path) -> Resul
             outer_warmup=int(m.group(9) or 0),
             nesterov=not m.group(10),
             sync_moments=m.group(11) or "",
-            schedule=m.group(12) or "cosine",
-            min_lr_ratio=float(m.group(13) or 0.1),
-            beta2=float(m.group(14) or 0.95),
-            optimizer="muon" if m.group(15) else "adamw",
+            h_ramp=int(m.group(12) or 0),
+            schedule=m.group(13) or "cosine",
+            min_lr_ratio=float(m.group(14) or 0.1),
+            beta2=float(m.group(15) or 0.95),
+            optimizer="muon" if m.group(16) else "adamw",
         )
+        if ref.h_ramp and ref.delay:
+            raise SystemExit(f"run {name!r}: -hrN and -delayN do not combine")
         return run_synchronous(name, cfg.workers, tuned, dataset, files, workdir, ref)
     m = RUN_NAME.fullmatch(name)
     if not m:
@@ -635,6 +659,43 @@ def report(results: list[Result], cfg: Config, floors: dict[str, float | None]) 
                 f"  {r.run:<{width}} {r.final_loss:>13.4f} {ratio:>7} {to_best:>9} {_bytes(r.bytes_per_worker):>16} "
                 f"{less:>11} {per_param:>12} {r.wall_s:>7.1f}s {full:>11} {landed:>11}"
             )
+        if best is not None and len(rows) > 1:
+            _report_best(rows, best, width)
+
+
+def _kind(run: str) -> str:
+    """What a run is, its rates and the optimizers' other knobs left out: runs of one kind are the
+    same method swept, and the table of each side at its best takes the lowest of each kind."""
+    if run.startswith(("dp", "solo")):
+        return run.split("-")[0]
+    if m := re.match(r"diloco-h(\d+)", run):
+        return f"reference H={m.group(1)}" + (" sparse" if "-sparse" in run else "")
+    if m := RUN_NAME.fullmatch(run):
+        return f"{'moshpit ' if m.group(1) else ''}{m.group(2)} H={m.group(3)}" + (" overlap" if m.group(9) else "")
+    return run
+
+
+def best_of_each_kind(rows: list[Result]) -> list[Result]:
+    """Each kind's run of lowest held-out loss, in the order the kinds first appear (dp over both
+    inner optimizers and every rate tried: the baseline at its best)."""
+    best: dict[str, Result] = {}
+    for r in rows:
+        kind = _kind(r.run)
+        if kind not in best or r.final_loss < best[kind].final_loss:
+            best[kind] = r
+    return list(best.values())
+
+
+def _report_best(rows: list[Result], dp_best: Result, width: int) -> None:
+    tried = {kind: sum(_kind(r.run) == kind for r in rows) for kind in map(_kind, (r.run for r in rows))}
+    print("  each at its best (the lowest held-out loss of each kind, over the runs of it tried):")
+    print(f"  {'kind':<24} {'tried':>5}  {'best run':<{width}} {'held-out loss':>13} {'/ best dp':>9}")
+    for r in best_of_each_kind(rows):
+        kind = _kind(r.run)
+        print(
+            f"  {kind:<24} {tried[kind]:>5}  {r.run:<{width}} {r.final_loss:>13.4f} "
+            f"{r.final_loss / dp_best.final_loss:>9.4f}"
+        )
 
 
 def _dp_rate(run: str, cfg: Config) -> float:
