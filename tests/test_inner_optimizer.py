@@ -29,6 +29,7 @@ from dtnode.daemon.training.inner_optimizer import (
 )
 from dtnode.daemon.training.inner_state import flat_moments, install_inner_state, ordered_parameters
 from dtnode.daemon.training.inner_step import inner_step
+from dtnode.daemon.training.muon import Muon, orthogonalized
 from dtnode.daemon.training.worker import ModelWorker
 from dtnode.daemon.workload.build import build_workload
 from dtnode.daemon.workload.model import build_model, config_hash
@@ -86,6 +87,30 @@ def test_a_muon_step_holds_half_the_state_of_adamws_on_the_matrices():
     assert adamw_bytes - muon_bytes == 4 * matrix_numel  # one fp32 buffer fewer per matrix weight
     # and it moved the weights otherwise than AdamW did
     assert not torch.equal(next(iter(model.parameters())), next(iter(muon_model.parameters())))
+
+
+@pytest.mark.parametrize("tall", [False, True], ids=["wide", "tall"])
+def test_muon_steps_as_torchs_muon_with_its_iterations_in_fp32_on_a_cpu(tall):
+    """dtnode's Muon (muon.py) is torch's algorithm: three steps of each on the same matrix and
+    gradients land within bf16's rounding of each other (torch iterates in bf16), and its own
+    iterations are fp32 on a CPU: the result is that of the float64 iterations to fp32 rounding."""
+    g = torch.Generator().manual_seed(1)
+    shape = (24, 8) if tall else (8, 24)
+    start = torch.randn(shape, generator=g)
+    grads = [torch.randn(shape, generator=g) for _ in range(3)]
+    ours, theirs = torch.nn.Parameter(start.clone()), torch.nn.Parameter(start.clone())
+    options = {"lr": 0.02, "weight_decay": 0.1, "momentum": 0.95, "nesterov": True, "adjust_lr_fn": "match_rms_adamw"}
+    mine, torchs = Muon([ours], **options), torch.optim.Muon([theirs], **options)
+    for grad in grads:
+        ours.grad, theirs.grad = grad.clone(), grad.clone()
+        mine.step()
+        torchs.step()
+    moved = float((theirs.detach() - start).norm())
+    assert moved > 0 and float((ours.detach() - theirs.detach()).norm()) < 2e-2 * moved  # bf16 keeps 8 bits
+    torch.testing.assert_close(mine.state[ours]["momentum_buffer"], torchs.state[theirs]["momentum_buffer"])
+    update = grads[0]
+    exact = orthogonalized(update.double(), (3.4445, -4.7750, 2.0315), 5, 1e-7).float()
+    torch.testing.assert_close(orthogonalized(update, (3.4445, -4.7750, 2.0315), 5, 1e-7), exact, rtol=0, atol=1e-5)
 
 
 @pytest.mark.parametrize("kind", list(InnerOptimizerKind))

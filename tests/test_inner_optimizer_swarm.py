@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from nodes import FAST, NodeProcess, wait_until
+from nodes import FAST_DEFAULT_OPTIMIZER, NodeProcess, wait_until
 from nodes import theta as checkpoint_theta
 from safetensors import safe_open
 
@@ -26,9 +26,12 @@ def _inner_optimizer_saved(node: NodeProcess) -> str:
 @pytest.mark.long_swarms  # about 60 s each on 2 cores: outside the default suite's 10 minutes
 @pytest.mark.parametrize("optimizer", ["muon", "adamw"])
 def test_a_swarm_agrees_on_theta_g_bit_for_bit_and_a_joiner_takes_its_optimizer(tmp_path, cleanup, optimizer):
-    a = NodeProcess.join("a", tmp_path, *FAST, "--inner-optimizer", optimizer, "--min-peers", "3")
+    a = NodeProcess.join("a", tmp_path, *FAST_DEFAULT_OPTIMIZER, "--inner-optimizer", optimizer, "--min-peers", "3")
     cleanup.append(a)
-    others = [NodeProcess.join(name, tmp_path, *FAST, "--min-peers", "3", "--peer", a.http_url) for name in "bc"]
+    others = [
+        NodeProcess.join(name, tmp_path, *FAST_DEFAULT_OPTIMIZER, "--min-peers", "3", "--peer", a.http_url)
+        for name in "bc"
+    ]
     cleanup.extend(others)
     swarm = [a, *others]
     wait_until(lambda: all(len(n.rounds) >= ROUNDS for n in swarm), 240, f"{ROUNDS} rounds on every node")
@@ -40,7 +43,7 @@ def test_a_swarm_agrees_on_theta_g_bit_for_bit_and_a_joiner_takes_its_optimizer(
         for node in others:
             assert torch.equal(checkpoint_theta(node.state_dir, step), reference), (node.name, step)
 
-    d = NodeProcess.join("d", tmp_path, *FAST, "--peer", a.http_url, "--max-own-rounds", "2")
+    d = NodeProcess.join("d", tmp_path, *FAST_DEFAULT_OPTIMIZER, "--peer", a.http_url, "--max-own-rounds", "2")
     cleanup.append(d)
     synced = d.in_step_at(timeout=90)
     assert d.wait(120) == 0, d.output

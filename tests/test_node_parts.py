@@ -119,6 +119,21 @@ def test_in_the_outer_phase_the_round_is_closed_and_it_waits_for_the_next_rounds
     assert plan_sync(dict(view, a=client), _local(5)).action == SyncAction.WAIT
 
 
+def test_a_round_only_client_mode_peers_stand_at_is_not_waited_for():
+    """A --client-mode peer that raced ahead alone (after a split) serves no checkpoint, and no
+    donor holds or makes its θ_g: the node trains on at once instead of waiting --join-timeout
+    for a file nobody will serve (seen: 120 s, round after round, in a pair with such a peer)."""
+    racer = _peer("nat", 196, "inner").model_copy(update={"client_mode": True})
+    plan = plan_sync({"nat": racer}, _local(12))
+    assert plan.action == SyncAction.GIVE_UP and plan.unservable and not plan.waited_too_long
+    behind = _peer("late", 0, "inner")  # a donor far behind makes no step-196 θ_g either
+    assert plan_sync({"nat": racer, "late": behind}, _local(12)).unservable
+    # a donor closing the round before it will make that θ_g: that is waited for
+    closing = _peer("d", 195, "averaging", state="averaging")
+    plan = plan_sync({"nat": racer, "d": closing}, _local(12))
+    assert plan.action == SyncAction.WAIT and plan.step == 196
+
+
 def test_no_donor_means_no_swarm_and_too_many_downloads_give_up():
     assert plan_sync({}, _local(3)).action == SyncAction.NO_SWARM
     others = {"x": _peer("x", 9, model="other"), "s": _peer("s", 9, state="stopped")}

@@ -33,7 +33,7 @@ import torch
 from dtnode.daemon.catchup.admission import check_same_data_plane, check_same_model, check_same_recipe
 from dtnode.daemon.catchup.donors import fetch_from_swarm
 from dtnode.daemon.catchup.swarm_position import SwarmPosition, swarm_moves_past, swarm_position
-from dtnode.daemon.catchup.sync_plan import LocalPosition, SyncAction, plan_sync
+from dtnode.daemon.catchup.sync_plan import LocalPosition, SyncAction, SyncPlan, plan_sync
 from dtnode.daemon.catchup.trust_radius import judge_split_vote
 from dtnode.daemon.checkpoints.file_format import LoadedCheckpoint
 from dtnode.daemon.checkpoints.store import CheckpointStore
@@ -150,7 +150,7 @@ class Joiner:
                 await self._pause(OPEN_POLL_S)
                 continue
             if plan.action == SyncAction.GIVE_UP:
-                self._say_giving_up(plan.waited_too_long, position, own, downloads)
+                self._say_giving_up(plan, own, downloads)
                 return synced
             if plan.action == SyncAction.RETRY:
                 await self._pause(self.settings.swarm.heartbeat_interval)
@@ -189,8 +189,17 @@ class Joiner:
             ),
         )
 
-    def _say_giving_up(self, waited_too_long: bool, position: SwarmPosition, own: int, downloads: int) -> None:
-        if waited_too_long:
+    def _say_giving_up(self, plan: SyncPlan, own: int, downloads: int) -> None:
+        position = plan.position
+        assert position is not None
+        if plan.unservable:
+            log.info(
+                "the swarm's round %d is ahead on --client-mode peers only, which serve no checkpoint: "
+                "training from outer step %d",
+                position.round,
+                own,
+            )
+        elif plan.waited_too_long:
             log.warning(
                 "the swarm's round %d did not open within %.0fs (--join-timeout); training from outer step %d meanwhile",
                 position.round,

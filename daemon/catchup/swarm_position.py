@@ -35,6 +35,9 @@ class SwarmPosition:
     round: int  # the swarm's open round: the one a node starting now trains with the others
     start_step: int  # the outer step of the θ_g that round starts from (what a joiner downloads)
     ready: bool  # whether a peer holds that θ_g already (it may still be applying it)
+    # whether a peer that serves checkpoints holds that θ_g or is making it (in the round before):
+    # a position only --client-mode peers stand at is one nobody will ever serve
+    servable: bool
     peers: int  # live peers counted
 
 
@@ -69,8 +72,10 @@ def swarm_position(records, own_id: str, model_hash: str) -> SwarmPosition | Non
     start = target - (max(set(lags), key=lags.count) if lags else 0)
     # a peer past `start` serves the newer θ_g (--overlap lands the round's average mid-round);
     # a --client-mode peer serves nobody (its sidecar is not reachable)
-    ready = any((r.outer_step >= start or r.checkpoint_step == start) and not r.client_mode for r in live)
-    return SwarmPosition(target, start, ready, len(live))
+    donors = [r for r in live if not r.client_mode]
+    ready = any(r.outer_step >= start or r.checkpoint_step == start for r in donors)
+    servable = ready or any(max(r.outer_step, r.round) >= start - 1 for r in donors)
+    return SwarmPosition(target, start, ready, servable, len(live))
 
 
 async def swarm_moves_past(

@@ -43,6 +43,7 @@ class SyncPlan:
     position: SwarmPosition | None = None  # the swarm's open round, when there is a swarm
     ahead: bool = False  # this node made rounds the swarm never saw (cut off): they are given up
     waited_too_long: bool = False  # GIVE_UP: the round did not open in time (else: downloads ran out)
+    unservable: bool = False  # GIVE_UP: only --client-mode peers are at the swarm's round (see below)
 
     @property
     def step(self) -> int:
@@ -64,6 +65,11 @@ def plan_sync(view: Mapping[str, PeerRecord], local: LocalPosition) -> SyncPlan:
     if not behind and not ahead:
         return SyncPlan(SyncAction.IN_STEP, position)
     if not position.ready:  # its peers are still applying the outer step that opens it
+        if not position.servable:
+            # only --client-mode peers stand there (one that ran ahead alone after a split): no
+            # donor holds or makes that θ_g, and waiting --join-timeout for it stalled an honest
+            # node round after round in a pair with such a peer
+            return SyncPlan(SyncAction.GIVE_UP, position, ahead, unservable=True)
         if local.waited_too_long:
             return SyncPlan(SyncAction.GIVE_UP, position, ahead, waited_too_long=True)
         return SyncPlan(SyncAction.WAIT, position, ahead)

@@ -13,10 +13,9 @@ checkpoint code reads moments through `moment_names`, whichever half holds a par
 step. Muon's state is its momentum only: a host holds 4 bytes of state per matrix weight
 instead of AdamW's 8.
 
-On a `--shard` host the matrices are DTensor shards: torch's Muon runs its Newton-Schulz
-iterations on them as DTensors, which gather what each product needs, so every rank
-orthogonalises the whole matrix (equal to a single device's result up to bf16 rounding, in
-which the iterations run on any device).
+On a `--shard` host the matrices are DTensor shards: Muon (muon.py) gathers each matrix's
+update once, every rank orthogonalises it whole and keeps its own rows, equal to a single
+device's result to fp32 rounding on a CPU (bf16 on a GPU).
 """
 
 from __future__ import annotations
@@ -26,6 +25,7 @@ from collections.abc import Callable, Iterable
 import torch
 
 from dtnode.daemon.config.training_options import InnerOptimizerKind
+from dtnode.daemon.training.muon import Muon
 
 ADAMW_BETAS = (0.9, 0.95)  # β2 = 0.95, as is usual for transformers
 MUON_MOMENTUM = 0.95  # torch's default and MuLoCo's inner setting
@@ -83,7 +83,7 @@ class MuonWithAdamW(torch.optim.Optimizer):
     def __init__(
         self, matrices: list[torch.nn.Parameter], rest: list[torch.nn.Parameter], lr: float, weight_decay: float
     ) -> None:
-        self.muon = torch.optim.Muon(
+        self.muon = Muon(
             matrices,
             lr=lr,
             weight_decay=weight_decay,
