@@ -86,8 +86,9 @@ FAST_DEFAULT_OPTIMIZER = [
     "--no-fused-kernels",
 ]
 # The same with AdamW, for the swarms whose subject is not the optimizer: on a 2-core CPU a tiny
-# step with Muon costs 1.4x AdamW's (its Newton-Schulz iterations cost about what the forward and
-# backward passes of a 256-token batch do), which took the default suite over its 10 minutes.
+# step with Muon costs nearly twice AdamW's (its Newton-Schulz iterations cost about what the
+# forward and backward passes of a 256-token batch do), which took the default suite over its
+# 10 minutes (569 s and 607 s in CI, against 496 s).
 # Muon's swarms: test_inner_optimizer_swarm, the multi-rank hosts, the README's commands.
 FAST = [*FAST_DEFAULT_OPTIMIZER, "--inner-optimizer", "adamw"]
 

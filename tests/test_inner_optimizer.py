@@ -29,7 +29,7 @@ from dtnode.daemon.training.inner_optimizer import (
 )
 from dtnode.daemon.training.inner_state import flat_moments, install_inner_state, ordered_parameters
 from dtnode.daemon.training.inner_step import inner_step
-from dtnode.daemon.training.muon import Muon, orthogonalized
+from dtnode.daemon.training.muon import Muon
 from dtnode.daemon.training.worker import ModelWorker
 from dtnode.daemon.workload.build import build_workload
 from dtnode.daemon.workload.model import build_model, config_hash
@@ -90,10 +90,9 @@ def test_a_muon_step_holds_half_the_state_of_adamws_on_the_matrices():
 
 
 @pytest.mark.parametrize("tall", [False, True], ids=["wide", "tall"])
-def test_muon_steps_as_torchs_muon_with_its_iterations_in_fp32_on_a_cpu(tall):
-    """dtnode's Muon (muon.py) is torch's algorithm: three steps of each on the same matrix and
-    gradients land within bf16's rounding of each other (torch iterates in bf16), and its own
-    iterations are fp32 on a CPU: the result is that of the float64 iterations to fp32 rounding."""
+def test_muon_steps_as_torchs_muon_bit_for_bit_on_one_device(tall):
+    """dtnode's Muon (muon.py) differs from torch's on a --shard host only: three steps of each
+    on the same matrix and gradients land on the same bits, momentum included."""
     g = torch.Generator().manual_seed(1)
     shape = (24, 8) if tall else (8, 24)
     start = torch.randn(shape, generator=g)
@@ -105,12 +104,9 @@ def test_muon_steps_as_torchs_muon_with_its_iterations_in_fp32_on_a_cpu(tall):
         ours.grad, theirs.grad = grad.clone(), grad.clone()
         mine.step()
         torchs.step()
-    moved = float((theirs.detach() - start).norm())
-    assert moved > 0 and float((ours.detach() - theirs.detach()).norm()) < 2e-2 * moved  # bf16 keeps 8 bits
-    torch.testing.assert_close(mine.state[ours]["momentum_buffer"], torchs.state[theirs]["momentum_buffer"])
-    update = grads[0]
-    exact = orthogonalized(update.double(), (3.4445, -4.7750, 2.0315), 5, 1e-7).float()
-    torch.testing.assert_close(orthogonalized(update, (3.4445, -4.7750, 2.0315), 5, 1e-7), exact, rtol=0, atol=1e-5)
+    assert not torch.equal(theirs.detach(), start)
+    assert torch.equal(ours.detach(), theirs.detach())
+    assert torch.equal(mine.state[ours]["momentum_buffer"], torchs.state[theirs]["momentum_buffer"])
 
 
 @pytest.mark.parametrize("kind", list(InnerOptimizerKind))

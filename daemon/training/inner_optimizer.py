@@ -15,7 +15,7 @@ instead of AdamW's 8.
 
 On a `--shard` host the matrices are DTensor shards: Muon (muon.py) gathers each matrix's
 update once, every rank orthogonalises it whole and keeps its own rows, equal to a single
-device's result to fp32 rounding on a CPU (bf16 on a GPU).
+device's result up to bf16 rounding, in which the iterations run on any device.
 """
 
 from __future__ import annotations

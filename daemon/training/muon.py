@@ -1,21 +1,16 @@
-"""Muon's step, as torch's `torch.optim.Muon` defines it, with two changes of where it runs.
+"""Muon's step as `torch.optim.Muon` takes it, except on a `--shard` host.
 
 torch's step is the algorithm this node trains with (Nesterov momentum on the gradient, its
-update orthogonalised by five quintic Newton-Schulz iterations, the rate scaled by
-0.2·√max(A, B) to match AdamW's RMS), and this class keeps its parameter groups, defaults and
-state (`momentum_buffer`), so a checkpoint reads the same. Two things in torch's version cost a
-swarm's hosts dearly, and no library offers them otherwise:
+update orthogonalised by five quintic Newton-Schulz iterations in bf16, the rate scaled by
+0.2·√max(A, B) to match AdamW's RMS), and this class keeps its parameter groups, defaults,
+state (`momentum_buffer`) and, on a plain tensor, its very arithmetic.
 
-- **The iterations run in bfloat16 on every device.** On a GPU that is what its tensor cores
-  want; a CPU has no bf16 matrix units and computes it several times slower than fp32 (a `tiny`
-  step took 10.0 ms against AdamW's 5.6 ms). Here they run in bf16 on CUDA and in fp32
-  elsewhere.
-- **On a `--shard` host (FSDP2) the update is a DTensor**, and each of the iterations' fifteen
-  products was a collective over the host's ranks: a 2-rank CPU host made a tenth of the steps
-  of a 1-rank one, and its Δ, that much shorter, clipped the group's mean on it alone
-  (update_bounds.py), splitting its θ_g from its group's. Here each matrix's update is gathered
-  once, orthogonalised whole on every rank (the same result on each: the same input, the same
-  kernels), and each rank keeps its own rows, with no further traffic.
+On a `--shard` host (FSDP2) the update is a DTensor, and in torch's step each of the
+iterations' fifteen matrix products was a collective over the host's ranks: a 2-rank CPU host
+made a tenth of the steps of a 1-rank one, and its Δ, that much shorter, clipped the group's mean
+on it alone (update_bounds.py), splitting its θ_g from its group's (CI, issue 59). Here each
+matrix's update is gathered once, orthogonalised whole on every rank (the same result on each:
+the same input, the same kernels), and each rank keeps its own rows, with no further traffic.
 """
 
 from __future__ import annotations
@@ -30,22 +25,22 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 def orthogonalized(
     update: torch.Tensor, coefficients: tuple[float, float, float], steps: int, eps: float
 ) -> torch.Tensor:
-    """US'Vᵀ of update = USVᵀ, S' near 1 (Newton-Schulz, as torch's Muon): in bf16 on a GPU,
-    in fp32 elsewhere; a DTensor is gathered whole first and returned in its own placement."""
+    """US'Vᵀ of update = USVᵀ, S' near 1, in bf16 (Newton-Schulz, as torch's Muon); a DTensor
+    is gathered whole first and returned in its own placement."""
     if isinstance(update, DTensor):
         whole = orthogonalized(update.full_tensor(), coefficients, steps, eps)
         # every rank holds the same whole matrix: each takes its own part, nothing is sent
         return distribute_tensor(whole, update.device_mesh, update.placements, src_data_rank=None)
     a, b, c = coefficients
-    x = update.to(torch.bfloat16 if update.is_cuda else torch.float32)
+    x = update.bfloat16()  # as torch's: a GPU's tensor cores, and a CPU's bf16 units, want it
     tall = x.size(0) > x.size(1)
     if tall:
         x = x.T
-    x = x / x.norm().clamp(min=eps)  # the spectral norm at most 1
+    x = x.div(x.norm().clamp(min=eps))  # the spectral norm at most 1
     for _ in range(steps):
         gram = x @ x.T
         x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
-    return (x.T if tall else x).to(update.dtype)
+    return x.T if tall else x
 
 
 def rms_matched_rate(lr: float, shape: torch.Size) -> float:
