@@ -3,6 +3,7 @@ moment Δ is taken through the all-reduce to the outer step (ops/coded.py)."""
 
 import asyncio
 import math
+import threading
 
 import pytest
 import torch
@@ -281,8 +282,8 @@ def test_an_averaged_delta_is_held_to_a_few_of_the_nodes_own_with_room_for_a_nod
     r.trainer.parameters_flat.add_(torch.randn(r.numel, generator=torch.Generator().manual_seed(5)) * 1e-2)
     own = torch.linalg.vector_norm(r.theta_g - r.trainer.parameters_flat).item()
 
-    def length_after(ratio: float, times: float) -> float:
-        r.bounds.allow_for_shortfall(ratio)
+    def length_after(ratio: float, times: float, rate: float = 1.0) -> float:
+        r.bounds.allow_for_shortfall(ratio, rate)
         mean = r.pseudo_gradient()  # this node's own Δ, staged where the average lands
         if isinstance(mean, CodedDelta):
             mean.scales.mul_(times)
@@ -295,6 +296,11 @@ def test_an_averaged_delta_is_held_to_a_few_of_the_nodes_own_with_room_for_a_nod
     assert length_after(math.inf, 1e6) == pytest.approx(OUTER_REACH * MAX_ALLOWANCE * own, rel=1e-3)
     assert length_after(0.5, 2.0) == pytest.approx(2.0 * own, rel=1e-3)  # never below its own reach
     assert r.bounds.outer_steps_scaled == 3
+    # a joiner warming up again trained at a twentieth of the swarm's rate: its own schedule, not
+    # a peer's report, lifts the bound past MAX_ALLOWANCE by that much
+    assert length_after(math.inf, 1e6, 20.0) == pytest.approx(OUTER_REACH * MAX_ALLOWANCE * 20 * own, rel=1e-3)
+    assert length_after(1.0, 10.0, 0.5) == pytest.approx(OUTER_REACH * own, rel=1e-3)  # a higher rate: no less
+    assert length_after(1.0, 10.0, math.nan) == pytest.approx(OUTER_REACH * own, rel=1e-3)
 
 
 def _steps_along(r: Replica, means: list[torch.Tensor]) -> list[float]:
@@ -383,3 +389,24 @@ def test_a_resynced_state_moves_this_nodes_as_a_whole_no_farther_than_its_bound(
     broken[3] = math.nan
     take(None, broken)
     assert torch.equal(r.theta_g, before) and r.resyncs_clipped == 3
+
+
+def test_a_round_reports_the_mean_rate_its_steps_took_which_a_fresh_optimizer_warms_up_to():
+    """What `allow_for_shortfall`'s rate compares with the swarm's: a joiner's fresh optimizer at
+    the swarm's position 100 of a 50-step warmup steps at a fiftieth of the rate, then two."""
+    schedule = LearningRateSchedule(1e-3, warmup_steps=50)
+    model, _ = build_model("tiny", seed=1)
+    language = MarkovLanguage(seed=2)
+    trainer = Trainer(
+        model,
+        DataStream(DataSources(language, language), "run", "a", 2, 16),
+        torch.device("cpu"),
+        schedule=schedule,
+        weight_decay=0.1,
+        grad_clip=1.0,
+    )
+    inner = trainer.run(2, threading.Event(), position=100, span=10)
+    assert inner.steps == 2
+    assert inner.mean_lr == pytest.approx((schedule(100, 0) + schedule(101, 1)) / 2)
+    assert inner.mean_lr == pytest.approx(schedule(100) * 1.5 / 50)
+    assert trainer.run(0, threading.Event(), position=110, span=10).mean_lr == 0.0

@@ -475,7 +475,9 @@ def _summary(hops: list[HopReport], overlap: bool = False) -> RoundSummary:
     import torch
 
     result = AveragingResult(torch.zeros(1), 3.0, hops, None)
-    return RoundSummary(7, 8, InnerResult(10, 2560, 2.5, 4.0), result, 6.0, 0.0, 0.5, overlap, 2.25, 8, 1e-3, None, "a")
+    return RoundSummary(
+        7, 8, InnerResult(10, 2560, 2.5, 4.0, 1e-3), result, 6.0, 0.0, 0.5, overlap, 2.25, 8, 1e-3, None, "a"
+    )
 
 
 def test_a_hop_whose_mean_lacks_a_member_in_some_part_is_not_clean():

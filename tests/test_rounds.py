@@ -4,6 +4,7 @@ catch-up that keeps the inner optimizer. Real node processes on loopback."""
 import signal
 import threading
 import time
+from collections import Counter
 
 import pytest
 import torch
@@ -13,6 +14,7 @@ from dtnode.daemon.checkpoints.file_format import LoadedCheckpoint, TrainingStat
 from dtnode.daemon.config.settings import NodeSettings
 from dtnode.daemon.training.worker import ModelWorker
 from dtnode.daemon.workload.build import build_workload
+from dtnode.ops.flat import sha256_of
 
 
 def _swarm(tmp_path, cleanup, envs: list[dict], *extra: str) -> list[NodeProcess]:
@@ -97,8 +99,13 @@ def test_a_catch_up_keeps_the_inner_optimizer_of_a_training_node(tmp_path):
 def test_every_node_stops_at_the_swarms_outer_step_however_late_it_joined(tmp_path, cleanup):
     """--max-rounds is the swarm's outer step: nine tiny peers in groups of three, one of them
     started once the others finished round 0. Every node stops at outer step 8 (the late one
-    after fewer rounds of its own: it never trains on alone to make up a count), and every
-    final θ_g lies within the int8 error of their mean (relative to one outer update).
+    after fewer rounds of its own: it never trains on alone to make up a count). The late one,
+    its fresh optimizer warming up again at a fraction of the swarm's rate, takes its groups'
+    means whole (it once scaled its first round's mean down to 48x its own short Δ and left with
+    a θ_g of its own, which split four ways by the end). All nodes but one end on one θ_g, and
+    the one within a tenth of the last outer update of it: a part of the last round's average
+    that missed its deadline under load leaves its node its own values there, and no later
+    round reconciles it.
 
     A node takes ~20 s to start here: the run is long enough that the late one still finds the
     swarm training on a loaded CI host (at 5 rounds it once arrived after the swarm had stopped,
@@ -124,10 +131,14 @@ def test_every_node_stops_at_the_swarms_outer_step_however_late_it_joined(tmp_pa
     assert set(finals.values()) == {last}, finals
     assert len(late.rounds) < len(nodes[0].rounds), late.output  # it joined late and made up nothing alone
     assert all(r["round"] < last for n in nodes for r in n.rounds)
-    final = torch.stack([theta(n.state_dir, last) for n in nodes])
-    mean = final.mean(0)
-    update = float((mean - torch.stack([theta(n.state_dir, last - 1) for n in nodes[:8]]).mean(0)).norm())
-    assert float((final - mean).norm(dim=1).max()) < 0.05 * update, late.output
+    assert all("mean" not in r["bounded"] for r in late.rounds), late.rounds
+    final = {n.name: theta(n.state_dir, last) for n in nodes}
+    held, count = Counter(sha256_of(t) for t in final.values()).most_common(1)[0]
+    assert count >= len(nodes) - 1, {n.name: n.rounds[-1] for n in nodes}
+    swarm = next(t for t in final.values() if sha256_of(t) == held)
+    update = float((swarm - torch.stack([theta(n.state_dir, last - 1) for n in nodes[:8]]).mean(0)).norm())
+    apart = {name: float((t - swarm).norm()) for name, t in final.items()}
+    assert max(apart.values()) < 0.1 * update, (apart, update)
     for node in nodes:
         assert "Traceback" not in node.output, node.output
 

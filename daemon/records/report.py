@@ -110,6 +110,9 @@ class RoundSummary:
     landed_after_steps: int | None
     peer_id: str
     wire: WireStats | None = None
+    # what this node scaled down to its bound of its own recent Δ in the round's outer step:
+    # "mean" (the averaged Δ), "momentum" (update_bounds.py)
+    bounded: tuple[str, ...] = ()
 
     @property
     def bytes_per_param(self) -> float:
@@ -227,6 +230,7 @@ class RoundSummary:
             "outcome": self.outcome.value,
             "reasons": sorted(set(self.reasons)),
             "landed_after_steps": self.landed_after_steps,
+            "bounded": list(self.bounded),
         }
 
     def log_line(self, tokens_per_s: float, loss_floor: float | None) -> str:

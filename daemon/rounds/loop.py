@@ -324,18 +324,21 @@ class RoundLoop:
             following.cancel()
             await asyncio.gather(following, return_exceptions=True)
 
-    def allow_for(self, inner: InnerResult) -> None:
+    def allow_for(self, round_no: int, inner: InnerResult) -> None:
         """The outer step of this round's average may be longer than this node's own Δ when it
         trained less than an average peer of the round (`UpdateBounds.allow_for_shortfall`): fewer
-        tokens (a late start), or fewer steps in the same time (a slower device, a bigger step)."""
+        tokens (a late start), or fewer steps in the same time (a slower device, a bigger step),
+        or at a lower inner rate than the swarm's (a joiner's fresh optimizer warming up again)."""
+        swarm_rate = self.worker.round_rate(round_no)
+        rate = swarm_rate / inner.mean_lr if inner.mean_lr > 0 and swarm_rate > 0 else 1.0
         p = self.pacer.progress
         if p is None:
-            self.worker.replica.bounds.allow_for_shortfall(1.0)
+            self.worker.replica.bounds.allow_for_shortfall(1.0, rate)
             return
         typical = p.target / max(p.round_peers, p.peers, 1)
         tokens = typical / inner.tokens if inner.tokens > 0 else math.inf
         steps = p.step_rate / p.own_step_rate if p.own_step_rate > 0 else 1.0
-        self.worker.replica.bounds.allow_for_shortfall(max(tokens, steps))
+        self.worker.replica.bounds.allow_for_shortfall(max(tokens, steps), rate)
 
     def average(
         self,

@@ -51,12 +51,21 @@ class RoundRecorder:
         self.loss_floor = loss_floor
         self.tokens_total = history.tokens_total  # over the whole record, across restarts
         self._announcing: asyncio.Task | None = None  # the record published once a step's hash is in
+        self._bounded_seen = (0, 0)  # the replica's scaled means and momenta, as last counted
 
     def _wire_stats(self) -> WireStats:
         s, worker = self.settings, self.worker
         wire = s.wire.wire_format()
         density = min(wire.top_k, wire.block_size) / wire.block_size if s.wire.compression == "sparse" else 1.0
         return WireStats(s.wire.compression, worker.replica.numel, density, worker.feedback_norm)
+
+    def _newly_bounded(self) -> dict[str, int]:
+        """How many averaged Δ ("mean") and momenta ("momentum") the replica scaled down since
+        the last round was recorded."""
+        bounds = self.worker.replica.bounds
+        now = (bounds.outer_steps_scaled, bounds.momenta_scaled)
+        seen, self._bounded_seen = self._bounded_seen, now
+        return {"mean": now[0] - seen[0], "momentum": now[1] - seen[1]}
 
     def finish(
         self,
@@ -68,6 +77,7 @@ class RoundRecorder:
     ) -> RoundSummary:
         """The round into `/status`, the metrics, the history and the log."""
         trainer = self.worker.trainer
+        bounded = self._newly_bounded()
         summary = RoundSummary(
             round_no,
             self.worker.outer_step,
@@ -83,6 +93,7 @@ class RoundRecorder:
             landed_after,
             self.peer_id,
             self._wire_stats(),
+            tuple(kind for kind, count in bounded.items() if count),
         )
         trainer.eval_seconds = 0.0
         self.stats.last = summary
@@ -95,6 +106,8 @@ class RoundRecorder:
         m.compute_utilization.set(self.stats.utilization() or 0.0)
         observe_device_memory(m, self.worker.device)
         observe_ranks(m, self.worker.rank_reports())
+        for kind, count in bounded.items():
+            m.bounded_updates.labels(kind=kind).inc(count)
         self.tokens_total += inner.tokens
         entry = summary.history_entry(self.tokens_total, self.stats.tokens_per_s)
         line = summary.log_line(self.stats.tokens_per_s, self.loss_floor)

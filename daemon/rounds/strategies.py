@@ -48,7 +48,7 @@ class PlainRound:
             return
         delta = await worker.call(worker.pseudo_gradient)
         drift = await worker.call(worker.resync_bound)
-        lp.allow_for(inner)
+        lp.allow_for(round_no, inner)
         state.begin_averaging()
         await lp.publisher.publish()
         resync = lp.wants_resync(round_no)
@@ -140,7 +140,7 @@ class OverlappedRound:
         # it): the consensus state is read on the I/O thread, not behind this round's inner steps
         io = asyncio.get_running_loop()
         drift = await worker.call(worker.resync_bound)
-        lp.allow_for(inner)  # read when this average lands, during the next round's steps
+        lp.allow_for(round_no, inner)  # read when this average lands, during the next round's steps
         landing.launch(
             lp.average(round_no, delta, inner, resync, lambda fn: io.run_in_executor(lp.store.io_thread, fn), drift),
             resync,

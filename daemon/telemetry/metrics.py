@@ -137,6 +137,8 @@ class NodeMetrics:
             self.hop_failures.labels(reason=reason)
         for reason in ("asked", "diverged"):  # present at zero too, for rate()
             self.theta_resyncs.labels(reason=reason)
+        for kind in ("mean", "momentum"):
+            self.bounded_updates.labels(kind=kind)
         for phase in PHASES:
             self.phase_seconds.labels(phase=phase)
 
@@ -207,6 +209,14 @@ class NodeMetrics:
             "Hops whose group also averaged θ_g: asked (after a failure, a download, on schedule) "
             "or diverged (no member asked, but their θ_g hashes differed)",
             ["reason"],
+            registry=r,
+        )
+        self.bounded_updates = Counter(
+            "dtnode_bounded_updates",
+            "Outer steps whose averaged Δ (kind=mean) or outer momentum (kind=momentum) this node "
+            "scaled down to its bound of its own recent Δ: now and then, a round it trained far "
+            "less than its group; round after round, a member steering the swarm",
+            ["kind"],
             registry=r,
         )
         self.allreduce_sent = Counter("dtnode_allreduce_sent_bytes", "Payload bytes sent by all-reduces", registry=r)

@@ -55,6 +55,7 @@ class InnerResult:
     tokens: int
     mean_loss: float
     seconds: float
+    mean_lr: float  # the mean inner learning rate of the steps taken (0.0 without a step)
 
 
 class Trainer:
@@ -233,7 +234,7 @@ class Trainer:
         after_step: Callable[[], None] | None,
         started: float,
     ) -> InnerResult:
-        done, tokens, loss_sum = 0, 0, 0.0
+        done, tokens, loss_sum, lr_sum = 0, 0, 0.0, 0.0
         for _ in range(steps):
             if stop.is_set() or (deadline is not None and time.monotonic() > deadline):
                 break
@@ -264,6 +265,7 @@ class Trainer:
             if not first:  # the process's first step carries one-off
                 self.step_seconds = time.monotonic() - step_started  # initialisation: no estimate
             loss_sum += loss_value
+            lr_sum += self.lr
             self.round_steps = done
             self.progress_at = time.monotonic()
             failpoints.hold("stall-training", position // max(span, 1))
@@ -272,7 +274,7 @@ class Trainer:
         mean = loss_sum / done if done else math.nan
         if done:
             self.last_loss = mean
-        return InnerResult(done, tokens, mean, time.monotonic() - started)
+        return InnerResult(done, tokens, mean, time.monotonic() - started, lr_sum / done if done else 0.0)
 
     def _unslowed_seconds(self, took: float) -> float:
         """What the slowdown hook stretches: this step's time, but at most SLOWED_OUTLIER times the

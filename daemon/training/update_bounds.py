@@ -85,12 +85,19 @@ class UpdateBounds:
         longest = float(torch.stack(list(self._own_norms)).max())
         return longest if longest > 0 else None
 
-    def allow_for_shortfall(self, ratio: float) -> None:
+    def allow_for_shortfall(self, ratio: float, rate: float = 1.0) -> None:
         """An average peer of the round trained `ratio` times what this node did (in tokens or in
         steps, whichever is more): this node may take a mean longer than its own Δ by ratio², up to
-        MAX_ALLOWANCE (the swarm's pacing reports are clamped)."""
+        MAX_ALLOWANCE (the swarm's pacing reports are clamped). `rate` is the swarm's inner
+        learning rate over the round against the mean rate of this node's steps: Δ grows with
+        it, and a joiner whose fresh optimizer warms up again trains at a fraction of the
+        swarm's rate (CI: 1 step at 2e-05 against its group's 13 at about 4e-4 made a Δ 122x
+        shorter than the group's mean, which it clipped alone, splitting its θ_g). The rates
+        are this node's own schedule, no peer's report, so they are not held to MAX_ALLOWANCE;
+        a rate above the swarm's allows nothing less."""
         ratio = ratio if math.isfinite(ratio) else MAX_ALLOWANCE
-        self.allowance = min(max(ratio * ratio, 1.0), MAX_ALLOWANCE)
+        rate = rate if math.isfinite(rate) and rate > 1.0 else 1.0
+        self.allowance = min(max(ratio * ratio, 1.0), MAX_ALLOWANCE) * rate
 
     def bounded(self, mean: torch.Tensor | CodedDelta) -> torch.Tensor | CodedDelta:
         """The averaged Δ, scaled down in place to OUTER_REACH x this node's longest recent own Δ
