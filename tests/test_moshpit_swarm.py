@@ -81,7 +81,7 @@ SIXTEEN = [
 ]
 
 
-@pytest.mark.long_swarms  # about 4 min on 2 cores
+@pytest.mark.scale_swarms  # about 4 min on 2 cores; not in CI (pyproject.toml says why)
 def test_sixteen_nodes_average_in_full_groups_and_hold_one_theta_after_every_round(tmp_path, cleanup):
     """Issue 60: a swarm of 16 real nodes on a 4x4 grid (groups of 4, two hops), 5 rounds. At
     least 95% of the nodes' rounds end `full` (each group the node joined held every member it
