@@ -76,6 +76,21 @@ class AveragingTimeout(RuntimeError):
     """An outer step's averaging outlasted this node's bound of it (`round_bound`)."""
 
 
+async def within_bound(work: Awaitable[None], bound: float, what: str) -> None:
+    """Await `work` for at most `bound` seconds; past it, AveragingTimeout. The expiry shows only
+    outside `asyncio.timeout`'s block (inside it, the work sees a cancellation, which the block
+    turns into TimeoutError on its way out): caught inside, it never was, and a bare TimeoutError
+    reached the round's error boundary with its traceback (CI, the kill -9 chaos trial)."""
+    timer = asyncio.timeout(bound)
+    try:
+        async with timer:
+            await work
+    except TimeoutError:
+        if timer.expired():
+            raise AveragingTimeout(f"{what} took longer than this node's bound of {bound:.0f}s; given up") from None
+        raise
+
+
 @dataclass
 class _Round:
     """What every hop of one outer step's averaging shares."""
@@ -182,17 +197,13 @@ class MoshpitAverager:
         )
         chains = [Chain(first_slot(coordinates(self.peer_id, round_no, side, dims, c.run_id)), delta, weight)]
         bound = round_bound(self.deadlines, dims, self.matchmaker.settle_s)
-        async with asyncio.timeout(bound) as timer:
-            try:
-                for hop in range(dims):
-                    chains = await self._hop(state, hop, chains)
-            except TimeoutError:
-                if timer.expired():
-                    raise AveragingTimeout(
-                        f"round {round_no}: averaging its {dims} hop(s) took longer than this node's bound of "
-                        f"{bound:.0f}s; given up"
-                    ) from None
-                raise
+
+        async def hops() -> None:
+            nonlocal chains
+            for hop in range(dims):
+                chains = await self._hop(state, hop, chains)
+
+        await within_bound(hops(), bound, f"round {round_no}: averaging its {dims} hop(s)")
         return AveragingResult(chains[0].values, chains[0].weight, state.hops, state.theta, state.theta_bound)
 
     async def _hop(self, state: _Round, hop: int, chains: list[Chain]) -> list[Chain]:

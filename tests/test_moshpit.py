@@ -15,7 +15,7 @@ from dtnode.ops.ordered_mean import ordered_weighted_mean, sum_weights
 from dtnode.ops.quantization import dequantize, quantize
 from dtnode.peers import matchmaking
 from dtnode.peers.absentees import BENCH_ROUNDS
-from dtnode.peers.averager import AveragingConfig, MoshpitAverager
+from dtnode.peers.averager import AveragingConfig, AveragingTimeout, MoshpitAverager, within_bound
 from dtnode.peers.deadlines import AdaptiveDeadlines, expected_payload_bytes
 from dtnode.peers.expectations import GroupExpectations
 from dtnode.peers.grid import (
@@ -1209,3 +1209,21 @@ def test_a_joiner_asking_for_a_resync_moves_only_theta_that_differs(dht, size, s
         assert theta_sized == []
 
     asyncio.run(main())
+
+
+def test_an_average_past_its_bound_is_an_averaging_timeout_and_an_inner_timeout_stays_itself():
+    """`within_bound`: the expiry of the node's bound surfaces as AveragingTimeout (a known cause,
+    logged without a traceback; it once escaped as a bare TimeoutError); a TimeoutError of the
+    work's own passes through; work within the bound returns."""
+
+    async def never() -> None:
+        await asyncio.sleep(3600)
+
+    async def own_timeout() -> None:
+        raise TimeoutError("a part's own deadline")
+
+    with pytest.raises(AveragingTimeout, match="round 7: averaging took longer than this node's bound of 0s"):
+        asyncio.run(within_bound(never(), 0.05, "round 7: averaging"))
+    with pytest.raises(TimeoutError, match="a part's own deadline"):
+        asyncio.run(within_bound(own_timeout(), 5.0, "round 7: averaging"))
+    asyncio.run(within_bound(asyncio.sleep(0.01), 5.0, "round 7: averaging"))
