@@ -1,28 +1,35 @@
-"""hivemind DHTs started in a test process as a node starts its own: forked under the fork lock
-and waited for with a deadline, another started if one never gets ready.
+"""hivemind DHTs started in a test as a node starts its own: forked under the fork lock and
+waited for with a deadline, another started if one never gets ready; and scenarios on DHTs run
+in a fresh process of their own.
 
 hivemind's DHT is a forked child of the (threaded) test process; once in a while one starts but
 never answers its parent (seen in the suite: 300 s in `hivemind.DHT(start=True)`, which waits
-without a deadline, then pytest's timeout)."""
+without a deadline, then pytest's timeout; three in a row never ready, one dying of a fatal
+error). A scenario run through `run_in_fresh_process` forks its DHTs from a process that has run
+nothing else, as a node does."""
 
 from __future__ import annotations
 
-import asyncio
+import contextlib
+import inspect
+import os
+import subprocess
+import sys
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
+import psutil
 from hivemind import DHT
 from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.p2p import P2P
 
-from dtnode.peers.dht_start import _forked_dht, start_dht
+from dtnode.peers.dht_start import _die_with_parent, _forked_dht, start_dht
 from dtnode.peers.identity import identity_key
 
 READY_S = 30.0
-# a scenario on in-process DHTs that has not ended by then is stuck on a DHT that stopped
-# answering its parent (seen in CI: 300 s awaiting a store, then pytest's timeout); it runs
-# again on fresh ones. An assertion that fails is not retried.
+# a scenario in a fresh process that has not ended by then is stuck on a DHT that stopped
+# answering (it takes a few seconds); it runs again in another. An assertion that fails is not retried.
 SCENARIO_S = 90.0
 ATTEMPTS = 3
 
@@ -51,30 +58,66 @@ async def signed_dhts(directory: Path, names: tuple[str, ...]) -> list[tuple[DHT
     return started
 
 
-def run_on_fresh_dhts(
-    directory: Path,
-    start: Callable[[Path], list[DHT]],
-    scenario: Callable[[list[DHT]], Awaitable[None]],
-    seconds: float = SCENARIO_S,
+def run_in_fresh_process(
+    directory: Path, scenario: Callable[[Path], Awaitable[None]], seconds: float = SCENARIO_S
 ) -> None:
-    """Run `scenario` on the DHTs `start` makes (in a directory of their own per attempt); a
-    scenario stuck past `seconds` is abandoned, its DHTs killed, and run again on fresh ones,
-    up to ATTEMPTS times. The first attempt that ends decides: it passes or raises."""
+    """Run the module-level coroutine function `scenario(folder)` in a fresh interpreter, where
+    the DHTs it starts are forked from a process with no other test's threads in it.
+
+    The test process has run hundreds of tests by then (gRPC pollers, thread pools, event loops
+    on other threads), and a DHT forked from it sometimes never answers or dies at its start (CI:
+    three forked in a row were never ready, one crashing with a fatal error). A scenario that is
+    stuck past `seconds`, or whose process dies by a signal, runs again in another fresh process,
+    up to ATTEMPTS times; one that raises fails the test with its traceback, and is not retried."""
+    source = Path(inspect.getfile(scenario)).resolve()
+    outcomes: list[str] = []
     for attempt in range(ATTEMPTS):
         folder = directory / f"attempt-{attempt}"
         folder.mkdir(parents=True, exist_ok=True)
-        dhts = start(folder)
-        stuck = False
+        argv = [sys.executable, "-c", _RUNNER, str(Path(__file__).parent), str(source), scenario.__name__, str(folder)]
+        child = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
         try:
-            asyncio.run(asyncio.wait_for(scenario(dhts), seconds))
+            output, _ = child.communicate(timeout=seconds)
+        except subprocess.TimeoutExpired:
+            _kill_tree(child)
+            outcomes.append(f"stuck past {seconds:g}s")
+            continue
+        text = output.decode(errors="replace")
+        if child.returncode == 0:
             return
-        except TimeoutError:
-            stuck = True
-        finally:
-            for dht in dhts:
-                if stuck:
-                    dht.kill()
-                    dht.join(10)
-                else:
-                    dht.shutdown()
-    raise AssertionError(f"{ATTEMPTS} scenarios in a row were stuck on a DHT that stopped answering")
+        if child.returncode < 0:  # a crash (a signal), not a failed assertion
+            outcomes.append(f"died by signal {-child.returncode}: {text[-2000:]}")
+            continue
+        raise AssertionError(f"the scenario {scenario.__name__} failed:\n{text[-6000:]}")
+    raise AssertionError(f"{ATTEMPTS} fresh processes in a row did not finish {scenario.__name__}: {outcomes}")
+
+
+# the fresh interpreter's program: this folder importable (the scenario's module imports its
+# harnesses by name), every DHT it forks killed with it, the scenario's module loaded from its file
+_RUNNER = """
+import asyncio, importlib.util, sys
+from pathlib import Path
+sys.path.insert(0, sys.argv[1])
+from dht_harness import die_with_parent_in_forks
+die_with_parent_in_forks()
+spec = importlib.util.spec_from_file_location("scenario_" + Path(sys.argv[2]).stem, sys.argv[2])
+module = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(module)
+asyncio.run(getattr(module, sys.argv[3])(Path(sys.argv[4])))
+"""
+
+
+def die_with_parent_in_forks() -> None:
+    """Every process this one forks from now on (hivemind's DHT) gets SIGKILL when this one dies,
+    as a node's DHT does: a scenario killed for being stuck leaves no DHT behind."""
+    os.register_at_fork(after_in_child=_die_with_parent)
+
+
+def _kill_tree(process: subprocess.Popen[bytes]) -> None:
+    """Kill a scenario's process and everything under it (its DHTs, their p2pd daemons)."""
+    with contextlib.suppress(psutil.Error):
+        below = psutil.Process(process.pid).children(recursive=True)
+        for proc in [psutil.Process(process.pid), *below]:
+            with contextlib.suppress(psutil.Error):
+                proc.kill()
+    process.wait(10)

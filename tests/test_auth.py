@@ -10,7 +10,7 @@ import hivemind
 import pytest
 import torch
 from allreduce_harness import Peer, stop_peers, stream_status
-from dht_harness import ready_dht, run_on_fresh_dhts
+from dht_harness import ready_dht, run_in_fresh_process
 from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.p2p import P2P
 from hivemind.utils import get_dht_time
@@ -190,60 +190,52 @@ def test_a_forged_membership_record_is_rejected(tmp_path):
     one under his own key, one under no key at all; a fresh reader ignores both (the peer id is
     the hash of the key that must sign its record). Then Alice announces, and Mallory tries to
     overwrite her record (her subkey, his signature): everyone keeps Alice's."""
-    validators: dict[hivemind.DHT, RSASignatureValidator] = {}
+    run_in_fresh_process(tmp_path, forged_record_scenario)
 
-    def start(folder):
-        alice_dht, alice_validator = _dht_with_identity(folder, "alice")
-        mallory_dht, mallory_validator = _dht_with_identity(
-            folder, "mallory", [str(a) for a in alice_dht.get_visible_maddrs()]
-        )
-        validators.update({alice_dht: alice_validator, mallory_dht: mallory_validator})
-        return [alice_dht, mallory_dht]
 
-    async def main(dhts):
-        alice_dht, mallory_dht = dhts
-        alice_validator, mallory_validator = validators[alice_dht], validators[mallory_dht]
-        alice = Membership(alice_dht, "run", ttl=60, interval=1, validator=alice_validator)
-        honest = PeerRecord(
-            peer_id=alice.peer_id, grpc_addr="10.0.0.1:7701", http_addr="http://10.0.0.1:7702", state="training"
-        )
-        forged = honest.model_copy(update={"grpc_addr": "6.6.6.6:7701"}).model_dump()
-        expires = get_dht_time() + 120
-        for subkey in (alice.peer_id.encode() + mallory_validator.local_public_key, alice.peer_id.encode()):
-            await mallory_dht.store(alice.key, subkey=subkey, value=forged, expiration_time=expires, return_future=True)
-        first_reader = Membership(mallory_dht, "run", ttl=60, interval=1, validator=mallory_validator)
-        assert alice.peer_id not in await first_reader.members()  # the forged-first records count for nothing
-        assert await alice.announce(honest)
-        overwrite = await mallory_dht.store(
-            alice.key, subkey=alice.subkey, value=forged, expiration_time=expires, return_future=True
-        )
-        assert not overwrite  # the signature cannot match Alice's key
-        first_reader._read_at = -1.0
-        assert (await first_reader.members())[alice.peer_id].grpc_addr == "10.0.0.1:7701"
-        for dht in dhts:
-            view = await Membership(dht, "run", 60, 1, validator=validators[dht]).members()
-            assert view[alice.peer_id].grpc_addr == "10.0.0.1:7701"
-
-    run_on_fresh_dhts(tmp_path, start, main)
+async def forged_record_scenario(folder):
+    """The scenario of the test above, in a process of its own (dht_harness.run_in_fresh_process)."""
+    alice_dht, alice_validator = _dht_with_identity(folder, "alice")
+    mallory_dht, mallory_validator = _dht_with_identity(
+        folder, "mallory", [str(a) for a in alice_dht.get_visible_maddrs()]
+    )
+    validators = {alice_dht: alice_validator, mallory_dht: mallory_validator}
+    alice = Membership(alice_dht, "run", ttl=60, interval=1, validator=alice_validator)
+    honest = PeerRecord(
+        peer_id=alice.peer_id, grpc_addr="10.0.0.1:7701", http_addr="http://10.0.0.1:7702", state="training"
+    )
+    forged = honest.model_copy(update={"grpc_addr": "6.6.6.6:7701"}).model_dump()
+    expires = get_dht_time() + 120
+    for subkey in (alice.peer_id.encode() + mallory_validator.local_public_key, alice.peer_id.encode()):
+        await mallory_dht.store(alice.key, subkey=subkey, value=forged, expiration_time=expires, return_future=True)
+    first_reader = Membership(mallory_dht, "run", ttl=60, interval=1, validator=mallory_validator)
+    assert alice.peer_id not in await first_reader.members()  # the forged-first records count for nothing
+    assert await alice.announce(honest)
+    overwrite = await mallory_dht.store(
+        alice.key, subkey=alice.subkey, value=forged, expiration_time=expires, return_future=True
+    )
+    assert not overwrite  # the signature cannot match Alice's key
+    first_reader._read_at = -1.0
+    assert (await first_reader.members())[alice.peer_id].grpc_addr == "10.0.0.1:7701"
+    for dht, validator in validators.items():
+        view = await Membership(dht, "run", 60, 1, validator=validator).members()
+        assert view[alice.peer_id].grpc_addr == "10.0.0.1:7701"
+    for dht in validators:
+        dht.shutdown()
 
 
 def test_unkeyed_records_are_invisible_to_a_keyed_swarm(tmp_path):
-    validators: dict[hivemind.DHT, RSASignatureValidator] = {}
+    run_in_fresh_process(tmp_path, unkeyed_records_scenario)
 
-    def start(folder):
-        dht, validator = _dht_with_identity(folder, "node")
-        validators[dht] = validator
-        return [dht]
 
-    async def main(dhts):
-        (dht,) = dhts
-        validator = validators[dht]
-        keyed = Membership(dht, "run2", 60, 1, validator=validator, auth=SwarmAuth(KEY, str(dht.peer_id)))
-        open_reader = Membership(dht, "run2", 60, 1, validator=validator)
-        await open_reader.announce(PeerRecord(peer_id=str(dht.peer_id), state="training"))
-        assert str(dht.peer_id) in await open_reader.members()
-        assert await keyed.members() == {}
-        await keyed.announce(PeerRecord(peer_id=str(dht.peer_id), state="training"))
-        assert str(dht.peer_id) in await keyed.members()
-
-    run_on_fresh_dhts(tmp_path, start, main)
+async def unkeyed_records_scenario(folder):
+    """The scenario of the test above, in a process of its own (dht_harness.run_in_fresh_process)."""
+    dht, validator = _dht_with_identity(folder, "node")
+    keyed = Membership(dht, "run2", 60, 1, validator=validator, auth=SwarmAuth(KEY, str(dht.peer_id)))
+    open_reader = Membership(dht, "run2", 60, 1, validator=validator)
+    await open_reader.announce(PeerRecord(peer_id=str(dht.peer_id), state="training"))
+    assert str(dht.peer_id) in await open_reader.members()
+    assert await keyed.members() == {}
+    await keyed.announce(PeerRecord(peer_id=str(dht.peer_id), state="training"))
+    assert str(dht.peer_id) in await keyed.members()
+    dht.shutdown()

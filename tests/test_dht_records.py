@@ -7,7 +7,7 @@ import asyncio
 import dataclasses
 
 import pytest
-from dht_harness import ready_dht, signed_dhts
+from dht_harness import ready_dht, run_in_fresh_process, signed_dhts
 from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.dht.routing import DHTID
 from hivemind.dht.validation import DHTRecord
@@ -77,40 +77,41 @@ def test_a_plain_value_shadows_neither_membership_nor_groups(tmp_path):
     stored one under `{run_id}.peers` and under a group key, expiring in months: both honest
     nodes then listed nobody and averaged alone. Our nodes now refuse such values where they
     are asked to store them and where a lookup brings them back."""
+    run_in_fresh_process(tmp_path, shadowing_scenario)
 
-    async def main():
-        honest = await signed_dhts(tmp_path, ("a", "b"))
-        outsider = ready_dht(
-            host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=[str(a) for a in honest[0][0].get_visible_maddrs()]
-        )
-        try:
-            run_id = "shadowed"
-            group_key = f"{run_id}.group.0.0.all"
-            for key in (f"{run_id}.peers", group_key, f"{group_key}.closed"):
-                await outsider.store(key, "shadow", expiration_time=get_dht_time() + 1e7, return_future=True)
-            views = [Membership(dht, run_id, 60, 1, validator) for dht, validator in honest]
-            for view in views:
-                record = PeerRecord(peer_id=view.peer_id, grpc_addr="127.0.0.1:1", state="training")
-                await view.announce(record)  # (its answer counts replicas; the outsider is one that refuses)
-            for view in views:
-                assert set(await view.members()) == {v.peer_id for v in views}
-            makers = [
-                Matchmaker(dht, run_id, Member(str(dht.peer_id), "127.0.0.1:1"), 0.05, owner=v.local_public_key)
-                for dht, v in honest
-            ]
-            everyone = {m.own.peer_id for m in makers}
 
-            async def expected():
-                return everyone
+async def shadowing_scenario(folder):
+    """The scenario of the test above, in a process of its own (dht_harness.run_in_fresh_process)."""
+    honest = await signed_dhts(folder, ("a", "b"))
+    outsider = ready_dht(
+        host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=[str(a) for a in honest[0][0].get_visible_maddrs()]
+    )
+    try:
+        run_id = "shadowed"
+        group_key = f"{run_id}.group.0.0.all"
+        for key in (f"{run_id}.peers", group_key, f"{group_key}.closed"):
+            await outsider.store(key, "shadow", expiration_time=get_dht_time() + 1e7, return_future=True)
+        views = [Membership(dht, run_id, 60, 1, validator) for dht, validator in honest]
+        for view in views:
+            record = PeerRecord(peer_id=view.peer_id, grpc_addr="127.0.0.1:1", state="training")
+            await view.announce(record)  # (its answer counts replicas; the outsider is one that refuses)
+        for view in views:
+            assert set(await view.members()) == {v.peer_id for v in views}
+        makers = [
+            Matchmaker(dht, run_id, Member(str(dht.peer_id), "127.0.0.1:1"), 0.05, owner=v.local_public_key)
+            for dht, v in honest
+        ]
+        everyone = {m.own.peer_id for m in makers}
 
-            groups = await asyncio.gather(*(m.form_group(0, 0, expected, 10, 2) for m in makers))
-            assert all({m.peer_id for m in g.members} == everyone for g in groups)
-        finally:
-            outsider.shutdown()
-            for dht, _ in reversed(honest):
-                dht.shutdown()
+        async def expected():
+            return everyone
 
-    asyncio.run(main())
+        groups = await asyncio.gather(*(m.form_group(0, 0, expected, 10, 2) for m in makers))
+        assert all({m.peer_id for m in g.members} == everyone for g in groups)
+    finally:
+        outsider.shutdown()
+        for dht, _ in reversed(honest):
+            dht.shutdown()
 
 
 def _signed_entry(validator: RSASignatureValidator, subkey: bytes, value: object, expiration: float) -> DHTRecord:

@@ -296,6 +296,7 @@ def test_a_preset_exports_as_gpt2_with_a_byte_tokenizer(tmp_path):
         export_checkpoint(tmp_path / "state", tmp_path / "out2", step=3)
 
 
+@pytest.mark.long_swarms  # 41 s; out of the default suite's 10 minutes (.ci/hf-floor runs it too)
 def test_a_transformers_swarm_trains_exports_and_refuses_another_model(workspace, tmp_path):
     common = [
         *FAST,

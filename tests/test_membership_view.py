@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import time
 
-from dht_harness import signed_dhts
+from dht_harness import run_in_fresh_process, signed_dhts
 
 from dtnode.peers import dht_requests
 from dtnode.peers.dht_requests import DhtKey, DhtOp
@@ -20,40 +20,42 @@ def _reads() -> int:
 
 
 def test_matchmaking_shares_a_view_and_a_heartbeat_shows_itself_without_a_read(tmp_path):
-    async def main():
-        nodes = await signed_dhts(tmp_path, ("a", "b"))
-        try:
-            a, b = (Membership(dht, "viewed", 60, 1, validator) for dht, validator in nodes)
-            assert await a.announce(PeerRecord(peer_id=a.peer_id, grpc_addr="127.0.0.1:1", state="training"))
-            assert await b.announce(PeerRecord(peer_id=b.peer_id, grpc_addr="127.0.0.1:2", state="training"))
-            before, read_at = _reads(), time.monotonic()
-            assert set(await a.members()) == {a.peer_id, b.peer_id}
-            assert _reads() == before + 1
+    run_in_fresh_process(tmp_path, shared_view_scenario)
 
-            # a's next heartbeat changes its own record: its view shows it at once, unread
-            await a.announce(PeerRecord(peer_id=a.peer_id, grpc_addr="127.0.0.1:1", state="averaging", outer_step=3))
-            polls = 0
-            while time.monotonic() - read_at < MATCHMAKING_VIEW_S * 0.8:
-                view = await a.recent_members()
-                assert view[a.peer_id].state == "averaging" and view[a.peer_id].outer_step == 3
-                polls += 1
-                await asyncio.sleep(0.05)
-            assert polls >= 5 and _reads() == before + 1  # every matchmaking poll shared the one read
 
-            # b moves on; a caller that needs the view now (older than VIEW_REUSE_S) reads it
-            await b.announce(PeerRecord(peer_id=b.peer_id, grpc_addr="127.0.0.1:2", state="averaging", outer_step=3))
-            await asyncio.sleep(VIEW_REUSE_S)
-            assert (await a.members())[b.peer_id].outer_step == 3
-            assert _reads() == before + 2
-            # and one past MATCHMAKING_VIEW_S reads again from a matchmaking poll too
-            await asyncio.sleep(MATCHMAKING_VIEW_S)
-            await a.recent_members()
-            assert _reads() == before + 3
-        finally:
-            for dht, _ in reversed(nodes):
-                dht.shutdown()
+async def shared_view_scenario(folder):
+    """The scenario of the test above, in a process of its own (dht_harness.run_in_fresh_process)."""
+    nodes = await signed_dhts(folder, ("a", "b"))
+    try:
+        a, b = (Membership(dht, "viewed", 60, 1, validator) for dht, validator in nodes)
+        assert await a.announce(PeerRecord(peer_id=a.peer_id, grpc_addr="127.0.0.1:1", state="training"))
+        assert await b.announce(PeerRecord(peer_id=b.peer_id, grpc_addr="127.0.0.1:2", state="training"))
+        before, read_at = _reads(), time.monotonic()
+        assert set(await a.members()) == {a.peer_id, b.peer_id}
+        assert _reads() == before + 1
 
-    asyncio.run(main())
+        # a's next heartbeat changes its own record: its view shows it at once, unread
+        await a.announce(PeerRecord(peer_id=a.peer_id, grpc_addr="127.0.0.1:1", state="averaging", outer_step=3))
+        polls = 0
+        while time.monotonic() - read_at < MATCHMAKING_VIEW_S * 0.8:
+            view = await a.recent_members()
+            assert view[a.peer_id].state == "averaging" and view[a.peer_id].outer_step == 3
+            polls += 1
+            await asyncio.sleep(0.05)
+        assert polls >= 5 and _reads() == before + 1  # every matchmaking poll shared the one read
+
+        # b moves on; a caller that needs the view now (older than VIEW_REUSE_S) reads it
+        await b.announce(PeerRecord(peer_id=b.peer_id, grpc_addr="127.0.0.1:2", state="averaging", outer_step=3))
+        await asyncio.sleep(VIEW_REUSE_S)
+        assert (await a.members())[b.peer_id].outer_step == 3
+        assert _reads() == before + 2
+        # and one past MATCHMAKING_VIEW_S reads again from a matchmaking poll too
+        await asyncio.sleep(MATCHMAKING_VIEW_S)
+        await a.recent_members()
+        assert _reads() == before + 3
+    finally:
+        for dht, _ in reversed(nodes):
+            dht.shutdown()
 
 
 def test_heartbeats_and_a_records_life_stretch_with_the_swarm_above_eight_peers(tmp_path):
@@ -61,22 +63,23 @@ def test_heartbeats_and_a_records_life_stretch_with_the_swarm_above_eight_peers(
     FULL_RATE_PEERS peers a node beats n/8 times less often and its record lives as much longer
     (`Membership.beat_s`): what it moves per second stays flat as the swarm grows. The record it
     stores carries that longer life in the DHT, where every reader sees it."""
+    run_in_fresh_process(tmp_path, stretched_life_scenario)
 
-    async def main():
-        nodes = await signed_dhts(tmp_path, ("a",))
-        try:
-            ((dht, validator),) = nodes
-            a = Membership(dht, "stretched", 6.0, 2.0, validator)
-            assert (a.beat_s(), a.record_ttl()) == (2.0, 6.0)  # alone
-            for i in range(15):  # as a read of a 16-peer swarm leaves the view
-                a._records[f"peer-{i}"] = (time.time() + 60, PeerRecord(peer_id=f"peer-{i}"))
-            assert await a.announce(PeerRecord(peer_id=a.peer_id, grpc_addr="127.0.0.1:1", state="training"))
-            assert (a.beat_s(), a.record_ttl()) == (4.0, 12.0)
-            found = await dht.get(a.key, latest=True, return_future=True)
-            (entry,) = found.value.values()
-            assert 11.0 < entry.expiration_time - get_dht_time() <= 12.0
-        finally:
-            for node, _ in reversed(nodes):
-                node.shutdown()
 
-    asyncio.run(main())
+async def stretched_life_scenario(folder):
+    """The scenario of the test above, in a process of its own (dht_harness.run_in_fresh_process)."""
+    nodes = await signed_dhts(folder, ("a",))
+    try:
+        ((dht, validator),) = nodes
+        a = Membership(dht, "stretched", 6.0, 2.0, validator)
+        assert (a.beat_s(), a.record_ttl()) == (2.0, 6.0)  # alone
+        for i in range(15):  # as a read of a 16-peer swarm leaves the view
+            a._records[f"peer-{i}"] = (time.time() + 60, PeerRecord(peer_id=f"peer-{i}"))
+        assert await a.announce(PeerRecord(peer_id=a.peer_id, grpc_addr="127.0.0.1:1", state="training"))
+        assert (a.beat_s(), a.record_ttl()) == (4.0, 12.0)
+        found = await dht.get(a.key, latest=True, return_future=True)
+        (entry,) = found.value.values()
+        assert 11.0 < entry.expiration_time - get_dht_time() <= 12.0
+    finally:
+        for node, _ in reversed(nodes):
+            node.shutdown()

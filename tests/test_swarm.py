@@ -9,6 +9,7 @@ import sys
 import time
 
 import psutil
+import pytest
 import torch
 from nodes import FAST, NodeProcess, dtnode_status
 from nodes import theta as checkpoint_theta
@@ -149,6 +150,7 @@ def test_local_swarm_trains_and_stops_on_ctrl_c(tmp_path):
         assert any("stopped at outer step" in l for l in mine), output
 
 
+@pytest.mark.long_swarms  # 26 s; out of the default suite's 10 minutes
 def test_late_joiner_downloads_state_and_trains_in_step(tmp_path, cleanup):
     a = NodeProcess.join("a", tmp_path, *FAST, "--min-peers", "2")
     cleanup.append(a)
