@@ -5,6 +5,7 @@ and the metrics show it. No network: these are the decisions, tested case by cas
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import math
 import time
 from pathlib import Path
@@ -15,6 +16,7 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from dtnode.daemon.catchup.sync_plan import LocalPosition, SyncAction, plan_sync
+from dtnode.daemon.checkpoints.arrivals import Arrivals, ThetaSource
 from dtnode.daemon.config.settings import NodeSettings
 from dtnode.daemon.records.report import Condition, RoundOutcome, RoundSummary, RunStats
 from dtnode.daemon.records.state import IllegalTransition, NodeState, RecordPhase, RoundPhase, RoundState
@@ -505,6 +507,21 @@ def test_theta_resyncs_are_counted_by_why_they_happened():
         if s.name == "dtnode_theta_resyncs_total"
     }
     assert counted == {"asked": 1, "diverged": 1}
+
+
+def test_a_rounds_entry_says_where_its_theta_came_from_once():
+    """What arrived since the last recorded round goes into the next entry, oldest first, and
+    only there; a node that syncs again and again without a round keeps the newest few."""
+    arrivals = Arrivals()
+    arrivals.note(ThetaSource.DOWNLOADED, 4)
+    arrivals.note(ThetaSource.TAKEN, 5)
+    taken = arrivals.take()
+    entry = dataclasses.replace(_summary([_hop(2, 2, 10, 10)]), synced=taken).history_entry(0, 0.0)
+    assert entry["synced"] == [{"source": "downloaded", "step": 4}, {"source": "taken", "step": 5}]
+    assert arrivals.take() == () and _summary([]).history_entry(0, 0.0)["synced"] == []
+    for step in range(40):
+        arrivals.note(ThetaSource.DOWNLOADED, step)
+    assert [a.step for a in arrivals.take()] == list(range(40 - Arrivals.LIMIT, 40))
 
 
 def test_a_round_summary_is_the_one_source_of_status_history_and_metrics():

@@ -200,6 +200,8 @@ def test_restart_resumes_from_its_checkpoint(tmp_path):
     )
     assert sha256_of(saved.theta_g).startswith(resumed)  # resumed parameters are bit-identical to the saved ones
     assert [(r["round"], r["groups"][0][0]) for r in again.rounds[3:]] == [(3, 1)], again.output
+    # the history says where each round's θ_g began: the restart's round from the resumed file
+    assert [r["synced"] for r in again.rounds] == [[], [], [], [{"source": "resumed", "step": 3}]], again.rounds
     # the learning-rate schedule goes on from the swarm's position (outer step 3 x H=15), with
     # the restored AdamW moments needing no second warmup: the round's last step is position 59
     lr = LearningRateSchedule(1e-3, warmup_steps=5, total_steps=100)

@@ -35,6 +35,7 @@ from dtnode.daemon.catchup.donors import fetch_from_swarm
 from dtnode.daemon.catchup.swarm_position import SwarmPosition, swarm_moves_past, swarm_position
 from dtnode.daemon.catchup.sync_plan import LocalPosition, SyncAction, SyncPlan, plan_sync
 from dtnode.daemon.catchup.trust_radius import judge_split_vote
+from dtnode.daemon.checkpoints.arrivals import ThetaSource
 from dtnode.daemon.checkpoints.file_format import LoadedCheckpoint
 from dtnode.daemon.checkpoints.store import CheckpointStore
 from dtnode.daemon.config.settings import NodeSettings
@@ -365,7 +366,7 @@ class Joiner:
             )
             self.resync_wanted = True
             return None
-        await self.store.keep_downloaded(loaded)
+        await self.store.keep_downloaded(loaded, ThetaSource.TAKEN)
         delta = await self.worker.call(self.worker.adopt_downloaded, loaded)
         log.info(
             "took the swarm's θ_g of step %d for round %d (entered without its average of round %d)",

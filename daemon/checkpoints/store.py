@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 from tenacity import AsyncRetrying, retry_if_result, stop_after_attempt
 
+from dtnode.daemon.checkpoints.arrivals import Arrivals, ThetaSource
 from dtnode.daemon.checkpoints.file_format import (
     ABANDONED_DIR,
     CheckpointError,
@@ -80,6 +81,7 @@ class CheckpointStore:
         self._hash_task: asyncio.Future | None = None
         # files being written from the live θ_g (I/O thread); weak: a write abandoned anywhere lets go
         self._writing: weakref.WeakSet[MemoryCheckpoint] = weakref.WeakSet()
+        self.arrivals = Arrivals()  # θ_g's not of this node's own outer step, for the next round's record
         worker.on_theta_change = self._theta_changing
 
     async def _io(self, fn: Callable, *args: object) -> object:
@@ -205,8 +207,10 @@ class CheckpointStore:
         if step > 0 and step not in self.files:
             await self.write()
 
-    async def keep_downloaded(self, loaded: LoadedCheckpoint) -> None:
-        """The donors' file is this node's checkpoint of that step: registered, never rewritten."""
+    async def keep_downloaded(self, loaded: LoadedCheckpoint, source: ThetaSource = ThetaSource.DOWNLOADED) -> None:
+        """The donors' file is this node's checkpoint of that step: registered, never rewritten;
+        `source`: how its θ_g came in (installed whole, or taken at a round's end)."""
+        self.arrivals.note(source, loaded.step)
         self.metrics.catchups.inc()
         if loaded.file is not None:
             self.metrics.checkpoint_downloaded.inc(loaded.file.size_bytes)
@@ -249,6 +253,7 @@ class CheckpointStore:
             replica.set_params_sha256(sha256_of(replica.host_theta()))
             self.files[step] = CheckpointInfo(step, path, file_sha256(path), path.stat().st_size)
             self._show_newest()
+            self.arrivals.note(ThetaSource.RESUMED, step)
             log.info("resumed from %s (outer step %d, params %s)", path.name, step, replica.params_sha256()[:12])
             return
 

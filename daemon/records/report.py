@@ -20,6 +20,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict
 from rich.filesize import decimal as human_bytes
 
+from dtnode.daemon.checkpoints.arrivals import ThetaArrival
 from dtnode.daemon.records.history import finite_or_none
 from dtnode.daemon.records.state import NodeState
 from dtnode.daemon.telemetry.metrics import NodeMetrics, failure_reason
@@ -113,6 +114,9 @@ class RoundSummary:
     # what this node scaled down to its bound of its own recent Δ in the round's outer step:
     # "mean" (the averaged Δ), "momentum" (update_bounds.py)
     bounded: tuple[str, ...] = ()
+    # θ_g's that came from elsewhere than this node's outer step since its last recorded round
+    # (a resume, a download, the swarm's θ_g taken at a round's end: checkpoints/arrivals.py)
+    synced: tuple[ThetaArrival, ...] = ()
 
     @property
     def bytes_per_param(self) -> float:
@@ -231,6 +235,7 @@ class RoundSummary:
             "reasons": sorted(set(self.reasons)),
             "landed_after_steps": self.landed_after_steps,
             "bounded": list(self.bounded),
+            "synced": [arrival.entry() for arrival in self.synced],
         }
 
     def log_line(self, tokens_per_s: float, loss_floor: float | None) -> str:

@@ -94,6 +94,7 @@ class RoundRecorder:
             self.peer_id,
             self._wire_stats(),
             tuple(kind for kind, count in bounded.items() if count),
+            self.store.arrivals.take(),
         )
         trainer.eval_seconds = 0.0
         self.stats.last = summary

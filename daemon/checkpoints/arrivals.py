@@ -1,0 +1,50 @@
+"""Where a node's θ_g came from when it was not the node's own outer step.
+
+A node's θ_g is normally the result of its own outer step on its group's average. Three other
+ways put one in place: the node resumed from a checkpoint of its own at start, it downloaded a
+peer's checkpoint (a join, a catch-up, a rollback to the swarm's branch), or, entering a round
+without its part in the previous average, it took the swarm's θ_g at that round's end
+(`--overlap`). The checkpoint store sees all three, so it notes each here; the round recorder
+takes what was noted into the next round's history entry (`synced`). An operator reading
+`/history` then sees which rounds began from someone else's θ_g, and a test reads the same fact
+from state instead of from a log sentence.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any
+
+
+class ThetaSource(str, Enum):
+    RESUMED = "resumed"  # this node's own checkpoint, read at start
+    DOWNLOADED = "downloaded"  # a peer's checkpoint, installed whole
+    TAKEN = "taken"  # the swarm's θ_g of a round's end, taken instead of an outer step of its own
+
+
+@dataclass(frozen=True)
+class ThetaArrival:
+    source: ThetaSource
+    step: int  # the outer step of the θ_g that arrived
+
+    def entry(self) -> dict[str, Any]:
+        return {"source": self.source.value, "step": self.step}
+
+
+class Arrivals:
+    """The arrivals since the last recorded round, oldest first (a few at most: the list is
+    bounded so that a node that syncs without ever finishing a round holds no more than that)."""
+
+    LIMIT = 16
+
+    def __init__(self) -> None:
+        self._pending: list[ThetaArrival] = []
+
+    def note(self, source: ThetaSource, step: int) -> None:
+        self._pending = [*self._pending, ThetaArrival(source, step)][-self.LIMIT :]
+
+    def take(self) -> tuple[ThetaArrival, ...]:
+        """What arrived since the last call, for the round being recorded."""
+        taken, self._pending = tuple(self._pending), []
+        return taken
