@@ -65,8 +65,9 @@ from dtnode.peers.auth import SwarmAuth
 from dtnode.peers.averager import AveragingConfig, MoshpitAverager
 from dtnode.peers.channel_pool import ChannelPool
 from dtnode.peers.deadlines import AdaptiveDeadlines
+from dtnode.peers.dht_in_process import InProcessDHT
 from dtnode.peers.dht_start import public_maddrs
-from dtnode.peers.hivemind_adapter import DHT, P2P, RSAPrivateKey, RSASignatureValidator
+from dtnode.peers.hivemind_adapter import P2P, RSAPrivateKey, RSASignatureValidator
 from dtnode.peers.identity import identity_key
 from dtnode.peers.known_peers import own_peer_id
 from dtnode.peers.matchmaking import Matchmaker
@@ -86,7 +87,7 @@ class Node:
     """The parts of one node, their lifecycle, and the sidecar's view of them."""
 
     # built by `run`, in this order (the sidecar only serves once all of them exist)
-    dht: DHT
+    dht: InProcessDHT
     validator: RSASignatureValidator
     store: CheckpointStore
     membership: Membership
@@ -162,7 +163,7 @@ class Node:
         building = asyncio.ensure_future(self.worker.call(self.worker.build, self.addr.peer_id))
         bootstrap = DhtBootstrap(s, self.state_dir)
         self.dht, redial = await bootstrap.start(self.addr.peer_id, fresh_identity, self.validator)
-        stack.push_async_callback(asyncio.to_thread, self.dht.shutdown)
+        stack.push_async_callback(self.dht.shutdown)
         self.addr.peer_id = str(self.dht.peer_id)
         self.addr.dht_addrs = dialable_addrs(self.dht, s.network.announce_host)
         await asyncio.to_thread(bootstrap.remember_dht_port, self.addr.dht_addrs)

@@ -3,7 +3,7 @@ the swarm grows (`dtnode_dht_requests_total`, tests/bench/scale.py).
 
 Counted where the node's code asks hivemind (membership records, registrations, member lists),
 not inside hivemind: the routing traffic each request sets off there is measured from outside,
-as the bytes through the node's DHT process and p2pd.
+as the bytes through the node's p2pd daemon.
 """
 
 from __future__ import annotations

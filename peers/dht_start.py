@@ -1,5 +1,5 @@
-"""Starting hivemind's DHT for a node: forked under the fork lock, its orphans of a crashed run
-reaped, killed with its parent, its initial peers dialled again until --join-timeout, and its
+"""Starting the node's DHT (hivemind's DHT node on the node's own loop: dht_in_process.py): its
+orphans of a crashed run reaped, its initial peers dialled again until --join-timeout, and its
 failures turned into one JoinError line. Also the multiaddrs others can dial.
 """
 
@@ -7,22 +7,20 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import ipaddress
 import logging
 import os
 import re
-import signal
 import socket
 import time
 
 import psutil
 
 from . import failpoints
+from .dht_in_process import InProcessDHT, SwarmDHT
 from .dht_records import SwarmValidator
 from .dht_requests import REPLICAS
-from .forks import FORK_LOCK
-from .hivemind_adapter import DHT, RSASignatureValidator
+from .hivemind_adapter import RSASignatureValidator
 from .membership import JoinError
 
 log = logging.getLogger(__name__)
@@ -45,27 +43,9 @@ def _maddr(host: str, port: int) -> str:
     return f"/{_proto(host)}/{host}/tcp/{port}"
 
 
-def _die_with_parent() -> None:
-    """In a forked child (hivemind's DHT process): get SIGKILL when the node dies, even by kill -9.
-
-    Without it the DHT process and its p2pd outlive a crashed node, keep its identity alive
-    in the swarm, and make its restart fail with "identity already taken".
-    """
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        return  # not Linux: nothing to do
-    if os.getppid() == 1:  # the parent died before the line above ran
-        os._exit(1)
-
-
-_HOOKED = False
-
-
 def _reap_orphaned_daemons(identity_path: str) -> int:
     """Kill p2pd daemons that a crashed node left behind with our identity (orphans: their
-    parent, the node's DHT process, is gone)."""
+    parent, the node, is gone)."""
     killed = 0
     marker = f"-id={identity_path}"
     for proc in psutil.process_iter(["name", "cmdline", "ppid"]):
@@ -89,8 +69,8 @@ async def start_dht(
     fresh_identity: bool = False,
     client_mode: bool = False,
     keep_trying: bool = True,
-) -> DHT:
-    """Start hivemind's DHT process and reach the initial peers, or raise JoinError in bounded time.
+) -> InProcessDHT:
+    """Start the DHT and reach the initial peers, or raise JoinError in bounded time.
 
     With `fresh_identity` (just generated) hivemind's check that no live peer uses it is skipped.
     With `client_mode` (behind NAT) the DHT only asks: other peers never store keys on it or
@@ -100,36 +80,37 @@ async def start_dht(
     for addr in initial_peers:
         if not addr.startswith("/") or "/p2p/" not in addr:
             raise JoinError(f"--peer {addr!r} is not a multiaddr like /ip4/1.2.3.4/tcp/7700/p2p/Qm...")
-    kwargs: dict = {
-        "num_replicas": REPLICAS,
-        "initial_peers": initial_peers,
-        "host_maddrs": [_maddr(host, port)],
-    }
-    global _HOOKED
-    if not _HOOKED:
-        os.register_at_fork(after_in_child=_die_with_parent)
-        _HOOKED = True
-    if identity_path:
-        kwargs["identity_path"] = identity_path  # a restarted node keeps its peer id
-        kwargs["check_if_identity_free"] = not fresh_identity
-        if await asyncio.to_thread(_reap_orphaned_daemons, os.path.abspath(identity_path)):
-            log.warning("stopped the DHT daemon a crashed run of this node left behind")
-            await asyncio.sleep(1.0)  # let the swarm notice it is gone
+    host_maddrs = [_maddr(host, port)]
+    announce_maddrs: list[str] | None = None
+    validators: list[RSASignatureValidator | SwarmValidator] = []
+    # a restarted node keeps its peer id (its identity file), and a crashed run's p2pd may hold it
+    reaped = await asyncio.to_thread(_reap_orphaned_daemons, os.path.abspath(identity_path)) if identity_path else 0
+    if reaped:
+        log.warning("stopped the DHT daemon a crashed run of this node left behind")
+        await asyncio.sleep(1.0)  # let the swarm notice it is gone
     if validator is not None:
         # the swarm's shapes, checked on store and on read; a test's outsider runs a plain DHT
         outsider = failpoints.armed() == "hostile-shadow"
-        kwargs["record_validators"] = [validator] if outsider else [SwarmValidator(validator)]
-    if client_mode:
-        kwargs["client_mode"] = True
+        validators = [validator] if outsider else [SwarmValidator(validator)]
     if announce_host:
         port = port or free_port(host)
-        kwargs["host_maddrs"] = [_maddr(host, port)]
-        kwargs["announce_maddrs"] = [_maddr(announce_host, port)]
+        host_maddrs = [_maddr(host, port)]
+        announce_maddrs = [_maddr(announce_host, port)]
     deadline = time.monotonic() + timeout
     while True:
         left = max(deadline - time.monotonic(), 1.0)
         try:
-            return await asyncio.to_thread(_forked_dht, {**kwargs, "startup_timeout": left}, left + 5)
+            return await InProcessDHT.create(
+                initial_peers=initial_peers,
+                host_maddrs=host_maddrs,
+                announce_maddrs=announce_maddrs,
+                record_validators=validators,
+                num_replicas=REPLICAS,
+                client_mode=client_mode,
+                identity_path=identity_path or None,
+                check_if_identity_free=not fresh_identity,
+                startup_timeout=left,
+            )
         except TimeoutError:
             raise JoinError(
                 f"no answer from the DHT or the initial peers within {timeout:.0f}s "
@@ -155,21 +136,6 @@ async def start_dht(
             raise JoinError(f"could not start the DHT on {host}:{port}: {reason}") from None
 
 
-def _forked_dht(kwargs: dict, wait_s: float) -> DHT:
-    """hivemind's DHT process, forked under FORK_LOCK (see forks.py) and ready within `wait_s`;
-    TimeoutError, with the process stopped, if it is not."""
-    dht = DHT(start=False, **kwargs)
-    with FORK_LOCK:
-        dht.run_in_background(await_ready=False)
-    try:
-        dht.wait_until_ready(wait_s)
-    except TimeoutError:
-        dht.terminate()
-        dht.join(5)
-        raise
-    return dht
-
-
 def _daemon_reason(error: Exception) -> str:
     """The last line of a DHT start failure, without the timestamp hivemind's p2pd puts in it."""
     text = str(error).strip()
@@ -186,7 +152,7 @@ def free_port(host: str) -> int:
         return int(probe.getsockname()[1])
 
 
-def public_maddrs(dht: DHT, announce_host: str | None) -> list[str]:
+def public_maddrs(dht: SwarmDHT, announce_host: str | None) -> list[str]:
     """Multiaddrs others can dial, best first: the announced host, then non-loopback, then loopback."""
     addrs = [str(a) for a in dht.get_visible_maddrs()]
 

@@ -1,11 +1,12 @@
-"""One lock around every child process this node starts while its other threads run.
+"""One lock around every child process started while other threads of this process run.
 
-hivemind's DHT is a forked child that never execs, and a node starts it while its training
-thread starts the local ranks (`subprocess.Popen`). A fork copies every open descriptor, the
-close-on-exec ones too, and a child that never execs keeps them for its life. A DHT forked while
-a Popen's pipes were open kept the write end of the pipe through which Popen learns that its
-child has exec'd: Popen waited for ever (a 2-rank node hung at its start, 1 start in 12 here,
-and once in CI). Each fork or Popen holds this lock until its own pipes are closed.
+A fork that never execs copies every open descriptor, the close-on-exec ones too, and keeps
+them for its life. hivemind's DHT process is such a fork (the node ran one until its DHT moved
+onto its own loop, peers/dht_in_process.py; the tests' harness still starts them): forked while
+a Popen's pipes were open, it kept the write end of the pipe through which Popen learns that its
+child has exec'd, and Popen waited for ever (a 2-rank node hung at its start, 1 start in 12 here,
+and once in CI). Each such fork and each Popen of a local rank holds this lock until its own
+pipes are closed.
 """
 
 from __future__ import annotations

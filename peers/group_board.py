@@ -13,8 +13,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from . import dht_requests
 from .auth import AuthError, SwarmAuth
+from .dht_in_process import SwarmDHT
 from .dht_requests import DhtKey, DhtOp
-from .hivemind_adapter import DHT, get_dht_time
+from .hivemind_adapter import get_dht_time
 from .identity import signed_subkey, writer_of
 from .leadership import ClosedList
 from .plan import Member
@@ -55,7 +56,7 @@ Registrants = dict[str, tuple[Member, Registration]]
 class GroupBoard:
     """One peer's reads and writes of group keys."""
 
-    def __init__(self, dht: DHT, peer_id: str, auth: SwarmAuth | None = None, owner: bytes | None = None):
+    def __init__(self, dht: SwarmDHT, peer_id: str, auth: SwarmAuth | None = None, owner: bytes | None = None):
         self.dht = dht
         self.auth = auth
         # with `owner` (this peer's `[owner:...]` key marker, as a node has), registrations and

@@ -31,10 +31,10 @@ from dataclasses import replace
 from . import failpoints
 from .absentees import Absentees
 from .auth import SwarmAuth
+from .dht_in_process import SwarmDHT
 from .forming import FormedGroup, Forming, needs_resync
 from .grid import split_groups
 from .group_board import REGISTRATION_TTL_S, GroupBoard, Registration
-from .hivemind_adapter import DHT
 from .hostile_grouping import hostile_group
 from .leadership import ClosedList, Standing
 from .plan import Member
@@ -64,7 +64,7 @@ HOLD_S = 0.5
 class Matchmaker:
     def __init__(
         self,
-        dht: DHT,
+        dht: SwarmDHT,
         run_id: str,
         own: Member,
         poll_interval: float = 0.15,

@@ -32,8 +32,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from . import dht_requests
 from .auth import AuthError, SwarmAuth
+from .dht_in_process import SwarmDHT
 from .dht_requests import DhtKey, DhtOp
-from .hivemind_adapter import DHT, DHTNode, Multiaddr, PeerID, RSASignatureValidator, get_dht_time
+from .hivemind_adapter import DHTNode, Multiaddr, PeerID, RSASignatureValidator, get_dht_time
 from .identity import signed_subkey, writer_of
 from .tls import MAX_CERT_CHARS, TrustStore
 
@@ -128,13 +129,13 @@ class PeerRecord(BaseModel):
         return f"record|{self.peer_id}|{self.grpc_addr}|{self.http_addr}|{self.client_mode}|{cert}"
 
 
-async def _neighbour_count(_dht: DHT, node: DHTNode) -> int:
-    """Runs in the DHT process: how many peers its routing table holds."""
+async def _neighbour_count(_dht: SwarmDHT, node: DHTNode) -> int:
+    """Runs on the DHT node: how many peers its routing table holds."""
     return len(node.protocol.routing_table.uid_to_peer_id)
 
 
-async def _reconnect(initial: list[str], recent: list[str], _dht: DHT, node: DHTNode) -> int:
-    """Runs in the DHT process: dial the initial multiaddrs, ping every peer (a ping that is
+async def _reconnect(initial: list[str], recent: list[str], _dht: SwarmDHT, node: DHTNode) -> int:
+    """Runs on the DHT node: dial the initial multiaddrs, ping every peer (a ping that is
     answered puts the peer back in the routing table, and us in its). Returns the answers."""
     targets = set()
     for addr in initial:
@@ -162,7 +163,7 @@ class Membership:
 
     def __init__(
         self,
-        dht: DHT,
+        dht: SwarmDHT,
         run_id: str,
         ttl: float,
         interval: float,

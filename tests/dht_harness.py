@@ -11,8 +11,10 @@ nothing else, as a node does."""
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import inspect
 import os
+import signal
 import subprocess
 import sys
 from collections.abc import Awaitable, Callable
@@ -24,7 +26,9 @@ from hivemind import DHT
 from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.p2p import P2P
 
-from dtnode.peers.dht_start import _die_with_parent, _forked_dht, start_dht
+from dtnode.peers.dht_in_process import InProcessDHT
+from dtnode.peers.dht_start import start_dht
+from dtnode.peers.forks import FORK_LOCK
 from dtnode.peers.identity import identity_key
 
 READY_S = 30.0
@@ -32,6 +36,33 @@ READY_S = 30.0
 # answering (it takes a few seconds); it runs again in another. An assertion that fails is not retried.
 SCENARIO_S = 90.0
 ATTEMPTS = 3
+
+
+def _die_with_parent() -> None:
+    """In a forked child (a hivemind DHT process): get SIGKILL when its parent dies, even by
+    kill -9, so that a test that dies leaves no DHT behind."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return  # not Linux: nothing to do
+    if os.getppid() == 1:  # the parent died before the line above ran
+        os._exit(1)
+
+
+def _forked_dht(kwargs: dict, wait_s: float) -> DHT:
+    """hivemind's DHT process, forked under FORK_LOCK (see peers/forks.py) and ready within
+    `wait_s`; TimeoutError, with the process stopped, if it is not."""
+    dht = DHT(start=False, **kwargs)
+    with FORK_LOCK:
+        dht.run_in_background(await_ready=False)
+    try:
+        dht.wait_until_ready(wait_s)
+    except TimeoutError:
+        dht.terminate()
+        dht.join(5)
+        raise
+    return dht
 
 
 def ready_dht(**kwargs: Any) -> DHT:
@@ -44,10 +75,10 @@ def ready_dht(**kwargs: Any) -> DHT:
     raise AssertionError(f"three DHTs in a row were not ready within {READY_S:g}s")
 
 
-async def signed_dhts(directory: Path, names: tuple[str, ...]) -> list[tuple[DHT, RSASignatureValidator]]:
+async def signed_dhts(directory: Path, names: tuple[str, ...]) -> list[tuple[InProcessDHT, RSASignatureValidator]]:
     """One DHT per name, each with an identity key of its own and a node's validators (the
     swarm's record shapes, owner signatures), all joined through the first: (DHT, its validator)."""
-    started: list[tuple[DHT, RSASignatureValidator]] = []
+    started: list[tuple[InProcessDHT, RSASignatureValidator]] = []
     for name in names:
         path = directory / f"{name}.key"
         P2P.generate_identity(str(path))

@@ -83,8 +83,11 @@ def test_a_plain_value_shadows_neither_membership_nor_groups(tmp_path):
 async def shadowing_scenario(folder):
     """The scenario of the test above, in a process of its own (dht_harness.run_in_fresh_process)."""
     honest = await signed_dhts(folder, ("a", "b"))
-    outsider = ready_dht(
-        host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=[str(a) for a in honest[0][0].get_visible_maddrs()]
+    # a hivemind DHT process, started off this loop: the honest DHTs run on it and answer its pings
+    outsider = await asyncio.to_thread(
+        ready_dht,
+        host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+        initial_peers=[str(a) for a in honest[0][0].get_visible_maddrs()],
     )
     try:
         run_id = "shadowed"
@@ -109,9 +112,9 @@ async def shadowing_scenario(folder):
         groups = await asyncio.gather(*(m.form_group(0, 0, expected, 10, 2) for m in makers))
         assert all({m.peer_id for m in g.members} == everyone for g in groups)
     finally:
-        outsider.shutdown()
+        await asyncio.to_thread(outsider.shutdown)
         for dht, _ in reversed(honest):
-            dht.shutdown()
+            await dht.shutdown()
 
 
 def _signed_entry(validator: RSASignatureValidator, subkey: bytes, value: object, expiration: float) -> DHTRecord:

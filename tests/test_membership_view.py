@@ -55,7 +55,7 @@ async def shared_view_scenario(folder):
         assert _reads() == before + 3
     finally:
         for dht, _ in reversed(nodes):
-            dht.shutdown()
+            await dht.shutdown()
 
 
 def test_heartbeats_and_a_records_life_stretch_with_the_swarm_above_eight_peers(tmp_path):
@@ -82,4 +82,4 @@ async def stretched_life_scenario(folder):
         assert 11.0 < entry.expiration_time - get_dht_time() <= 12.0
     finally:
         for node, _ in reversed(nodes):
-            node.shutdown()
+            await node.shutdown()

@@ -393,7 +393,7 @@ def test_a_second_node_on_a_held_state_dir_is_refused(tmp_path):
 
 def test_a_lock_whose_holder_is_dead_or_a_zombie_is_waited_for_and_a_live_one_is_not():
     """A restart after a kill -9 names a pid that is gone (or a zombie not yet reaped by its
-    parent) while the killed node's forked DHT process still holds the lock: that is waited for.
+    parent) while a process the killed node started may still hold the lock: that is waited for.
     A live pid is a running node: refused at once."""
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:

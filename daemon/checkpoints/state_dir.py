@@ -20,7 +20,7 @@ from pathlib import Path
 from dtnode.daemon.config.settings import NodeSettings, SettingsError
 
 LOCK_FILE = "lock"
-LOCK_WAIT_S = 10.0  # a restart after a kill -9: the old node's DHT process is still going down
+LOCK_WAIT_S = 10.0  # a restart after a kill -9: the old node may still be going down
 
 
 @contextlib.asynccontextmanager
@@ -54,8 +54,8 @@ async def claim_state_dir(path: Path) -> AsyncIterator[None]:
 
 def holder_running(holder: str) -> bool:
     """Whether the pid the lock names is a live process other than this one: a running node
-    is refused at once. A killed node's pid is gone while its DHT process (forked, so holding
-    the lock too) still shuts down; that is worth the wait."""
+    is refused at once. A killed node's pid is gone, or a zombie, while the lock may still be
+    held for a moment (by anything it forked that has not exited yet); that is worth the wait."""
     if not holder.isdigit() or int(holder) == os.getpid():
         return False
     try:

@@ -259,7 +259,7 @@ def configure_logging(level: str, log_format: str = "human") -> None:
     from dtnode.peers.hivemind_adapter import P2P_DAEMON_LOGGER, log_through_root
 
     log_through_root()  # hivemind's lines go through this handler too, in the same format
-    logging.getLogger(P2P_DAEMON_LOGGER).addFilter(ClosedListenerFilter())  # the DHT's process forks with it
+    logging.getLogger(P2P_DAEMON_LOGGER).addFilter(ClosedListenerFilter())
     # grpc's own debug lines are about its internals: a "Loaded running loop" per call, and the
     # traceback of a request iterator cut short when a reducer refused the stream (a refusal this
     # node logs itself), which read in a --log-level DEBUG run like a bug of ours

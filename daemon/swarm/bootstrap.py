@@ -23,8 +23,9 @@ from dtnode.daemon.config.model_source import is_hub_id
 from dtnode.daemon.config.settings import NodeSettings
 from dtnode.daemon.telemetry.metrics import NodeMetrics
 from dtnode.daemon.workload.recipe import SwarmRecipe, recipe_flags
+from dtnode.peers.dht_in_process import InProcessDHT, SwarmDHT
 from dtnode.peers.dht_start import public_maddrs, start_dht
-from dtnode.peers.hivemind_adapter import DHT, RSASignatureValidator, key_of
+from dtnode.peers.hivemind_adapter import RSASignatureValidator, key_of
 from dtnode.peers.known_peers import FILE_NAME as KNOWN_PEERS_FILE
 from dtnode.peers.known_peers import KnownPeers, peer_of
 from dtnode.peers.membership import JoinError, Membership, PeerRecord
@@ -52,7 +53,7 @@ class DhtBootstrap:
 
     async def start(
         self, peer_id: str, fresh_identity: bool, validator: RSASignatureValidator
-    ) -> tuple[DHT, list[str]]:
+    ) -> tuple[InProcessDHT, list[str]]:
         """Join the DHT through --peer and the peers this node knew, never itself; returns the
         DHT and the addresses an isolated node redials.
 
@@ -154,14 +155,14 @@ class DhtBootstrap:
             (self.state_dir / DHT_PORT_FILE).write_text(ports[0])
 
 
-def dialable_addrs(dht: DHT, announce_host: str | None) -> tuple[str, ...]:
+def dialable_addrs(dht: SwarmDHT, announce_host: str | None) -> tuple[str, ...]:
     """The multiaddrs this node's record announces (never a wildcard address)."""
     return tuple(a for a in public_maddrs(dht, announce_host) if "/0.0.0.0/" not in a and "/::/" not in a)[
         :MAX_DHT_ADDRS
     ]
 
 
-def announce_host(settings: NodeSettings, dht: DHT) -> str:
+def announce_host(settings: NodeSettings, dht: SwarmDHT) -> str:
     """The host peers dial this node's gRPC and HTTP at: --announce-host, the listening host,
     or the first non-loopback IPv4 address the DHT listens on."""
     if settings.network.announce_host:

@@ -28,9 +28,9 @@ import aiohttp
 
 from dtnode.peers import failpoints
 from dtnode.peers.channel_pool import ChannelPool
+from dtnode.peers.dht_in_process import SwarmDHT
 from dtnode.peers.grid import grid_shape
 from dtnode.peers.hivemind_adapter import (
-    DHT,
     CompositeValidator,
     DHTNode,
     RSAPrivateKey,
@@ -60,7 +60,7 @@ def host_aliases(http_addr: str) -> list[str]:
 
 
 async def run(
-    dht: DHT,
+    dht: SwarmDHT,
     run_id: str,
     target_group_size: int,
     members: Callable[[], Awaitable[dict[str, PeerRecord]]],
@@ -92,7 +92,7 @@ async def run(
 
 
 async def _shadow(
-    dht: DHT,
+    dht: SwarmDHT,
     run_id: str,
     target: int,
     members: Callable[[], Awaitable[dict[str, PeerRecord]]],
@@ -167,7 +167,7 @@ async def _hold_slots(
         await asyncio.sleep(SLOTS_EVERY_S)
 
 
-async def _sybil_donors(dht: DHT, run_id: str, own: Callable[[], PeerRecord], interval: float) -> None:
+async def _sybil_donors(dht: SwarmDHT, run_id: str, own: Callable[[], PeerRecord], interval: float) -> None:
     keys = [await asyncio.to_thread(RSAPrivateKey) for _ in range(SYBILS)]
     while True:
         record = own()
@@ -187,8 +187,8 @@ async def _sybil_donors(dht: DHT, run_id: str, own: Callable[[], PeerRecord], in
         await asyncio.sleep(interval)
 
 
-async def _store_signed(key: str, entries: list, ttl: float, _dht: DHT, node: DHTNode) -> None:
-    """Runs in the DHT process: each entry stored signed by a key of its own (the node signs
+async def _store_signed(key: str, entries: list, ttl: float, _dht: SwarmDHT, node: DHTNode) -> None:
+    """Runs on the DHT node: each entry stored signed by a key of its own (the node signs
     only with its own, so the validator is swapped for each store)."""
     saved = node.protocol.record_validator
     try:

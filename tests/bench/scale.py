@@ -18,16 +18,18 @@ left is what a node costs besides its training. Per n it prints:
 - `mm p50/p95`: matchmaking seconds per hop (a round's matchmaking phase over its hops);
 - `dht req`: the DHT reads and writes a node makes per round (`dtnode_dht_requests_total`), and
   `mem get` the reads of the membership among them (each brings every peer's record back);
-- `dht kB`: bytes the node's DHT side (its hivemind DHT process and p2pd daemon) passed through
-  read and write calls per round (/proc/PID/io: the network and the pipe between the two);
+- `dht kB`: bytes the node's p2pd daemon passed through read and write calls per round
+  (/proc/PID/io: the network, and the socket to the DHT node, which ran in a process of its own
+  forked from the node until issue 60 moved it onto the node's loop; counting p2pd alone reads
+  the same traffic either way);
   both counted from the moment the last node starts (a node's own start is no round's cost);
 - `resync`: θ_g re-syncs per node per round (`dtnode_theta_resyncs_total`);
-- `rss` and `pss`: the median node's peak resident and proportional memory (the node, its DHT
-  process and p2pd together; PSS counts a page shared by k processes as 1/k of it in each), and
+- `rss` and `pss`: the median node's peak resident and proportional memory (the node's process
+  tree: the node and p2pd, and before issue 60's change its forked DHT process; PSS counts a page shared by k processes as 1/k of it in each), and
   the swarm's PSS summed at its peak;
 - `idle pss` and `idle cores`: n - 1 nodes started and waiting for the last one (--min-peers n),
   for --idle-seconds: their summed PSS (scaled by n / (n - 1)) and CPU use, the cost of a swarm
-  that has nothing to do (polls, heartbeats, record checks, the DHT processes);
+  that has nothing to do (polls, heartbeats, record checks, p2pd);
 - `tracebacks`: nodes whose log holds one.
 
 With --churn K, K nodes (never the first) are killed (SIGKILL) halfway through round
@@ -102,9 +104,9 @@ def metric_samples(node: NodeProcess) -> dict[tuple[str, tuple], float]:
 class Reading:
     """The last counters read from one node (its process tree and its /metrics)."""
 
-    rss: float = 0.0  # bytes, node + DHT process + p2pd
+    rss: float = 0.0  # bytes, the node's process tree (the node and p2pd)
     pss: float = 0.0
-    dht_io: float = 0.0  # read + write chars of the DHT process and p2pd
+    dht_io: float = 0.0  # read + write chars of p2pd
     dht_requests: float = 0.0
     membership_gets: float = 0.0
     resyncs: float = 0.0
@@ -158,7 +160,7 @@ class Sampler:
                 rss, pss = smaps_rollup(proc.pid)
                 times = proc.cpu_times()
                 out.rss, out.pss, out.cpu_s = out.rss + rss, out.pss + pss, out.cpu_s + times.user + times.system
-                if proc.pid != root.pid:  # the DHT process and p2pd
+                if proc.name() == "p2pd":
                     io = proc.io_counters()
                     out.dht_io += io.read_chars + io.write_chars
         except (psutil.Error, OSError):
