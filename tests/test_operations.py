@@ -21,6 +21,8 @@ import pytest
 from nodes import FAST, NodeProcess, wait_until
 from prometheus_client.parser import text_string_to_metric_families
 
+from dtnode.daemon.catchup.joiner import MAX_REENTRIES
+
 ROUNDS_TOGETHER = 2
 
 
@@ -108,7 +110,7 @@ def test_metrics_an_alert_can_use(swarm):
         dropped = _value(f, "dtnode_dropped_inner_steps_total")
         assert sum(r["inner_steps"] for r in rounds) == tokens / (8 * 32)
         assert _value(f, "dtnode_inner_step") == sum(r["inner_steps"] for r in rounds) + dropped
-        assert dropped == 0 or (node is b and _value(f, "dtnode_catchups_total") == 2)
+        assert dropped == 0 or (node is b and _value(f, "dtnode_catchups_total") >= 2)
         for phase in ("inner", "matchmaking", "allreduce", "waiting", "eval", "outer"):
             assert _value(f, "dtnode_round_phase_seconds_count", phase=phase) == len(rounds)
         assert _value(f, "dtnode_round_phase_seconds_sum", phase="inner") == pytest.approx(
@@ -138,10 +140,11 @@ def test_metrics_an_alert_can_use(swarm):
         assert _value(f, "dtnode_state_dir_free_bytes") > 0
         assert _value(f, "dtnode_device_memory_bytes", device="cpu", kind="resident") > 50e6
         assert any(dict(k).get("run_id") == "ops-test" for k in f["dtnode_build_info"])
-    # b joined by downloading a's checkpoint (twice when a's round closed while the first one
-    # landed), a never: the bytes a served are the bytes b downloaded
+    # b joined by downloading a's checkpoint (again each time a's round closed under b's first
+    # steps, at most MAX_REENTRIES times in a row: CI saw 3 downloads), a never: the bytes a
+    # served are the bytes b downloaded
     fa, fb = _families(a), _families(b)
-    assert _value(fb, "dtnode_catchups_total") in (1, 2) and _value(fa, "dtnode_catchups_total") == 0
+    assert 1 <= _value(fb, "dtnode_catchups_total") <= 1 + MAX_REENTRIES and _value(fa, "dtnode_catchups_total") == 0
     assert _value(fa, "dtnode_checkpoint_served_bytes_total") == _value(fb, "dtnode_checkpoint_downloaded_bytes_total")
     assert _value(fb, "dtnode_checkpoint_downloaded_bytes_total") > 0
     # and each node's history says so: b's first round began from the download(s), a's never synced
