@@ -1,10 +1,10 @@
 """hivemind's DHT node on the node's own event loop, without hivemind's DHT process.
 
 `hivemind.DHT` runs a `DHTNode` in a process of its own, forked from the node, and passes every
-call and its answer through a pipe. The fork cost a node a third of its memory (issue 60: 146 MB
-of proportional set size of a 410 MB node, 54 MB of it pages the child wrote and so copied), a
-second event loop's CPU between rounds, and a class of start failures (a child forked from a
-threaded process that never answered). The node already runs one asyncio loop for its gRPC
+call and its answer through a pipe. The fork cost a node 54 MB of pages the child wrote and so
+copied (issue 60: an idle `tiny` node held 410 MB of proportional set size with it, 355 MB
+without), a second event loop's CPU between rounds, and a class of start failures (a child
+forked from a threaded process that never answered). The node already runs one asyncio loop for its gRPC
 streams and its HTTP server; the DHT's work (a few requests a second, each a short parse and,
 once per entry, a signature check that SwarmValidator remembers) runs on it as tasks. p2pd,
 hivemind's libp2p daemon, is still a child process of the node.

@@ -50,10 +50,12 @@ def _register_hivemind_without_its_trainer_stack() -> None:
 
 
 _register_hivemind_without_its_trainer_stack()
-# hivemind's futures share one byte each across the DHT's two processes (utils/mpfuture.py),
-# through torch's "file_system" strategy unless told otherwise: that starts a torch_shm_manager
-# process per node, 107 MB resident (it links all of libtorch) for a few bytes. Passed as file
-# descriptors instead, the bytes need no manager. A user's own choice stands.
+# Where a `hivemind.DHT` process runs (the tests' harness; a node runs its DHT on its own loop,
+# dht_in_process.py, and makes no such futures), hivemind's futures share one byte each across
+# its two processes (utils/mpfuture.py), through torch's "file_system" strategy unless told
+# otherwise: that starts a torch_shm_manager process, 107 MB resident (it links all of libtorch)
+# for a few bytes. Passed as file descriptors instead, the bytes need no manager. A user's own
+# choice stands.
 os.environ.setdefault("HIVEMIND_MEMORY_SHARING_STRATEGY", "file_descriptor")
 
 
