@@ -281,7 +281,10 @@ class Matchmaker:
                 )
                 if ready and not forming.holding(view, candidates, self.settle_s + HOLD_S):
                     group, decided = await self._close(forming, view, candidates, wanted, target_size)
-                    if len(group) > 1 and forming.jumped(view, me):
+                    # a list of one that led past a benched leader is held too: that leader (honest,
+                    # slow once) may name this peer a moment later, and a lone peer that missed it
+                    # was struck by it for its absence, and benched it back (absentees.py)
+                    if forming.jumped(view, me):
                         group, decided = await self._hold(forming, admitted, me)
                         return group, decided, wanted, last_arrival, True
                     return group, decided, wanted, last_arrival, False

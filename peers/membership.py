@@ -47,6 +47,9 @@ VIEW_REUSE_S = 0.1  # callers that ask for the view at once (a poll asks twice) 
 # brings all n records back (issue 60: most of a node's DHT bytes in a round), and a record
 # changes once a heartbeat; what a poll must see at once (registrations, lists) is read each poll
 MATCHMAKING_VIEW_S = 1.0
+# heartbeats whose store may be in flight at once (`Membership.heartbeat`): enough to span the
+# 6 s a store waits on a node that never answers, at the default 2 s beat and the tests' 1 s
+MAX_BEATS_IN_FLIGHT = 8
 
 
 MAX_RECIPE_CHARS = 2048
@@ -216,7 +219,9 @@ class Membership:
                 return_future=True,
             )
         )
-        if stored:  # this node's view holds its own record as written, without reading it back
+        # this node's view holds its own record as written, without reading it back (beats overlap:
+        # one that lands late does not replace a newer record)
+        if stored and expiry >= self._records.get(record.peer_id, (0.0, None))[0]:
             self._records[record.peer_id] = (expiry, record)
         return stored
 
@@ -235,20 +240,44 @@ class Membership:
         return True
 
     async def heartbeat(self, make_record: Callable[[], PeerRecord], stopped: asyncio.Event) -> None:
-        """Re-announce until `stopped`; then let the record expire on its own."""
-        while not stopped.is_set():
-            try:
-                await self.announce(make_record())
-            except Exception as e:  # noqa: BLE001  (a missed beat is retried; ttl covers a couple of misses)
-                log.warning("heartbeat failed: %s", e)
-            try:
-                await self.reconnect_if_isolated()
-            except Exception as e:  # noqa: BLE001  (hivemind's DHT calls fail with many types; the next beat retries)
-                log.warning("DHT reconnection failed: %s", e)
-            try:
-                await asyncio.wait_for(stopped.wait(), self.beat_s())
-            except TimeoutError:
-                pass
+        """Re-announce every `beat_s` until `stopped`; then let the record expire on its own.
+
+        Beats go out on schedule, each in a task of its own (up to MAX_BEATS_IN_FLIGHT at once),
+        never one after the other: a store waits for every DHT node it asks, and one that holds
+        its connection but never answers (a peer paused or frozen, a host black-holed) costs it
+        two of hivemind's request timeouts, 6 s (its search for the nodes that keep the key, then
+        its write), until that node is evicted. Beating in turn, every node near it went 6 s and
+        a beat without a beat, past a record's life (6 s by default): they dropped out of each
+        other's views at once, formed their groups without each other, and the swarm's θ_g split
+        over one paused peer. On schedule, each beat reaches the live nodes once its search gave
+        up on the frozen one (3 s, measured on loopback), inside a record's life at the defaults
+        (a beat of 2 s, a life of 6 s)."""
+        beats: set[asyncio.Task[None]] = set()
+        try:
+            while not stopped.is_set():
+                beats = {b for b in beats if not b.done()}
+                if len(beats) < MAX_BEATS_IN_FLIGHT:
+                    beats.add(asyncio.ensure_future(self._beat(make_record())))
+                try:
+                    await self.reconnect_if_isolated()
+                except Exception as e:  # noqa: BLE001  (hivemind's DHT calls fail with many types; the next beat retries)
+                    log.warning("DHT reconnection failed: %s", e)
+                try:
+                    await asyncio.wait_for(stopped.wait(), self.beat_s())
+                except TimeoutError:
+                    pass
+        finally:
+            for beat in beats:
+                beat.cancel()
+            await asyncio.gather(*beats, return_exceptions=True)
+
+    async def _beat(self, record: PeerRecord) -> None:
+        """One heartbeat's store; a failure is logged (the next beat retries: a record outlives a
+        couple of missed beats)."""
+        try:
+            await self.announce(record)
+        except Exception as e:  # noqa: BLE001  (hivemind's DHT calls fail with many types)
+            log.warning("heartbeat failed: %s", e)
 
     async def reconnect_if_isolated(self) -> None:
         """With no DHT neighbour left, dial the initial peers and the peers seen recently."""

@@ -5,9 +5,11 @@ node's own heartbeat does not force a read to see itself."""
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import time
 
-from dht_harness import run_in_fresh_process, signed_dhts
+from dht_harness import ready_dht, run_in_fresh_process, signed_dhts
 
 from dtnode.peers import dht_requests
 from dtnode.peers.dht_requests import DhtKey, DhtOp
@@ -83,3 +85,49 @@ async def stretched_life_scenario(folder):
     finally:
         for node, _ in reversed(nodes):
             await node.shutdown()
+
+
+def test_a_peer_that_stops_answering_drops_no_other_peer_from_the_view(tmp_path):
+    """A DHT peer that holds its connections but never answers (paused, frozen, black-holed)
+    makes each store that asks it wait two of hivemind's request timeouts (6 s) until it is
+    evicted. Beating one store after another, the nodes near it then went 6 s without a beat,
+    past their records' life: they dropped out of each other's views together, and formed their
+    groups without each other (CI: a 3-peer swarm whose θ_g split over one paused peer). Beats
+    go out on schedule (`Membership.heartbeat`): the two others never lose each other."""
+    run_in_fresh_process(tmp_path, frozen_peer_scenario)
+
+
+async def frozen_peer_scenario(folder):
+    """The scenario of the test above, in a process of its own (dht_harness.run_in_fresh_process)."""
+    nodes = await signed_dhts(folder, ("a", "b"))
+    # a hivemind.DHT process, so that it can be frozen alone (started off this loop, which answers its bootstrap)
+    frozen = await asyncio.to_thread(ready_dht, initial_peers=[str(m) for m in nodes[0][0].get_visible_maddrs()])
+    stopped = asyncio.Event()
+    a, b = (Membership(dht, "frozen", 6.0, 2.0, validator) for dht, validator in nodes)  # the defaults
+    beats = [
+        asyncio.ensure_future(m.heartbeat(lambda m=m: PeerRecord(peer_id=m.peer_id, state="training"), stopped))
+        for m in (a, b)
+    ]
+    try:
+        deadline = time.monotonic() + 20
+        while not ({a.peer_id, b.peer_id} <= set(await a.members()) and a.peer_id in await b.members()):
+            assert time.monotonic() < deadline, "the two never saw each other"
+            await asyncio.sleep(0.25)
+        os.kill(frozen.pid, signal.SIGSTOP)
+        try:
+            lost: list[tuple[float, str]] = []
+            frozen_at = time.monotonic()
+            while time.monotonic() - frozen_at < 12:
+                for reader, other, name in ((a, b, "b"), (b, a, "a")):
+                    if other.peer_id not in await reader.members():
+                        lost.append((round(time.monotonic() - frozen_at, 2), name))
+                await asyncio.sleep(0.25)
+            assert not lost, f"a peer left the other's view while a third was frozen: {lost}"
+        finally:
+            os.kill(frozen.pid, signal.SIGCONT)
+    finally:
+        stopped.set()
+        await asyncio.gather(*beats, return_exceptions=True)
+        frozen.shutdown()
+        for dht, _ in reversed(nodes):
+            await dht.shutdown()

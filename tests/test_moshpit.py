@@ -516,6 +516,11 @@ def test_members_that_benched_the_leader_hold_the_list_that_led_past_it_for_thos
 
     asyncio.run(main("mm-jumped", "abc", benching=1))
     asyncio.run(main("mm-jumped-2", "abcd", benching=2))
+    # a pair: the member that benched the leader led past it alone, averaged alone, and the leader,
+    # whose list named it, struck it for its absence (CI: two honest peers of a 3-peer swarm then
+    # benched each other in turn, to the end of the run, and ended it with two θ_g). Its lone
+    # list is held too: the leader's list, closed a moment later, is the group
+    asyncio.run(main("mm-jumped-pair", "ab", benching=1))
 
 
 def test_a_registrant_refused_for_a_weight_of_0_is_not_waited_for_to_the_windows_end(dht):

@@ -160,7 +160,7 @@ def test_a_peer_paused_past_its_records_expiry_is_re_synced_after_its_lone_round
     paused = nodes[2]
     paused.wait_for_round(lambda r: r["round"] >= 1, timeout=180)
     paused.stop(signal.SIGSTOP)
-    time.sleep(12)  # --peer-ttl 4 and a heartbeat of 1 s: its record expires, the others close round 2
+    time.sleep(12)  # --peer-ttl 5 and a heartbeat of 1 s: its record expires, the others close round 2
     paused.stop(signal.SIGCONT)
     for node in nodes:
         assert node.wait(300) == 0, node.output
