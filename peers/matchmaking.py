@@ -167,7 +167,8 @@ class Matchmaker:
         each member's streams may claim by it. `theta` (the sha256 of the θ_g this peer would
         re-sync from, "" if not known) lets the closer skip a re-sync that would change nothing.
         Nothing here waits longer than `window`, the settle time and LEADER_GRACE_S (plus one
-        DHT read) on this peer's own clock, whatever other peers announce.
+        DHT write and one read, each bounded by hivemind's request timeouts) on this peer's own
+        clock, whatever other peers announce.
         """
         started = time.monotonic()
         # a window must hold a couple of polls of the DHT, or a leader on a loaded host closes
@@ -176,13 +177,18 @@ class Matchmaker:
         key = self.group_key(round, hop, cell)
         attack = failpoints.hostile(round)
         own, reg = await self._register(key, attack, window, resync, weight, theta, share)
+        # the window runs from when this peer's registration is out, not from when it was asked
+        # for: a store that asks a silent DHT node (paused, frozen) waits out two of hivemind's
+        # request timeouts, and so do the other peers' stores at the same moment. Counted from
+        # the start, their windows ended before they could read each other, and each averaged alone
+        opened = time.monotonic()
         forming = Forming(key, own.peer_id, {own.peer_id: (own, reg)}, benched=self.absentees.benched(round))
         if attack in ("hostile-leader", "hostile-pair") and (
             lone := await hostile_group(self.board, self.poll_interval, attack, forming, admitted, window, started)
         ):
             return lone
         group, decided, wanted, last_arrival, settled = await self._until_grouped(
-            forming, expected, admitted, started, window, target_size, round
+            forming, expected, admitted, started, opened, window, target_size, round
         )
         if len(group) > 1 and not settled:
             group, decided = await self._settle(forming, group, decided, admitted)
@@ -221,15 +227,17 @@ class Matchmaker:
         expected: Callable[[], Awaitable[set[str]]],
         admitted: Callable[[], Awaitable[set[str]]] | None,
         started: float,
+        opened: float,
         window: float,
         target_size: int,
         round_no: int,
     ) -> tuple[tuple[str, ...], ClosedList, set[str], float, bool]:
         """Poll until a list in force names this peer, or it leads and closes one: (the group,
-        its list, whom this peer expected, seconds to the last registrant's arrival, whether it
-        was settled already: a leader that held its list for confirmations read past a settle)."""
+        its list, whom this peer expected, seconds from `started` to the last registrant's
+        arrival, whether it was settled already: a leader that held its list for confirmations
+        read past a settle). The window runs from `opened`, when this peer's registration was out."""
         me, key = forming.me, forming.key
-        deadline = started + window
+        deadline = opened + window
         forming.give_up_at = give_up_at = deadline + self.settle_s + LEADER_GRACE_S
         # a leader's window is a promise to the followers (they pass it over a grace after their
         # own, on their clocks): on a loaded host one poll of the DHT takes seconds, so a
