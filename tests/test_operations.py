@@ -134,6 +134,7 @@ def test_metrics_an_alert_can_use(swarm):
         assert _value(f, "dtnode_dht_requests_total", op="store", key="membership") >= len(rounds)
         assert _value(f, "dtnode_dht_requests_total", op="store", key="registrations") >= len(rounds)
         assert _value(f, "dtnode_dht_requests_total", op="store", key="formed") >= len(rounds)
+        assert set(f["dtnode_dht_unanswered_total"]) == {(("call", "find"),), (("call", "store"),)}  # at zero too
         newest = max(int(p.name[5:13]) for p in node.state_dir.glob("ckpt-*.safetensors"))
         assert _value(f, "dtnode_checkpoint_newest_step") in (newest, newest - 1)  # a write may be landing
         assert _value(f, "dtnode_checkpoint_write_failures_total") == 0

@@ -20,6 +20,7 @@ from prometheus_client import CollectorRegistry, Counter, Enum, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector
 
+from dtnode.peers.dht_patience import UNANSWERED as DHT_UNANSWERED
 from dtnode.peers.dht_requests import REQUESTS as DHT_REQUESTS
 
 
@@ -88,7 +89,8 @@ class CountsCollector(Collector):
     keeps `Counter`s of its own and imports nothing of the daemon's), keyed by one label's value
     or by a tuple of values, one per label: `dtnode_refused_streams_total{reason}`, streams this
     node's reducer refused for what they carried; `dtnode_dht_requests_total{op,key}`, the DHT
-    reads and writes this node made, by the kind of key."""
+    reads and writes this node made, by the kind of key; `dtnode_dht_unanswered_total{call}`, its
+    requests to other DHT peers that went unanswered."""
 
     def __init__(
         self,
@@ -128,6 +130,14 @@ class NodeMetrics:
                 "DHT reads (get) and writes (store) this node made, by the kind of key (membership, registrations, closed, formed and declined member lists)",
                 ("op", "key"),
                 DHT_REQUESTS,
+            )
+        )
+        r.register(
+            CountsCollector(
+                "dtnode_dht_unanswered",
+                "DHT requests to another peer (a search's find, a write's store) that got no answer within the node's wait (a peer paused, gone or too slow)",
+                "call",
+                DHT_UNANSWERED,
             )
         )
         self.swarm_health_gauges(r)

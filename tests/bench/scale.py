@@ -17,7 +17,9 @@ left is what a node costs besides its training. Per n it prints:
   the most distinct θ_g seen after a round;
 - `mm p50/p95`: matchmaking seconds per hop (a round's matchmaking phase over its hops);
 - `dht req`: the DHT reads and writes a node makes per round (`dtnode_dht_requests_total`), and
-  `mem get` the reads of the membership among them (each brings every peer's record back);
+  `mem get` the reads of the membership among them (each brings every peer's record back),
+  and `unans` its requests to other DHT peers that went unanswered (`dtnode_dht_unanswered_total`:
+  a peer given up on, peers/dht_patience.py);
 - `dht kB`: bytes the node's p2pd daemon passed through read and write calls per round
   (/proc/PID/io: the network, and the socket to the DHT node, which ran in a process of its own
   forked from the node until issue 60 moved it onto the node's loop; counting p2pd alone reads
@@ -109,6 +111,7 @@ class Reading:
     dht_io: float = 0.0  # read + write chars of p2pd
     dht_requests: float = 0.0
     membership_gets: float = 0.0
+    dht_unanswered: float = 0.0
     resyncs: float = 0.0
     cpu_s: float = 0.0  # user + system seconds of the tree
 
@@ -174,6 +177,7 @@ class Sampler:
             and dict(labels).get("key") == "membership"
             and ("op", "get") in labels
         )
+        out.dht_unanswered = sum(v for (name, _), v in samples.items() if name == "dtnode_dht_unanswered_total")
         out.resyncs = sum(v for (name, _), v in samples.items() if name == "dtnode_theta_resyncs_total")
         return out
 
@@ -197,6 +201,7 @@ class Row:
     mm_p95: float
     dht_requests: float
     membership_gets: float
+    dht_unanswered: float
     dht_kb: float
     resyncs: float
     rss_mb: float
@@ -338,6 +343,7 @@ def run_size(n: int, args: argparse.Namespace, base: Path) -> Row:
         mm_p95=percentile(per_hop, 0.95),
         dht_requests=statistics.median(b.dht_requests - a.dht_requests for a, b in zip(first, last)) / done,
         membership_gets=statistics.median(b.membership_gets - a.membership_gets for a, b in zip(first, last)) / done,
+        dht_unanswered=statistics.median(b.dht_unanswered - a.dht_unanswered for a, b in zip(first, last)) / done,
         dht_kb=statistics.median(b.dht_io - a.dht_io for a, b in zip(first, last)) / done / 1e3,
         resyncs=statistics.median(b.resyncs - a.resyncs for a, b in zip(first, last)) / done,
         rss_mb=statistics.median(r.rss for r in last) / 2**20,
@@ -352,7 +358,7 @@ def run_size(n: int, args: argparse.Namespace, base: Path) -> Row:
 
 HEADER = (
     f"{'n':>3} {'rounds':>6} {'full':>6} {'agree':>6} {'hashes':>6} {'mm p50':>7} {'mm p95':>7} "
-    f"{'dht req':>8} {'mem get':>7} {'dht kB':>8} {'resync':>6} {'rss MB':>7} {'pss MB':>7} {'peak pss':>9} "
+    f"{'dht req':>8} {'mem get':>7} {'unans':>5} {'dht kB':>8} {'resync':>6} {'rss MB':>7} {'pss MB':>7} {'peak pss':>9} "
     f"{'idle pss':>9} {'idle cores':>10} {'tracebacks':>10} {'wall':>6}"
 )
 
@@ -360,7 +366,8 @@ HEADER = (
 def line(row: Row) -> str:
     return (
         f"{row.n:>3} {row.rounds:>6} {row.full:>6.0%} {row.agree:>6.0%} {row.most_hashes:>6} "
-        f"{row.mm_p50:>6.2f}s {row.mm_p95:>6.2f}s {row.dht_requests:>8.1f} {row.membership_gets:>7.1f} {row.dht_kb:>8.1f} "
+        f"{row.mm_p50:>6.2f}s {row.mm_p95:>6.2f}s {row.dht_requests:>8.1f} {row.membership_gets:>7.1f} "
+        f"{row.dht_unanswered:>5.1f} {row.dht_kb:>8.1f} "
         f"{row.resyncs:>6.2f} {row.rss_mb:>7.0f} {row.pss_mb:>7.0f} {row.peak_pss_gb:>7.2f}GB "
         f"{row.idle_pss_gb:>7.2f}GB {row.idle_cores:>10.2f} {row.tracebacks:>10} {row.wall_s:>5.0f}s"
     )
