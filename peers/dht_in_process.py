@@ -11,8 +11,7 @@ hivemind's libp2p daemon, is still a child process of the node.
 
 `InProcessDHT` keeps the part of `hivemind.DHT`'s interface the node uses (`get`, `store`,
 `run_coroutine`, `peer_id`, `get_visible_maddrs`), with the same arguments, so the peers layer
-takes either; `return_future` is accepted and ignored: every call returns an awaitable. Its
-requests wait for a peer's answer as long as answers have been taking (dht_patience.py).
+takes either; `return_future` is accepted and ignored: every call returns an awaitable.
 """
 
 from __future__ import annotations
@@ -23,7 +22,7 @@ import logging
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
-from .dht_patience import AnswerPatience, time_answers
+from .dht_unanswered import count_unanswered
 from .hivemind_adapter import DHT, P2P, CompositeValidator, DHTNode, Multiaddr, PeerID, RecordValidatorBase
 
 log = logging.getLogger(__name__)
@@ -79,8 +78,7 @@ class InProcessDHT:
                 max(deadline - loop.time(), 1.0),
             )
             maddrs = await p2p.get_visible_maddrs()
-            # a silent peer is given up on after a few of the answers' own times, not after 3 s
-            time_answers(node.protocol, AnswerPatience(ceiling_s=node.protocol.wait_timeout))
+            count_unanswered(node.protocol)  # dtnode_dht_unanswered_total
         except BaseException:
             await _stop_daemon(p2p)
             raise

@@ -10,7 +10,7 @@ import time
 
 from dht_harness import ready_dht, run_in_fresh_process, signed_dhts
 
-from dtnode.peers import dht_patience
+from dtnode.peers import dht_unanswered
 from dtnode.peers.matchmaking import Matchmaker
 from dtnode.peers.plan import Member
 
@@ -56,8 +56,8 @@ async def silent_peer_pairing_scenario(folder):
             took = time.monotonic() - started
             assert groups == [pair, pair], f"with a third DHT peer frozen, the two formed {groups} in {took:.1f}s"
             assert await form(2) == [pair, pair]
-            # the requests that asked the frozen peer were counted, and given up on (dht_patience.py)
-            assert sum(dht_patience.UNANSWERED.values()) > 0
+            # the requests that asked the frozen peer were counted (dtnode_dht_unanswered_total)
+            assert sum(dht_unanswered.UNANSWERED.values()) > 0
         finally:
             os.kill(frozen.pid, signal.SIGCONT)
     finally:

@@ -20,8 +20,8 @@ from prometheus_client import CollectorRegistry, Counter, Enum, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector
 
-from dtnode.peers.dht_patience import UNANSWERED as DHT_UNANSWERED
 from dtnode.peers.dht_requests import REQUESTS as DHT_REQUESTS
+from dtnode.peers.dht_unanswered import UNANSWERED as DHT_UNANSWERED
 
 
 class RankFigures(Protocol):
@@ -135,7 +135,7 @@ class NodeMetrics:
         r.register(
             CountsCollector(
                 "dtnode_dht_unanswered",
-                "DHT requests to another peer (a search's find, a write's store) that got no answer within the node's wait (a peer paused, gone or too slow)",
+                "DHT requests to another peer (a search's find, a write's store) that got no answer within the node's wait (a peer paused, gone or slower than hivemind's 3 s wait)",
                 "call",
                 DHT_UNANSWERED,
             )

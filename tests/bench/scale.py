@@ -19,7 +19,7 @@ left is what a node costs besides its training. Per n it prints:
 - `dht req`: the DHT reads and writes a node makes per round (`dtnode_dht_requests_total`), and
   `mem get` the reads of the membership among them (each brings every peer's record back),
   and `unans` its requests to other DHT peers that went unanswered (`dtnode_dht_unanswered_total`:
-  a peer given up on, peers/dht_patience.py);
+  a peer paused, gone or slower than hivemind's wait, peers/dht_unanswered.py);
 - `dht kB`: bytes the node's p2pd daemon passed through read and write calls per round
   (/proc/PID/io: the network, and the socket to the DHT node, which ran in a process of its own
   forked from the node until issue 60 moved it onto the node's loop; counting p2pd alone reads
