@@ -11,10 +11,9 @@ bench sees how often a loaded swarm's peers miss the wait.
 
 The wait itself stays hivemind's. A wait set from what answers take (4 times their 95th
 percentile, at least 1 s, as TCP times its retransmissions) cut a silent peer's cost from 6 s to
-2 s a write, but at 32 nodes on 2 cores the live peers it gave up on, 0.3 to 1 request per
-node per round, left 49 and 55 of 96 node-rounds `full`, against 79 to 89 without it
-(docs/results/scale.md). hivemind drops a peer given up on from its routing table and, when it
-answers again, feeds it the keys it should hold.
+2 s a write, but at 32 nodes on 2 cores it gave up on live peers 0.3 to 1 time per node per
+round, where the 3 s wait gave up on none (docs/results/scale.md), and hivemind drops a peer it
+gave up on from its routing table.
 """
 
 from __future__ import annotations
