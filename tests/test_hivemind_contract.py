@@ -96,6 +96,24 @@ def test_reads_and_writes_take_the_beam_and_replica_counts_dtnode_sets():
     assert create["num_replicas"].default == 5 and create["bucket_size"].default == 20
 
 
+def test_the_node_sends_finds_and_stores_through_its_protocol_object_which_says_none_for_no_answer():
+    """peers/dht_unanswered.py wraps `call_find` and `call_store` on the node's DHTProtocol
+    object (`dtnode_dht_unanswered_total`): DHTNode must reach them through that object, and
+    each must return None for a request that got no answer (tests/test_silent_dht_peer.py
+    checks the count with a frozen peer)."""
+    from hivemind.dht import DHTNode
+    from hivemind.dht.protocol import DHTProtocol
+
+    assert "self.protocol.call_find(" in inspect.getsource(DHTNode._call_find_with_blacklist)
+    assert "self.protocol.call_store(" in inspect.getsource(DHTNode.store_many)
+    for name in ("call_find", "call_store"):
+        request = getattr(DHTProtocol, name)
+        source = inspect.getsource(request)
+        # a request that times out or fails is caught, and the method ends without a value
+        assert "timeout=self.wait_timeout" in source and "except Exception:" in source, name
+        assert str(inspect.signature(request).return_annotation).startswith("Optional["), name
+
+
 @pytest.mark.parametrize("module", ["hivemind.dht", "hivemind.p2p", "hivemind.utils"])
 def test_dtnode_loads_hivemind_without_its_trainer_stack(module):
     """peers/hivemind_adapter.py registers the package without its __init__ (over a second of start-up):

@@ -135,7 +135,7 @@ class NodeMetrics:
         r.register(
             CountsCollector(
                 "dtnode_dht_unanswered",
-                "DHT requests to another peer (a search's find, a write's store) that got no answer within the node's wait (a peer paused, gone or slower than hivemind's 3 s wait)",
+                "DHT requests to another peer (a search's find, a write's store) that got no answer: the peer paused, gone, or slower than hivemind's 3 s request timeout",
                 "call",
                 DHT_UNANSWERED,
             )
