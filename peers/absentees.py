@@ -7,8 +7,8 @@ deadline, left the part it owned to each member's own values (the honest θ_g pa
 be re-synced) and, where it led, a grace. Registering is free, and nothing in a registration
 says who will show up; what a node can check is what happened in its own groups. So a leader
 passed over, a member whose part failed for want of it (it formed no group with this member,
-refused the connection or never answered), or whose contribution is missing from a part that
-succeeded, and in a pair a member whose part this node refused (a re-sync that moved θ_g
+refused the connection or never answered), or whose contribution is missing from the part this
+node reduced (a node that reduces none: from a part that succeeded), and in a pair a member whose part this node refused (a re-sync that moved θ_g
 farther than the swarm's recent outer steps, say: in a pair only the other member can cause it), is struck out by each member that
 saw it (every honest member of that group did), and benched:
 
@@ -81,15 +81,16 @@ class Absentees:
 
     def observe(self, round_no: int, members: Iterable[str], me: str, report: AllReduceReport) -> None:
         """What one group's all-reduce showed of its members, as this member saw it: the
-        reducers of parts that failed, and the members missing from a part that succeeded, are
-        struck; the others took part."""
+        reducers of parts that failed, and the members whose contribution it did not see arrive
+        (`_contributed`), are struck; the others took part."""
         others = set(members) - {me}
         # a part that failed for want of its reducer is its reducer's doing; one whose result
         # this member refused (a bad weight, a result too long, a re-sync that drifted) may be
         # any contributor's, so it counts only in a pair, where the only other member is both
         missing = {p.reducer for p in report.failed_parts if len(others) == 1 or p.error_code in ABSENCE_CODES}
-        if any(p.ok for p in report.parts):
-            missing |= others - set(report.included_peers)
+        seen = _contributed(report, me)
+        if seen is not None:
+            missing |= others - seen
         self.strike(round_no, sorted(missing & others))
         self.took_part(round_no, others - missing)
 
@@ -106,3 +107,22 @@ class Absentees:
     def strikes(self, peer: str) -> int:
         s = self._strikes.get(peer)
         return s.count if s is not None else 0
+
+
+def _contributed(report: AllReduceReport, me: str) -> set[str] | None:
+    """The members whose contribution this node saw arrive, or None where no part succeeded
+    (nobody is then missing for want of a contribution).
+
+    Where this node reduced a part that succeeded, that part is its witness: a member whose
+    stream reached it took part, and its absence from another reducer's result is that
+    reducer's word alone. (A hostile reducer held this node's stream to the deadline, then
+    returned a result of the two of them; counted by every part, this node benched the two
+    honest members that had finished without it and averaged alone: CI, `hostile-pair`.)
+    A node that reduced nothing (a client) has only the reducers' word: the members in every
+    part that succeeded."""
+    own = [set(p.included) for p in report.parts if p.reducer == me and p.ok and p.included]
+    if own:
+        return set.intersection(*own)
+    if any(p.ok for p in report.parts):
+        return set(report.included_peers)
+    return None

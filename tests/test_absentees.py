@@ -64,3 +64,22 @@ def test_a_refused_result_is_struck_in_a_pair_only():
     assert bench.benched(5) == {"c"}  # missing from the good parts; a's refused part is not a's doing alone
     bench.observe(5, ["me", "a"], "me", _report([("me", True, ["me", "a"]), ("a", False, [])], refused))
     assert bench.benched(5) == {"a", "c"}
+
+
+def test_a_member_whose_contribution_reached_this_nodes_own_part_is_not_struck_for_another_reducers_word():
+    """CI (`hostile-pair`): the attacker, reducer of part 2, held the honest h1's stream to the
+    deadline and returned a result of the two of them. h0 and h2 had sent their contributions to
+    h1's own part and finished without the attacker; counted by the attacker's part, h1 benched
+    them and averaged alone for two rounds. Its own part is its witness: only the attacker, who
+    sent nothing to it, is struck."""
+    bench = Absentees()
+    members = ["h0", "me", "attacker", "h2"]
+    honest = ["h0", "me", "h2"]
+    report = _report(
+        [("h0", True, honest), ("h2", True, honest), ("attacker", True, ["me", "attacker"]), ("me", True, honest)]
+    )
+    bench.observe(1, members, "me", report)
+    assert bench.benched(1) == {"attacker"}
+    client = Absentees()  # a node that reduces no part has only the reducers' word
+    client.observe(1, members, "me", _report([("h0", True, honest), ("attacker", True, ["me", "attacker"])]))
+    assert client.benched(1) == {"h0", "h2", "attacker"}
