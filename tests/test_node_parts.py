@@ -16,7 +16,7 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from dtnode.daemon.catchup.sync_plan import LocalPosition, SyncAction, plan_sync
-from dtnode.daemon.checkpoints.arrivals import Arrivals, ThetaSource
+from dtnode.daemon.checkpoints.arrivals import Arrivals, ThetaArrival, ThetaSource
 from dtnode.daemon.config.settings import NodeSettings
 from dtnode.daemon.records.report import Condition, RoundOutcome, RoundSummary, RunStats
 from dtnode.daemon.records.state import IllegalTransition, NodeState, RecordPhase, RoundPhase, RoundState
@@ -513,14 +513,19 @@ def test_a_rounds_entry_says_where_its_theta_came_from_once():
     """What arrived since the last recorded round goes into the next entry, oldest first, and
     only there; a node that syncs again and again without a round keeps the newest few."""
     arrivals = Arrivals()
-    arrivals.note(ThetaSource.DOWNLOADED, 4)
-    arrivals.note(ThetaSource.TAKEN, 5)
+    arrivals.note(ThetaArrival(ThetaSource.RESUMED, 3))
+    arrivals.note(ThetaArrival(ThetaSource.DOWNLOADED, 4, offered_by=2, served_by=1, size_bytes=1000))
+    arrivals.note(ThetaArrival(ThetaSource.TAKEN, 5, offered_by=1, served_by=1, size_bytes=500))
     taken = arrivals.take()
     entry = dataclasses.replace(_summary([_hop(2, 2, 10, 10)]), synced=taken).history_entry(0, 0.0)
-    assert entry["synced"] == [{"source": "downloaded", "step": 4}, {"source": "taken", "step": 5}]
+    assert entry["synced"] == [
+        {"source": "resumed", "step": 3},
+        {"source": "downloaded", "step": 4, "offered_by": 2, "served_by": 1, "bytes": 1000},
+        {"source": "taken", "step": 5, "offered_by": 1, "served_by": 1, "bytes": 500},
+    ]
     assert arrivals.take() == () and _summary([]).history_entry(0, 0.0)["synced"] == []
     for step in range(40):
-        arrivals.note(ThetaSource.DOWNLOADED, step)
+        arrivals.note(ThetaArrival(ThetaSource.DOWNLOADED, step))
     assert [a.step for a in arrivals.take()] == list(range(40 - Arrivals.LIMIT, 40))
 
 

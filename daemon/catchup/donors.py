@@ -384,9 +384,12 @@ class _Fetch:
             path = None
             try:
                 asked = time.monotonic()
-                path = await download_parallel(session, attempt, self.scratch, self.timeout, self.auth)
+                assembled = await download_parallel(session, attempt, self.scratch, self.timeout, self.auth)
+                path = assembled.path
                 downloaded = time.monotonic()
                 loaded = await asyncio.to_thread(read_checkpoint, path, self.layout, self.run_id, self.model_hash)
+                loaded.offered_by, loaded.served_by = assembled.offered_by, assembled.served_by
+                loaded.downloaded_bytes = assembled.size
                 if await self._refused(loaded, group, hosts):
                     return None  # the same verified bytes from any donor of the group
                 loaded.timings = {

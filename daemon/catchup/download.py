@@ -72,6 +72,16 @@ class Offer:
     voter: str = ""
 
 
+@dataclass(frozen=True)
+class AssembledFile:
+    """A checkpoint file put together from the donors' ranges, and how many donors served it."""
+
+    path: Path
+    offered_by: int  # the donors asked for it: each announced this file's sha256
+    served_by: int  # those whose ranges made it (a small file is one range: one donor)
+    size: int
+
+
 def auth_headers(auth: SwarmAuth | None, path: str) -> dict[str, str]:
     return {HTTP_HEADER: auth.issue("http", path)} if auth is not None else {}
 
@@ -222,7 +232,7 @@ class _Busy(Exception):
 
 async def download_parallel(
     session: aiohttp.ClientSession, offers: list[Offer], scratch: Path, timeout: float, auth: SwarmAuth | None = None
-) -> Path:
+) -> AssembledFile:
     """Assemble one checkpoint file from ranges served by every donor in `offers` (same file)."""
     first = offers[0]
     partial = PartialDownload(scratch, first.sha256, first.size)
@@ -254,13 +264,14 @@ async def download_parallel(
         partial.close()
     dest = _whole_file(partial, digest, first, scratch)
     log.info(
-        "downloaded checkpoint %d from %d peer(s): %.1f MB in %.2fs",
+        "downloaded checkpoint %d from %d peer(s) of the %d that offered it: %.1f MB in %.2fs",
         first.step,
-        len(offers) - len(ranges.failures),
+        len(ranges.served),
+        len(offers),
         first.size / 1e6,
         time.monotonic() - started,
     )
-    return dest
+    return AssembledFile(dest, len(offers), len(ranges.served), first.size)
 
 
 class _Ranges:
@@ -283,6 +294,7 @@ class _Ranges:
             if index not in partial.finished:
                 self.todo.put_nowait(index)
         self.failures: dict[str, str] = {}  # donor -> why it was given up
+        self.served: dict[str, int] = {}  # donor -> bytes of this download it sent
         self.in_flight: set[int] = set()
 
     def _hopeless(self, offer: Offer) -> bool:
@@ -310,6 +322,7 @@ class _Ranges:
                 )
                 await asyncio.to_thread(partial.finish_piece, index)
                 self.in_flight.discard(index)
+                self.served[offer.donor.peer_id] = self.served.get(offer.donor.peer_id, 0) + length
             except LocalDiskError:
                 raise  # this node's disk: ends the download (the task group stops the other workers)
             except (TimeoutError, _Busy, DownloadError, aiohttp.ClientError, OSError) as e:

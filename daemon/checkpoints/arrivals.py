@@ -27,9 +27,17 @@ class ThetaSource(str, Enum):
 class ThetaArrival:
     source: ThetaSource
     step: int  # the outer step of the θ_g that arrived
+    offered_by: int = 0  # a download: the donors asked for the file (each announced its sha256)
+    served_by: int = 0  # a download: those whose ranges made it
+    size_bytes: int = 0  # a download: the file's size
 
     def entry(self) -> dict[str, Any]:
-        return {"source": self.source.value, "step": self.step}
+        """Its line in a history entry's `synced`; a download also says from how many peers and
+        how many bytes (a test of a joiner reads them here, not from the log)."""
+        entry: dict[str, Any] = {"source": self.source.value, "step": self.step}
+        if self.offered_by:
+            entry |= {"offered_by": self.offered_by, "served_by": self.served_by, "bytes": self.size_bytes}
+        return entry
 
 
 class Arrivals:
@@ -41,8 +49,8 @@ class Arrivals:
     def __init__(self) -> None:
         self._pending: list[ThetaArrival] = []
 
-    def note(self, source: ThetaSource, step: int) -> None:
-        self._pending = [*self._pending, ThetaArrival(source, step)][-self.LIMIT :]
+    def note(self, arrival: ThetaArrival) -> None:
+        self._pending = [*self._pending, arrival][-self.LIMIT :]
 
     def take(self) -> tuple[ThetaArrival, ...]:
         """What arrived since the last call, for the round being recorded."""

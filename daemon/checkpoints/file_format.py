@@ -307,6 +307,11 @@ class LoadedCheckpoint:
     metadata: dict[str, str]
     file: CheckpointInfo | None = None  # where it now lies in the state dir, when it was kept there
     timings: dict[str, float] = field(default_factory=dict)  # seconds per stage of a download, for the log
+    # a download: the donors asked for it (each announced its sha256), those whose ranges made
+    # it, and its size
+    offered_by: int = 0
+    served_by: int = 0
+    downloaded_bytes: int = 0
 
     @property
     def theta_g(self) -> torch.Tensor:

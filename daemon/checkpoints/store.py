@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 from tenacity import AsyncRetrying, retry_if_result, stop_after_attempt
 
-from dtnode.daemon.checkpoints.arrivals import Arrivals, ThetaSource
+from dtnode.daemon.checkpoints.arrivals import Arrivals, ThetaArrival, ThetaSource
 from dtnode.daemon.checkpoints.file_format import (
     ABANDONED_DIR,
     CheckpointError,
@@ -210,7 +210,9 @@ class CheckpointStore:
     async def keep_downloaded(self, loaded: LoadedCheckpoint, source: ThetaSource = ThetaSource.DOWNLOADED) -> None:
         """The donors' file is this node's checkpoint of that step: registered, never rewritten;
         `source`: how its θ_g came in (installed whole, or taken at a round's end)."""
-        self.arrivals.note(source, loaded.step)
+        self.arrivals.note(
+            ThetaArrival(source, loaded.step, loaded.offered_by, loaded.served_by, loaded.downloaded_bytes)
+        )
         self.metrics.catchups.inc()
         if loaded.file is not None:
             self.metrics.checkpoint_downloaded.inc(loaded.file.size_bytes)
@@ -253,7 +255,7 @@ class CheckpointStore:
             replica.set_params_sha256(sha256_of(replica.host_theta()))
             self.files[step] = CheckpointInfo(step, path, file_sha256(path), path.stat().st_size)
             self._show_newest()
-            self.arrivals.note(ThetaSource.RESUMED, step)
+            self.arrivals.note(ThetaArrival(ThetaSource.RESUMED, step))
             log.info("resumed from %s (outer step %d, params %s)", path.name, step, replica.params_sha256()[:12])
             return
 
