@@ -8,8 +8,9 @@ be re-synced) and, where it led, a grace. Registering is free, and nothing in a 
 says who will show up; what a node can check is what happened in its own groups. So a leader
 passed over, a member whose part failed for want of it (it formed no group with this member,
 refused the connection or never answered), or whose contribution is missing from the part this
-node reduced (a node that reduces none: from a part that succeeded), and in a pair a member whose part this node refused (a re-sync that moved θ_g
-farther than the swarm's recent outer steps, say: in a pair only the other member can cause it), is struck out by each member that
+node reduced (a node that reduces none: from a part that succeeded), and in a pair a member
+whose part this node refused (a re-sync that moved θ_g farther than the swarm's recent outer
+steps, say: in a pair only the other member can cause it), is struck out by each member that
 saw it (every honest member of that group did), and benched:
 
 - from the strike on, for BENCH_ROUNDS rounds after the one it let down, doubled at each
