@@ -410,3 +410,22 @@ def test_a_round_reports_the_mean_rate_its_steps_took_which_a_fresh_optimizer_wa
     assert inner.mean_lr == pytest.approx((schedule(100, 0) + schedule(101, 1)) / 2)
     assert inner.mean_lr == pytest.approx(schedule(100) * 1.5 / 50)
     assert trainer.run(0, threading.Event(), position=110, span=10).mean_lr == 0.0
+
+
+def test_a_round_without_a_step_takes_the_rate_of_the_last_round_with_steps():
+    """CI: a 4x slower peer warming up at 2e-05-4e-05 (its own schedule's first steps) against
+    the swarm's 1e-3 drew no step in round 2; its rate counted as the swarm's, it clipped the
+    group's mean (2.549 long) to 48x its own longest Δ (0.0097) alone and split its θ_g. The
+    rate behind its own Δ is that of the last round it took steps in."""
+    r = _replica(False)
+    r.trainer.parameters_flat.add_(torch.randn(r.numel, generator=torch.Generator().manual_seed(7)) * 1e-4)
+    own = torch.linalg.vector_norm(r.theta_g - r.trainer.parameters_flat).item()
+    fresh = r.bounds.rate_shortfall(1e-3, 0.0)
+    assert fresh == 1.0  # no step yet: nothing to compare with
+    assert r.bounds.rate_shortfall(1e-3, 4e-5) == pytest.approx(25.0)  # a round of warm-up steps
+    rate = r.bounds.rate_shortfall(1e-3, 0.0)  # a round without a step
+    assert rate == pytest.approx(25.0)
+    r.bounds.allow_for_shortfall(math.inf, rate)
+    mean = r.pseudo_gradient().mul_(260.0)  # the swarm's mean, 260x this node's own Δ
+    assert torch.linalg.vector_norm(r.bounds.bounded(mean)).item() == pytest.approx(260.0 * own, rel=1e-4)
+    assert r.bounds.outer_steps_scaled == 0

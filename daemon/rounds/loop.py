@@ -329,8 +329,7 @@ class RoundLoop:
         trained less than an average peer of the round (`UpdateBounds.allow_for_shortfall`): fewer
         tokens (a late start), or fewer steps in the same time (a slower device, a bigger step),
         or at a lower inner rate than the swarm's (a joiner's fresh optimizer warming up again)."""
-        swarm_rate = self.worker.round_rate(round_no)
-        rate = swarm_rate / inner.mean_lr if inner.mean_lr > 0 and swarm_rate > 0 else 1.0
+        rate = self.worker.replica.bounds.rate_shortfall(self.worker.round_rate(round_no), inner.mean_lr)
         p = self.pacer.progress
         if p is None:
             self.worker.replica.bounds.allow_for_shortfall(1.0, rate)

@@ -71,6 +71,7 @@ class UpdateBounds:
         self.momenta_scaled = 0  # momentum scaled down to its reach (`bound_momentum`)
         self.drift: DriftBound | None = None  # the last `resync_bound`: what a re-sync is clipped to
         self.allowance = 1.0  # `bounded`'s factor for this round (`allow_for_shortfall`)
+        self._steps_lr = 0.0  # the mean inner rate of the last round in which this node took a step
 
     def measure_own(self, delta: torch.Tensor | CodedDelta) -> None:
         """Remember ‖Δ‖ of this node's own pseudo-gradient (no host sync until it is read)."""
@@ -84,6 +85,18 @@ class UpdateBounds:
             return None
         longest = float(torch.stack(list(self._own_norms)).max())
         return longest if longest > 0 else None
+
+    def rate_shortfall(self, swarm_rate: float, mean_lr: float) -> float:
+        """The swarm's inner rate over the round against the rate behind this node's own recent
+        Δ: this round's steps' mean rate, or, in a round it took no step in, that of the last
+        round it took some in (the Δ that sets its scale were made at that rate). Without the
+        memory a 4x slower peer whose warm-up ran at 2e-05-4e-05 against the swarm's 1e-3 drew
+        no step in a round, counted its rate as the swarm's, clipped the group's mean to 48x its
+        tiny Δ alone and split its θ_g from the group's (CI, `test_a_slower_peer_is_neither_...`)."""
+        if mean_lr > 0:
+            self._steps_lr = mean_lr
+        own = self._steps_lr
+        return swarm_rate / own if own > 0 and swarm_rate > 0 else 1.0
 
     def allow_for_shortfall(self, ratio: float, rate: float = 1.0) -> None:
         """An average peer of the round trained `ratio` times what this node did (in tokens or in
