@@ -16,7 +16,7 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from dtnode.daemon.catchup.sync_plan import LocalPosition, SyncAction, plan_sync
-from dtnode.daemon.checkpoints.arrivals import Arrivals, ThetaArrival, ThetaSource
+from dtnode.daemon.checkpoints.arrivals import Arrivals, Download, ThetaArrival, ThetaSource
 from dtnode.daemon.config.settings import NodeSettings
 from dtnode.daemon.records.report import Condition, RoundOutcome, RoundSummary, RunStats
 from dtnode.daemon.records.state import IllegalTransition, NodeState, RecordPhase, RoundPhase, RoundState
@@ -514,8 +514,8 @@ def test_a_rounds_entry_says_where_its_theta_came_from_once():
     only there; a node that syncs again and again without a round keeps the newest few."""
     arrivals = Arrivals()
     arrivals.note(ThetaArrival(ThetaSource.RESUMED, 3))
-    arrivals.note(ThetaArrival(ThetaSource.DOWNLOADED, 4, offered_by=2, served_by=1, size_bytes=1000))
-    arrivals.note(ThetaArrival(ThetaSource.TAKEN, 5, offered_by=1, served_by=1, size_bytes=500))
+    arrivals.note(ThetaArrival(ThetaSource.DOWNLOADED, 4, Download(offered_by=2, served_by=1, size_bytes=1000)))
+    arrivals.note(ThetaArrival(ThetaSource.TAKEN, 5, Download(offered_by=1, served_by=1, size_bytes=500)))
     taken = arrivals.take()
     entry = dataclasses.replace(_summary([_hop(2, 2, 10, 10)]), synced=taken).history_entry(0, 0.0)
     assert entry["synced"] == [

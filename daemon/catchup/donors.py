@@ -388,8 +388,7 @@ class _Fetch:
                 path = assembled.path
                 downloaded = time.monotonic()
                 loaded = await asyncio.to_thread(read_checkpoint, path, self.layout, self.run_id, self.model_hash)
-                loaded.offered_by, loaded.served_by = assembled.offered_by, assembled.served_by
-                loaded.downloaded_bytes = assembled.size
+                loaded.download = assembled.download
                 if await self._refused(loaded, group, hosts):
                     return None  # the same verified bytes from any donor of the group
                 loaded.timings = {

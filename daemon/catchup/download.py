@@ -38,6 +38,7 @@ from dtnode.daemon.catchup.partial_download import (
     TransferProgress,
     _local,
 )
+from dtnode.daemon.checkpoints.arrivals import Download
 from dtnode.peers.auth import HTTP_HEADER, SwarmAuth
 from dtnode.peers.durable import fsync_dir
 from dtnode.peers.membership import PeerRecord
@@ -77,9 +78,7 @@ class AssembledFile:
     """A checkpoint file put together from the donors' ranges, and how many donors served it."""
 
     path: Path
-    offered_by: int  # the donors asked for it: each announced this file's sha256
-    served_by: int  # those whose ranges made it (a small file is one range: one donor)
-    size: int
+    download: Download
 
 
 def auth_headers(auth: SwarmAuth | None, path: str) -> dict[str, str]:
@@ -271,7 +270,7 @@ async def download_parallel(
         first.size / 1e6,
         time.monotonic() - started,
     )
-    return AssembledFile(dest, len(offers), len(ranges.served), first.size)
+    return AssembledFile(dest, Download(len(offers), len(ranges.served), first.size))
 
 
 class _Ranges:

@@ -24,19 +24,28 @@ class ThetaSource(str, Enum):
 
 
 @dataclass(frozen=True)
+class Download:
+    """How a checkpoint file came from the swarm: what the download that assembled it
+    (catchup/download.py) tells the checkpoint read from it, and its arrival the history."""
+
+    offered_by: int  # the donors asked for the file: each announced its sha256
+    served_by: int  # those whose ranges made it (a file of one range comes from one donor)
+    size_bytes: int
+
+
+@dataclass(frozen=True)
 class ThetaArrival:
     source: ThetaSource
     step: int  # the outer step of the θ_g that arrived
-    offered_by: int = 0  # a download: the donors asked for the file (each announced its sha256)
-    served_by: int = 0  # a download: those whose ranges made it
-    size_bytes: int = 0  # a download: the file's size
+    download: Download | None = None  # a peer's file: from how many donors, and its size
 
     def entry(self) -> dict[str, Any]:
         """Its line in a history entry's `synced`; a download also says from how many peers and
         how many bytes (a test of a joiner reads them here, not from the log)."""
         entry: dict[str, Any] = {"source": self.source.value, "step": self.step}
-        if self.offered_by:
-            entry |= {"offered_by": self.offered_by, "served_by": self.served_by, "bytes": self.size_bytes}
+        if self.download is not None:
+            d = self.download
+            entry |= {"offered_by": d.offered_by, "served_by": d.served_by, "bytes": d.size_bytes}
         return entry
 
 

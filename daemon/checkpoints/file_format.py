@@ -36,6 +36,7 @@ import torch
 from safetensors import safe_open
 
 from dtnode import __version__
+from dtnode.daemon.checkpoints.arrivals import Download
 from dtnode.daemon.config.training_options import InnerOptimizerKind
 from dtnode.peers.durable import write_durably
 
@@ -307,11 +308,7 @@ class LoadedCheckpoint:
     metadata: dict[str, str]
     file: CheckpointInfo | None = None  # where it now lies in the state dir, when it was kept there
     timings: dict[str, float] = field(default_factory=dict)  # seconds per stage of a download, for the log
-    # a download: the donors asked for it (each announced its sha256), those whose ranges made
-    # it, and its size
-    offered_by: int = 0
-    served_by: int = 0
-    downloaded_bytes: int = 0
+    download: Download | None = None  # a peer's file: from how many donors, and its size
 
     @property
     def theta_g(self) -> torch.Tensor:

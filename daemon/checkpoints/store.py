@@ -210,9 +210,7 @@ class CheckpointStore:
     async def keep_downloaded(self, loaded: LoadedCheckpoint, source: ThetaSource = ThetaSource.DOWNLOADED) -> None:
         """The donors' file is this node's checkpoint of that step: registered, never rewritten;
         `source`: how its θ_g came in (installed whole, or taken at a round's end)."""
-        self.arrivals.note(
-            ThetaArrival(source, loaded.step, loaded.offered_by, loaded.served_by, loaded.downloaded_bytes)
-        )
+        self.arrivals.note(ThetaArrival(source, loaded.step, loaded.download))
         self.metrics.catchups.inc()
         if loaded.file is not None:
             self.metrics.checkpoint_downloaded.inc(loaded.file.size_bytes)
