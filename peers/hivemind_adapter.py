@@ -62,6 +62,7 @@ os.environ.setdefault("HIVEMIND_MEMORY_SHARING_STRATEGY", "file_descriptor")
 from cryptography.hazmat.primitives.asymmetric import rsa
 from hivemind.dht import DHT, DHTNode
 from hivemind.dht.crypto import RSASignatureValidator
+from hivemind.dht.routing import DHTID
 from hivemind.dht.validation import CompositeValidator, DHTRecord, RecordValidatorBase
 from hivemind.p2p import P2P, PeerID
 from hivemind.p2p.p2p_daemon_bindings.datastructures import crypto_pb2
@@ -72,6 +73,7 @@ from hivemind.utils.multiaddr import Multiaddr
 
 __all__ = [
     "DHT",
+    "DHTID",
     "P2P",
     "P2P_DAEMON_LOGGER",
     "CompositeValidator",

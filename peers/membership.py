@@ -36,6 +36,7 @@ from .dht_in_process import SwarmDHT
 from .dht_requests import DhtKey, DhtOp
 from .hivemind_adapter import DHTNode, Multiaddr, PeerID, RSASignatureValidator, get_dht_time
 from .identity import signed_subkey, writer_of
+from .near_store import store_near
 from .tls import MAX_CERT_CHARS, TrustStore
 
 log = logging.getLogger(__name__)
@@ -50,6 +51,11 @@ MATCHMAKING_VIEW_S = 1.0
 # heartbeats whose store may be in flight at once (`Membership.heartbeat`): enough to span the
 # 6 s a store waits on a node that never answers, at the default 2 s beat and the tests' 1 s
 MAX_BEATS_IN_FLIGHT = 8
+# heartbeats stored straight on the routing table's nearest nodes (near_store.py) for each one
+# stored through hivemind's search of the DHT, which refreshes the table near the key: a record
+# lives three beats (--peer-ttl), so the one a search placed lasts until the next search's, even
+# where this node's table were wrong about the nearest nodes and its direct stores went astray
+DIRECT_STORES_PER_SEARCH = 2
 
 
 MAX_RECIPE_CHARS = 2048
@@ -188,6 +194,9 @@ class Membership:
         self._seen: dict[str, float] = {}  # peer id -> when its record was last read (monotonic)
         self._isolated = False
         self._read_at = -1.0  # monotonic time of the last DHT read: polls within VIEW_REUSE_S share it
+        # records stored from the routing table since the last store that searched the DHT
+        # (near_store.py); the first store searches, as the table holds only the initial peers
+        self._direct_stores = DIRECT_STORES_PER_SEARCH
 
     def beat_s(self) -> float:
         """Seconds between this node's heartbeats: `interval` up to FULL_RATE_PEERS peers in its
@@ -209,16 +218,26 @@ class Membership:
             record = record.model_copy(update={"auth": self.auth.issue("record", record.auth_subject())})
         dht_requests.count(DhtOp.STORE, DhtKey.MEMBERSHIP)
         expiry = get_dht_time() + self.record_ttl()
-        stored = bool(
-            await self.dht.store(
-                self.key,
-                subkey=self.subkey,
-                value=record.model_dump(),
-                expiration_time=expiry,
-                beam_size=dht_requests.READ_BEAM,
+        stored = False
+        if self._direct_stores < DIRECT_STORES_PER_SEARCH:
+            took = await self.dht.run_coroutine(
+                partial(store_near, self.key, self.subkey, record.model_dump(), expiry, dht_requests.REPLICAS),
                 return_future=True,
             )
-        )
+            stored = bool(took)
+            self._direct_stores += stored
+        if not stored:  # every few beats, and whenever the routing table could not place the record
+            self._direct_stores = 0
+            stored = bool(
+                await self.dht.store(
+                    self.key,
+                    subkey=self.subkey,
+                    value=record.model_dump(),
+                    expiration_time=expiry,
+                    beam_size=dht_requests.READ_BEAM,
+                    return_future=True,
+                )
+            )
         # this node's view holds its own record as written, without reading it back (beats overlap:
         # one that lands late does not replace a newer record)
         if stored and expiry >= self._records.get(record.peer_id, (0.0, None))[0]:

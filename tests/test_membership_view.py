@@ -8,13 +8,21 @@ import asyncio
 import os
 import signal
 import time
+from functools import partial
 
 from dht_harness import ready_dht, run_in_fresh_process, signed_dhts
 
 from dtnode.peers import dht_requests
 from dtnode.peers.dht_requests import DhtKey, DhtOp
-from dtnode.peers.hivemind_adapter import get_dht_time
-from dtnode.peers.membership import MATCHMAKING_VIEW_S, VIEW_REUSE_S, Membership, PeerRecord
+from dtnode.peers.hivemind_adapter import DHTID, get_dht_time
+from dtnode.peers.membership import (
+    DIRECT_STORES_PER_SEARCH,
+    MATCHMAKING_VIEW_S,
+    VIEW_REUSE_S,
+    Membership,
+    PeerRecord,
+)
+from dtnode.peers.near_store import store_near
 
 
 def _reads() -> int:
@@ -128,6 +136,104 @@ async def frozen_peer_scenario(folder):
     finally:
         stopped.set()
         await asyncio.gather(*beats, return_exceptions=True)
+        frozen.shutdown()
+        for dht, _ in reversed(nodes):
+            await dht.shutdown()
+
+
+def test_heartbeats_between_searches_go_straight_to_the_nodes_nearest_the_key(tmp_path):
+    """A heartbeat's store through hivemind searches the DHT for the key's nodes, and each node
+    it asks answers with every record under the key (issue 60: most of an idle swarm's CPU).
+    Between searches a beat is stored on the nodes the routing table knows nearest the key
+    (peers/near_store.py), without a search: the same replicas, where every reader finds it."""
+    run_in_fresh_process(tmp_path, direct_store_scenario)
+
+
+async def direct_store_scenario(folder):
+    """The scenario of the test above, in a process of its own (dht_harness.run_in_fresh_process)."""
+    nodes = await signed_dhts(folder, tuple("abcdefg"))  # the first one's table holds 6 others, above REPLICAS
+    try:
+        views = [Membership(dht, "direct", 60, 1, validator) for dht, validator in nodes]
+        a, protocol = views[0], nodes[0][0].node.protocol
+        searches: list[object] = []
+        call_find = protocol.call_find
+
+        async def counted_find(peer, keys):
+            searches.append(peer)
+            return await call_find(peer, keys)
+
+        protocol.call_find = counted_find
+        for beat in range(2 * (DIRECT_STORES_PER_SEARCH + 1)):
+            before = len(searches)
+            record = PeerRecord(peer_id=a.peer_id, grpc_addr="127.0.0.1:1", state="training", outer_step=beat)
+            assert await a.announce(record)
+            assert (len(searches) > before) == (beat % (DIRECT_STORES_PER_SEARCH + 1) == 0), (beat, searches)
+            for reader in views[1:]:  # each reader's own search of the DHT finds the newest beat
+                assert (await reader.members(max_age=0))[a.peer_id].outer_step == beat
+
+        # the entry is on the REPLICAS nodes nearest the key, and on no other
+        key_id = DHTID.generate(source=a.key)
+        dht_nodes = [dht.node for dht, _ in nodes]
+        nearest = sorted(dht_nodes, key=lambda n: key_id.xor_distance(n.node_id))[: dht_requests.REPLICAS]
+        holding = [n for n in dht_nodes if (found := n.protocol.storage.get(key_id)) and a.subkey in found.value]
+        assert {n.node_id for n in holding} == {n.node_id for n in nearest}
+    finally:
+        for dht, _ in reversed(nodes):
+            await dht.shutdown()
+
+
+def test_a_direct_heartbeat_skips_a_near_node_that_left_it_unanswered(tmp_path):
+    """A node among the nearest that holds its connections and answers nothing (paused,
+    frozen) costs a direct heartbeat one wait, then a spare takes its replica; it is banned as
+    hivemind's searches ban it, so the next beats neither wait on it nor ask it again."""
+    run_in_fresh_process(tmp_path, direct_store_past_a_frozen_node_scenario)
+
+
+async def direct_store_past_a_frozen_node_scenario(folder):
+    """The scenario of the test above, in a process of its own (dht_harness.run_in_fresh_process)."""
+    nodes = await signed_dhts(folder, tuple("abcdef"))
+    # a hivemind.DHT process, so that it can be frozen alone (started off this loop, which answers its bootstrap)
+    frozen = await asyncio.to_thread(ready_dht, initial_peers=[str(m) for m in nodes[0][0].get_visible_maddrs()])
+    a_dht, validator = nodes[0]
+    table = a_dht.node.protocol.routing_table
+    try:
+        deadline = time.monotonic() + 30
+        while table.get(peer_id=frozen.peer_id) is None:
+            assert time.monotonic() < deadline, "the frozen-to-be node never entered the routing table"
+            await asyncio.sleep(0.2)
+        frozen_id = table.get(peer_id=frozen.peer_id)
+        ids = [table.get(peer_id=dht.peer_id) or dht.node.node_id for dht, _ in nodes] + [frozen_id]
+        # a run whose membership key has the frozen node among its REPLICAS nearest
+        run_id = next(
+            f"run{i}"
+            for i in range(1000)
+            if frozen_id
+            in sorted(ids, key=DHTID.generate(source=f"run{i}.peers").xor_distance)[: dht_requests.REPLICAS]
+        )
+        a = Membership(a_dht, run_id, 60, 1, validator)
+        readers = [Membership(dht, run_id, 60, 1, v) for dht, v in nodes[1:]]
+        asked: list[object] = []
+        call_store = a_dht.node.protocol.call_store
+
+        async def counted_store(peer, *args, **kwargs):
+            asked.append(peer)
+            return await call_store(peer, *args, **kwargs)
+
+        a_dht.node.protocol.call_store = counted_store
+        os.kill(frozen.pid, signal.SIGSTOP)
+        try:
+            for beat in range(DIRECT_STORES_PER_SEARCH):
+                value = PeerRecord(peer_id=a.peer_id, grpc_addr="127.0.0.1:1", state="training", outer_step=beat)
+                took = await a_dht.run_coroutine(
+                    partial(store_near, a.key, a.subkey, value.model_dump(), get_dht_time() + 60, dht_requests.REPLICAS)
+                )
+                assert took == dht_requests.REPLICAS, (beat, took)  # a spare took the frozen node's replica
+                for reader in readers:
+                    assert (await reader.members(max_age=0))[a.peer_id].outer_step == beat
+            assert asked.count(frozen.peer_id) == 1, asked  # asked once, then banned
+        finally:
+            os.kill(frozen.pid, signal.SIGCONT)
+    finally:
         frozen.shutdown()
         for dht, _ in reversed(nodes):
             await dht.shutdown()
