@@ -214,6 +214,9 @@ class Membership:
         return self.ttl * dht_requests.poll_stretch(len(self._records))
 
     async def announce(self, record: PeerRecord) -> bool:
+        """Store this node's record (tagged, with a swarm key), living `record_ttl`: two stores in
+        three straight on the nodes nearest the key in the routing table (near_store.py), the
+        third through hivemind's search for them. True if a replica took it."""
         if self.auth is not None:
             record = record.model_copy(update={"auth": self.auth.issue("record", record.auth_subject())})
         dht_requests.count(DhtOp.STORE, DhtKey.MEMBERSHIP)
