@@ -10,6 +10,7 @@ nothing else, as a node does."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import ctypes
 import inspect
@@ -17,7 +18,7 @@ import os
 import signal
 import subprocess
 import sys
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -87,6 +88,31 @@ async def signed_dhts(directory: Path, names: tuple[str, ...]) -> list[tuple[InP
         dht = await start_dht(initial, "127.0.0.1", 0, None, 60, str(path), validator, fresh_identity=True)
         started.append((dht, validator))
     return started
+
+
+async def freezable_dht(nodes: list[tuple[InProcessDHT, RSASignatureValidator]]) -> DHT:
+    """A hivemind.DHT process joined through the first of `nodes`, which a test can freeze alone
+    (`sigstopped`): it keeps its connections and answers nothing, as a paused peer does. Started off
+    this loop, which answers its bootstrap."""
+    return await asyncio.to_thread(ready_dht, initial_peers=[str(m) for m in nodes[0][0].get_visible_maddrs()])
+
+
+@contextlib.contextmanager
+def sigstopped(process: DHT) -> Iterator[None]:
+    """`process` stopped (SIGSTOP) for the block, continued after it whatever happens."""
+    os.kill(process.pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        os.kill(process.pid, signal.SIGCONT)
+
+
+async def shut_down(nodes: list[tuple[InProcessDHT, RSASignatureValidator]], *others: DHT) -> None:
+    """The DHTs a scenario started, the processes first."""
+    for process in others:
+        process.shutdown()
+    for dht, _ in reversed(nodes):
+        await dht.shutdown()
 
 
 def run_in_fresh_process(

@@ -5,12 +5,10 @@ node's own heartbeat does not force a read to see itself."""
 from __future__ import annotations
 
 import asyncio
-import os
-import signal
 import time
 from functools import partial
 
-from dht_harness import ready_dht, run_in_fresh_process, signed_dhts
+from dht_harness import freezable_dht, run_in_fresh_process, shut_down, signed_dhts, sigstopped
 
 from dtnode.peers import dht_requests
 from dtnode.peers.dht_requests import DhtKey, DhtOp
@@ -108,8 +106,7 @@ def test_a_peer_that_stops_answering_drops_no_other_peer_from_the_view(tmp_path)
 async def frozen_peer_scenario(folder):
     """The scenario of the test above, in a process of its own (dht_harness.run_in_fresh_process)."""
     nodes = await signed_dhts(folder, ("a", "b"))
-    # a hivemind.DHT process, so that it can be frozen alone (started off this loop, which answers its bootstrap)
-    frozen = await asyncio.to_thread(ready_dht, initial_peers=[str(m) for m in nodes[0][0].get_visible_maddrs()])
+    frozen = await freezable_dht(nodes)
     stopped = asyncio.Event()
     a, b = (Membership(dht, "frozen", 6.0, 2.0, validator) for dht, validator in nodes)  # the defaults
     beats = [
@@ -121,8 +118,7 @@ async def frozen_peer_scenario(folder):
         while not ({a.peer_id, b.peer_id} <= set(await a.members()) and a.peer_id in await b.members()):
             assert time.monotonic() < deadline, "the two never saw each other"
             await asyncio.sleep(0.25)
-        os.kill(frozen.pid, signal.SIGSTOP)
-        try:
+        with sigstopped(frozen):
             lost: list[tuple[float, str]] = []
             frozen_at = time.monotonic()
             while time.monotonic() - frozen_at < 12:
@@ -131,14 +127,10 @@ async def frozen_peer_scenario(folder):
                         lost.append((round(time.monotonic() - frozen_at, 2), name))
                 await asyncio.sleep(0.25)
             assert not lost, f"a peer left the other's view while a third was frozen: {lost}"
-        finally:
-            os.kill(frozen.pid, signal.SIGCONT)
     finally:
         stopped.set()
         await asyncio.gather(*beats, return_exceptions=True)
-        frozen.shutdown()
-        for dht, _ in reversed(nodes):
-            await dht.shutdown()
+        await shut_down(nodes, frozen)
 
 
 def test_heartbeats_between_searches_go_straight_to_the_nodes_nearest_the_key(tmp_path):
@@ -192,8 +184,7 @@ def test_a_direct_heartbeat_skips_a_near_node_that_left_it_unanswered(tmp_path):
 async def direct_store_past_a_frozen_node_scenario(folder):
     """The scenario of the test above, in a process of its own (dht_harness.run_in_fresh_process)."""
     nodes = await signed_dhts(folder, tuple("abcdef"))
-    # a hivemind.DHT process, so that it can be frozen alone (started off this loop, which answers its bootstrap)
-    frozen = await asyncio.to_thread(ready_dht, initial_peers=[str(m) for m in nodes[0][0].get_visible_maddrs()])
+    frozen = await freezable_dht(nodes)
     a_dht, validator = nodes[0]
     table = a_dht.node.protocol.routing_table
     try:
@@ -220,8 +211,7 @@ async def direct_store_past_a_frozen_node_scenario(folder):
             return await call_store(peer, *args, **kwargs)
 
         a_dht.node.protocol.call_store = counted_store
-        os.kill(frozen.pid, signal.SIGSTOP)
-        try:
+        with sigstopped(frozen):
             for beat in range(DIRECT_STORES_PER_SEARCH):
                 value = PeerRecord(peer_id=a.peer_id, grpc_addr="127.0.0.1:1", state="training", outer_step=beat)
                 took = await a_dht.run_coroutine(
@@ -231,9 +221,5 @@ async def direct_store_past_a_frozen_node_scenario(folder):
                 for reader in readers:
                     assert (await reader.members(max_age=0))[a.peer_id].outer_step == beat
             assert asked.count(frozen.peer_id) == 1, asked  # asked once, then banned
-        finally:
-            os.kill(frozen.pid, signal.SIGCONT)
     finally:
-        frozen.shutdown()
-        for dht, _ in reversed(nodes):
-            await dht.shutdown()
+        await shut_down(nodes, frozen)

@@ -4,11 +4,9 @@ black-holed): the peers that still answer form their group together."""
 from __future__ import annotations
 
 import asyncio
-import os
-import signal
 import time
 
-from dht_harness import ready_dht, run_in_fresh_process, signed_dhts
+from dht_harness import freezable_dht, run_in_fresh_process, shut_down, signed_dhts, sigstopped
 
 from dtnode.peers import dht_unanswered
 from dtnode.peers.matchmaking import Matchmaker
@@ -29,8 +27,7 @@ def test_two_peers_pair_while_a_third_dht_peer_is_frozen(tmp_path):
 async def silent_peer_pairing_scenario(folder):
     """The scenario of the test above, in a process of its own (dht_harness.run_in_fresh_process)."""
     nodes = await signed_dhts(folder, ("a", "b"))
-    # a hivemind.DHT process, so that it can be frozen alone (started off this loop, which answers its bootstrap)
-    frozen = await asyncio.to_thread(ready_dht, initial_peers=[str(m) for m in nodes[0][0].get_visible_maddrs()])
+    frozen = await freezable_dht(nodes)
     makers = [
         Matchmaker(dht, "silent", Member(str(dht.peer_id), f"127.0.0.1:{1001 + i}"), 0.15, owner=v.local_public_key)
         for i, (dht, v) in enumerate(nodes)
@@ -49,8 +46,7 @@ async def silent_peer_pairing_scenario(folder):
     try:
         pair = sorted(everyone)
         assert await form(0) == [pair, pair], "the two did not pair before the third was frozen"
-        os.kill(frozen.pid, signal.SIGSTOP)
-        try:
+        with sigstopped(frozen):
             started = time.monotonic()
             groups = await form(1)
             took = time.monotonic() - started
@@ -58,9 +54,5 @@ async def silent_peer_pairing_scenario(folder):
             assert await form(2) == [pair, pair]
             # the requests that asked the frozen peer were counted (dtnode_dht_unanswered_total)
             assert sum(dht_unanswered.UNANSWERED.values()) > 0
-        finally:
-            os.kill(frozen.pid, signal.SIGCONT)
     finally:
-        frozen.shutdown()
-        for dht, _ in reversed(nodes):
-            await dht.shutdown()
+        await shut_down(nodes, frozen)
