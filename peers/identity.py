@@ -36,15 +36,22 @@ def identity_key(identity_path: Path) -> RSAPrivateKey:
 
 
 @lru_cache(maxsize=4096)
-def peer_id_of_owner(owner: bytes) -> str | None:
-    """The peer id whose key an `[owner:ssh-rsa ...]` marker names (None if it names none)."""
+def owner_public_key(owner: bytes) -> rsa.RSAPublicKey | None:
+    """The RSA public key an `[owner:ssh-rsa ...]` marker names (None if it names none)."""
     if not (owner.startswith(OWNER_PREFIX) and owner.endswith(OWNER_SUFFIX)):
         return None
     try:
         public = serialization.load_ssh_public_key(owner[len(OWNER_PREFIX) : -len(OWNER_SUFFIX)])
     except (ValueError, TypeError):
         return None
-    if not isinstance(public, rsa.RSAPublicKey):
+    return public if isinstance(public, rsa.RSAPublicKey) else None
+
+
+@lru_cache(maxsize=4096)
+def peer_id_of_owner(owner: bytes) -> str | None:
+    """The peer id whose key an `[owner:ssh-rsa ...]` marker names (None if it names none)."""
+    public = owner_public_key(owner)
+    if public is None:
         return None
     encoded = crypto_pb2.PublicKey(
         key_type=crypto_pb2.RSA,
@@ -59,9 +66,8 @@ def signed_subkey(peer_id: str, owner: bytes) -> bytes:
     return peer_id.encode() + owner
 
 
-def writer_of(subkey: object) -> str | None:
-    """The peer id a signed subkey's entry belongs to, if its owner key is that peer's own
-    (None for a plain subkey, a malformed one, or a key of another peer)."""
+def _split(subkey: object) -> tuple[str, bytes] | None:
+    """A signed subkey's peer id and owner marker, unchecked (None if it has no marker)."""
     if isinstance(subkey, str):
         subkey = subkey.encode()
     if not isinstance(subkey, bytes) or len(subkey) > 4096:
@@ -70,7 +76,25 @@ def writer_of(subkey: object) -> str | None:
     if at <= 0:
         return None
     try:
-        peer_id = subkey[:at].decode("ascii")
+        return subkey[:at].decode("ascii"), subkey[at:]
     except UnicodeDecodeError:
         return None
-    return peer_id if peer_id_of_owner(subkey[at:]) == peer_id else None
+
+
+def writer_of(subkey: object) -> str | None:
+    """The peer id a signed subkey's entry belongs to, if its owner key is that peer's own
+    (None for a plain subkey, a malformed one, or a key of another peer)."""
+    parts = _split(subkey)
+    if parts is None:
+        return None
+    peer_id, owner = parts
+    return peer_id if peer_id_of_owner(owner) == peer_id else None
+
+
+def writer_key(subkey: object) -> rsa.RSAPublicKey | None:
+    """The public key a signed subkey names, if it is its peer's own (as `writer_of`): the key
+    that signed the entry, and that the peer's TLS certificate is made with (tls.py)."""
+    parts = _split(subkey)
+    if parts is None or peer_id_of_owner(parts[1]) != parts[0]:
+        return None
+    return owner_public_key(parts[1])

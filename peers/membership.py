@@ -35,9 +35,9 @@ from .auth import AuthError, SwarmAuth
 from .dht_in_process import SwarmDHT
 from .dht_requests import DhtKey, DhtOp
 from .hivemind_adapter import DHTNode, Multiaddr, PeerID, RSASignatureValidator, get_dht_time
-from .identity import signed_subkey, writer_of
+from .identity import signed_subkey, writer_key, writer_of
 from .near_store import store_near
-from .tls import MAX_CERT_CHARS, TrustStore
+from .tls import MAX_SIGNATURE_CHARS, TrustStore
 
 log = logging.getLogger(__name__)
 
@@ -112,7 +112,9 @@ class PeerRecord(BaseModel):
     client_mode: bool = False
     model_hash: str = Field("", max_length=64)
     version: str = Field("", max_length=32)
-    tls_cert: str = Field("", max_length=MAX_CERT_CHARS)  # base64 DER (peers/tls.py); empty: plaintext data plane
+    # its TLS certificate's signature, base64 (the rest of the certificate follows from the key
+    # the record is filed under and the peer id: peers/tls.py); empty: plaintext data plane
+    tls_sig: str = Field("", max_length=MAX_SIGNATURE_CHARS)
     auth: str = Field("", max_length=512)
     recipe: str = Field("", max_length=MAX_RECIPE_CHARS)  # JSON of what peers must share (daemon/workload/recipe.py)
     # For operators comparing peers (`dtnode status`, the dashboard); no decision rests on them:
@@ -134,7 +136,7 @@ class PeerRecord(BaseModel):
         return self.training_round if self.training_round >= 0 else self.outer_step
 
     def auth_subject(self) -> str:
-        cert = hashlib.sha256(self.tls_cert.encode()).hexdigest() if self.tls_cert else ""
+        cert = hashlib.sha256(self.tls_sig.encode()).hexdigest() if self.tls_sig else ""
         return f"record|{self.peer_id}|{self.grpc_addr}|{self.http_addr}|{self.client_mode}|{cert}"
 
 
@@ -352,8 +354,9 @@ class Membership:
                 break
             if expiry >= self._records.get(record.peer_id, (0.0, None))[0]:
                 self._records[record.peer_id] = (expiry, record)
-                if self.trust is not None and record.tls_cert:
-                    self.trust.learn(record.peer_id, record.tls_cert)
+                public = writer_key(subkey) if self.trust is not None and record.tls_sig else None
+                if self.trust is not None and public is not None:
+                    self.trust.learn_signed(record.peer_id, public, record.tls_sig)
             self._seen[record.peer_id] = time.monotonic()
         self._records = {p: (e, r) for p, (e, r) in self._records.items() if e >= now}
         cutoff = time.monotonic() - REMEMBER_PEERS_S

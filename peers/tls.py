@@ -6,15 +6,20 @@ membership record. The record carries the certificate, so the DHT binds it to th
 firmly as it binds everything else the node announces, and a swarm key holder who forges a
 record for another id is already refused there.
 
-- A client dials a peer trusting exactly the certificate in that peer's record: a server that
+- A client dials a peer trusting exactly the certificate of that peer's record: a server that
   cannot prove it holds that peer's key fails the handshake, so nobody on the path reads Δ.
 - A server requires a client certificate among those of the peers it has read records of,
   and then checks that a stream came over the certificate of the peer id it claims (the
   sender in its chunks): a member can no longer speak as another.
 - TLS's record MACs make any flipped byte fail the connection instead of reaching a reducer.
 
-The certificate is a pure function of the key (fixed names, validity, serial from the key,
-deterministic PKCS#1 v1.5 signature), so a restarted node presents the same fingerprint.
+The certificate is a pure function of the key and the peer id (fixed names, validity, serial
+from the key, deterministic PKCS#1 v1.5 signature), so a restarted node presents the same
+fingerprint, and a record need not carry the certificate: only its signature (344 characters
+instead of 1,180 at RSA-2048). A reader rebuilds the rest from the key the record is filed under
+and checks that signature: a certificate for any other key or name does not verify. Every find of
+the membership key brings every record of the swarm back, so each byte a record sheds is shed n
+times by each read (issue 60).
 """
 
 from __future__ import annotations
@@ -25,12 +30,15 @@ import hashlib
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import lru_cache
 
 import grpc
 from cryptography import x509
+from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import rsa
+from cryptography.hazmat.primitives.asymmetric import padding, rsa
 from cryptography.x509.oid import NameOID
 
 log = logging.getLogger(__name__)
@@ -39,6 +47,9 @@ log = logging.getLogger(__name__)
 # since what identifies a peer is its pinned certificate, not the name or address it is dialled at.
 TLS_NAME = "peer.dtnode.invalid"
 MAX_CERT_CHARS = 4096  # base64 DER of an RSA-4096 self-signed certificate fits with room
+MAX_SIGNATURE_CHARS = 1024  # base64 of an RSA-4096 signature (512 bytes) fits with room
+# the AlgorithmIdentifier of sha256WithRSAEncryption (RFC 4055), the one our certificates use
+_SHA256_WITH_RSA = bytes.fromhex("300d06092a864886f70d01010b0500")
 _NOT_BEFORE = datetime.datetime(2024, 1, 1, tzinfo=datetime.UTC)
 _NOT_AFTER = datetime.datetime(9999, 12, 31, 23, 59, 59, tzinfo=datetime.UTC)
 
@@ -52,9 +63,8 @@ def fingerprint(der: bytes) -> str:
     return hashlib.sha256(der).hexdigest()
 
 
-def make_certificate(key: rsa.RSAPrivateKey, peer_id: str) -> bytes:
-    """The self-signed certificate (DER) of this node's record key."""
-    public = key.public_key()
+def _certificate_builder(public: rsa.RSAPublicKey, peer_id: str) -> x509.CertificateBuilder:
+    """Everything of a node's certificate but its signature: a function of its key and id."""
     serial = (
         int.from_bytes(
             hashlib.sha256(
@@ -70,7 +80,7 @@ def make_certificate(key: rsa.RSAPrivateKey, peer_id: str) -> bytes:
             x509.NameAttribute(NameOID.ORGANIZATIONAL_UNIT_NAME, peer_id[:64] or "dtnode"),
         ]
     )
-    cert = (
+    return (
         x509.CertificateBuilder()
         .subject_name(name)
         .issuer_name(name)
@@ -80,9 +90,57 @@ def make_certificate(key: rsa.RSAPrivateKey, peer_id: str) -> bytes:
         .not_valid_after(_NOT_AFTER)
         .add_extension(x509.SubjectAlternativeName([x509.DNSName(TLS_NAME)]), critical=False)
         .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
-        .sign(key, hashes.SHA256())
     )
+
+
+def make_certificate(key: rsa.RSAPrivateKey, peer_id: str) -> bytes:
+    """The self-signed certificate (DER) of this node's record key."""
+    cert = _certificate_builder(key.public_key(), peer_id).sign(key, hashes.SHA256())
     return cert.public_bytes(serialization.Encoding.DER)
+
+
+def certificate_signature(der: bytes) -> str:
+    """What a record carries of its node's certificate: the signature, base64
+    (`certificate_from_signature` rebuilds the rest)."""
+    return base64.b64encode(x509.load_der_x509_certificate(der).signature).decode()
+
+
+@lru_cache(maxsize=1)
+def _stand_in_key() -> rsa.RSAPrivateKey:
+    """Any RSA key: a certificate signed with it holds the same to-be-signed part as one signed
+    with the subject's own key (which names the subject's key and the algorithm, never the
+    signer's), and that part is what a record's signature is checked against. 1024 bits: made in
+    about 10 ms, and it signs nothing anyone checks."""
+    return rsa.generate_private_key(65537, 1024)
+
+
+def _der(tag: int, content: bytes) -> bytes:
+    """One DER element (definite length)."""
+    size = len(content)
+    if size < 0x80:
+        return bytes([tag, size]) + content
+    length = size.to_bytes((size.bit_length() + 7) // 8, "big")
+    return bytes([tag, 0x80 | len(length)]) + length + content
+
+
+def certificate_from_signature(public: rsa.RSAPublicKey, peer_id: str, text: str) -> bytes:
+    """The certificate (DER) of the node whose record, filed under `public` for `peer_id`,
+    carries this signature; raises TlsError unless the signature is `public`'s over exactly the
+    certificate `make_certificate` makes for that key and id (a record is untrusted input).
+    What comes back is byte for byte the certificate the node presents (DER is canonical), so
+    its fingerprint is the one a server checks a client's stream against."""
+    if not text or len(text) > MAX_SIGNATURE_CHARS:
+        raise TlsError("no certificate signature, or one too large")
+    try:
+        signature = base64.b64decode(text, validate=True)
+    except ValueError as e:
+        raise TlsError(f"malformed certificate signature: {e}") from None
+    to_be_signed = _certificate_builder(public, peer_id).sign(_stand_in_key(), hashes.SHA256()).tbs_certificate_bytes
+    try:
+        public.verify(signature, to_be_signed, padding.PKCS1v15(), hashes.SHA256())
+    except InvalidSignature:
+        raise TlsError("the signature is not this key's over its certificate") from None
+    return _der(0x30, to_be_signed + _SHA256_WITH_RSA + _der(0x03, b"\0" + signature))
 
 
 def encode_certificate(der: bytes) -> str:
@@ -156,14 +214,22 @@ class TrustStore:
         self._served_version = -1
 
     def learn(self, peer_id: str, cert_text: str) -> bool:
-        """Remember a peer's certificate from its (already verified) record; False if unusable."""
+        """Remember a peer's certificate, given whole (base64 DER); False if unusable."""
+        return self._learn(peer_id, cert_text, lambda: decode_certificate(cert_text))
+
+    def learn_signed(self, peer_id: str, public: rsa.RSAPublicKey, signature_text: str) -> bool:
+        """Remember a peer's certificate from its (already verified) record: the key it is filed
+        under and the certificate's signature it carries; False if unusable."""
+        return self._learn(peer_id, signature_text, lambda: certificate_from_signature(public, peer_id, signature_text))
+
+    def _learn(self, peer_id: str, text: str, certificate: Callable[[], bytes]) -> bool:
         with self._lock:
             self._seen.pop(peer_id, None)
             self._seen[peer_id] = time.monotonic()
-        if self._texts.get(peer_id) == cert_text:
+        if self._texts.get(peer_id) == text:
             return True
         try:
-            der = decode_certificate(cert_text)
+            der = certificate()
         except TlsError as e:
             log.debug("peer %s announces an unusable certificate: %s", peer_id, e)
             return False
@@ -171,7 +237,7 @@ class TrustStore:
             old = self._certs.get(peer_id)
             while old is None and len(self._certs) >= self.MAX_PEERS:
                 self._forget(next(p for p in self._seen if p != peer_id))
-            self._texts[peer_id] = cert_text
+            self._texts[peer_id] = text
             if old == der:
                 return True
             if old is not None:

@@ -8,11 +8,15 @@ another member's id, and a stream whose bytes a proxy on the path altered.
 from __future__ import annotations
 
 import asyncio
+import base64
+from functools import cache
 
 import pytest
 import torch
 from allreduce_harness import allreduce, start_peers, stop_peers, tls_stores
 from cryptography.hazmat.primitives.asymmetric import rsa
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from path_tampering import FlippingProxy
 
 from dtnode.peers.butterfly import butterfly_allreduce
@@ -23,6 +27,8 @@ from dtnode.peers.tls import (
     NodeIdentity,
     TlsError,
     TrustStore,
+    certificate_from_signature,
+    certificate_signature,
     decode_certificate,
     encode_certificate,
     make_certificate,
@@ -36,15 +42,57 @@ def test_the_certificate_is_a_function_of_the_key_and_fits_a_record():
     assert first == again  # a restarted node presents the same fingerprint
     text = encode_certificate(first)
     assert decode_certificate(text) == first
-    PeerRecord(peer_id="peer-a", tls_cert=text)  # within the record's bound
     for bad in ("", "not base64!", encode_certificate(b"\x30\x03garbage"), "A" * 10_000):
         with pytest.raises(TlsError):
             decode_certificate(bad)
 
 
+@cache
+def _signed(bits: int = 2048) -> tuple[rsa.RSAPrivateKey, bytes]:
+    key = rsa.generate_private_key(65537, bits)
+    return key, make_certificate(key, "peer-a")
+
+
+@pytest.mark.parametrize("bits", [2048, 3072])
+def test_a_record_carries_the_signature_and_a_reader_rebuilds_the_very_certificate(bits):
+    """Issue 60: a record carried its certificate whole (1,180 characters of its 2,259) and every
+    read brings every record back. It carries the signature; the rest follows from the record's
+    key and peer id, and the rebuilt certificate is the node's own byte for byte (its
+    fingerprint is what a server checks a stream against)."""
+    key, der = _signed(bits)
+    sig = certificate_signature(der)
+    assert len(sig) <= 4 * bits // 24 + 4 < len(encode_certificate(der)) // 2
+    PeerRecord(peer_id="peer-a", tls_sig=sig)  # within the record's bound
+    assert certificate_from_signature(key.public_key(), "peer-a", sig) == der
+    other = rsa.generate_private_key(65537, 2048).public_key()
+    refused = [
+        (key.public_key(), "peer-b", sig),  # another id's certificate: another to-be-signed part
+        (other, "peer-a", sig),  # another key's record
+        (key.public_key(), "peer-a", certificate_signature(make_certificate(key, "peer-b"))),
+        (key.public_key(), "peer-a", ""),
+        (key.public_key(), "peer-a", "A" * 5000),
+        (key.public_key(), "peer-a", "not base64!"),
+    ]
+    for public, peer_id, text in refused:
+        with pytest.raises(TlsError):
+            certificate_from_signature(public, peer_id, text)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.one_of(st.text(max_size=1100), st.binary(max_size=600).map(lambda b: base64.b64encode(b).decode())))
+def test_any_signature_text_a_peer_announces_is_refused_or_the_certificate(text):
+    """A record's signature field is untrusted: whatever it holds, the reader gets the node's
+    certificate or a TlsError, never another exception."""
+    key, der = _signed()
+    try:
+        assert certificate_from_signature(key.public_key(), "peer-a", text) == der
+    except TlsError:
+        pass
+
+
 def test_a_record_tag_covers_its_certificate():
     plain = PeerRecord(peer_id="p", grpc_addr="h:1")
-    assert plain.auth_subject() != plain.model_copy(update={"tls_cert": "QUJD"}).auth_subject()
+    assert plain.auth_subject() != plain.model_copy(update={"tls_sig": "QUJD"}).auth_subject()
 
 
 def test_tls_all_reduce_gives_the_plaintext_result():

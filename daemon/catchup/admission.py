@@ -50,7 +50,7 @@ def check_same_recipe(view: Mapping[str, PeerRecord], peer_id: str, model_hash: 
 def check_same_data_plane(view: Mapping[str, PeerRecord], peer_id: str, tls: bool) -> None:
     """Refuse to join a swarm whose peers average over the other kind of data plane: TLS and
     plaintext peers cannot open streams to each other, so every round would lose them."""
-    other = sorted(p for p, r in view.items() if p != peer_id and r.state != "stopped" and bool(r.tls_cert) != tls)
+    other = sorted(p for p, r in view.items() if p != peer_id and r.state != "stopped" and bool(r.tls_sig) != tls)
     if other:
         theirs, mine = ("plaintext", "TLS") if tls else ("TLS", "plaintext")
         fix = "add --insecure-data-plane" if tls else "drop --insecure-data-plane"

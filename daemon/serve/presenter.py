@@ -7,6 +7,7 @@ it (the round state, the worker, the store, the run statistics, the last round's
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from dataclasses import dataclass
@@ -33,7 +34,7 @@ from dtnode.peers import failpoints
 from dtnode.peers.deadlines import AdaptiveDeadlines, expected_payload_bytes
 from dtnode.peers.hivemind_adapter import get_dht_time
 from dtnode.peers.membership import Membership, PeerRecord
-from dtnode.peers.tls import TrustStore, encode_certificate
+from dtnode.peers.tls import TrustStore, certificate_signature
 
 READY_ROUNDS = 3  # /readyz: a node that averaged with a peer in none of its last 3 rounds is not ready
 
@@ -115,11 +116,16 @@ class NodePresenter:
             model_hash=self.workload.model_hash,
             version=__version__,
             recipe=self.workload.recipe.to_record(),
-            tls_cert=encode_certificate(self.trust.own.cert_der) if self.trust is not None else "",
+            tls_sig=self.tls_sig,
             theta_sha256=self.worker.replica.params_sha256() if self.worker.built else "",
             loss=_recordable_loss(trainer.last_loss),
             condition=self.stats.condition(st.state)[0].value,
         )
+
+    @functools.cached_property
+    def tls_sig(self) -> str:
+        """The record's TLS field: this node's certificate signature (none: plaintext)."""
+        return certificate_signature(self.trust.own.cert_der) if self.trust is not None else ""
 
     def _devices(self) -> str:
         """The record's device: `cuda:0`, or `8xcuda` for a host training on several."""

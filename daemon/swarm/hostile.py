@@ -177,7 +177,7 @@ async def _sybil_donors(dht: SwarmDHT, run_id: str, own: Callable[[], PeerRecord
             sybil = peer_id_of_owner(owner)
             assert sybil is not None
             fake = record.model_copy(
-                update={"peer_id": sybil, "http_addr": alias, "grpc_addr": "", "state": "stopped", "tls_cert": ""}
+                update={"peer_id": sybil, "http_addr": alias, "grpc_addr": "", "state": "stopped", "tls_sig": ""}
             )
             entries.append((key, signed_subkey(sybil, owner), fake.model_dump()))
         with contextlib.suppress(Exception):
