@@ -58,7 +58,6 @@ MAX_BEATS_IN_FLIGHT = 8
 DIRECT_STORES_PER_SEARCH = 2
 
 
-MAX_RECIPE_CHARS = 2048
 MAX_RECORDS = 4096  # valid records of distinct writers read per lookup: a Sybil flood stays bounded
 
 
@@ -116,7 +115,10 @@ class PeerRecord(BaseModel):
     # the record is filed under and the peer id: peers/tls.py); empty: plaintext data plane
     tls_sig: str = Field("", max_length=MAX_SIGNATURE_CHARS)
     auth: str = Field("", max_length=512)
-    recipe: str = Field("", max_length=MAX_RECIPE_CHARS)  # JSON of what peers must share (daemon/workload/recipe.py)
+    # the sha256 of its recipe's JSON, what peers must share (daemon/workload/recipe.py): the JSON
+    # itself is at its sidecar's /recipe, for a joiner whose own hash differs to read the fields
+    recipe_sha256: str = Field("", max_length=64)
+    wire_protocol: int = Field(0, ge=0, le=1_000_000)  # its data-plane protocol (peers/wire.py); 0: not said
     # For operators comparing peers (`dtnode status`, the dashboard); no decision rests on them:
     theta_sha256: str = Field("", max_length=64)  # its θ_g's hash as of outer_step: who is in step with whom
     loss: float | None = Field(None, ge=0, le=1e6, allow_inf_nan=False)  # its last inner loss

@@ -21,6 +21,7 @@ same signing: the entry is signed with this node's record key before it leaves.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from typing import Any
 
 from .hivemind_adapter import DHTID, DHTNode, DHTRecord, PeerID
@@ -67,12 +68,9 @@ async def store_near(
     remote = sorted(peers, key=key_id.xor_distance)
     chosen, spares = remote[: replicas - here], remote[replicas - here :]
     stored = 0
-    if here:
-        own = DHTRecord(record.key, record.subkey, signed, expiration_time)
-        if (validator is None or validator.validate(own)) and protocol.storage.store(
-            key_id, signed, expiration_time, subkey=subkey
-        ):
-            stored += 1
+    valid_here = here and (validator is None or validator.validate(dataclasses.replace(record, value=signed)))
+    if valid_here and protocol.storage.store(key_id, signed, expiration_time, subkey=subkey):
+        stored += 1
     while chosen:
         answers = await asyncio.gather(
             *(

@@ -2,6 +2,7 @@
 
 import asyncio
 import concurrent.futures
+import hashlib
 import threading
 import time
 
@@ -129,6 +130,7 @@ def test_sidecar_requires_the_key_for_state_and_membership_but_not_for_health(tm
     import aiohttp
     from test_sync import FileView, _checkpoint
 
+    from dtnode.daemon.catchup.admission import RecipeReader
     from dtnode.daemon.serve.sidecar import Sidecar
 
     async def main():
@@ -146,12 +148,19 @@ def test_sidecar_requires_the_key_for_state_and_membership_but_not_for_health(tm
 
                 assert await status("/healthz") == 200 and await status("/metrics") == 200
                 assert await status("/checkpoint") == 401 and await status("/checkpoint/2") == 401
-                assert await status("/peers") == 401
+                assert await status("/peers") == 401 and await status("/recipe") == 401
                 assert await status("/checkpoint/2", {HTTP_HEADER: stranger.issue("http", "/checkpoint/2")}) == 401
                 assert await status("/checkpoint/2", {HTTP_HEADER: joiner.issue("http", "/checkpoint")}) == 401
                 tag = joiner.issue("http", "/checkpoint/2")
                 assert await status("/checkpoint/2", {HTTP_HEADER: tag}) == 200
                 assert await status("/checkpoint/2", {HTTP_HEADER: tag}) == 401  # replayed
+            # a joiner whose recipe differs reads the swarm's with the key (admission.py)
+            view = sidecar.node
+            announced = hashlib.sha256(view.recipe_json.encode()).hexdigest()
+            holder = PeerRecord(peer_id="donor", http_addr=base)
+            assert await RecipeReader(None).recipe(announced, [holder]) is None  # 401
+            recipe = await RecipeReader(SwarmAuth(KEY, "joiner")).recipe(announced, [holder])
+            assert recipe is not None and recipe.to_record() == view.recipe_json
         finally:
             await sidecar.stop()
 

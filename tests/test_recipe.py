@@ -1,23 +1,29 @@
-"""The swarm's recipe (daemon/workload/recipe.py): published in every record, checked at join, carried
-by the printed join line, and taken from a peer's sidecar with `--peer http://...`.
+"""The swarm's recipe (daemon/workload/recipe.py): its hash published in every record and the JSON at
+the sidecar's /recipe, checked at join, carried by the printed join line, and taken from a peer's
+sidecar with `--peer http://...`.
 
 One node `a` of a non-default recipe (its own data file, H=12, seq-len 24, warm-up 5) serves
 the module; joiners are real processes on loopback."""
 
 from __future__ import annotations
 
+import asyncio
 import shlex
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
+from aiohttp import web
 from nodes import NodeProcess, wait_until
 
+from dtnode.daemon.catchup.admission import RecipeMismatch, RecipeReader, check_same_recipe
 from dtnode.daemon.cli.main import EXIT_MISMATCH
 from dtnode.daemon.config.settings import NodeSettings
 from dtnode.daemon.workload.recipe import (
     SwarmRecipe,
     adopted_settings,
-    check_members,
     check_same_protocol,
     differences,
     recipe_flags,
@@ -82,11 +88,73 @@ def test_differences_name_the_field_both_values_and_the_flag():
     ]
 
 
-def test_a_swarm_of_mixed_recipes_is_joined_when_any_peer_shares_ours():
-    ours, other = _recipe(), _recipe(outer_lr=0.5)
-    assert check_members(ours, [other.to_record(), ours.to_record()]) is None
-    assert check_members(ours, [other.to_record(), other.to_record(), ""]) == (other, 2)
-    assert check_members(ours, ["", "{not json", '{"data": 1}']) is None  # unreadable: not counted
+@contextmanager
+def _sidecars(answers: list[str]) -> Iterator[list[str]]:
+    """Loopback HTTP servers answering /recipe with these bodies, each on its own port (what a
+    peer's sidecar serves, or what a hostile peer's does), on a loop in a thread: their URLs."""
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+
+    async def start(body: str) -> web.AppRunner:
+        app = web.Application()
+        app.router.add_get("/recipe", lambda _r: web.Response(text=body, content_type="application/json"))
+        runner = web.AppRunner(app)
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", 0).start()
+        return runner
+
+    runners = [asyncio.run_coroutine_threadsafe(start(body), loop).result(10) for body in answers]
+    try:
+        yield [f"http://127.0.0.1:{runner.addresses[0][1]}" for runner in runners]
+    finally:
+        for runner in runners:
+            asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(10)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+        loop.close()
+
+
+def _peer(name: str, sha256: str, http_addr: str = "http://127.0.0.1:9") -> PeerRecord:
+    return PeerRecord(peer_id=name, state="training", model_hash="m", recipe_sha256=sha256, http_addr=http_addr)
+
+
+def test_a_record_carries_the_recipes_hash_and_a_joiner_reads_the_fields_only_when_it_differs():
+    """Issue 60: the recipe's JSON was a fifth of every record, and every read of the membership
+    brings every record back. A record carries its sha256; a joiner whose hash is not the swarm's
+    reads the JSON from a holder's sidecar (it must hash to the signed record's value), names the
+    fields that differ, and joins when the values are its own in another version's JSON."""
+    ours, other = _recipe(), _recipe(outer_lr=0.5, inner_steps=50)
+    foreign = other.to_record()[:-1] + ', "a_field_of_a_later_version": 1}'  # other's values, another JSON
+    same_values = ours.to_record()[:-1] + ', "a_field_of_a_later_version": 1}'
+    sha = {
+        t: SwarmRecipe.from_record(t) and __import__("hashlib").sha256(t.encode()).hexdigest()
+        for t in (foreign, same_values)
+    }
+    assert PeerRecord(peer_id="p", recipe_sha256=ours.sha256).recipe_sha256 == ours.sha256
+
+    def check(view: dict[str, PeerRecord], reader: RecipeReader | None = None) -> None:
+        asyncio.run(check_same_recipe(view, "me", "m", ours, reader or RecipeReader(None, timeout=2.0)))
+
+    # a liar serves this node's own recipe as the swarm's: taken, it would let this node in
+    with _sidecars([other.to_record(), ours.to_record(), foreign, same_values]) as (a, liar, b, c):
+        # one peer that trains with ours is enough; peers of another model or none said are not counted
+        check({"x": _peer("x", other.sha256), "y": _peer("y", ours.sha256), "z": _peer("z", "")})
+        check({"x": _peer("x", "", a), "w": PeerRecord(peer_id="w", model_hash="other", recipe_sha256=other.sha256)})
+        with pytest.raises(RecipeMismatch) as refused:
+            check({"x": _peer("x", other.sha256, liar), "y": _peer("y", other.sha256, a), "z": _peer("z", "0" * 64)})
+        assert "(2 peer(s))" in str(refused.value)
+        assert "inner_steps: this node 20, the swarm 50 (set by --inner-steps)" in str(refused.value)
+        assert "outer_lr: this node " in str(refused.value)
+        with pytest.raises(RecipeMismatch) as refused:  # every holder's answer hashes to something else
+            check({"x": _peer("x", other.sha256, liar), "y": _peer("y", other.sha256, "http://127.0.0.1:9")})
+        assert "their sidecars did not say" in str(refused.value) and "inner_steps" not in str(refused.value)
+        with pytest.raises(RecipeMismatch) as refused:  # another version's JSON of other values
+            check({"x": _peer("x", sha[foreign], b)})
+        assert "inner_steps: this node 20, the swarm 50" in str(refused.value)
+        reader = RecipeReader(None, timeout=2.0)
+        check({"x": _peer("x", sha[same_values], c)}, reader)  # our values in another version's JSON
+    check({"x": _peer("x", sha[same_values], c)}, reader)  # read once: its sidecar is gone now
 
 
 def test_a_record_of_before_the_inner_optimizer_field_is_adamws_and_adamw_is_carried_by_the_join_line():
@@ -119,7 +187,7 @@ def test_a_swarm_of_another_wire_protocol_is_refused_with_both_versions_named():
     assert SwarmRecipe.model_validate(legacy).wire_protocol == 1
 
     def peer(name: str, recipe: SwarmRecipe | None, version: str = "0.0.9") -> PeerRecord:
-        return PeerRecord(peer_id=name, version=version, recipe=recipe.to_record() if recipe else "")
+        return PeerRecord(peer_id=name, version=version, wire_protocol=recipe.wire_protocol if recipe else 0)
 
     with pytest.raises(JoinError) as refused:
         check_same_protocol([peer("a", older), peer("b", older), peer("c", None)])

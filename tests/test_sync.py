@@ -39,6 +39,7 @@ from dtnode.daemon.serve.sidecar import ServedSteps, Sidecar
 from dtnode.daemon.telemetry.metrics import NodeMetrics
 from dtnode.daemon.training.worker import ModelWorker
 from dtnode.daemon.workload.build import build_workload
+from dtnode.daemon.workload.recipe import recipe_of
 from dtnode.peers.membership import PeerRecord
 from dtnode.peers.netgroups import network_group
 
@@ -55,6 +56,7 @@ class FileView:
         self.export_format = "transformers:gpt2"
         self.infos = {i.step: i for i in infos}
         self.memories = {m.step: m for m in memories}
+        self.recipe_json = recipe_of(NodeSettings(), 64, "synthetic (seed 0)").to_record()
 
     def health(self):
         return Health(ok=True, state=NodeState.TRAINING)

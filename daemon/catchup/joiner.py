@@ -30,7 +30,12 @@ from typing import Protocol
 
 import torch
 
-from dtnode.daemon.catchup.admission import check_same_data_plane, check_same_model, check_same_recipe
+from dtnode.daemon.catchup.admission import (
+    RecipeReader,
+    check_same_data_plane,
+    check_same_model,
+    check_same_recipe,
+)
 from dtnode.daemon.catchup.donors import fetch_from_swarm
 from dtnode.daemon.catchup.swarm_position import SwarmPosition, swarm_moves_past, swarm_position
 from dtnode.daemon.catchup.sync_plan import LocalPosition, SyncAction, SyncPlan, plan_sync
@@ -96,6 +101,7 @@ class Joiner:
         self.landing = landing
         self.trust = trust
         self.auth = auth
+        self.recipes = RecipeReader(auth)  # the swarm's recipe fields, when its hash is not this node's
         self.stopping = stopping
         self.syncing = syncing  # the round loop's state move for the time of a download
         self.publish = publish
@@ -125,7 +131,7 @@ class Joiner:
         while not self.stopping.is_set():
             view = await self.membership.members()
             if joining:
-                self._check_swarm(view)
+                await self._check_swarm(view)
             own = self.worker.outer_step
             plan = plan_sync(
                 view,
@@ -169,12 +175,12 @@ class Joiner:
                 failed_step = position.start_step  # the next plan says whether to ask again at once
         return synced
 
-    def _check_swarm(self, view: dict[str, PeerRecord]) -> None:
+    async def _check_swarm(self, view: dict[str, PeerRecord]) -> None:
         """A joiner's checks at the door: the swarm's model, protocol, recipe and data plane are
         this node's, or it stops with an error naming the difference (SwarmMismatch)."""
         check_same_model(view, self.peer_id, self.model_hash)
         check_same_protocol(r for p, r in view.items() if p != self.peer_id and r.state != "stopped")
-        check_same_recipe(view, self.peer_id, self.model_hash, self.worker.workload.recipe)
+        await check_same_recipe(view, self.peer_id, self.model_hash, self.worker.workload.recipe, self.recipes)
         check_same_data_plane(view, self.peer_id, self.trust is not None)
 
     def _say_waiting(self, position: SwarmPosition, view: dict[str, PeerRecord]) -> None:

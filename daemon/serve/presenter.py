@@ -115,12 +115,22 @@ class NodePresenter:
             client_mode=s.network.client_mode,
             model_hash=self.workload.model_hash,
             version=__version__,
-            recipe=self.workload.recipe.to_record(),
+            recipe_sha256=self.recipe_sha256,
+            wire_protocol=self.workload.recipe.wire_protocol,
             tls_sig=self.tls_sig,
             theta_sha256=self.worker.replica.params_sha256() if self.worker.built else "",
             loss=_recordable_loss(trainer.last_loss),
             condition=self.stats.condition(st.state)[0].value,
         )
+
+    @functools.cached_property
+    def recipe_json(self) -> str:
+        """The recipe as the sidecar serves it at /recipe (its hash is in the record)."""
+        return self.workload.recipe.to_record()
+
+    @functools.cached_property
+    def recipe_sha256(self) -> str:
+        return self.workload.recipe.sha256
 
     @functools.cached_property
     def tls_sig(self) -> str:

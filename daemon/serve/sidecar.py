@@ -29,6 +29,7 @@ from dtnode.daemon.records.history import RoundHistory
 from dtnode.daemon.records.status import Health, NodeStatus
 from dtnode.daemon.swarm.reachability import DialBusy, Reachability
 from dtnode.daemon.telemetry.metrics import NodeMetrics
+from dtnode.daemon.workload.recipe import RECIPE_PATH
 from dtnode.peers.auth import HTTP_HEADER, AuthError, SwarmAuth
 from dtnode.peers.netgroups import network_group
 
@@ -42,7 +43,7 @@ DOWNLOAD_GRACE_S = 30.0
 SERVED_RECENTLY_S = 120.0  # a checkpoint asked for within this long is not pruned
 MAX_PINNED = 2  # steps pinned at once (each a copy of θ_g and the momentum in memory, or a file kept)
 PINS_PER_GROUP = 1  # steps one network group of askers may hold pinned
-PROTECTED = ("/checkpoint", "/peers", "/dialback")
+PROTECTED = ("/checkpoint", "/peers", "/dialback", RECIPE_PATH)
 HISTORY_PAGE = 200  # rounds per /history answer at most: a page is serialized off the event loop
 
 
@@ -59,6 +60,9 @@ class NodeView(Protocol):
     def export_format(self) -> str: ...
 
     def status(self) -> NodeStatus: ...
+
+    @property
+    def recipe_json(self) -> str: ...
 
     def health(self) -> Health: ...
 
@@ -200,6 +204,7 @@ class Sidecar:
             web.get("/checkpoint", self.checkpoint_meta),
             web.get("/checkpoint/{step}", self.checkpoint_file),
             web.get("/dialback", self.dialback),
+            web.get(RECIPE_PATH, self.recipe),
         ]
 
     def _status_routes(self) -> list[web.RouteDef]:
@@ -254,6 +259,11 @@ class Sidecar:
     async def readyz(self, request: web.Request) -> web.Response:
         readiness = self.node.readiness()
         return web.json_response(readiness.model_dump(mode="json"), status=200 if readiness.ok else 503)
+
+    async def recipe(self, request: web.Request) -> web.Response:
+        """The recipe's JSON, byte for byte what the record's sha256 is of (a joiner whose
+        recipe differs reads it to name the fields: daemon/catchup/admission.py)."""
+        return web.Response(text=self.node.recipe_json, content_type="application/json")
 
     async def status(self, request: web.Request) -> web.Response:
         return web.json_response(self.node.status().model_dump(mode="json"))

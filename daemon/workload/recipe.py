@@ -10,8 +10,12 @@ with one line per differing field (ours, the swarm's, the flag that sets it), an
 given `--peer http://...` takes every field it was not given from that peer, so that `--data`
 is the one thing a contributor supplies.
 
-The recipe travels inside the signed membership record (JSON, bounded); a peer's recipe is
-untrusted and validated like any other field (a malformed one is "unreadable", never used).
+The signed membership record carries the recipe's sha256 and the node's sidecar serves the JSON
+itself (`/recipe`): every read of the membership brings every record back, and the recipe is
+needed only by a joiner whose own hash differs from the swarm's, to name the fields that differ
+(daemon/catchup/admission.py). A peer's recipe is untrusted: its JSON must hash to what the
+peer's signed record announces, and is validated like any other field (a malformed one is
+"unreadable", never used).
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ from dtnode.peers.membership import PeerRecord, SwarmMismatch
 from dtnode.peers.sidecar_address import PROBE_TIMEOUT_S, SidecarAddressError, fetch_status, is_sidecar_address
 
 log = logging.getLogger("dtnode")
+RECIPE_PATH = "/recipe"  # where a node's sidecar serves its recipe's JSON
 HASHED_TOKEN_BYTES = 1 << 30  # above this, the data is named by its files' names and sizes instead
 
 
@@ -76,7 +81,13 @@ class SwarmRecipe(BaseModel):
         return "fp32" if value == "none" else value  # what peers before sparse called fp32
 
     def to_record(self) -> str:
+        """The JSON a sidecar serves at /recipe, whose sha256 the node's record carries."""
         return self.model_dump_json()
+
+    @property
+    def sha256(self) -> str:
+        """What the node's record carries of it: equal recipes of one version hash alike."""
+        return hashlib.sha256(self.to_record().encode()).hexdigest()
 
     @classmethod
     def from_record(cls, text: str) -> SwarmRecipe | None:
@@ -149,15 +160,6 @@ def differences(ours: SwarmRecipe, theirs: SwarmRecipe) -> list[RecipeDifference
     ]
 
 
-def swarm_recipe(published: Iterable[str]) -> tuple[SwarmRecipe | None, int]:
-    """The recipe most of the given records publish, and how many publish it (records without
-    one, or with an unreadable one, do not count)."""
-    recipes = Counter(r for r in map(SwarmRecipe.from_record, published) if r is not None)
-    if not recipes:
-        return None, 0
-    return recipes.most_common(1)[0]
-
-
 def adopted_settings(settings: NodeSettings, theirs: SwarmRecipe) -> dict[str, Any]:
     """The recipe fields this node was not given (by flag, environment or config file) whose
     values differ from the swarm's: what it takes from the peer."""
@@ -185,26 +187,12 @@ def recipe_flags(recipe: SwarmRecipe, data: Path | None) -> list[str]:
     return out
 
 
-def check_members(ours: SwarmRecipe, published: Iterable[str]) -> tuple[SwarmRecipe, int] | None:
-    """The swarm's recipe when no live peer trains with ours (and how many peers publish it),
-    else None. Peers without a readable recipe are not counted."""
-    recipes = [r for r in map(SwarmRecipe.from_record, published) if r is not None]
-    if not recipes or ours in recipes:
-        return None
-    theirs, count = Counter(recipes).most_common(1)[0]
-    return theirs, count
-
-
 def check_same_protocol(records: Iterable[PeerRecord]) -> None:
     """Refuse to join a swarm whose live peers all speak another data-plane protocol (another
     dtnode version): their reducers would refuse this node's chunks, or it theirs, part after
-    part, every round. Peers that publish no readable recipe are not counted."""
+    part, every round. Peers that do not say their protocol are not counted."""
     ours = wire.PROTOCOL
-    theirs = Counter(
-        (recipe.wire_protocol, record.version)
-        for record in records
-        if (recipe := SwarmRecipe.from_record(record.recipe)) is not None
-    )
+    theirs = Counter((record.wire_protocol, record.version) for record in records if record.wire_protocol)
     if not theirs or any(protocol == ours for protocol, _ in theirs):
         return
     (protocol, version), count = theirs.most_common(1)[0]
