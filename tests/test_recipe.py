@@ -194,8 +194,13 @@ def test_a_swarm_of_another_wire_protocol_is_refused_with_both_versions_named():
     assert "data-plane protocol 1 (2 peer(s), dtnode 0.0.9)" in str(refused.value)
     assert f"this node with protocol {wire.PROTOCOL}" in str(refused.value)
     check_same_protocol([peer("a", older), peer("b", ours)])  # one peer speaks ours: a group can form
-    check_same_protocol([peer("c", None)])  # nobody says: the recipe check and the streams decide
+    check_same_protocol([peer("c", None), peer("b", ours)])
     check_same_protocol([])
+    # a record that names no protocol is an older dtnode's (before records carried only the
+    # recipe's hash and the certificate's signature): neither side could learn the other's certificate
+    with pytest.raises(JoinError) as refused:
+        check_same_protocol([peer("c", None), peer("d", None)])
+    assert "an older record format that names no data-plane protocol (2 peer(s), dtnode 0.0.9)" in str(refused.value)
     # it names the version, not a flag; and a joiner never takes it from a peer's recipe
     (difference,) = differences(ours, older)
     assert difference.line().startswith(

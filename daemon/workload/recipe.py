@@ -190,15 +190,20 @@ def recipe_flags(recipe: SwarmRecipe, data: Path | None) -> list[str]:
 def check_same_protocol(records: Iterable[PeerRecord]) -> None:
     """Refuse to join a swarm whose live peers all speak another data-plane protocol (another
     dtnode version): their reducers would refuse this node's chunks, or it theirs, part after
-    part, every round. Peers that do not say their protocol are not counted."""
+    part, every round. A record that does not say its protocol is an older dtnode's (records say
+    it since they stopped carrying the recipe and the whole TLS certificate): those peers cannot
+    learn this node's certificate, nor it theirs, so they count as another protocol."""
     ours = wire.PROTOCOL
-    theirs = Counter((record.wire_protocol, record.version) for record in records if record.wire_protocol)
+    theirs = Counter((record.wire_protocol, record.version) for record in records)
     if not theirs or any(protocol == ours for protocol, _ in theirs):
         return
     (protocol, version), count = theirs.most_common(1)[0]
     running = f", dtnode {version}" if version else ""
+    speak = (
+        f"data-plane protocol {protocol}" if protocol else "an older record format that names no data-plane protocol"
+    )
     raise SwarmMismatch(
-        f"this swarm's peers average with data-plane protocol {protocol} ({count} peer(s){running}) and this "
+        f"this swarm's peers average with {speak} ({count} peer(s){running}) and this "
         f"node with protocol {ours} (dtnode {__version__}): peers of "
         f"two protocols cannot average together; run the dtnode version the swarm runs, or upgrade every peer"
     )
