@@ -246,7 +246,11 @@ def test_a_joiner_skips_a_donor_whose_checkpoint_the_others_contradict(swarm, tm
     unannounced = rf"skipping step \d+ \(sha256 \w+\) from http://[^ ]+:{b_port}: no signed record"
     assert re.search(contradicted, joiner.output) or re.search(unannounced, joiner.output), joiner.output
     downloads = [x for r in joiner.rounds for x in r["synced"] if x["source"] == "downloaded"]
-    assert downloads and downloads[0]["offered_by"] == 2, joiner.rounds  # the two honest donors, not b
+    # b, which serves a wrong file of every step, is never counted among the donors of a download;
+    # the two honest ones offered one of them together (a joiner that arrives as the swarm closes
+    # a round downloads twice, the first time from the one donor whose record announced the step)
+    offered = [x["offered_by"] for x in downloads]
+    assert offered and max(offered) == 2 and all(o <= 2 for o in offered), joiner.rounds
     step = downloads[0]["step"]
     assert torch.equal(theta(joiner.state_dir, step), theta(a.state_dir, step))
     assert not torch.equal(theta(b.state_dir, step), theta(a.state_dir, step))  # b's file lies
