@@ -68,7 +68,7 @@ class _Hop:
     delta_ready: Callable[[], Awaitable[None]] | None  # hop 0 only
     fetch_theta: Callable[[], Awaitable[torch.Tensor]]
     drift: DriftBound | None  # how far a re-sync may move this node's state
-    one_slot: bool  # this node holds a single slot in the hop (no extra groups to cover)
+    slots: int  # the groups this node stands in this hop, each an all-reduce at once (its registrations say so)
     load: int  # all-reduces that share this node's link and cores, or a group-mate's, in this hop (`hop_load`)
 
 
@@ -237,7 +237,7 @@ class MoshpitAverager:
             state.delta_ready if hop == 0 else None,
             state.fetch_theta,
             state.drift,
-            len(chains) == 1,
+            len(chains),
             hop_load(len(chains), hop, state.population, state.side, state.dims),
         )
         report = HopReport(
@@ -317,7 +317,7 @@ class MoshpitAverager:
         if attack == "hostile-zero-weight":
             announced, weight = 0.0, failpoints.HOSTILE_CLAIM
         group = await self.expect.form(
-            h.round_no, h.hop, h.dims, h.side, slot, h.hop0_cells, h.window, h.asked, announced, h.theta_sha256
+            h.round_no, h.hop, h.dims, h.side, slot, h.hop0_cells, h.window, h.asked, announced, h.theta_sha256, h.slots
         )
         if h.hop == 0 and slot.primary and len(group.members) > 1:
             failpoints.reach("grouped", h.round_no)  # a test's kill: grouped, no stream sent yet
@@ -344,7 +344,7 @@ class MoshpitAverager:
             # the mean goes over the state it is read from (butterfly_allreduce writes a part only
             # once it is whole and checked): no second copy of θ_g and the momentum, 8 bytes per
             # parameter. A node covering extra groups re-syncs in each at once: each has its own
-            theta_out = theta_in if h.one_slot else torch.empty_like(theta_in)
+            theta_out = theta_in if h.slots == 1 else torch.empty_like(theta_in)
         feedback = h.feedback if slot.primary else None
         result: AllReduceReport | None
         if len(group.members) == 1 and chain.pooled and recodes_alone(self.config):

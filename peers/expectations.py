@@ -162,6 +162,7 @@ class GroupExpectations:
         resync: bool,
         weight: float = 1.0,
         theta: str = "",
+        load: int = 1,
     ) -> FormedGroup:
         if hop == 0:
             wanted = hop0_cells.get(slot.key, {UNKNOWN})
@@ -187,6 +188,8 @@ class GroupExpectations:
             weight=weight,
             theta=theta,
             share=slot.share,
+            load=load,
+            last_hop=hop == dims - 1,
         )
         if hop == 0 and UNKNOWN not in wanted:
             self._hop0_missing = (round_no, group.key, wanted - {m.peer_id for m in group.members})

@@ -127,6 +127,10 @@ class Forming:
     benched: frozenset[str] = frozenset()
     # when this peer, as a follower, gives up on the leader it waits for (its own clock)
     give_up_at: float = 0.0
+    # whether a peer grouped beside this one under the key leaves the mean whole: in every hop
+    # but a grid's last the next hop takes one share of each group of a key; in the last, two
+    # groups of one key end with two means, and a list closed without such a peer is not whole
+    split_keeps_mean: bool = True
 
     def __post_init__(self) -> None:
         self.passed_over |= self.benched - {self.me}

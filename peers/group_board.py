@@ -20,6 +20,7 @@ from .identity import signed_subkey, writer_of
 from .leadership import ClosedList
 from .plan import Member
 
+MAX_LOAD = 16  # groups one peer stands in through a hop at most (each holds a model-sized buffer)
 MAX_REGISTRANTS = 4096  # valid entries of distinct writers read per group key: a flood stays bounded
 LIST_TTL_S = 120.0  # closed, formed and declined member lists outlive every hop that reads them
 REGISTRATION_TTL_S = 60.0  # a registration outlives its window by this much (late readers still see it)
@@ -38,6 +39,10 @@ class Registration(BaseModel):
     weight: float = Field(1.0, gt=0, le=1e12)
     # the share of its previous group's mean it brings (moshpit classes): its weight in a θ_g re-sync
     share: float = Field(1.0, gt=0, le=1)
+    # the groups its member stands in this hop, each an all-reduce at once on its link and cores:
+    # the group's deadline allows for the most loaded member's (a peer alone in its hop-0 cell
+    # stands in every class of hop 1, and was cut from all of them on deadlines made for one)
+    load: int = Field(1, ge=1, le=MAX_LOAD)
     auth: str = Field("", max_length=512)
 
     def subject(self, key: str) -> str:
@@ -47,7 +52,8 @@ class Registration(BaseModel):
             f"{self.weight!r}"
         )
         # a whole share signs as before the field existed: older peers still read the common case
-        return subject if self.share == 1.0 else f"{subject}|{self.share!r}"
+        subject = subject if self.share == 1.0 else f"{subject}|{self.share!r}"
+        return subject if self.load == 1 else f"{subject}|load={self.load}"
 
 
 Registrants = dict[str, tuple[Member, Registration]]
@@ -130,7 +136,7 @@ class GroupBoard:
                     refused.add(peer_id)
                 continue  # without the swarm key nobody joins our groups
             members[peer_id] = (
-                Member(peer_id, reg.grpc_addr, reg.client_mode, reg.bandwidth_mbps, reg.weight, reg.share),
+                Member(peer_id, reg.grpc_addr, reg.client_mode, reg.bandwidth_mbps, reg.weight, reg.share, reg.load),
                 reg,
             )
         return members

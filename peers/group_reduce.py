@@ -8,6 +8,7 @@ formed group does, through `butterfly_allreduce`, and counts it into the hop's r
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 from functools import partial
 
@@ -64,7 +65,7 @@ class GroupWork:
     theta: torch.Tensor | None  # θ_g and the momentum to re-sync (None: the group does not)
     theta_out: torch.Tensor | None
     feedback: Feedback | None
-    load: int  # all-reduces of this size sharing the link at once (`hop_load`)
+    load: int  # all-reduces of this size sharing this node's link at once (`hop_load`)
     drift: DriftBound | None = None  # how far a re-sync may move this node's state
 
 
@@ -92,11 +93,13 @@ class GroupReducer:
 
     async def reduce(self, work: GroupWork, report: HopReport) -> AllReduceReport | None:
         """All-reduce Δ (and θ_g when the group re-syncs) in one group; counts into `report`.
-        Its deadline allows for `work.load` all-reduces of this size at once."""
+        Its deadline allows for `work.load` all-reduces of this size at once, or for as many as
+        the most loaded member's registration said it runs (`group_load`)."""
         c, group = self.config, work.group
         if len(group.members) <= 1:
             self.registry.slot_settled(c.run_id, work.round_no, work.hop, None)
             return None
+        work = replace(work, load=group_load(work.load, group.members))
         expected = expected_payload_bytes(work.values.numel(), len(group.members), c.wire, work.hop)
         timeout = self.deadlines.allreduce_timeout(work.load * expected)
         log.debug(
@@ -209,6 +212,17 @@ class GroupReducer:
         report.theta_resync_s = round(sync.seconds, 4)
         _count_into(report, sync)
         return sync
+
+
+def group_load(own: int, members: Iterable[Member]) -> int:
+    """How many all-reduces of a group's size its slowest member may run at once: this node's own
+    count, or the most any member's registration announced. Every member reads the same
+    registrations, so the group's reducers cut a sender at about one deadline. A member that
+    stands in 4 classes of hop 1 (its hop-0 cell-mates missed hop 0) sends 4 all-reduces' worth
+    through one link and its cores; on deadlines made for 1, each of its 4 groups dropped it, and
+    all 4 ended partial (32 nodes on 2 cores). A hostile announcement stretches its groups'
+    deadlines no further than `timeout_max`, as a slow member would."""
+    return max([own, *(m.load for m in members)])
 
 
 def _hostile_theta(attack: str | None, theta: torch.Tensor) -> torch.Tensor:

@@ -15,6 +15,7 @@ from dtnode.ops.coded import CodedDelta
 from .deadlines import AdaptiveDeadlines, expected_payload_bytes
 from .forming import FormedGroup
 from .grid import Slot, next_slots
+from .group_board import MAX_LOAD
 from .matchmaking import LEADER_GRACE_S, MAX_PASSES
 from .part_result import DriftBound
 from .plan import WireFormat
@@ -22,7 +23,7 @@ from .plan import WireFormat
 log = logging.getLogger(__name__)
 
 
-MAX_CHAINS = 16  # classes one peer carries through a hop at most (each holds a model-sized buffer)
+MAX_CHAINS = MAX_LOAD  # classes one peer carries through a hop at most, as its registrations may say
 
 
 ROUND_BOUND_SLACK_S = 30.0  # on top of `round_bound`'s sum: a loaded host's DHT polls take seconds

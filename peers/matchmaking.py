@@ -155,6 +155,8 @@ class Matchmaker:
         weight: float = 1.0,
         theta: str = "",
         share: float = 1.0,
+        load: int = 1,
+        last_hop: bool = False,
     ) -> FormedGroup:
         """Register for (round, hop, grid cell) and return this peer's group once it closes.
 
@@ -166,6 +168,9 @@ class Matchmaker:
         stands for here) is announced in the signed registration: the group's plan bounds what
         each member's streams may claim by it. `theta` (the sha256 of the θ_g this peer would
         re-sync from, "" if not known) lets the closer skip a re-sync that would change nothing.
+        `load` (the groups this peer stands in this hop) lets the group's deadline allow for it.
+        In a grid's `last_hop`, a list closed while an expected peer is in another group of the
+        key is not whole (`Forming.split_keeps_mean`).
         Nothing here waits longer than `window`, the settle time and LEADER_GRACE_S (plus one
         DHT write and one read, each bounded by hivemind's request timeouts) on this peer's own
         clock, whatever other peers announce.
@@ -176,13 +181,19 @@ class Matchmaker:
         window = max(window, POLLS_PER_WINDOW * max(self._poll_seconds, default=0.0))
         key = self.group_key(round, hop, cell)
         attack = failpoints.hostile(round)
-        own, reg = await self._register(key, attack, window, resync, weight, theta, share)
+        own, reg = await self._register(key, attack, window, resync, weight, theta, share, load)
         # the window runs from when this peer's registration is out, not from when it was asked
         # for: a store that asks a silent DHT node (paused, frozen) waits out two of hivemind's
         # request timeouts, and so do the other peers' stores at the same moment. Counted from
         # the start, their windows ended before they could read each other, and each averaged alone
         opened = time.monotonic()
-        forming = Forming(key, own.peer_id, {own.peer_id: (own, reg)}, benched=self.absentees.benched(round))
+        forming = Forming(
+            key,
+            own.peer_id,
+            {own.peer_id: (own, reg)},
+            benched=self.absentees.benched(round),
+            split_keeps_mean=not last_hop,
+        )
         if attack in ("hostile-leader", "hostile-pair") and (
             lone := await hostile_group(self.board, self.poll_interval, attack, forming, admitted, window, started)
         ):
@@ -202,7 +213,15 @@ class Matchmaker:
         return forming.result(members, decided, wanted - {UNKNOWN}, last_arrival, started, theta)
 
     async def _register(
-        self, key: str, attack: str | None, window: float, resync: bool, weight: float, theta: str, share: float
+        self,
+        key: str,
+        attack: str | None,
+        window: float,
+        resync: bool,
+        weight: float,
+        theta: str,
+        share: float,
+        load: int,
     ) -> tuple[Member, Registration]:
         """Store this peer's signed registration under `key`: (itself as a member, the registration)."""
         bandwidth = failpoints.HOSTILE_BANDWIDTH if attack == "hostile-bandwidth" else self.own.bandwidth
@@ -214,12 +233,13 @@ class Matchmaker:
             theta=theta,
             weight=weight if attack != "hostile-zero-weight" else 1.0,
             share=share,
+            load=load,
         )
         if attack == "hostile-zero-weight":  # a test's attacker: a build that skips its own checks
             reg = reg.model_copy(update={"weight": 0.0})
         reg = reg.model_copy(update={"auth": self.auth.issue("register", reg.subject(key)) if self.auth else ""})
         await self.board.register(key, reg, window + REGISTRATION_TTL_S)
-        return replace(self.own, weight=weight, bandwidth=bandwidth, share=share), reg
+        return replace(self.own, weight=weight, bandwidth=bandwidth, share=share, load=load), reg
 
     async def _until_grouped(
         self,
@@ -316,12 +336,13 @@ class Matchmaker:
         """As leader: this peer's part of the candidates, published (alone too: latecomers must
         not wait for it)."""
         group = _part_of(candidates, forming.me, target_size)
+        # a peer in another group of this key is not missed, where the next hop takes a share of both
+        beside = set(view.taken) if forming.split_keeps_mean else set()
         decided = ClosedList(
             group,
             # a refused registrant is not missed: it came, and no group of honest peers takes it
             # nor is a benched one (absentees.py): it let this peer's groups down
-            complete=UNKNOWN not in wanted
-            and wanted - set(view.taken) - forming.refused - forming.benched <= set(candidates),
+            complete=UNKNOWN not in wanted and wanted - beside - forming.refused - forming.benched <= set(candidates),
             resync=needs_resync([forming.registrants[p][1] for p in group]),
         )
         await self.board.publish(forming.key, "closed", group, decided.complete, decided.resync)

@@ -102,6 +102,9 @@ class Member:
     # its weight in a θ_g re-sync, so two groups holding one mean from different numbers of
     # members weigh it alike
     share: float = 1.0
+    # the all-reduces it runs at once in this hop (the groups it stands in, from its
+    # registration): a group's deadline allows for its most loaded member (`GroupReducer.reduce`)
+    load: int = 1
 
 
 @dataclass(frozen=True)

@@ -30,8 +30,10 @@ from .plan import FP32, SPARSE, SPARSE_SUPPORT, GroupPlan
 # Elias-Fano coded (ops/positions.py), not 12 bits each; 4: without outer momentum a θ_g
 # re-sync carries θ_g alone, not θ_g and a zero momentum (daemon/training/outer_replica.py);
 # 5: the moshpit grid has the fewest hops whose cells hold up to 2M peers, agreed by majority
-# (peers/grid.py): from 17 peers in groups of 4 a peer of 4 picks other hops, whose keys never meet.
-PROTOCOL = 5
+# (peers/grid.py): from 17 peers in groups of 4 a peer of 4 picks other hops, whose keys never meet;
+# 6: a registration says how many groups its member stands in (`load`, signed with the swarm key)
+# and each group's all-reduce deadline allows for its most loaded member (peers/group_reduce.py).
+PROTOCOL = 6
 MAX_WEIGHT = 1e12  # a weight is a token count; anything larger is a hostile or broken peer
 WEIGHT_SLACK = 1e-9  # a stream's weight is its registration's, bit for bit: slack for float printing only
 Payload = QuantizedBlocks | SparseBlocks | torch.Tensor

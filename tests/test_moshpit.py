@@ -10,11 +10,13 @@ import pytest
 import torch
 from dht_harness import ready_dht
 from hivemind.utils import get_dht_time
+from pydantic import ValidationError
 
 from dtnode.ops.ordered_mean import ordered_weighted_mean, sum_weights
 from dtnode.ops.quantization import dequantize, quantize
 from dtnode.peers import matchmaking
 from dtnode.peers.absentees import BENCH_ROUNDS
+from dtnode.peers.auth import AuthError
 from dtnode.peers.averager import AveragingConfig, AveragingTimeout, MoshpitAverager, within_bound
 from dtnode.peers.deadlines import AdaptiveDeadlines, expected_payload_bytes
 from dtnode.peers.expectations import GroupExpectations
@@ -30,6 +32,7 @@ from dtnode.peers.grid import (
     next_slots,
     split_groups,
 )
+from dtnode.peers.group_reduce import group_load
 from dtnode.peers.leadership import by_rank
 from dtnode.peers.matchmaking import Matchmaker, Registration
 from dtnode.peers.membership import PeerRecord
@@ -321,6 +324,32 @@ def test_a_later_hop_of_an_uneven_grid_gives_its_all_reduce_time_for_a_group_mat
     assert hop_load(3, 1, 8, 2, 3) == 3
 
 
+def test_a_group_deadline_allows_for_the_member_standing_in_the_most_groups():
+    """A member alone in its hop-0 cell stands in every class of hop 1, 4 all-reduces at once on
+    its link and cores: each of its groups' deadlines counts those 4 (its registration says so),
+    whatever the other members run; a registration claims at most MAX_LOAD, and a swarm-key tag
+    signs the load, so nobody in between raises it."""
+    from dtnode.peers.auth import SwarmAuth
+    from dtnode.peers.group_board import MAX_LOAD
+
+    members = [replace(_member("a"), load=4), _member("b"), _member("c")]
+    assert group_load(1, members) == 4
+    assert group_load(2, members[1:]) == 2  # this node's own (`hop_load`) when nobody announced more
+    with pytest.raises(ValidationError):
+        Registration(grpc_addr="127.0.0.1:1", load=MAX_LOAD + 1)
+    with pytest.raises(ValidationError):
+        Registration(grpc_addr="127.0.0.1:1", load=0)
+    alice, bob = SwarmAuth(b"k" * 32, "alice"), SwarmAuth(b"k" * 32, "bob")
+    reg = Registration(grpc_addr="127.0.0.1:1", load=4)
+    tag = alice.issue("register", reg.subject("key"))
+    bob.verify("register", reg.subject("key"), tag, peer_id="alice", single_use=False, max_age=None)
+    raised = reg.model_copy(update={"load": 16})
+    with pytest.raises(AuthError):
+        bob.verify("register", raised.subject("key"), tag, peer_id="alice", single_use=False, max_age=None)
+    # a load of 1 signs as a registration did before the field existed
+    assert Registration(grpc_addr="x").subject("key") == Registration(grpc_addr="x", load=1).subject("key")
+
+
 def test_a_later_hop_waits_for_peers_still_in_the_two_all_reduces_a_group_mate_covered_the_hop_before():
     """Hop 2 of 5 peers on a 2x2x2 grid: a peer on its way may have covered two cells in hop 1,
     on a deadline for both; the window waits that long. Hop 1 follows hop 0, where nobody
@@ -353,18 +382,24 @@ def test_two_cells_form_their_own_groups(dht):
         cell = {"a": "x", "b": "x", "c": "y", "d": "y"}
         expected = {"x": {"a", "b"}, "y": {"c", "d"}}
         share = {"a": 0.5, "b": 1.0, "c": 0.25, "d": 1.0}  # of their previous groups' means
+        load = {"a": 1, "b": 4, "c": 2, "d": 1}  # the groups each stands in this hop
 
         async def form(p):
             async def want():
                 return expected[cell[p]]
 
-            return await makers[p].form_group(0, 1, want, window=10, target_size=4, cell=cell[p], share=share[p])
+            return await makers[p].form_group(
+                0, 1, want, window=10, target_size=4, cell=cell[p], share=share[p], load=load[p]
+            )
 
         groups = await asyncio.gather(*(form(p) for p in "abcd"))
         for p, g in zip("abcd", groups):
             assert sorted(m.peer_id for m in g.members) == sorted(expected[cell[p]])
             assert g.complete and g.key.endswith(f".1.{cell[p]}")  # closed by its expectation, not the window
             assert {m.peer_id: m.share for m in g.members} == {q: share[q] for q in expected[cell[p]]}
+            assert {m.peer_id: m.load for m in g.members} == {q: load[q] for q in expected[cell[p]]}
+        # every member of a group allows for its most loaded member's all-reduces
+        assert [group_load(1, g.members) for g in groups] == [4, 4, 2, 2]
 
     asyncio.run(main())
 
@@ -403,6 +438,30 @@ def test_a_latecomer_finds_its_group_closed_and_does_not_wait_the_window(dht):
         assert [m.peer_id for m in a.members] == [m.peer_id for m in b.members] == ["a", "b"]
         formed = await makers["a"].formed(makers["a"].group_key(0, 0))
         assert formed == {"a": ("a", "b"), "b": ("a", "b"), "c": ("c",)}
+
+    asyncio.run(main())
+
+
+def test_a_latecomer_to_a_grids_last_hop_finds_its_group_closed_and_calls_its_own_list_not_whole(dht):
+    """In a grid's last hop two groups of one key end with two means (no next hop takes a share
+    of each): a latecomer alone there holds a mean without the others' shares, and said `full`
+    (32 nodes: a node late to hop 1 counted its round whole while its θ_g differed). It still
+    does not wait the window for peers already taken."""
+
+    async def main():
+        makers = {p: Matchmaker(dht, "mm-late-last", _member(p), poll_interval=0.05) for p in "abc"}
+
+        async def want():
+            return {"a", "b", "c"}
+
+        async def two():
+            return {"a", "b"}
+
+        await asyncio.gather(*(makers[p].form_group(0, 1, two, window=10, target_size=3, last_hop=True) for p in "ab"))
+        started = time.monotonic()
+        c = await makers["c"].form_group(0, 1, want, window=10, target_size=3, last_hop=True)
+        assert [m.peer_id for m in c.members] == ["c"] and not c.complete
+        assert time.monotonic() - started < 8.0  # not the 10 s window: nobody was left to come
 
     asyncio.run(main())
 
