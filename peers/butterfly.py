@@ -156,7 +156,7 @@ class ButterflyAllReduce:
         """A reducer formed other groups: it sends nothing to our part either."""
         self.elsewhere.add(peer_id)
         if self.own_reduction is not None:
-            await self.own_reduction.fail(peer_id)
+            await self.own_reduction.fail(peer_id, absent=True)
 
     # ---- the part this member reduces -----------------------------------------------------------
     async def reduce_own_part(self) -> PartOutcome:
@@ -182,7 +182,7 @@ class ButterflyAllReduce:
         await self.registry.register(reduction)
         self.own_reduction = reduction
         for member in sorted(self.elsewhere):
-            await reduction.fail(member)
+            await reduction.fail(member, absent=True)
         target = self.out[offset : offset + length]
         watching = asyncio.ensure_future(drop_senders_gone(reduction, plan, self.channels, self.absent))
         try:

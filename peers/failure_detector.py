@@ -102,7 +102,7 @@ async def drop_senders_gone(
                     reduction.part,
                     member.peer_id,
                 )
-                await reduction.fail(member.peer_id)
+                await reduction.fail(member.peer_id, absent=True)
         silent = [m for m in waiting if not m.client_mode and m.peer_id not in gone]
         answers = await asyncio.gather(*(channels.dialable(m.grpc_addr, m.peer_id, PROBE_EVERY_S) for m in silent))
         for member, dialled in zip(silent, answers, strict=True):

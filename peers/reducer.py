@@ -72,6 +72,20 @@ class ReductionFailed(RuntimeError):
     """This part's mean could not be finished: every member keeps its own values for it."""
 
 
+class SenderAbsent(ChunkError):
+    """This member took the sender for out of the group (its `formed` record named another
+    group, or none in time) and left it out of its part: the sender is answered NOT_FOUND, as by
+    a member that formed other groups, and leaves this member out of its own part at once.
+
+    Presence is read from the DHT, and a loaded host's reads lag: one member of a group of 4
+    took another for absent and stopped streaming to it, while that one, which read every
+    record, waited 48 s for its stream to the deadline and came late to every group of the next
+    hop (32 nodes on 2 cores). Telling it makes the mistake cost one pair's two parts, at once."""
+
+    def __init__(self, sender: str):
+        super().__init__(f"sender {sender} is not in this member's group: its record named another group, or none")
+
+
 def largest_magnitude(payload: Payload) -> float:
     """An upper bound of |value| over the payload (int8 codes decode within 128 scales)."""
     if numel_of(payload) == 0:
@@ -177,6 +191,9 @@ class PartReduction:
         self.progress: dict[str, int] = {}  # chunks folded in, per sender
         self.committed: list[str] = []
         self.failed: set[str] = set()
+        # senders this member took for absent (their records name another group, or none): they
+        # are told so if they stream (`SenderAbsent`), and stop waiting for this member's stream
+        self.absent: set[str] = set()
         self.finalized = 0  # chunks of the result that are final
         # a sparse mean is returned chunk by chunk on its support, encoded when final
         self.sparse_results: dict[int, sparse.SparseBlocks] = {}
@@ -231,6 +248,8 @@ class PartReduction:
     def begin(self, sender: str, weight: float) -> None:
         if sender not in self.expected:
             raise ChunkError(f"sender {sender} is not a member of this group")
+        if sender in self.absent:
+            raise SenderAbsent(sender)
         if sender in self.failed:
             raise ChunkError(
                 f"sender {sender} was dropped from this part (it came after the deadline, or its earlier stream failed)"
@@ -261,6 +280,8 @@ class PartReduction:
         async with self._chunk_locks[index]:
             if self.failure is not None:
                 raise ChunkError(str(self.failure))
+            if sender in self.absent:
+                raise SenderAbsent(sender)
             if sender in self.failed:
                 raise ChunkError("the reduction's deadline has passed")
             await maybe_thread(self._fold, index, offset, payload, self.weights[sender], size=numel_of(payload))
@@ -281,9 +302,14 @@ class PartReduction:
             return
         self.pending.setdefault(index, []).append((decode_payload(payload), weight))
 
-    async def fail(self, sender: str) -> None:
-        """Drop a sender from every chunk it has not delivered in full."""
-        if sender not in self.expected or sender in self.failed or sender in self.committed:
+    async def fail(self, sender: str, absent: bool = False) -> None:
+        """Drop a sender from every chunk it has not delivered in full; `absent`: because this
+        member takes it for out of the group (see `SenderAbsent`)."""
+        if sender not in self.expected or sender in self.committed:
+            return
+        if absent:
+            self.absent.add(sender)
+        if sender in self.failed:
             return
         self.failed.add(sender)
         if self.progress.get(sender, 0):

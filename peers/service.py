@@ -24,7 +24,7 @@ from dtnode.proto import averaging_pb2_grpc as pb_grpc
 
 from .auth import GRPC_METADATA, AuthError, SwarmAuth, stream_subject
 from .netgroups import network_group
-from .reducer import PartReduction, ReductionFailed
+from .reducer import PartReduction, ReductionFailed, SenderAbsent
 from .reduction_registry import ReductionRegistry
 from .tls import TrustStore, client_fingerprint
 from .wire import ChunkError, RefusalReason, chunk_message, decode_chunk, payload_size
@@ -171,6 +171,8 @@ class AveragingService(pb_grpc.AveragingServicer):
         slots is not waited for)."""
         try:
             reduction.begin(first.sender, first.weight)
+        except SenderAbsent as e:  # this member left the sender out: it stops waiting for us
+            await _abort(context, grpc.StatusCode.NOT_FOUND, str(e))
         except ChunkError as e:
             if e.reason == RefusalReason.BAD_WEIGHT:  # what it carried: counted, and not waited for
                 log.warning("rejected stream from %s: %s", first.sender, e)
@@ -277,6 +279,8 @@ class AveragingService(pb_grpc.AveragingServicer):
                     if reduction.failure is not None:  # not this sender's doing
                         await _abort(context, grpc.StatusCode.ABORTED, str(reduction.failure))
                     error = reader.exception()
+                    if isinstance(error, SenderAbsent):  # not the stream's fault: this member left it out
+                        await _abort(context, grpc.StatusCode.NOT_FOUND, str(error))
                     log.warning("rejected stream from %s: %s", sender, error)
                     self.refused[getattr(error, "reason", RefusalReason.MALFORMED)] += 1
                     await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(error))

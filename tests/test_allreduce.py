@@ -838,3 +838,47 @@ def test_a_live_member_that_formed_no_group_is_not_waited_for():
             assert [p.reducer for p in report.failed_parts] == [silent]
 
     run(main())
+
+
+def test_a_member_taken_for_absent_by_one_group_mate_is_told_so_and_neither_waits_for_the_other():
+    """Presence is read from a lagging DHT: one member may take a present one for absent. It then
+    leaves it out of its part and stops streaming to it, while the other (which read every record)
+    waited for its stream to the deadline: 48 s in a hop 0 of 32 nodes on 2 cores, and came late to
+    every group of the next hop. Now its stream is answered NOT_FOUND, and it leaves the first out
+    of its own part at once: the two lack each other's values in their two parts, and nobody waits."""
+
+    async def main():
+        peers = await start_peers(3)
+        ids = [p.member.peer_id for p in peers]
+        plan = make_plan("test-run", 0, 0, [p.member for p in peers], 9_000, 64, 1024, INT8)
+        values = [torch.randn(9_000) for _ in range(3)]
+        outs = [torch.empty(9_000) for _ in range(3)]
+
+        async def mistaken():  # peer 0's read missed peer 1's record
+            return {ids[1]}
+
+        async def nobody():
+            return set()
+
+        async def one(i: int):
+            if i == 1:
+                await asyncio.sleep(1.5)  # it comes after peer 0's first probe (PROBE_AFTER_S)
+            absent = mistaken if i == 0 else nobody
+            return await butterfly_allreduce(
+                plan, ids[i], values[i], 1.0, outs[i], peers[i].registry, peers[i].channels, timeout=60.0, absent=absent
+            )
+
+        started = time.monotonic()
+        try:
+            reports = await asyncio.gather(*(one(i) for i in range(3)))
+        finally:
+            await stop_peers(peers)
+        assert time.monotonic() - started < 15  # the reducers' deadline was 48 s
+        assert [p.reducer for p in reports[0].failed_parts] == [ids[1]]
+        assert [(p.reducer, p.error.split(":")[0]) for p in reports[1].failed_parts] == [(ids[0], "NOT_FOUND")]
+        assert reports[2].failed_parts == []
+        part = {o.reducer: o for o in reports[2].parts}
+        assert part[ids[0]].included == [ids[0], ids[2]] and part[ids[1]].included == [ids[1], ids[2]]
+        assert part[ids[2]].included == ids
+
+    run(main())

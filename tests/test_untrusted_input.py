@@ -183,10 +183,19 @@ def test_a_wire_chunk_decodes_to_its_length_or_is_refused(codec, chunk, result, 
 
 
 LAYOUT = Layout(("w", "b"), ((8, 4), (4,)), outer_momentum=True)
-_REAL = tempfile.mkdtemp(prefix="dtnode-real-ckpt-")
-REAL = write_checkpoint(
-    Path(_REAL), 3, LAYOUT, TrainingState(torch.zeros(36), torch.zeros(36)), {"run_id": "run", "model_hash": "m"}
-).path.read_bytes()
+
+
+def _real_checkpoint() -> bytes:
+    """A real checkpoint file's bytes, written to a directory that goes again (the mutations
+    start from it; a directory left behind at each import piled up in /tmp)."""
+    with tempfile.TemporaryDirectory(prefix="dtnode-real-ckpt-") as tmp:
+        written = write_checkpoint(
+            Path(tmp), 3, LAYOUT, TrainingState(torch.zeros(36), torch.zeros(36)), {"run_id": "run", "model_hash": "m"}
+        )
+        return written.path.read_bytes()
+
+
+REAL = _real_checkpoint()
 
 
 @SOME
