@@ -119,6 +119,7 @@ class GroupReducer:
             self.peer_id,
             partial(self.matchmaker.formed, group.key),
             lag=self.matchmaker.formed_lag(),
+            loads={m.peer_id: m.load for m in group.members},
         )
         result = await butterfly_allreduce(
             plan,

@@ -71,3 +71,24 @@ def test_a_node_whose_dht_answers_slowly_waits_longer_before_it_calls_a_member_a
     assert asyncio.run(pair.absent()) == set()  # the grace grows by the lag's excess too
     clock.now += 0.6
     assert asyncio.run(pair.absent()) == {"a"}
+
+
+def test_a_member_standing_in_several_groups_gets_a_lag_for_each_before_it_is_called_absent():
+    """A member that said it stands in 3 groups this hop forms and publishes 3 times: its record
+    may come up to 3 lags after most of the group's (32 nodes on 2 cores: one member of 2 groups
+    taken for absent split a hop-1 group of 9). One of a single group keeps the single lag."""
+    clock = Clock()
+    group = ("me", "a", "b", "x", "y")
+    records: dict[str, tuple[str, ...]] = {"me": group, "a": group, "b": group}
+
+    async def formed():
+        return records
+
+    presence = GroupPresence(group, "me", formed, clock, loads={"x": 3, "y": 1})
+    assert asyncio.run(presence.absent()) == set()  # the majority is in from now
+    clock.now += FORMED_LAG_S + 0.1
+    assert asyncio.run(presence.absent()) == {"y"}
+    clock.now += FORMED_LAG_S
+    assert asyncio.run(presence.absent()) == {"y"}  # x: 2 lags gone of its 3
+    clock.now += FORMED_LAG_S
+    assert asyncio.run(presence.absent()) == {"x", "y"}
