@@ -115,13 +115,15 @@ class ButterflyAllReduce:
         check_inputs(plan, values, out, weight, in_flight, feedback)
         self.plan, self.own_id, self.values, self.weight, self.out = plan, own_id, values, weight, out
         self.registry, self.channels, self.timeout, self.in_flight = registry, channels, timeout, in_flight
-        self.feedback, self.auth, self.trim_fraction, self.drift, self.absent = (
-            feedback,
-            auth,
-            trim_fraction,
-            drift,
-            absent,
-        )
+        self.feedback, self.auth, self.trim_fraction, self.drift = feedback, auth, trim_fraction, drift
+        # members known to have formed this group: reducers that took one of our streams
+        # (`REDUCING_METADATA`) and senders that began one to our part. A `formed` record read
+        # late never makes them absent: a member of a hop-1 group of 8 at 32 nodes was taken
+        # for absent by one group-mate while it streamed to the others, and the group's mean
+        # lacked two parts' shares
+        self.present: set[str] = set()
+        self._absent = absent
+        self.absent = self._absent_unless_present if absent is not None else None
         self.residual = feedback.buffer if feedback is not None else None
         self.me = plan.index_of(own_id)
         self.limit = norm_limit(plan, own_id, trim_fraction is not None)
@@ -151,6 +153,12 @@ class ButterflyAllReduce:
     async def encode(self, values: torch.Tensor | CodedSlice, residual: torch.Tensor | None, size: int) -> Payload:
         """One chunk of this member's values as the wire carries it (a thread for a large one)."""
         return await maybe_thread(encode_part, self.plan, values, residual, self.feedback, size=size)
+
+    async def _absent_unless_present(self) -> set[str]:
+        """`absent`'s members, less those this all-reduce has seen in the group (`present`)."""
+        assert self._absent is not None
+        began = set(self.own_reduction.weights) if self.own_reduction is not None else set()
+        return await self._absent() - self.present - began
 
     async def reducer_elsewhere(self, peer_id: str) -> None:
         """A reducer formed other groups: it sends nothing to our part either."""

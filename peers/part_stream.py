@@ -30,7 +30,16 @@ from .part_codec import EncodingError, keep_own
 from .part_result import PartResult
 from .plan import chunk_spans
 from .tls import TlsError
-from .wire import MAX_WEIGHT, WEIGHT_SLACK, ChunkError, RefusalReason, chunk_message, decode_chunk, payload_size
+from .wire import (
+    MAX_WEIGHT,
+    REDUCING_METADATA,
+    WEIGHT_SLACK,
+    ChunkError,
+    RefusalReason,
+    chunk_message,
+    decode_chunk,
+    payload_size,
+)
 
 if TYPE_CHECKING:
     from .butterfly import ButterflyAllReduce
@@ -162,6 +171,7 @@ class PartStream:
         queue: asyncio.Queue[tuple[pb.PartChunk, int]] = asyncio.Queue(maxsize=run.in_flight)
         result = PartResult(self.mine, run.limit, run.drift, run.plan.parts[self.part][0])  # kept once checked
         producer = asyncio.ensure_future(self._produce(queue))
+        accepted: asyncio.Future[None] | None = None
         try:
             metadata = None
             if run.auth is not None:
@@ -171,6 +181,7 @@ class PartStream:
             call = run.channels.stub(self.reducer.grpc_addr, self.reducer.peer_id).Reduce(
                 self._requests(queue, producer), timeout=max(run.remaining(), 0.1), metadata=metadata
             )
+            accepted = asyncio.ensure_future(self._note_accepted(call))
             async for msg in call:
                 if (done := await self._take(msg, result)) is not None:
                     return done
@@ -181,7 +192,14 @@ class PartStream:
             raise
         finally:
             producer.cancel()
-            await asyncio.gather(producer, return_exceptions=True)
+            if accepted is not None:
+                accepted.cancel()
+            await asyncio.gather(producer, *([accepted] if accepted is not None else []), return_exceptions=True)
+
+    async def _note_accepted(self, call: grpc.aio.StreamStreamCall) -> None:
+        """Once the reducer says it took this stream into its part, it formed this group: present."""
+        if REDUCING_METADATA in tuple(await call.initial_metadata() or ()):
+            self.run.present.add(self.reducer.peer_id)
 
     async def _produce(self, queue: asyncio.Queue[tuple[pb.PartChunk, int]]) -> None:
         """Encode the slice chunk by chunk, ahead of the stream by the queue's size."""

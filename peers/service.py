@@ -27,7 +27,7 @@ from .netgroups import network_group
 from .reducer import PartReduction, ReductionFailed, SenderAbsent
 from .reduction_registry import ReductionRegistry
 from .tls import TrustStore, client_fingerprint
-from .wire import ChunkError, RefusalReason, chunk_message, decode_chunk, payload_size
+from .wire import REDUCING_METADATA, ChunkError, RefusalReason, chunk_message, decode_chunk, payload_size
 
 log = logging.getLogger(__name__)
 
@@ -140,6 +140,8 @@ class AveragingService(pb_grpc.AveragingServicer):
         if self._open_total >= self.max_streams:
             await _abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED, "too many concurrent streams on this node")
         await self._begin(first, reduction, context)
+        # the sender learns at once that this member formed its group (`ButterflyAllReduce.present`)
+        await context.send_initial_metadata((REDUCING_METADATA,))
         self._open[group] = self._open.get(group, 0) + 1
         self._open_total += 1
         try:

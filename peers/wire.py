@@ -32,8 +32,12 @@ from .plan import FP32, SPARSE, SPARSE_SUPPORT, GroupPlan
 # 5: the moshpit grid has the fewest hops whose cells hold up to 2M peers, agreed by majority
 # (peers/grid.py): from 17 peers in groups of 4 a peer of 4 picks other hops, whose keys never meet;
 # 6: a registration says how many groups its member stands in (`load`, signed with the swarm key)
-# and each group's all-reduce deadline allows for its most loaded member (peers/group_reduce.py).
+# and each group's all-reduce deadline allows for its most loaded member (peers/group_reduce.py);
+# a reducer says at once that it took a stream (REDUCING_METADATA).
 PROTOCOL = 6
+# the initial metadata a reducer sends as soon as it takes a stream into the part it reduces (it
+# formed the sender's group): the sender then knows it present, whatever the DHT's records say
+REDUCING_METADATA = ("x-dtnode-reducing", "1")
 MAX_WEIGHT = 1e12  # a weight is a token count; anything larger is a hostile or broken peer
 WEIGHT_SLACK = 1e-9  # a stream's weight is its registration's, bit for bit: slack for float printing only
 Payload = QuantizedBlocks | SparseBlocks | torch.Tensor

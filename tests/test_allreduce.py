@@ -882,3 +882,42 @@ def test_a_member_taken_for_absent_by_one_group_mate_is_told_so_and_neither_wait
         assert part[ids[2]].included == ids
 
     run(main())
+
+
+def test_a_member_that_took_our_stream_is_present_whatever_the_records_say():
+    """A reducer that took this member's stream into its part formed this group (it says so at
+    once, `REDUCING_METADATA`), and a sender whose stream began did too: a `formed` record read
+    late (a loaded host's DHT) no longer makes either absent. Here peer 0's reads never see peer
+    1's record, and the group waits 2 s for a slow third member: before, peer 0 took peer 1 for
+    absent half a second in, and the two parts between them lacked each other's values."""
+
+    async def main():
+        peers = await start_peers(3)
+        ids = [p.member.peer_id for p in peers]
+        plan = make_plan("test-run", 0, 0, [p.member for p in peers], 9_000, 64, 1024, INT8)
+        values = [torch.randn(9_000) for _ in range(3)]
+        outs = [torch.empty(9_000) for _ in range(3)]
+
+        async def mistaken():
+            return {ids[1]}
+
+        async def nobody():
+            return set()
+
+        async def one(i: int):
+            if i == 2:
+                await asyncio.sleep(2.0)  # the group waits for it, past peer 0's probes of peer 1
+            absent = mistaken if i == 0 else nobody
+            return await butterfly_allreduce(
+                plan, ids[i], values[i], 1.0, outs[i], peers[i].registry, peers[i].channels, timeout=60.0, absent=absent
+            )
+
+        try:
+            reports = await asyncio.gather(*(one(i) for i in range(3)))
+        finally:
+            await stop_peers(peers)
+        for report in reports:
+            assert report.failed_parts == [] and report.included_peers == ids
+        assert rel(outs[0], exact_mean(values, [1.0] * 3)) <= INT8_BOUND
+
+    run(main())

@@ -466,6 +466,33 @@ def test_a_latecomer_to_a_grids_last_hop_finds_its_group_closed_and_calls_its_ow
     asyncio.run(main())
 
 
+def test_a_group_of_a_grids_last_hop_that_benched_an_expected_member_is_not_whole(dht):
+    """A benched member (absentees.py) is not waited for, and in hop 0 or a middle hop not missed
+    either: its share goes on beside the group, and the next hop takes both. In a grid's last
+    hop nothing takes it: the group's mean lacks it (a hop-1 group of 9 at 32 nodes called itself
+    whole and ended with a θ_g of its own)."""
+
+    async def main():
+        async def want():
+            return {"a", "b", "x"}
+
+        for last_hop in (False, True):
+            run_id = f"mm-benched-last-{last_hop}"
+            makers = {p: Matchmaker(dht, run_id, _member(p), poll_interval=0.05, settle_s=0.3) for p in "abx"}
+            for p in "ab":
+                makers[p].absentees.strike(0, ["x"])
+            await _register(makers["x"], makers["x"].group_key(1, 1))
+            started = time.monotonic()
+            groups = await asyncio.gather(
+                *(makers[p].form_group(1, 1, want, window=30.0, target_size=3, last_hop=last_hop) for p in "ab")
+            )
+            assert all([m.peer_id for m in g.members] == ["a", "b"] for g in groups)
+            assert all(g.complete is not last_hop for g in groups), last_hop
+            assert time.monotonic() - started < 10.0  # not waited for either way
+
+    asyncio.run(main())
+
+
 def test_the_lowest_ranked_registrant_closes_and_everyone_agrees(dht):
     """Nobody says who came first: the registrant ranked lowest for the key (a hash of the key
     and its id) closes the group, and only its list is published."""
