@@ -840,6 +840,39 @@ def test_a_live_member_that_formed_no_group_is_not_waited_for():
     run(main())
 
 
+async def _one_mistaken_reader(
+    late: int, delay: float
+) -> tuple[list[str], list, list[torch.Tensor], list[torch.Tensor]]:
+    """Three members in one int8 all-reduce; peer 0's reads of the `formed` records never see
+    peer 1's (it takes it for absent), and peer `late` starts `delay` seconds after the others:
+    (ids, reports, values, outs)."""
+    peers = await start_peers(3)
+    ids = [p.member.peer_id for p in peers]
+    plan = make_plan("test-run", 0, 0, [p.member for p in peers], 9_000, 64, 1024, INT8)
+    values = [torch.randn(9_000) for _ in range(3)]
+    outs = [torch.empty(9_000) for _ in range(3)]
+
+    async def mistaken():
+        return {ids[1]}
+
+    async def nobody():
+        return set()
+
+    async def one(i: int):
+        if i == late:
+            await asyncio.sleep(delay)
+        absent = mistaken if i == 0 else nobody
+        return await butterfly_allreduce(
+            plan, ids[i], values[i], 1.0, outs[i], peers[i].registry, peers[i].channels, timeout=60.0, absent=absent
+        )
+
+    try:
+        reports = await asyncio.gather(*(one(i) for i in range(3)))
+    finally:
+        await stop_peers(peers)
+    return ids, reports, values, outs
+
+
 def test_a_member_taken_for_absent_by_one_group_mate_is_told_so_and_neither_waits_for_the_other():
     """Presence is read from a lagging DHT: one member may take a present one for absent. It then
     leaves it out of its part and stops streaming to it, while the other (which read every record)
@@ -848,31 +881,9 @@ def test_a_member_taken_for_absent_by_one_group_mate_is_told_so_and_neither_wait
     of its own part at once: the two lack each other's values in their two parts, and nobody waits."""
 
     async def main():
-        peers = await start_peers(3)
-        ids = [p.member.peer_id for p in peers]
-        plan = make_plan("test-run", 0, 0, [p.member for p in peers], 9_000, 64, 1024, INT8)
-        values = [torch.randn(9_000) for _ in range(3)]
-        outs = [torch.empty(9_000) for _ in range(3)]
-
-        async def mistaken():  # peer 0's read missed peer 1's record
-            return {ids[1]}
-
-        async def nobody():
-            return set()
-
-        async def one(i: int):
-            if i == 1:
-                await asyncio.sleep(1.5)  # it comes after peer 0's first probe (PROBE_AFTER_S)
-            absent = mistaken if i == 0 else nobody
-            return await butterfly_allreduce(
-                plan, ids[i], values[i], 1.0, outs[i], peers[i].registry, peers[i].channels, timeout=60.0, absent=absent
-            )
-
         started = time.monotonic()
-        try:
-            reports = await asyncio.gather(*(one(i) for i in range(3)))
-        finally:
-            await stop_peers(peers)
+        # peer 1 comes after peer 0's first probe (PROBE_AFTER_S): nothing says it is present
+        ids, reports, _, _ = await _one_mistaken_reader(late=1, delay=1.5)
         assert time.monotonic() - started < 15  # the reducers' deadline was 48 s
         assert [p.reducer for p in reports[0].failed_parts] == [ids[1]]
         assert [(p.reducer, p.error.split(":")[0]) for p in reports[1].failed_parts] == [(ids[0], "NOT_FOUND")]
@@ -892,30 +903,7 @@ def test_a_member_that_took_our_stream_is_present_whatever_the_records_say():
     absent half a second in, and the two parts between them lacked each other's values."""
 
     async def main():
-        peers = await start_peers(3)
-        ids = [p.member.peer_id for p in peers]
-        plan = make_plan("test-run", 0, 0, [p.member for p in peers], 9_000, 64, 1024, INT8)
-        values = [torch.randn(9_000) for _ in range(3)]
-        outs = [torch.empty(9_000) for _ in range(3)]
-
-        async def mistaken():
-            return {ids[1]}
-
-        async def nobody():
-            return set()
-
-        async def one(i: int):
-            if i == 2:
-                await asyncio.sleep(2.0)  # the group waits for it, past peer 0's probes of peer 1
-            absent = mistaken if i == 0 else nobody
-            return await butterfly_allreduce(
-                plan, ids[i], values[i], 1.0, outs[i], peers[i].registry, peers[i].channels, timeout=60.0, absent=absent
-            )
-
-        try:
-            reports = await asyncio.gather(*(one(i) for i in range(3)))
-        finally:
-            await stop_peers(peers)
+        ids, reports, values, outs = await _one_mistaken_reader(late=2, delay=2.0)
         for report in reports:
             assert report.failed_parts == [] and report.included_peers == ids
         assert rel(outs[0], exact_mean(values, [1.0] * 3)) <= INT8_BOUND
