@@ -11,7 +11,7 @@ from allreduce_harness import allreduce, allreduce_beside, send_to_each_reducer,
 
 from dtnode.ops import sparse
 from dtnode.ops.quantization import quantize
-from dtnode.peers.butterfly import butterfly_allreduce
+from dtnode.peers.butterfly import ButterflyAllReduce, butterfly_allreduce
 from dtnode.peers.deadlines import expected_payload_bytes
 from dtnode.peers.part_codec import Feedback
 from dtnode.peers.part_result import DriftBound
@@ -840,12 +840,10 @@ def test_a_live_member_that_formed_no_group_is_not_waited_for():
     run(main())
 
 
-async def _one_mistaken_reader(
-    late: int, delay: float
-) -> tuple[list[str], list, list[torch.Tensor], list[torch.Tensor]]:
+async def _one_mistaken_reader(late: int, delay: float) -> tuple[list[str], list, list[torch.Tensor], list]:
     """Three members in one int8 all-reduce; peer 0's reads of the `formed` records never see
     peer 1's (it takes it for absent), and peer `late` starts `delay` seconds after the others:
-    (ids, reports, values, outs)."""
+    (ids, reports, values, the members' all-reduces)."""
     peers = await start_peers(3)
     ids = [p.member.peer_id for p in peers]
     plan = make_plan("test-run", 0, 0, [p.member for p in peers], 9_000, 64, 1024, INT8)
@@ -858,19 +856,31 @@ async def _one_mistaken_reader(
     async def nobody():
         return set()
 
+    runs = [
+        ButterflyAllReduce(
+            plan,
+            ids[i],
+            values[i],
+            1.0,
+            outs[i],
+            peers[i].registry,
+            peers[i].channels,
+            60.0,
+            absent=mistaken if i == 0 else nobody,
+        )
+        for i in range(3)
+    ]
+
     async def one(i: int):
         if i == late:
             await asyncio.sleep(delay)
-        absent = mistaken if i == 0 else nobody
-        return await butterfly_allreduce(
-            plan, ids[i], values[i], 1.0, outs[i], peers[i].registry, peers[i].channels, timeout=60.0, absent=absent
-        )
+        return await runs[i].run()
 
     try:
         reports = await asyncio.gather(*(one(i) for i in range(3)))
     finally:
         await stop_peers(peers)
-    return ids, reports, values, outs
+    return ids, reports, values, runs
 
 
 def test_a_member_taken_for_absent_by_one_group_mate_is_told_so_and_neither_waits_for_the_other():
@@ -903,9 +913,10 @@ def test_a_member_that_took_our_stream_is_present_whatever_the_records_say():
     absent half a second in, and the two parts between them lacked each other's values."""
 
     async def main():
-        ids, reports, values, outs = await _one_mistaken_reader(late=2, delay=2.0)
+        ids, reports, values, runs = await _one_mistaken_reader(late=2, delay=2.0)
         for report in reports:
             assert report.failed_parts == [] and report.included_peers == ids
-        assert rel(outs[0], exact_mean(values, [1.0] * 3)) <= INT8_BOUND
+        assert rel(runs[0].out, exact_mean(values, [1.0] * 3)) <= INT8_BOUND
+        assert runs[0].present == {ids[1], ids[2]}  # both reducers said they took peer 0's stream
 
     run(main())
