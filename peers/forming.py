@@ -127,11 +127,10 @@ class Forming:
     benched: frozenset[str] = frozenset()
     # when this peer, as a follower, gives up on the leader it waits for (its own clock)
     give_up_at: float = 0.0
-    # whether a peer grouped beside this one under the key (or benched, and so alone there)
-    # leaves the mean whole: in every hop but a grid's last the next hop takes one share of each
-    # group of a key; in the last, two groups of one key end with two means, and a list closed
-    # without such a peer is not whole (32 nodes: a hop-1 group of 9 that benched its tenth
-    # called itself whole, and ended with a θ_g of its own)
+    # whether a peer grouped beside this one under the key leaves the mean whole: in every hop
+    # but a grid's last the next hop takes one share of each group of a key; in the last, two
+    # groups of one key end with two means, and a list closed without such a peer is not whole
+    # (32 nodes: a latecomer alone in hop 1 counted its round `full` with a θ_g of its own)
     split_keeps_mean: bool = True
 
     def __post_init__(self) -> None:

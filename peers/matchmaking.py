@@ -337,13 +337,14 @@ class Matchmaker:
         not wait for it)."""
         group = _part_of(candidates, forming.me, target_size)
         # a peer in another group of this key is not missed where the next hop takes a share of
-        # both, nor is a benched one there (absentees.py: it let this peer's groups down, and its
-        # share goes on beside this group); in a grid's last hop the mean lacks either's share
-        beside = set(view.taken) | forming.benched if forming.split_keeps_mean else set()
+        # both; in a grid's last hop the mean lacks its share
+        beside = set(view.taken) if forming.split_keeps_mean else set()
         decided = ClosedList(
             group,
-            # a refused registrant is not missed: it came, and no group of honest peers takes it
-            complete=UNKNOWN not in wanted and wanted - beside - forming.refused <= set(candidates),
+            # a refused registrant is not missed: it came, and no group of honest peers takes it;
+            # nor is a benched one (absentees.py), in any hop: it let this peer's groups down, and
+            # a swarm that has shut a hostile member out averages whole without it
+            complete=UNKNOWN not in wanted and wanted - beside - forming.refused - forming.benched <= set(candidates),
             resync=needs_resync([forming.registrants[p][1] for p in group]),
         )
         await self.board.publish(forming.key, "closed", group, decided.complete, decided.resync)
