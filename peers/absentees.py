@@ -16,7 +16,13 @@ saw it (every honest member of that group did), and benched:
 - from the strike on, for BENCH_ROUNDS rounds after the one it let down, doubled at each
   further strike (up to MAX_BENCH_ROUNDS): a member that fails every time it is let back in
   costs its group one round in 2, 4, 8, 16, ... rather than every round;
-- a bench ends on its own clock; a member that then takes part cleanly is forgiven its strikes.
+- a bench ends on its own clock; a member that then takes part cleanly is forgiven its strikes;
+- in the last hop of a grid of several hops, a first strike does not bench: a member left out
+  there takes its share of the swarm's mean with it (nothing after the last hop brings it in), so
+  its group's θ_g parts from the swarm's whether it is left out or fails. Let back in, an honest
+  member (32 nodes on 2 cores: taken for absent once, in a hop it made late) brings its share; a
+  hostile one costs its last-hop group the rounds of its first bench and the one after (a strike
+  during a bench does not count), until its second strike benches it there too.
 
 An honest member that crashed, stalled or restarted is benched too, for BENCH_ROUNDS rounds:
 it averages alone meanwhile (as it would have, being away), and is back in the round after.
@@ -104,6 +110,14 @@ class Absentees:
 
     def benched(self, round_no: int) -> frozenset[str]:
         return frozenset(p for p, s in self._strikes.items() if s.until_round >= round_no)
+
+    def benched_again(self, round_no: int) -> frozenset[str]:
+        """The members benched in this round for a second strike or more: what a grid's last
+        hop leaves out (`Matchmaker.form_group`). There a member left out takes its share of the
+        mean with it and parts θ_g anyway, so a first strike (an honest peer taken for absent on a
+        loaded host, a restart) is let back in, and only a member struck again after its first
+        bench is not."""
+        return frozenset(p for p, s in self._strikes.items() if s.until_round >= round_no and s.count > 1)
 
     def strikes(self, peer: str) -> int:
         s = self._strikes.get(peer)

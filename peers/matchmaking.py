@@ -170,7 +170,8 @@ class Matchmaker:
         re-sync from, "" if not known) lets the closer skip a re-sync that would change nothing.
         `load` (the groups this peer stands in this hop) lets the group's deadline allow for it.
         In a grid's `last_hop`, a list closed while an expected peer is in another group of the
-        key is not whole (`Forming.split_keeps_mean`).
+        key is not whole (`Forming.split_keeps_mean`), and a member benched for a first strike is
+        not left out of it where it follows other hops (`Absentees.benched_again`).
         Nothing here waits longer than `window`, the settle time and LEADER_GRACE_S (plus one
         DHT write and one read, each bounded by hivemind's request timeouts) on this peer's own
         clock, whatever other peers announce.
@@ -191,7 +192,8 @@ class Matchmaker:
             key,
             own.peer_id,
             {own.peer_id: (own, reg)},
-            benched=self.absentees.benched(round),
+            # in a grid's last hop a member left out parts θ_g anyway: a first strike is let in
+            benched=self.absentees.benched_again(round) if last_hop and hop > 0 else self.absentees.benched(round),
             split_keeps_mean=not last_hop,
         )
         if attack in ("hostile-leader", "hostile-pair") and (

@@ -29,6 +29,19 @@ def test_a_silent_member_is_benched_for_doubling_rounds_and_only_once_per_bench(
     assert bench.benched(180 + MAX_BENCH_ROUNDS) == {"x"} and not bench.benched(181 + MAX_BENCH_ROUNDS)
 
 
+def test_a_grids_last_hop_leaves_out_only_a_member_struck_again_after_its_first_bench():
+    """There a member left out takes its share of the mean with it (matchmaking.form_group)."""
+    bench = Absentees()
+    bench.strike(3, ["x", "y"])
+    assert bench.benched(4) == {"x", "y"} and bench.benched_again(4) == frozenset()
+    last = 3 + BENCH_ROUNDS  # the first bench's last round
+    bench.strike(last, ["x"])  # within its bench (let in at a last hop, it failed): still one strike
+    assert bench.benched_again(last) == frozenset() and bench.strikes("x") == 1
+    bench.strike(last + 1, ["x"])  # let back in everywhere, and it let a group down again
+    assert bench.benched_again(last + 1) == {"x"} == bench.benched_again(last + 1 + 2 * BENCH_ROUNDS)
+    assert not bench.benched_again(last + 2 + 2 * BENCH_ROUNDS) and bench.benched(last + 1) == {"x"}
+
+
 def test_a_member_that_takes_part_past_its_bench_is_forgiven_and_a_stale_one_forgotten():
     bench = Absentees()
     bench.strike(1, ["x", "y"])
