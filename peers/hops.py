@@ -16,7 +16,7 @@ from .deadlines import AdaptiveDeadlines, expected_payload_bytes
 from .forming import FormedGroup
 from .grid import Slot, next_slots
 from .group_board import MAX_LOAD
-from .matchmaking import MAX_LEADER_GRACE_S, MAX_PASSES
+from .matchmaking import LEADER_GRACE_S, MAX_PASSES
 from .part_result import DriftBound
 from .plan import WireFormat
 
@@ -53,7 +53,7 @@ def round_bound(deadlines: AdaptiveDeadlines, dims: int, settle_s: float) -> flo
     matchmaking (a later hop's window holds the deadline of the all-reduce before it), the
     settle time and the graces of leaders passed over, then the all-reduces of Δ and of a θ_g
     re-sync at their longest; and a slack for slow DHT polls."""
-    matchmaking = deadlines.window_max + deadlines.timeout_max + settle_s + (MAX_PASSES + 2) * MAX_LEADER_GRACE_S
+    matchmaking = deadlines.window_max + deadlines.timeout_max + settle_s + (MAX_PASSES + 2) * LEADER_GRACE_S
     return dims * (matchmaking + 2 * deadlines.timeout_max) + ROUND_BOUND_SLACK_S
 
 

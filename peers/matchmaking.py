@@ -48,11 +48,8 @@ POLLS_PER_WINDOW = 2  # a window lasts at least this many of the recent slowest 
 POLL_HISTORY = 32
 # past its own window and settle time, a follower still waits this long for a leader's list
 # (that leader may be publishing it right now); the leader's own poll is cut half of it past
-# its deadline, so that its list goes out before its followers pass it over. Longer where this
-# node's DHT polls are slow (`Matchmaker.grace`), up to MAX_LEADER_GRACE_S
+# its deadline, so that its list goes out before its followers pass it over
 LEADER_GRACE_S = 2.0
-# a grace never longer: what a leader that never closes can cost its group, once a bench
-MAX_LEADER_GRACE_S = 8.0
 # leaders a follower passes over one at a time (each after a grace of its own) before it passes
 # over every pending registrant ahead of it at once: hostile or dead registrants cost it that many
 # graces at most
@@ -101,20 +98,10 @@ class Matchmaker:
         """How long past its settle a follower waits for a leader's list once every peer it
         expects has registered: an honest leader sees them too and closes within a poll, or after
         holding its list HOLD_S for one that jumped ahead of it; so that hold, a poll's sleep and
-        two slow reads (`formed_lag`), never over MAX_LEADER_GRACE_S. A leader that never closes
-        costs its group this, not the full grace (`grace`, which still covers a leader whose
-        window, started later on its own clock, has not ended yet).
-
-        It was capped at LEADER_GRACE_S (2 s): with 32 nodes on 2 cores a poll of the DHT took
-        2-3 s, a leader read the last registrant a poll after its followers did and published its
-        list a write later, and its followers had passed it over by then: they closed a list of
-        their own, the cell split in two groups, and the round's θ_g with it."""
-        return min(MAX_LEADER_GRACE_S, HOLD_S + self.formed_lag())
-
-    def grace(self) -> float:
-        """How long past its window and settle a follower waits for a leader's list: LEADER_GRACE_S,
-        or `leader_grace` where this node's polls are slower than that allows for."""
-        return max(LEADER_GRACE_S, self.leader_grace())
+        two slow reads (`formed_lag`), never over LEADER_GRACE_S. A leader that never closes costs
+        its group this, not the full grace (which still covers a leader whose window, started
+        later on its own clock, has not ended yet)."""
+        return min(LEADER_GRACE_S, HOLD_S + self.formed_lag())
 
     def formed_lag(self) -> float:
         """How much later than its group-mates a present member may publish its `formed` record, as
@@ -185,7 +172,7 @@ class Matchmaker:
         In a grid's `last_hop`, a list closed while an expected peer is in another group of the
         key is not whole (`Forming.split_keeps_mean`), and a member benched for a first strike is
         not left out of it where it follows other hops (`Absentees.benched_again`).
-        Nothing here waits longer than `window`, the settle time and MAX_LEADER_GRACE_S (plus one
+        Nothing here waits longer than `window`, the settle time and LEADER_GRACE_S (plus one
         DHT write and one read, each bounded by hivemind's request timeouts) on this peer's own
         clock, whatever other peers announce.
         """
@@ -273,7 +260,7 @@ class Matchmaker:
         read past a settle). The window runs from `opened`, when this peer's registration was out."""
         me, key = forming.me, forming.key
         deadline = opened + window
-        forming.give_up_at = give_up_at = deadline + self.settle_s + self.grace()
+        forming.give_up_at = give_up_at = deadline + self.settle_s + LEADER_GRACE_S
         # a leader's window is a promise to the followers (they pass it over a grace after their
         # own, on their clocks): on a loaded host one poll of the DHT takes seconds, so a
         # leader's poll is cut half that grace past its deadline, and it decides with what it read
@@ -338,7 +325,9 @@ class Matchmaker:
                 log.info("%s: no list from %s by this peer's own deadline; passing over", key, _short(sorted(gone)))
                 if not everyone:  # a leader that closed nothing in time let its group down (the others
                     self.absentees.strike(round_no, gone)  # passed over at once are its followers)
-                forming.give_up_at = give_up_at = now + self.grace()  # the next leader's: it may be taking over now
+                forming.give_up_at = give_up_at = (
+                    now + LEADER_GRACE_S
+                )  # the next leader's grace: it may be taking over now
                 view = forming.standing()
                 continue
             await asyncio.sleep(self.poll_interval)
