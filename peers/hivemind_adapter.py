@@ -1,5 +1,6 @@
 """Everything dtnode takes from hivemind, in one module: its DHT, its record validators, its
-peer ids and keys, its clock, and two pieces of its logging.
+peer ids (made faster: `_peer_ids_with_remembered_base58`) and keys, its clock, and two pieces
+of its logging.
 
 dtnode uses hivemind for the DHT only. Every other module imports these names from here (an
 import-linter contract in pyproject.toml holds that), so an upgrade of hivemind is read in
@@ -16,6 +17,7 @@ first use runs the real `__init__`.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 import sys
@@ -59,6 +61,7 @@ _register_hivemind_without_its_trainer_stack()
 os.environ.setdefault("HIVEMIND_MEMORY_SHARING_STRATEGY", "file_descriptor")
 
 
+import base58
 from cryptography.hazmat.primitives.asymmetric import rsa
 from hivemind.dht import DHT, DHTNode
 from hivemind.dht.crypto import RSASignatureValidator
@@ -93,6 +96,33 @@ __all__ = [
 ]
 
 P2P_DAEMON_LOGGER = "hivemind.p2p.p2p_daemon"  # where p2pd's own lines are logged (one line per message)
+
+
+# distinct peer ids whose base58 form is remembered (a swarm's peers and the DHT's contacts;
+# ids a hostile contact makes up only take turns in it)
+PEER_IDS_REMEMBERED = 4096
+
+
+@functools.lru_cache(maxsize=PEER_IDS_REMEMBERED)
+def _base58(peer_id_bytes: bytes) -> str:
+    return base58.b58encode(peer_id_bytes).decode()
+
+
+def _peer_id_init(self: PeerID, peer_id_bytes: bytes) -> None:
+    self._bytes = peer_id_bytes
+    self._b58_str = _base58(bytes(peer_id_bytes))
+
+
+def _peer_ids_with_remembered_base58() -> None:
+    """hivemind's PeerID encodes its bytes to base58 when it is made (a pure-Python big-integer
+    loop), and its DHT makes one for every contact in every answer to a find: with 32 nodes on 2
+    cores, 7.5% of a node's CPU samples during its rounds were that encoding (py-spy, `tests.bench.scale`),
+    of a few dozen ids seen over and over. The same ids now take their base58 from a bounded
+    cache; the PeerID is the same object with the same fields (`tests/test_hivemind_contract.py`)."""
+    PeerID.__init__ = _peer_id_init
+
+
+_peer_ids_with_remembered_base58()
 
 
 def signing_key(key: rsa.RSAPrivateKey) -> RSAPrivateKey:

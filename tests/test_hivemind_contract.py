@@ -121,3 +121,25 @@ def test_dtnode_loads_hivemind_without_its_trainer_stack(module):
     import importlib
 
     assert importlib.import_module(module) is not None
+
+
+def test_a_peer_id_takes_its_base58_from_the_adapters_cache_and_is_the_same_object():
+    """peers/hivemind_adapter.py replaces PeerID.__init__ so that the base58 form of an id seen
+    before is not encoded again (hivemind's DHT makes a PeerID for every contact of every find).
+    It relies on PeerID keeping its bytes and base58 form in `_bytes` and `_b58_str`."""
+    import os
+
+    import base58
+    from hivemind.p2p import PeerID
+
+    from dtnode.peers import hivemind_adapter
+
+    assert set(inspect.signature(PeerID.__init__).parameters) == {"self", "peer_id_bytes"}
+    raw = b"\x12\x20" + os.urandom(32)  # a sha256 multihash, as a peer's id
+    made = PeerID(raw)
+    before = hivemind_adapter._base58.cache_info().hits
+    again = PeerID(raw)
+    assert hivemind_adapter._base58.cache_info().hits == before + 1  # `made` put it in the cache
+    assert again == made and hash(again) == hash(made) and str(again) == base58.b58encode(raw).decode()
+    assert PeerID.from_base58(str(made)) == made and again._bytes == raw and again._b58_str == made.to_base58()
+    assert str(PeerID(bytearray(raw))) == str(made)  # bytes-like ids too (the cache key is bytes)
