@@ -20,6 +20,7 @@ from dtnode.daemon.checkpoints.file_format import (
 )
 from dtnode.daemon.config.settings import NodeSettings
 from dtnode.daemon.config.training_options import InnerOptimizerKind
+from dtnode.daemon.training import muon as muon_module
 from dtnode.daemon.training.inner_optimizer import (
     MuonWithAdamW,
     build_inner_optimizer,
@@ -91,8 +92,9 @@ def test_a_muon_step_holds_half_the_state_of_adamws_on_the_matrices():
 
 @pytest.mark.parametrize("tall", [False, True], ids=["wide", "tall"])
 def test_muon_steps_as_torchs_muon_bit_for_bit_on_one_device(tall):
-    """dtnode's Muon (muon.py) differs from torch's on a --shard host only: three steps of each
-    on the same matrix and gradients land on the same bits, momentum included."""
+    """dtnode's Muon (muon.py) iterating in bf16, as it does where the device multiplies bf16
+    natively, differs from torch's on a --shard host only: three steps of each on the same
+    matrix and gradients land on the same bits, momentum included."""
     g = torch.Generator().manual_seed(1)
     shape = (24, 8) if tall else (8, 24)
     start = torch.randn(shape, generator=g)
@@ -100,6 +102,7 @@ def test_muon_steps_as_torchs_muon_bit_for_bit_on_one_device(tall):
     ours, theirs = torch.nn.Parameter(start.clone()), torch.nn.Parameter(start.clone())
     options = {"lr": 0.02, "weight_decay": 0.1, "momentum": 0.95, "nesterov": True, "adjust_lr_fn": "match_rms_adamw"}
     mine, torchs = Muon([ours], **options), torch.optim.Muon([theirs], **options)
+    mine.iteration_dtype = torch.bfloat16
     for grad in grads:
         ours.grad, theirs.grad = grad.clone(), grad.clone()
         mine.step()
@@ -107,6 +110,38 @@ def test_muon_steps_as_torchs_muon_bit_for_bit_on_one_device(tall):
     assert not torch.equal(theirs.detach(), start)
     assert torch.equal(ours.detach(), theirs.detach())
     assert torch.equal(mine.state[ours]["momentum_buffer"], torchs.state[theirs]["momentum_buffer"])
+
+
+def test_muon_iterates_in_fp32_where_bf16_is_emulated_and_lands_near_the_bf16_step(monkeypatch):
+    """Without bf16 matrix units (an AVX2-only CPU) the Newton-Schulz iterations run in fp32
+    (muon.py: 11-68x faster there): the orthogonalised update is the bf16 one within bf16's
+    rounding. Which the host has is read from torch's probes."""
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+    muon_module.native_bf16.cache_clear()
+    try:
+        assert muon_module.iteration_dtype(torch.device("cpu")) == torch.float32
+        monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)
+        muon_module.native_bf16.cache_clear()
+        assert muon_module.iteration_dtype(torch.device("cpu")) == torch.bfloat16
+    finally:
+        muon_module.native_bf16.cache_clear()
+    update = torch.randn(64, 256, generator=torch.Generator().manual_seed(2))
+    coefficients, steps, eps = (3.4445, -4.7750, 2.0315), 5, 1e-7
+    fp32 = muon_module.orthogonalized(update, coefficients, steps, eps, torch.float32)
+    bf16 = muon_module.orthogonalized(update, coefficients, steps, eps, torch.bfloat16)
+    assert fp32.dtype == torch.float32 and bf16.dtype == torch.bfloat16
+    assert float((fp32 - bf16.float()).norm() / fp32.norm()) < 0.02
+    # and a whole optimizer step takes it: the step lands near the bf16 one
+    start = torch.randn(64, 256, generator=torch.Generator().manual_seed(3))
+    params = [torch.nn.Parameter(start.clone()) for _ in range(2)]
+    for param, dtype in zip(params, (torch.float32, torch.bfloat16), strict=True):
+        optimizer = Muon([param], lr=0.02, adjust_lr_fn="match_rms_adamw")
+        optimizer.iteration_dtype = dtype
+        param.grad = update.clone()
+        optimizer.step()
+    moved = [p.detach() - start for p in params]
+    assert float((moved[0] - moved[1]).norm() / moved[1].norm()) < 0.02
 
 
 @pytest.mark.parametrize("kind", list(InnerOptimizerKind))
