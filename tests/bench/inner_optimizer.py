@@ -6,13 +6,17 @@ device.
 
 State is counted from the optimizer's tensors after the first step (Muon keeps one momentum
 buffer per hidden matrix, AdamW two moments per weight); the step time is the median of the
-steps after the first (which builds the state)."""
+steps after the first (which builds the state). A second table times Muon's Newton-Schulz
+iterations on each shape of hidden matrix in bf16 (torch's Muon) and in fp32 side by side, and
+says which one this device's Muon takes (daemon/training/muon.py `iteration_dtype`).
+`--no-iterations` leaves it out (bf16 without bf16 units takes seconds a matrix)."""
 
 from __future__ import annotations
 
 import argparse
 import statistics
 import time
+from collections import Counter
 
 import torch
 
@@ -20,6 +24,7 @@ from dtnode.daemon.config.training_options import InnerOptimizerKind
 from dtnode.daemon.training.inner_optimizer import build_inner_optimizer, hidden_matrices, state_bytes
 from dtnode.daemon.training.inner_state import ordered_parameters
 from dtnode.daemon.training.inner_step import inner_step
+from dtnode.daemon.training.muon import iteration_dtype, orthogonalized
 from dtnode.daemon.workload.model import build_model
 
 
@@ -48,6 +53,39 @@ def measure(spec: str, kind: InnerOptimizerKind, steps: int, batch: int, seq_len
     }
 
 
+# torch's Muon's defaults (ns_coefficients, ns_steps, eps)
+NEWTON_SCHULZ = ((3.4445, -4.7750, 2.0315), 5, 1e-7)
+
+
+def iteration_ms(shape: torch.Size, dtype: torch.dtype, device: torch.device) -> float:
+    """Milliseconds of one orthogonalisation of a random matrix of `shape` in `dtype` (the median
+    of three after one untimed)."""
+    update = torch.randn(shape, generator=torch.Generator().manual_seed(0)).to(device)
+    times = []
+    for _ in range(4):
+        started = time.perf_counter()
+        orthogonalized(update, *NEWTON_SCHULZ, dtype)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - started)
+    return 1000 * statistics.median(times[1:])
+
+
+def print_iterations(specs: list[str], device: torch.device) -> None:
+    print(f"Newton-Schulz iterations on {device}; this device's Muon takes {iteration_dtype(device)}")
+    print(f"{'model':>7} {'matrix':>11} {'count':>5} {'bf16 ms':>9} {'fp32 ms':>9} {'bf16/fp32':>9}")
+    for spec in specs:
+        model, _ = build_model(spec, 0)
+        hidden = hidden_matrices(model)
+        shapes = Counter(tuple(p.shape) for p in model.parameters() if id(p) in hidden)
+        for shape, count in sorted(shapes.items()):
+            bf16 = iteration_ms(torch.Size(shape), torch.bfloat16, device)
+            fp32 = iteration_ms(torch.Size(shape), torch.float32, device)
+            print(
+                f"{spec:>7} {'x'.join(map(str, shape)):>11} {count:>5} {bf16:>9.2f} {fp32:>9.2f} {bf16 / fp32:>8.1f}x"
+            )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", default="tiny,small", help="comma-separated model presets")
@@ -55,6 +93,12 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=4, help="sequences per step")
     parser.add_argument("--seq-len", type=int, default=128, help="tokens per sequence (capped by the model's context)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="torch device")
+    parser.add_argument(
+        "--iterations",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also time Newton-Schulz in bf16 and fp32 per hidden-matrix shape",
+    )
     args = parser.parse_args()
     device = torch.device(args.device)
     print(f"device {device}, batch {args.batch}, {args.steps} steps")
@@ -68,6 +112,8 @@ def main() -> None:
                 f"{spec:>7} {kind.value:>9} {row['params']:>10} {row['matrix_share']:>8.1%} {row['state_mb']:>9.1f} "
                 f"{row['state_b_per_param']:>7.2f} {row['step_ms']:>8.1f}"
             )
+    if args.iterations:
+        print_iterations(args.models.split(","), device)
 
 
 if __name__ == "__main__":
