@@ -121,8 +121,9 @@ def test_two_ranks_at_batch_b_take_the_step_of_one_rank_at_batch_2b(tmp_path, sh
 def test_a_muon_host_of_two_ranks_steps_as_one_rank_to_bf16_rounding(tmp_path, shard):
     """--inner-optimizer muon on 2 ranks (DDP replicas, or FSDP2 shards whose matrices Muon
     gathers and orthogonalises whole) against 1 rank at twice the batch: Muon's Newton-Schulz
-    iterations run in bf16, so the two agree to its rounding (here about 1e-5 of a round's move),
-    not to fp32's; the momentum goes out to every rank and back (a resume's path) on both."""
+    iterations run in bf16 where the host has bf16 units (fp32 where it has not: muon.py), so
+    the two agree to bf16's rounding at worst (about 1e-5 of a round's move), not to fp32's sum
+    order alone; the momentum goes out to every rank and back (a resume's path) on both."""
     initial = FlatParameters(build_model("tiny", 0)[0].named_parameters()).buffer.clone()
     one_theta, one_local, one_tokens, _, one_moments = _one_round(tmp_path / "one", 1, 8, inner_optimizer="muon")
     two_theta, two_local, two_tokens, _, two_moments = _one_round(tmp_path / "two", 2, 4, shard, inner_optimizer="muon")

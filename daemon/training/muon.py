@@ -7,7 +7,7 @@ update orthogonalised by five quintic Newton-Schulz iterations in bf16, the rate
 state (`momentum_buffer`) and, where bf16 products run natively, its very arithmetic.
 
 Where they do not (a CPU without AVX512-BF16 or AMX, a GPU older than Ampere), each bf16 product
-is emulated: on a 2-core AVX2 host the iterations took 11-14x as long in bf16 as in fp32 for
+is emulated: on a 2-core AVX2 host the iterations took 9-14x as long in bf16 as in fp32 for
 `tiny`'s matrices and 34-68x for 768x256 and 1024x1024 ones (23.8 s against 0.35 s for one
 1024x1024 update), and in a 32-node swarm of `tiny` nodes they were 22% of a node's CPU samples
 during its rounds (py-spy). There the iterations run in fp32: the same algorithm, rounded less.
