@@ -22,6 +22,7 @@ import shlex
 import signal
 import socket
 import subprocess
+import sys
 import sysconfig
 import time
 from collections.abc import Callable
@@ -64,6 +65,14 @@ def readme_commands() -> list[str]:
 
 def _words(command: str) -> list[str]:
     return shlex.split(command, comments=True)
+
+
+# runs a shell command with SIGINT at its default disposition (exec keeps a default, as it keeps
+# an ignored signal ignored)
+AS_AT_A_TERMINAL = (
+    "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); "
+    "os.execvp('bash', ['bash', '-c', sys.argv[1]])"
+)
 
 
 def _env(**values: str) -> dict[str, str]:
@@ -203,8 +212,14 @@ def test_a_second_host_joins_and_status_watches_them(workdir):
         env = _env(DTNODE_HOST="127.0.0.1", DTNODE_STATE_DIR="host2", DTNODE_DHT_PORT="0", DTNODE_GRPC_PORT="0")
         second = _start(_loopback(joiner[0]), workdir, {**env, "DTNODE_HTTP_PORT": "0"}, second_log)
         _wait(lambda: bool(_history(workdir / "host2")), 240, "host 2's first round")
+        # the README's command as typed at a terminal, SIGINT at its default: a shell's background
+        # job (a runner started with `&`) hands it down ignored, and the Ctrl-C below did nothing
         watching = subprocess.Popen(
-            ["bash", "-c", f"exec {watch[0]}"], cwd=workdir, env=_env(), stdout=subprocess.PIPE, text=True
+            [sys.executable, "-c", AS_AT_A_TERMINAL, f"exec {watch[0]}"],
+            cwd=workdir,
+            env=_env(),
+            stdout=subprocess.PIPE,
+            text=True,
         )
         time.sleep(5)
         watching.send_signal(signal.SIGINT)
