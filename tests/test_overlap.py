@@ -253,9 +253,10 @@ def test_a_joiner_of_an_overlapped_swarm_takes_its_delayed_step_from_the_swarm(t
     to θ_g of step r once that average lands. A joiner enters round r from the newest θ_g a peer
     serves: step r-1 (then it takes the swarm's θ_g of step r at the round's end, instead of an
     outer step it had no part in) or step r already. From then on it averages with the others,
-    and a round whose group held all three leaves all three one θ_g, bit for bit. If the swarm closed the round it entered before its first
-    step (CI saw it once: the round closed during a 0.2 s download), its Δ of that round finds no
-    group, and from the next round on it averages with the others all the same.
+    and a round whose group held all three leaves all three one θ_g, bit for bit. If the swarm
+    closed the round it entered before its first step (CI saw it once: the round closed during a
+    0.2 s download), its Δ of that round finds no group, and from the next round on it averages
+    with the others all the same.
 
     CI saw its first Δ go alone twice more: entering round r while round r-1 was averaged, its
     record looked like its peers', so their hop 0 of round r-1 waited for it, counted it a
@@ -288,8 +289,8 @@ def test_a_joiner_of_an_overlapped_swarm_takes_its_delayed_step_from_the_swarm(t
     # From then on it averages with the others: a round whose group held all three gives all three
     # one θ_g, bit for bit. Not every round: the round it entered may close under its first steps
     # (its Δ then goes alone), and on 2 cores one node's view of the joiner's record lags another's
-    # for a window, so one peer averaged that round without it (CI and here: [[1, 2]] on a, [[2, 3]]
-    # on b and c) or its last average went without a peer; the next round's group re-syncs θ_g.
+    # for a window, so one peer averaged a round without it (here: [[1, 2]] on a, [[2, 3]] on b
+    # and c), or its last average went apart (CI); the next round's group re-syncs θ_g.
     together = [r for r in c.rounds[1:] if r["groups"] == [[3, 3]] and r["outcome"] == "full"]
     assert together, c.output
     for r in together:
