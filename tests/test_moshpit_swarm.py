@@ -83,7 +83,7 @@ SIXTEEN = [
 
 @pytest.mark.long_swarms  # about 2.5 min on 2 cores
 @pytest.mark.timeout(600)  # pyproject's 300 s is the default suite's; a loaded host takes longer
-def test_sixteen_nodes_average_in_full_groups_and_hold_one_theta_after_every_round(tmp_path, cleanup):
+def test_sixteen_nodes_average_in_full_groups_and_mend_any_split_of_theta_in_one_round(tmp_path, cleanup):
     """Issue 60: a swarm of 16 real nodes on a 4x4 grid (groups of 4, two hops), 5 rounds. At
     least 95% of the nodes' rounds end `full` (each group the node joined held every member it
     expected, no part failed: issue 60's figure), every round has both hops on every node, and
@@ -97,10 +97,9 @@ def test_sixteen_nodes_average_in_full_groups_and_hold_one_theta_after_every_rou
     CI run split round 0 into 4 θ_g, its groups full but for a few nodes (CI printed two logs;
     the likely cause: a node's record missing from some views as the 16 started, their DHT
     seconds old, leaves it out of the hop-1 groups those views trace, which close full without
-    its share); the
-    members of round 1's hop 0 saw their hashes differ and re-synced (`MoshpitAverager`), as a
-    swarm does after any split (the two logs CI printed agree from round 1 on). A split that
-    the next round did not mend, or two, still fails here."""
+    its share); the members of round 1's hop 0 saw their hashes differ and re-synced
+    (`MoshpitAverager`), as a swarm does after any split (the two logs CI printed agree from
+    round 1 on). A split that the next round did not mend, or two, still fails here."""
     env = {"OMP_NUM_THREADS": "1", **step_floor(1.0)}
     first = NodeProcess.join("n00", tmp_path, *SIXTEEN, env=env)
     cleanup.append(first)
