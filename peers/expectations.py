@@ -3,12 +3,14 @@
 A hop-0 group waits for the peers its grid cell names in this node's view (who may be gone:
 hence an adaptive window, stretched for peers still in their last, long inner step); a group
 of a later hop waits for every peer whose path through the groups that really formed leads
-here, or still may. A group admits only peers with a live, signed membership record.
+here, or still may. A group admits only peers with a live, signed membership record, or, in
+a later hop, one whose own hop-0 `formed` record of the round a read found (`_vouch`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 import time
 from collections.abc import Awaitable, Callable
@@ -17,6 +19,8 @@ from .deadlines import AdaptiveDeadlines
 from .grid import Slot, agreed_dims, classes_of, coordinates, hop_key, split_groups
 from .matchmaking import UNKNOWN, FormedGroup, Matchmaker
 from .membership import PeerRecord
+
+log = logging.getLogger(__name__)
 
 STALENESS_S = 2.0  # how stale a peer's record of its progress may be (a heartbeat or so)
 # how long a later hop still traces a peer of the round whose record has gone from the view: on a
@@ -49,6 +53,9 @@ class GroupExpectations:
         # this node's last hop-0 group: (round, key, peers its cell expected that were not in it)
         self._hop0_missing: tuple[int, str, set[str]] | None = None
         self._no_shows: tuple[int, frozenset[str]] = (-1, frozenset())  # (round, `no_shows` of it)
+        # peers missing from this node's view that formed a hop-0 group of the round: (round, ids)
+        self._vouched: tuple[int, frozenset[str]] = (-1, frozenset())
+        self._unseen_traced: set[str] = set()  # of those, the ones this node logged tracing
 
     async def population(self, round_no: int) -> set[str]:
         """Peers of `round_no`: live, same model, at this step or finishing the one before."""
@@ -93,9 +100,46 @@ class GroupExpectations:
         and those this round's population held whose record lapsed in the last LAPSE_GRACE_S
         (a later hop waits for them: it must also let them in)."""
         view = await self.view()
-        return {p.peer_id for p in view.values() if p.model_hash == self.model_hash and p.state != "stopped"} | (
-            self._lapsed(view)
+        return (
+            {p.peer_id for p in view.values() if p.model_hash == self.model_hash and p.state != "stopped"}
+            | self._lapsed(view)
+            | self._vouched_in(self._seen_round, view)
         )
+
+    def _vouched_in(self, round_no: int, view: dict[str, PeerRecord]) -> frozenset[str]:
+        """Peers of `round_no` that this node's view lacks but that formed a hop-0 group of it."""
+        vouched_round, peers = self._vouched
+        return frozenset(p for p in peers if p not in view) if vouched_round == round_no else frozenset()
+
+    def _vouch(
+        self, round_no: int, dims: int, side: int, formed: dict[str, dict[str, tuple[str, ...]]]
+    ) -> frozenset[str]:
+        """The writers of hop-0 `formed` records of `round_no` read so far (`formed`, by key),
+        each under its own cell's key: peers of the round, whatever this node's view says.
+
+        Views lag: a node whose view lacks a peer (a 16-node swarm's first seconds) neither
+        traced that peer's path into its later hops nor let it in, and its group closed `full`
+        without the share the peer carried (the likely cause of a CI run's round-0 split of
+        θ_g in four, its groups all `full` but for a few nodes). A peer's own signed
+        record of the group it formed in hop 0 (what the later hops trace paths through) says
+        it is in the round, so it is traced and admitted like a peer of the view. A record
+        under another cell's key (a made-up or misplaced one) vouches for nobody."""
+        found = {
+            p
+            for key, records in formed.items()
+            for p in records
+            if p != self.peer_id
+            and self.matchmaker.group_key(
+                round_no, 0, f"d{dims}.{hop_key(coordinates(p, round_no, side, dims, self.run_id), 0)}"
+            )
+            == key
+        }
+        if self._vouched[0] == round_no:
+            found |= self._vouched[1]
+        else:
+            self._unseen_traced = set()
+        self._vouched = (round_no, frozenset(found))
+        return self._vouched[1]
 
     async def last_step_of_others(self, round_no: int, peers: set[str]) -> float:
         """How long hop 0 should keep its door open for peers still in their last inner step of
@@ -208,9 +252,11 @@ class GroupExpectations:
         come here, unless a group of its hop-0 cell formed without it (the window of hop 0
         closed the door on it). A peer that has stopped or left the round drops out of the
         population; one whose record lapsed for a few seconds does not (`traced_population`).
+        A peer this node's view lacks is traced too once its hop-0 record is read (`_vouch`).
         `known` caches the formed records read so far (a record never changes).
         """
-        population = await self.traced_population(round_no)
+        view = await self.view()
+        population = await self.traced_population(round_no) | self._vouched_in(round_no, view)
         paths = {p: coordinates(p, round_no, side, dims, self.run_id) for p in population}
         paths = {p: path for p, path in paths.items() if path[hop + 1 :] == slot.coords[hop + 1 :]}
         wanted = {self.peer_id}
@@ -221,6 +267,16 @@ class GroupExpectations:
             stale = sorted({key for p, key in keys.items() if p not in known.get(key, {})})
             for key, records in zip(stale, await asyncio.gather(*(self.matchmaker.formed(k) for k in stale))):
                 known[key] = known.get(key, {}) | records
+            if j == 0:  # a peer's own hop-0 record puts it in the round though a lagging view lacks it
+                unseen = self._vouch(round_no, dims, side, known) - set(view)
+                if fresh := unseen - self._unseen_traced:
+                    self._unseen_traced |= fresh
+                    log.info("round %d: tracing %s by their hop-0 records (not in this view)", round_no, sorted(fresh))
+                for p in unseen - set(paths):
+                    path = coordinates(p, round_no, side, dims, self.run_id)
+                    if path[hop + 1 :] == slot.coords[hop + 1 :]:
+                        paths[p] = path
+                        keys[p] = self.matchmaker.group_key(round_no, 0, f"d{dims}.{hop_key(path, 0)}")
             door_closed = sorted({key for p, key in keys.items() if j == 0 and p not in known[key] and known[key]})
             registered = dict(
                 zip(door_closed, await asyncio.gather(*(self.matchmaker.registered(k) for k in door_closed)))

@@ -1047,6 +1047,57 @@ def test_a_later_hop_still_waits_for_and_admits_a_peer_of_the_round_whose_record
     asyncio.run(main())
 
 
+def test_a_later_hop_traces_and_admits_a_peer_its_view_lacks_once_that_peer_formed_hop_0(dht):
+    """Views lag: a node whose view lacks a peer (a 16-node swarm's first seconds) neither
+    waited for that peer in its hop-1 group nor let it in, and the group closed `full` without
+    the share the peer carried (the likely cause of a CI run's round-0 split of θ_g in four).
+    A peer's own `formed` record of hop 0, under its own cell's
+    key, now puts it on the paths a later hop traces and among those it admits, for this round
+    only. A record under another cell's key vouches for nobody."""
+
+    async def main():
+        run_id, side, dims, round_no, me = "vouch-run", 2, 2, 3, "peer-me"
+        names = [f"peer{i:02d}" for i in range(40)]
+        coords = {p: coordinates(p, round_no, side, dims, run_id) for p in names}
+        unseen = names[0]
+        mate = next(p for p in names[1:] if coords[p][1] == coords[unseen][1])
+        forger = next(p for p in names[1:] if coords[p][1] != coords[unseen][1])
+        makers = {p: Matchmaker(dht, run_id, _member(p), poll_interval=0.05) for p in (me, unseen, mate, forger)}
+        cell = f"d{dims}.{hop_key(coords[unseen], 0)}"
+
+        async def pair(p: str) -> list[str]:
+            async def want():
+                return {unseen, mate}
+
+            group = await makers[p].form_group(round_no, 0, want, window=10, target_size=2, cell=cell)
+            return [m.peer_id for m in group.members]
+
+        assert await asyncio.gather(pair(unseen), pair(mate)) == [sorted([unseen, mate])] * 2
+        # the forger's record names the unseen peer too, under a cell that is not the forger's own
+        await makers[forger].board.publish(makers[forger].group_key(round_no, 0, cell), "formed", (forger, unseen))
+        view_now = {
+            p: PeerRecord(peer_id=p, state="averaging", model_hash="m", outer_step=round_no) for p in (me, mate)
+        }
+
+        async def view():
+            return view_now
+
+        expectations = GroupExpectations(
+            run_id, "m", side, me, view, makers[me], AdaptiveDeadlines(1.0, 10.0, 1.0, 10.0)
+        )
+        landing = (sorted([unseen, mate]).index(unseen), coords[unseen][1])  # the unseen peer's class in hop 1
+        slot = Slot(hop_key(landing, 1), 1.0, True, landing)
+        assert unseen not in await expectations.admissible()
+        assert await expectations.population(round_no) == {me, mate}
+        assert await expectations.on_the_way(round_no, 1, dims, side, slot, {}) == {me, unseen}
+        admitted = await expectations.admissible()
+        assert unseen in admitted and forger not in admitted
+        assert await expectations.population(round_no + 1) == {me, mate}  # the next round vouches anew
+        assert unseen not in await expectations.admissible()
+
+    asyncio.run(main())
+
+
 def test_two_groups_re_syncing_one_theta_brought_by_different_numbers_of_members_agree():
     """Moshpit's later hops: a group of 3 hands class 0 to two members (½ of its mean each) and
     class 1 to one (all of it), so one group of the next hop gets θ_1 from two members and
