@@ -8,12 +8,13 @@ import dataclasses
 
 import pytest
 from dht_harness import ready_dht, run_in_fresh_process, signed_dhts
+from fuzz_budget import inputs
 from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.dht.routing import DHTID
 from hivemind.dht.validation import DHTRecord
 from hivemind.p2p import P2P
 from hivemind.utils import MSGPackSerializer, get_dht_time
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from dtnode.peers.dht_records import MAX_EXPIRY_S, MAX_VALUE_BYTES, SwarmRecords, SwarmValidator, entry_digest, refusal
@@ -64,7 +65,7 @@ def test_only_signed_small_maps_expiring_soon_are_kept(signed):
     assert refusal(broken, NOW) == "malformed subkey"
 
 
-@settings(max_examples=2000, deadline=None)
+@inputs(2000)
 @given(subkey=st.binary(max_size=600), value=st.binary(max_size=2000), expiration=st.floats(allow_nan=True))
 def test_any_bytes_are_judged_without_raising(subkey, value, expiration):
     """Peers send the subkey, value and expiration bytes as they like: the validator answers."""
@@ -151,7 +152,7 @@ def test_an_entry_found_valid_is_remembered_and_nothing_else_passes_for_it(tmp_p
     assert checker.validate(entry) and checker.remembered_count == 4
 
 
-@settings(max_examples=1500, deadline=None)
+@inputs(1500)
 @given(
     parts=st.lists(
         st.tuples(

@@ -4,7 +4,8 @@ peer address that prints back as given, or a PeerAddressError that shows a valid
 import hashlib
 
 import base58
-from hypothesis import given, settings
+from fuzz_budget import inputs
+from hypothesis import given
 from hypothesis import strategies as st
 
 from dtnode.peers.peer_address import EXAMPLE, PeerAddressError, is_peer_address, parse_peer_address
@@ -18,7 +19,7 @@ def _peer_id(seed: bytes, ed25519: bool) -> str:
     return base58.b58encode(b"\x12\x20" + hashlib.sha256(seed).digest()).decode()
 
 
-@settings(max_examples=3000, deadline=None)
+@inputs(3000)
 @given(st.one_of(st.text(max_size=400), st.lists(st.sampled_from(PARTS), max_size=9).map("/".join)))
 def test_any_text_is_a_peer_address_or_a_clear_refusal(text):
     try:
@@ -30,7 +31,7 @@ def test_any_text_is_a_peer_address_or_a_clear_refusal(text):
         assert str(address) == text and is_peer_address(text)
 
 
-@settings(max_examples=1000, deadline=None)
+@inputs(1000)
 @given(
     host=st.one_of(
         st.ip_addresses(v=4).map(lambda ip: ("ip4", str(ip))),
@@ -48,7 +49,7 @@ def test_every_address_a_node_announces_parses_to_its_parts(host, port, seed, ed
     assert (address.kind, address.host, address.port, address.peer_id) == (kind, name, port, peer_id)
 
 
-@settings(max_examples=500, deadline=None)
+@inputs(500)
 @given(seed=st.binary(max_size=16), cut=st.integers(1, 20))
 def test_a_peer_id_cut_short_is_refused(seed, cut):
     peer_id = _peer_id(seed, ed25519=False)

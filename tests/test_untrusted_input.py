@@ -19,7 +19,8 @@ from pathlib import Path
 import pytest
 import torch
 from aiohttp import web
-from hypothesis import HealthCheck, given, settings
+from fuzz_budget import inputs
+from hypothesis import given
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
@@ -43,9 +44,7 @@ from dtnode.peers.plan import FP32, INT8, SPARSE, Member, make_plan
 from dtnode.peers.wire import ChunkError, decode_chunk, numel_of
 from dtnode.proto import averaging_pb2 as pb
 
-MANY = settings(max_examples=2000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-ENOUGH = settings(max_examples=1000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-SOME = settings(max_examples=500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+MANY, ENOUGH, SOME = inputs(2000), inputs(1000), inputs(500)
 
 # what msgpack brings back from a peer: any nesting of these
 json_values = st.recursive(
