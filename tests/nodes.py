@@ -108,6 +108,18 @@ def dtnode_status(url: str, *extra: str, env: dict[str, str] | None = None) -> s
     )
 
 
+def typed_at_a_terminal(command: str) -> list[str]:
+    """The argv that runs the shell `command` with SIGINT at its default, as a terminal's
+    foreground job has it. A runner started in the background (`make test &`) hands SIGINT down
+    ignored, and exec, like Python, keeps an ignored signal ignored: a test's Ctrl-C then did
+    nothing (this box's CI20). Python resets it here, then execs bash, which keeps a default."""
+    reset_then_exec = (
+        "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); "
+        "os.execvp('bash', ['bash', '-c', sys.argv[1]])"
+    )
+    return [sys.executable, "-c", reset_then_exec, command]
+
+
 def wait_until(condition: Callable[[], T | None], timeout: float, what: str | Callable[[], str]) -> T:
     """Poll `condition` until it returns something truthy; AssertionError naming `what` after
     `timeout` seconds (a hang guard: generous, never a speed check). A callable `what` is asked

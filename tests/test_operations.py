@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import shutil
 import socket
 import subprocess
@@ -18,7 +19,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from nodes import FAST, NodeProcess, wait_until
+from nodes import FAST, NodeProcess, typed_at_a_terminal, wait_until
 from prometheus_client.parser import text_string_to_metric_families
 
 from dtnode.daemon.catchup.joiner import MAX_REENTRIES
@@ -224,13 +225,10 @@ def test_status_watch_redraws_until_ctrl_c(swarm):
 
     a, _ = swarm
     # Ctrl-C is SIGINT, which a shell's background job ignores and hands down ignored: the watch
-    # takes Python's own handler back first, so the test runs however its runner was started
-    interruptible = (
-        "import runpy, signal; signal.signal(signal.SIGINT, signal.default_int_handler); "
-        "runpy.run_module('dtnode', run_name='__main__', alter_sys=True)"
-    )
+    # runs as typed at a terminal, so the test runs however its runner was started
+    command = shlex.join([sys.executable, "-m", "dtnode", "status", "--url", a.http_url, "--watch", "0.5"])
     watch = subprocess.Popen(
-        [sys.executable, "-c", interruptible, "status", "--url", a.http_url, "--watch", "0.5"],
+        typed_at_a_terminal(f"exec {command}"),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,

@@ -22,13 +22,13 @@ import shlex
 import signal
 import socket
 import subprocess
-import sys
 import sysconfig
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from nodes import typed_at_a_terminal
 
 from dtnode.daemon.cli.main import _node_values, build_parser
 from dtnode.daemon.config.settings import load_settings
@@ -65,14 +65,6 @@ def readme_commands() -> list[str]:
 
 def _words(command: str) -> list[str]:
     return shlex.split(command, comments=True)
-
-
-# runs a shell command with SIGINT at its default disposition (exec keeps a default, as it keeps
-# an ignored signal ignored)
-AS_AT_A_TERMINAL = (
-    "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); "
-    "os.execvp('bash', ['bash', '-c', sys.argv[1]])"
-)
 
 
 def _env(**values: str) -> dict[str, str]:
@@ -215,7 +207,7 @@ def test_a_second_host_joins_and_status_watches_them(workdir):
         # the README's command as typed at a terminal, SIGINT at its default: a shell's background
         # job (a runner started with `&`) hands it down ignored, and the Ctrl-C below did nothing
         watching = subprocess.Popen(
-            [sys.executable, "-c", AS_AT_A_TERMINAL, f"exec {watch[0]}"],
+            typed_at_a_terminal(f"exec {watch[0]}"),
             cwd=workdir,
             env=_env(),
             stdout=subprocess.PIPE,
