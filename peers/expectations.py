@@ -119,7 +119,7 @@ class GroupExpectations:
 
         Views lag: a node whose view lacks a peer (a 16-node swarm's first seconds) neither
         traced that peer's path into its later hops nor let it in, and its group closed `full`
-        without the share the peer carried (the likely cause of a CI run's round-0 split of
+        without the share the peer carried (a possible cause of a CI run's round-0 split of
         θ_g in four, its groups all `full` but for a few nodes). A peer's own signed
         record of the group it formed in hop 0 (what the later hops trace paths through) says
         it is in the round, so it is traced and admitted like a peer of the view. A record
@@ -128,11 +128,7 @@ class GroupExpectations:
             p
             for key, records in formed.items()
             for p in records
-            if p != self.peer_id
-            and self.matchmaker.group_key(
-                round_no, 0, f"d{dims}.{hop_key(coordinates(p, round_no, side, dims, self.run_id), 0)}"
-            )
-            == key
+            if p != self.peer_id and self._key_of(round_no, 0, dims, self._path_of(p, round_no, side, dims)) == key
         }
         if self._vouched[0] == round_no:
             found |= self._vouched[1]
@@ -140,6 +136,14 @@ class GroupExpectations:
             self._unseen_traced = set()
         self._vouched = (round_no, frozenset(found))
         return self._vouched[1]
+
+    def _path_of(self, peer: str, round_no: int, side: int, dims: int) -> tuple[int, ...]:
+        """A peer's starting cell of the round (a hash of its id: the same in every view)."""
+        return coordinates(peer, round_no, side, dims, self.run_id)
+
+    def _key_of(self, round_no: int, hop: int, dims: int, path: tuple[int, ...]) -> str:
+        """The group key a peer at `path` forms hop `hop` under."""
+        return self.matchmaker.group_key(round_no, hop, f"d{dims}.{hop_key(path, hop)}")
 
     async def last_step_of_others(self, round_no: int, peers: set[str]) -> float:
         """How long hop 0 should keep its door open for peers still in their last inner step of
@@ -257,13 +261,11 @@ class GroupExpectations:
         """
         view = await self.view()
         population = await self.traced_population(round_no) | self._vouched_in(round_no, view)
-        paths = {p: coordinates(p, round_no, side, dims, self.run_id) for p in population}
+        paths = {p: self._path_of(p, round_no, side, dims) for p in population}
         paths = {p: path for p, path in paths.items() if path[hop + 1 :] == slot.coords[hop + 1 :]}
         wanted = {self.peer_id}
         for j in range(hop):
-            keys = {
-                p: self.matchmaker.group_key(round_no, j, f"d{dims}.{hop_key(path, j)}") for p, path in paths.items()
-            }
+            keys = {p: self._key_of(round_no, j, dims, path) for p, path in paths.items()}
             stale = sorted({key for p, key in keys.items() if p not in known.get(key, {})})
             for key, records in zip(stale, await asyncio.gather(*(self.matchmaker.formed(k) for k in stale))):
                 known[key] = known.get(key, {}) | records
@@ -273,10 +275,9 @@ class GroupExpectations:
                     self._unseen_traced |= fresh
                     log.info("round %d: tracing %s by their hop-0 records (not in this view)", round_no, sorted(fresh))
                 for p in unseen - set(paths):
-                    path = coordinates(p, round_no, side, dims, self.run_id)
+                    path = self._path_of(p, round_no, side, dims)
                     if path[hop + 1 :] == slot.coords[hop + 1 :]:
-                        paths[p] = path
-                        keys[p] = self.matchmaker.group_key(round_no, 0, f"d{dims}.{hop_key(path, 0)}")
+                        paths[p], keys[p] = path, self._key_of(round_no, 0, dims, path)
             door_closed = sorted({key for p, key in keys.items() if j == 0 and p not in known[key] and known[key]})
             registered = dict(
                 zip(door_closed, await asyncio.gather(*(self.matchmaker.registered(k) for k in door_closed)))

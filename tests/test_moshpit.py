@@ -1050,7 +1050,7 @@ def test_a_later_hop_still_waits_for_and_admits_a_peer_of_the_round_whose_record
 def test_a_later_hop_traces_and_admits_a_peer_its_view_lacks_once_that_peer_formed_hop_0(dht):
     """Views lag: a node whose view lacks a peer (a 16-node swarm's first seconds) neither
     waited for that peer in its hop-1 group nor let it in, and the group closed `full` without
-    the share the peer carried (the likely cause of a CI run's round-0 split of θ_g in four).
+    the share the peer carried (a possible cause of a CI run's round-0 split of θ_g in four).
     A peer's own `formed` record of hop 0, under its own cell's
     key, now puts it on the paths a later hop traces and among those it admits, for this round
     only. A record under another cell's key vouches for nobody."""
