@@ -43,8 +43,9 @@ class HopReport:
     @property
     def dropped_senders(self) -> int:
         """Members of the group missing from a part that succeeded: a reducer dropped them at its
-        deadline (or their stream failed), so the group's mean lacks them there while they kept
-        their own values. Their θ_g and the group's part ways, though every part succeeded."""
+        deadline (or their stream failed), so the group's mean lacks their values there. They
+        take that mean all the same (`reducer.SenderLate`), and θ_g stays one, but the round
+        lost their share of the part (this node's own, where it is the one missing)."""
         if self.group_size <= 1 or not self.included_peers:
             return 0
         return max(0, self.group_size - len(self.included_peers))

@@ -41,6 +41,7 @@ from .reduction_registry import ReductionRegistry
 from .wire import MAX_WEIGHT, Payload
 
 REDUCER_SHARE = 0.8  # a reducer stops waiting for senders here, leaving the rest to stream the result back
+HELD_BACK_GRACE = 0.1  # ...but for senders held back only by slower ones: this share of the timeout more
 RESULTS_FLUSH_S = 1.0  # a reducer waits this long for its last result chunks to leave before counting them
 
 # In robust mode a member refuses a part whose averaged result is this many times larger (L2)
@@ -184,6 +185,7 @@ class ButterflyAllReduce:
             self.weight,
             self.started + self.timeout * REDUCER_SHARE,  # early enough to stream the result back in time
             self.trim_fraction,
+            self.timeout * HELD_BACK_GRACE,
             size=length,
         )
         del own  # the reduction holds its own copy: a coded Δ's decoded part goes now

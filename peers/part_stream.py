@@ -6,7 +6,9 @@ bidirectional stream while this member is still sending. A stream that broke on 
 before any result came back is sent again once, on a channel dialled afresh; a reducer that
 has not formed the group yet is asked again, paused, while time is left. The mean is written
 over this member's slice only once it is whole and has passed every check (`PartResult`); a
-part that fails keeps this member's own values.
+part that fails keeps this member's own values. A reducer that dropped this member (it came
+late) still streams the part's mean back, without this member's values: it is taken as it is,
+the group's.
 """
 
 from __future__ import annotations
@@ -256,9 +258,11 @@ class PartStream:
         run = self.run
         if self.received != self.length:
             raise ChunkError(f"result ended after {self.received} of {self.length} elements")
+        # a mean that lacks this member (the reducer dropped it: it came late) is still the
+        # group's: every member takes the same bytes (`reducer.SenderLate`)
         included = list(msg.included)
-        if run.own_id not in included or not set(included) <= set(run.plan.member_ids):
-            raise ChunkError(f"reducer's included list {included} is not valid for us")
+        if not set(included) <= set(run.plan.member_ids) or run.plan.members[self.part].peer_id not in included:
+            raise ChunkError(f"reducer's included list {included} is not valid for this group")
         if not (math.isfinite(msg.total_weight) and 0 < msg.total_weight <= MAX_WEIGHT * len(run.plan.members)):
             raise ChunkError(f"reducer's total weight {msg.total_weight} is out of range")
         expected = run.plan.expected_total_weight(included)

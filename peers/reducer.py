@@ -66,6 +66,9 @@ THREAD_THRESHOLD = 1 << 16
 # overflows fp32: one such sender would make the whole part's mean infinite. With this bound,
 # a few hundred senders still sum below fp32's 3.4e38.
 MAX_CONTRIBUTION = 1e36
+# A sender runs at most this many chunks ahead of the mean's last final chunk: what a part
+# holds of each sender stays bounded however far apart the senders stream.
+AHEAD_CHUNKS = 4
 
 
 class ReductionFailed(RuntimeError):
@@ -84,6 +87,24 @@ class SenderAbsent(ChunkError):
 
     def __init__(self, sender: str):
         super().__init__(f"sender {sender} is not in this member's group: its record named another group, or none")
+
+
+class SenderLate(ChunkError):
+    """The sender was dropped from this part: it came after the reducer's deadline, or an
+    earlier stream of its failed. Nothing more of it is counted, but it is a member of the group
+    and still takes the part's mean, streamed back on the same stream (`AveragingService`).
+
+    Told to go, it kept its own values there while its group-mates took the mean: it carried
+    another value of the part into the next hop, and the grid's last-hop groups ended on
+    different θ_g though each was complete (32 nodes on 2 cores, a load average near 50: most
+    split rounds). Taking the mean without its values, it leaves with its group-mates' bytes;
+    what it loses is its share of that part for one round, as a member that missed the group."""
+
+    def __init__(self, sender: str):
+        super().__init__(
+            f"sender {sender} was dropped from this part (it came after the deadline, or an earlier stream of "
+            "its failed): it takes the part's mean without its values"
+        )
 
 
 def largest_magnitude(payload: Payload) -> float:
@@ -164,13 +185,18 @@ class PartReduction:
         own_weight: float,
         deadline: float,
         trim_fraction: float | None = None,
+        grace: float = 0.0,
     ):
+        """`deadline`: when senders that have not finished are dropped (`monotonic`), but for
+        those held back only by the chunks of dropped ones (`AHEAD_CHUNKS`): they get `grace`
+        seconds more."""
         self.plan = plan
         self.part = plan.index_of(own_id)
         self.offset, self.length = plan.parts[self.part]
         self.spans = chunk_spans(plan, self.part)
         self.own_id = own_id
         self.deadline = deadline
+        self.grace = grace
         # Robust mode keeps each sender's decoded chunk until the chunk is final (a few chunks
         # per sender at most, see `add`) and takes a trimmed mean instead of the weighted sum.
         # The plain mean keeps each sender's chunk too (`held`): each contribution is clipped
@@ -191,6 +217,7 @@ class PartReduction:
         self.progress: dict[str, int] = {}  # chunks folded in, per sender
         self.committed: list[str] = []
         self.failed: set[str] = set()
+        self.held_back: set[str] = set()  # senders whose next chunk waits for the mean (`AHEAD_CHUNKS`)
         # senders this member took for absent (their records name another group, or none): they
         # are told so if they stream (`SenderAbsent`), and stop waiting for this member's stream
         self.absent: set[str] = set()
@@ -231,19 +258,37 @@ class PartReduction:
         if self._watchdog is not None:
             self._watchdog.cancel()
 
+    def _late(self) -> set[str]:
+        return self.expected - self.failed - set(self.committed)
+
     async def _expire_at_deadline(self) -> None:
+        """At the deadline, drop the senders that have not finished, but for those held back
+        only by the others' chunks (`held_back`: at most AHEAD_CHUNKS ahead of the mean): the
+        chunks they wait for finish once the ones behind are dropped, and they get `grace` to
+        send the rest. Dropped with the rest, a sender that was ahead of a slow one lost the part,
+        and, where every other sender was ahead, the mean was the reducer's own values (a part
+        of more than AHEAD_CHUNKS chunks: a large model's)."""
         await asyncio.sleep(max(self.deadline - time.monotonic(), 0))
-        late = sorted(self.expected - self.failed - set(self.committed))
-        if late:
-            log.warning(
-                "round %s hop %s part %s: no complete stream from %s by the deadline",
-                self.plan.round,
-                self.plan.hop,
-                self.part,
-                late,
-            )
-            for sender in late:
-                await self.fail(sender)
+        late = self._late()
+        ahead = late & self.held_back
+        await self._drop_late(late - ahead, "by the deadline")
+        if ahead and self._late():
+            await asyncio.sleep(self.grace)
+            await self._drop_late(self._late(), f"by the deadline and {self.grace:.1f}s of grace")
+
+    async def _drop_late(self, late: set[str], when: str) -> None:
+        if not late:
+            return
+        log.warning(
+            "round %s hop %s part %s: no complete stream from %s %s",
+            self.plan.round,
+            self.plan.hop,
+            self.part,
+            sorted(late),
+            when,
+        )
+        for sender in sorted(late):
+            await self.fail(sender)
 
     def begin(self, sender: str, weight: float) -> None:
         if sender not in self.expected:
@@ -251,9 +296,7 @@ class PartReduction:
         if sender in self.absent:
             raise SenderAbsent(sender)
         if sender in self.failed:
-            raise ChunkError(
-                f"sender {sender} was dropped from this part (it came after the deadline, or its earlier stream failed)"
-            )
+            raise SenderLate(sender)
         if sender in self.progress:
             raise ChunkError(f"sender {sender} already streamed this part")
         if not (math.isfinite(weight) and 0 < weight <= MAX_WEIGHT):
@@ -266,30 +309,34 @@ class PartReduction:
                 )
             weight = min(weight, counted)  # what the plan lets it count: every member knows it
         if time.monotonic() > self.deadline:
-            raise ChunkError("the reduction's deadline has passed")
+            raise SenderLate(sender)
         self.weights[sender] = weight
         self.progress[sender] = 0
 
     async def add(self, sender: str, index: int, payload: Payload) -> None:
         """Fold chunk `index` of a sender into the accumulator (chunks arrive in order)."""
         offset, _ = self.spans[index]
-        async with self._changed:  # bounded buffering: a sender runs at most 4 chunks ahead
-            await self._changed.wait_for(
-                lambda: index < self.finalized + 4 or sender in self.failed or self.failure is not None
-            )
+        async with self._changed:  # bounded buffering: a sender runs at most AHEAD_CHUNKS ahead
+            self.held_back.add(sender)
+            try:
+                await self._changed.wait_for(
+                    lambda: index < self.finalized + AHEAD_CHUNKS or sender in self.failed or self.failure is not None
+                )
+            finally:
+                self.held_back.discard(sender)
         async with self._chunk_locks[index]:
             if self.failure is not None:
                 raise ChunkError(str(self.failure))
             if sender in self.absent:
                 raise SenderAbsent(sender)
             if sender in self.failed:
-                raise ChunkError("the reduction's deadline has passed")
+                raise SenderLate(sender)
             await maybe_thread(self._fold, index, offset, payload, self.weights[sender], size=numel_of(payload))
             # A held chunk counts even if the sender was dropped meanwhile: it is in the sum.
             self.progress[sender] = index + 1
         failpoints.reach("reducing", self.plan.round)
         if sender in self.failed:
-            raise ChunkError("the reduction's deadline has passed")
+            raise SenderLate(sender)
         if index + 1 == len(self.spans):
             self.committed.append(sender)
         await self._advance()

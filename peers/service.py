@@ -5,7 +5,9 @@ Nothing a sender says is trusted: its first chunk must name this run, carry a va
 key tag (in a keyed swarm), arrive over the TLS certificate of the peer it claims to be, and
 name a reduction this node serves; every chunk after it must keep that identity and pass the
 wire checks (wire.py). Any violation ends the stream with a gRPC status and drops the sender
-from the part; nothing it sent is kept beyond the chunks already folded in full.
+from the part; nothing it sent is kept beyond the chunks already folded in full. A member
+dropped from the part only for coming late (or after an earlier stream of its failed) still
+takes the part's mean back, without its values (`SenderLate`), as its group-mates do.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from dtnode.proto import averaging_pb2_grpc as pb_grpc
 
 from .auth import GRPC_METADATA, AuthError, SwarmAuth, stream_subject
 from .netgroups import network_group
-from .reducer import PartReduction, ReductionFailed, SenderAbsent
+from .reducer import PartReduction, ReductionFailed, SenderAbsent, SenderLate
 from .reduction_registry import ReductionRegistry
 from .tls import TrustStore, client_fingerprint
 from .wire import REDUCING_METADATA, ChunkError, RefusalReason, chunk_message, decode_chunk, payload_size
@@ -139,13 +141,13 @@ class AveragingService(pb_grpc.AveragingServicer):
             await _abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED, "too many concurrent streams from this network")
         if self._open_total >= self.max_streams:
             await _abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED, "too many concurrent streams on this node")
-        await self._begin(first, reduction, context)
+        counted = await self._begin(first, reduction, context)
         # the sender learns at once that this member formed its group (`ButterflyAllReduce.present`)
         await context.send_initial_metadata((REDUCING_METADATA,))
         self._open[group] = self._open.get(group, 0) + 1
         self._open_total += 1
         try:
-            async for msg in self._reduce(first, reduction, requests, context):
+            async for msg in self._reduce(first, reduction, requests, context, counted):
                 yield msg
         finally:
             self._open_total -= 1
@@ -168,11 +170,16 @@ class AveragingService(pb_grpc.AveragingServicer):
             self.pending.release(evicted)
         return first, reduction
 
-    async def _begin(self, first: pb.PartChunk, reduction: PartReduction, context: grpc.aio.ServicerContext) -> None:
+    async def _begin(self, first: pb.PartChunk, reduction: PartReduction, context: grpc.aio.ServicerContext) -> bool:
         """The sender counts in the part from here (once it holds a slot: a stream refused for
-        slots is not waited for)."""
+        slots is not waited for); False for one dropped from the part, which only takes the
+        mean back (`SenderLate`)."""
         try:
             reduction.begin(first.sender, first.weight)
+            return True
+        except SenderLate as e:
+            _taking_the_mean_only(reduction, first.sender, e)
+            return False
         except SenderAbsent as e:  # this member left the sender out: it stops waiting for us
             await _abort(context, grpc.StatusCode.NOT_FOUND, str(e))
         except ChunkError as e:
@@ -266,21 +273,28 @@ class AveragingService(pb_grpc.AveragingServicer):
         reduction: PartReduction,
         requests: AsyncIterator[pb.PartChunk],
         context: grpc.aio.ServicerContext,
+        counted: bool,
     ):
+        """The part's mean streamed back chunk by chunk as it becomes final, while the sender's
+        chunks are read and folded (`counted`; a sender dropped from the part, before its stream
+        or during it, only takes the mean: `SenderLate`)."""
         sender = first.sender
-        reader = asyncio.ensure_future(self._consume(reduction, sender, first, requests))
+        reader = asyncio.ensure_future(self._consume(reduction, sender, first, requests)) if counted else None
         reduction.open_streams += 1
         reduction.streams_closed.clear()
         try:
             for index, (offset, _) in enumerate(reduction.spans):
                 waiter = asyncio.ensure_future(reduction.wait_chunk(index))
-                if not reader.done():
+                if reader is not None and not reader.done():
                     await asyncio.wait({waiter, reader}, return_when=asyncio.FIRST_COMPLETED)
-                if reader.done() and reader.exception() is not None:
+                error = reader.exception() if reader is not None and reader.done() else None
+                if isinstance(error, SenderLate) and reduction.failure is None:
+                    _taking_the_mean_only(reduction, sender, error)
+                    reader = None  # read no more of it; its mean still goes back
+                elif error is not None:
                     waiter.cancel()
                     if reduction.failure is not None:  # not this sender's doing
                         await _abort(context, grpc.StatusCode.ABORTED, str(reduction.failure))
-                    error = reader.exception()
                     if isinstance(error, SenderAbsent):  # not the stream's fault: this member left it out
                         await _abort(context, grpc.StatusCode.NOT_FOUND, str(error))
                     log.warning("rejected stream from %s: %s", sender, error)
@@ -301,7 +315,9 @@ class AveragingService(pb_grpc.AveragingServicer):
             reduction.open_streams -= 1
             if not reduction.open_streams:
                 reduction.streams_closed.set()
-            if not reader.done():
+            if reader is None:
+                pass  # never read, or its error (SenderLate) already taken
+            elif not reader.done():
                 reader.cancel()
                 await reduction.fail(sender)
             elif not reader.cancelled():
@@ -340,6 +356,16 @@ class AveragingService(pb_grpc.AveragingServicer):
         except BaseException:
             await reduction.fail(sender)
             raise
+
+
+def _taking_the_mean_only(reduction: PartReduction, sender: str, why: SenderLate) -> None:
+    log.info(
+        "round %s hop %s part %s: %s",
+        reduction.plan.round,
+        reduction.plan.hop,
+        reduction.part,
+        why,
+    )
 
 
 def _swallow_result(task: asyncio.Future) -> None:

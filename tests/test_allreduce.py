@@ -535,6 +535,111 @@ def test_results_stream_back_while_senders_still_send_and_a_sender_dying_mid_str
     run(main())
 
 
+@pytest.mark.parametrize("codec", [INT8, SPARSE])
+def test_a_member_that_comes_after_the_reducers_deadline_takes_the_groups_mean_without_its_values(codec):
+    """A member that comes to its group after the reducers' deadline (its host loaded, its
+    group formed late) was refused and kept its own values in every part, while its group-mates
+    took the mean: it carried another value of the parts into the next hop, and the grid's last
+    hop ended on different θ_g (32 nodes on 2 cores). It now takes the group's mean, without
+    its values: every member leaves with the same bytes, and the late one's report says that
+    the mean lacks it. A member on time whose stream was held back by the late one's chunks
+    (a sender runs at most AHEAD_CHUNKS ahead of the mean; 5 chunks a part here) is not dropped
+    with it: it had a grace to finish, and the mean holds it."""
+
+    async def main():
+        peers = await start_peers(3, client_mode=(2,))
+        plan = make_plan(
+            "test-run", 0, 0, [p.member for p in peers], 9_000, 64, 1024, codec, top_k=16 if codec == SPARSE else 0
+        )
+        values = [torch.randn(9_000) for _ in range(3)]
+        outs = [torch.empty(9_000) for _ in range(3)]
+        on_time_s = 3.0  # the reducers stop waiting at 0.8 x this, and serve the mean for as long after
+
+        async def late():
+            await asyncio.sleep(on_time_s)
+            late_peer = peers[2]
+            return await butterfly_allreduce(
+                plan, "peer02", values[2], 1.0, outs[2], late_peer.registry, late_peer.channels, timeout=10.0
+            )
+
+        try:
+            *on_time, late_report = await asyncio.gather(
+                *(
+                    butterfly_allreduce(plan, p.member.peer_id, v, 1.0, o, p.registry, p.channels, timeout=on_time_s)
+                    for p, v, o in zip(peers[:2], values, outs)
+                ),
+                late(),
+            )
+        finally:
+            await stop_peers(peers)
+        for report in [*on_time, late_report]:
+            assert not report.failed_parts, report.failed_parts
+            assert report.included_peers == ["peer00", "peer01"]
+        assert torch.equal(outs[2], outs[0]) and torch.equal(outs[1], outs[0])
+        assert late_report.weight_after(1.0) == 2.0  # the mean stands for the two it holds
+        if codec == INT8:
+            assert rel(outs[0], exact_mean(values[:2], [1.0, 1.0])) <= INT8_BOUND
+
+    run(main())
+
+
+def test_a_sender_whose_stream_broke_midway_takes_the_mean_on_its_next_stream():
+    """A sender's stream that broke after a chunk drops it from the part (only its chunks in
+    full count); its stream sent again is not refused: it takes the part's mean back, the
+    bytes the other members take. (It sends nothing to the other part, whose reducer drops it
+    at its deadline.)"""
+
+    async def main():
+        peers = await start_peers(2)
+        ghost = Member("peer-ghost", "", client_mode=True)
+        numel, chunk = 8192, 1024
+        plan = make_plan("test-run", 1, 0, [p.member for p in peers] + [ghost], numel, 64, chunk, FP32)
+        values = [torch.randn(numel) for _ in range(3)]
+        outs = [torch.empty(numel) for _ in range(2)]
+        reducer = peers[0]
+        part = plan.index_of(reducer.member.peer_id)
+        offset, length = plan.parts[part]
+        stream = _stream_of(plan, part, "peer-ghost", values[2])
+
+        async def ghost_sender():
+            async with grpc.aio.insecure_channel(reducer.member.grpc_addr) as channel:
+                stub = pb_grpc.AveragingStub(channel)
+                first: asyncio.Queue = asyncio.Queue()
+                first.put_nowait(stream[0])
+
+                async def one_chunk_then_silence():
+                    while True:
+                        yield await first.get()
+
+                call = stub.Reduce(one_chunk_then_silence(), timeout=10)
+                await call.read()  # chunk 0 of the mean: the reducer counted our chunk 0
+                call.cancel()  # broken with 7 of 8 chunks unsent
+                again = stub.Reduce(iter(stream), timeout=10)
+                return [reply async for reply in again]
+
+        try:
+            *reports, replies = await asyncio.wait_for(
+                asyncio.gather(
+                    *(
+                        butterfly_allreduce(plan, p.member.peer_id, v, 1.0, o, p.registry, p.channels, timeout=6.0)
+                        for p, v, o in zip(peers, values, outs)
+                    ),
+                    ghost_sender(),
+                ),
+                30,
+            )
+        finally:
+            await stop_peers(peers)
+        assert replies[-1].last and sorted(replies[-1].included) == ["peer00", "peer01"]
+        mean = torch.cat([torch.frombuffer(bytearray(r.values), dtype=torch.float32) for r in replies])
+        assert torch.equal(mean, outs[0][offset : offset + length])
+        assert torch.equal(outs[0], outs[1])
+        for report in reports:
+            assert report.included_peers == ["peer00", "peer01"]
+
+    run(main())
+
+
 def test_error_feedback_bounds_the_error_of_many_rounds():
     """Averaging the same buffers round after round: with error feedback the running sum of
     results stays within one round's error of the exact sum; without it the error grows."""
