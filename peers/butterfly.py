@@ -22,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Collection
 
 import torch
 
@@ -111,7 +111,7 @@ class ButterflyAllReduce:
         auth: SwarmAuth | None = None,
         trim_fraction: float | None = None,
         drift: DriftBound | None = None,
-        absent: Callable[[], Awaitable[set[str]]] | None = None,
+        absent: Callable[[Collection[str]], Awaitable[set[str]]] | None = None,
     ):
         check_inputs(plan, values, out, weight, in_flight, feedback)
         self.plan, self.own_id, self.values, self.weight, self.out = plan, own_id, values, weight, out
@@ -123,6 +123,11 @@ class ButterflyAllReduce:
         # for absent by one group-mate while it streamed to the others, and the group's mean
         # lacked two parts' shares
         self.present: set[str] = set()
+        # members that answered a stream "not yet, still forming the hop's groups": alive and on
+        # their way, so a `formed` record not read yet does not make them absent (only one that
+        # names another group does). A late-forming reducer taken for absent by half its hop-1
+        # group of 10 while the other half took its mean split θ_g five ways (32 nodes on 2 cores)
+        self.forming: set[str] = set()
         self._absent = absent
         self.absent = self._absent_unless_present if absent is not None else None
         self.residual = feedback.buffer if feedback is not None else None
@@ -159,7 +164,7 @@ class ButterflyAllReduce:
         """`absent`'s members, less those this all-reduce has seen in the group (`present`)."""
         assert self._absent is not None
         began = set(self.own_reduction.weights) if self.own_reduction is not None else set()
-        return await self._absent() - self.present - began
+        return await self._absent(self.forming) - self.present - began
 
     async def reducer_elsewhere(self, peer_id: str) -> None:
         """A reducer formed other groups: it sends nothing to our part either."""
@@ -265,7 +270,7 @@ async def butterfly_allreduce(
     auth: SwarmAuth | None = None,
     trim_fraction: float | None = None,
     drift: DriftBound | None = None,
-    absent: Callable[[], Awaitable[set[str]]] | None = None,
+    absent: Callable[[Collection[str]], Awaitable[set[str]]] | None = None,
 ) -> AllReduceReport:
     """Average `values` (flat fp32, CPU) across the plan's members into `out`, which may be
     `values` itself: a part's result is written only once the whole part is in and checked
@@ -289,8 +294,9 @@ async def butterfly_allreduce(
     sending a Δ far longer than the others' moves nobody, it only costs its groups their average.
 
     `absent`, when given, names the members known not to be in this group (they formed another,
-    or formed none: `peers/presence.py`): this member's reduction stops waiting for their streams,
-    and its streams to their parts stop, at once rather than at the deadline.
+    or formed none: `peers/presence.py`), less those said to be still forming (its argument):
+    this member's reduction stops waiting for their streams, and its streams to their parts
+    stop, at once rather than at the deadline.
     """
     run = ButterflyAllReduce(
         plan,

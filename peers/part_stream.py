@@ -33,6 +33,7 @@ from .part_result import PartResult
 from .plan import chunk_spans
 from .tls import TlsError
 from .wire import (
+    FORMING_METADATA,
     MAX_WEIGHT,
     REDUCING_METADATA,
     WEIGHT_SLACK,
@@ -199,9 +200,14 @@ class PartStream:
             await asyncio.gather(producer, *([accepted] if accepted is not None else []), return_exceptions=True)
 
     async def _note_accepted(self, call: grpc.aio.StreamStreamCall) -> None:
-        """Once the reducer says it took this stream into its part, it formed this group: present."""
-        if REDUCING_METADATA in tuple(await call.initial_metadata() or ()):
+        """Once the reducer says it took this stream into its part, it formed this group:
+        present. One that says it is still forming its groups of the hop is on its way: a
+        `formed` record not read yet does not make it absent (`ButterflyAllReduce.forming`)."""
+        metadata = tuple(await call.initial_metadata() or ())
+        if REDUCING_METADATA in metadata:
             self.run.present.add(self.reducer.peer_id)
+        if FORMING_METADATA in metadata:
+            self.run.forming.add(self.reducer.peer_id)
 
     async def _produce(self, queue: asyncio.Queue[tuple[pb.PartChunk, int]]) -> None:
         """Encode the slice chunk by chunk, ahead of the stream by the queue's size."""

@@ -47,22 +47,27 @@ class GroupPresence:
         self.started = clock()  # this node published its own record just before
         self._majority_at: float | None = None
         self._read_at = -1.0
-        self._absent: set[str] = set()
+        self._elsewhere: set[str] = set()
+        self._missing: set[str] = set()
 
-    async def absent(self) -> set[str]:
-        """The members known not to be in this group now (see the module)."""
+    async def absent(self, forming: Collection[str] = ()) -> set[str]:
+        """The members known not to be in this group now (see the module). `forming`: members
+        that said they are still forming their groups of the hop (`ReductionRegistry.forming`):
+        alive and on their way, they are absent only where their record names another group."""
         now = self.clock()
-        if now - self._read_at < READ_REUSE_S:
-            return self._absent
+        if now - self._read_at >= READ_REUSE_S:
+            await self._read(now)
+        return self._elsewhere | (self._missing - set(forming))
+
+    async def _read(self, now: float) -> None:
         self._read_at = now
         formed = await self.read_formed()
         mine = {p for p in self.others if p in formed and set(formed[p]) == self.members}
         elsewhere = {p for p in self.others if p in formed and set(formed[p]) != self.members}
         if self._majority_at is None and 2 * len(mine) >= len(self.others) and len(self.others) > 1:
             self._majority_at = now
-        missing = {p for p in self.others - mine - elsewhere if self._lapsed(p, now)}
-        self._absent = elsewhere | missing
-        return self._absent
+        self._missing = {p for p in self.others - mine - elsewhere if self._lapsed(p, now)}
+        self._elsewhere = elsewhere
 
     def _lapsed(self, member: str, now: float) -> bool:
         """Whether a member without a record has let its time for one pass (see the module)."""

@@ -55,6 +55,16 @@ class ReductionRegistry:
         newest = max((r for (run, r, _) in self._hops if run == run_id), default=None)
         return newest is None or round <= newest + 1
 
+    def forming(self, key: tuple) -> bool:
+        """Whether this node is still forming its groups of the key's hop (or is in a hop before
+        it, of the same round): its group may yet be the sender's. A member that says so is
+        alive and on its way, whatever its `formed` record (not yet written) says."""
+        run_id, round, hop, _, _ = key
+        groups = self._hops.get((run_id, round, hop))
+        if groups is not None:
+            return groups.settled < groups.slots
+        return any(run == run_id and r == round and h < hop for (run, r, h) in self._hops)
+
     def elsewhere(self, key: tuple) -> bool:
         """Whether a sender's plan names a group this node is not in: every slot of that hop
         has its group here, and none is the plan's. Its view of the group differed from ours

@@ -29,7 +29,15 @@ from .netgroups import network_group
 from .reducer import PartReduction, ReductionFailed, SenderAbsent, SenderLate
 from .reduction_registry import ReductionRegistry
 from .tls import TrustStore, client_fingerprint
-from .wire import REDUCING_METADATA, ChunkError, RefusalReason, chunk_message, decode_chunk, payload_size
+from .wire import (
+    FORMING_METADATA,
+    REDUCING_METADATA,
+    ChunkError,
+    RefusalReason,
+    chunk_message,
+    decode_chunk,
+    payload_size,
+)
 
 log = logging.getLogger(__name__)
 
@@ -136,14 +144,16 @@ class AveragingService(pb_grpc.AveragingServicer):
     async def Reduce(self, request_iterator: AsyncIterator[pb.PartChunk], context: grpc.aio.ServicerContext):
         group = stream_group(context.peer())
         requests = aiter(request_iterator)
-        first, reduction = await self._first_checked(requests, context, group)
+        first, reduction, said_forming = await self._first_checked(requests, context, group)
         if self._open.get(group, 0) >= self.max_streams_per_peer:
             await _abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED, "too many concurrent streams from this network")
         if self._open_total >= self.max_streams:
             await _abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED, "too many concurrent streams on this node")
         counted = await self._begin(first, reduction, context)
-        # the sender learns at once that this member formed its group (`ButterflyAllReduce.present`)
-        await context.send_initial_metadata((REDUCING_METADATA,))
+        # the sender learns at once that this member formed its group (`ButterflyAllReduce.present`),
+        # unless it learnt that this member was still forming it (initial metadata goes once)
+        if not said_forming:
+            await context.send_initial_metadata((REDUCING_METADATA,))
         self._open[group] = self._open.get(group, 0) + 1
         self._open_total += 1
         try:
@@ -157,18 +167,19 @@ class AveragingService(pb_grpc.AveragingServicer):
 
     async def _first_checked(
         self, requests: AsyncIterator[pb.PartChunk], context: grpc.aio.ServicerContext, group: str
-    ) -> tuple[pb.PartChunk, PartReduction]:
+    ) -> tuple[pb.PartChunk, PartReduction, bool]:
         """The stream's first chunk and the reduction it names, once both check out; until then
-        the stream waits in the pending pool (`PendingStreams`) and holds no slot."""
+        the stream waits in the pending pool (`PendingStreams`) and holds no slot. True: this
+        node said it was still forming its groups (initial metadata, sent once)."""
         evicted = self.pending.admit(group)
         try:
             # a stream that says nothing must not hold a place until the client's own deadline
             first = await self._first_message(requests, context, evicted)
             await self._check_identity(first, context)
-            reduction = await self._reduction_for(first, context)
+            reduction, said_forming = await self._reduction_for(first, context)
         finally:
             self.pending.release(evicted)
-        return first, reduction
+        return first, reduction, said_forming
 
     async def _begin(self, first: pb.PartChunk, reduction: PartReduction, context: grpc.aio.ServicerContext) -> bool:
         """The sender counts in the part from here (once it holds a slot: a stream refused for
@@ -245,13 +256,22 @@ class AveragingService(pb_grpc.AveragingServicer):
                     f"this stream's TLS certificate is not the one peer {first.sender} announces",
                 )
 
-    async def _reduction_for(self, first: pb.PartChunk, context: grpc.aio.ServicerContext) -> PartReduction:
+    async def _reduction_for(
+        self, first: pb.PartChunk, context: grpc.aio.ServicerContext
+    ) -> tuple[PartReduction, bool]:
         key = ReductionRegistry.key(first.run_id, first.round, first.hop, first.group_id, first.part)
         # waited for (a sender may reach us before we formed the same group) only for a round this
         # node is in or about to enter, and even when this node knows it formed other groups: an
         # abort before the sender's first chunks are written reaches it as INTERNAL, not as NOT_FOUND
         wait = self.registration_wait if self.registry.may_come(first.run_id, first.round) else 0.0
-        reduction = await self.registry.lookup(key, wait)
+        reduction = await self.registry.lookup(key, 0.0)
+        said_forming = reduction is None and bool(wait) and self.registry.forming(key)
+        if said_forming:
+            # said at once, before the wait: the sender's group-mates may judge this node by its
+            # `formed` record meanwhile, and a node still forming is on its way (`GroupPresence`)
+            await context.send_initial_metadata((FORMING_METADATA,))
+        if reduction is None:
+            reduction = await self.registry.lookup(key, wait)
         if reduction is None and self.registry.elsewhere(key):  # the sender stops waiting for this node
             await _abort(
                 context,
@@ -265,7 +285,7 @@ class AveragingService(pb_grpc.AveragingServicer):
                 grpc.StatusCode.FAILED_PRECONDITION,
                 f"no reduction for round {first.round} hop {first.hop} part {first.part} in this group",
             )
-        return reduction
+        return reduction, said_forming
 
     async def _reduce(
         self,

@@ -38,6 +38,9 @@ PROTOCOL = 6
 # the initial metadata a reducer sends as soon as it takes a stream into the part it reduces (it
 # formed the sender's group): the sender then knows it present, whatever the DHT's records say
 REDUCING_METADATA = ("x-dtnode-reducing", "1")
+# beside a "not yet" answer (FAILED_PRECONDITION): this member is still forming its groups of
+# that hop, or in the hop before (`ReductionRegistry.forming`)
+FORMING_METADATA = ("x-dtnode-forming", "1")
 MAX_WEIGHT = 1e12  # a weight is a token count; anything larger is a hostile or broken peer
 WEIGHT_SLACK = 1e-9  # a stream's weight is its registration's, bit for bit: slack for float printing only
 Payload = QuantizedBlocks | SparseBlocks | torch.Tensor

@@ -34,6 +34,26 @@ def test_a_member_with_no_record_is_absent_once_most_of_the_group_published_thei
     assert check(presence.absent()) == set()
 
 
+def test_a_member_still_forming_is_not_absent_for_a_missing_record_but_is_for_one_naming_another_group():
+    """A member that answered "still forming the hop's groups" is on its way: past the lag its
+    missing record does not make it absent; a record naming another group does."""
+    clock = Clock()
+    group = ("me", "a", "b", "x")
+    records: dict[str, tuple[str, ...]] = {"me": group, "a": group, "b": group}
+
+    async def formed():
+        return records
+
+    presence = GroupPresence(group, "me", formed, clock)
+    asyncio.run(presence.absent())
+    clock.now += FORMED_LAG_S + 0.1
+    assert asyncio.run(presence.absent(forming={"x"})) == set()
+    assert asyncio.run(presence.absent()) == {"x"}  # not said to be forming: absent, as before
+    records["x"] = ("x", "y")
+    clock.now += 1.0
+    assert asyncio.run(presence.absent(forming={"x"})) == {"x"}
+
+
 def test_a_member_that_formed_another_group_is_absent_at_once_and_a_pair_waits_its_grace():
     clock = Clock()
     records: dict[str, tuple[str, ...]] = {"b": ("b", "c")}

@@ -131,11 +131,16 @@ class Trainer:
         torch imports its compiler stack (seconds of CPU) at the first optimizer a process
         makes: made from the start, off the path of a joiner's DHT start and download. (Started
         only when the download begins, it slows the transfer instead, and the joiner trains
-        about a second later: measured on a busy 2-core host.)"""
+        about a second later: measured on a busy 2-core host.)
+
+        Not a daemon thread: the interpreter's exit waits for it. A node that stopped in its
+        first seconds (a joiner refused for another recipe) exited while the thread was still
+        importing torch's compiler stack, whose modules register `weakref.finalize` hooks, and
+        the exit's walk over those hooks raised `dictionary changed size during iteration`."""
         with self._lock:
             if not self._optimizer_started:
                 self._optimizer_started = True
-                threading.Thread(target=self._build_optimizer, name="inner-optimizer", daemon=True).start()
+                threading.Thread(target=self._build_optimizer, name="inner-optimizer").start()
         return self._optimizer_built
 
     def _forward_model(self) -> Callable[[torch.Tensor], torch.Tensor]:
