@@ -95,6 +95,7 @@ class Absentees:
         # this member refused (a bad weight, a result too long, a re-sync that drifted) may be
         # any contributor's, so it counts only in a pair, where the only other member is both
         missing = {p.reducer for p in report.failed_parts if len(others) == 1 or p.error_code in ABSENCE_CODES}
+        missing |= {p.stood_in_for for p in report.parts if p.stood_in_for}  # its part had to go to a stand-in
         seen = _contributed(report, me)
         if seen is not None:
             missing |= others - seen

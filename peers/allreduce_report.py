@@ -14,6 +14,8 @@ class PartOutcome:
     total_weight: float = 0.0
     length: int = 0
     error: str = ""  # "code: detail" (part_stream.error_code)
+    reducer_gone: bool = False  # failed for want of its reducer, which is in no group with anyone (stand_in.py)
+    stood_in_for: str = ""  # the part's reducer, not in the group, whose part `reducer` reduced instead (stand_in.py)
 
     @property
     def error_code(self) -> str:

@@ -38,6 +38,7 @@ from .part_stream import PartStream
 from .plan import INT8, SPARSE, GroupPlan
 from .reducer import PartReduction, ReductionFailed, maybe_thread
 from .reduction_registry import ReductionRegistry
+from .stand_in import stand_in
 from .wire import MAX_WEIGHT, Payload
 
 REDUCER_SHARE = 0.8  # a reducer stops waiting for senders here, leaving the rest to stream the result back
@@ -92,7 +93,7 @@ def check_inputs(
 
 
 class ButterflyAllReduce:
-    """One member's side of one all-reduce: the part it reduces (`reduce_own_part`), and its
+    """One member's side of one all-reduce: the part it reduces (`reduce_part`), and its
     slice of every other part streamed to that part's reducer (`PartStream`), all at once.
     See `butterfly_allreduce` for what it promises."""
 
@@ -140,11 +141,12 @@ class ButterflyAllReduce:
         # (where, holding the others' chunks, it would drop them too)
         self.elsewhere: set[str] = set()
         self.own_reduction: PartReduction | None = None
+        self.reductions: list[PartReduction] = []  # our own part's, and any we stand in for
 
     async def run(self) -> AllReduceReport:
         self.started = time.monotonic()
         jobs = [
-            self.reduce_own_part() if part == self.me else PartStream(self, part).outcome()
+            self.reduce_part(part) if part == self.me else self.stream_part(part)
             for part, (_, length) in enumerate(self.plan.parts)
             if length > 0
         ]
@@ -169,14 +171,35 @@ class ButterflyAllReduce:
     async def reducer_elsewhere(self, peer_id: str) -> None:
         """A reducer formed other groups: it sends nothing to our part either."""
         self.elsewhere.add(peer_id)
-        if self.own_reduction is not None:
-            await self.own_reduction.fail(peer_id, absent=True)
+        for reduction in self.reductions:
+            await reduction.fail(peer_id, absent=True)
+
+    # ---- a part another member reduces ------------------------------------------------------------
+    async def stream_part(self, part: int) -> PartOutcome:
+        """Our slice of `part` to its reducer and the checked mean back; where that reducer is
+        not in the group, to the part's stand-in, or the stand-in reduces it if that is us
+        (stand_in.py). A part no stand-in answered keeps our own values, as its first failure said."""
+        outcome = await PartStream(self, part).outcome()
+        if outcome.ok or not outcome.reducer_gone:
+            return outcome
+        deputy = stand_in(self.plan, part)
+        if deputy is None:
+            return outcome
+        if deputy.peer_id == self.own_id:
+            instead = await self.reduce_part(part, stand_in_for=outcome.reducer)
+        else:
+            instead = await PartStream(self, part, deputy).outcome()
+        if not instead.ok:
+            return outcome
+        instead.stood_in_for = outcome.reducer
+        return instead
 
     # ---- the part this member reduces -----------------------------------------------------------
-    async def reduce_own_part(self) -> PartOutcome:
-        """Reduce our part from every sender's stream, and write its checked mean over our values."""
+    async def reduce_part(self, part: int, stand_in_for: str | None = None) -> PartOutcome:
+        """Reduce a part from every sender's stream, and write its checked mean over our values:
+        our own part, or one whose reducer `stand_in_for` is not in the group (stand_in.py)."""
         plan = self.plan
-        offset, length = plan.parts[self.me]
+        offset, length = plan.parts[part]
         mine = self.values[offset : offset + length]
         own_residual = self.residual[offset : offset + length] if self.residual is not None else None
         own_before = own_residual.clone() if own_residual is not None and plan.codec == SPARSE else None
@@ -191,11 +214,14 @@ class ButterflyAllReduce:
             self.started + self.timeout * REDUCER_SHARE,  # early enough to stream the result back in time
             self.trim_fraction,
             self.timeout * HELD_BACK_GRACE,
+            stand_in_for,
             size=length,
         )
         del own  # the reduction holds its own copy: a coded Δ's decoded part goes now
         await self.registry.register(reduction)
-        self.own_reduction = reduction
+        if stand_in_for is None:
+            self.own_reduction = reduction
+        self.reductions.append(reduction)
         for member in sorted(self.elsewhere):
             await reduction.fail(member, absent=True)
         target = self.out[offset : offset + length]
@@ -207,14 +233,14 @@ class ButterflyAllReduce:
                     keep_own(target, mine, own_residual, own_before, self.feedback)
                 else:  # our senders refuse it too: nobody applies it
                     assign(target, kept if failed.startswith("REDUCTION_FAILED") else mine)
-                return PartOutcome(self.me, self.own_id, False, [], 0.0, length, failed)
+                return PartOutcome(part, self.own_id, False, [], 0.0, length, failed)
             try:  # let the last result chunks leave before counting them
                 await asyncio.wait_for(reduction.streams_closed.wait(), RESULTS_FLUSH_S)
             except TimeoutError:
                 pass
             self.report.bytes_received += reduction.bytes_received
             self.report.bytes_sent += reduction.bytes_sent
-            return PartOutcome(self.me, self.own_id, True, reduction.included, reduction.total_weight, length)
+            return PartOutcome(part, self.own_id, True, reduction.included, reduction.total_weight, length)
         finally:
             watching.cancel()
             # Keep serving late result requests briefly, then forget the round.

@@ -30,10 +30,12 @@ from .auth import GRPC_METADATA, stream_subject
 from .failure_detector import ReducerAbsent, unless_absent
 from .part_codec import EncodingError, keep_own
 from .part_result import PartResult
-from .plan import chunk_spans
+from .plan import Member, chunk_spans
+from .stand_in import STAND_IN_CODES
 from .tls import TlsError
 from .wire import (
     FORMING_METADATA,
+    LEFT_OUT_METADATA,
     MAX_WEIGHT,
     REDUCING_METADATA,
     WEIGHT_SLACK,
@@ -78,10 +80,12 @@ def _code_of(state: RetryCallState) -> tuple[str, str]:
 class PartStream:
     """This member's side of one part another member reduces, over one all-reduce."""
 
-    def __init__(self, run: ButterflyAllReduce, part: int):
+    def __init__(self, run: ButterflyAllReduce, part: int, reducer: Member | None = None):
+        """`reducer`: the part's stand-in, where its own reducer is not in the group (stand_in.py)."""
         self.run = run
         self.part = part
-        self.reducer = run.plan.members[part]
+        self.reducer = reducer or run.plan.members[part]
+        self.standing_in = reducer is not None
         offset, self.length = run.plan.parts[part]
         self.mine = run.values[offset : offset + self.length]
         self.residual = run.residual[offset : offset + self.length] if run.residual is not None else None
@@ -112,7 +116,10 @@ class PartStream:
         reducer that never saw the stream would otherwise wait for it until its deadline."""
         code = error_code(e)[0]
         time_left = self.run.remaining() > self.run.timeout * RETRY_TIME_LEFT
-        return (code in RETRIABLE or code == NOT_YET) and not self.received and time_left
+        # a stand-in that has not taken the part after its registration wait has not found the
+        # part's reducer gone (it took that reducer's mean): asking on would only cost time
+        not_yet = code == NOT_YET and not self.standing_in
+        return (code in RETRIABLE or not_yet) and not self.received and time_left
 
     def _give_up(self, state: RetryCallState) -> bool:
         return _code_of(state)[0] != NOT_YET and self.broke >= STREAM_ATTEMPTS - 1
@@ -153,7 +160,7 @@ class PartStream:
         code, detail = error_code(e)
         if isinstance(e, EncodingError):
             log.error("round %s hop %s: encoding part %s failed", plan.round, plan.hop, self.part, exc_info=e.__cause__)
-        if code in ("NOT_FOUND", "ReducerAbsent"):
+        if code in ("NOT_FOUND", "ReducerAbsent") and not self.standing_in:
             await self.run.reducer_elsewhere(self.reducer.peer_id)
         keep_own(self.target, self.mine, self.residual, self.residual_before, self.run.feedback)
         log.warning(
@@ -165,7 +172,12 @@ class PartStream:
             code,
             detail,
         )
-        return PartOutcome(self.part, self.reducer.peer_id, False, [], 0.0, self.length, f"{code}: {detail}")
+        # the reducer left the group for everyone (formed others, formed none, died), not only us out
+        left_us_out = isinstance(e, grpc.aio.AioRpcError) and LEFT_OUT_METADATA in tuple(e.trailing_metadata() or ())
+        gone = code in STAND_IN_CODES and not left_us_out
+        return PartOutcome(
+            self.part, self.reducer.peer_id, False, [], 0.0, self.length, f"{code}: {detail}", reducer_gone=gone
+        )
 
     # ---- one attempt: the stream out and the mean back -----------------------------------------
     async def _attempt(self) -> PartOutcome:
@@ -267,7 +279,7 @@ class PartStream:
         # a mean that lacks this member (the reducer dropped it: it came late) is still the
         # group's: every member takes the same bytes (`reducer.SenderLate`)
         included = list(msg.included)
-        if not set(included) <= set(run.plan.member_ids) or run.plan.members[self.part].peer_id not in included:
+        if not set(included) <= set(run.plan.member_ids) or self.reducer.peer_id not in included:
             raise ChunkError(f"reducer's included list {included} is not valid for this group")
         if not (math.isfinite(msg.total_weight) and 0 < msg.total_weight <= MAX_WEIGHT * len(run.plan.members)):
             raise ChunkError(f"reducer's total weight {msg.total_weight} is out of range")

@@ -186,12 +186,14 @@ class PartReduction:
         deadline: float,
         trim_fraction: float | None = None,
         grace: float = 0.0,
+        stand_in_for: str | None = None,
     ):
         """`deadline`: when senders that have not finished are dropped (`monotonic`), but for
         those held back only by the chunks of dropped ones (`AHEAD_CHUNKS`): they get `grace`
-        seconds more."""
+        seconds more. `stand_in_for`: the part is that member's, and it is not in the group
+        (peers/stand_in.py); otherwise the part is this member's own."""
         self.plan = plan
-        self.part = plan.index_of(own_id)
+        self.part = plan.index_of(stand_in_for or own_id)
         self.offset, self.length = plan.parts[self.part]
         self.spans = chunk_spans(plan, self.part)
         self.own_id = own_id
@@ -212,7 +214,7 @@ class PartReduction:
         self.own_weight = own_weight
         self.accumulator = own_values.to(torch.float32, copy=True)
         self.clipped = 0  # contributions to a chunk scaled down to the plain mean's bound
-        self.expected = {m.peer_id for m in plan.members} - {own_id}
+        self.expected = {m.peer_id for m in plan.members} - {own_id} - ({stand_in_for} if stand_in_for else set())
         self.weights: dict[str, float] = {}
         self.progress: dict[str, int] = {}  # chunks folded in, per sender
         self.committed: list[str] = []

@@ -31,6 +31,7 @@ from .reduction_registry import ReductionRegistry
 from .tls import TrustStore, client_fingerprint
 from .wire import (
     FORMING_METADATA,
+    LEFT_OUT_METADATA,
     REDUCING_METADATA,
     ChunkError,
     RefusalReason,
@@ -106,9 +107,11 @@ def _same_stream(chunk: pb.PartChunk, first: pb.PartChunk) -> bool:
     )
 
 
-async def _abort(context: grpc.aio.ServicerContext, code: grpc.StatusCode, details: str) -> NoReturn:
+async def _abort(
+    context: grpc.aio.ServicerContext, code: grpc.StatusCode, details: str, trailing: tuple = ()
+) -> NoReturn:
     """End the stream with a status (gRPC's abort raises; this says so to the type checker)."""
-    await context.abort(code, details)
+    await context.abort(code, details, trailing_metadata=trailing)
     raise AssertionError("grpc's abort returned")
 
 
@@ -192,7 +195,7 @@ class AveragingService(pb_grpc.AveragingServicer):
             _taking_the_mean_only(reduction, first.sender, e)
             return False
         except SenderAbsent as e:  # this member left the sender out: it stops waiting for us
-            await _abort(context, grpc.StatusCode.NOT_FOUND, str(e))
+            await _abort(context, grpc.StatusCode.NOT_FOUND, str(e), (LEFT_OUT_METADATA,))
         except ChunkError as e:
             if e.reason == RefusalReason.BAD_WEIGHT:  # what it carried: counted, and not waited for
                 log.warning("rejected stream from %s: %s", first.sender, e)
@@ -316,7 +319,7 @@ class AveragingService(pb_grpc.AveragingServicer):
                     if reduction.failure is not None:  # not this sender's doing
                         await _abort(context, grpc.StatusCode.ABORTED, str(reduction.failure))
                     if isinstance(error, SenderAbsent):  # not the stream's fault: this member left it out
-                        await _abort(context, grpc.StatusCode.NOT_FOUND, str(error))
+                        await _abort(context, grpc.StatusCode.NOT_FOUND, str(error), (LEFT_OUT_METADATA,))
                     log.warning("rejected stream from %s: %s", sender, error)
                     self.refused[getattr(error, "reason", RefusalReason.MALFORMED)] += 1
                     await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(error))

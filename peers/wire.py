@@ -41,6 +41,9 @@ REDUCING_METADATA = ("x-dtnode-reducing", "1")
 # beside a "not yet" answer (FAILED_PRECONDITION): this member is still forming its groups of
 # that hop, or in the hop before (`ReductionRegistry.forming`)
 FORMING_METADATA = ("x-dtnode-forming", "1")
+# beside NOT_FOUND: this member took the sender for out of the group (`SenderAbsent`); it is in
+# the group itself, unlike a member that formed other groups (peers/stand_in.py)
+LEFT_OUT_METADATA = ("x-dtnode-left-out", "1")
 MAX_WEIGHT = 1e12  # a weight is a token count; anything larger is a hostile or broken peer
 WEIGHT_SLACK = 1e-9  # a stream's weight is its registration's, bit for bit: slack for float printing only
 Payload = QuantizedBlocks | SparseBlocks | torch.Tensor
