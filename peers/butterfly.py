@@ -177,18 +177,22 @@ class ButterflyAllReduce:
     # ---- a part another member reduces ------------------------------------------------------------
     async def stream_part(self, part: int) -> PartOutcome:
         """Our slice of `part` to its reducer and the checked mean back; where that reducer is
-        not in the group, to the part's stand-in, or the stand-in reduces it if that is us
-        (stand_in.py). A part no stand-in answered keeps our own values, as its first failure said."""
-        outcome = await PartStream(self, part).outcome()
+        in no group with anyone, to the part's stand-in, or the stand-in reduces it if that is us
+        (stand_in.py). A part no stand-in took keeps our own values, as its first failure said."""
+        stream = PartStream(self, part)
+        outcome = await stream.outcome()
         if outcome.ok or not outcome.reducer_gone:
             return outcome
         deputy = stand_in(self.plan, part)
-        if deputy is None:
-            return outcome
-        if deputy.peer_id == self.own_id:
+        others = set(self.plan.member_ids) - {self.own_id, outcome.reducer}
+        instead: PartOutcome | None = None
+        if deputy is not None and deputy.peer_id != self.own_id:
+            instead = await PartStream(self, part, deputy).outcome()  # keeps our values if it fails
+        elif deputy is not None and others:
             instead = await self.reduce_part(part, stand_in_for=outcome.reducer)
-        else:
-            instead = await PartStream(self, part, deputy).outcome()
+        if instead is None:  # nobody to stand in, or nobody to stand in for
+            stream.keep_own_values()
+            return outcome
         if not instead.ok:
             return outcome
         instead.stood_in_for = outcome.reducer

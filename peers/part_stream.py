@@ -155,29 +155,40 @@ class PartStream:
             self.residual.copy_(self.residual_before)
 
     async def _failed(self, e: BaseException) -> PartOutcome:
-        """A failed reducer: this member keeps its own values for the part."""
+        """A failed reducer: this member keeps its own values for the part, unless the reducer is
+        in no group with anyone and the part may go to its stand-in (`reducer_gone`): then the
+        caller keeps them (`keep_own_values`) only if the stand-in fails too."""
         plan = self.run.plan
         code, detail = error_code(e)
         if isinstance(e, EncodingError):
             log.error("round %s hop %s: encoding part %s failed", plan.round, plan.hop, self.part, exc_info=e.__cause__)
         if code in ("NOT_FOUND", "ReducerAbsent") and not self.standing_in:
             await self.run.reducer_elsewhere(self.reducer.peer_id)
-        keep_own(self.target, self.mine, self.residual, self.residual_before, self.run.feedback)
+        # the reducer left the group for everyone (formed others, formed none, died), not only us out
+        left_us_out = isinstance(e, grpc.aio.AioRpcError) and LEFT_OUT_METADATA in tuple(e.trailing_metadata() or ())
+        gone = code in STAND_IN_CODES and not left_us_out and not self.standing_in
+        if gone:
+            if self.residual is not None and self.residual_before is not None:
+                self.residual.copy_(self.residual_before)  # the stand-in's stream encodes from here
+        else:
+            self.keep_own_values()
         log.warning(
-            "round %s hop %s: part %s from reducer %s failed (%s: %s); keeping own values",
+            "round %s hop %s: part %s from reducer %s failed (%s: %s); %s",
             plan.round,
             plan.hop,
             self.part,
             self.reducer.peer_id,
             code,
             detail,
+            "asking its stand-in" if gone else "keeping own values",
         )
-        # the reducer left the group for everyone (formed others, formed none, died), not only us out
-        left_us_out = isinstance(e, grpc.aio.AioRpcError) and LEFT_OUT_METADATA in tuple(e.trailing_metadata() or ())
-        gone = code in STAND_IN_CODES and not left_us_out
         return PartOutcome(
             self.part, self.reducer.peer_id, False, [], 0.0, self.length, f"{code}: {detail}", reducer_gone=gone
         )
+
+    def keep_own_values(self) -> None:
+        """This member's own values (and what it owed there) over its slice of the part."""
+        keep_own(self.target, self.mine, self.residual, self.residual_before, self.run.feedback)
 
     # ---- one attempt: the stream out and the mean back -----------------------------------------
     async def _attempt(self) -> PartOutcome:

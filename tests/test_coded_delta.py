@@ -232,12 +232,16 @@ def test_coded_members_send_their_codes_and_store_the_mean_as_it_came(hop):
     assert isinstance(mixed[2], torch.Tensor) and torch.allclose(mixed[2], mean, atol=1e-6)
 
 
-def test_a_dead_reducers_part_keeps_the_members_own_codes():
+def test_a_dead_reducers_part_keeps_the_members_own_codes_where_its_stand_in_is_dead_too():
+    """Parts of dead reducers: the one whose stand-in (peers/stand_in.py) is dead as well keeps
+    each member's own codes; the other is averaged at its stand-in, the codes of its mean stored
+    alike on both members."""
     n, block = 9_000, 64
 
     async def main():
         peers = await start_peers(2)
-        members = [p.member for p in peers] + [Member("peer99", "127.0.0.1:1")]  # nobody listens there
+        dead = [Member("peer98", "127.0.0.1:1"), Member("peer99", "127.0.0.1:1")]  # nobody listens there
+        members = [p.member for p in peers] + dead
         plan = make_plan("test-run", 0, 0, members, n, block, 1024, INT8)
         try:
             return plan, await asyncio.gather(
@@ -252,11 +256,14 @@ def test_a_dead_reducers_part_keeps_the_members_own_codes():
     coded = [_coded(torch.randn(n), block) for _ in range(2)]
     before = [c.codes.clone() for c in coded]
     plan, reports = asyncio.run(main())
-    offset, length = plan.parts[plan.index_of("peer99")]
+    offset, length = plan.parts[plan.index_of("peer98")]
     for c, old, report in zip(coded, before, reports):
         assert torch.equal(c.codes[offset : offset + length], old[offset : offset + length])
-        assert [p.reducer for p in report.failed_parts] == ["peer99"]
-    assert torch.equal(coded[0].codes[:offset], coded[1].codes[:offset])
+        assert [p.reducer for p in report.failed_parts] == ["peer98"]
+        assert [p.stood_in_for for p in report.parts if p.stood_in_for] == ["peer99"]
+    averaged = torch.ones(n, dtype=torch.bool)
+    averaged[offset : offset + length] = False
+    assert torch.equal(coded[0].codes[averaged], coded[1].codes[averaged])
 
 
 def test_a_coded_delta_is_refused_where_its_blocks_are_not_the_plans():

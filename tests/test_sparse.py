@@ -459,13 +459,16 @@ def test_sparse_over_tls_with_a_client_mode_member_gives_everyone_the_same_mean(
 
 
 def test_a_dead_reducer_leaves_a_sparse_member_its_own_values_and_nothing_owed_there():
-    """The part nobody could average is applied from the member's own Δ and what it owed, exactly
-    as int8 keeps its own values; the other parts keep what top-k did not send in the buffer."""
+    """The part nobody could average (its reducer and its stand-in, peers/stand_in.py, are both
+    dead) is applied from the member's own Δ and what it owed, exactly as int8 keeps its own
+    values; the other parts, the one a stand-in averaged included, keep what top-k did not send
+    in the buffer."""
 
     async def main():
         peers = await start_peers(2, chunk_elements=2 * BLOCK)
-        members = [p.member for p in peers] + [Member("peer99", "127.0.0.1:1")]  # nobody listens there
-        numel = 6 * BLOCK
+        dead = [Member("peer98", "127.0.0.1:1"), Member("peer99", "127.0.0.1:1")]  # nobody listens there
+        members = [p.member for p in peers] + dead
+        numel = 8 * BLOCK
         plan = make_plan("test-run", 0, 0, members, numel, BLOCK, 2 * BLOCK, SPARSE, top_k=K)
         values = [torch.randn(numel) for _ in range(2)]
         owed = [torch.randn(numel) * 0.1 for _ in range(2)]
@@ -482,7 +485,7 @@ def test_a_dead_reducer_leaves_a_sparse_member_its_own_values_and_nothing_owed_t
             )
         finally:
             await stop_peers(peers)
-        offset, length = plan.parts[plan.index_of("peer99")]
+        offset, length = plan.parts[plan.index_of("peer98")]  # its stand-in, peer99, is dead too
         dead = slice(offset, offset + length)
         for v, o, before, after in zip(values, outs, owed, buffers):
             torch.testing.assert_close(o[dead], v[dead] + before[dead])
