@@ -33,8 +33,11 @@ from .plan import FP32, SPARSE, SPARSE_SUPPORT, GroupPlan
 # (peers/grid.py): from 17 peers in groups of 4 a peer of 4 picks other hops, whose keys never meet;
 # 6: a registration says how many groups its member stands in (`load`, signed with the swarm key)
 # and each group's all-reduce deadline allows for its most loaded member (peers/group_reduce.py);
-# a reducer says at once that it took a stream (REDUCING_METADATA).
-PROTOCOL = 6
+# a reducer says at once that it took a stream (REDUCING_METADATA); 7: a part whose reducer is in
+# no group goes to its stand-in (peers/stand_in.py), a sender dropped from a part takes its mean
+# (`reducer.SenderLate`), and a member still forming says so (FORMING_METADATA): a node of 6 would
+# not stand in, and a mixed swarm's stand-ins would wait for it to their deadline.
+PROTOCOL = 7
 # the initial metadata a reducer sends as soon as it takes a stream into the part it reduces (it
 # formed the sender's group): the sender then knows it present, whatever the DHT's records say
 REDUCING_METADATA = ("x-dtnode-reducing", "1")
