@@ -520,18 +520,23 @@ def _stream_of(plan, part, sender, values, weight=1.0):
     return chunks
 
 
+async def _two_peers_and_a_ghost():
+    """Two real peers and a client-mode member driven by hand ("peer-ghost"), an fp32 plan of 8
+    chunks of 1,024 values; the values of all three, and the two peers' outputs."""
+    peers = await start_peers(2)
+    ghost = Member("peer-ghost", "", client_mode=True)
+    plan = make_plan("test-run", 1, 0, [p.member for p in peers] + [ghost], 8192, 64, 1024, FP32)
+    return peers, plan, [torch.randn(8192) for _ in range(3)], [torch.empty(8192) for _ in range(2)]
+
+
 def test_results_stream_back_while_senders_still_send_and_a_sender_dying_mid_stream_counts_only_in_its_chunks():
     """A hand-driven sender sends chunk 0, waits for result chunk 0 (which only a pipelined
     reducer can return at that point), then dies. Chunk 0 of every part averages all three
     senders; the rest averages the two that finished; nobody waits for the timeout."""
 
     async def main():
-        peers = await start_peers(2)
-        ghost = Member("peer-ghost", "", client_mode=True)
-        numel, chunk = 8192, 1024
-        plan = make_plan("test-run", 1, 0, [p.member for p in peers] + [ghost], numel, 64, chunk, FP32)
-        values = [torch.randn(numel) for _ in range(3)]
-        outs = [torch.empty(numel) for _ in range(2)]
+        peers, plan, values, outs = await _two_peers_and_a_ghost()
+        chunk = plan.chunk_elements
         first_result_before_rest = []
 
         async def ghost_sender(peer):
@@ -637,12 +642,7 @@ def test_a_sender_whose_stream_broke_midway_takes_the_mean_on_its_next_stream():
     at its deadline.)"""
 
     async def main():
-        peers = await start_peers(2)
-        ghost = Member("peer-ghost", "", client_mode=True)
-        numel, chunk = 8192, 1024
-        plan = make_plan("test-run", 1, 0, [p.member for p in peers] + [ghost], numel, 64, chunk, FP32)
-        values = [torch.randn(numel) for _ in range(3)]
-        outs = [torch.empty(numel) for _ in range(2)]
+        peers, plan, values, outs = await _two_peers_and_a_ghost()
         reducer = peers[0]
         part = plan.index_of(reducer.member.peer_id)
         offset, length = plan.parts[part]
