@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import logging
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
@@ -28,6 +29,24 @@ from .hivemind_adapter import DHT, P2P, CompositeValidator, DHTNode, Multiaddr, 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 SHUTDOWN_S = 5.0  # for the DHT node to close its requests, then again for p2pd to exit
+# the P2P objects `P2P.create` made in this task, so that a start that failed can stop them
+_CREATED: contextvars.ContextVar[list[P2P] | None] = contextvars.ContextVar("dtnode_p2p_created", default=None)
+
+
+class _OwnedP2P(P2P):
+    """hivemind's P2P that its creator can stop even when `P2P.create` raised.
+
+    `P2P.create` starts p2pd and then fails on its way out in several places (the daemon's
+    bootstrap, the control client, the first ping) without returning the object: a daemon that
+    failed after it printed its peer id keeps running with nobody to stop it, and one that failed
+    its bootstrap is still exiting when the error arrives (CI saw it running after the JoinError).
+    The object records itself where `InProcessDHT.create` looks for it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        created = _CREATED.get()
+        if created is not None:
+            created.append(self)
 
 
 class InProcessDHT:
@@ -65,7 +84,16 @@ class InProcessDHT:
             p2p_options["dht_mode"] = "client"  # as DHTNode.create sets it for a p2pd of its own
         loop = asyncio.get_running_loop()
         deadline = loop.time() + startup_timeout
-        p2p = await P2P.create(startup_timeout=startup_timeout, **p2p_options)
+        created: list[P2P] = []
+        token = _CREATED.set(created)
+        try:
+            p2p = await _OwnedP2P.create(startup_timeout=startup_timeout, **p2p_options)
+        except BaseException:
+            for unfinished in created:  # its p2pd stopped and waited for, not left exiting
+                await _stop_daemon(unfinished)
+            raise
+        finally:
+            _CREATED.reset(token)
         try:
             node = await asyncio.wait_for(
                 DHTNode.create(

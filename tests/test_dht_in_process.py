@@ -39,3 +39,22 @@ def test_the_dht_runs_in_this_process_and_a_failed_start_leaves_no_daemon():
         assert not [p for p in _children() if p.pid not in before]
 
     asyncio.run(scenario())
+
+
+def test_a_daemon_that_started_but_whose_start_failed_after_is_stopped(monkeypatch: pytest.MonkeyPatch):
+    """hivemind's `P2P.create` can fail after p2pd printed its peer id (its first ping unanswered)
+    without returning the object that owns the daemon: the start stops that daemon all the same."""
+    from hivemind.p2p import p2p_daemon
+
+    async def unanswered(self: object) -> None:
+        raise p2p_daemon.P2PDaemonError("the daemon's first ping went unanswered")
+
+    monkeypatch.setattr(p2p_daemon.P2P, "_ping_daemon", unanswered)
+
+    async def scenario() -> None:
+        before = {p.pid for p in _children()}
+        with pytest.raises(JoinError, match="first ping went unanswered"):
+            await start_dht([], "127.0.0.1", 0, None, timeout=10)
+        assert not [p for p in _children() if p.pid not in before]
+
+    asyncio.run(scenario())
