@@ -28,7 +28,7 @@ An honest member that crashed, stalled or restarted is benched too, for BENCH_RO
 it averages alone meanwhile (as it would have, being away), and is back in the round after.
 A bench is this node's own view; a list in force that names a benched member still stands (a
 leader that does not bench it named it), and a list that led past a registrant its reader
-benched is held until its members settled on it (`Matchmaker._hold`): members that do not bench
+benched is held until its members settled on it (`ListSettling.hold`): members that do not bench
 that registrant wait for it as their leader, and take the list it closes. A list of one is held
 too: the benched leader does not bench this node, and names it; had this node averaged alone, it
 would be struck for its absence and bench this node back, and two honest peers would take turns

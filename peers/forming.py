@@ -188,7 +188,7 @@ class Forming:
     def jumped(self, view: Standing, publisher: str) -> frozenset[str]:
         """Registrants this peer benched that rank ahead of `publisher` and published no list:
         the publisher's list led past them, and a member that does not bench them (one that was
-        not in the group they let down) still waits for them as its leader (`Matchmaker._hold`)."""
+        not in the group they let down) still waits for them as its leader (`ListSettling.hold`)."""
         pending = set(self.registrants) - set(view.taken) - set(self.lists) - self.refused
         return frozenset(ranked_below(self.key, publisher, pending & self.benched))
 

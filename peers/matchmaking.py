@@ -33,10 +33,12 @@ from .absentees import Absentees
 from .auth import SwarmAuth
 from .dht_in_process import SwarmDHT
 from .forming import FormedGroup, Forming, needs_resync
+from .forming_reads import Admitted, FormingReads, short_ids
 from .grid import split_groups
 from .group_board import REGISTRATION_TTL_S, GroupBoard, Registration
 from .hostile_grouping import hostile_group
 from .leadership import ClosedList, Standing
+from .list_settling import ListSettling
 from .plan import Member
 from .presence import FORMED_LAG_S
 
@@ -80,6 +82,8 @@ class Matchmaker:
         self.settle_s = settle_s  # how long a closed list waits for lists closed at the same time
         self._poll_seconds: deque[float] = deque(maxlen=POLL_HISTORY)  # recent polls of a group's key
         self.board = GroupBoard(dht, own.peer_id, auth, owner)
+        self.reads = FormingReads(self.board)
+        self.settling = ListSettling(self.reads, poll_interval, settle_s)
         self.absentees = Absentees()  # members benched for letting this node's groups down
 
     def group_key(self, round: int, hop: int, cell: str = "all") -> str:
@@ -109,39 +113,6 @@ class Matchmaker:
         reads the list a poll later, then stores its record) — never under FORMED_LAG_S."""
         return max(FORMED_LAG_S, self.poll_interval + 2 * max(self._poll_seconds, default=0.0))
 
-    async def _read(self, forming: Forming, admitted: Callable[[], Awaitable[set[str]]] | None) -> None:
-        """Registrants (admitted ones, this peer always) and the lists they closed, added to
-        what this hop's earlier reads found (see `Forming`)."""
-        allowed = await admitted() if admitted is not None else None
-        refused: set[str] = set()
-        found, lists = await asyncio.gather(
-            self.board.registrations(forming.key, allowed, refused),
-            self.board.member_lists(forming.key, "closed", allowed),
-        )
-        forming.registrants |= found
-        forming.refused |= refused - set(forming.registrants)
-        forming.lists |= {p: entry for p, entry in lists.items() if p in forming.registrants}
-
-    async def _read_formed(self, forming: Forming) -> None:
-        """The groups registrants formed and the lists they declined: what confirms a list on
-        hold, or says it never will be."""
-        formed, declined = await asyncio.gather(self.formed(forming.key), self.board.declined(forming.key))
-        forming.formed |= formed
-        # a read adds to what earlier reads found (a lookup may miss an entry), this peer's own included
-        for member, publishers in declined.items():
-            forming.declined[member] = forming.declined.get(member, frozenset()) | publishers
-
-    async def _decline(self, forming: Forming, view: Standing) -> None:
-        """Say that this peer will not take the lists on hold that name it (it waits for the
-        leader ahead of them): their leader then need not hold its own list for them."""
-        declining = forming.to_decline(view)
-        if not declining:
-            return
-        try:
-            await self.board.publish(forming.key, "declined", (forming.me, *sorted(declining)))
-        except Exception as e:  # noqa: BLE001  (the leader then holds its list its full HOLD_S)
-            log.warning("could not publish a declined list: %s", e)
-
     async def form_group(
         self,
         round: int,
@@ -151,7 +122,7 @@ class Matchmaker:
         target_size: int,
         cell: str = "all",
         resync: bool = False,
-        admitted: Callable[[], Awaitable[set[str]]] | None = None,
+        admitted: Admitted | None = None,
         weight: float = 1.0,
         theta: str = "",
         share: float = 1.0,
@@ -204,7 +175,7 @@ class Matchmaker:
             forming, expected, admitted, started, opened, window, target_size, round
         )
         if len(group) > 1 and not settled:
-            group, decided = await self._settle(forming, group, decided, admitted)
+            group, decided = await self.settling.settle(forming, group, decided, admitted)
         members = [forming.registrants[p][0] for p in group]
         if all(m.client_mode for m in members):
             members = [own]  # nobody can reduce: average alone
@@ -247,7 +218,7 @@ class Matchmaker:
         self,
         forming: Forming,
         expected: Callable[[], Awaitable[set[str]]],
-        admitted: Callable[[], Awaitable[set[str]]] | None,
+        admitted: Admitted | None,
         started: float,
         opened: float,
         window: float,
@@ -273,15 +244,15 @@ class Matchmaker:
             leading = view.leader == me
             left = cutoff - polled if leading else None
             try:
-                await asyncio.wait_for(self._read(forming, admitted), left)
+                await asyncio.wait_for(self.reads.lists(forming, admitted), left)
                 view = forming.standing()
                 if view.needs_formed:  # a list held by a pending registrant: has it been confirmed?
-                    await asyncio.wait_for(self._read_formed(forming), left)
+                    await asyncio.wait_for(self.reads.formed(forming), left)
                     view = forming.standing()
                 wanted = await asyncio.wait_for(expected(), left)
                 self._poll_seconds.append(time.monotonic() - polled)
                 if view.on_hold:
-                    await asyncio.wait_for(self._decline(forming, view), left)
+                    await asyncio.wait_for(self.reads.decline(forming, view), left)
             except TimeoutError:  # the leader's deadline passed mid-poll: what it read before decides
                 self._poll_seconds.append(time.monotonic() - polled)
                 view = forming.standing()
@@ -315,14 +286,14 @@ class Matchmaker:
                     # slow once) may name this peer a moment later, and a lone peer that missed it
                     # was struck by it for its absence, and benched it back (absentees.py)
                     if forming.jumped(view, me):
-                        group, decided = await self._hold(forming, admitted, me)
+                        group, decided = await self.settling.hold(forming, admitted, me)
                         return group, decided, wanted, last_arrival, True
                     return group, decided, wanted, last_arrival, False
             elif now >= give_up_at:
                 passes += 1
                 everyone = passes > MAX_PASSES
                 gone = forming.pass_over(view, everyone=everyone)
-                log.info("%s: no list from %s by this peer's own deadline; passing over", key, _short(sorted(gone)))
+                log.info("%s: no list from %s by this peer's own deadline; passing over", key, short_ids(sorted(gone)))
                 if not everyone:  # a leader that closed nothing in time let its group down (the others
                     self.absentees.strike(round_no, gone)  # passed over at once are its followers)
                 forming.give_up_at = give_up_at = (
@@ -353,100 +324,9 @@ class Matchmaker:
         forming.lists[forming.me] = decided
         return group, decided
 
-    async def _hold(
-        self, forming: Forming, admitted: Callable[[], Awaitable[set[str]]] | None, publisher: str
-    ) -> tuple[tuple[str, ...], ClosedList]:
-        """Hold a list that led past registrants this peer benched (`Forming.jumped`): a list
-        from one of them naming this peer, closed meanwhile, is the group the rules give; the
-        held list stands once its members settled on it (this peer's own: most of them confirmed
-        it; another's: no member still declines it), once the benched ones are gone, or once the
-        followers' own clocks have passed them over (`Forming.give_up_at`).
-
-        A bench is this node's own view. A member that was not in the group the benched peer let
-        down waits for it as its leader: the list that jumped it is on hold there, and it says so
-        (it declines it). When the benched peer (honest, slow once) then closed its own list, it
-        named those members and this one: they took it, the list's publisher (and its members
-        that benched it too) took the other, and neither group was whole (seen at 24 nodes, and
-        in `drills.sh uneven`, as two groups of one cell and θ_g split). Where every member
-        benched it, they take the list at once and confirm it within their settle time, and
-        nobody declines it: the hold costs a leader what a settle did, and a follower nothing."""
-        me = forming.me
-        log.info(
-            "%s: %s led past %s (benched here); holding",
-            forming.key,
-            publisher[-6:],
-            _short(sorted(forming.jumped(forming.standing(), publisher))),
-        )
-        while True:
-            try:
-                await self._read(forming, admitted)
-                await self._read_formed(forming)
-            except Exception as e:  # noqa: BLE001  (hivemind's DHT reads fail with many types)
-                log.warning("matchmaking lookup failed while holding a list: %s", e)
-            view = forming.standing()
-            group = view.group_of(me)
-            if group is None:  # on hold behind another pending registrant: as read before
-                return forming.lists[publisher].members, forming.lists[publisher]
-            if view.taken[me] != publisher:  # a list ranked ahead names this peer: the rules put it there
-                return group, forming.lists[view.taken[me]]
-            if (
-                forming.settled_on(publisher, group)
-                or not forming.jumped(view, publisher)
-                or time.monotonic() >= forming.give_up_at
-            ):
-                return group, forming.lists[publisher]
-            await asyncio.sleep(self.poll_interval)
-
-    @staticmethod
-    def _led_past_benched(forming: Forming, view: Standing) -> bool:
-        """Whether this peer's group, as `view` has it, is another's list that led past a
-        registrant this peer benched."""
-        publisher = view.taken.get(forming.me)
-        return publisher not in (None, forming.me) and bool(forming.jumped(view, publisher))
-
-    async def _settle(
-        self,
-        forming: Forming,
-        group: tuple[str, ...],
-        decided: ClosedList,
-        admitted: Callable[[], Awaitable[set[str]]] | None,
-    ) -> tuple[tuple[str, ...], ClosedList]:
-        """Wait out lists published at the same time as ours; keep the group the rules give. A
-        list that led past a registrant this peer benched is held while a member declines it
-        (`_hold`)."""
-        me = forming.me
-        await asyncio.sleep(self.settle_s)
-        try:
-            await self._read(forming, admitted)
-            view = forming.standing()
-            if view.needs_formed or self._led_past_benched(forming, view):
-                await self._read_formed(forming)  # the confirmations, and the declines
-        except Exception as e:  # noqa: BLE001  (hivemind's DHT reads fail with many types)
-            # the lists read before stand: averaging alone would fail the members counting on us
-            log.warning("matchmaking lookup failed while settling: %s; keeping the lists read before", e)
-        view = forming.standing()
-        agreed = view.group_of(me)
-        held = agreed is not None and self._led_past_benched(forming, view)
-        if held and agreed is not None and not forming.settled_on(view.taken[me], agreed):
-            return await self._hold(forming, admitted, view.taken[me])
-        if agreed is None or agreed == group:
-            return group, decided
-        log.info(
-            "%s: another list closed at the same time as %s; the group is %s",
-            forming.key,
-            _short(group),
-            _short(agreed),
-        )
-        return agreed, forming.lists[view.taken[forming.me]]
-
 
 def _part_of(candidates: list[str], me: str, target_size: int) -> tuple[str, ...]:
     """This peer's part of the balanced split of the candidates (itself alone if not among them)."""
     if me not in candidates:
         return (me,)
     return tuple(next(g for g in split_groups(candidates, target_size) if me in g))
-
-
-def _short(peer_ids) -> list[str]:
-    """Peer ids cut to their last 6 characters, for log lines."""
-    return [p[-6:] for p in peer_ids]
