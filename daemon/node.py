@@ -5,6 +5,7 @@ The parts, each one concept:
 - `workload/build.py`: the device, model, tokenizer and data the settings name;
 - `training/worker.py`: θ_l, θ_g and the outer optimizer on the training thread;
 - `checkpoints/store.py`: this node's checkpoints (written, pruned, served, resumed);
+- `swarm/credentials.py`: the key that names the node, the swarm key's check, the TLS identity;
 - `swarm/bootstrap.py`: the DHT started through --peer and the peers it knew;
 - `records/state.py`: the node's state and the one `publish()` of it;
 - `rounds/loop.py`: the round loop, with `rounds/pacer.py` (when a round ends), `catchup/joiner.py` (getting
@@ -50,8 +51,8 @@ from dtnode.daemon.swarm.bootstrap import (
     dialable_addrs,
     join_command,
     remember_peers,
-    tls_identity,
 )
+from dtnode.daemon.swarm.credentials import data_plane_trust, node_key, swarm_auth
 from dtnode.daemon.swarm.reachability import DialBack, announce_warning, ask_dial_back
 from dtnode.daemon.telemetry.metrics import NodeMetrics, watch_state_dir
 from dtnode.daemon.training.ranks.host import plan_ranks
@@ -67,9 +68,7 @@ from dtnode.peers.channel_pool import ChannelPool
 from dtnode.peers.deadlines import AdaptiveDeadlines
 from dtnode.peers.dht_in_process import InProcessDHT
 from dtnode.peers.dht_start import public_maddrs
-from dtnode.peers.hivemind_adapter import P2P, RSAPrivateKey, RSASignatureValidator
-from dtnode.peers.identity import identity_key
-from dtnode.peers.known_peers import own_peer_id
+from dtnode.peers.hivemind_adapter import RSASignatureValidator
 from dtnode.peers.matchmaking import Matchmaker
 from dtnode.peers.membership import JoinError, Membership
 from dtnode.peers.plan import Member
@@ -157,19 +156,23 @@ class Node:
         s = self.settings
         self.state_dir.mkdir(parents=True, exist_ok=True)
         key = swarm_key(s)
-        record_key, fresh_identity = await self._identity()
+        own = await node_key(self.state_dir)
+        self.validator, self.addr.peer_id = own.validator, own.peer_id
         stack.callback(self.worker.shutdown)
         # the model is built while the DHT starts (both take seconds for a joiner)
         building = asyncio.ensure_future(self.worker.call(self.worker.build, self.addr.peer_id))
         bootstrap = DhtBootstrap(s, self.state_dir)
-        self.dht, redial = await bootstrap.start(self.addr.peer_id, fresh_identity, self.validator)
+        self.dht, redial = await bootstrap.start(self.addr.peer_id, own.fresh, self.validator)
         stack.push_async_callback(self.dht.shutdown)
         self.addr.peer_id = str(self.dht.peer_id)
         self.addr.dht_addrs = dialable_addrs(self.dht, s.network.announce_host)
         await asyncio.to_thread(bootstrap.remember_dht_port, self.addr.dht_addrs)
         # for `dtnode export`
         await asyncio.to_thread(remember_workload, self.state_dir, s.workload.model, s.workload.tokenizer)
-        await self._secure(key, record_key)
+        self.auth = swarm_auth(key, self.addr.peer_id)
+        self.trust = await data_plane_trust(
+            s.security.insecure_data_plane, self.state_dir, own.record_key, self.addr.peer_id
+        )
         await building
         served = ServedSteps()
         await self._open_store(stack, served)
@@ -188,38 +191,6 @@ class Node:
         maddr = public_maddrs(self.dht, s.network.announce_host)[0]
         self.addr.join_command = join_command(s, self.workload.recipe, maddr, public=True)  # what /status shows
         _say_up(s, self.addr, status_url or self.addr.http_addr, join_command(s, self.workload.recipe, maddr))
-
-    async def _identity(self) -> tuple[RSAPrivateKey, bool]:
-        """This peer's key (made here rather than by hivemind, so that the peer id is known before
-        the DHT runs) and the validator it signs its records with: (the key, whether it is new)."""
-        identity = (self.state_dir / "identity.key").resolve()
-        fresh_identity = not identity.exists()
-        if fresh_identity:
-            await asyncio.to_thread(P2P.generate_identity, str(identity))
-        # the key that names this peer also signs its records: readers check the one against the other
-        record_key = await asyncio.to_thread(identity_key, identity)
-        self.validator = RSASignatureValidator(record_key)
-        known_id = await asyncio.to_thread(own_peer_id, identity)
-        self.addr.peer_id = known_id or ""
-        return record_key, fresh_identity
-
-    async def _secure(self, key: bytes | None, record_key: RSAPrivateKey) -> None:
-        """The swarm key's authenticator and the data plane's TLS identity, each with the warning
-        an operator must see when it is off."""
-        if key is None:
-            log.warning(
-                "no swarm key (--swarm-key-file or DTNODE_SWARM_KEY): this swarm is open, anyone who can "
-                "reach it may join its groups and download its checkpoints"
-            )
-        else:
-            self.auth = SwarmAuth(key, self.addr.peer_id)
-        if self.settings.security.insecure_data_plane:
-            log.warning(
-                "--insecure-data-plane: pseudo-gradients travel in plaintext; anyone on the path can read "
-                "or alter them, and a swarm key holder can speak as another peer"
-            )
-        else:
-            self.trust = await asyncio.to_thread(tls_identity, self.state_dir, record_key, self.addr.peer_id)
 
     async def _open_store(self, stack: contextlib.AsyncExitStack, served: ServedSteps) -> None:
         """The checkpoint store, resumed from the state dir, and the round history beside it."""

@@ -1,5 +1,6 @@
 """How a node reaches its swarm: the DHT started through `--peer` and the peers it knew, the
-address it announces, its TLS identity, and the peers it remembers for its next start.
+address it announces, and the peers it remembers for its next start (its credentials:
+`credentials.py`).
 
 A restarted node whose `--peer` is down, or is its own old address (the swarm's first node),
 still finds the swarm through any peer it saw before (`known-peers.json` in its state dir),
@@ -17,27 +18,22 @@ import socket
 from collections.abc import Callable, Iterable
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from dtnode.daemon.config.model_source import is_hub_id
 from dtnode.daemon.config.settings import NodeSettings
+from dtnode.daemon.swarm.credentials import IDENTITY_FILE
 from dtnode.daemon.telemetry.metrics import NodeMetrics
 from dtnode.daemon.workload.recipe import SwarmRecipe, recipe_flags
 from dtnode.peers.dht_in_process import InProcessDHT, SwarmDHT
 from dtnode.peers.dht_start import public_maddrs, start_dht
-from dtnode.peers.hivemind_adapter import RSASignatureValidator, key_of
+from dtnode.peers.hivemind_adapter import RSASignatureValidator
 from dtnode.peers.known_peers import FILE_NAME as KNOWN_PEERS_FILE
 from dtnode.peers.known_peers import KnownPeers, peer_of
 from dtnode.peers.membership import JoinError, Membership, PeerRecord
 from dtnode.peers.sidecar_address import PROBE_TIMEOUT_S, SidecarAddressError, is_sidecar_address, resolve_peers
-from dtnode.peers.tls import NodeIdentity, TrustStore
-
-if TYPE_CHECKING:
-    from dtnode.peers.hivemind_adapter import RSAPrivateKey
 
 log = logging.getLogger("dtnode")
 
-TLS_CERT_FILE = "tls.crt"  # this node's data-plane certificate (PEM), derived from its record key
 DHT_PORT_FILE = "dht-port"  # the DHT port of the last run, reused when free (--dht-port 0)
 REMEMBER_PEERS_EVERY_S = 5.0
 MAX_PEERS_SEEN = 1 << 16
@@ -61,7 +57,7 @@ class DhtBootstrap:
         starts alone and keeps dialling them; a node given --peer that reaches nobody ends
         with the list it tried."""
         s = self.settings
-        identity = (self.state_dir / "identity.key").resolve()
+        identity = (self.state_dir / IDENTITY_FILE).resolve()
         own = peer_id or None
         self.known_peers = await asyncio.to_thread(self.known_peers.load)
         given = await self._resolve_sidecar_peers(own)
@@ -174,16 +170,6 @@ def announce_host(settings: NodeSettings, dht: SwarmDHT) -> str:
         if len(parts) > 2 and parts[1] == "ip4" and not parts[2].startswith("127.") and parts[2] != "0.0.0.0":
             return parts[2]
     return socket.gethostbyname("localhost")
-
-
-def tls_identity(state_dir: Path, record_key: RSAPrivateKey, peer_id: str) -> TrustStore:
-    """This node's TLS certificate, self-signed with its record key, kept in the state dir
-    (operators can compare its fingerprint with the one peers log)."""
-    identity = NodeIdentity.from_key(key_of(record_key), peer_id)
-    path = state_dir / TLS_CERT_FILE
-    if not path.exists() or path.read_bytes() != identity.cert_pem:
-        path.write_bytes(identity.cert_pem)
-    return TrustStore(identity, peer_id)
 
 
 def join_command(settings: NodeSettings, recipe: SwarmRecipe, maddr: str, public: bool = False) -> str:
