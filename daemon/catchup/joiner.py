@@ -37,10 +37,10 @@ from dtnode.daemon.catchup.admission import (
     check_same_recipe,
 )
 from dtnode.daemon.catchup.donors import fetch_from_swarm
+from dtnode.daemon.catchup.overlap_catch_up import OPEN_POLL_S, OverlapCatchUp
 from dtnode.daemon.catchup.swarm_position import SwarmPosition, swarm_moves_past, swarm_position
 from dtnode.daemon.catchup.sync_plan import LocalPosition, SyncAction, SyncPlan, plan_sync
 from dtnode.daemon.catchup.trust_radius import judge_split_vote
-from dtnode.daemon.checkpoints.arrivals import ThetaSource
 from dtnode.daemon.checkpoints.file_format import LoadedCheckpoint
 from dtnode.daemon.checkpoints.store import CheckpointStore
 from dtnode.daemon.config.settings import NodeSettings
@@ -56,7 +56,6 @@ from dtnode.peers.tls import TrustStore
 log = logging.getLogger("dtnode")
 
 MAX_REENTRIES = 3  # a joiner's first rounds given up in a row because the swarm averaged them without it
-OPEN_POLL_S = 0.2  # how often a node waiting for the swarm's round to open re-reads the records
 # heartbeats a node waits for peers' records to catch up: a donor's to announce a file served
 # on demand, or a joiner whose average found no group for its peers' to show the round closed
 BIND_HEARTBEATS = 2.5
@@ -111,7 +110,9 @@ class Joiner:
         self.joined_at: float | None = None  # monotonic: when a download put this node in step (for the log)
         self.resync_wanted = False  # a download or a failed catch-up: the next groups re-sync θ_g
         # --overlap: the catch-up round's θ_g of the next step, fetched while the round trains (see catch_up)
-        self._prefetch: tuple[int, asyncio.Task[LoadedCheckpoint | None]] | None = None
+        self.overlap = OverlapCatchUp(
+            peer_id, model_hash, membership, worker, store, stopping, settings.averaging.bound_s, self._fetch
+        )
 
     def take_resync_wish(self) -> bool:
         wanted, self.resync_wanted = self.resync_wanted, False
@@ -289,7 +290,7 @@ class Joiner:
         """Round `round_no` starts: the first after a download is noted (see closed_under_us),
         and a catch-up round's θ_g of the next step is fetched from now on (see catch_up)."""
         if self.settings.diloco.overlap and self.catch_up_round == round_no:
-            self._start_prefetch(round_no)
+            self.overlap.start(round_no)
         self.entered_round = round_no if self.joined_at is not None else None
         if self.joined_at is None:
             return
@@ -349,65 +350,18 @@ class Joiner:
 
     async def catch_up(self, round_no: int) -> torch.Tensor | CodedDelta | None:
         """--overlap, the first round after a download or a start from this node's own
-        checkpoint: this node entered round r from θ_g of step r-1, as the swarm did, but took
-        no part in the average of round r-1 that the swarm applies now. So instead of an outer
-        step of its own it takes the swarm's θ_g of step r (the delayed outer step, done by the
-        swarm), and sends this round's Δ out with theirs. That θ_g is fetched while the round
-        trains, from the moment a peer holds it: fetched only now, at the round's end, its
-        download and checks came after the peers had formed their group, and the joiner's first
-        Δ went out alone (CI saw it). None when no peer could serve it in time (the round then
-        goes on as after a failed average, and the next groups re-sync θ_g)."""
-        if self._prefetch is None or self._prefetch[0] != round_no:
-            self._start_prefetch(round_no)
-        assert self._prefetch is not None
-        task = self._prefetch[1]
-        self._prefetch = None
-        done, _ = await asyncio.wait({task}, timeout=self.settings.averaging.bound_s)
-        loaded = task.result() if done else None
-        if not done:
-            task.cancel()
-        if loaded is None:
-            log.warning(
-                "no peer served θ_g of step %d in time; round %d goes on as after a failed average", round_no, round_no
-            )
+        checkpoint: the swarm's θ_g of step `round_no` taken instead of an outer step of this
+        node's own (catchup/overlap_catch_up.py), its Δ returned; None when no peer served it in
+        time, and the next groups re-sync θ_g."""
+        delta = await self.overlap.take(round_no)
+        if delta is None:
             self.resync_wanted = True
-            return None
-        await self.store.keep_downloaded(loaded, ThetaSource.TAKEN)
-        delta = await self.worker.call(self.worker.adopt_downloaded, loaded)
-        log.info(
-            "took the swarm's θ_g of step %d for round %d (entered without its average of round %d)",
-            loaded.step,
-            round_no,
-            round_no - 1,
-        )
         return delta
 
     def drop_catch_up(self) -> None:
         """The catch-up round ended with an average of its own to land instead: no θ_g to take."""
         self.catch_up_round = None
-        if self._prefetch is not None:
-            self._prefetch[1].cancel()
-            self._prefetch = None
-
-    def _start_prefetch(self, round_no: int) -> None:
-        if self._prefetch is not None:
-            self._prefetch[1].cancel()
-        task = asyncio.create_task(self._fetch_once_served(round_no))
-        task.add_done_callback(lambda t: t.cancelled() or t.exception())  # a stop may leave it unread
-        self._prefetch = (round_no, task)
-
-    async def _fetch_once_served(self, step: int) -> LoadedCheckpoint | None:
-        """The swarm's θ_g of `step`, as soon as a live peer's record says it holds it."""
-        while not self.stopping.is_set():
-            view = await self.membership.members()
-            if any(
-                r.outer_step >= step and r.model_hash == self.model_hash
-                for r in view.values()
-                if r.peer_id != self.peer_id and r.state in ("training", "averaging")
-            ):
-                return await self._fetch(view, range(step, step + 1))
-            await self._pause(OPEN_POLL_S)
-        return None
+        self.overlap.drop()
 
 
 def _say_downloading(ahead: bool, position: SwarmPosition, own: int) -> None:
