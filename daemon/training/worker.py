@@ -23,22 +23,18 @@ from typing import TypeVar
 import torch
 
 from dtnode.daemon.checkpoints.file_format import Layout, LoadedCheckpoint, LocalState, SharedBytes, TrainingState
-from dtnode.daemon.config.settings import NodeSettings, SettingsError
-from dtnode.daemon.training.coded_replica import CodedReplica
+from dtnode.daemon.config.settings import NodeSettings
+from dtnode.daemon.training.assembly import assemble
 from dtnode.daemon.training.outer_replica import Replica
-from dtnode.daemon.training.precision import Precision
 from dtnode.daemon.training.ranks.host import (
     LocalRankFailure,
     LocalRanks,
     RankReport,
     RankState,
     own_memory,
-    plan_ranks,
 )
-from dtnode.daemon.training.schedule import LearningRateSchedule
 from dtnode.daemon.training.trainer import InnerResult, Trainer
 from dtnode.daemon.workload.build import Workload
-from dtnode.daemon.workload.data import DataStream
 from dtnode.ops.coded import CodedDelta
 from dtnode.peers import failpoints
 from dtnode.peers.averager import AveragingResult
@@ -95,55 +91,10 @@ class ModelWorker:
 
     # ---- set-up ----------------------------------------------------------------------------
     def build(self, peer_id: str) -> None:
-        """Put the model on its device with its optimizers and data stream (training thread)."""
-        s, w = self.settings, self.workload
-        plan = plan_ranks(s)
-        if plan.threads is not None:
-            torch.set_num_threads(plan.threads)
-        # one stream for the node: each step's batch holds every rank's rows, so the data
-        # position is the node's whatever its rank count
-        rows = s.hardware.batch_size * plan.world_size
-        stream = DataStream(w.sources, s.swarm.run_id, peer_id, rows, w.seq_len, s.evaluation.eval_sequences)
-        precision = Precision(s.hardware.precision)
-        if s.hardware.shard and plan.world_size > 1 and precision.resolve(self.device) == Precision.FP16:
-            raise SettingsError(
-                "--precision",
-                f"fp16{' (what auto means on this GPU, which has no bf16)' if precision == Precision.AUTO else ''} "
-                "does not combine with --shard (its loss scale is per rank); use --precision fp32",
-            )
-        ranks = LocalRanks(plan, s) if plan.world_size > 1 else None
-        if ranks is not None:
-            try:
-                ranks.start()
-            except LocalRankFailure as e:
-                option = "--gpus" if plan.backend == "nccl" else "--nproc-per-node"
-                raise SettingsError(option, str(e)) from None
-        schedule = LearningRateSchedule(
-            s.inner.inner_lr, s.inner.warmup_steps, s.inner.total_steps, s.inner.lr_schedule, s.inner.min_lr_ratio
-        )
-        trainer = Trainer(
-            w.model,
-            stream,
-            self.device,
-            schedule=schedule,
-            weight_decay=s.inner.inner_weight_decay,
-            optimizer_kind=s.inner.inner_optimizer,
-            grad_clip=s.inner.grad_clip,
-            compile=s.hardware.compile,
-            ranks=ranks,
-            precision=precision,
-        )
-        if s.wire.compression == "int8" and trainer.local_weights.span_device.type == "cpu":  # θ_g in host memory
-            self._replica = CodedReplica(
-                trainer, s.diloco.outer_lr, s.diloco.outer_momentum, s.wire.wire_format().block_size
-            )
-        else:
-            self._replica = Replica(trainer, s.diloco.outer_lr, s.diloco.outer_momentum)
-        self._trainer = trainer
-        if (s.wire.error_feedback and s.wire.compression == "int8") or s.wire.compression == "sparse":
-            self.residual = torch.zeros(self._replica.numel, dtype=torch.float32)
-            if isinstance(self._replica, CodedReplica):  # the rounding error arises as Δ is coded
-                self._replica.feedback = self.residual
+        """Put the model on its device with its optimizers and data stream (training thread:
+        training/assembly.py)."""
+        parts = assemble(self.settings, self.workload, self.device, peer_id)
+        self._trainer, self._replica, self.residual = parts.trainer, parts.replica, parts.residual
 
     @property
     def built(self) -> bool:
