@@ -259,7 +259,7 @@ class RoundLoop:
 
     def resync_clipped(self) -> bool:
         """Whether a re-sync since the last look moved this node's state only part of the way
-        (`Replica._clip_consensus`): it stands apart from its group, and re-syncs again."""
+        (training/consensus_clip.py): it stands apart from its group, and re-syncs again."""
         clipped = self.worker.replica.resyncs_clipped
         new, self._clips_seen = clipped > self._clips_seen, clipped
         return new

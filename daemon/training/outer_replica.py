@@ -28,10 +28,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 
 import torch
 
+from dtnode.daemon.training.consensus_clip import Region, clip_moves, moved_by
 from dtnode.daemon.training.ranks.host import LocalRankFailure
 from dtnode.daemon.training.trainer import Trainer
 from dtnode.daemon.training.update_bounds import UpdateBounds
@@ -41,8 +41,6 @@ from dtnode.ops.outer_optimizer import NesterovOuterOptimizer
 from dtnode.peers.part_result import DriftBound
 
 log = logging.getLogger("dtnode")
-
-DISTANCE_SLICE = 1 << 22  # values per slice of `distance_to`
 
 
 class Replica:
@@ -66,7 +64,7 @@ class Replica:
         self._copy_stream = torch.cuda.Stream(device) if pin else None
         self._copied = torch.cuda.Event() if pin else None  # the last copy of Δ to the host is done
         self.bounds = UpdateBounds(self.outer, n)  # how far the swarm may move θ_g and the momentum
-        self.resyncs_clipped = 0  # re-synced states moved only part of the way (`_clip_consensus`)
+        self.resyncs_clipped = 0  # re-synced states moved only part of the way (consensus_clip.py)
 
     def _new_staging(self, n: int, pin: bool) -> torch.Tensor | CodedDelta:
         """The buffer Δ is staged in for the network: fp32 here (pinned on CUDA)."""
@@ -175,7 +173,7 @@ class Replica:
         model-sized temporary (training thread)."""
         if theta_g.shape != self.theta_g.shape:
             raise ValueError(f"θ_g of {theta_g.numel()} values, this model has {self.numel}")
-        return self._moved_by(theta_g, self.theta_g, 0)
+        return moved_by(theta_g, self.theta_g, 0)
 
     @torch.no_grad()
     def consensus_state(self) -> torch.Tensor:
@@ -206,47 +204,15 @@ class Replica:
             raise ValueError(f"a consensus state holds θ_g and maybe the momentum: {state_cpu.numel()} values for {n}")
         self._clip_consensus(state_cpu, bound or self.bounds.drift)
 
-    @torch.no_grad()
     def _clip_consensus(self, state_cpu: torch.Tensor, drift: DriftBound | None) -> None:
         """The re-synced state moved in place to within `drift` of ours, as a whole (θ_g and the
-        momentum each): its parts were checked one by one against twice their share of the
-        bound, and a member that took every part of a pair's re-sync to its limit moved θ_g
-        twice the bound. Honest states lie well within it; a clipped one leaves this node apart
-        from its group, and its next round re-syncs again."""
+        momentum each: training/consensus_clip.py)."""
         if drift is None:
             return
-        n = self.numel
-        regions = [(self.theta_g, 0, drift.theta)]
-        if state_cpu.numel() == 2 * n and self.outer.momentum > 0:
-            regions.append((self.outer.momentum_buffer, n, drift.momentum))
-        for ours, offset, bound in regions:
-            moved = self._moved_by(state_cpu, ours, offset)
-            if moved <= bound:
-                continue
-            factor = bound / moved if math.isfinite(moved) else 0.0
-            for at in range(0, n, DISTANCE_SLICE):
-                end = min(at + DISTANCE_SLICE, n)
-                own = ours[at:end].to("cpu", torch.float32)
-                target = state_cpu[offset + at : offset + end]
-                target.sub_(own).mul_(factor).add_(own)
-                if not math.isfinite(moved):
-                    target.copy_(own)
-            log.warning(
-                "a θ_g re-sync would move this node's %s by %.4g, over its bound of %.4g: moved that far only",
-                "θ_g" if offset == 0 else "outer momentum",
-                moved,
-                bound,
-            )
-            self.resyncs_clipped += 1
-
-    def _moved_by(self, state_cpu: torch.Tensor, ours: torch.Tensor, offset: int) -> float:
-        """‖state_cpu[offset : offset + n] − ours‖, in slices on `ours`' device."""
-        squares = torch.zeros((), dtype=torch.float64, device=ours.device)  # one read at the end
-        for at in range(0, self.numel, DISTANCE_SLICE):
-            end = min(at + DISTANCE_SLICE, self.numel)
-            values = state_cpu[offset + at : offset + end].to(ours.device, non_blocking=True)
-            squares += torch.linalg.vector_norm(values - ours[at:end], dtype=torch.float64) ** 2
-        return math.sqrt(float(squares))
+        regions: list[Region] = [(self.theta_g, 0, drift.theta)]
+        if state_cpu.numel() == 2 * self.numel and self.outer.momentum > 0:
+            regions.append((self.outer.momentum_buffer, self.numel, drift.momentum))
+        self.resyncs_clipped += clip_moves(state_cpu, regions)
 
     def _consensus_range(self, state_cpu: torch.Tensor, start: int, stop: int) -> None:
         """θ_g (and the momentum) [start, stop) ← the re-synced state's (checked)."""

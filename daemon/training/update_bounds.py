@@ -171,7 +171,7 @@ class UpdateBounds:
         lr·(1+μ)·‖Δ‖ of its own longest recent Δ), the momentum by the longest of its recent own
         Δ and applied means. Each part of the result is checked against its share where it
         arrives (peers/part_result.py), and the whole move once more before it is taken
-        (`Replica._clip_consensus`)."""
+        (training/consensus_clip.py)."""
         own = self.own_scale() or 0.0
         step = max(self.update_scale() or 0.0, self.outer.lr * (1 + self.outer.momentum) * own)
         means = float(torch.stack(list(self._mean_norms)).max()) if self._mean_norms else 0.0
