@@ -38,7 +38,7 @@ from .deadlines import AdaptiveDeadlines
 from .expectations import GroupExpectations
 from .grid import cells, coordinates, first_slot, grid_shape
 from .group_reduce import AveragingConfig, GroupReducer, GroupWork, as_a_group_of_one, recodes_alone
-from .hops import Chain, hand_out_list, hop0_drift, hop_load, later_hop_window, next_chains, round_bound
+from .hops import Chain, hop0_drift, hop_load, later_hop_window, next_chains, round_bound
 from .matchmaking import FormedGroup, Matchmaker
 from .membership import PeerRecord
 from .part_codec import Feedback
@@ -264,20 +264,7 @@ class MoshpitAverager:
             )
             for chain, out, (group, result, _) in zip(chains, outputs, done, strict=True)
         ]
-        if hop + 1 == state.dims:
-            return after
-        hand_outs = [hand_out_list(group, result, self.peer_id) for group, result, _ in done]
-        for group, members in zip(groups, hand_outs, strict=True):
-            if len(members) < len(group.members):
-                log.info(
-                    "round %d hop %d: %s took part in nothing of group %s; its classes go among the %d that did",
-                    round_no,
-                    hop,
-                    sorted(m.peer_id[-6:] for m in group.members if m.peer_id not in members),
-                    group.key.rsplit(".", 1)[-1],
-                    len(members),
-                )
-        return next_chains(after, hand_outs, round_no, hop, self.peer_id, state.side)
+        return next_chains(after, groups, round_no, hop, self.peer_id, state.side) if hop + 1 < state.dims else after
 
     def _complete_report(
         self,

@@ -12,7 +12,6 @@ import torch
 
 from dtnode.ops.coded import CodedDelta
 
-from .allreduce_report import AllReduceReport
 from .deadlines import AdaptiveDeadlines, expected_payload_bytes
 from .forming import FormedGroup
 from .grid import Slot, next_slots
@@ -81,40 +80,16 @@ def later_hop_window(
     return deadlines.later_hop_window(load * expected_payload_bytes(numel, 2 * side, wire, previous))
 
 
-def hand_out_list(group: FormedGroup, result: AllReduceReport | None, peer_id: str) -> list[str]:
-    """The members among whom a group hands out the next hop's classes: those its all-reduce
-    shows took part (in a part's included list, or the reducer of a part that succeeded), in
-    the order of the list the group formed on; that list whole where this peer's report does not
-    show this peer itself (the report is then not the group's to go by).
-
-    Every member that took every part's mean read the same included lists, so they all compute
-    the same. A member counted in the list that took part in nothing (it formed another group,
-    none, or died after the list closed; a stand-in reduced its part) would otherwise keep its
-    classes: nobody carried this group's mean there, and the groups of those classes in the next
-    hop ended on another mean than the rest (32 nodes on 2 cores: three hop-1 groups of 11, 10
-    and 9, each on its own θ_g). A member whose group-mates formed without it, and which averaged
-    alone, is a group of one here: it stands in every class, with its own values beside its
-    cell-mates' mean, and every group of the next hop holds both."""
-    listed = [m.peer_id for m in group.members]
-    if result is None:
-        return listed
-    took_part = {p.reducer for p in result.parts if p.ok} | {q for p in result.parts if p.ok for q in p.included}
-    if peer_id not in took_part:
-        return listed
-    return [p for p in listed if p in took_part]
-
-
 def next_chains(
-    after: list[Chain], hand_outs: list[list[str]], round_no: int, hop: int, peer_id: str, side: int
+    after: list[Chain], groups: list[FormedGroup], round_no: int, hop: int, peer_id: str, side: int
 ) -> list[Chain]:
     """The chains of hop `hop + 1`: every group's result goes on, in every class this peer
-    stands for in it among the group's `hand_out_list` (a class left out would leave the groups
-    of that class in the next hops without this slab); the first is primary, and at most
-    MAX_CHAINS are carried."""
+    stands for in it (a class left out would leave the groups of that class in the next hops
+    without this slab); the first is primary, and at most MAX_CHAINS are carried."""
     chains = [
         Chain(slot, chain.values, chain.weight, chain.pooled)
-        for chain, members in zip(after, hand_outs, strict=True)
-        for slot in next_slots(chain.slot.coords, hop + 1, members, peer_id, side)
+        for chain, group in zip(after, groups, strict=True)
+        for slot in next_slots(chain.slot.coords, hop + 1, [m.peer_id for m in group.members], peer_id, side)
     ]
     chains = [replace(chain, slot=replace(chain.slot, primary=i == 0)) for i, chain in enumerate(chains)]
     if len(chains) > MAX_CHAINS:

@@ -16,12 +16,10 @@ from dtnode.ops.ordered_mean import ordered_weighted_mean, sum_weights
 from dtnode.ops.quantization import dequantize, quantize
 from dtnode.peers import matchmaking
 from dtnode.peers.absentees import BENCH_ROUNDS
-from dtnode.peers.allreduce_report import AllReduceReport, PartOutcome
 from dtnode.peers.auth import AuthError
 from dtnode.peers.averager import AveragingConfig, AveragingTimeout, MoshpitAverager, within_bound
 from dtnode.peers.deadlines import AdaptiveDeadlines, expected_payload_bytes
 from dtnode.peers.expectations import GroupExpectations
-from dtnode.peers.forming import FormedGroup
 from dtnode.peers.grid import (
     Slot,
     agreed_dims,
@@ -35,7 +33,6 @@ from dtnode.peers.grid import (
     split_groups,
 )
 from dtnode.peers.group_reduce import group_load
-from dtnode.peers.hops import hand_out_list
 from dtnode.peers.leadership import by_rank
 from dtnode.peers.matchmaking import Matchmaker, Registration
 from dtnode.peers.membership import PeerRecord
@@ -171,85 +168,6 @@ def test_three_hops_of_uneven_groups_leave_every_peer_the_same_bits(n, m):
         assert all(torch.equal(values[p], reference) for p in ids), f"step {step}: θ_g split"
         torch.testing.assert_close(reference.double(), exact, rtol=0.05, atol=0.02)  # int8 hops
     assert shared > 0  # the test did meet them
-
-
-def _two_hops_with_a_ghost(
-    ids: list[str], step: int, side: int, values: dict, weights: dict, ghost: str, by_formed_list: bool
-) -> dict[str, torch.Tensor]:
-    """Two hops as the averager runs them, where `ghost` is listed in its hop-0 group but took
-    part in nothing there (it formed another group or none: a stand-in reduced its part): its
-    group-mates average without it, it keeps its own values, and each hands out the classes of
-    hop 1 by `hand_out_list` over the reports such an all-reduce gives (or, `by_formed_list`, by
-    the list as it formed). Every peer's final value."""
-    hop0: dict[str, list[str]] = {}
-    for joined in cells(ids, step, side, 2).values():
-        for group in split_groups(joined, side):
-            for p in group:
-                hop0[p] = group
-    chains: dict[str, list[tuple[Slot, torch.Tensor, float]]] = {}
-    for p in ids:
-        listed = hop0[p]
-        took_part = [q for q in listed if q != ghost] if p != ghost else [ghost]
-        mean, total = _exact_mean([(weights[q], values[q]) for q in took_part])
-        group = FormedGroup("k", [_member(q) for q in listed], len(listed), 0.0)
-        report = AllReduceReport(
-            [PartOutcome(i, q, q in took_part, took_part if q in took_part else []) for i, q in enumerate(listed)]
-        )
-        if p != ghost and ghost in listed:  # the ghost's part went to its stand-in
-            report.parts[listed.index(ghost)] = PartOutcome(0, took_part[0], True, took_part, stood_in_for=ghost)
-        members = listed if by_formed_list else hand_out_list(group, report, p)
-        first = first_slot(coordinates(p, step, side, 2))
-        chains[p] = [(slot, mean, total) for slot in next_slots(first.coords, 1, members, p, side)]
-    by_key: dict[str, list[tuple[str, int]]] = {}
-    for p, own in chains.items():
-        for i, (slot, _, _) in enumerate(own):
-            by_key.setdefault(slot.key, []).append((p, i))
-    final: dict[str, torch.Tensor] = {}
-    for joined in by_key.values():
-        mean, _ = _exact_mean([(chains[p][i][2] * chains[p][i][0].share, chains[p][i][1]) for p, i in joined])
-        for p, i in joined:
-            if i == 0:
-                final[p] = mean
-    return final
-
-
-def test_a_listed_member_that_took_part_in_nothing_leaves_its_classes_to_those_that_did():
-    """A member counted in a hop-0 group that took part in nothing there kept its classes of hop
-    1 by the list's ranks: nobody carried the group's mean to them, and it carried its own values
-    in one of them; the groups of hop 1 ended on different means (32 nodes: three θ_g after one
-    round). Handed out among the members that took part, and the ghost standing in every class as
-    a group of one, every group of hop 1 holds one share of each: one exact mean for everyone."""
-    ids = [f"p{i}" for i in range(32)]
-    side = 4
-    step = 0
-    ghost = next(g[-1] for c in cells(ids, step, side, 2).values() for g in split_groups(c, side) if len(g) >= 3)
-    values = {p: torch.randn(64, dtype=torch.float64) for p in ids}
-    weights = {p: float(i % 5 + 1) for i, p in enumerate(ids)}
-    exact = sum(weights[p] * values[p] for p in ids) / sum(weights.values())
-    final = _two_hops_with_a_ghost(ids, step, side, values, weights, ghost, by_formed_list=False)
-    for p in ids:
-        torch.testing.assert_close(final[p], exact)
-    before = _two_hops_with_a_ghost(ids, step, side, values, weights, ghost, by_formed_list=True)
-    assert any(not torch.allclose(before[p], exact) for p in ids)  # the split it mends
-
-
-def test_the_hand_out_list_is_the_formed_list_where_everyone_took_part_or_the_report_lacks_us():
-    group = FormedGroup("k", [_member(p) for p in "abc"], 3, 0.0)
-    whole = AllReduceReport([PartOutcome(i, p, True, ["a", "b", "c"]) for i, p in enumerate("abc")])
-    assert hand_out_list(group, whole, "b") == ["a", "b", "c"]
-    assert hand_out_list(group, None, "b") == ["a", "b", "c"]  # no all-reduce (a group of one)
-    # c streamed nowhere and reduced nothing; a failed part (b's, for us) names nobody
-    lacking = AllReduceReport(
-        [
-            PartOutcome(0, "a", True, ["a", "b"]),
-            PartOutcome(1, "b", False),
-            PartOutcome(2, "a", True, ["a", "b"], stood_in_for="c"),
-        ]
-    )
-    assert hand_out_list(group, lacking, "a") == ["a", "b"]
-    # a report in which this peer itself took part in nothing is not the group's to go by
-    spectator = AllReduceReport([PartOutcome(0, "a", True, ["a", "c"]), PartOutcome(2, "c", True, ["a", "c"])])
-    assert hand_out_list(group, spectator, "b") == ["a", "b", "c"]
 
 
 @pytest.mark.parametrize("n,m", [(9, 3), (12, 4), (6, 3), (16, 4), (5, 4), (4, 4), (30, 16), (24, 4), (32, 4)])
