@@ -54,7 +54,7 @@ from dtnode.daemon.swarm.bootstrap import (
 )
 from dtnode.daemon.swarm.credentials import data_plane_trust, node_key, swarm_auth
 from dtnode.daemon.swarm.reachability import DialBack, announce_warning, ask_dial_back
-from dtnode.daemon.telemetry.metrics import NodeMetrics, watch_state_dir
+from dtnode.daemon.telemetry.metrics import NodeMetrics, watch_feedback, watch_state_dir
 from dtnode.daemon.training.ranks.host import plan_ranks
 from dtnode.daemon.training.worker import ModelWorker, limit_tensor_threads
 from dtnode.daemon.workload.build import build_workload, resolve_device
@@ -108,6 +108,7 @@ class Node:
         self.state = RoundState(settings.diloco.overlap)
         self.stats = RunStats()
         self.worker = ModelWorker(settings, self.workload, self.device)
+        watch_feedback(self.metrics, lambda: self.worker.feedback_norm)
         self.deadlines = AdaptiveDeadlines(
             settings.averaging.matchmaking_window_min,
             settings.averaging.matchmaking_window,

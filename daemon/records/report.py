@@ -277,7 +277,6 @@ class RoundSummary:
         if self.wire is not None:
             m.wire_bytes_per_param.labels(compression=self.wire.compression).set(self.bytes_per_param)
             m.wire_density.set(self.wire.density)
-            m.feedback_norm.set(self.wire.feedback_norm if self.wire.feedback_norm is not None else math.nan)
         m.round_seconds.observe(self.duration_s)
         m.last_round_at.set(time.time())
         for phase, seconds in self.phases.items():

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import shutil
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Protocol
 
@@ -58,6 +58,17 @@ def watch_state_dir(metrics: NodeMetrics, path: Path) -> None:
             return math.nan
 
     metrics.state_dir_free.set_function(free)
+
+
+def watch_feedback(metrics: NodeMetrics, norm: Callable[[], float | None]) -> None:
+    """The error-feedback buffer's norm, read at each scrape: what a node restored from its
+    checkpoint shows before its first round, and each outer step's after it."""
+
+    def read() -> float:
+        value = norm()
+        return math.nan if value is None else value
+
+    metrics.feedback_norm.set_function(read)
 
 
 def observe_device_memory(metrics: NodeMetrics, device: torch.device) -> None:
