@@ -34,6 +34,7 @@ from dtnode.daemon.rounds.backoff import FailureStreak
 from dtnode.daemon.rounds.landing import Landing
 from dtnode.daemon.rounds.pacer import EXTRAPOLATE_HEARTBEATS, READ_HEARTBEATS, FixedPacer, Pacer, SwarmPacer
 from dtnode.daemon.rounds.recorder import RoundRecorder
+from dtnode.daemon.rounds.run_end import run_is_over
 from dtnode.daemon.rounds.strategies import OverlappedRound, PlainRound, RoundStrategy
 from dtnode.daemon.stopping import pause
 from dtnode.daemon.telemetry.metrics import NodeMetrics
@@ -160,38 +161,6 @@ class RoundLoop:
         while not self.stopping.is_set() and not self.finished:
             await self.guarded_round()
 
-    async def _run_is_over(self, round_no: int) -> bool:
-        """--max-rounds N: the run ends at the swarm's outer step N. A round numbered N or later is
-        never trained (with --overlap the last average in flight still lands: step N); and a node
-        behind a swarm that already stopped at N (the stopped peers' records say so) stops where
-        it is rather than training the missing rounds alone, which no peer would average."""
-        own = self.settings.diloco.max_own_rounds
-        if own is not None and self.rounds_done >= own:
-            log.info("finished %d rounds (--max-own-rounds)", self.rounds_done)
-            self.finished = True
-            return True
-        last = self.settings.diloco.max_rounds
-        if last is None:
-            return False
-        if round_no >= last:
-            log.info("the swarm's run ends at outer step %d (--max-rounds): stopping", last)
-            self.finished = True
-            return True
-        view = await self.membership.members()
-        mine = [r for r in view.values() if r.peer_id != self.peer_id and r.model_hash == self.model_hash]
-        if any(r.state == "stopped" and r.outer_step >= last for r in mine) and not any(
-            r.state in ("training", "averaging") for r in mine
-        ):
-            log.warning(
-                "the swarm stopped at outer step %d (--max-rounds) while this node is at %d: stopping here "
-                "rather than training the rounds in between alone",
-                last,
-                self.worker.outer_step,
-            )
-            self.finished = True
-            return True
-        return False
-
     async def guarded_round(self) -> None:
         """One round behind the error boundary (see the module docstring)."""
         try:
@@ -272,7 +241,10 @@ class RoundLoop:
         outer = self.worker.outer_step
         ahead = self.landing.in_flight or self.joiner.catch_up_round == outer + 1
         round_no = outer + (1 if ahead else 0)
-        if await self._run_is_over(round_no):
+        if await run_is_over(
+            self.settings, self.membership, self.peer_id, self.model_hash, self.rounds_done, round_no, outer
+        ):
+            self.finished = True
             return None
         first = self.state.first_round is None
         self.state.train(round_no)  # published with --overlap: pacing counts this round's tokens under it

@@ -8,13 +8,7 @@ steps per call and, between steps, checks a stop flag and asks the round's pacer
 another step still fits before the swarm's round ends, so a shutdown never waits for a
 whole round of compute and a slow peer never makes the swarm wait for a step it could not
 finish in time. The tokens of a step not taken stay in the data stream for the next round.
-
-`DTNODE_TEST_SLOW_INNER=F` (a test hook, read with the failpoints in peers/failpoints.py) makes every inner step of this process take F times as long, so tests and
-benchmarks can build swarms of uneven peers on one host. `DTNODE_TEST_STEP_FLOOR_S=S` makes
-every inner step take at least S seconds: a test that times a restart or a join against the
-swarm's rounds then sees rounds of about CPU length on a GPU host too, where a tiny model's
-step takes a few milliseconds and the swarm would be a dozen rounds on before a restarted
-process is back.
+Tests slow its steps down through the hooks of training/step_delays.py.
 """
 
 from __future__ import annotations
@@ -28,9 +22,10 @@ from dataclasses import dataclass
 
 import torch
 
-from dtnode.daemon.training.inner_optimizer import InnerOptimizerKind, build_inner_optimizer
+from dtnode.daemon.training.inner_optimizer import InnerOptimizerKind
 from dtnode.daemon.training.inner_state import flat_moments, install_inner_state, ordered_parameters
 from dtnode.daemon.training.inner_step import held_out_loss, inner_step, learned_buffers
+from dtnode.daemon.training.optimizer_build import OptimizerBuild
 from dtnode.daemon.training.precision import Precision, StepPrecision
 from dtnode.daemon.training.ranks.ddp import ReplicatedRanks
 from dtnode.daemon.training.ranks.fsdp import HostShards
@@ -43,6 +38,7 @@ from dtnode.daemon.training.ranks.host import (
     out_of_memory_line,
 )
 from dtnode.daemon.training.schedule import LearningRateSchedule
+from dtnode.daemon.training.step_delays import StepDelays
 from dtnode.daemon.training.theta_local import FlatLocal, LocalWeights
 from dtnode.daemon.workload.data import DataStream
 from dtnode.ops.flat import FlatParameters
@@ -100,13 +96,11 @@ class Trainer:
         self.grad_clip = grad_clip
         self.weight_decay = weight_decay
         self.optimizer_kind = optimizer_kind
-        self._optimizer_built: concurrent.futures.Future = concurrent.futures.Future()
+        self._optimizer = OptimizerBuild(self.model, self.lr, weight_decay, optimizer_kind)
         # set after the first AdamW step, whose lazy imports (torch._dynamo) must not run while
         # another thread imports the same modules (TorchInductor compiling the int8 kernels):
         # Python then hands one thread a partly initialised module
         self.first_step_done = threading.Event()
-        self._optimizer_started = False
-        self._lock = threading.Lock()
         self.build_optimizer_in_background()
         self.inner_step = 0
         self.adam_steps = 0  # steps behind the AdamW moments: 0 after a fresh start, whatever inner_step says
@@ -119,29 +113,11 @@ class Trainer:
         self.running = False  # inner steps under way (/healthz: a thread stuck in one is unhealthy)
         self.progress_at = time.monotonic()  # when the last inner step ended, or the last run began
         self.tokens_per_step = stream.batch_size * stream.seq_len  # the node's batch: all its ranks' rows
-        hooks = failpoints.training_hooks()  # tests' uneven peers and cold starts (failpoints.py)
-        self.slowdown = hooks.slowdown
-        self._unslowed_s = 0.0  # the last step's time before the slowdown hook stretched it
-        self.first_step_delay = hooks.first_step_delay_s
-        self.step_floor_s = hooks.step_floor_s
+        self.delays = StepDelays()  # tests' uneven peers and cold starts
 
     def build_optimizer_in_background(self) -> concurrent.futures.Future:
-        """Start making the inner optimizer on a side thread (once); its future.
-
-        torch imports its compiler stack (seconds of CPU) at the first optimizer a process
-        makes: made from the start, off the path of a joiner's DHT start and download. (Started
-        only when the download begins, it slows the transfer instead, and the joiner trains
-        about a second later: measured on a busy 2-core host.)
-
-        Not a daemon thread: the interpreter's exit waits for it. A node that stopped in its
-        first seconds (a joiner refused for another recipe) exited while the thread was still
-        importing torch's compiler stack, whose modules register `weakref.finalize` hooks, and
-        the exit's walk over those hooks raised `dictionary changed size during iteration`."""
-        with self._lock:
-            if not self._optimizer_started:
-                self._optimizer_started = True
-                threading.Thread(target=self._build_optimizer, name="inner-optimizer").start()
-        return self._optimizer_built
+        """Start making the inner optimizer on a side thread (once: optimizer_build.py); its future."""
+        return self._optimizer.start()
 
     def _forward_model(self) -> Callable[[torch.Tensor], torch.Tensor]:
         """The module a step calls: the model, behind DDP with several ranks, compiled with
@@ -165,17 +141,9 @@ class Trainer:
         if self.ranks is not None:
             self.ranks.stop()
 
-    def _build_optimizer(self) -> None:
-        try:
-            self._optimizer_built.set_result(
-                build_inner_optimizer(self.model, self.lr, self.weight_decay, self.optimizer_kind)
-            )
-        except BaseException as e:  # noqa: BLE001  (raised to whoever first needs the optimizer)
-            self._optimizer_built.set_exception(e)
-
     @property
     def optimizer(self) -> torch.optim.Optimizer:
-        return self.build_optimizer_in_background().result()
+        return self._optimizer.result()
 
     def _params_changed(self) -> None:
         self.ranks_need_params = True  # the other ranks take rank 0's θ_l before their next step
@@ -255,12 +223,7 @@ class Trainer:
             self.first_step_done.set()
             if not math.isfinite(loss_value):
                 raise FloatingPointError(f"inner loss became {loss_value} at inner step {self.inner_step}")
-            if self.slowdown > 1:
-                stop.wait((self.slowdown - 1) * self._unslowed_seconds(time.monotonic() - step_started))
-            if self.step_floor_s > 0:
-                stop.wait(max(0.0, self.step_floor_s - (time.monotonic() - step_started)))
-            if first and self.first_step_delay > 0:
-                stop.wait(self.first_step_delay)
+            self.delays.after_step(stop, step_started, first)
             self.inner_step += 1
             self.adam_steps += 1
             done += 1
@@ -280,15 +243,6 @@ class Trainer:
         if done:
             self.last_loss = mean
         return InnerResult(done, tokens, mean, time.monotonic() - started, lr_sum / done if done else 0.0)
-
-    def _unslowed_seconds(self, took: float) -> float:
-        """What the slowdown hook stretches: this step's time, but at most SLOWED_OUTLIER times the
-        last one's. A step that a SIGSTOP held (a test's pause) is not stretched again: with
-        F=10 a 12 s pause became 108 s more, and the paused peer missed the rest of the run."""
-        if self._unslowed_s > 0:
-            took = min(took, SLOWED_OUTLIER * self._unslowed_s)
-        self._unslowed_s = took
-        return took
 
     def _step(self, batch: torch.Tensor, started: float) -> float:
         """One AdamW step on the node's batch (its rows spread over the local ranks); the loss."""
@@ -354,7 +308,7 @@ class Trainer:
             self.ranks_need_inner = True
             self.sync.load_inner(self.optimizer, self.model, (exp_avg, exp_avg_sq, steps))
             return
-        if steps <= 0 and not self._optimizer_built.done():  # one still being made starts with no state anyway
+        if steps <= 0 and not self._optimizer.built:  # one still being made starts with no state anyway
             return
         install_inner_state(self.optimizer, self.model, exp_avg, exp_avg_sq, steps)
 
@@ -378,6 +332,3 @@ class Trainer:
                 )
         finally:
             self.eval_seconds += time.monotonic() - started
-
-
-SLOWED_OUTLIER = 4.0  # see Trainer._unslowed_seconds
