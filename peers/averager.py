@@ -288,6 +288,7 @@ class MoshpitAverager:
             else primary.expected
         )
         report.complete, report.matchmaking_s = all(g.complete for g in groups), round(primary.seconds, 4)
+        report.waited_s = round(min(max(primary.last_arrival_lag, 0.0), primary.seconds), 4)
         report.benched = sorted({p for g in groups for p in g.benched})
         log.debug(
             "round %d hop %d: %s",

@@ -28,6 +28,9 @@ class HopReport:
     included_peers: list[str]
     matchmaking_s: float
     window_s: float
+    # of matchmaking_s, the seconds until this node read its group's last registrant: waiting for
+    # a member still on its way (its previous hop, a slower step), not the forming's own cost
+    waited_s: float = 0.0
     allreduce_s: float = 0.0
     timeout_s: float = 0.0
     bytes_sent: int = 0

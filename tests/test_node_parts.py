@@ -454,7 +454,9 @@ def test_a_lone_average_while_peers_train_asks_the_next_groups_to_re_sync_theta(
 
 
 # ---- the round summary ---------------------------------------------------------------------------
-def _hop(size: int, expected: int, sent: int, received: int, failed: list[str] | None = None) -> HopReport:
+def _hop(
+    size: int, expected: int, sent: int, received: int, failed: list[str] | None = None, waited: float = 0.0
+) -> HopReport:
     return HopReport(
         0,
         "k",
@@ -465,6 +467,7 @@ def _hop(size: int, expected: int, sent: int, received: int, failed: list[str] |
         ["a", "b"][:size],
         0.25,
         1.0,
+        waited_s=waited,
         allreduce_s=0.5,
         bytes_sent=sent,
         bytes_received=received,
@@ -530,7 +533,7 @@ def test_a_rounds_entry_says_where_its_theta_came_from_once():
 
 
 def test_a_round_summary_is_the_one_source_of_status_history_and_metrics():
-    summary = _summary([_hop(2, 2, 1000, 900), _hop(2, 3, 500, 400, failed=["b"])])
+    summary = _summary([_hop(2, 2, 1000, 900, waited=0.125), _hop(2, 3, 500, 400, failed=["b"], waited=0.0625)])
     assert summary.bytes_sent == 1500 and summary.bytes_received == 1300
     assert summary.outcome == RoundOutcome.PARTIAL and summary.reasons == ["deadline_exceeded", "incomplete_group"]
     last = summary.last_round()
@@ -545,6 +548,7 @@ def test_a_round_summary_is_the_one_source_of_status_history_and_metrics():
         "eval": 0.5,
         "outer": 0.0,
     }
+    assert entry["matchmaking_waited_s"] == 0.188  # of the matchmaking phase's 0.5 s, until the last registrant
     metrics = NodeMetrics("0", "run", "tiny", "cpu")
     summary.observe(metrics)
     values = {

@@ -87,6 +87,9 @@ def test_three_joined_processes_train_in_consensus(tmp_path, cleanup):
         rounds = node.rounds[:4]
         assert [r["round"] for r in rounds] == [0, 1, 2, 3], node.output
         assert all(r["groups"][0][0] == 3 for r in rounds), node.output
+        # of each round's matchmaking, the wait for the group's last registrant
+        assert all(0 <= r["matchmaking_waited_s"] <= r["phases_s"]["matchmaking"] + 0.01 for r in rounds), rounds
+    assert any(r["matchmaking_waited_s"] > 0 for node in (first, *others) for r in node.rounds[:4])
     for step in range(1, 5):
         reference = theta(first, step)
         for node in others:

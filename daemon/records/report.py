@@ -230,6 +230,8 @@ class RoundSummary:
             "bytes_sent": self.bytes_sent,
             "bytes_received": self.bytes_received,
             "phases_s": {k: round(v, 3) for k, v in self.phases.items()},
+            # of the matchmaking phase, the seconds spent until each hop's last registrant was read
+            "matchmaking_waited_s": round(sum(h.waited_s for h in self.hops), 3),
             "duration_s": round(self.duration_s, 3),
             "outcome": self.outcome.value,
             "reasons": sorted(set(self.reasons)),

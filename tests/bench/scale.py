@@ -15,7 +15,10 @@ left is what a node costs besides its training. Per n it prints:
   no part failed: history.jsonl's `outcome`);
 - `agree`: the share of rounds after which every node holds one θ_g (one `params_sha256`), and
   the most distinct θ_g seen after a round;
-- `mm p50/p95`: matchmaking seconds per hop (a round's matchmaking phase over its hops);
+- `mm p50/p95`: matchmaking seconds per hop (a round's matchmaking phase over its hops), and
+  `net p95` the same without the seconds until the hop's last registrant was read
+  (`matchmaking_waited_s`): what forming costs once everyone is there, apart from waiting for a
+  member still in its previous hop or step;
 - `dht req`: the DHT reads and writes a node makes per round (`dtnode_dht_requests_total`), and
   `mem get` the reads of the membership among them (each brings every peer's record back),
   and `unans` its requests to other DHT peers that went unanswered (`dtnode_dht_unanswered_total`:
@@ -199,6 +202,7 @@ class Row:
     most_hashes: int
     mm_p50: float
     mm_p95: float
+    net_p95: float  # mm_p95 without the wait for each hop's last registrant
     dht_requests: float
     membership_gets: float
     dht_unanswered: float
@@ -330,6 +334,12 @@ def run_size(n: int, args: argparse.Namespace, base: Path) -> Row:
         for e in entries
         if e["groups"]
     ]
+    net_per_hop = [
+        (e["phases_s"]["matchmaking"] - e.get("matchmaking_waited_s", 0.0)) / len(e["groups"])
+        for entries in histories.values()
+        for e in entries
+        if e["groups"]
+    ]
     done = max(len(rounds), 1)
     last = [sampler.last.get(node.name, Reading()) for node in nodes]
     first = [before.get(node.name, Reading()) for node in nodes]
@@ -341,6 +351,7 @@ def run_size(n: int, args: argparse.Namespace, base: Path) -> Row:
         most_hashes=max(hashes, default=0),
         mm_p50=percentile(per_hop, 0.5),
         mm_p95=percentile(per_hop, 0.95),
+        net_p95=percentile(net_per_hop, 0.95),
         dht_requests=statistics.median(b.dht_requests - a.dht_requests for a, b in zip(first, last)) / done,
         membership_gets=statistics.median(b.membership_gets - a.membership_gets for a, b in zip(first, last)) / done,
         dht_unanswered=statistics.median(b.dht_unanswered - a.dht_unanswered for a, b in zip(first, last)) / done,
@@ -357,7 +368,7 @@ def run_size(n: int, args: argparse.Namespace, base: Path) -> Row:
 
 
 HEADER = (
-    f"{'n':>3} {'rounds':>6} {'full':>6} {'agree':>6} {'hashes':>6} {'mm p50':>7} {'mm p95':>7} "
+    f"{'n':>3} {'rounds':>6} {'full':>6} {'agree':>6} {'hashes':>6} {'mm p50':>7} {'mm p95':>7} {'net p95':>7} "
     f"{'dht req':>8} {'mem get':>7} {'unans':>5} {'dht kB':>8} {'resync':>6} {'rss MB':>7} {'pss MB':>7} {'peak pss':>9} "
     f"{'idle pss':>9} {'idle cores':>10} {'tracebacks':>10} {'wall':>6}"
 )
@@ -366,7 +377,7 @@ HEADER = (
 def line(row: Row) -> str:
     return (
         f"{row.n:>3} {row.rounds:>6} {row.full:>6.0%} {row.agree:>6.0%} {row.most_hashes:>6} "
-        f"{row.mm_p50:>6.2f}s {row.mm_p95:>6.2f}s {row.dht_requests:>8.1f} {row.membership_gets:>7.1f} "
+        f"{row.mm_p50:>6.2f}s {row.mm_p95:>6.2f}s {row.net_p95:>6.2f}s {row.dht_requests:>8.1f} {row.membership_gets:>7.1f} "
         f"{row.dht_unanswered:>5.1f} {row.dht_kb:>8.1f} "
         f"{row.resyncs:>6.2f} {row.rss_mb:>7.0f} {row.pss_mb:>7.0f} {row.peak_pss_gb:>7.2f}GB "
         f"{row.idle_pss_gb:>7.2f}GB {row.idle_cores:>10.2f} {row.tracebacks:>10} {row.wall_s:>5.0f}s"
