@@ -516,13 +516,13 @@ def test_a_rounds_entry_says_where_its_theta_came_from_once():
     """What arrived since the last recorded round goes into the next entry, oldest first, and
     only there; a node that syncs again and again without a round keeps the newest few."""
     arrivals = Arrivals()
-    arrivals.note(ThetaArrival(ThetaSource.RESUMED, 3))
+    arrivals.note(ThetaArrival(ThetaSource.RESUMED, 3, params_sha256="ab" * 32))
     arrivals.note(ThetaArrival(ThetaSource.DOWNLOADED, 4, Download(offered_by=2, served_by=1, size_bytes=1000)))
     arrivals.note(ThetaArrival(ThetaSource.TAKEN, 5, Download(offered_by=1, served_by=1, size_bytes=500)))
     taken = arrivals.take()
     entry = dataclasses.replace(_summary([_hop(2, 2, 10, 10)]), synced=taken).history_entry(0, 0.0)
     assert entry["synced"] == [
-        {"source": "resumed", "step": 3},
+        {"source": "resumed", "step": 3, "params_sha256": "ab" * 32},
         {"source": "downloaded", "step": 4, "offered_by": 2, "served_by": 1, "bytes": 1000},
         {"source": "taken", "step": 5, "offered_by": 1, "served_by": 1, "bytes": 500},
     ]

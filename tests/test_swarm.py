@@ -191,7 +191,6 @@ def test_restart_resumes_from_its_checkpoint(tmp_path):
     checkpoint_path(first.state_dir, 4).write_bytes(good[: len(good) // 2])
     again = NodeProcess.join("solo", tmp_path, *FAST, *schedule, "--max-own-rounds", "1")
     assert again.wait(60) == 0, again.output
-    resumed = again.wait_for_line(r"resumed from ckpt-00000003\.safetensors \(outer step 3, params (\w+)\)").group(1)
     model, description = build_model("tiny", seed=0)
     flat = FlatParameters(model.named_parameters())
     saved = read_checkpoint(
@@ -200,11 +199,11 @@ def test_restart_resumes_from_its_checkpoint(tmp_path):
         "dtnode-demo",
         config_hash(description),
     )
-    assert sha256_of(saved.theta_g).startswith(resumed)  # resumed parameters are bit-identical to the saved ones
-    assert [(r["round"], r["groups"][0][0]) for r in again.rounds[3:]] == [(3, 1)], again.output
     # the history says where each round's θ_g began: the restart's round from the resumed file
-    # of step 3, the torn file of step 4 skipped
-    assert [r["synced"] for r in again.rounds] == [[], [], [], [{"source": "resumed", "step": 3}]], again.rounds
+    # of step 3, the torn file of step 4 skipped, its parameters bit-identical to the saved ones
+    resumed = {"source": "resumed", "step": 3, "params_sha256": sha256_of(saved.theta_g)}
+    assert [(r["round"], r["groups"][0][0]) for r in again.rounds[3:]] == [(3, 1)], again.output
+    assert [r["synced"] for r in again.rounds] == [[], [], [], [resumed]], again.rounds
     # the learning-rate schedule goes on from the swarm's position (outer step 3 x H=15), with
     # the restored AdamW moments needing no second warmup: the round's last step is position 59
     lr = LearningRateSchedule(1e-3, warmup_steps=5, total_steps=100)

@@ -38,11 +38,15 @@ class ThetaArrival:
     source: ThetaSource
     step: int  # the outer step of the θ_g that arrived
     download: Download | None = None  # a peer's file: from how many donors, and its size
+    params_sha256: str | None = None  # a resume: the hash of the θ_g read from the file
 
     def entry(self) -> dict[str, Any]:
         """Its line in a history entry's `synced`; a download also says from how many peers and
-        how many bytes (a test of a joiner reads them here, not from the log)."""
+        how many bytes, a resume the hash of what it read (a test reads them here, not from the
+        log)."""
         entry: dict[str, Any] = {"source": self.source.value, "step": self.step}
+        if self.params_sha256 is not None:
+            entry["params_sha256"] = self.params_sha256
         if self.download is not None:
             d = self.download
             entry |= {"offered_by": d.offered_by, "served_by": d.served_by, "bytes": d.size_bytes}

@@ -253,7 +253,7 @@ class CheckpointStore:
             replica.set_params_sha256(sha256_of(replica.host_theta()))
             self.files[step] = CheckpointInfo(step, path, file_sha256(path), path.stat().st_size)
             self._show_newest()
-            self.arrivals.note(ThetaArrival(ThetaSource.RESUMED, step))
+            self.arrivals.note(ThetaArrival(ThetaSource.RESUMED, step, params_sha256=replica.params_sha256()))
             log.info("resumed from %s (outer step %d, params %s)", path.name, step, replica.params_sha256()[:12])
             return
 

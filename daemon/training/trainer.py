@@ -94,7 +94,6 @@ class Trainer:
         self.schedule = schedule
         self.lr = schedule(0)  # the rate of the last step taken (or of the next one, before it)
         self.grad_clip = grad_clip
-        self.weight_decay = weight_decay
         self.optimizer_kind = optimizer_kind
         self._optimizer = OptimizerBuild(self.model, self.lr, weight_decay, optimizer_kind)
         # set after the first AdamW step, whose lazy imports (torch._dynamo) must not run while

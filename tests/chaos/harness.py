@@ -140,6 +140,13 @@ class Swarm:
             time.sleep(0.1)
         raise AssertionError(f"{node.name} did not finish round {step}; output:\n{node.output}")
 
+    def wait_until_rounds(self, node: NodeProcess, count: int, timeout: float = 120) -> None:
+        """Until this process of the node has ended `count` rounds of its own."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and node.proc.poll() is None and len(node.own_rounds) < count:
+            time.sleep(0.1)
+        assert len(node.own_rounds) >= count, f"{node.name} ended no {count} round(s); output:\n{node.output}"
+
     def settle(self, victim: NodeProcess, step: int) -> None:
         """The victim finished round `step` (caught up and trained on), then everyone mixed fully a few times."""
         self.wait_round(victim, step)
@@ -342,7 +349,9 @@ def _checkpoint_write_then_restart(swarm: Swarm, trial: Trial) -> None:
     trial.fired = swarm.strike_during_checkpoint_write(victim, signal.SIGKILL)
     victim.proc.wait()
     back = swarm.restart(victim)
-    resumed = int(back.wait_for_line(r"resumed from ckpt-(\d+)", timeout=60).group(1))
+    swarm.wait_until_rounds(back, 1)
+    resumed = next((a["step"] for a in back.own_rounds[0]["synced"] if a["source"] == "resumed"), None)
+    assert resumed is not None, f"{back.name} did not resume from its state dir: {back.own_rounds[0]}"
     trial.fired += f"; resumed at step {resumed}"
     swarm.settle(back, resumed + 1)
 
