@@ -48,6 +48,9 @@ VIEW_REUSE_S = 0.1  # callers that ask for the view at once (a poll asks twice) 
 # brings all n records back (issue 60: most of a node's DHT bytes in a round), and a record
 # changes once a heartbeat; what a poll must see at once (registrations, lists) is read each poll
 MATCHMAKING_VIEW_S = 1.0
+# how far a wait for --min-peers slows its polls while the count of ready peers stands still
+# (`Membership.wait_for`): from `poll` to this many times it
+WAIT_POLL_BACKOFF = 2
 # heartbeats whose store may be in flight at once (`Membership.heartbeat`): enough to span the
 # 6 s a store waits on a node that never answers, at the default 2 s beat and the tests' 1 s
 MAX_BEATS_IN_FLIGHT = 8
@@ -377,13 +380,24 @@ class Membership:
 
     async def wait_for(self, count: int, timeout: float, poll: float = 0.5) -> dict[str, PeerRecord]:
         """Until `count` peers are ready to train (not still starting or syncing), or `timeout`;
-        returns those ready. Polls every `poll` seconds, less often in a large swarm
-        (`dht_requests.poll_stretch`). Counting one that is still downloading would start round 0
-        without it, and it would then enter the swarm a round later."""
+        returns those ready. Counting one that is still downloading would start round 0 without
+        it, and it would then enter the swarm a round later.
+
+        Polls every `poll` seconds while the count of ready peers moves, and backs off to
+        WAIT_POLL_BACKOFF times that while it stands still; both less often in a large swarm
+        (`dht_requests.poll_stretch`). Each poll is a read that brings every record back from
+        each node it asks, and a swarm that waits for its last peers spends most of its wait
+        with the count unchanged: the reads were most of what a waiting node cost (issue 60)."""
         deadline = time.monotonic() + timeout
+        ready_before = -1
+        interval = poll
         while True:
             everyone = await self.members()
             view = {p: r for p, r in everyone.items() if r.state in ("training", "averaging")}
             if len(view) >= count or time.monotonic() >= deadline:
                 return view
-            await asyncio.sleep(poll * dht_requests.poll_stretch(len(everyone)))
+            interval = poll if len(view) != ready_before else min(interval * 2, poll * WAIT_POLL_BACKOFF)
+            ready_before = len(view)
+            await asyncio.sleep(
+                min(interval * dht_requests.poll_stretch(len(everyone)), max(0.0, deadline - time.monotonic()))
+            )

@@ -66,6 +66,43 @@ async def shared_view_scenario(folder):
             await dht.shutdown()
 
 
+def test_a_wait_for_peers_polls_less_often_while_their_count_stands_still(tmp_path):
+    """A node waiting for --min-peers reads the membership every `poll` while peers arrive and
+    WAIT_POLL_BACKOFF times less often while their count stands still (each read brings every
+    record back: issue 60's idle cost); a peer that becomes ready is still counted, and a wait
+    that runs out returns those ready."""
+    run_in_fresh_process(tmp_path, waiting_scenario)
+
+
+async def waiting_scenario(folder):
+    """The scenario of the test above, in a process of its own (dht_harness.run_in_fresh_process)."""
+    nodes = await signed_dhts(folder, ("a", "b"))
+    try:
+        a, b = (Membership(dht, "waiting", 60, 1, validator) for dht, validator in nodes)
+        assert await a.announce(PeerRecord(peer_id=a.peer_id, grpc_addr="127.0.0.1:1", state="training"))
+        assert await b.announce(PeerRecord(peer_id=b.peer_id, grpc_addr="127.0.0.1:2", state="syncing"))
+        poll, standing = 0.1, 3.0
+        before = _reads()
+        view = await a.wait_for(3, standing, poll=poll)  # a third peer never comes
+        assert set(view) == {a.peer_id}  # b is still syncing: not ready
+        # one read, one `poll` later, then one every WAIT_POLL_BACKOFF polls (16 in 3 s at 2), where
+        # a read every `poll` makes 31 (fewer only where reads take longer than a poll)
+        reads = _reads() - before
+        assert 2 <= reads <= 0.7 * standing / poll, reads
+
+        async def ready_later() -> None:
+            await asyncio.sleep(1.0)
+            assert await b.announce(PeerRecord(peer_id=b.peer_id, grpc_addr="127.0.0.1:2", state="training"))
+
+        later = asyncio.ensure_future(ready_later())
+        view = await a.wait_for(2, 30, poll=poll)
+        await later
+        assert set(view) == {a.peer_id, b.peer_id}
+    finally:
+        for dht, _ in reversed(nodes):
+            await dht.shutdown()
+
+
 def test_heartbeats_and_a_records_life_stretch_with_the_swarm_above_eight_peers(tmp_path):
     """Each heartbeat's store brings every record back from each node it asks, so above
     FULL_RATE_PEERS peers a node beats n/8 times less often and its record lives as much longer
