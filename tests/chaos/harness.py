@@ -142,10 +142,7 @@ class Swarm:
 
     def wait_until_rounds(self, node: NodeProcess, count: int, timeout: float = 120) -> None:
         """Until this process of the node has ended `count` rounds of its own."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline and node.proc.poll() is None and len(node.own_rounds) < count:
-            time.sleep(0.1)
-        assert len(node.own_rounds) >= count, f"{node.name} ended no {count} round(s); output:\n{node.output}"
+        assert ended_rounds(node, count, timeout), f"{node.name} ended no {count} round(s); output:\n{node.output}"
 
     def settle(self, victim: NodeProcess, step: int) -> None:
         """The victim finished round `step` (caught up and trained on), then everyone mixed fully a few times."""
@@ -423,13 +420,20 @@ def _kill_and_restart(swarm: Swarm, trial: Trial, victim: NodeProcess, peer: str
     swarm.gone.append(victim)
     back = swarm.start(victim.name, "--peer", peer)
     size = len(swarm.nodes)
-    deadline = time.monotonic() + 180
-    while time.monotonic() < deadline and back.proc.poll() is None and len(back.own_rounds) < 2:
-        time.sleep(0.2)
+    ended_rounds(back, 2, timeout=180)
     early = round_groups(back)[:2]
     if f"{size}/{size}" not in early:
         trial.notes.append(f"{victim.name} restarted was in no full group within two rounds: {early}")
     return back
+
+
+def ended_rounds(node: NodeProcess, count: int, timeout: float) -> bool:
+    """Whether this process of the node ends `count` rounds of its own within `timeout` seconds
+    (False as soon as it exits short of them)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and node.proc.poll() is None and len(node.own_rounds) < count:
+        time.sleep(0.1)
+    return len(node.own_rounds) >= count
 
 
 def _no_tracebacks(swarm: Swarm, trial: Trial) -> None:
