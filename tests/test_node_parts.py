@@ -16,7 +16,7 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from dtnode.daemon.catchup.sync_plan import LocalPosition, SyncAction, plan_sync
-from dtnode.daemon.checkpoints.arrivals import Arrivals, Download, ThetaArrival, ThetaSource
+from dtnode.daemon.checkpoints.arrivals import Arrivals, Download, DroppedRound, ThetaArrival, ThetaSource
 from dtnode.daemon.config.settings import NodeSettings
 from dtnode.daemon.records.report import Condition, RoundOutcome, RoundSummary, RunStats
 from dtnode.daemon.records.state import IllegalTransition, NodeState, RecordPhase, RoundPhase, RoundState
@@ -530,6 +530,22 @@ def test_a_rounds_entry_says_where_its_theta_came_from_once():
     for step in range(40):
         arrivals.note(ThetaArrival(ThetaSource.DOWNLOADED, step))
     assert [a.step for a in arrivals.take()] == list(range(40 - Arrivals.LIMIT, 40))
+
+
+def test_a_joiners_download_that_replaced_its_first_round_says_which_round_and_steps_it_dropped():
+    """A joiner whose peers closed its first round while it took its first steps downloads the
+    next round's θ_g; that download's line in the history names the round and the steps dropped
+    (a re-entry that installed nothing marks no earlier arrival)."""
+    arrivals = Arrivals()
+    arrivals.note(ThetaArrival(ThetaSource.DOWNLOADED, 4))
+    before = arrivals.noted
+    arrivals.replacing(DroppedRound(4, 2), before)  # the re-entry's download failed: nothing new
+    arrivals.note(ThetaArrival(ThetaSource.DOWNLOADED, 5))
+    arrivals.replacing(DroppedRound(4, 2), before)
+    assert [a.entry() for a in arrivals.take()] == [
+        {"source": "downloaded", "step": 4},
+        {"source": "downloaded", "step": 5, "dropped_round": 4, "dropped_steps": 2},
+    ]
 
 
 def test_a_round_summary_is_the_one_source_of_status_history_and_metrics():

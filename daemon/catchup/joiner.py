@@ -41,6 +41,7 @@ from dtnode.daemon.catchup.overlap_catch_up import OPEN_POLL_S, OverlapCatchUp
 from dtnode.daemon.catchup.swarm_position import SwarmPosition, swarm_moves_past, swarm_position
 from dtnode.daemon.catchup.sync_plan import LocalPosition, SyncAction, SyncPlan, plan_sync
 from dtnode.daemon.catchup.trust_radius import judge_split_vote
+from dtnode.daemon.checkpoints.arrivals import DroppedRound
 from dtnode.daemon.checkpoints.file_format import LoadedCheckpoint
 from dtnode.daemon.checkpoints.store import CheckpointStore
 from dtnode.daemon.config.settings import NodeSettings
@@ -338,8 +339,10 @@ class Joiner:
         ):
             return False
         self.reentries += 1
+        noted_before = self.store.arrivals.noted
         if not await self.sync(joining=True):
             return False
+        self.store.arrivals.replacing(DroppedRound(round_no, inner.steps), noted_before)
         log.info(
             "round %d closed while this node took its first %d step(s) in it; it joined the swarm's open round",
             round_no,

@@ -6,13 +6,14 @@ peer's checkpoint (a join, a catch-up, a rollback to the swarm's branch), or, en
 without its part in the previous average, it took the swarm's θ_g at that round's end
 (`--overlap`). The checkpoint store sees all three, so it notes each here; the round recorder
 takes what was noted into the next round's history entry (`synced`). An operator reading
-`/history` then sees which rounds began from someone else's θ_g, and a test reads the same fact
-from state instead of from a log sentence.
+`/history` then sees which rounds began from someone else's θ_g (and, for a joiner whose first
+round closed under it, which round and how many steps that download dropped), and a test reads
+the same facts from state instead of from a log sentence.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import Enum
 from typing import Any
 
@@ -34,11 +35,22 @@ class Download:
 
 
 @dataclass(frozen=True)
+class DroppedRound:
+    """A joiner's first round, closed by its peers while it took its first steps in it: the
+    download that followed replaced it (catchup/joiner.py `enter_next_round`), and its steps are
+    a Δ nobody could average any more."""
+
+    round_no: int
+    steps: int
+
+
+@dataclass(frozen=True)
 class ThetaArrival:
     source: ThetaSource
     step: int  # the outer step of the θ_g that arrived
     download: Download | None = None  # a peer's file: from how many donors, and its size
     params_sha256: str | None = None  # a resume: the hash of the θ_g read from the file
+    dropped: DroppedRound | None = None  # a joiner's re-entry: the round it gave up for this θ_g
 
     def entry(self) -> dict[str, Any]:
         """Its line in a history entry's `synced`; a download also says from how many peers and
@@ -50,6 +62,8 @@ class ThetaArrival:
         if self.download is not None:
             d = self.download
             entry |= {"offered_by": d.offered_by, "served_by": d.served_by, "bytes": d.size_bytes}
+        if self.dropped is not None:
+            entry |= {"dropped_round": self.dropped.round_no, "dropped_steps": self.dropped.steps}
         return entry
 
 
@@ -61,9 +75,17 @@ class Arrivals:
 
     def __init__(self) -> None:
         self._pending: list[ThetaArrival] = []
+        self.noted = 0  # arrivals noted since start: a caller tells whether one came during its call
 
     def note(self, arrival: ThetaArrival) -> None:
         self._pending = [*self._pending, arrival][-self.LIMIT :]
+        self.noted += 1
+
+    def replacing(self, dropped: DroppedRound, noted_before: int) -> None:
+        """The arrival noted since `noted` read `noted_before` replaced the round `dropped`; a
+        call that noted none (nothing was installed) marks nothing."""
+        if self.noted > noted_before and self._pending:
+            self._pending[-1] = replace(self._pending[-1], dropped=dropped)
 
     def take(self) -> tuple[ThetaArrival, ...]:
         """What arrived since the last call, for the round being recorded."""
