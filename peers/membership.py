@@ -220,6 +220,13 @@ class Membership:
         """How long this node's next record lives without a heartbeat (see `beat_s`)."""
         return self.ttl * dht_requests.poll_stretch(len(self._records))
 
+    def complete_view_s(self) -> float:
+        """How old a view may be and still hold every live peer's record: a peer beats every
+        `beat_s`, so the record of it a read finds lives `record_ttl - beat_s` after the read at
+        least. A reader that needs no newer view than that (gauges, the known-peers file) shares
+        the last read instead of making one."""
+        return max(0.0, self.record_ttl() - self.beat_s())
+
     async def announce(self, record: PeerRecord) -> bool:
         """Store this node's record (tagged, with a swarm key), living `record_ttl`: two stores in
         three straight on the nodes nearest the key in the routing table (near_store.py), the

@@ -117,11 +117,11 @@ async def stretched_life_scenario(folder):
     try:
         ((dht, validator),) = nodes
         a = Membership(dht, "stretched", 6.0, 2.0, validator)
-        assert (a.beat_s(), a.record_ttl()) == (2.0, 6.0)  # alone
+        assert (a.beat_s(), a.record_ttl(), a.complete_view_s()) == (2.0, 6.0, 4.0)  # alone
         for i in range(15):  # as a read of a 16-peer swarm leaves the view
             a._records[f"peer-{i}"] = (time.time() + 60, PeerRecord(peer_id=f"peer-{i}"))
         assert await a.announce(PeerRecord(peer_id=a.peer_id, grpc_addr="127.0.0.1:1", state="training"))
-        assert (a.beat_s(), a.record_ttl()) == (4.0, 12.0)
+        assert (a.beat_s(), a.record_ttl(), a.complete_view_s()) == (4.0, 12.0, 8.0)
         found = await dht.get(a.key, latest=True, return_future=True)
         (entry,) = found.value.values()
         assert 11.0 < entry.expiration_time - get_dht_time() <= 12.0

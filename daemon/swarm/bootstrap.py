@@ -213,7 +213,10 @@ async def remember_peers(
     seen: set[str] = set()  # ids, for the metric (bounded by the swarm's size)
     while True:
         try:
-            view = await membership.members()
+            # a view that the pacer, matchmaking or the wait for --min-peers read lately serves: each
+            # read brings every record back from each node it asks, and reading afresh each pass
+            # made a third of what 31 nodes waiting for a 32nd read (issue 60)
+            view = await membership.members(max_age=membership.complete_view_s())
             if len(seen) > MAX_PEERS_SEEN:  # an open swarm's churn: start counting again
                 seen.clear()
             seen.update(view)
