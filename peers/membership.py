@@ -223,7 +223,7 @@ class Membership:
     def complete_view_s(self) -> float:
         """How old a view may be and still hold every live peer's record: a peer beats every
         `beat_s`, so the record of it a read finds lives `record_ttl - beat_s` after the read at
-        least. A reader that needs no newer view than that (gauges, the known-peers file) shares
+        least, while its beats land. A reader that needs no newer view than that (gauges, the known-peers file) shares
         the last read instead of making one."""
         return max(0.0, self.record_ttl() - self.beat_s())
 
