@@ -101,6 +101,8 @@ class _Round:
     dims: int
     hop0_cells: dict[str, set[str]]
     resync: bool  # this node asks its groups to re-sync θ_g
+    # the hash of this node's θ_g as its next registration announces it ("": not known); a
+    # hop's re-sync sets it to what it left this node with (`GroupOutcome.theta_sha256`)
     theta_sha256: str
     residual: torch.Tensor | None
     delta_ready: Callable[[], Awaitable[None]] | None
@@ -230,9 +232,11 @@ class MoshpitAverager:
             state.side,
             state.hop0_cells,
             window,
-            state.resync or state.theta is not None,
-            # once a hop re-synced it, this node's θ is no longer the one its hash names
-            state.theta_sha256 if state.theta is None else "",
+            # once a hop re-synced it, this node's θ is the one its hash names only where its
+            # group took a majority's θ_g whole (`took_majority`); otherwise the next groups
+            # re-sync it again
+            state.resync or (state.theta is not None and not state.theta_sha256),
+            state.theta_sha256,
             self._feedback(state.residual, hop),
             state.delta_ready if hop == 0 else None,
             state.fetch_theta,
@@ -247,13 +251,15 @@ class MoshpitAverager:
         done = await asyncio.gather(
             *(self._run_slot(hop_ctx, chain, out, report) for chain, out in zip(chains, outputs, strict=True))
         )
-        groups = [group for group, _, _ in done]
-        primary, first, theta_primary = done[0]
+        groups = [group for group, _, _, _ in done]
+        primary, first, theta_primary, theta_hash = done[0]
         if hop == 0 and theta_primary is not None and state.drift is not None:
             state.theta_bound = hop0_drift(state.drift, primary)
         self._complete_report(report, state, hop, chains[0].slot.key, groups, first)
-        if state.theta is not None and theta_primary is not None and theta_primary is not state.theta:
-            state.theta.copy_(theta_primary)
+        if state.theta is not None and theta_primary is not None:
+            if theta_primary is not state.theta:
+                state.theta.copy_(theta_primary)
+            state.theta_sha256 = theta_hash
         state.hops.append(report)
         after = [
             Chain(
@@ -262,7 +268,7 @@ class MoshpitAverager:
                 result.weight_after(chain.weight) if result is not None else chain.weight,
                 chain.pooled or len(group.members) > 1,
             )
-            for chain, out, (group, result, _) in zip(chains, outputs, done, strict=True)
+            for chain, out, (group, result, _, _) in zip(chains, outputs, done, strict=True)
         ]
         return next_chains(after, groups, round_no, hop, self.peer_id, state.side) if hop + 1 < state.dims else after
 
@@ -307,9 +313,11 @@ class MoshpitAverager:
 
     async def _run_slot(
         self, h: _Hop, chain: Chain, out: torch.Tensor | CodedDelta, report: HopReport
-    ) -> tuple[FormedGroup, AllReduceReport | None, torch.Tensor | None]:
+    ) -> tuple[FormedGroup, AllReduceReport | None, torch.Tensor | None, str]:
         """Form this chain's group and all-reduce in it at once: a member of several groups
-        must not keep one waiting while another is still forming."""
+        must not keep one waiting while another is still forming. Returns the group, Δ's
+        all-reduce, the re-synced θ_g (if the group re-synced) and its hash where known
+        (`GroupOutcome.theta_sha256`)."""
         slot = chain.slot
         weight = announced = chain.weight * slot.share  # what its registration announces, and claims
         attack = failpoints.hostile(h.round_no)
@@ -353,6 +361,7 @@ class MoshpitAverager:
             result = await as_a_group_of_one(
                 self.config, h.round_no, h.hop, group, values, chain.weight, out, feedback, self.registry, self.channels
             )
+            theta_hash = ""
         else:
             work = GroupWork(
                 h.round_no,
@@ -368,8 +377,9 @@ class MoshpitAverager:
                 h.load,
                 hop0_drift(h.drift, group) if h.drift is not None and h.hop == 0 else h.drift,
             )
-            result = await self.reducer.reduce(work, report)
-        return group, result, theta_out
+            outcome = await self.reducer.reduce(work, report)
+            result, theta_hash = outcome.delta, outcome.theta_sha256
+        return group, result, theta_out, theta_hash
 
     def _feedback(self, residual: torch.Tensor | None, hop: int) -> Feedback | None:
         """int8 feeds its rounding error back at hop 0 only. A sparse code drops most of Δ: at

@@ -42,15 +42,27 @@ class FormedGroup:
     theta_apart: int = 0
     benched: tuple[str, ...] = ()  # registrants left out for letting this node's groups down (absentees.py)
     # members whose announced θ_g hash is not the one a strict majority of the group announced:
-    # in a re-sync they count OUTVOTED_SHARE of their share (`outvoted`)
+    # in a re-sync their values do not enter the mean (`outvoted`, plan.py `silent`)
     outvoted: tuple[str, ...] = ()
+    # the θ_g hash a strict majority of its members announced ("" if none): what a re-sync of
+    # the group leaves every member with, when no part of it failed
+    majority_theta: str = ""
 
 
-# What a member outvoted in a re-sync counts, as a fraction of its share. Not 0: a weight of 0 is
-# refused like an unannounced one (plan.py `capped_weights`), and the outvoted member still
-# needs its part of the result; 2^-20 of its values moves the others' θ_g by a millionth of
-# how far its θ_g is from theirs
+# The weight of a member outvoted in a re-sync, as a fraction of its share: its values do not
+# enter the mean (plan.py `silent`), but a weight of 0 is refused like an unannounced one
+# (plan.py `capped_weights`), and this is what it counts in a chunk that only outvoted members
+# reached
 OUTVOTED_SHARE = 2.0**-20
+
+
+def majority_theta(registrations: dict[str, Registration]) -> str:
+    """The θ_g hash a strict majority of the group announced, or "" where none did."""
+    votes = Counter(r.theta for r in registrations.values() if r.theta)
+    if not votes:
+        return ""
+    theta, count = votes.most_common(1)[0]
+    return theta if 2 * count > len(registrations) else ""
 
 
 def outvoted(registrations: dict[str, Registration]) -> frozenset[str]:
@@ -68,11 +80,8 @@ def outvoted(registrations: dict[str, Registration]) -> frozenset[str]:
     (issue 56, seen in the hostile bench's `hostile-pair` rows when the attacker sat in a
     group of 5). The hashes are the members' signed registrations, which every member reads
     alike, so every member computes the same weights, and the group's plan is one."""
-    votes = Counter(r.theta for r in registrations.values() if r.theta)
-    if not votes:
-        return frozenset()
-    theta, count = votes.most_common(1)[0]
-    if 2 * count <= len(registrations):
+    theta = majority_theta(registrations)
+    if not theta:
         return frozenset()
     return frozenset(p for p, r in registrations.items() if r.theta != theta)
 
@@ -217,6 +226,7 @@ class Forming:
         # a list cut by the settling (a member went to another list) is no longer whole
         complete = decided.complete and len(members) == len(decided.members)
         registrations = [self.registrants[m.peer_id][1] for m in members]
+        by_member = {m.peer_id: self.registrants[m.peer_id][1] for m in members}
         return FormedGroup(
             self.key,
             members,
@@ -234,5 +244,6 @@ class Forming:
                 if m.peer_id != self.me and (not theta or self.registrants[m.peer_id][1].theta != theta)
             ),
             tuple(sorted(self.benched & set(self.registrants))),
-            tuple(sorted(outvoted({m.peer_id: self.registrants[m.peer_id][1] for m in members}))),
+            tuple(sorted(outvoted(by_member))),
+            majority_theta(by_member),
         )

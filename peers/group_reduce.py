@@ -69,6 +69,17 @@ class GroupWork:
     drift: DriftBound | None = None  # how far a re-sync may move this node's state
 
 
+@dataclass(frozen=True)
+class GroupOutcome:
+    """What one group's all-reduces left this member with."""
+
+    delta: AllReduceReport | None  # Δ's all-reduce (None: a group of one, which streams nothing)
+    # the hash of the θ_g its re-sync left this member with, where the group knows it: a strict
+    # majority announced it, and every part of the re-sync took one of theirs ("" otherwise, or
+    # with no re-sync)
+    theta_sha256: str = ""
+
+
 class GroupReducer:
     """Runs a formed group's all-reduces for one node, and feeds the measured rates back into
     its adaptive deadlines."""
@@ -91,14 +102,14 @@ class GroupReducer:
         self.deadlines = deadlines
         self.auth = auth
 
-    async def reduce(self, work: GroupWork, report: HopReport) -> AllReduceReport | None:
+    async def reduce(self, work: GroupWork, report: HopReport) -> GroupOutcome:
         """All-reduce Δ (and θ_g when the group re-syncs) in one group; counts into `report`.
         Its deadline allows for `work.load` all-reduces of this size at once, or for as many as
         the most loaded member's registration said it runs (`group_load`)."""
         c, group = self.config, work.group
         if len(group.members) <= 1:
             self.registry.slot_settled(c.run_id, work.round_no, work.hop, None)
-            return None
+            return GroupOutcome(None)
         work = replace(work, load=group_load(work.load, group.members))
         expected = expected_payload_bytes(work.values.numel(), len(group.members), c.wire, work.hop)
         timeout = self.deadlines.allreduce_timeout(work.load * expected)
@@ -155,11 +166,12 @@ class GroupReducer:
         _count_into(report, result)
         members = [m.peer_id for m in group.members]
         self.matchmaker.absentees.observe(work.round_no, members, self.peer_id, result)
-        if work.theta is not None and work.theta_out is not None:
-            sync = await self._resync(work, work.theta, work.theta_out, presence, report)
-            # a part refused for moving θ_g too far: in a pair, its reducer pulled (peers/absentees.py)
-            self.matchmaker.absentees.observe(work.round_no, members, self.peer_id, sync)
-        return result
+        if work.theta is None or work.theta_out is None:
+            return GroupOutcome(result)
+        sync = await self._resync(work, work.theta, work.theta_out, presence, report)
+        # a part refused for moving θ_g too far: in a pair, its reducer pulled (peers/absentees.py)
+        self.matchmaker.absentees.observe(work.round_no, members, self.peer_id, sync)
+        return GroupOutcome(result, took_majority(sync, group))
 
     async def _resync(
         self,
@@ -176,8 +188,13 @@ class GroupReducer:
         mode), and a result that moves our state farther than `work.drift` (a few of this
         node's recent outer steps) is refused: honest θ_g differ by a few outer steps at most,
         so only a hostile member's could move it that far. Where a strict majority of the group
-        announced one θ_g hash, a member that announced another counts OUTVOTED_SHARE of its
-        share (`forming.outvoted`): the group takes the majority's θ_g."""
+        announced one θ_g hash, a member that announced another is `silent` in the plan
+        (`forming.outvoted`): its values do not enter the mean, and the group leaves with the
+        majority's θ_g bit for bit. (It counted 2^-20 of its share before: the mean then moved
+        every member's θ_g by an ulp in 4 coordinates of 10, so a group that re-synced one
+        member left the θ_g that the rest of the swarm held, and a split of 32 nodes outlived
+        the re-syncs of its next rounds.) OUTVOTED_SHARE is still its weight, in a chunk that
+        only silent members reached and in the total weight each reducer reports."""
         c, group = self.config, work.group
         attack = failpoints.hostile(work.round_no)  # a test's attacker
         weights = {m.peer_id: m.share * (OUTVOTED_SHARE if m.peer_id in group.outvoted else 1.0) for m in group.members}
@@ -192,6 +209,7 @@ class GroupReducer:
             FP32,
             key=group.key,
             clip_lengths=False,
+            silent=frozenset(group.outvoted),
         )
         sync = await butterfly_allreduce(
             theta_plan,
@@ -213,6 +231,17 @@ class GroupReducer:
         report.theta_resync_s = round(sync.seconds, 4)
         _count_into(report, sync)
         return sync
+
+
+def took_majority(sync: AllReduceReport, group: FormedGroup) -> str:
+    """The majority's θ_g hash, where a re-sync left this member with that θ_g bit for bit: every
+    part whole, each with a member of the majority in it (a part only outvoted members reached
+    is their mean); "" where the group had no strict majority or a part fell short."""
+    if not group.majority_theta:
+        return ""
+    outvoted = set(group.outvoted)
+    whole = all(p.ok and set(p.included) - outvoted for p in sync.parts)
+    return group.majority_theta if whole else ""
 
 
 def group_load(own: int, members: Iterable[Member]) -> int:

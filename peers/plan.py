@@ -127,6 +127,15 @@ class GroupPlan:
     # lengths (ops/robust.py): a Δ's bound. Off for a θ_g re-sync, whose values are states, not
     # steps (equal lengths in the swarm, held to the node's drift bound instead: part_result.py)
     clip_lengths: bool = True
+    # members whose values do not enter the mean, though they send them and take the result: in
+    # a θ_g re-sync, those outvoted by a strict majority of the group (peers/forming.py
+    # `outvoted`), so that the group leaves with the majority's θ_g bit for bit. A chunk that
+    # none of the others reached is the mean of every contribution, as without it.
+    silent: frozenset[str] = frozenset()
+
+    def counts(self, peer_id: str) -> bool:
+        """Whether a member's values enter the mean (see `silent`)."""
+        return peer_id not in self.silent
 
     def announced_weight(self, peer_id: str) -> tuple[float, float] | None:
         """(announced, counted) weight of a member, or None when this plan bounds no weights."""
@@ -197,6 +206,7 @@ def make_plan(
     key: str = "",
     top_k: int = 0,
     clip_lengths: bool = True,
+    silent: frozenset[str] = frozenset(),
 ) -> GroupPlan:
     """Build the plan every member derives identically from the same member list.
 
@@ -206,7 +216,7 @@ def make_plan(
     weights are capped (`capped_weights`): what each stream may claim and counts with. `key` (the
     group's matchmaking key) keeps two groups of one hop with the same members apart.
     A sparse plan's block is the sparse block (so no block straddles two parts or chunks)
-    and `top_k` its kept values per block. `clip_lengths`: see `GroupPlan.clip_lengths`.
+    and `top_k` its kept values per block. `clip_lengths` and `silent`: see `GroupPlan`.
     """
     ordered = tuple(sorted(members, key=lambda m: m.peer_id))
     if len({m.peer_id for m in ordered}) != len(ordered):
@@ -215,6 +225,8 @@ def make_plan(
         raise ValueError("chunk_elements must be a positive multiple of block_size")
     if (codec == SPARSE) != (top_k > 0):
         raise ValueError("a sparse plan needs top_k > 0, and only a sparse plan has one")
+    if not silent <= {m.peer_id for m in ordered} or len(silent) >= len(ordered):
+        raise ValueError("silent members must be members, and leave at least one whose values count")
     shares = [0.0 if m.client_mode else max(m.bandwidth, 1e-9) for m in ordered]
     reducers = sum(1 for share in shares if share > 0)
     if reducers:  # none: plan_parts says so
@@ -235,6 +247,7 @@ def make_plan(
         clip_lengths,
         *[m.peer_id for m in ordered],
         *[repr(w) for w in weight_caps],
+        *[f"silent:{p}" for p in sorted(silent)],
     ):
         digest.update(str(item).encode() + b"\0")
     for offset, length in parts:
@@ -253,6 +266,7 @@ def make_plan(
         top_k,
         weight_caps,
         clip_lengths,
+        frozenset(silent),
     )
 
 

@@ -136,15 +136,19 @@ def decode_into(payload: Payload, target: torch.Tensor) -> None:
         target.copy_(payload)
 
 
-def clipped_mean_into(own: torch.Tensor, own_weight: float, held: list[tuple[Payload, float]], plan: GroupPlan) -> int:
+def clipped_mean_into(
+    own: torch.Tensor, own_weight: float, held: list[tuple[Payload, float]], plan: GroupPlan, own_counts: bool = True
+) -> int:
     """own ← the weighted mean of `own` and the senders' chunks, each first held (where the plan
     says `clip_lengths`) to CLIP_REACH x the lower median of their lengths (`clip_to_median`);
     returns how many contributions were scaled down. Where two groups may reduce the same
     contributions (`plan.sums_as_sent`) they are added in a fixed order (`ordered_weighted_mean`),
     elsewhere (int8's hop 0, where no two groups share one) in one matrix product. Sparse chunks
     are laid out on their union support only: the sort and the sums touch the few positions
-    someone kept, not the whole chunk."""
+    someone kept, not the whole chunk. `own_counts` False: `own` only takes the senders' mean
+    (this reducer is `silent` in the plan; `held` is not empty then)."""
     weights = [own_weight, *(w for _, w in held)]
+    first = 0 if own_counts else 1
     kept = [(sparse.positions(p), sparse.values_of(p)) for p, _ in held if isinstance(p, sparse.SparseBlocks)]
     if held and len(kept) == len(held):
         support = torch.cat([own.nonzero().squeeze(1), *(at for at, _ in kept)]).unique()
@@ -152,6 +156,7 @@ def clipped_mean_into(own: torch.Tensor, own_weight: float, held: list[tuple[Pay
         rows[0] = own[support]
         for row, (at, values) in zip(rows[1:], kept, strict=True):
             row[torch.searchsorted(support, at)] = values
+        rows, weights = rows[first:], weights[first:]
         scaled = clip_to_median(rows) if plan.clip_lengths else 0
         own.zero_()
         own[support] = ordered_weighted_mean(rows, weights, out=torch.empty(support.numel()), mostly_zero=True)
@@ -160,6 +165,7 @@ def clipped_mean_into(own: torch.Tensor, own_weight: float, held: list[tuple[Pay
     rows[0].copy_(own)
     for row, (payload, _) in zip(rows[1:], held, strict=True):
         decode_into(payload, row)
+    rows, weights = rows[first:], weights[first:]
     scaled = clip_to_median(rows) if plan.clip_lengths else 0
     if plan.sums_as_sent:
         ordered_weighted_mean(rows, weights, out=own)
@@ -199,16 +205,18 @@ class PartReduction:
         self.own_id = own_id
         self.deadline = deadline
         self.grace = grace
-        # Robust mode keeps each sender's decoded chunk until the chunk is final (a few chunks
-        # per sender at most, see `add`) and takes a trimmed mean instead of the weighted sum.
-        # The plain mean keeps each sender's chunk too (`held`): each contribution is clipped
+        # Each sender's chunk is kept as it came until the chunk is final (`held`, a few chunks
+        # per sender at most, see `add`). Robust mode then takes a trimmed mean of their decoded
+        # values instead of the weighted sum. In the plain mean each contribution is clipped
         # against the others' lengths (`clipped_mean_into`), then they are added in an order of
         # their own values (`ordered_weighted_mean`): two moshpit groups that reduce the same
         # contributions (a peer alone in one hop stands in two classes of the next) then return
         # the same bits, whoever reduces and whatever arrives first.
         self.trim_fraction = trim_fraction
-        self.pending: dict[int, list[tuple[torch.Tensor, float]]] = {}  # robust: chunk -> (values, weight) per sender
         self.held: dict[int, list[tuple[Payload, float]]] = {}  # the mean: chunk -> (payload, weight) per sender
+        # the same for the plan's `silent` senders, whose values count only in a chunk that no
+        # other contribution reached
+        self.unheard: dict[int, list[tuple[Payload, float]]] = {}
         bound = plan.announced_weight(own_id)  # the reducer's own weight is bounded like a sender's
         own_weight = float(own_weight) if bound is None else min(float(own_weight), bound[1])
         self.own_weight = own_weight
@@ -317,7 +325,6 @@ class PartReduction:
 
     async def add(self, sender: str, index: int, payload: Payload) -> None:
         """Fold chunk `index` of a sender into the accumulator (chunks arrive in order)."""
-        offset, _ = self.spans[index]
         async with self._changed:  # bounded buffering: a sender runs at most AHEAD_CHUNKS ahead
             self.held_back.add(sender)
             try:
@@ -333,7 +340,7 @@ class PartReduction:
                 raise SenderAbsent(sender)
             if sender in self.failed:
                 raise SenderLate(sender)
-            await maybe_thread(self._fold, index, offset, payload, self.weights[sender], size=numel_of(payload))
+            await maybe_thread(self._fold, index, sender, payload, self.weights[sender], size=numel_of(payload))
             # A held chunk counts even if the sender was dropped meanwhile: it is in the sum.
             self.progress[sender] = index + 1
         failpoints.reach("reducing", self.plan.round)
@@ -343,13 +350,11 @@ class PartReduction:
             self.committed.append(sender)
         await self._advance()
 
-    def _fold(self, index: int, offset: int, payload: Payload, weight: float) -> None:
+    def _fold(self, index: int, sender: str, payload: Payload, weight: float) -> None:
         if not largest_magnitude(payload) * weight <= MAX_CONTRIBUTION:
             raise ChunkError(f"values x weight exceed {MAX_CONTRIBUTION:g}: the sum would overflow")
-        if self.trim_fraction is None:
-            self.held.setdefault(index, []).append((payload, weight))
-            return
-        self.pending.setdefault(index, []).append((decode_payload(payload), weight))
+        held = self.held if self.plan.counts(sender) else self.unheard
+        held.setdefault(index, []).append((payload, weight))
 
     async def fail(self, sender: str, absent: bool = False) -> None:
         """Drop a sender from every chunk it has not delivered in full; `absent`: because this
@@ -412,14 +417,24 @@ class PartReduction:
                 )
                 self.clipped = 0
 
+    def _contributions(self, index: int) -> tuple[list[tuple[Payload, float]], bool]:
+        """The senders' contributions to chunk `index` that enter its mean, and whether this
+        reducer's own does: all but the plan's `silent` ones, unless none but those reached it."""
+        held, unheard = self.held.pop(index, []), self.unheard.pop(index, [])
+        own_counts = self.plan.counts(self.own_id)
+        if not own_counts and not held:
+            return held + unheard, True
+        return held, own_counts
+
     def _finish_chunk(self, index: int, offset: int, length: int) -> None:
         mean = self.accumulator[offset : offset + length]
+        held, own_counts = self._contributions(index)
         if self.trim_fraction is None:
-            self.clipped += clipped_mean_into(mean, self.own_weight, self.held.pop(index, []), self.plan)
+            self.clipped += clipped_mean_into(mean, self.own_weight, held, self.plan, own_counts)
         else:
-            senders = self.pending.pop(index, [])
-            stacked = torch.stack([mean, *(values for values, _ in senders)])
-            weights = torch.tensor([self.own_weight, *(w for _, w in senders)], dtype=torch.float64)
+            rows = ([(mean, self.own_weight)] if own_counts else []) + [(decode_payload(p), w) for p, w in held]
+            stacked = torch.stack([values for values, _ in rows])
+            weights = torch.tensor([w for _, w in rows], dtype=torch.float64)
             trimmed_mean(stacked, trim_count(stacked.shape[0], self.trim_fraction), out=mean, weights=weights)
         if self.plan.codec == SPARSE:
             self.sparse_results[index] = sparse.encode_support(mean, self.plan.block_size)

@@ -131,6 +131,54 @@ def test_two_groups_reducing_the_same_contributions_return_the_same_bits(codec, 
     run(main())
 
 
+@pytest.mark.parametrize("trim", [None, 0.25], ids=["mean", "trimmed"])
+def test_silent_members_take_the_others_mean_and_move_it_by_no_bit(trim):
+    """A θ_g re-sync where a strict majority of the group announced one hash makes the others
+    `silent` in its plan: their values do not enter the mean, so the group leaves with the
+    majority's θ_g bit for bit. They used to count 2^-20 of their share, which moved every
+    member's θ_g by an ulp in about 4 coordinates of 10 (a mean W·A/W is not always A): the
+    group then held a θ_g that no other group of the swarm held. Every member reduces a part,
+    the silent one included, and every part's `included` still names it: it sent in full."""
+
+    async def main():
+        numel = 3 * 4096 + 17
+        gen = torch.Generator().manual_seed(56)
+        majority = torch.randn(numel, generator=gen) * 0.02
+        apart = majority + torch.randn(numel, generator=gen) * 1e-3
+        values = [majority.clone(), apart.clone(), majority.clone(), majority.clone()]
+        peers = await start_peers(4, run_id="silent")
+        members = [p.member for p in peers]
+        plan = make_plan("silent", 0, 1, members, numel, 256, 4096, FP32, silent=frozenset({"peer01"}))
+        outs = [torch.empty(numel) for _ in range(4)]
+        try:
+            reports = await asyncio.gather(
+                *(
+                    butterfly_allreduce(
+                        plan, p.member.peer_id, v, w, o, p.registry, p.channels, 10.0, trim_fraction=trim
+                    )
+                    for p, v, w, o in zip(peers, values, [1.0, 2.0**-20, 0.5, 0.5], outs)
+                )
+            )
+        finally:
+            await stop_peers(peers)
+        for out, report in zip(outs, reports):
+            assert torch.equal(out, majority)
+            assert not report.failed_parts and report.included_peers == [m.peer_id for m in plan.members]
+
+    run(main())
+
+
+def test_a_plan_keeps_a_member_whose_values_count():
+    members = [Member(f"p{i}", f"127.0.0.1:{i}") for i in range(3)]
+    with pytest.raises(ValueError, match="silent members must be members"):
+        make_plan("r", 0, 0, members, 1024, 256, 1024, FP32, silent=frozenset({"p0", "p1", "p2"}))
+    with pytest.raises(ValueError, match="silent members must be members"):
+        make_plan("r", 0, 0, members, 1024, 256, 1024, FP32, silent=frozenset({"stranger"}))
+    loud = make_plan("r", 0, 0, members, 1024, 256, 1024, FP32)
+    quiet = make_plan("r", 0, 0, members, 1024, 256, 1024, FP32, silent=frozenset({"p1"}))
+    assert loud.group_id != quiet.group_id  # members that disagree on who is silent do not mix chunks
+
+
 def test_bandwidth_sizes_parts():
     async def main():
         peers = await start_peers(2, bandwidths=[1.0, 3.0])

@@ -1295,6 +1295,27 @@ def test_a_resync_outvotes_the_members_off_a_strict_majoritys_theta():
     assert outvoted(regs("a", "a", "a")) == frozenset()
 
 
+def test_a_member_knows_its_theta_after_a_resync_only_where_a_majority_reached_every_part():
+    """After a re-sync a member announces, in its next hop, the hash of the θ_g it was left with
+    where the group knows it (`took_majority`): a strict majority announced it and every part
+    took a majority member's values. Otherwise it announces none, and its next groups re-sync
+    again (a part that failed kept each member's own values; one only outvoted members reached
+    is their mean)."""
+    from dtnode.peers.allreduce_report import AllReduceReport, PartOutcome
+    from dtnode.peers.forming import FormedGroup
+    from dtnode.peers.group_reduce import took_majority
+
+    group = FormedGroup("k", [], 3, 0.1, outvoted=("p2",), majority_theta="a" * 64)
+
+    def parts(*outcomes: tuple[bool, list[str]]) -> AllReduceReport:
+        return AllReduceReport([PartOutcome(i, f"p{i}", ok, included) for i, (ok, included) in enumerate(outcomes)])
+
+    assert took_majority(parts((True, ["p0", "p1", "p2"]), (True, ["p0", "p1", "p2"]), (True, ["p2", "p1"])), group)
+    assert not took_majority(parts((True, ["p0", "p1", "p2"]), (False, [])), group)  # a failed part
+    assert not took_majority(parts((True, ["p0", "p1"]), (True, ["p2"])), group)  # only the outvoted one there
+    assert not took_majority(parts((True, ["p0", "p1"])), FormedGroup("k", [], 2, 0.1))  # no majority
+
+
 @pytest.mark.parametrize(
     ("size", "same_theta"), [(3, True), (3, False), (2, False)], ids=["same-theta", "outvoted", "pair"]
 )
@@ -1305,10 +1326,9 @@ def test_a_joiner_asking_for_a_resync_moves_only_theta_that_differs(dht, size, s
     written over the state it read: no second buffer of θ's size (8 bytes per parameter on a
     node whose memory is mostly θ_g and the momentum). Where the others hold one θ_g (a strict
     majority of the group announces its hash) that result is theirs: the member that differs
-    counts OUTVOTED_SHARE of its share; in a pair nobody is outvoted, and the pair takes the mean."""
+    is silent there: the majority's θ_g bit for bit; in a pair nobody is outvoted, and the pair
+    takes the mean."""
     from allreduce_harness import start_peers, stop_peers
-
-    from dtnode.peers.forming import OUTVOTED_SHARE
 
     numel = 2000
     theta_sized = []
@@ -1354,13 +1374,10 @@ def test_a_joiner_asking_for_a_resync_moves_only_theta_that_differs(dht, size, s
             assert read == [] and all(r.theta is None and r.hops[0].theta_resync_s is None for r in results)
         else:
             assert sorted(read) == sorted(ids)
-            others = size - 1
-            outvoted = OUTVOTED_SHARE if size > 2 else 1.0
-            expected = (others * 1.0 + outvoted * 4.0) / (others + outvoted)  # pair: 2.5; outvoted: 1 + 1.5e-6
+            expected = 1.0 if size > 2 else (1.0 + 4.0) / 2  # outvoted: the others' θ_g; a pair: the mean
             for i, result in enumerate(results):
                 assert result.theta is given[i]
-                torch.testing.assert_close(result.theta, torch.full((2 * numel,), expected))
-                assert torch.equal(result.theta, results[0].theta)  # one θ_g for the whole group
+                assert torch.equal(result.theta, torch.full((2 * numel,), expected))  # one θ_g, bit for bit
         assert theta_sized == []
 
     asyncio.run(main())
