@@ -1383,6 +1383,66 @@ def test_a_joiner_asking_for_a_resync_moves_only_theta_that_differs(dht, size, s
     asyncio.run(main())
 
 
+def test_a_member_off_the_swarms_theta_leaves_its_group_on_the_swarms_bits_and_later_hops_skip_the_resync(dht):
+    """9 peers in a grid of two hops; one holds another θ_g (a restart from an older
+    checkpoint) and says so only by its hash. Its hop-0 group re-syncs, outvotes it and leaves
+    with the others' θ_g bit for bit; every member of that group then knows its hash again and
+    announces it in hop 1, whose groups all hold one θ_g and re-sync nothing. Before, the group
+    left with a θ_g an ulp off in many coordinates (the outvoted member counted 2^-20 of its
+    share), announced no hash, and every hop-1 group it reached re-synced again: 8 bytes per
+    parameter each way, to end on a θ_g that no node had held."""
+    from allreduce_harness import start_peers, stop_peers
+
+    numel, ids = 3000, [f"peer{i:02d}" for i in range(9)]
+    side, dims = grid_shape(len(ids), 4)
+    assert dims == 2
+
+    def cell_of_three(run_id: str) -> set[str] | None:
+        return next((c for c in cells(ids, 0, side, dims, salt=run_id).values() if 3 <= len(c) <= 4), None)
+
+    # a run whose grid puts 3 or 4 peers in one cell of hop 0: the one off the swarm's θ_g sits
+    # there, in a group whose strict majority holds the swarm's
+    run_id = next(r for r in (f"off-theta-{i}" for i in range(100)) if cell_of_three(r))
+    cell = cell_of_three(run_id)
+    assert cell is not None
+    off = min(cell)
+    gen = torch.Generator().manual_seed(9)
+    swarm_theta = torch.randn(numel, generator=gen) * 0.02
+    older = swarm_theta + torch.randn(numel, generator=gen) * 1e-3
+
+    async def main():
+        peers = await start_peers(9, run_id=run_id)
+        assert [p.member.peer_id for p in peers] == ids
+        given: dict[str, torch.Tensor] = {}
+
+        async def view():
+            return {p: PeerRecord(peer_id=p, state="averaging", model_hash="m", outer_step=0) for p in ids}
+
+        async def run(peer):
+            me = peer.member.peer_id
+            averager = _int8_averager(dht, run_id, peer, view)
+
+            async def state() -> torch.Tensor:
+                given[me] = (older if me == off else swarm_theta).clone()
+                return given[me]
+
+            delta = torch.randn(numel, generator=torch.Generator().manual_seed(len(me)))
+            return await averager.average(0, delta, 1.0, False, state, theta_sha256="o" * 64 if me == off else "s" * 64)
+
+        try:
+            results = dict(zip(ids, await asyncio.gather(*(run(p) for p in peers))))
+        finally:
+            await stop_peers(peers)
+        assert all(r.clean for r in results.values())
+        resynced = {p for p, r in results.items() if r.theta is not None}
+        assert resynced == cell
+        for p in resynced:
+            assert torch.equal(results[p].theta, swarm_theta)  # the swarm's bits, the one off them included
+        assert all(r.hops[1].theta_resync_s is None for r in results.values())  # one θ_g in every hop-1 group
+
+    asyncio.run(main())
+
+
 def test_an_average_past_its_bound_is_an_averaging_timeout_and_an_inner_timeout_stays_itself():
     """`within_bound`: the expiry of the node's bound surfaces as AveragingTimeout (a known cause,
     logged without a traceback; it once escaped as a bare TimeoutError); a TimeoutError of the
