@@ -36,8 +36,10 @@ from .plan import FP32, SPARSE, SPARSE_SUPPORT, GroupPlan
 # a reducer says at once that it took a stream (REDUCING_METADATA); 7: a part whose reducer is in
 # no group goes to its stand-in (peers/stand_in.py), a sender dropped from a part takes its mean
 # (`reducer.SenderLate`), and a member still forming says so (FORMING_METADATA): a node of 6 would
-# not stand in, and a mixed swarm's stand-ins would wait for it to their deadline.
-PROTOCOL = 7
+# not stand in, and a mixed swarm's stand-ins would wait for it to their deadline; 8: a θ_g
+# re-sync's plan names the members a strict majority outvoted `silent` (peers/plan.py, in the
+# plan's id): a node of 7 would refuse such a re-sync's chunks, part after part.
+PROTOCOL = 8
 # the initial metadata a reducer sends as soon as it takes a stream into the part it reduces (it
 # formed the sender's group): the sender then knows it present, whatever the DHT's records say
 REDUCING_METADATA = ("x-dtnode-reducing", "1")
