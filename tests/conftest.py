@@ -29,6 +29,8 @@ def pytest_runtest_makereport(item, call):
         for node in NodeProcess.started:
             tail = "\n".join(node.lines[-NODE_LINES_ON_FAILURE:])
             report.sections.append((f"node {node.name} (pid {node.proc.pid}), its last lines", tail))
+        for node in NodeProcess.started:  # short, and last: a long report is cut in its middle
+            report.sections.append((f"node {node.name}, its rounds", node.rounds_summary()))
 
 
 @pytest.fixture

@@ -310,6 +310,16 @@ class NodeProcess:
         its state dir: before a restart, or after it for the process that was killed)."""
         return [r for r in self.rounds if self.started_at <= r["time"] <= self.ended_at]
 
+    def rounds_summary(self) -> str:
+        """One line per round this node recorded: what a failed test's report shows of it, where
+        CI keeps no state dir and a log's last lines say little of its first rounds."""
+        return "\n".join(
+            f"round {r['round']} step {r['step']} {r['outcome']} groups {r['groups']} steps {r['inner_steps']} "
+            f"lr {r['lr']:.3g} bounded {r.get('bounded', [])} synced {[a['source'] for a in r.get('synced', [])]} "
+            f"reasons {r.get('reasons', [])} params {r['params_sha256'][:12]}"
+            for r in self.rounds
+        )
+
     def round(self, number: int) -> dict[str, Any] | None:
         """The newest entry of round `number` (None if it has not ended here)."""
         return next((r for r in reversed(self.rounds) if r["round"] == number), None)

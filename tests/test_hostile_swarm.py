@@ -126,7 +126,7 @@ def _one_theta_and_learning(honest: list[NodeProcess]) -> None:
     the attacker-made mean by its own factor: their θ_g split and the loss rose from round 2)."""
     for r in range(ROUNDS):
         hashes = {rec["params_sha256"] for node in honest if (rec := node.round(r)) is not None}
-        assert len(hashes) <= 1, (r, hashes)
+        assert len(hashes) <= 1, (r, {node.name: node.round(r) for node in honest})
     for node in honest:
         losses = [rec["eval_loss"] for rec in node.rounds if rec["eval_loss"] is not None]
         assert losses[-1] < losses[0], (node.name, losses)

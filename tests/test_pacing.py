@@ -212,3 +212,34 @@ def test_step_rates_tell_a_host_of_big_steps_from_a_fast_one():
     assert p.own_step_rate == pytest.approx(5.0)
     assert p.step_rate == pytest.approx((5.0 + 10.0) / 2)
     assert swarm_progress([], _peer("me"), 4, 10, None, now=100.0).own_step_rate == 0.0
+
+
+def test_a_typical_peer_is_what_the_rounds_peers_counted_and_one_liar_moves_it_to_an_honest_count():
+    """The outer step's allowance (daemon/rounds/loop.py `allow_for`) asks what a typical peer of
+    the round trained: in a swarm's first round, where no rate is known, peers train past the
+    target's share (37 and 64 steps of 15 in CI), and a node that trained its share takes a mean
+    of their longer Δ. The upper median of the round's counts, own and averaging peers included;
+    a peer of another round counts nothing, and a liar is held to another peer's count."""
+    own = _peer("me", tokens=1500, rate=100.0)
+    ahead = [_peer("a", tokens=9500, rate=100.0), _peer("b", tokens=16000, rate=100.0, state="averaging")]
+    other_round = _peer("c", step=3, tokens=10**6, rate=100.0)
+    p = swarm_progress([*ahead, other_round], own, 4, 15, None, now=100.0)
+    assert p.typical_tokens == 9500 and p.target / p.peers <= p.typical_tokens / 4  # the share: 4x less
+    liar = _peer("liar", tokens=10**18, rate=100.0)
+    assert swarm_progress([*ahead, liar], own, 4, 15, None, now=100.0).typical_tokens == 16000
+    assert swarm_progress([], own, 4, 15, None, now=100.0).typical_tokens == 1500
+    assert swarm_progress([], _peer("me", step=5), 4, 15, None, now=100.0).typical_tokens == 0.0
+
+
+def test_a_peer_that_trained_its_share_while_the_others_trained_on_falls_short_of_them():
+    """The shortfall `allow_for` allows the outer step (update_bounds.py): against the round's
+    counts where its peers trained past the target's share (a swarm's first round), against the
+    share otherwise, and against the average step rate where that is the larger."""
+    own = _peer("me", tokens=1500, rate=100.0)
+    ahead = [_peer("a", tokens=9000, rate=100.0), _peer("b", tokens=16000, rate=100.0)]
+    assert swarm_progress(ahead, own, 4, 15, None, now=100.0).shortfall(1500) == pytest.approx(6.0)
+    even = [_peer("a", tokens=1500, rate=100.0), _peer("b", tokens=1500, rate=100.0)]
+    p = swarm_progress(even, own, 4, 15, None, now=100.0)
+    assert p.shortfall(1500) == pytest.approx(p.target / 3 / 1500) and p.shortfall(0) == math.inf
+    slow = _peer("me", tokens=1500, rate=25.0)  # a quarter of the others' steps a second
+    assert swarm_progress(even, slow, 4, 15, None, now=100.0).shortfall(1500) == pytest.approx(3.0)
