@@ -43,7 +43,7 @@ from .matchmaking import FormedGroup, Matchmaker
 from .membership import PeerRecord
 from .part_codec import Feedback
 from .part_result import DriftBound
-from .plan import Compression
+from .plan import Compression, weight_shortfall
 from .reduction_registry import ReductionRegistry
 from .scratch_buffers import ScratchBuffers
 
@@ -308,6 +308,7 @@ class MoshpitAverager:
         )
         if hop == 0:  # the adaptive window is hop 0's; later hops follow the formed groups
             self.deadlines.observe_matchmaking(primary.last_arrival_lag, primary.complete)
+            report.weight_shortfall = weight_shortfall(primary.members, self.peer_id)
         if first is not None:
             report.included_peers = first.included_peers
 

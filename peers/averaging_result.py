@@ -42,6 +42,8 @@ class HopReport:
     theta_resync_s: float | None = None
     unasked_resync: bool = False  # θ_g re-synced because members' hashes differed, not on request
     benched: list[str] = field(default_factory=list)  # registrants this node left out: they let its groups down
+    # a typical member's announced weight over this node's (`plan.weight_shortfall`)
+    weight_shortfall: float = 1.0
 
     @property
     def dropped_senders(self) -> int:
@@ -72,6 +74,12 @@ class AveragingResult:
     @property
     def clean(self) -> bool:
         return all(h.clean for h in self.hops)
+
+    @property
+    def group_shortfall(self) -> float:
+        """How many times this node's tokens its hop-0 group's typical member trained (1.0 with
+        no hop): what the mean's Δ may be longer than its own by (update_bounds.py)."""
+        return self.hops[0].weight_shortfall if self.hops else 1.0
 
     @property
     def alone(self) -> bool:

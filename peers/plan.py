@@ -8,6 +8,7 @@ every chunk, and a chunk naming another plan is rejected.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 
@@ -268,6 +269,20 @@ def make_plan(
         clip_lengths,
         frozenset(silent),
     )
+
+
+def weight_shortfall(members: Sequence[Member], peer_id: str) -> float:
+    """How many times this member's weight a typical member of the group announced: the upper
+    median of the capped weights (`capped_weights`: one member is held to WEIGHT_SPREAD x the
+    lower median, and moves the upper median no further than another member's weight) over its
+    own; 1.0 where it announced none. At hop 0 a weight is the tokens a member trained in the
+    round, so this says how much longer the Δ of the mean's typical member is than this one's
+    (update_bounds.py `allow_for_group`)."""
+    caps = capped_weights([m.weight for m in members])
+    own = next((c for m, c in zip(members, caps, strict=False) if m.peer_id == peer_id), 0.0)
+    if own <= 0:
+        return 1.0
+    return sorted(caps)[len(caps) // 2] / own
 
 
 def capped_weights(announced: list[float]) -> tuple[float, ...]:

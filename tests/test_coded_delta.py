@@ -436,3 +436,27 @@ def test_a_round_without_a_step_takes_the_rate_of_the_last_round_with_steps():
     mean = r.pseudo_gradient().mul_(260.0)  # the swarm's mean, 260x this node's own Δ
     assert torch.linalg.vector_norm(r.bounds.bounded(mean)).item() == pytest.approx(260.0 * own, rel=1e-4)
     assert r.bounds.outer_steps_scaled == 0
+
+
+@pytest.mark.parametrize("coded", [False, True])
+def test_a_node_whose_group_trained_more_than_the_swarms_progress_said_takes_their_mean_whole(coded):
+    """A swarm's first round: this node trained its share (no allowance from the swarm's
+    progress), and its group-mates trained on after its last read, to 3x its tokens: the group's
+    registrations allow 9x, a bound of 27x its own Δ: their mean of 10x is taken whole (at 3x, it
+    was scaled down alone, and θ_g split)."""
+    r = _replica(coded)
+    r.trainer.parameters_flat.add_(torch.randn(r.numel, generator=torch.Generator().manual_seed(6)) * 1e-2)
+    own = torch.linalg.vector_norm(r.theta_g - r.trainer.parameters_flat).item()
+    r.bounds.allow_for_shortfall(1.0, 1.0)
+    r.bounds.allow_for_group(3.0)
+    mean = r.pseudo_gradient()
+    if isinstance(mean, CodedDelta):
+        mean.scales.mul_(10.0)
+        assert r.bounds.bounded(mean).norm().item() == pytest.approx(10.0 * own, rel=1e-3)
+    else:
+        assert torch.linalg.vector_norm(r.bounds.bounded(mean.mul_(10.0))).item() == pytest.approx(10.0 * own, rel=1e-3)
+    r.bounds.allow_for_group(0.5)  # a lighter group lowers nothing
+    r.bounds.allow_for_group(math.inf)
+    assert r.bounds.allowance == 9.0
+    r.bounds.allow_for_group(100.0)  # held to MAX_ALLOWANCE like a report
+    assert r.bounds.allowance == MAX_ALLOWANCE

@@ -243,3 +243,18 @@ def test_a_peer_that_trained_its_share_while_the_others_trained_on_falls_short_o
     assert p.shortfall(1500) == pytest.approx(p.target / 3 / 1500) and p.shortfall(0) == math.inf
     slow = _peer("me", tokens=1500, rate=25.0)  # a quarter of the others' steps a second
     assert swarm_progress(even, slow, 4, 15, None, now=100.0).shortfall(1500) == pytest.approx(3.0)
+
+
+def test_a_groups_typical_member_is_the_upper_median_of_its_capped_weights():
+    """`weight_shortfall`: what the hop-0 group's registrations say a typical member trained,
+    over this member's tokens; a liar's weight is capped and moves the median to an honest one."""
+    from dtnode.peers.plan import Member, weight_shortfall
+
+    def group(*weights: float) -> list[Member]:
+        return [Member(f"p{i}", "127.0.0.1:1", weight=w) for i, w in enumerate(weights)]
+
+    assert weight_shortfall(group(3584, 12032, 18688), "p0") == pytest.approx(12032 / 3584)
+    assert weight_shortfall(group(3584, 12032, 1e18), "p0") == pytest.approx(12032 / 3584)  # capped, then the median
+    assert weight_shortfall(group(3584, 12032, 1e18, 4000), "p0") == pytest.approx(12032 / 3584)
+    assert weight_shortfall(group(12032, 3584), "p0") == pytest.approx(1.0)
+    assert weight_shortfall(group(0, 3584), "p0") == 1.0

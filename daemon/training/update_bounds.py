@@ -72,6 +72,7 @@ class UpdateBounds:
         self.drift: DriftBound | None = None  # the last `resync_bound`: what a re-sync is clipped to
         self.allowance = 1.0  # `bounded`'s factor for this round (`allow_for_shortfall`)
         self._steps_lr = 0.0  # the mean inner rate of the last round in which this node took a step
+        self._rate = 1.0  # `allow_for_shortfall`'s rate: the swarm's inner rate over this node's steps'
 
     def measure_own(self, delta: torch.Tensor | CodedDelta) -> None:
         """Remember ‖Δ‖ of this node's own pseudo-gradient (no host sync until it is read)."""
@@ -109,8 +110,19 @@ class UpdateBounds:
         are this node's own schedule, no peer's report, so they are not held to MAX_ALLOWANCE;
         a rate above the swarm's allows nothing less."""
         ratio = ratio if math.isfinite(ratio) else MAX_ALLOWANCE
-        rate = rate if math.isfinite(rate) and rate > 1.0 else 1.0
-        self.allowance = min(max(ratio * ratio, 1.0), MAX_ALLOWANCE) * rate
+        self._rate = rate if math.isfinite(rate) and rate > 1.0 else 1.0
+        self.allowance = min(max(ratio * ratio, 1.0), MAX_ALLOWANCE) * self._rate
+
+    def allow_for_group(self, ratio: float) -> None:
+        """The round's hop-0 group announced `ratio` times this node's tokens for a typical member
+        (`AveragingResult.group_shortfall`): the allowance grows to what that shortfall allows,
+        where it is more than the swarm's progress said (`allow_for_shortfall`). That was read
+        while this node trained; in a swarm's first round, where no rate is known, its peers
+        trained on after it (CI: 47 and 73 steps against its 14, and the mean it scaled down
+        alone split θ_g). The weights are the group's signed registrations, each capped
+        (peers/plan.py `capped_weights`), and the ratio is held to MAX_ALLOWANCE like a report."""
+        if math.isfinite(ratio) and ratio > 1.0:
+            self.allowance = max(self.allowance, min(ratio * ratio, MAX_ALLOWANCE) * self._rate)
 
     def bounded(self, mean: torch.Tensor | CodedDelta) -> torch.Tensor | CodedDelta:
         """The averaged Δ, scaled down in place to OUTER_REACH x this node's longest recent own Δ

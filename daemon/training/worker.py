@@ -248,6 +248,7 @@ class ModelWorker:
     def apply(self, result: AveragingResult) -> None:
         """Adopt a re-synced θ_g if any, then the outer step of the averaged Δ."""
         self.end_round_count()
+        self.replica.bounds.allow_for_group(result.group_shortfall)
         with self.theta_changing():
             self.replica.apply_outer_step(result.mean, result.theta, result.theta_bound)
             if failpoints.take("diverge-theta", self.outer_step - 1):  # a test's fault: one θ_g bit off
@@ -278,6 +279,7 @@ class ModelWorker:
             if result is None:
                 self.replica.land(None, None)
             else:
+                self.replica.bounds.allow_for_group(result.group_shortfall)
                 self.replica.land(result.mean, result.theta, result.theta_bound)
         if result is not None:
             self._count_solo(result)
