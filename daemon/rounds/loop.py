@@ -305,7 +305,8 @@ class RoundLoop:
         first round that trained its share, while peers that knew no rate yet trained on to
         2.5-4x theirs, had no allowance for their longer Δ (round 0 on 2 cores: a mean 4.6x the
         Δ of a node of 10 steps against its bound of 9.8x, and the bound of one that trained its
-        share is 3x: the likely cause of a round-0 split of the hostile swarm's θ_g in CI)."""
+        share is 3x). Peers that train on after this read count when the mean is applied, by
+        their group's registrations (`UpdateBounds.allow_for_group`)."""
         rate = self.worker.replica.bounds.rate_shortfall(self.worker.round_rate(round_no), inner.mean_lr)
         p = self.pacer.progress
         if p is None:
