@@ -279,7 +279,9 @@ def weight_shortfall(members: Sequence[Member], peer_id: str) -> float:
     round, so this says how much longer the Δ of the mean's typical member is than this one's
     (update_bounds.py `allow_for_group`)."""
     caps = capped_weights([m.weight for m in members])
-    own = next((c for m, c in zip(members, caps, strict=False) if m.peer_id == peer_id), 0.0)
+    if not caps:
+        return 1.0
+    own = next((c for m, c in zip(members, caps, strict=True) if m.peer_id == peer_id), 0.0)
     if own <= 0:
         return 1.0
     return sorted(caps)[len(caps) // 2] / own

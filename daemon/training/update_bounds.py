@@ -72,7 +72,7 @@ class UpdateBounds:
         self.drift: DriftBound | None = None  # the last `resync_bound`: what a re-sync is clipped to
         self.allowance = 1.0  # `bounded`'s factor for this round (`allow_for_shortfall`)
         self._steps_lr = 0.0  # the mean inner rate of the last round in which this node took a step
-        self._rate = 1.0  # `allow_for_shortfall`'s rate: the swarm's inner rate over this node's steps'
+        self._rate = 1.0  # the swarm's inner rate over this node's, as `allow_for_shortfall` last took it
 
     def measure_own(self, delta: torch.Tensor | CodedDelta) -> None:
         """Remember ‖Δ‖ of this node's own pseudo-gradient (no host sync until it is read)."""
