@@ -48,6 +48,14 @@ def lower_median(values: Iterable[float]) -> float:
     return ordered[(len(ordered) - 1) // 2] if ordered else 0.0
 
 
+def upper_median(values: Iterable[float]) -> float:
+    """The upper median (of an even count, the larger middle value; 0.0 of none): what a typical
+    peer trained, for an allowance. One value moves it no further than another value, and in a
+    pair it is the larger: an honest peer that trained more than its partner is the typical one."""
+    ordered = sorted(values)
+    return ordered[len(ordered) // 2] if ordered else 0.0
+
+
 def clip_to_median(rows: torch.Tensor, reach: float = CLIP_REACH) -> int:
     """Scale down in place every row of `rows` (contributors, values) whose length is over
     `reach` x the lower median of the non-zero rows' lengths; returns how many were scaled.

@@ -40,7 +40,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import Protocol
 
-from dtnode.ops.robust import lower_median
+from dtnode.ops.robust import lower_median, upper_median
 
 
 class Progress(Protocol):
@@ -339,7 +339,7 @@ def swarm_progress(
     # the counts of the round's peers (those averaging it included: their count is whole; those
     # training it, as of their last step). The upper median: one peer's claim moves it no further
     # than another peer's count (clamped besides); in a pair it is the larger of the two
-    counts = sorted(float(max(r.round_tokens, 0)) for r in members.values())
+    counts = [float(max(r.round_tokens, 0)) for r in members.values()]
     rates = [step_rate(r) for r in members.values() if step_rate(r) > 0]
     share_rate = max(published_rate, 0.0) if math.isfinite(published_rate) else 0.0
     return SwarmProgress(
@@ -365,7 +365,7 @@ def swarm_progress(
             )
         )
         + share_rate,
-        typical_tokens=counts[len(counts) // 2] if counts else 0.0,
+        typical_tokens=upper_median(counts),
     )
 
 

@@ -14,7 +14,7 @@ from enum import StrEnum
 
 from dtnode.ops import sparse
 from dtnode.ops.partition import capped_shares, plan_parts
-from dtnode.ops.robust import lower_median
+from dtnode.ops.robust import lower_median, upper_median
 from dtnode.proto import averaging_pb2 as pb
 
 # no reducer takes more than this many times an even split of Δ (with 4 reducers, half; in a
@@ -284,7 +284,7 @@ def weight_shortfall(members: Sequence[Member], peer_id: str) -> float:
     own = next((c for m, c in zip(members, caps, strict=True) if m.peer_id == peer_id), 0.0)
     if own <= 0:
         return 1.0
-    return sorted(caps)[len(caps) // 2] / own
+    return upper_median(caps) / own
 
 
 def capped_weights(announced: list[float]) -> tuple[float, ...]:
