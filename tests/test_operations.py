@@ -23,6 +23,7 @@ from nodes import FAST, NodeProcess, typed_at_a_terminal, wait_until
 from prometheus_client.parser import text_string_to_metric_families
 
 from dtnode.daemon.catchup.joiner import MAX_REENTRIES
+from dtnode.daemon.catchup.skips import Skip
 
 ROUNDS_TOGETHER = 2
 
@@ -139,6 +140,11 @@ def test_metrics_an_alert_can_use(swarm):
         newest = max(int(p.name[5:13]) for p in node.state_dir.glob("ckpt-*.safetensors"))
         assert _value(f, "dtnode_checkpoint_newest_step") in (newest, newest - 1)  # a write may be landing
         assert _value(f, "dtnode_checkpoint_write_failures_total") == 0
+        # donors a download passed over, by why (catchup/skips.py): every reason present, at zero
+        # too; one honest donor is never contradicted, nor its file refused by a judge
+        assert {dict(k)["why"] for k in f["dtnode_checkpoint_skips_total"]} == {s.value for s in Skip}
+        assert _value(f, "dtnode_checkpoint_skips_total", why="contradicted") == 0
+        assert _value(f, "dtnode_checkpoint_skips_total", why="refused") == 0
         assert _value(f, "dtnode_state_dir_free_bytes") > 0
         assert _value(f, "dtnode_device_memory_bytes", device="cpu", kind="resident") > 50e6
         assert any(dict(k).get("run_id") == "ops-test" for k in f["dtnode_build_info"])

@@ -20,6 +20,7 @@ from aiohttp import web
 from dtnode.daemon.catchup import donors as sync
 from dtnode.daemon.catchup.donors import PIECE_BYTES, fetch_from_swarm, group_offers, outserved, split_vote
 from dtnode.daemon.catchup.download import Offer
+from dtnode.daemon.catchup.skips import Skip, Skipped
 from dtnode.daemon.catchup.swarm_position import swarm_step
 from dtnode.daemon.catchup.trust_radius import REACH_FACTOR, Reach, judge_split_vote
 from dtnode.daemon.checkpoints.file_format import (
@@ -175,7 +176,7 @@ async def _honest(tmp_path, name, info) -> tuple[Sidecar, str]:
     return sidecar, f"http://127.0.0.1:{port}"
 
 
-def test_hostile_donors_are_refused_and_the_joiner_ends_on_the_honest_checkpoint(tmp_path, caplog):
+def test_hostile_donors_are_refused_and_the_joiner_ends_on_the_honest_checkpoint(tmp_path):
     """Four donors announce older checkpoints than the honest one (ties of one vote each go to
     the older step, so each is tried first) and each lies differently: corrupt bytes (bad
     hash), a truncated range, a file of another run, a wrong-shaped tensor. The joiner refuses
@@ -202,29 +203,32 @@ def test_hostile_donors_are_refused_and_the_joiner_ends_on_the_honest_checkpoint
             records.append(_record(name, url, info))
         sidecar, url = await _honest(tmp_path, "honest", honest_info)
         records.append(_record("honest", url, honest_info))
+        skipped: list[Skipped] = []
         try:
-            with caplog.at_level(logging.WARNING):
-                loaded = await fetch_from_swarm(
-                    {r.peer_id: r for r in records},
-                    "me",
-                    range(1, 10**9),
-                    MODEL,
-                    RUN,
-                    LAYOUT,
-                    tmp_path / "joiner",
-                    timeout=20,
-                )
+            loaded = await fetch_from_swarm(
+                {r.peer_id: r for r in records},
+                "me",
+                range(1, 10**9),
+                MODEL,
+                RUN,
+                LAYOUT,
+                tmp_path / "joiner",
+                timeout=20,
+                skipped=skipped,
+            )
         finally:
             await sidecar.stop()
             for runner in servers:
                 await runner.cleanup()
         assert loaded is not None and loaded.step == 14
         assert torch.equal(loaded.theta_g, honest_theta)
-        text = caplog.text
-        assert "sha256 of the downloaded checkpoint does not match" in text
-        assert "range ended after" in text
-        assert "belongs to run 'another-run'" in text
-        assert "expected F32" in text or "tensor names differ" in text
+        failed = {s.peers: s.detail for s in skipped if s.why is Skip.FAILED}
+        assert sorted(failed) == [("peer-corrupt",), ("peer-foreign",), ("peer-shape",), ("peer-truncated",)], skipped
+        assert "sha256 of the downloaded checkpoint does not match" in failed[("peer-corrupt",)]
+        assert "range ended after" in failed[("peer-truncated",)]
+        assert "belongs to run 'another-run'" in failed[("peer-foreign",)]
+        assert "expected F32" in failed[("peer-shape",)] or "tensor names differ" in failed[("peer-shape",)]
+        assert not any("peer-honest" in s.peers for s in skipped), skipped
         assert not list((tmp_path / "joiner").glob(".download-*"))  # nothing left behind
 
     asyncio.run(main())
@@ -299,21 +303,31 @@ def test_an_interrupted_download_resumes_with_range_requests(tmp_path):
     asyncio.run(main())
 
 
-def test_a_checkpoint_larger_than_the_model_allows_is_refused_before_download(tmp_path, caplog):
+def test_a_checkpoint_larger_than_the_model_allows_is_refused_before_download(tmp_path):
     async def main():
         info, _ = _checkpoint(tmp_path / "src", 3)
         served: list = []
         huge = CheckpointInfo(3, info.path, info.sha256, LAYOUT.file_size_bound() + 1)
         runner, url = await _serve(_liar(huge, info.path.read_bytes(), requests=served))
         record = _record("big", url, info)
+        skipped: list[Skipped] = []
         try:
-            with caplog.at_level(logging.WARNING):
-                loaded = await fetch_from_swarm(
-                    {record.peer_id: record}, "me", range(1, 10**9), MODEL, RUN, LAYOUT, tmp_path / "joiner", timeout=10
-                )
+            loaded = await fetch_from_swarm(
+                {record.peer_id: record},
+                "me",
+                range(1, 10**9),
+                MODEL,
+                RUN,
+                LAYOUT,
+                tmp_path / "joiner",
+                timeout=10,
+                skipped=skipped,
+            )
         finally:
             await runner.cleanup()
-        assert loaded is None and not served and "exceeds this model's bound" in caplog.text
+        assert loaded is None and not served
+        ((why, peers, step, detail),) = [(s.why, s.peers, s.step, s.detail) for s in skipped]
+        assert (why, peers, step) == (Skip.NO_OFFER, ("peer-big",), None) and "exceeds this model's bound" in detail
 
     asyncio.run(main())
 
@@ -500,7 +514,7 @@ def test_a_donor_serving_from_memory_and_one_serving_the_file_are_one_file(tmp_p
     asyncio.run(main())
 
 
-def test_a_donor_whose_checkpoint_the_others_contradict_is_skipped(tmp_path, caplog):
+def test_a_donor_whose_checkpoint_the_others_contradict_is_skipped(tmp_path):
     """Three donors of step 6: two serve one file, the third another, whole and consistent
     (its metadata and record agree with it). The joiner never takes the third's."""
 
@@ -512,25 +526,24 @@ def test_a_donor_whose_checkpoint_the_others_contradict_is_skipped(tmp_path, cap
             sidecar = Sidecar(FileView([info]))
             sidecars.append(sidecar)
             records.append(_record(name, f"http://127.0.0.1:{await sidecar.start('127.0.0.1', 0)}", info))
+        skipped: list[Skipped] = []
         try:
-            with caplog.at_level(logging.WARNING):
-                loaded = await fetch_from_swarm(
-                    {r.peer_id: r for r in records},
-                    "me",
-                    range(1, 10**9),
-                    MODEL,
-                    RUN,
-                    LAYOUT,
-                    tmp_path / "joiner",
-                    timeout=20,
-                )
+            loaded = await fetch_from_swarm(
+                {r.peer_id: r for r in records},
+                "me",
+                range(1, 10**9),
+                MODEL,
+                RUN,
+                LAYOUT,
+                tmp_path / "joiner",
+                timeout=20,
+                skipped=skipped,
+            )
         finally:
             for sidecar in sidecars:
                 await sidecar.stop()
         assert loaded is not None and torch.equal(loaded.theta_g, theta)
-        assert (
-            "skipping peer eer-liar" in caplog.text
-        )  # ids are shown by their last 8 characters and "that 2 other host(s) contradict" in caplog.text
+        assert skipped == [Skipped(Skip.CONTRADICTED, ("peer-liar",), 6, "2 other host(s) contradict it")]
 
     asyncio.run(main())
 
@@ -890,7 +903,7 @@ def test_a_node_that_found_no_group_waits_for_records_a_heartbeat_behind():
     assert not asyncio.run(swarm_moves_past(records_staying, "peer-joiner", MODEL, 3, 5.0, 0.01, stopping))
 
 
-def test_a_running_node_takes_a_moshpit_swarms_split_vote_only_within_reach_of_its_own_theta(tmp_path, caplog):
+def test_a_running_node_takes_a_moshpit_swarms_split_vote_only_within_reach_of_its_own_theta(tmp_path):
     """Groups of a moshpit swarm end a step with different θ_g: among 4 hosts two serve one
     file, two another, and no file has a majority. A running node refused them all, trained
     the missed rounds alone, and averaged on from a θ_g nobody shared (seen with 6 nodes in
@@ -926,17 +939,25 @@ def test_a_running_node_takes_a_moshpit_swarms_split_vote_only_within_reach_of_i
             judged.append(loaded.step)
 
         args = ({r.peer_id: r for r in records}, "me", range(6, 8), MODEL, RUN, LAYOUT)
+        refusals: list[Skipped] = []
+        unjudged_refusals: list[Skipped] = []
         try:
-            with caplog.at_level(logging.WARNING):
-                refused = await fetch_from_swarm(*args, tmp_path / "r", timeout=10, majority=True, judge=far)
-                unjudged = await fetch_from_swarm(*args, tmp_path / "u", timeout=10, majority=True)
+            refused = await fetch_from_swarm(
+                *args, tmp_path / "r", timeout=10, majority=True, judge=far, skipped=refusals
+            )
+            unjudged = await fetch_from_swarm(
+                *args, tmp_path / "u", timeout=10, majority=True, skipped=unjudged_refusals
+            )
             taken = await fetch_from_swarm(*args, tmp_path / "t", timeout=10, majority=True, judge=near)
             joined = await fetch_from_swarm(*args, tmp_path / "j", timeout=10, judge=far)  # a joiner: no judge
         finally:
             for sidecar in servers:
                 await sidecar.stop()
         assert refused is None and unjudged is None
-        assert "out of reach" in caplog.text and "nothing to judge it by" in caplog.text
+        both = [("peer-a1", "peer-a2"), ("peer-b1", "peer-b2")]
+        for skips, reason in ((refusals, "its θ_g is out of reach"), (unjudged_refusals, "nothing to judge it by")):
+            assert {s.why for s in skips} == {Skip.REFUSED} and {s.detail for s in skips} == {reason}, skips
+            assert sorted(tuple(sorted(s.peers)) for s in skips) == both, skips
         assert taken is not None and taken.step == 6
         assert joined is not None
         assert judged == [6, 6, 6]  # both files refused by `far`, the first taken by `near`

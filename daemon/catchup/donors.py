@@ -25,6 +25,7 @@ import aiohttp
 
 from dtnode.daemon.catchup.download import DownloadError, Offer, auth_headers, download_parallel
 from dtnode.daemon.catchup.partial_download import PIECE_BYTES, LocalDiskError
+from dtnode.daemon.catchup.skips import Skip, Skipped
 from dtnode.daemon.catchup.swarm_position import open_round
 from dtnode.daemon.checkpoints.file_format import (
     MAX_STEP,
@@ -114,6 +115,7 @@ def group_offers(
     majority_of: int | None = None,
     tiebreak: str = "",
     unseen: Mapping[int, set[str]] | None = None,
+    skipped: list[Skipped] | None = None,
 ) -> list[list[Offer]]:
     """Donors serving the same file together, only the files the most network groups serve
     (oldest step first among equals, then in an order no donor controls: a hash of `tiebreak`,
@@ -153,6 +155,7 @@ def group_offers(
                 group[0].sha256[:12],
                 ", ".join(o.base for o in group),
             )
+            _note(skipped, Skip.UNANNOUNCED, group)
             continue
         if majority_of is not None and 2 * step_votes[key[0]] <= majority_of:
             log.warning(
@@ -163,6 +166,7 @@ def group_offers(
                 step_votes[key[0]],
                 majority_of,
             )
+            _note(skipped, Skip.NO_MAJORITY, group, f"{step_votes[key[0]]} of {majority_of} hosts")
             continue
         if votes[key] < most:
             log.warning(
@@ -173,6 +177,7 @@ def group_offers(
                 group[0].sha256[:12],
                 most,
             )
+            _note(skipped, Skip.CONTRADICTED, group, f"{most} other host(s) contradict it")
             continue
         if key in behind:
             log.warning(
@@ -182,9 +187,16 @@ def group_offers(
                 group[0].sha256[:12],
                 ", ".join(o.base for o in group),
             )
+            _note(skipped, Skip.NOT_YET, group)
             continue
         groups.append(sorted(group, key=lambda o: o.latency))
     return sorted(groups, key=lambda g: (g[0].step, hashlib.sha256(f"{tiebreak}|{g[0].sha256}".encode()).digest()))
+
+
+def _note(skipped: list[Skipped] | None, why: Skip, group: list[Offer], detail: str = "") -> None:
+    """Records that the donors of `group` were passed over (see catchup/skips.py)."""
+    if skipped is not None:
+        skipped.append(Skipped(why, tuple(o.donor.peer_id for o in group), group[0].step, detail))
 
 
 def outserved(offers: list[Offer], unseen: Mapping[int, set[str]] | None = None) -> set[FileKey]:
@@ -287,6 +299,7 @@ async def fetch_from_swarm(
     bind_wait: float = 0.0,
     judge: Callable[[LoadedCheckpoint], Awaitable[str | None]] | None = None,
     judge_every: bool = False,
+    skipped: list[Skipped] | None = None,
 ) -> LoadedCheckpoint | None:
     """The newest checkpoint with its step in `steps` that members serve, or None.
 
@@ -297,28 +310,34 @@ async def fetch_from_swarm(
     vote) is kept only when `judge` returns no reason to refuse it; with `judge_every`, any file
     (a running node giving up steps of its own: a majority of the hosts left may be one liar). A donor may serve a step its record does not announce yet (a
     checkpoint written on demand, announced at its next heartbeat): with `refresh`, the
-    records are read again for up to `bind_wait` seconds until one announces an offered file."""
+    records are read again for up to `bind_wait` seconds until one announces an offered file.
+    Each donor or file passed over is logged, and appended to `skipped` when given."""
+    skipped = skipped if skipped is not None else []
     donors = _donors(members, own_id, steps, model_hash)
     if not donors:
         return None
     scratch.mkdir(parents=True, exist_ok=True)
-    fetch = _Fetch(layout, run_id, model_hash, scratch, timeout, auth, keep, judge, judge_every, time.monotonic())
+    fetch = _Fetch(
+        layout, run_id, model_hash, scratch, timeout, auth, keep, judge, judge_every, time.monotonic(), skipped
+    )
     async with aiohttp.ClientSession() as session:
-        offers = await _offers(session, donors, steps, layout, timeout, auth)
+        offers = await _offers(session, donors, steps, layout, timeout, auth, skipped)
         pending = _Unseen({d.peer_id for d in donors}, model_hash, own_id)
 
         async def probe_new(view: dict[str, PeerRecord]) -> list[Offer]:
             """Donors of these steps since the first probes (they finished writing one): asked too."""
             fresh = [d for d in _donors(view, own_id, steps, model_hash) if d.peer_id not in pending.probed]
             pending.probed.update(d.peer_id for d in fresh)
-            return await with_voters(await _offers(session, fresh, steps, layout, timeout, auth)) if fresh else []
+            if not fresh:
+                return []
+            return await with_voters(await _offers(session, fresh, steps, layout, timeout, auth, skipped))
 
         offers, members = await _bind(await with_voters(offers), members, pending, refresh, bind_wait, probe_new)
         unseen = await pending.of(members, offers)
         hosts = await _verifiable_hosts(members, own_id, model_hash) if majority else None
         _forget_partial_downloads(scratch, offers)
         try:
-            for group in group_offers(offers, hosts, own_id, unseen):
+            for group in group_offers(offers, hosts, own_id, unseen, skipped):
                 loaded = await fetch.from_group(session, group, hosts)
                 if loaded is not None:
                     return loaded
@@ -334,9 +353,10 @@ async def _offers(
     layout: Layout,
     timeout: float,
     auth: SwarmAuth | None,
+    skipped: list[Skipped],
 ) -> list[Offer]:
     """What each donor offers of `steps`, probed at once (a donor that offers nothing usable is
-    named in a warning and left out)."""
+    named in a warning and in `skipped`, and left out)."""
     probes = await asyncio.gather(
         *(probe(session, d, layout, min(timeout, PROBE_TIMEOUT_S), auth) for d in donors), return_exceptions=True
     )
@@ -347,6 +367,7 @@ async def _offers(
                 offers.append(result)
         else:
             log.warning("peer %s (%s) offers no usable checkpoint: %s", donor.peer_id[-8:], donor.http_addr, result)
+            skipped.append(Skipped(Skip.NO_OFFER, (donor.peer_id,), detail=str(result)))
     return offers
 
 
@@ -372,6 +393,7 @@ class _Fetch:
     judge: Callable[[LoadedCheckpoint], Awaitable[str | None]] | None
     judge_every: bool
     started: float
+    skipped: list[Skipped]  # every donor or file passed over, appended to (see catchup/skips.py)
 
     async def from_group(
         self, session: aiohttp.ClientSession, group: list[Offer], hosts: int | None
@@ -406,6 +428,7 @@ class _Fetch:
             except (TimeoutError, DownloadError, CheckpointError, aiohttp.ClientError, OSError, ValueError) as e:
                 names = ", ".join(f"{o.donor.peer_id[-8:]} ({o.base})" for o in attempt)
                 log.warning("could not sync from %s: %s; trying the next peer", names, e)
+                _note(self.skipped, Skip.FAILED, attempt, str(e))
                 if isinstance(e, CheckpointError):
                     return None  # the file itself is unusable: no donor of this group can help
             finally:
@@ -428,6 +451,7 @@ class _Fetch:
             hosts,
             refusal,
         )
+        _note(self.skipped, Skip.REFUSED, group, refusal)
         return True
 
     async def _keep(self, loaded: LoadedCheckpoint, path: Path, offer: Offer) -> None:

@@ -38,6 +38,7 @@ from dtnode.daemon.catchup.admission import (
 )
 from dtnode.daemon.catchup.donors import fetch_from_swarm
 from dtnode.daemon.catchup.overlap_catch_up import OPEN_POLL_S, OverlapCatchUp
+from dtnode.daemon.catchup.skips import Skip, Skipped
 from dtnode.daemon.catchup.swarm_position import SwarmPosition, swarm_moves_past, swarm_position
 from dtnode.daemon.catchup.sync_plan import LocalPosition, SyncAction, SyncPlan, plan_sync
 from dtnode.daemon.catchup.trust_radius import judge_split_vote
@@ -98,6 +99,8 @@ class Joiner:
         self.membership = membership
         self.worker = worker
         self.store = store
+        for why in Skip:  # present at zero, for rate()
+            store.metrics.checkpoint_skips.labels(why=why)
         self.landing = landing
         self.trust = trust
         self.auth = auth
@@ -233,7 +236,8 @@ class Joiner:
         it: when the rest of the swarm has stopped, a majority of the hosts left may be one liar, and
         a node rolled back to a lone member's θ_g of an older step at 35x ‖θ‖ (the hostile bench)."""
         s = self.settings
-        return await fetch_from_swarm(
+        skipped: list[Skipped] = []
+        loaded = await fetch_from_swarm(
             view,
             self.peer_id,
             steps,
@@ -251,7 +255,11 @@ class Joiner:
             if majority or rollback
             else None,  # see catchup/trust_radius.py
             judge_every=rollback,
+            skipped=skipped,
         )
+        for skip in skipped:  # each one also logged, with the donors' names
+            self.store.metrics.checkpoint_skips.labels(why=skip.why).inc()
+        return loaded
 
     async def download(self, view: dict[str, PeerRecord], step: int, own: int, majority: bool = False) -> bool:
         """Fetch and install the swarm's checkpoint of `step` (or the next, if the swarm moved on);

@@ -325,6 +325,14 @@ class NodeMetrics:
     def _membership_families(self, r: CollectorRegistry) -> None:
         """Catch-ups, a joiner's dropped steps, and the peers seen."""
         self.catchups = Counter("dtnode_catchups", "Downloads of the swarm's state to join or catch up", registry=r)
+        self.checkpoint_skips = Counter(
+            "dtnode_checkpoint_skips",
+            "Donors or files a download of the swarm's state passed over, by why (catchup/skips.py: no_offer, "
+            "unannounced, no_majority, contradicted, not_yet, failed, refused; each present at zero once the "
+            "node runs)",
+            ["why"],
+            registry=r,
+        )
         self.dropped_inner_steps = Counter(
             "dtnode_dropped_inner_steps",
             "Inner steps of a joiner's first round that the swarm averaged without it before they were done: "
