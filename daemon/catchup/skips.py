@@ -14,15 +14,20 @@ from enum import StrEnum
 class Skip(StrEnum):
     """Why a donor or one of the files it serves was not used."""
 
-    NO_OFFER = "no_offer"  # its probe gave nothing usable: unreachable, refused (401), a size past the model's bound
-    UNANNOUNCED = "unannounced"  # no signed record announces the file it serves
-    NO_MAJORITY = "no_majority"  # (a running node) not a majority of the verifiable hosts serve that step
-    CONTRADICTED = "contradicted"  # more network groups serve another file of the step
-    NOT_YET = (
-        "not_yet"  # records not all in yet: more hosts serve or write another file of the step than announce this one
-    )
-    FAILED = "failed"  # the download, or the checks of the file it gave, failed
-    REFUSED = "refused"  # the caller's judge refused a file no majority serves (catchup/trust_radius.py)
+    # its probe gave nothing usable: unreachable, refused (401), a size past the model's bound
+    NO_OFFER = "no_offer"
+    # no signed record announces the file it serves
+    UNANNOUNCED = "unannounced"
+    # (a running node) not a majority of the hosts it can verify serve that step
+    NO_MAJORITY = "no_majority"
+    # more network groups serve another file of the step
+    CONTRADICTED = "contradicted"
+    # the records are not all in: more hosts serve, or write, another file of the step than announce this one
+    NOT_YET = "not_yet"
+    # the download, or the checks of the file it gave, failed
+    FAILED = "failed"
+    # the caller's judge refused a file no majority serves (catchup/trust_radius.py)
+    REFUSED = "refused"
 
 
 @dataclass(frozen=True)
