@@ -16,7 +16,15 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from dtnode.daemon.catchup.sync_plan import LocalPosition, SyncAction, plan_sync
-from dtnode.daemon.checkpoints.arrivals import Arrivals, Download, DroppedRound, ThetaArrival, ThetaSource
+from dtnode.daemon.checkpoints.arrivals import (
+    Arrivals,
+    Download,
+    DroppedRound,
+    Skip,
+    Skipped,
+    ThetaArrival,
+    ThetaSource,
+)
 from dtnode.daemon.config.settings import NodeSettings
 from dtnode.daemon.records.report import Condition, RoundOutcome, RoundSummary, RunStats
 from dtnode.daemon.records.state import IllegalTransition, NodeState, RecordPhase, RoundPhase, RoundState
@@ -517,14 +525,18 @@ def test_a_rounds_entry_says_where_its_theta_came_from_once():
     only there; a node that syncs again and again without a round keeps the newest few."""
     arrivals = Arrivals()
     arrivals.note(ThetaArrival(ThetaSource.RESUMED, 3, params_sha256="ab" * 32))
-    arrivals.note(ThetaArrival(ThetaSource.DOWNLOADED, 4, Download(offered_by=2, served_by=1, size_bytes=1000)))
+    liar = Skipped(Skip.CONTRADICTED, ("peer-liar",), 4, "2 other host(s) contradict it")
+    arrivals.note(ThetaArrival(ThetaSource.DOWNLOADED, 4, Download(2, 1, 1000, passed_over=(liar,))))
     arrivals.note(ThetaArrival(ThetaSource.TAKEN, 5, Download(offered_by=1, served_by=1, size_bytes=500)))
     taken = arrivals.take()
     entry = dataclasses.replace(_summary([_hop(2, 2, 10, 10)]), synced=taken).history_entry(0, 0.0)
+    passed_over = [
+        {"why": "contradicted", "peers": ["peer-liar"], "step": 4, "detail": "2 other host(s) contradict it"}
+    ]
     assert entry["synced"] == [
         {"source": "resumed", "step": 3, "params_sha256": "ab" * 32},
-        {"source": "downloaded", "step": 4, "offered_by": 2, "served_by": 1, "bytes": 1000},
-        {"source": "taken", "step": 5, "offered_by": 1, "served_by": 1, "bytes": 500},
+        {"source": "downloaded", "step": 4, "offered_by": 2, "served_by": 1, "bytes": 1000, "passed_over": passed_over},
+        {"source": "taken", "step": 5, "offered_by": 1, "served_by": 1, "bytes": 500, "passed_over": []},
     ]
     assert arrivals.take() == () and _summary([]).history_entry(0, 0.0)["synced"] == []
     for step in range(40):

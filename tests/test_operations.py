@@ -23,7 +23,7 @@ from nodes import FAST, NodeProcess, typed_at_a_terminal, wait_until
 from prometheus_client.parser import text_string_to_metric_families
 
 from dtnode.daemon.catchup.joiner import MAX_REENTRIES
-from dtnode.daemon.catchup.skips import Skip
+from dtnode.daemon.checkpoints.arrivals import Skip
 
 ROUNDS_TOGETHER = 2
 
@@ -140,7 +140,7 @@ def test_metrics_an_alert_can_use(swarm):
         newest = max(int(p.name[5:13]) for p in node.state_dir.glob("ckpt-*.safetensors"))
         assert _value(f, "dtnode_checkpoint_newest_step") in (newest, newest - 1)  # a write may be landing
         assert _value(f, "dtnode_checkpoint_write_failures_total") == 0
-        # donors a download passed over, by why (catchup/skips.py): every reason present, at zero
+        # donors a download passed over, by why (checkpoints/arrivals.py `Skip`): every reason present, at zero
         # too; one honest donor is never contradicted, nor its file refused by a judge
         assert {dict(k)["why"] for k in f["dtnode_checkpoint_skips_total"]} == {s.value for s in Skip}
         assert _value(f, "dtnode_checkpoint_skips_total", why="contradicted") == 0

@@ -20,9 +20,9 @@ from aiohttp import web
 from dtnode.daemon.catchup import donors as sync
 from dtnode.daemon.catchup.donors import PIECE_BYTES, fetch_from_swarm, group_offers, outserved, split_vote
 from dtnode.daemon.catchup.download import Offer
-from dtnode.daemon.catchup.skips import Skip, Skipped
 from dtnode.daemon.catchup.swarm_position import swarm_step
 from dtnode.daemon.catchup.trust_radius import REACH_FACTOR, Reach, judge_split_vote
+from dtnode.daemon.checkpoints.arrivals import Skip, Skipped
 from dtnode.daemon.checkpoints.file_format import (
     CheckpointInfo,
     Layout,
@@ -229,6 +229,7 @@ def test_hostile_donors_are_refused_and_the_joiner_ends_on_the_honest_checkpoint
         assert "belongs to run 'another-run'" in failed[("peer-foreign",)]
         assert "expected F32" in failed[("peer-shape",)] or "tensor names differ" in failed[("peer-shape",)]
         assert not any("peer-honest" in s.peers for s in skipped), skipped
+        assert loaded.download is not None and loaded.download.passed_over == tuple(skipped)  # for the history
         assert not list((tmp_path / "joiner").glob(".download-*"))  # nothing left behind
 
     asyncio.run(main())

@@ -25,8 +25,8 @@ import aiohttp
 
 from dtnode.daemon.catchup.download import DownloadError, Offer, auth_headers, download_parallel
 from dtnode.daemon.catchup.partial_download import PIECE_BYTES, LocalDiskError
-from dtnode.daemon.catchup.skips import Skip, Skipped
 from dtnode.daemon.catchup.swarm_position import open_round
+from dtnode.daemon.checkpoints.arrivals import Skip, Skipped
 from dtnode.daemon.checkpoints.file_format import (
     MAX_STEP,
     CheckpointError,
@@ -194,7 +194,7 @@ def group_offers(
 
 
 def _note(skipped: list[Skipped] | None, why: Skip, group: list[Offer], detail: str = "") -> None:
-    """Records that the donors of `group` were passed over (see catchup/skips.py)."""
+    """Records that the donors of `group` were passed over (see checkpoints/arrivals.py `Skip`)."""
     if skipped is not None:
         skipped.append(Skipped(why, tuple(o.donor.peer_id for o in group), group[0].step, detail))
 
@@ -311,7 +311,8 @@ async def fetch_from_swarm(
     (a running node giving up steps of its own: a majority of the hosts left may be one liar). A donor may serve a step its record does not announce yet (a
     checkpoint written on demand, announced at its next heartbeat): with `refresh`, the
     records are read again for up to `bind_wait` seconds until one announces an offered file.
-    Each donor or file passed over is logged, and appended to `skipped` when given."""
+    Each donor or file passed over is logged, appended to `skipped` when given, and listed in the
+    returned file's `download.passed_over` (the history's record of the download)."""
     skipped = skipped if skipped is not None else []
     donors = _donors(members, own_id, steps, model_hash)
     if not donors:
@@ -340,6 +341,8 @@ async def fetch_from_swarm(
             for group in group_offers(offers, hosts, own_id, unseen, skipped):
                 loaded = await fetch.from_group(session, group, hosts)
                 if loaded is not None:
+                    if loaded.download is not None:  # what this fetch left out, for the history
+                        loaded.download = replace(loaded.download, passed_over=tuple(skipped))
                     return loaded
         except LocalDiskError as e:  # no donor is at fault, and none would do better
             log.error("could not download a checkpoint: %s (free space in the state dir, or fix it)", e)
@@ -393,7 +396,7 @@ class _Fetch:
     judge: Callable[[LoadedCheckpoint], Awaitable[str | None]] | None
     judge_every: bool
     started: float
-    skipped: list[Skipped]  # every donor or file passed over, appended to (see catchup/skips.py)
+    skipped: list[Skipped]  # every donor or file passed over, appended to (see checkpoints/arrivals.py `Skip`)
 
     async def from_group(
         self, session: aiohttp.ClientSession, group: list[Offer], hosts: int | None

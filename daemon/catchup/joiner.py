@@ -38,11 +38,10 @@ from dtnode.daemon.catchup.admission import (
 )
 from dtnode.daemon.catchup.donors import fetch_from_swarm
 from dtnode.daemon.catchup.overlap_catch_up import OPEN_POLL_S, OverlapCatchUp
-from dtnode.daemon.catchup.skips import Skip, Skipped
 from dtnode.daemon.catchup.swarm_position import SwarmPosition, swarm_moves_past, swarm_position
 from dtnode.daemon.catchup.sync_plan import LocalPosition, SyncAction, SyncPlan, plan_sync
 from dtnode.daemon.catchup.trust_radius import judge_split_vote
-from dtnode.daemon.checkpoints.arrivals import DroppedRound
+from dtnode.daemon.checkpoints.arrivals import DroppedRound, Skip, Skipped
 from dtnode.daemon.checkpoints.file_format import LoadedCheckpoint
 from dtnode.daemon.checkpoints.store import CheckpointStore
 from dtnode.daemon.config.settings import NodeSettings

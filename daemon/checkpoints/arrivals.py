@@ -14,7 +14,7 @@ the same facts from state instead of from a log sentence.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from enum import Enum
+from enum import Enum, StrEnum
 from typing import Any
 
 
@@ -22,6 +22,38 @@ class ThetaSource(str, Enum):
     RESUMED = "resumed"  # this node's own checkpoint, read at start
     DOWNLOADED = "downloaded"  # a peer's checkpoint, installed whole
     TAKEN = "taken"  # the swarm's θ_g of a round's end, taken instead of an outer step of its own
+
+
+class Skip(StrEnum):
+    """Why a download passed over a donor or one of the files it serves (catchup/donors.py
+    `fetch_from_swarm`): each pass-over is also a warning naming the donors, and a count in
+    `dtnode_checkpoint_skips_total{why}`."""
+
+    # its probe gave nothing usable: unreachable, refused (401), a size past the model's bound
+    NO_OFFER = "no_offer"
+    # no signed record announces the file it serves
+    UNANNOUNCED = "unannounced"
+    # (a running node) not a majority of the hosts it can verify serve that step
+    NO_MAJORITY = "no_majority"
+    # more network groups serve another file of the step
+    CONTRADICTED = "contradicted"
+    # the records are not all in: more hosts serve, or write, another file of the step than announce this one
+    NOT_YET = "not_yet"
+    # the download, or the checks of the file it gave, failed
+    FAILED = "failed"
+    # the caller's judge refused a file no majority serves (catchup/trust_radius.py)
+    REFUSED = "refused"
+
+
+@dataclass(frozen=True)
+class Skipped:
+    """One pass-over: why, which donors (their peer ids), the step (None: no offer to name one),
+    and what was wrong in words (an error's message, the judge's reason)."""
+
+    why: Skip
+    peers: tuple[str, ...]
+    step: int | None = None
+    detail: str = ""
 
 
 @dataclass(frozen=True)
@@ -32,6 +64,7 @@ class Download:
     offered_by: int  # the donors asked for the file: each announced its sha256
     served_by: int  # those whose ranges made it (a file of one range comes from one donor)
     size_bytes: int
+    passed_over: tuple[Skipped, ...] = ()  # donors and files the fetch that found it left out, and why
 
 
 @dataclass(frozen=True)
@@ -62,6 +95,9 @@ class ThetaArrival:
         if self.download is not None:
             d = self.download
             entry |= {"offered_by": d.offered_by, "served_by": d.served_by, "bytes": d.size_bytes}
+            entry["passed_over"] = [
+                {"why": p.why.value, "peers": list(p.peers), "step": p.step, "detail": p.detail} for p in d.passed_over
+            ]
         if self.dropped is not None:
             entry |= {"dropped_round": self.dropped.round_no, "dropped_steps": self.dropped.steps}
         return entry

@@ -327,7 +327,7 @@ class NodeMetrics:
         self.catchups = Counter("dtnode_catchups", "Downloads of the swarm's state to join or catch up", registry=r)
         self.checkpoint_skips = Counter(
             "dtnode_checkpoint_skips",
-            "Donors or files a download of the swarm's state passed over, by why (catchup/skips.py: no_offer, "
+            "Donors or files a download of the swarm's state passed over, by why (checkpoints/arrivals.py `Skip`: no_offer, "
             "unannounced, no_majority, contradicted, not_yet, failed, refused; each present at zero once the "
             "node runs)",
             ["why"],
