@@ -1013,7 +1013,7 @@ def _file(theta: torch.Tensor, step: int) -> LoadedCheckpoint:
     return LoadedCheckpoint(step, TrainingState(theta, torch.zeros_like(theta)), {})
 
 
-def test_a_running_node_judges_a_split_vote_by_its_own_outer_steps(tmp_path, caplog):
+def test_a_running_node_judges_a_split_vote_by_its_own_outer_steps(tmp_path):
     """The judge a running node gives `fetch_from_swarm`, on a real tiny model (a constant inner
     rate): nothing to judge by before its first outer step; then a file one outer step away is
     adopted and one many steps' worth away refused, and each solo step it made widens the reach."""
@@ -1027,8 +1027,7 @@ def test_a_running_node_judges_a_split_vote_by_its_own_outer_steps(tmp_path, cap
         scale = replica.bounds.update_scale()
         assert scale is not None and scale > 0
         own = replica.theta_g.clone()
-        with caplog.at_level(logging.INFO, logger="dtnode"):
-            near = await judge_split_vote(worker, _file(own + delta * 0.5, 2))
+        near = await judge_split_vote(worker, _file(own + delta * 0.5, 2))  # None: no reason to refuse it
         direction = torch.ones(replica.numel) / replica.numel**0.5
         radius = Reach.of(scale, 2, worker.outer_step, worker.solo_steps).radius
         far = await judge_split_vote(worker, _file(own + direction * radius * 1.5, 2))
@@ -1041,7 +1040,7 @@ def test_a_running_node_judges_a_split_vote_by_its_own_outer_steps(tmp_path, cap
     finally:
         worker.shutdown()
     assert before is not None and "no outer step" in before
-    assert near is None and "adopting step 2" in caplog.text
+    assert near is None
     assert far is not None and "beyond" in far
     assert wider is None
 
