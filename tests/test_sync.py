@@ -107,6 +107,11 @@ def _record(name, url, info: CheckpointInfo) -> PeerRecord:
     )
 
 
+async def _fetch_any(members: dict[str, PeerRecord], scratch, **options) -> LoadedCheckpoint | None:
+    """`fetch_from_swarm` for a node "me" of this model and run, any step."""
+    return await fetch_from_swarm(members, "me", range(1, 10**9), MODEL, RUN, LAYOUT, scratch, **options)
+
+
 def _in_memory(info: CheckpointInfo) -> MemoryCheckpoint:
     """`info`'s step served from memory: its θ_g and momentum as a donor holds them."""
     loaded = read_checkpoint(info.path, LAYOUT, RUN, MODEL)
@@ -205,17 +210,7 @@ def test_hostile_donors_are_refused_and_the_joiner_ends_on_the_honest_checkpoint
         records.append(_record("honest", url, honest_info))
         skipped: list[Skipped] = []
         try:
-            loaded = await fetch_from_swarm(
-                {r.peer_id: r for r in records},
-                "me",
-                range(1, 10**9),
-                MODEL,
-                RUN,
-                LAYOUT,
-                tmp_path / "joiner",
-                timeout=20,
-                skipped=skipped,
-            )
+            loaded = await _fetch_any({r.peer_id: r for r in records}, tmp_path / "joiner", timeout=20, skipped=skipped)
         finally:
             await sidecar.stop()
             for runner in servers:
@@ -257,16 +252,7 @@ def test_ranges_come_from_every_donor_of_the_same_file_and_a_donor_leaving_costs
         runners.append(runner)
         records.append(_record("c-flaky", url, info))
         try:
-            loaded = await fetch_from_swarm(
-                {r.peer_id: r for r in records},
-                "me",
-                range(1, 10**9),
-                MODEL,
-                RUN,
-                LAYOUT,
-                tmp_path / "joiner",
-                timeout=20,
-            )
+            loaded = await _fetch_any({r.peer_id: r for r in records}, tmp_path / "joiner", timeout=20)
         finally:
             for r in runners:
                 await r.cleanup()
@@ -313,17 +299,7 @@ def test_a_checkpoint_larger_than_the_model_allows_is_refused_before_download(tm
         record = _record("big", url, info)
         skipped: list[Skipped] = []
         try:
-            loaded = await fetch_from_swarm(
-                {record.peer_id: record},
-                "me",
-                range(1, 10**9),
-                MODEL,
-                RUN,
-                LAYOUT,
-                tmp_path / "joiner",
-                timeout=10,
-                skipped=skipped,
-            )
+            loaded = await _fetch_any({record.peer_id: record}, tmp_path / "joiner", timeout=10, skipped=skipped)
         finally:
             await runner.cleanup()
         assert loaded is None and not served
@@ -453,17 +429,7 @@ def test_a_dropped_connection_resumes_from_the_byte_where_it_stopped(tmp_path, c
         record = _record("a", url, info)
         try:
             with caplog.at_level(logging.INFO):
-                loaded = await fetch_from_swarm(
-                    {record.peer_id: record},
-                    "me",
-                    range(1, 10**9),
-                    MODEL,
-                    RUN,
-                    LAYOUT,
-                    tmp_path / "joiner",
-                    timeout=20,
-                    keep=True,
-                )
+                loaded = await _fetch_any({record.peer_id: record}, tmp_path / "joiner", timeout=20, keep=True)
         finally:
             await runner.cleanup()
         assert loaded is not None and torch.equal(loaded.theta_g, theta)
@@ -496,16 +462,7 @@ def test_a_donor_serving_from_memory_and_one_serving_the_file_are_one_file(tmp_p
             port = await sidecar.start("127.0.0.1", 0)
             records.append(_record(name, f"http://127.0.0.1:{port}", info))
         try:
-            loaded = await fetch_from_swarm(
-                {r.peer_id: r for r in records},
-                "me",
-                range(1, 10**9),
-                MODEL,
-                RUN,
-                LAYOUT,
-                tmp_path / "joiner",
-                timeout=20,
-            )
+            loaded = await _fetch_any({r.peer_id: r for r in records}, tmp_path / "joiner", timeout=20)
         finally:
             for sidecar in (on_disk, in_memory):
                 await sidecar.stop()
@@ -529,17 +486,7 @@ def test_a_donor_whose_checkpoint_the_others_contradict_is_skipped(tmp_path):
             records.append(_record(name, f"http://127.0.0.1:{await sidecar.start('127.0.0.1', 0)}", info))
         skipped: list[Skipped] = []
         try:
-            loaded = await fetch_from_swarm(
-                {r.peer_id: r for r in records},
-                "me",
-                range(1, 10**9),
-                MODEL,
-                RUN,
-                LAYOUT,
-                tmp_path / "joiner",
-                timeout=20,
-                skipped=skipped,
-            )
+            loaded = await _fetch_any({r.peer_id: r for r in records}, tmp_path / "joiner", timeout=20, skipped=skipped)
         finally:
             for sidecar in sidecars:
                 await sidecar.stop()
