@@ -17,6 +17,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from dtnode.daemon.catchup.sync_plan import LocalPosition, SyncAction, plan_sync
 from dtnode.daemon.checkpoints.arrivals import (
+    DETAIL_CHARS,
+    PASSED_OVER_LIMIT,
     Arrivals,
     Download,
     DroppedRound,
@@ -539,6 +541,14 @@ def test_a_rounds_entry_says_where_its_theta_came_from_once():
         {"source": "taken", "step": 5, "offered_by": 1, "served_by": 1, "bytes": 500, "passed_over": []},
     ]
     assert arrivals.take() == () and _summary([]).history_entry(0, 0.0)["synced"] == []
+    # what donors sent is bounded in the history: a Sybil swarm's many offers, a long error
+    sybils = tuple(Skipped(Skip.NO_OFFER, tuple(f"p{i}-{j}" for j in range(40)), None, "x" * 10**5) for i in range(100))
+    arrivals.note(ThetaArrival(ThetaSource.DOWNLOADED, 6, Download(1, 1, 1000, passed_over=sybils)))
+    (bounded,) = dataclasses.replace(_summary([]), synced=arrivals.take()).history_entry(0, 0.0)["synced"]
+    assert len(bounded["passed_over"]) == PASSED_OVER_LIMIT
+    assert all(
+        len(p["peers"]) == PASSED_OVER_LIMIT and len(p["detail"]) == DETAIL_CHARS for p in bounded["passed_over"]
+    )
     for step in range(40):
         arrivals.note(ThetaArrival(ThetaSource.DOWNLOADED, step))
     assert [a.step for a in arrivals.take()] == list(range(40 - Arrivals.LIMIT, 40))

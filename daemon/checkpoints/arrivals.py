@@ -24,6 +24,12 @@ class ThetaSource(str, Enum):
     TAKEN = "taken"  # the swarm's θ_g of a round's end, taken instead of an outer step of its own
 
 
+# what a history entry keeps of a download's pass-overs: this many, each naming this many donors
+# and this many characters of its detail
+PASSED_OVER_LIMIT = 16
+DETAIL_CHARS = 240
+
+
 class Skip(StrEnum):
     """Why a download passed over a donor or one of the files it serves (catchup/donors.py
     `fetch_from_swarm`): each pass-over is also a warning naming the donors, and a count in
@@ -95,8 +101,15 @@ class ThetaArrival:
         if self.download is not None:
             d = self.download
             entry |= {"offered_by": d.offered_by, "served_by": d.served_by, "bytes": d.size_bytes}
+            # bounded: the details quote what donors sent, and Sybil records can name many donors
             entry["passed_over"] = [
-                {"why": p.why.value, "peers": list(p.peers), "step": p.step, "detail": p.detail} for p in d.passed_over
+                {
+                    "why": p.why.value,
+                    "peers": list(p.peers[:PASSED_OVER_LIMIT]),
+                    "step": p.step,
+                    "detail": p.detail[:DETAIL_CHARS],
+                }
+                for p in d.passed_over[:PASSED_OVER_LIMIT]
             ]
         if self.dropped is not None:
             entry |= {"dropped_round": self.dropped.round_no, "dropped_steps": self.dropped.steps}
