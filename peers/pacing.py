@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import bisect
 import math
+import statistics
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import Protocol
@@ -373,3 +374,40 @@ def step_rate(r: Progress) -> float:
     """A report's inner steps per second (0 while it reports no rate)."""
     per_step, per_s = max(r.tokens_per_step, 0), max(r.tokens_per_s, 0.0)
     return per_s / per_step if per_step > 0 else 0.0
+
+
+class RoundStart(Protocol):
+    """The fields of a membership record that the time budget of a round reads."""
+
+    @property
+    def state(self) -> str: ...
+    @property
+    def round(self) -> int: ...
+    @property
+    def round_in_training(self) -> int: ...
+    @property
+    def round_began_at(self) -> float: ...
+
+
+def swarm_round_began(records: Iterable[RoundStart], round: int, now: float) -> float | None:
+    """When the swarm began `round`'s inner steps, in DHT time: the median of its live peers'
+    published starts (`round_began_at`), a peer still in the round before counted as beginning
+    `now` (it begins no sooner); None when no peer says. Peers past the round, peers further
+    behind and peers that do not say (an older dtnode) are left out.
+
+    With --round-seconds each peer used to count the budget from its own start, and its start is
+    when its last average ended, which differs by seconds across a swarm's groups and hops: the
+    early peers then waited at the next hop 0 for the late ones, and the late ones set every
+    round's pace (on 2 cores, 3-7 s of a 32-node round's hop 0). Ending every peer's steps at the
+    median start plus the budget turns the early peers' wait into training and ends the late
+    ones' steps with the others. A median: a peer's lie moves it no further than an honest
+    peer's start, and the pacer bounds what it may do to one round (`SwarmPacer.time_end`)."""
+    starts = []
+    for r in records:
+        if r.state not in ACTIVE:
+            continue
+        if r.round == round and r.round_began_at > 0:
+            starts.append(min(r.round_began_at, now))
+        elif r.round < round and r.round_in_training >= round - 1:
+            starts.append(now)
+    return statistics.median(starts) if starts else None

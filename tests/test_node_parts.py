@@ -31,7 +31,7 @@ from dtnode.daemon.config.settings import NodeSettings
 from dtnode.daemon.records.report import Condition, RoundOutcome, RoundSummary, RunStats
 from dtnode.daemon.records.state import IllegalTransition, NodeState, RecordPhase, RoundPhase, RoundState
 from dtnode.daemon.records.status import NodeStatus
-from dtnode.daemon.rounds.pacer import SHARE_SLACK, FixedPacer, SwarmPacer
+from dtnode.daemon.rounds.pacer import SHARE_SLACK, TIME_BUDGET_RANGE, FixedPacer, SwarmPacer
 from dtnode.daemon.rounds.strategies import left_off_the_swarm
 from dtnode.daemon.telemetry.metrics import NodeMetrics
 from dtnode.daemon.training.trainer import InnerResult
@@ -387,6 +387,73 @@ def test_a_joiner_whose_round_closed_under_it_stops_at_once_and_fixed_pacing_nev
     assert fixed.max_steps == 7 and fixed.keep_going(1e9) and fixed.progress is None
 
 
+def test_time_paced_peers_end_their_steps_a_budget_after_the_swarms_median_start():
+    """--round-seconds with swarm pacing: a peer that entered the round early trains on to the
+    swarm's end instead of waiting at hop 0, a late one ends with the others, and no record
+    moves a peer's end by more than half a budget from its own."""
+    clock = FakeClock()
+    budget = 10.0
+    own = PeerRecord(peer_id="me", outer_step=3, round=3, state="training", tokens_per_s=100.0, tokens_per_step=100)
+    records: dict[str, PeerRecord] = {}
+
+    def peer(name: str, began: float, **fields: object) -> None:
+        records[name] = own.model_copy(update={"peer_id": name, "round_began_at": began, **fields})
+
+    async def view() -> dict[str, PeerRecord]:
+        return records
+
+    pacer = SwarmPacer(view, lambda: own, 10, 10**12, clock=clock, dht_time=clock, round_seconds=budget)
+    started = clock.now
+    # the latest its steps may run: the budget stretched as far as the swarm's start may move it
+    assert pacer.start_round() == pytest.approx(started + TIME_BUDGET_RANGE[1] * budget)
+    assert pacer.round_end_at == pytest.approx(started + budget)  # nothing read yet: its own budget
+    own = own.model_copy(update={"round_began_at": started})
+    asyncio.run(pacer.update(3))
+    assert pacer.round_end_at == pytest.approx(started + budget)  # alone: its own start
+
+    # two peers entered 4 s later: the median start is 2 s later than ours (4 starts)
+    clock.now += 4.0
+    peer("b", started + 4.0)
+    peer("c", started + 4.0)
+    peer("d", started)
+    asyncio.run(pacer.update(3))
+    assert pacer.round_end_at == pytest.approx(started + 2.0 + budget)
+    # a peer still averaging the last round begins this one no sooner than now
+    clock.now += 1.0
+    peer("e", 0.0, round=2, outer_step=2, phase="averaging")
+    asyncio.run(pacer.update(3))
+    assert pacer.round_end_at == pytest.approx(started + 4.0 + budget)  # median of 0, 0, 4, 4, 5
+    # peers past the round, stopped ones and ones that do not say are left out
+    peer("f", started + 9.0, round=4, outer_step=4)
+    peer("g", started + 9.0, state="stopped")
+    peer("h", 0.0)
+    asyncio.run(pacer.update(3))
+    assert pacer.round_end_at == pytest.approx(started + 4.0 + budget)
+
+    # a swarm (or lies) that began far later or sooner moves this peer's end by half a budget at
+    # most; a start in the future counts as now
+    for name in "bcdefgh":
+        peer(name, started + 100.0)
+    clock.now += 20.0
+    asyncio.run(pacer.update(3))
+    assert pacer.round_end_at == pytest.approx(started + TIME_BUDGET_RANGE[1] * budget)
+    for name in "bcdefgh":
+        peer(name, 1.0)
+    asyncio.run(pacer.update(3))
+    assert pacer.round_end_at == pytest.approx(started + TIME_BUDGET_RANGE[0] * budget)
+    # the swarm's tokens still end the round when they come first
+    for name in "bcdefgh":
+        peer(name, started, round_tokens=10**12 // 4, progress_at=clock.now)
+    asyncio.run(pacer.update(3))
+    assert pacer.round_end_at <= clock.now
+
+    # fixed pacing counts the budget from the peer's own start; no budget, no deadline
+    assert FixedPacer(7, budget, clock=clock).start_round() == pytest.approx(clock.now + budget)
+    assert FixedPacer(7).start_round() is None
+    untimed = SwarmPacer(view, lambda: own, 10, None, clock=clock, dht_time=clock)
+    assert untimed.start_round() is None and untimed.round_end_at == math.inf
+
+
 # ---- the round state ----------------------------------------------------------------------------
 def test_the_round_state_moves_through_a_round_and_refuses_illegal_moves():
     st = RoundState(overlap=False)
@@ -436,6 +503,27 @@ def test_the_first_round_a_node_averages_is_the_first_it_enters_since_it_started
         assert st.first_round is None
     st.enter_round(9, 8)
     assert st.first_round == 9
+
+
+def test_a_round_began_when_its_inner_steps_began_or_when_it_was_entered_until_then():
+    """The record's `round_began_at`, what time-paced peers end their steps from."""
+    clock = FakeClock()
+    st = RoundState(overlap=False, dht_time=clock)
+    st.start_syncing()
+    st.ready()
+    assert st.round_began_at == 0.0  # in no round
+    st.enter_round(2, 2)
+    assert st.round_began_at == clock.now  # entered: its steps are about to begin
+    clock.now += 1.5
+    st.enter_round(2, 2)  # entered again (the loop's next pass): the round did not begin again
+    assert st.round_began_at == clock.now - 1.5
+    st.begin_inner(2)
+    assert st.round_began_at == clock.now
+    with st.syncing():
+        assert st.round_began_at == 0.0
+    clock.now += 1.0
+    st.enter_round(3, 3)
+    assert st.round_began_at == clock.now
 
 
 def test_a_lone_average_while_peers_train_asks_the_next_groups_to_re_sync_theta(caplog):

@@ -5,7 +5,7 @@ import math
 import pytest
 
 from dtnode.peers.membership import PeerRecord
-from dtnode.peers.pacing import COUNT_SLACK, PACING_SPREAD, round_target, swarm_progress
+from dtnode.peers.pacing import COUNT_SLACK, PACING_SPREAD, round_target, swarm_progress, swarm_round_began
 
 
 def _peer(
@@ -258,3 +258,30 @@ def test_a_groups_typical_member_is_the_upper_median_of_its_capped_weights():
     assert weight_shortfall(group(3584, 12032, 1e18, 4000), "p0") == pytest.approx(12032 / 3584)
     assert weight_shortfall(group(12032, 3584), "p0") == pytest.approx(1.0)
     assert weight_shortfall(group(0, 3584), "p0") == 1.0
+
+
+def _began(name: str, at: float, round: int = 5, state: str = "training", phase: str = "inner") -> PeerRecord:
+    return PeerRecord(peer_id=name, outer_step=round, round=round, phase=phase, round_began_at=at, state=state)
+
+
+def test_the_swarms_start_of_a_round_is_the_median_of_its_peers_starts():
+    now = 1000.0
+    starts = [_began("a", 990.0), _began("b", 992.0), _began("c", 996.0)]
+    assert swarm_round_began(starts, 5, now) == 992.0
+    # a peer still averaging the round before begins this one no sooner than now
+    late = PeerRecord(peer_id="d", outer_step=4, round=4, phase="averaging", state="averaging")
+    assert swarm_round_began([*starts, late], 5, now) == pytest.approx((992.0 + 996.0) / 2)
+    # left out: a peer past the round, one further behind, a stopped one, one that does not say
+    # (an older dtnode), and a joiner in no round yet
+    others = [
+        _began("e", 999.0, round=6),
+        PeerRecord(peer_id="f", outer_step=2, round=2, state="training"),
+        _began("g", 999.0, state="stopped"),
+        _began("h", 0.0),
+        PeerRecord(peer_id="i", outer_step=0, state="joining"),
+    ]
+    assert swarm_round_began([*starts, *others], 5, now) == 992.0
+    assert swarm_round_began(others, 5, now) is None
+    # a start in the future counts as now; a liar moves the median no further than an honest start
+    assert swarm_round_began([*starts, _began("liar", 1e11)], 5, now) == pytest.approx((992.0 + 996.0) / 2)
+    assert swarm_round_began([*starts, _began("liar", 1.0)], 5, now) == pytest.approx((990.0 + 992.0) / 2)

@@ -21,6 +21,7 @@ from collections.abc import Awaitable, Callable, Iterator
 from enum import StrEnum
 
 from dtnode.daemon.telemetry.metrics import NodeMetrics
+from dtnode.peers.hivemind_adapter import get_dht_time
 from dtnode.peers.membership import PeerRecord
 
 
@@ -78,8 +79,9 @@ RECORD_MOVES: dict[RecordPhase, frozenset[RecordPhase]] = {
 class RoundState:
     """The node's state, phase and round, moved only through its methods."""
 
-    def __init__(self, overlap: bool):
+    def __init__(self, overlap: bool, dht_time: Callable[[], float] = get_dht_time):
         self.overlap = overlap
+        self.dht_time = dht_time
         self.state = NodeState.JOINING
         self.phase = RoundPhase.STARTING
         self.round = -1  # the round in progress (trained, averaged or applied)
@@ -92,6 +94,10 @@ class RoundState:
         # in peers/membership.py)
         self.first_round: int | None = None
         self.grid_dims = 0  # the hops of the grid this node's last average used (0: none yet)
+        # (round, DHT time) at which this node entered its last round, and moved to when that
+        # round's inner steps begin: peers end a time-paced round together from the round's
+        # starts (peers/pacing.py `swarm_round_began`)
+        self.inner_began: tuple[int, float] = (-1, 0.0)
 
     def _move(self, state: NodeState) -> None:
         if state != self.state and state not in STATE_MOVES[self.state]:
@@ -117,6 +123,8 @@ class RoundState:
         self._move(NodeState.TRAINING)
         self._move_record(RecordPhase.INNER)
         self.round, self.start_step, self.phase = round_no, start_step, RoundPhase.INNER
+        if self.inner_began[0] != round_no:
+            self.inner_began = (round_no, self.dht_time())
         if self.first_round is None:
             self.first_round = round_no
 
@@ -124,6 +132,10 @@ class RoundState:
         """The averager's grid for the round it averages: published, so that peers whose counts
         of the swarm differ take the same grid (peers/grid.py `agreed_dims`)."""
         self.grid_dims = dims
+
+    def begin_inner(self, round_no: int) -> None:
+        """The inner steps of `round_no` begin now: published as `round_began_at`."""
+        self.inner_began = (round_no, self.dht_time())
 
     def train(self, round_no: int) -> None:
         """--overlap: peers count this node's tokens under `round_no` (published at once)."""
@@ -178,6 +190,13 @@ class RoundState:
     @property
     def in_round(self) -> bool:
         return self.record_phase != RecordPhase.NONE
+
+    @property
+    def round_began_at(self) -> float:
+        """DHT time at which the inner steps of the round in progress began, or at which the
+        node entered it while they are about to (0.0: no round in progress)."""
+        round_no, at = self.inner_began
+        return at if self.in_round and round_no == self.round else 0.0
 
     @property
     def serving(self) -> bool:

@@ -98,7 +98,7 @@ class RoundLoop:
             settings, peer_id, worker, store, landing, publisher, stats, metrics, history, loss_floor
         )
         self.pacer: Pacer = (
-            FixedPacer(settings.diloco.inner_steps)
+            FixedPacer(settings.diloco.inner_steps, settings.diloco.round_seconds)
             if settings.diloco.pacing == "fixed"
             else SwarmPacer(
                 membership.members,
@@ -111,6 +111,7 @@ class RoundLoop:
                 max_extrapolation=EXTRAPOLATE_HEARTBEATS * settings.swarm.heartbeat_interval,
                 own_count=lambda: (worker.trainer.round_tokens, worker.trainer.tokens_per_step),
                 share_below_s=settings.swarm.heartbeat_interval,
+                round_seconds=settings.diloco.round_seconds,
             )
         )
         self.strategy: RoundStrategy = OverlappedRound(self) if settings.diloco.overlap else PlainRound(self)
@@ -273,9 +274,9 @@ class RoundLoop:
         """Inner steps until the pacer ends the round (or --round-seconds runs out)."""
         s = self.settings
         self.stats.round_started()
-        deadline = time.monotonic() + s.diloco.round_seconds if s.diloco.round_seconds else None
         after_step = partial(self.landing.land_on_arrival, asyncio.get_running_loop()) if s.diloco.overlap else None
-        self.pacer.start_round()
+        deadline = self.pacer.start_round()
+        self.state.begin_inner(round_no)
         following = asyncio.ensure_future(self.pacer.follow(round_no))
         try:
             inner = await self.worker.call(

@@ -25,7 +25,7 @@ from collections.abc import Awaitable, Callable
 from dtnode.peers.dht_requests import poll_stretch
 from dtnode.peers.hivemind_adapter import get_dht_time
 from dtnode.peers.membership import PeerRecord
-from dtnode.peers.pacing import SwarmProgress, swarm_progress
+from dtnode.peers.pacing import SwarmProgress, swarm_progress, swarm_round_began
 
 log = logging.getLogger("dtnode")
 
@@ -42,15 +42,25 @@ EXTRAPOLATE_HEARTBEATS = 1.5  # a record's count is extrapolated this many heart
 # A peer's round ends when its share's time is up (`SwarmProgress.end_in`); counted in its own
 # tokens it also ends at this many times its share (`_share`), whatever its speed did meanwhile
 SHARE_SLACK = 1.5
+# With --round-seconds, a peer's steps end the budget after the swarm's median start of the round
+# (`SwarmPacer.time_end`), and at most this far from the budget after its own start, either way:
+# a peer that entered the round late by more than half a budget (or records that lie about the
+# swarm's start) cuts its round to half the budget at most, and one early stretches it by half
+TIME_BUDGET_RANGE = (0.5, 1.5)
 
 View = Callable[[], Awaitable[dict[str, PeerRecord]]]
 
 
 class FixedPacer:
-    """Exactly H steps per round, whatever the swarm does."""
+    """Exactly H steps per round, whatever the swarm does (or fewer, when the round's time
+    budget, --round-seconds, counted from this peer's own start, runs out)."""
 
-    def __init__(self, inner_steps: int):
+    def __init__(
+        self, inner_steps: int, round_seconds: float | None = None, clock: Callable[[], float] = time.monotonic
+    ):
         self.inner_steps = inner_steps
+        self.round_seconds = round_seconds
+        self.clock = clock
         self.progress: SwarmProgress | None = None
 
     @property
@@ -60,8 +70,9 @@ class FixedPacer:
     def keep_going(self, step_seconds: float) -> bool:
         return True
 
-    def start_round(self) -> None:
-        """Nothing to reset."""
+    def start_round(self) -> float | None:
+        """The latest the round's steps may run (on `clock`): the time budget from now."""
+        return self.clock() + self.round_seconds if self.round_seconds else None
 
     async def wait_for_end(self, at_most: float) -> None:
         """Nothing to wait for: the round ends with the H-th step."""
@@ -89,6 +100,7 @@ class SwarmPacer:
         draw: Callable[[], float] = random.random,
         own_count: Callable[[], tuple[int, int]] = lambda: (0, 0),
         share_below_s: float = 0.0,
+        round_seconds: float | None = None,
     ):
         self.view = view
         self.own = own
@@ -108,6 +120,8 @@ class SwarmPacer:
         self.share_tokens = math.inf  # this peer's share of the round's target, in its tokens (`_share`)
         self.share_below_s = share_below_s  # rounds expected shorter than this are paced by shares
         self.round_end_at = math.inf  # on `clock`: when the swarm's round is expected to end
+        self.round_seconds = round_seconds  # the time budget of a round's steps (`time_end`)
+        self.started_at = 0.0  # on `clock`: when this peer's steps of the round began
         self.progress: SwarmProgress | None = None
 
     @property
@@ -156,9 +170,25 @@ class SwarmPacer:
             return math.inf
         return share
 
+    def time_end(self, records: list[PeerRecord], round_no: int) -> float:
+        """When the round's time budget (--round-seconds) ends for this peer, on `clock`: the
+        budget after the swarm's median start of the round (peers/pacing.py `swarm_round_began`
+        says why), within TIME_BUDGET_RANGE of the budget after its own start; inf without a
+        budget. Peers' DHT clocks are their hosts' wall clocks: a host whose clock is off by a
+        second ends its steps a second early or late, and the range bounds it like a lie."""
+        budget = self.round_seconds
+        if not budget:
+            return math.inf
+        soonest, latest = (self.started_at + share * budget for share in TIME_BUDGET_RANGE)
+        began = swarm_round_began(records, round_no, self.dht_time())
+        if began is None:
+            return self.started_at + budget
+        return min(max(self.clock() + began + budget - self.dht_time(), soonest), latest)
+
     async def update(self, round_no: int) -> None:
         """Read the swarm's progress once and move the expected end."""
         view = await self.view()
+        own = self.own()
         self.peers_read = len(view)
         # heartbeats come less often in a large swarm (Membership.beat_s): the limits that are
         # counted in heartbeats stretch with them
@@ -166,7 +196,7 @@ class SwarmPacer:
         # others' records extrapolated a heartbeat and a half at most: see peers/pacing.py
         progress = swarm_progress(
             view.values(),
-            self.own(),
+            own,
             round_no,
             self.inner_steps,
             self.round_tokens,
@@ -177,7 +207,10 @@ class SwarmPacer:
         self.share_tokens = self._share(progress, self.share_below_s * beats)
         self.on_progress(progress)
         shared = math.isfinite(self.share_tokens)  # a short round: the swarm's count, or this peer's share
-        self.round_end_at = self.clock() + (progress.end_in() if shared else progress.seconds_left())
+        self.round_end_at = min(
+            self.clock() + (progress.end_in() if shared else progress.seconds_left()),
+            self.time_end([r for r in view.values() if r.peer_id != own.peer_id] + [own], round_no),
+        )
         near = progress.done >= CLOSE_FRACTION * progress.target and (
             # and near this peer's own share: a fast peer's share is not cut by a slower one's close
             not math.isfinite(self.share_tokens) or progress.own_tokens >= CLOSE_FRACTION * self.share_tokens
@@ -187,13 +220,18 @@ class SwarmPacer:
         if self.closed_under_us(view, round_no):
             self.round_end_at = -math.inf  # joined in the round's last seconds: see catchup/joiner.py
 
-    def start_round(self) -> None:
+    def start_round(self) -> float | None:
         """A new round's end is not known yet: called before its first step may ask (else the
-        training thread would read the last round's end, already past, and take no step). Its
-        share is the last read's until this round's first read: a round shorter than a DHT
-        read was otherwise trained blind (20 steps where 10 were asked)."""
+        training thread would read the last round's end, already past, and take no step); until
+        the first read it is the time budget's from now. Its share is the last read's until this
+        round's first read: a round shorter than a DHT read was otherwise trained blind (20 steps
+        where 10 were asked). Returns the latest the round's steps may run (on `clock`): the
+        budget's end stretched as far as the swarm's start may move it (`time_end`)."""
         self.share_tokens = self._share(self.progress, self.share_below_s * poll_stretch(self.peers_read))
-        self.round_end_at = math.inf
+        self.started_at = self.clock()
+        budget = self.round_seconds
+        self.round_end_at = self.started_at + budget if budget else math.inf
+        return self.started_at + TIME_BUDGET_RANGE[1] * budget if budget else None
 
     async def wait_for_end(self, at_most: float) -> None:
         """After the last step (a straddling one declined, or none fitting at all): idle until the

@@ -106,6 +106,7 @@ class NodePresenter:
             phase=st.published_phase().value,
             round_checkpoint=st.start_step if st.in_round else -1,
             first_round=-1 if st.first_round is None else st.first_round,
+            round_began_at=st.round_began_at,
             grid_dims=st.grid_dims,
             dht_addrs=self.addr.dht_addrs,
             tokens_per_step=1 << 40 if lying else trainer.tokens_per_step,
