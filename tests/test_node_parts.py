@@ -616,7 +616,7 @@ def test_a_rounds_entry_says_where_its_theta_came_from_once():
     arrivals = Arrivals()
     arrivals.note(ThetaArrival(ThetaSource.RESUMED, 3, params_sha256="ab" * 32))
     liar = Skipped(Skip.CONTRADICTED, ("peer-liar",), 4, "2 other host(s) contradict it")
-    arrivals.note(ThetaArrival(ThetaSource.DOWNLOADED, 4, Download(2, 1, 1000, passed_over=(liar,))))
+    arrivals.note(ThetaArrival(ThetaSource.DOWNLOADED, 4, Download(2, 1, 1000, passed_over=(liar,), resumes=2)))
     arrivals.note(ThetaArrival(ThetaSource.TAKEN, 5, Download(offered_by=1, served_by=1, size_bytes=500)))
     taken = arrivals.take()
     entry = dataclasses.replace(_summary([_hop(2, 2, 10, 10)]), synced=taken).history_entry(0, 0.0)
@@ -625,8 +625,16 @@ def test_a_rounds_entry_says_where_its_theta_came_from_once():
     ]
     assert entry["synced"] == [
         {"source": "resumed", "step": 3, "params_sha256": "ab" * 32},
-        {"source": "downloaded", "step": 4, "offered_by": 2, "served_by": 1, "bytes": 1000, "passed_over": passed_over},
-        {"source": "taken", "step": 5, "offered_by": 1, "served_by": 1, "bytes": 500, "passed_over": []},
+        {
+            "source": "downloaded",
+            "step": 4,
+            "offered_by": 2,
+            "served_by": 1,
+            "bytes": 1000,
+            "resumes": 2,
+            "passed_over": passed_over,
+        },
+        {"source": "taken", "step": 5, "offered_by": 1, "served_by": 1, "bytes": 500, "resumes": 0, "passed_over": []},
     ]
     assert arrivals.take() == () and _summary([]).history_entry(0, 0.0)["synced"] == []
     # what donors sent is bounded in the history: a Sybil swarm's many offers, a long error

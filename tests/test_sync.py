@@ -415,7 +415,7 @@ def test_the_swarm_step_is_the_majority_so_a_runaway_node_pulls_nobody_onto_its_
     asyncio.run(main())
 
 
-def test_a_dropped_connection_resumes_from_the_byte_where_it_stopped(tmp_path, caplog):
+def test_a_dropped_connection_resumes_from_the_byte_where_it_stopped(tmp_path):
     """The only donor drops its connection in the middle of a range; the joiner asks it for
     the rest of that range (from the byte it stopped at), not the whole range, and not a
     different donor: the download completes and verifies."""
@@ -428,8 +428,7 @@ def test_a_dropped_connection_resumes_from_the_byte_where_it_stopped(tmp_path, c
         runner, url = await _serve(_liar(info, body, requests=served, drop_once_at=cut))
         record = _record("a", url, info)
         try:
-            with caplog.at_level(logging.INFO):
-                loaded = await _fetch_any({record.peer_id: record}, tmp_path / "joiner", timeout=20, keep=True)
+            loaded = await _fetch_any({record.peer_id: record}, tmp_path / "joiner", timeout=20, keep=True)
         finally:
             await runner.cleanup()
         assert loaded is not None and torch.equal(loaded.theta_g, theta)
@@ -441,7 +440,7 @@ def test_a_dropped_connection_resumes_from_the_byte_where_it_stopped(tmp_path, c
         assert len(resumed) == 1, served  # one request for the rest of the broken range
         start = int(resumed[0].removeprefix("bytes=").split("-")[0])
         assert PIECE_BYTES < start <= cut, served  # from where the bytes stopped (as far as they arrived)
-        assert "dropped the connection" in caplog.text
+        assert loaded.download is not None and loaded.download.resumes == 1  # the history's `synced[].resumes`
         # kept as this node's own checkpoint of that step: the donor's bytes, no second write
         assert loaded.file is not None and loaded.file.path.read_bytes() == body
         assert loaded.file.path.name == info.path.name and loaded.file.sha256 == info.sha256

@@ -116,6 +116,7 @@ async def _fetch_piece(
 
     def resuming(state: RetryCallState) -> None:
         cause = state.outcome.exception() if state.outcome is not None else None
+        progress.resumes += 1
         log.info(
             "donor %s dropped the connection at byte %d of checkpoint %d (%s); resuming from there",
             offer.donor.peer_id[-8:],
@@ -270,7 +271,7 @@ async def download_parallel(
         first.size / 1e6,
         time.monotonic() - started,
     )
-    return AssembledFile(dest, Download(len(offers), len(ranges.served), first.size))
+    return AssembledFile(dest, Download(len(offers), len(ranges.served), first.size, resumes=progress.resumes))
 
 
 class _Ranges:

@@ -26,6 +26,7 @@ class TransferProgress:
     def __init__(self, total: int, label: str, interval: float = 2.0):
         self.total = total
         self.done = 0
+        self.resumes = 0  # ranges asked again from the byte where a donor dropped the connection
         self.label = label
         self.interval = interval
         self._last_log = time.monotonic()

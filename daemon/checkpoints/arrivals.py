@@ -71,6 +71,7 @@ class Download:
     served_by: int  # those whose ranges made it (a file of one range comes from one donor)
     size_bytes: int
     passed_over: tuple[Skipped, ...] = ()  # donors and files the fetch that found it left out, and why
+    resumes: int = 0  # ranges asked again from the byte where a donor had dropped the connection
 
 
 @dataclass(frozen=True)
@@ -100,7 +101,12 @@ class ThetaArrival:
             entry["params_sha256"] = self.params_sha256
         if self.download is not None:
             d = self.download
-            entry |= {"offered_by": d.offered_by, "served_by": d.served_by, "bytes": d.size_bytes}
+            entry |= {
+                "offered_by": d.offered_by,
+                "served_by": d.served_by,
+                "bytes": d.size_bytes,
+                "resumes": d.resumes,
+            }
             # bounded: the details quote what donors sent, and Sybil records can name many donors
             entry["passed_over"] = [
                 {
