@@ -100,6 +100,49 @@ def test_three_joined_processes_train_in_consensus(tmp_path, cleanup):
     assert losses[-1] < losses[0]
 
 
+ROUND_S = 6.0  # --round-seconds of the time-paced swarm below
+LATE_S = 3  # how much later than the others two of its nodes enter round 2
+
+
+def test_time_paced_peers_end_a_round_together_when_some_entered_it_late(tmp_path, cleanup):
+    """--round-seconds counts from the swarm's median start of the round (rounds/pacer.py): two
+    of four nodes enter round 2 LATE_S seconds after the others (a failpoint holds them after
+    round 1's outer step, as a slow average would), so the median start is half that later. The
+    punctual pair trains on through what was their wait at hop 0, the late pair ends with them:
+    each pair's inner seconds of round 2 lie on its side of the budget, and all four average in
+    one full group."""
+    args = [
+        *FAST,
+        "--min-peers",
+        "4",
+        "--max-rounds",
+        "3",
+        "--round-tokens",
+        str(10**12),
+        "--round-seconds",
+        f"{ROUND_S:g}",
+    ]
+    late = {"DTNODE_TEST_FAILPOINT": f"outer-phase@1:{LATE_S}"}
+    first = NodeProcess.join("p0", tmp_path, *args)
+    cleanup.append(first)
+    nodes = [first]
+    for name, env in (("p1", None), ("late0", late), ("late1", late)):
+        nodes.append(NodeProcess.join(name, tmp_path, *args, "--peer", first.join_address, env=env))
+        cleanup.append(nodes[-1])
+    for node in nodes:
+        assert node.wait(180) == 0, node.output
+        assert "Traceback" not in node.output, node.output
+    story = {node.name: [(r["round"], r["phases_s"], r["groups"]) for r in node.rounds] for node in nodes}
+    second = {node.name: next(r for r in node.rounds if r["round"] == 2) for node in nodes}
+    inner = {name: entry["phases_s"]["inner"] for name, entry in second.items()}
+    # the median start is LATE_S / 2 after the punctual pair's: they train about that much longer
+    # than the budget and the late pair that much less (half of it asserted: a loaded host's spread)
+    assert all(inner[name] >= ROUND_S + LATE_S / 4 for name in ("p0", "p1")), story
+    assert all(inner[name] <= ROUND_S - LATE_S / 4 for name in ("late0", "late1")), story
+    assert all(entry["outcome"] == "full" and entry["groups"][0][0] == 4 for entry in second.values()), story
+    assert len({entry["params_sha256"] for entry in second.values()}) == 1, story
+
+
 def test_local_swarm_trains_and_stops_on_ctrl_c(tmp_path):
     proc = subprocess.Popen(
         [
