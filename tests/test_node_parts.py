@@ -22,6 +22,7 @@ from dtnode.daemon.checkpoints.arrivals import (
     Arrivals,
     Download,
     DroppedRound,
+    FetchMiss,
     Skip,
     Skipped,
     ThetaArrival,
@@ -30,7 +31,7 @@ from dtnode.daemon.checkpoints.arrivals import (
 from dtnode.daemon.config.settings import NodeSettings
 from dtnode.daemon.records.report import Condition, RoundOutcome, RoundSummary, RunStats
 from dtnode.daemon.records.state import IllegalTransition, NodeState, RecordPhase, RoundPhase, RoundState
-from dtnode.daemon.records.status import NodeStatus
+from dtnode.daemon.records.status import NodeStatus, SyncMiss
 from dtnode.daemon.rounds.pacer import SHARE_SLACK, TIME_BUDGET_RANGE, FixedPacer, SwarmPacer
 from dtnode.daemon.rounds.strategies import left_off_the_swarm
 from dtnode.daemon.telemetry.metrics import NodeMetrics
@@ -648,6 +649,33 @@ def test_a_rounds_entry_says_where_its_theta_came_from_once():
     for step in range(40):
         arrivals.note(ThetaArrival(ThetaSource.DOWNLOADED, step))
     assert [a.step for a in arrivals.take()] == list(range(40 - Arrivals.LIMIT, 40))
+
+
+def test_status_shows_the_last_fetch_that_installed_nothing_until_a_theta_arrives():
+    """`/status`'s `last_sync_miss`: why a node that keeps catching up has not caught up (the
+    donors its last fetch passed over), bounded like the history's, gone once a θ_g arrives."""
+    arrivals = Arrivals()
+    split = Skipped(Skip.NO_MAJORITY, ("peer-a", "peer-b"), 7, "1 of 3 hosts")
+    arrivals.missed(FetchMiss(7, 8, 1234.5, (split, Skipped(Skip.NO_OFFER, ("peer-c",), None, "timed out"))))
+    assert arrivals.last_miss is not None
+    shown = SyncMiss.of(arrivals.last_miss).model_dump()
+    assert shown == {
+        "first_step": 7,
+        "last_step": 8,
+        "time": 1234.5,
+        "passed_over": [
+            {"why": "no_majority", "peers": ["peer-a", "peer-b"], "step": 7, "detail": "1 of 3 hosts"},
+            {"why": "no_offer", "peers": ["peer-c"], "step": None, "detail": "timed out"},
+        ],
+    }
+    sybils = tuple(Skipped(Skip.FAILED, tuple(f"p{i}-{j}" for j in range(40)), 9, "x" * 10**5) for i in range(100))
+    arrivals.missed(FetchMiss(9, 9, 1240.0, sybils))
+    assert arrivals.last_miss is not None
+    bounded = SyncMiss.of(arrivals.last_miss)
+    assert len(bounded.passed_over) == PASSED_OVER_LIMIT
+    assert all(len(p.peers) == PASSED_OVER_LIMIT and len(p.detail) == DETAIL_CHARS for p in bounded.passed_over)
+    arrivals.note(ThetaArrival(ThetaSource.DOWNLOADED, 9))
+    assert arrivals.last_miss is None
 
 
 def test_a_joiners_download_that_replaced_its_first_round_says_which_round_and_steps_it_dropped():

@@ -41,7 +41,7 @@ from dtnode.daemon.catchup.overlap_catch_up import OPEN_POLL_S, OverlapCatchUp
 from dtnode.daemon.catchup.swarm_position import SwarmPosition, swarm_moves_past, swarm_position
 from dtnode.daemon.catchup.sync_plan import LocalPosition, SyncAction, SyncPlan, plan_sync
 from dtnode.daemon.catchup.trust_radius import judge_split_vote
-from dtnode.daemon.checkpoints.arrivals import DroppedRound, Skip, Skipped
+from dtnode.daemon.checkpoints.arrivals import DroppedRound, FetchMiss, Skip, Skipped
 from dtnode.daemon.checkpoints.file_format import LoadedCheckpoint
 from dtnode.daemon.checkpoints.store import CheckpointStore
 from dtnode.daemon.config.settings import NodeSettings
@@ -258,6 +258,8 @@ class Joiner:
         )
         for skip in skipped:  # each one also logged, with the donors' names
             self.store.metrics.checkpoint_skips.labels(why=skip.why).inc()
+        if loaded is None and steps:
+            self.store.arrivals.missed(FetchMiss(steps[0], steps[-1], time.time(), tuple(skipped)))
         return loaded
 
     async def download(self, view: dict[str, PeerRecord], step: int, own: int, majority: bool = False) -> bool:

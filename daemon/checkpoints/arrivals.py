@@ -107,19 +107,37 @@ class ThetaArrival:
                 "bytes": d.size_bytes,
                 "resumes": d.resumes,
             }
-            # bounded: the details quote what donors sent, and Sybil records can name many donors
-            entry["passed_over"] = [
-                {
-                    "why": p.why.value,
-                    "peers": list(p.peers[:PASSED_OVER_LIMIT]),
-                    "step": p.step,
-                    "detail": p.detail[:DETAIL_CHARS],
-                }
-                for p in d.passed_over[:PASSED_OVER_LIMIT]
-            ]
+            entry["passed_over"] = passed_over_entries(d.passed_over)
         if self.dropped is not None:
             entry |= {"dropped_round": self.dropped.round_no, "dropped_steps": self.dropped.steps}
         return entry
+
+
+def passed_over_entries(passed_over: tuple[Skipped, ...]) -> list[dict[str, Any]]:
+    """The donors a fetch passed over as `/history` and `/status` show them: bounded, since the
+    details quote what donors sent and Sybil records can name many donors."""
+    return [
+        {
+            "why": p.why.value,
+            "peers": list(p.peers[:PASSED_OVER_LIMIT]),
+            "step": p.step,
+            "detail": p.detail[:DETAIL_CHARS],
+        }
+        for p in passed_over[:PASSED_OVER_LIMIT]
+    ]
+
+
+@dataclass(frozen=True)
+class FetchMiss:
+    """A fetch of the swarm's state that installed nothing: the steps it asked for, when (wall
+    time), and every donor or file it passed over, and why. `/status` shows the last one until a
+    θ_g arrives, so an operator whose node keeps catching up reads why there (a split vote, donors
+    whose files fail their checks, records not all in yet) without the log."""
+
+    first_step: int
+    last_step: int
+    at: float
+    passed_over: tuple[Skipped, ...]
 
 
 class Arrivals:
@@ -131,10 +149,16 @@ class Arrivals:
     def __init__(self) -> None:
         self._pending: list[ThetaArrival] = []
         self.noted = 0  # arrivals noted since start: a caller tells whether one came during its call
+        self.last_miss: FetchMiss | None = None  # the last fetch that installed nothing, since the last arrival
 
     def note(self, arrival: ThetaArrival) -> None:
         self._pending = [*self._pending, arrival][-self.LIMIT :]
         self.noted += 1
+        self.last_miss = None
+
+    def missed(self, miss: FetchMiss) -> None:
+        """A fetch found nothing to install (see FetchMiss)."""
+        self.last_miss = miss
 
     def replacing(self, dropped: DroppedRound, noted_before: int) -> None:
         """The arrival noted since `noted` read `noted_before` replaced the round `dropped`; a

@@ -8,6 +8,7 @@ from dataclasses import asdict
 
 from pydantic import BaseModel, field_validator
 
+from dtnode.daemon.checkpoints.arrivals import FetchMiss, passed_over_entries
 from dtnode.daemon.records.history import finite_or_none
 from dtnode.daemon.records.report import Condition, LastRound
 from dtnode.daemon.records.state import NodeState
@@ -47,6 +48,34 @@ class RoundProgress(BaseModel):
     swarm_tokens: int
     peers: int
     own_tokens: int
+
+
+class PassedOver(BaseModel):
+    """A donor or file a fetch of the swarm's state left out (checkpoints/arrivals.py `Skip`)."""
+
+    why: str  # no_offer, unannounced, no_majority, contradicted, not_yet, failed or refused
+    peers: list[str]
+    step: int | None  # None: a donor that offered no usable file
+    detail: str
+
+
+class SyncMiss(BaseModel):
+    """The last fetch of the swarm's state that installed nothing, until a θ_g arrives: the
+    steps it asked for, when (wall time), and what it passed over and why."""
+
+    first_step: int
+    last_step: int
+    time: float
+    passed_over: list[PassedOver]
+
+    @classmethod
+    def of(cls, miss: FetchMiss) -> SyncMiss:
+        return cls(
+            first_step=miss.first_step,
+            last_step=miss.last_step,
+            time=miss.at,
+            passed_over=[PassedOver(**entry) for entry in passed_over_entries(miss.passed_over)],
+        )
 
 
 class NodeStatus(BaseModel):
@@ -90,6 +119,7 @@ class NodeStatus(BaseModel):
     condition_detail: str
     round_progress: RoundProgress | None
     ranks: list[RankStatus]  # this host's local training ranks, rank 0 first
+    last_sync_miss: SyncMiss | None = None  # the last fetch of the swarm's state that found nothing to install
 
     @field_validator("loss", "eval_loss")
     @classmethod

@@ -24,7 +24,7 @@ from dtnode.daemon.config.settings import NodeSettings
 from dtnode.daemon.records.history import RoundHistory
 from dtnode.daemon.records.report import RoundOutcome, RunStats
 from dtnode.daemon.records.state import RoundState
-from dtnode.daemon.records.status import Health, NodeStatus, RankStatus, RoundProgress
+from dtnode.daemon.records.status import Health, NodeStatus, RankStatus, RoundProgress, SyncMiss
 from dtnode.daemon.swarm.reachability import DialBack, Reachability
 from dtnode.daemon.telemetry.metrics import NodeMetrics
 from dtnode.daemon.training.worker import ModelWorker
@@ -194,6 +194,7 @@ class NodePresenter:
             condition=condition,
             condition_detail=detail,
             ranks=[RankStatus.of(r) for r in w.rank_reports()],
+            last_sync_miss=None if (miss := self.store.arrivals.last_miss) is None else SyncMiss.of(miss),
             round_progress=None
             if progress is None
             else RoundProgress(
