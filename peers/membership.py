@@ -102,11 +102,10 @@ class PeerRecord(BaseModel):
     # record just like its peers'; without this, hop 0 of round r-1 waited for it and, as it never
     # came, counted it a no-show and left it out of round r (its first Δ alone).
     first_round: int = Field(-1, ge=-1, le=1 << 62)
-    # DHT time at which its inner steps of `round` began, or it entered `round` while they are
-    # about to (0: in no round, or an older dtnode): peers
-    # whose rounds are paced by time end a round together, --round-seconds after the median peer
-    # began it (daemon/rounds/pacer.py), so that one whose last average ended early trains on
-    # rather than waiting for the others at the next hop 0
+    # DHT time at which its inner steps of `round` began, or at which it entered `round` while
+    # they are about to (0: in no round, or an older dtnode). Peers whose rounds are paced by time
+    # end a round together, --round-seconds after the median peer began it (daemon/rounds/pacer.py),
+    # so that one whose last average ended early trains on rather than waiting at the next hop 0
     round_began_at: float = Field(0.0, ge=0, le=1e12)
     # The hops of the grid this peer's last average used (0: none yet): a node takes the grid most
     # of its round's peers used, so views that count different populations still share one grid
