@@ -224,8 +224,8 @@ class DilocoOptions(OptionGroup):
         le=86400,
         description="Time budget of a round's inner steps, in seconds: the round ends then even if "
         "its tokens are not reached. With --pacing swarm it counts from the swarm's median start "
-        "of the round, so that peers end their steps together (within half a budget of this "
-        "node's own start); with --pacing fixed, from this node's start.",
+        "of the round, so that peers end their steps together (at most half a budget sooner or "
+        "later than counted from this node's own start); with --pacing fixed, from this node's start.",
     )
     overlap: bool = Field(
         False,
