@@ -8,7 +8,7 @@ from dataclasses import asdict
 
 from pydantic import BaseModel, field_validator
 
-from dtnode.daemon.checkpoints.arrivals import FetchMiss, passed_over_entries
+from dtnode.daemon.checkpoints.arrivals import FetchMiss, Skip, passed_over_entries
 from dtnode.daemon.records.history import finite_or_none
 from dtnode.daemon.records.report import Condition, LastRound
 from dtnode.daemon.records.state import NodeState
@@ -53,7 +53,7 @@ class RoundProgress(BaseModel):
 class PassedOver(BaseModel):
     """A donor or file a fetch of the swarm's state left out (checkpoints/arrivals.py `Skip`)."""
 
-    why: str  # no_offer, unannounced, no_majority, contradicted, not_yet, failed or refused
+    why: Skip
     peers: list[str]
     step: int | None  # None: a donor that offered no usable file
     detail: str
