@@ -320,3 +320,21 @@ def test_a_swarm_without_outer_momentum_writes_and_serves_theta_g_alone(tmp_path
     assert read_checkpoint(info.path, LAYOUT, "run", "h").momentum.numel() == 0  # the outer optimizer zeroes it
     with pytest.raises(ValueError, match="layout"):
         write_checkpoint(tmp_path, 7, plain, TrainingState(theta, torch.zeros(LAYOUT.numel)), {})
+
+
+def test_a_step_served_from_memory_and_then_from_its_file_is_announced_once():
+    """A step's checkpoint is served from memory and then from its file, with one sha256: the
+    record announces it once, so the steps before it are not pushed out of the few it holds."""
+    from dtnode.daemon.checkpoints.served import RecentlyServed
+
+    served = RecentlyServed(keep=3)
+    for step in (1, 2, 3):
+        served.add(step, f"sha{step}")  # from memory
+        served.add(step, f"sha{step}")  # its file, the same bytes
+    assert served.pairs() == [(1, "sha1"), (2, "sha2"), (3, "sha3")]
+    served.add(4, "sha4")
+    assert served.pairs() == [(2, "sha2"), (3, "sha3"), (4, "sha4")]  # the oldest added goes first
+    served.add(2, "sha2")  # served again: newest again
+    served.add(5, "sha5")
+    assert served.pairs() == [(2, "sha2"), (4, "sha4"), (5, "sha5")]
+    assert (4, "sha4") in served and (3, "sha3") not in served

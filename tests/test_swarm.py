@@ -77,6 +77,9 @@ def test_three_joined_processes_train_in_consensus(tmp_path, cleanup):
     assert peers and all(RECORD_FIELDS <= set(p) for p in peers)
     own = next(p for p in peers if p["peer_id"] == status["peer_id"])
     assert own["grid_dims"] == 1  # three peers: one group (peers take the grid their peers' records say)
+    # each checkpoint it served once, from memory and from its file alike: the newest steps it served
+    assert len(set(own["served"])) == len(own["served"]) >= 2, own["served"]
+    assert own["served"][-1] == f"{own['checkpoint_step']}:{own['checkpoint_sha256']}", own
     table = dtnode_status(first.http_url)
     assert table.returncode == 0 and status["peer_id"] in table.stdout and "swarm:" in table.stdout
     first.stop(signal.SIGTERM)

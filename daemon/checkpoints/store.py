@@ -15,7 +15,6 @@ and costs that checkpoint, never the node.
 from __future__ import annotations
 
 import asyncio
-import collections
 import concurrent.futures
 import logging
 import time
@@ -43,6 +42,7 @@ from dtnode.daemon.checkpoints.file_format import (
     write_checkpoint,
 )
 from dtnode.daemon.checkpoints.in_memory import MemoryCheckpoint
+from dtnode.daemon.checkpoints.served import RecentlyServed
 from dtnode.daemon.telemetry.metrics import NodeMetrics
 from dtnode.daemon.training.worker import ModelWorker
 from dtnode.ops.flat import sha256_of
@@ -50,7 +50,6 @@ from dtnode.peers import failpoints
 
 log = logging.getLogger("dtnode")
 
-SERVED_IN_RECORD = 6  # checkpoints a membership record announces (peers/membership.py: `served`)
 HASH_WAIT_S = 30.0  # how long a joiner's request waits for the hash of the step it asks for
 ON_DEMAND_WRITE_S = 60.0  # how long a joiner's request waits for a checkpoint written for it
 ON_DEMAND_ATTEMPTS = 2  # a write already under way may be of an older step: then one more
@@ -77,7 +76,7 @@ class CheckpointStore:
         self.files: dict[int, CheckpointInfo] = {}
         self.memory: dict[int, MemoryCheckpoint] = {}
         self._pending_write: asyncio.Future | None = None
-        self._served: collections.deque[tuple[int, str]] = collections.deque(maxlen=SERVED_IN_RECORD)
+        self._served = RecentlyServed()
         self._hash_task: asyncio.Future | None = None
         # files being written from the live θ_g (I/O thread); weak: a write abandoned anywhere lets go
         self._writing: weakref.WeakSet[MemoryCheckpoint] = weakref.WeakSet()
@@ -98,13 +97,12 @@ class CheckpointStore:
         return max((c for c in served if c is not None), key=lambda c: c.step, default=None)
 
     def recently_served(self) -> list[tuple[int, str]]:
-        """(step, sha256) of the newest checkpoints this node served or serves, up to
-        SERVED_IN_RECORD: the record signs them all, so a joiner that probed a step the node has
-        moved past by the next heartbeat still finds it announced (rounds can be shorter than one)."""
+        """(step, sha256) of the newest checkpoints this node served or serves, each once
+        (served.py): the record signs them all."""
         for info in (self.newest(), *(m.info for m in self.memory.values() if m.sha256)):
             if info is not None and (info.step, info.sha256) not in self._served:
-                self._served.append((info.step, info.sha256))
-        return sorted(self._served)[-SERVED_IN_RECORD:]
+                self._served.add(info.step, info.sha256)
+        return self._served.pairs()
 
     def get(self, step: int) -> CheckpointInfo | None:
         return self.files.get(step)
@@ -176,7 +174,7 @@ class CheckpointStore:
             log.error("could not write checkpoint %d to this node's state dir: %s", step, e)
             return
         self.files[step] = info
-        self._served.append((step, info.sha256))
+        self._served.add(step, info.sha256)
         if not local:  # the operator's counterpart of "serving checkpoint N from memory" (θ_g on a GPU)
             log.info("wrote checkpoint %d on demand, for a peer catching up", step)
         await self.prune()
@@ -322,7 +320,7 @@ class CheckpointStore:
         for old in [s for s in self.memory if s not in in_use]:
             del self.memory[old]
         self.memory[step] = memory
-        self._served.append((step, memory.sha256))
+        self._served.add(step, memory.sha256)
 
     def _theta_changing(self) -> None:
         """θ_g is about to change (under the worker's lock): a step a joiner asked for lately
