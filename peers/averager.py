@@ -204,6 +204,8 @@ class MoshpitAverager:
             nonlocal chains
             for hop in range(dims):
                 chains = await self._hop(state, hop, chains)
+            if dims > 1 and state.hops:
+                await self.hop0_whole_beside(state.round_no, state.hops[0])
 
         await within_bound(hops(), bound, f"round {round_no}: averaging its {dims} hop(s)")
         return AveragingResult(chains[0].values, chains[0].weight, state.hops, state.theta, state.theta_bound)
@@ -271,6 +273,26 @@ class MoshpitAverager:
             for chain, out, (group, result, _, _) in zip(chains, outputs, done, strict=True)
         ]
         return next_chains(after, groups, round_no, hop, self.peer_id, state.side) if hop + 1 < state.dims else after
+
+    async def hop0_whole_beside(self, round_no: int, first: HopReport) -> None:
+        """Hop 0 of a grid closed without peers of this node's cell (its followers passed over a
+        leader whose list came late, on a loaded host): where each of them formed a group of the
+        cell's key all the same, its share went on to the next hop in that group, as a split
+        cell's does, and the mean lacks nobody. The report says so: the round is whole, and the
+        node does not re-sync θ_g for it. Read once, after the last hop (by then a peer that
+        formed in hop 0 has published it), and only where hop 0 was not whole."""
+        missing = self.expect.hop0_missing(round_no)
+        if first.complete or first.group_size <= 1 or missing is None:
+            return
+        key, peers = missing
+        peers -= set(first.benched)  # left out on purpose: not missed when the list closed either
+        try:
+            formed = await self.matchmaker.formed(key)
+        except Exception as e:  # noqa: BLE001  (hivemind's DHT reads fail with many types)
+            log.debug("round %d: could not read hop 0's formed groups: %s", round_no, e)
+            return
+        if all(p in formed and self.peer_id not in formed[p] for p in peers):
+            first.complete, first.expected, first.formed_beside = True, first.group_size, sorted(peers)
 
     def _complete_report(
         self,

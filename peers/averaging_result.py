@@ -42,6 +42,9 @@ class HopReport:
     theta_resync_s: float | None = None
     unasked_resync: bool = False  # θ_g re-synced because members' hashes differed, not on request
     benched: list[str] = field(default_factory=list)  # registrants this node left out: they let its groups down
+    # peers of hop 0's cell its list closed without, found after the hops in groups of the cell's
+    # own: the hop counts whole (`MoshpitAverager.hop0_whole_beside`)
+    formed_beside: list[str] = field(default_factory=list)
     # a typical member's announced weight over this node's (`plan.weight_shortfall`)
     weight_shortfall: float = 1.0
 

@@ -188,6 +188,12 @@ class GroupExpectations:
         self._no_shows = (round_no, absent)
         return absent
 
+    def hop0_missing(self, round_no: int) -> tuple[str, set[str]] | None:
+        """Hop 0 of `round_no`: its group's key and the peers of this node's cell not in it."""
+        if self._hop0_missing is None or self._hop0_missing[0] != round_no:
+            return None
+        return self._hop0_missing[1], set(self._hop0_missing[2])
+
     async def alive(self, peers: set[str], round_no: int) -> set[str]:
         if UNKNOWN in peers:
             return peers

@@ -1459,3 +1459,55 @@ def test_an_average_past_its_bound_is_an_averaging_timeout_and_an_inner_timeout_
     with pytest.raises(TimeoutError, match="a part's own deadline"):
         asyncio.run(within_bound(own_timeout(), 5.0, "round 7: averaging"))
     asyncio.run(within_bound(asyncio.sleep(0.01), 5.0, "round 7: averaging"))
+
+
+def test_a_hop_0_closed_without_a_late_leader_counts_whole_once_that_leader_formed_in_its_cell(dht):
+    """Issue 60, 32 nodes on 2 cores: the followers of a hop-0 cell passed over a leader whose
+    list came late (its host was loaded) and met without it, and the leader formed a group of the
+    same key: its share went on to hop 1 there, as a split cell's does, and every node held one
+    θ_g, yet the followers' rounds counted `partial` (and re-synced θ_g the next round). Once the
+    hops are over, a node whose hop-0 group lacked peers of its cell reads the key's `formed`
+    records: where each of them formed a group there, the hop counts whole. One that formed
+    nowhere keeps it not whole."""
+    from allreduce_harness import start_peers, stop_peers
+
+    from dtnode.peers.averager import HopReport
+
+    async def main():
+        run_id = "late-leader-run"
+        peers = await start_peers(1, run_id=run_id)
+        me = peers[0].member.peer_id
+        slot = Slot("0", 1.0, True, (0, 0))
+        key = Matchmaker(dht, run_id, _member("any")).group_key(0, 0, f"d2.{slot.key}")
+        ranked = by_rank(key, [f"other{i}" for i in range(64)])
+        leader, mate = ranked[0], ranked[-1]
+        assert by_rank(key, [me, mate, leader])[0] == leader  # it leads the cell (leadership.by_rank)
+        cell = {me, mate, leader}
+
+        async def view():
+            return {p: PeerRecord(peer_id=p, state="averaging", model_hash="m", outer_step=0) for p in cell}
+
+        averager = _int8_averager(dht, run_id, peers[0], view)
+        makers = {p: Matchmaker(dht, run_id, _member(p), poll_interval=0.05, settle_s=0.3) for p in (mate, leader)}
+
+        async def want():
+            return set(cell)
+
+        try:
+            await _register(makers[leader], key)  # it registers, and its list comes too late
+            own, mates = await asyncio.gather(
+                averager.expect.form(0, 0, 2, 2, slot, {slot.key: cell}, window=0.5, resync=False),
+                makers[mate].form_group(0, 0, want, window=0.5, target_size=4, cell=f"d2.{slot.key}"),
+            )
+            assert {m.peer_id for m in own.members} == {me, mate} == {m.peer_id for m in mates.members}
+            assert not own.complete
+            report = HopReport(0, own.key, 2, 3, 3, own.complete, [me, mate], 0.0, 0.5)
+            await averager.hop0_whole_beside(0, report)
+            assert not report.complete and report.expected == 3  # the leader formed nowhere yet
+            await makers[leader].board.publish(key, "formed", (leader,))  # alone, in the same key
+            await averager.hop0_whole_beside(0, report)
+            assert report.complete and report.expected == 2 and report.formed_beside == [leader]
+        finally:
+            await stop_peers(peers)
+
+    asyncio.run(main())
