@@ -134,14 +134,22 @@ def wait_until(condition: Callable[[], T | None], timeout: float, what: str | Ca
         time.sleep(0.2)
 
 
+def written(path: Path, timeout: float = 60) -> Path:
+    """`path` once a node has written it. A round's checkpoint is written in the background: its
+    history entry (what tests wait on) can come first, and the file, renamed into place whole, a
+    moment later."""
+    wait_until(path.exists, timeout, f"{path} written")
+    return path
+
+
 def theta(state_dir: Path, step: int):
-    """θ_g of a node's checkpoint at `step`, flat."""
+    """θ_g of a node's checkpoint at `step`, flat (once it is written)."""
     import torch
     from safetensors.torch import load_file
 
     from dtnode.daemon.checkpoints.file_format import checkpoint_path
 
-    tensors = load_file(str(checkpoint_path(state_dir, step)))
+    tensors = load_file(str(written(checkpoint_path(state_dir, step))))
     return torch.cat([t.reshape(-1) for name, t in sorted(tensors.items()) if name.startswith("theta_g/")])
 
 

@@ -4,7 +4,7 @@ import re
 
 import pytest
 import torch
-from nodes import FAST, NodeProcess, run_swarm, wait_until
+from nodes import FAST, NodeProcess, run_swarm, wait_until, written
 from nodes import theta as checkpoint_theta
 from safetensors.torch import load_file
 
@@ -46,7 +46,7 @@ def test_a_sparse_swarm_agrees_on_theta_g_and_a_restart_keeps_what_it_had_not_se
     assert len({r["params_sha256"] for node in nodes for r in node.rounds[4:5]}) == 1
 
     # what a node had not sent yet is in its own checkpoint, and a restart takes it back
-    owed = load_file(str(local_state_path(nodes[0].state_dir, 5)))[FEEDBACK]
+    owed = load_file(str(written(local_state_path(nodes[0].state_dir, 5))))[FEEDBACK]
     assert float(owed.norm()) > 0
     again = NodeProcess.join("a", tmp_path, *FAST, *SPARSE, "--min-peers", "1")
 
@@ -128,6 +128,6 @@ def test_a_joiner_of_a_sparse_swarm_downloads_theta_g_alone_and_averages_in_step
     assert any(r["groups"][0][0] == 3 for r in c.rounds), c.output  # it averaged with both
     for node in nodes:
         assert "Traceback" not in node.output, node.output
-        assert "outer_momentum" not in load_file(str(checkpoint_path(node.state_dir, 8)))
+        assert "outer_momentum" not in load_file(str(written(checkpoint_path(node.state_dir, 8))))
     assert torch.equal(checkpoint_theta(nodes[0].state_dir, 8), checkpoint_theta(c.state_dir, 8))
     assert torch.equal(checkpoint_theta(nodes[1].state_dir, 8), checkpoint_theta(c.state_dir, 8))
