@@ -216,7 +216,7 @@ class Publisher:
     nodes and waits for them, 0.2-1.9 s each on a loaded 32-node box, and a round published
     three times on its way (averaging begins, the outer step applied, the next round entered),
     which was seconds between the end of its inner steps and its registration for hop 0, and
-    between its average and its next steps (issue 60). One background store runs at a time, with the
+    between its average and its next steps (issue 60). One store runs at a time, with the
     record as it stands when the store starts; a move made while one is in flight is stored
     once more after it, so the last move always goes out and the moves in between, which no
     peer would read anyway (peers read the record a heartbeat at a time), are skipped."""
