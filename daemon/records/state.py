@@ -244,11 +244,11 @@ class Publisher:
         self._storing = asyncio.ensure_future(self._store_until_current())
 
     async def publish_now(self) -> None:
-        """The state as it stands, stored before this returns (its failure raised): at the start,
-        before the node waits for its peers, and on the way out. It goes beside a store in
-        flight, not after it: the DHT keeps the record with the later expiry, this one."""
-        self.metrics.state.state(self.state.state.value)
-        await self._announce(self.record())
+        """`publish`, and wait until the record as it stands now is stored (or its store failed):
+        at the start, before the node waits for its peers, and on the way out."""
+        self.publish()
+        assert self._storing is not None
+        await asyncio.shield(self._storing)
 
     async def _store_until_current(self) -> None:
         while True:
