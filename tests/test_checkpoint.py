@@ -289,6 +289,49 @@ def test_the_store_writes_theta_g_in_place_and_an_outer_step_during_the_write_ke
     assert sorted(store.files) == [3]  # written on demand: no cadence step had come
 
 
+def test_a_scheduled_write_is_of_the_step_it_was_scheduled_at_though_an_outer_step_lands_next(tmp_path):
+    """--overlap: once a round schedules its checkpoint, the next round's inner steps go to the
+    training thread, and the previous average can land between two of them. The scheduled write
+    is of the step it was scheduled at; a snapshot queued behind them took the next step, and
+    the scheduled one was never written (an overlapped swarm missed its step-1 checkpoint)."""
+    import asyncio
+
+    from dtnode.daemon.checkpoints.store import CheckpointStore
+    from dtnode.daemon.config.settings import NodeSettings
+    from dtnode.daemon.telemetry.metrics import NodeMetrics
+    from dtnode.daemon.training.worker import ModelWorker
+    from dtnode.daemon.workload.build import build_workload
+
+    settings = NodeSettings(state_dir=tmp_path, model="tiny", seq_len=16, fused_kernels=False, device="cpu")
+    worker = ModelWorker(settings, build_workload(settings, tmp_path), torch.device("cpu"))
+    worker.build("peer")
+    store = CheckpointStore(
+        tmp_path, worker, {"run_id": "r", "model_hash": "h"}, 3, NodeMetrics("0", "r", "tiny", "cpu"), set
+    )
+    replica = worker.replica
+    replica.outer_step = 1
+    scheduled = replica.theta_g.clone()
+
+    def an_average_lands() -> None:
+        with worker.theta_changing():
+            replica.theta_g.add_(1.0)
+            replica.outer_step += 1
+
+    async def a_round_then_the_next_one() -> None:
+        await store.schedule()
+        await worker.call(an_average_lands)  # the next round, on the training thread at once
+        await store.settle_write()
+
+    try:
+        asyncio.run(a_round_then_the_next_one())
+    finally:
+        worker.shutdown()
+        store.shutdown()
+    assert sorted(store.files) == [1]
+    written = read_checkpoint(store.files[1].path, worker.layout, "r", "h")
+    assert torch.equal(written.theta_g, scheduled)
+
+
 @pytest.mark.parametrize("kernel", ["fused", "capturable", "foreach"])
 def test_a_restored_adamw_step_count_lies_where_the_kernel_reads_it(kernel):
     """The fused and capturable AdamW kernels read the step count on the parameters' device (the

@@ -145,9 +145,14 @@ class CheckpointStore:
 
     # ---- writing ---------------------------------------------------------------------------
     async def schedule(self) -> None:
-        """Write this step's checkpoint in the background (one write at a time)."""
+        """Write this step's checkpoint in the background (one write at a time).
+
+        The snapshot is taken before this returns, between rounds: queued behind the next
+        round's inner steps it would hold their inner state, and under --overlap the step of
+        an average that landed during them, so the scheduled step would never be written."""
         await self.settle_write()
-        self._pending_write = asyncio.ensure_future(self.write())
+        step, state = await self._snapshot(local=True)
+        self._pending_write = asyncio.ensure_future(self._write_snapshot(step, state, local=True))
 
     async def settle_write(self) -> None:
         """The write under way, if any, once done (its failure is logged by `write`)."""
@@ -158,10 +163,16 @@ class CheckpointStore:
         """Snapshot (the only work on the training thread, or none without `local`), write on
         the I/O thread. On a CPU, θ_g and the momentum are written from the live tensors (see
         `_live`), not from copies: 8 bytes per parameter less while the file is written."""
-        loop = asyncio.get_running_loop()
-        step, state = await loop.run_in_executor(
+        step, state = await self._snapshot(local)
+        await self._write_snapshot(step, state, local)
+
+    async def _snapshot(self, local: bool) -> tuple[int, TrainingState]:
+        return await asyncio.get_running_loop().run_in_executor(
             self.worker.thread if local else self.io_thread, self.worker.snapshot, local, self._live
         )
+
+    async def _write_snapshot(self, step: int, state: TrainingState, local: bool) -> None:
+        loop = asyncio.get_running_loop()
         if failpoints.serves_wrong_checkpoint(step):  # a lying donor, for tests (its own θ_g is untouched)
             self._let_go(state)
             state = TrainingState(state.theta_g + 1.0, state.momentum.clone(), state.local)
