@@ -187,7 +187,7 @@ class Node:
         self._build_round_parts(registry, channels, redial)
         http_port, status_url = await serve_http(stack, s, self.presenter, served, self.auth)
         self.addr.http_addr = f"http://{host}:{http_port}"
-        await self.publisher.publish()
+        await self.publisher.publish_now()
         self._start_background(stack, bootstrap, channels, host)
         maddr = public_maddrs(self.dht, s.network.announce_host)[0]
         self.addr.join_command = join_command(s, self.workload.recipe, maddr, public=True)  # what /status shows
@@ -353,7 +353,7 @@ class Node:
         self._stop_everything()  # the heartbeat ends with it (also when the start failed after it began)
         await asyncio.gather(heartbeat, return_exceptions=True)
         with contextlib.suppress(Exception):  # the record expires on its own anyway
-            await asyncio.wait_for(self.publisher.publish(), FINAL_ANNOUNCE_S)
+            await asyncio.wait_for(self.publisher.publish_now(), FINAL_ANNOUNCE_S)
 
     async def _check_reachable(self) -> None:
         found = await ask_dial_back(self.addr.peer_id, self.membership.members, self.auth, self.stopping)

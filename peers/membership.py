@@ -383,8 +383,11 @@ class Membership:
         return self._live(now)
 
     async def recent_members(self) -> dict[str, PeerRecord]:
-        """The view as matchmaking polls it: read at most MATCHMAKING_VIEW_S ago, stretched by
-        `dht_requests.poll_stretch` above FULL_RATE_PEERS peers (see MATCHMAKING_VIEW_S)."""
+        """The view as matchmaking polls it and a round's checks on its way read it: read at
+        most MATCHMAKING_VIEW_S ago, stretched by `dht_requests.poll_stretch` above
+        FULL_RATE_PEERS peers (see MATCHMAKING_VIEW_S). A round's start and end read the view the
+        pacer's last poll brought, not one of their own each: every read waits on several DHT
+        nodes (0.3-2.2 s on a loaded 32-node box), between the round's steps and its hop 0."""
         return await self.members(MATCHMAKING_VIEW_S * dht_requests.poll_stretch(len(self._records)))
 
     def _live(self, now: float) -> dict[str, PeerRecord]:

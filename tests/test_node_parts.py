@@ -30,7 +30,7 @@ from dtnode.daemon.checkpoints.arrivals import (
 )
 from dtnode.daemon.config.settings import NodeSettings
 from dtnode.daemon.records.report import Condition, RoundOutcome, RoundSummary, RunStats
-from dtnode.daemon.records.state import IllegalTransition, NodeState, RecordPhase, RoundPhase, RoundState
+from dtnode.daemon.records.state import IllegalTransition, NodeState, Publisher, RecordPhase, RoundPhase, RoundState
 from dtnode.daemon.records.status import NodeStatus, SyncMiss
 from dtnode.daemon.rounds.pacer import SHARE_SLACK, TIME_BUDGET_RANGE, FixedPacer, SwarmPacer
 from dtnode.daemon.rounds.strategies import left_off_the_swarm
@@ -478,6 +478,70 @@ def test_the_round_state_moves_through_a_round_and_refuses_illegal_moves():
     st.stop()
     with pytest.raises(IllegalTransition):
         st.enter_round(2, 2)  # nothing leaves stopped
+
+
+def test_a_round_publishes_without_waiting_and_its_last_move_is_stored():
+    """`publish` returns at once (a store waits on several DHT nodes, seconds on a loaded box);
+    moves made while a store is in flight are stored once more after it, as they stand then, and
+    a failed one is left to the heartbeat; `publish_now` stores the record as it stands at once,
+    beside a store in flight, and says when it failed."""
+    st = RoundState(overlap=False)
+    stored: list[tuple[str, int]] = []
+    release = asyncio.Event()
+    failing = False
+
+    async def announce(record: PeerRecord) -> bool:
+        if record.state != "stopped":
+            await release.wait()
+        if failing:
+            raise RuntimeError("no DHT node answered")
+        stored.append((record.state, record.round))
+        return True
+
+    def record() -> PeerRecord:
+        return PeerRecord(peer_id="me", state=st.state.value, round=st.round)
+
+    async def settled(count: int) -> None:
+        for _ in range(100):
+            if len(stored) >= count:
+                return
+            await asyncio.sleep(0)
+
+    async def main() -> None:
+        nonlocal failing
+        publisher = Publisher(st, record, announce, NodeMetrics("0", "run", "tiny", "cpu"))
+        st.start_syncing()
+        st.ready()
+        st.enter_round(0, 0)
+        publisher.publish()  # returns while the store waits
+        await asyncio.sleep(0)
+        st.begin_averaging()
+        publisher.publish()
+        st.outer_applied()
+        st.enter_round(1, 1)
+        publisher.publish()
+        assert stored == []
+        release.set()
+        await settled(2)
+        # the first store went out with the record as it stood when it started; the two moves
+        # made during it were stored once after it, as they stood then
+        assert stored == [("training", 0), ("training", 1)]
+        release.clear()
+        st.begin_averaging()
+        publisher.publish()  # in flight, waiting
+        st.outer_applied()
+        st.stop()
+        await publisher.publish_now()  # not behind the store in flight
+        assert stored[-1] == ("stopped", 1)
+        release.set()
+        failing = True
+        with pytest.raises(RuntimeError):
+            await publisher.publish_now()
+        publisher.publish()  # a failed background store does not escape: the heartbeat stores it again
+        for _ in range(20):
+            await asyncio.sleep(0)
+
+    asyncio.run(main())
 
 
 def test_overlapped_rounds_keep_training_while_they_average():

@@ -23,7 +23,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager
 from functools import partial
 from typing import Protocol
@@ -90,7 +90,7 @@ class Joiner:
         auth: SwarmAuth | None,
         stopping: asyncio.Event,
         syncing: Callable[[], AbstractContextManager],
-        publish: Callable[[], Awaitable[None]],
+        publish: Callable[[], None],
     ):
         self.settings = settings
         self.peer_id = peer_id
@@ -132,8 +132,12 @@ class Joiner:
         lag = 0 if joining else self.settings.swarm.max_lag
         deadline = time.monotonic() + self.settings.swarm.join_timeout
         synced, downloads, waiting, failed_step = False, 0, False, -1
+        # a round's check shares the view the pacer's last poll read (`recent_members`); a joiner,
+        # and every read after a wait or a download, reads afresh
+        read = self.membership.members if joining else self.membership.recent_members
         while not self.stopping.is_set():
-            view = await self.membership.members()
+            view = await read()
+            read = self.membership.members
             if joining:
                 await self._check_swarm(view)
             own = self.worker.outer_step
@@ -293,7 +297,7 @@ class Joiner:
             f" ({stages})" if stages else "",
             "; inner optimizer state kept" if keep_inner else "",
         )
-        await self.publish()
+        self.publish()
         return True
 
     async def entering(self, round_no: int) -> None:

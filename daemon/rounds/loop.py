@@ -140,7 +140,7 @@ class RoundLoop:
 
     async def run(self) -> None:
         s = self.settings
-        await self.publisher.publish()
+        await self.publisher.publish_now()
         if s.swarm.min_peers > 1:
             log.info("waiting for %d peers (up to %.0fs)", s.swarm.min_peers, s.swarm.join_timeout)
             waiting = asyncio.ensure_future(
@@ -250,7 +250,7 @@ class RoundLoop:
         self.state.train(round_no)  # published with --overlap: pacing counts this round's tokens under it
         self.state.enter_round(round_no, outer)
         if first:  # peers' hop 0 of this round waits for this node from its record's `first_round` on
-            await self.publisher.publish()
+            self.publisher.publish()
         await self.joiner.entering(round_no)
         inner = await self._inner_steps(round_no)
         if self.stopping.is_set():

@@ -50,7 +50,6 @@ class RoundRecorder:
         self.history = history
         self.loss_floor = loss_floor
         self.tokens_total = history.tokens_total  # over the whole record, across restarts
-        self._announcing: asyncio.Task | None = None  # the record published once a step's hash is in
         self._bounded_seen = (0, 0)  # the replica's scaled means and momenta, as last counted
 
     def _wire_stats(self) -> WireStats:
@@ -114,12 +113,6 @@ class RoundRecorder:
         line = summary.log_line(self.stats.tokens_per_s, self.loss_floor)
         loop = asyncio.get_running_loop()
 
-        async def announce_hashed() -> None:
-            try:
-                await self.publisher.publish()
-            except Exception as e:  # noqa: BLE001  (hivemind's DHT stores fail with many types; the heartbeat retries)
-                log.debug("could not announce the hashed step at once: %s", e)
-
         def hashed() -> None:  # the round's θ_g hash is in: the history entry and the log line name it
             params = self.worker.replica.params_sha256()
             recorded = self.history.append({**entry, "params_sha256": params})
@@ -127,7 +120,7 @@ class RoundRecorder:
             log.info("%s%s", line, params[:12])
             # the step's checkpoint is servable now: its signed record says so at once, not a
             # heartbeat later (a joiner's vote binds only what a record announces, daemon/catchup/donors.py)
-            self._announcing = loop.create_task(announce_hashed())
+            self.publisher.publish()
 
         self.store.when_hashed(hashed)
         return summary

@@ -36,7 +36,7 @@ async def run_is_over(
     if round_no >= last:
         log.info("the swarm's run ends at outer step %d (--max-rounds): stopping", last)
         return True
-    view = await membership.members()
+    view = await membership.recent_members()
     mine = [r for r in view.values() if r.peer_id != peer_id and r.model_hash == model_hash]
     if any(r.state == "stopped" and r.outer_step >= last for r in mine) and not any(
         r.state in ("training", "averaging") for r in mine

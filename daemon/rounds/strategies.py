@@ -41,7 +41,7 @@ class PlainRound:
         if (trained := await lp.train_round()) is None:
             return
         round_no, inner = trained
-        if joiner.closed_under_us(await lp.membership.members(), round_no) and await joiner.enter_next_round(
+        if joiner.closed_under_us(await lp.membership.recent_members(), round_no) and await joiner.enter_next_round(
             round_no, inner
         ):
             lp.metrics.dropped_inner_steps.inc(inner.steps)
@@ -50,7 +50,7 @@ class PlainRound:
         drift = await worker.call(worker.resync_bound)
         lp.allow_for(round_no, inner)
         state.begin_averaging()
-        await lp.publisher.publish()
+        lp.publisher.publish()
         resync = lp.wants_resync(round_no)
         result = await lp.average(round_no, delta, inner, resync, worker.call, drift)
         # a wanted re-sync that found nobody to sync with is still wanted next round
@@ -61,7 +61,7 @@ class PlainRound:
         )
         if (
             result.alone
-            and joiner.closed_under_us(await lp.membership.members(), round_no, alone=True)
+            and joiner.closed_under_us(await lp.membership.recent_members(), round_no, alone=True)
             and await joiner.enter_next_round(round_no, inner, alone=True)
         ):
             lp.metrics.dropped_inner_steps.inc(inner.steps)
@@ -72,7 +72,7 @@ class PlainRound:
         await worker.call(worker.apply, result)
         lp.needs_resync = lp.resync_clipped() or lp.needs_resync
         state.outer_applied()
-        await lp.publisher.publish()  # a joiner may download the new θ_g at once
+        lp.publisher.publish()  # a joiner may download the new θ_g at once
         lp.store.rehash()
         await failpoints.pause("outer-phase", round_no)
         if worker.eval_due():
@@ -82,7 +82,7 @@ class PlainRound:
             await lp.store.schedule()
         state.enter_round(worker.outer_step, worker.outer_step)
         lp.finish(round_no, inner, result, time.monotonic() - started)
-        await lp.publisher.publish()
+        lp.publisher.publish()
 
     async def drain(self) -> None:
         """Nothing is in flight between plain rounds."""
@@ -153,7 +153,7 @@ class OverlappedRound:
         state.train(round_no + 1)  # peers count this node in the next round at once
         state.enter_round(round_no + 1, worker.outer_step)
         lp.finish(round_no, inner, previous, time.monotonic() - started, landed_after if previous is not None else None)
-        await lp.publisher.publish()
+        lp.publisher.publish()
 
     async def drain(self) -> None:
         """The last average's outer step, so the final θ_g (and its checkpoint) holds every
