@@ -759,13 +759,16 @@ def test_a_joiners_download_that_replaced_its_first_round_says_which_round_and_s
 
 
 def test_a_round_summary_is_the_one_source_of_status_history_and_metrics():
-    summary = _summary([_hop(2, 2, 1000, 900, waited=0.125), _hop(2, 3, 500, 400, failed=["b"], waited=0.0625)])
+    first = _hop(2, 2, 1000, 900, waited=0.125)
+    first.formed_beside = ["c"]  # a cell peer its hop 0 closed without formed a group of its own
+    summary = _summary([first, _hop(2, 3, 500, 400, failed=["b"], waited=0.0625)])
     assert summary.bytes_sent == 1500 and summary.bytes_received == 1300
     assert summary.outcome == RoundOutcome.PARTIAL and summary.reasons == ["deadline_exceeded", "incomplete_group"]
     last = summary.last_round()
     assert (last.bytes_sent, last.bytes_received, last.group_size, last.tokens) == (1500, 1300, 2, 2560)
     entry = summary.history_entry(tokens_total=10_000, tokens_per_s=640.0)
     assert entry["bytes_sent"] == last.bytes_sent and entry["outcome"] == "partial"
+    assert entry["formed_beside"] == ["c"] and last.hops[0]["formed_beside"] == ["c"]
     assert entry["phases_s"] == {
         "inner": 4.0,
         "matchmaking": 0.5,

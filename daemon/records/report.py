@@ -227,6 +227,9 @@ class RoundSummary:
             "lr": self.inner_lr,
             "groups": [[h.group_size, h.expected] for h in self.hops],
             "benched": sorted({p for h in self.hops for p in h.benched}),
+            # hop 0's cell peers its group closed without, found to have formed their own group of
+            # the cell's key (its share went on beside): why a round with a short hop 0 is full
+            "formed_beside": sorted({p for h in self.hops for p in h.formed_beside}),
             "bytes_sent": self.bytes_sent,
             "bytes_received": self.bytes_received,
             "phases_s": {k: round(v, 3) for k, v in self.phases.items()},
