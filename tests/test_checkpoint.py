@@ -235,18 +235,9 @@ def test_stale_temp_files_are_swept_by_age_and_owner_even_under_pid_1(tmp_path):
     assert fresh.exists() and mine.exists()
 
 
-def test_the_store_writes_theta_g_in_place_and_an_outer_step_during_the_write_keeps_the_file_whole(
-    tmp_path, monkeypatch, caplog
-):
-    """The node's own checkpoint writes (CPU): θ_g and the momentum are read in place by the I/O
-    thread, and an outer step (under the worker's lock) during the write makes the store hand the
-    writer copies first: the file is the step's θ_g, the node's θ_g is the next one. A write on
-    demand (for a joiner; a GPU node's way of serving the current step) says so in the log."""
-    import asyncio
-    import logging
-
-    from dtnode.daemon.checkpoints import in_memory as memory_checkpoint
-    from dtnode.daemon.checkpoints.in_memory import MemoryCheckpoint
+def _cpu_store(tmp_path):
+    """A `tiny` model's worker on the CPU, and its checkpoint store in `tmp_path` (run "r",
+    model "h", three checkpoints kept)."""
     from dtnode.daemon.checkpoints.store import CheckpointStore
     from dtnode.daemon.config.settings import NodeSettings
     from dtnode.daemon.telemetry.metrics import NodeMetrics
@@ -259,6 +250,23 @@ def test_the_store_writes_theta_g_in_place_and_an_outer_step_during_the_write_ke
     store = CheckpointStore(
         tmp_path, worker, {"run_id": "r", "model_hash": "h"}, 3, NodeMetrics("0", "r", "tiny", "cpu"), set
     )
+    return worker, store
+
+
+def test_the_store_writes_theta_g_in_place_and_an_outer_step_during_the_write_keeps_the_file_whole(
+    tmp_path, monkeypatch, caplog
+):
+    """The node's own checkpoint writes (CPU): θ_g and the momentum are read in place by the I/O
+    thread, and an outer step (under the worker's lock) during the write makes the store hand the
+    writer copies first: the file is the step's θ_g, the node's θ_g is the next one. A write on
+    demand (for a joiner; a GPU node's way of serving the current step) says so in the log."""
+    import asyncio
+    import logging
+
+    from dtnode.daemon.checkpoints import in_memory as memory_checkpoint
+    from dtnode.daemon.checkpoints.in_memory import MemoryCheckpoint
+
+    worker, store = _cpu_store(tmp_path)
     replica = worker.replica
     replica.outer_step = 3
     before = replica.theta_g.clone()
@@ -296,18 +304,7 @@ def test_a_scheduled_write_is_of_the_step_it_was_scheduled_at_though_an_outer_st
     the scheduled one was never written (an overlapped swarm missed its step-1 checkpoint)."""
     import asyncio
 
-    from dtnode.daemon.checkpoints.store import CheckpointStore
-    from dtnode.daemon.config.settings import NodeSettings
-    from dtnode.daemon.telemetry.metrics import NodeMetrics
-    from dtnode.daemon.training.worker import ModelWorker
-    from dtnode.daemon.workload.build import build_workload
-
-    settings = NodeSettings(state_dir=tmp_path, model="tiny", seq_len=16, fused_kernels=False, device="cpu")
-    worker = ModelWorker(settings, build_workload(settings, tmp_path), torch.device("cpu"))
-    worker.build("peer")
-    store = CheckpointStore(
-        tmp_path, worker, {"run_id": "r", "model_hash": "h"}, 3, NodeMetrics("0", "r", "tiny", "cpu"), set
-    )
+    worker, store = _cpu_store(tmp_path)
     replica = worker.replica
     replica.outer_step = 1
     scheduled = replica.theta_g.clone()
