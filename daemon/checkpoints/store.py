@@ -155,7 +155,7 @@ class CheckpointStore:
         self._pending_write = asyncio.ensure_future(self._write_snapshot(step, state, local=True))
 
     async def settle_write(self) -> None:
-        """The write under way, if any, once done (its failure is logged by `write`)."""
+        """The write under way, if any, once done (its failure is logged by `_write_snapshot`)."""
         if self._pending_write is not None:
             await asyncio.gather(self._pending_write, return_exceptions=True)
 
