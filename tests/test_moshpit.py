@@ -1511,3 +1511,57 @@ def test_a_hop_0_closed_without_a_late_leader_counts_whole_once_that_leader_form
             await stop_peers(peers)
 
     asyncio.run(main())
+
+
+def test_a_member_whose_group_mates_all_formed_another_group_goes_on_alone_in_every_class(dht):
+    """Issue 60, 32 nodes on 2 cores: a follower of a hop-0 pair passed its leader over (its list
+    came late) and went on alone, in every class of hop 1; the leader's list, out a moment later,
+    named them both, and the leader's all-reduce found the follower in another group and averaged
+    nobody's values but its own, then went on in its rank's classes only. The classes it left out
+    had the follower's share but not the leader's, and the round ended on two θ_g. A member whose
+    group-mates all formed another group (their `formed` records say so) now goes on as a group of
+    one, in every class, and its own `formed` record says it stands alone. A mate that is only
+    unreachable (dead, no record) is no such evidence: the group stays as it formed."""
+    from allreduce_harness import start_peers, stop_peers
+
+    from dtnode.peers.averager import HopReport
+    from dtnode.peers.forming import FormedGroup, went_alone
+    from dtnode.peers.group_reduce import GroupWork
+
+    async def main():
+        run_id = "gone-alone-run"
+        peers = await start_peers(2, run_id=run_id)
+        me, mate = (p.member.peer_id for p in peers)
+        averager = _int8_averager(dht, run_id, peers[0], None)
+        key = averager.matchmaker.group_key(0, 0, "d2.0")
+        values = torch.randn(5_000)
+
+        async def reduce(members: list[Member]):
+            group = FormedGroup(key, members, len(members), 0.1, complete=True, expected=len(members))
+            out = torch.empty_like(values)
+            work = GroupWork(0, 0, 2, group, values, 1.0, out, None, None, None, 1)
+            report = HopReport(0, key, len(members), len(members), len(members), True, [], 0.1, 1.0)
+            return group, await averager.reducer.reduce(work, report), out
+
+        try:
+            # a mate that is unreachable and published nothing: dropped from the parts, not a sign
+            _, outcome, out = await reduce([peers[0].member, _member("dead-mate")])
+            assert not outcome.alone and _own_values(out, values)
+            assert me not in await averager.matchmaker.formed(key)
+            # a mate that formed a group of its own in the key
+            await Matchmaker(dht, run_id, peers[1].member).publish_formed(key, [mate])
+            group, outcome, out = await reduce([peers[0].member, peers[1].member])
+            assert outcome.alone and _own_values(out, values)
+            assert (await averager.matchmaker.formed(key))[me] == (me,)
+            lone = went_alone(group, me)
+            assert [m.peer_id for m in lone.members] == [me] and not lone.complete and lone.expected == 2
+            assert [cls for cls, _ in classes_of(0, len(lone.members), 2)] == [0, 1]  # every class of the next hop
+        finally:
+            await stop_peers(peers)
+
+    asyncio.run(main())
+
+
+def _own_values(out: torch.Tensor, values: torch.Tensor) -> bool:
+    """`out` is `values` through int8 (the member's own part is averaged as the group sees it)."""
+    return float((out - values).norm() / values.norm()) < 0.02
