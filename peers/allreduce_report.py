@@ -40,11 +40,6 @@ class AllReduceReport:
     def failed_parts(self) -> list[PartOutcome]:
         return [p for p in self.parts if not p.ok]
 
-    def averaged_alone(self, own_id: str) -> bool:
-        """Whether no other member's values reached any part: each part failed (this member's own
-        values kept there) or holds this member's alone."""
-        return all(not p.ok or set(p.included) <= {own_id} for p in self.parts)
-
     def weight_after(self, own_weight: float) -> float:
         """The weight the averaged buffer stands for: the parts' total weights, by length.
 

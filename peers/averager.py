@@ -36,7 +36,6 @@ from .averaging_result import AveragingResult, HopReport
 from .channel_pool import ChannelPool
 from .deadlines import AdaptiveDeadlines
 from .expectations import GroupExpectations
-from .forming import went_alone
 from .grid import cells, coordinates, first_slot, grid_shape
 from .group_reduce import AveragingConfig, GroupReducer, GroupWork, as_a_group_of_one, recodes_alone
 from .hops import Chain, hop0_drift, hop_load, later_hop_window, next_chains, round_bound
@@ -403,8 +402,6 @@ class MoshpitAverager:
             )
             outcome = await self.reducer.reduce(work, report)
             result, theta_hash = outcome.delta, outcome.theta_sha256
-            if outcome.alone:  # it goes on alone, in every class of the next hop
-                group = went_alone(group, self.peer_id)
         return group, result, theta_out, theta_hash
 
     def _feedback(self, residual: torch.Tensor | None, hop: int) -> Feedback | None:

@@ -263,9 +263,7 @@ class GroupExpectations:
         closed the door on it). A peer that has stopped or left the round drops out of the
         population; one whose record lapsed for a few seconds does not (`traced_population`).
         A peer this node's view lacks is traced too once its hop-0 record is read (`_vouch`).
-        `known` caches the formed records read so far (a record changes once at most, to alone,
-        where every other member of its group formed another: `GroupOutcome.alone`; read before
-        that, the peer is taken to stand in its rank's classes, and may still come to the others).
+        `known` caches the formed records read so far (a record never changes).
         """
         view = await self.view()
         population = await self.traced_population(round_no) | self._vouched_in(round_no, view)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from .group_board import Registrants, Registration
 from .leadership import (
@@ -47,13 +47,6 @@ class FormedGroup:
     # the θ_g hash a strict majority of its members announced ("" if none): what a re-sync of
     # the group leaves every member with, when no part of it failed
     majority_theta: str = ""
-
-
-def went_alone(group: FormedGroup, own_id: str) -> FormedGroup:
-    """The group as this member goes on from it where every other member formed another group
-    (`GroupOutcome.alone`): itself alone, and not whole (its list named the others)."""
-    own = [m for m in group.members if m.peer_id == own_id]
-    return replace(group, members=own, complete=False, expected=max(group.expected, len(group.members)))
 
 
 # The weight of a member outvoted in a re-sync, as a fraction of its share: its values do not

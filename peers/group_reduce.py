@@ -78,13 +78,6 @@ class GroupOutcome:
     # majority announced it, and every part of the re-sync took one of theirs ("" otherwise, or
     # with no re-sync)
     theta_sha256: str = ""
-    # every other member formed another group (their `formed` records say so: a follower passed
-    # this group's leader over and went alone, or the leader of a pair published its list after
-    # its follower had): no values but this member's reached any part, and it goes on to the
-    # next hop as a group of one, in every class (`went_alone`). Standing only in its rank's
-    # classes of the pair, it left the others without its share while the follower stood in all
-    # of them: a pair of hop 0 at 32 nodes on 2 cores ended its round on two θ_g
-    alone: bool = False
 
 
 class GroupReducer:
@@ -173,40 +166,12 @@ class GroupReducer:
         _count_into(report, result)
         members = [m.peer_id for m in group.members]
         self.matchmaker.absentees.observe(work.round_no, members, self.peer_id, result)
-        if await self._left_alone(work, presence, result):
-            return GroupOutcome(result, alone=True)  # its θ_g is its own: nobody to re-sync with
         if work.theta is None or work.theta_out is None:
             return GroupOutcome(result)
         sync = await self._resync(work, work.theta, work.theta_out, presence, report)
         # a part refused for moving θ_g too far: in a pair, its reducer pulled (peers/absentees.py)
         self.matchmaker.absentees.observe(work.round_no, members, self.peer_id, sync)
         return GroupOutcome(result, took_majority(sync, group))
-
-    async def _left_alone(self, work: GroupWork, presence: GroupPresence, result: AllReduceReport) -> bool:
-        """Whether every other member formed another group (`GroupOutcome.alone`); if so, this
-        member's `formed` record says it stands alone, for the next hop's groups that trace its
-        path (`on_the_way`) and the cell's whole-beside check. Read only where no other member's
-        values reached any part."""
-        others = {m.peer_id for m in work.group.members} - {self.peer_id}
-        if not others or not result.averaged_alone(self.peer_id):
-            return False
-        try:
-            if not others <= await presence.formed_apart():
-                return False
-        except Exception as e:  # noqa: BLE001  (hivemind's DHT reads fail with many types)
-            log.debug("round %d hop %d: reading who formed the group failed: %s", work.round_no, work.hop, e)
-            return False
-        log.info(
-            "round %d hop %d: every other member of the group formed another (%s); going on alone",
-            work.round_no,
-            work.hop,
-            ", ".join(sorted(p[-6:] for p in others)),
-        )
-        try:
-            await self.matchmaker.publish_formed(work.group.key, [self.peer_id])
-        except Exception as e:  # noqa: BLE001  (the next hop's groups then trace it by the list's record)
-            log.warning("could not publish the group this node went on alone in: %s", e)
-        return True
 
     async def _resync(
         self,

@@ -25,7 +25,7 @@ import asyncio
 import logging
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable
 from dataclasses import replace
 
 from . import failpoints
@@ -97,12 +97,6 @@ class Matchmaker:
         """The group each registrant ended up in (alone counts): what the groups of the next
         hop wait for, and what confirms a list (`leadership.confirmed`)."""
         return await self.board.formed(key)
-
-    async def publish_formed(self, key: str, members: Iterable[str]) -> None:
-        """This peer's `formed` record of `key`: the group it stands in there (alone counts). Stored
-        once it settled, and again, alone, where every other member formed another group
-        (`GroupOutcome.alone`): a newer record replaces the older."""
-        await self.board.publish(key, "formed", tuple(sorted(members)))
 
     def leader_grace(self) -> float:
         """How long past its settle a follower waits for a leader's list once every peer it
@@ -186,7 +180,7 @@ class Matchmaker:
         if all(m.client_mode for m in members):
             members = [own]  # nobody can reduce: average alone
         try:
-            await self.publish_formed(key, [m.peer_id for m in members])
+            await self.board.publish(key, "formed", tuple(sorted(m.peer_id for m in members)))
         except Exception as e:  # noqa: BLE001  (the next hop then waits for this peer until its window ends)
             log.warning("could not publish the formed group: %s", e)
         return forming.result(members, decided, wanted - {UNKNOWN}, last_arrival, started, theta)

@@ -59,12 +59,6 @@ class GroupPresence:
             await self._read(now)
         return self._elsewhere | (self._missing - set(forming))
 
-    async def formed_apart(self) -> set[str]:
-        """The other members whose `formed` record names another group, read afresh: they went
-        their own way (they passed this group's leader over, or the other way round)."""
-        await self._read(self.clock())
-        return set(self._elsewhere)
-
     async def _read(self, now: float) -> None:
         self._read_at = now
         formed = await self.read_formed()
