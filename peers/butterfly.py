@@ -42,9 +42,7 @@ from .stand_in import stand_in
 from .wire import MAX_WEIGHT, Payload
 
 REDUCER_SHARE = 0.8  # a reducer stops waiting for senders here, leaving the rest to stream the result back
-# ...but for senders held back only by slower ones, and those still forming the group (`forming`):
-# this share of the timeout more
-HELD_BACK_GRACE = 0.1
+HELD_BACK_GRACE = 0.1  # ...but for senders held back only by slower ones: this share of the timeout more
 RESULTS_FLUSH_S = 1.0  # a reducer waits this long for its last result chunks to leave before counting them
 
 # In robust mode a member refuses a part whose averaged result is this many times larger (L2)
@@ -129,9 +127,7 @@ class ButterflyAllReduce:
         # members that answered a stream "not yet, still forming the hop's groups": alive and on
         # their way, so a `formed` record not read yet does not make them absent (only one that
         # names another group does). A late-forming reducer taken for absent by half its hop-1
-        # group of 10 while the other half took its mean split θ_g five ways (32 nodes on 2 cores);
-        # and this member's reductions give them a grace past the deadline to begin
-        # (`PartReduction.on_their_way`, the same set)
+        # group of 10 while the other half took its mean split θ_g five ways (32 nodes on 2 cores)
         self.forming: set[str] = set()
         self._absent = absent
         self.absent = self._absent_unless_present if absent is not None else None
@@ -223,7 +219,6 @@ class ButterflyAllReduce:
             self.trim_fraction,
             self.timeout * HELD_BACK_GRACE,
             stand_in_for,
-            self.forming,  # senders still forming the group: on their way, given the grace
             size=length,
         )
         del own  # the reduction holds its own copy: a coded Δ's decoded part goes now

@@ -29,7 +29,7 @@ import asyncio
 import logging
 import math
 import time
-from collections.abc import Callable, Collection
+from collections.abc import Callable
 
 import torch
 
@@ -193,12 +193,10 @@ class PartReduction:
         trim_fraction: float | None = None,
         grace: float = 0.0,
         stand_in_for: str | None = None,
-        on_their_way: Collection[str] = frozenset(),
     ):
         """`deadline`: when senders that have not finished are dropped (`monotonic`), but for
-        those held back only by the chunks of dropped ones (`AHEAD_CHUNKS`) and those on their
-        way (`on_their_way`, read at the deadline): they get `grace` seconds more.
-        `stand_in_for`: the part is that member's, and it is not in the group
+        those held back only by the chunks of dropped ones (`AHEAD_CHUNKS`): they get `grace`
+        seconds more. `stand_in_for`: the part is that member's, and it is not in the group
         (peers/stand_in.py); otherwise the part is this member's own."""
         self.plan = plan
         self.part = plan.index_of(stand_in_for or own_id)
@@ -207,14 +205,6 @@ class PartReduction:
         self.own_id = own_id
         self.deadline = deadline
         self.grace = grace
-        # senders known alive and still forming this group (they said so: FORMING_METADATA on
-        # a stream to their own part), a live collection the all-reduce keeps adding to. One of
-        # them is late only for having formed the group late (its host loaded, its DHT reads
-        # slow): it may still begin within the grace, and is dropped only after it. Cut at the
-        # deadline, such a member of a hop-1 group of 11 at 32 nodes on 2 cores reached its
-        # reducers a second late, and their means lacked it while its own part's did not (two
-        # θ_g after round 0)
-        self.on_their_way = on_their_way
         # Each sender's chunk is kept as it came until the chunk is final (`held`, a few chunks
         # per sender at most, see `add`). Robust mode then takes a trimmed mean of their decoded
         # values instead of the weighted sum. In the plain mean each contribution is clipped
@@ -287,11 +277,10 @@ class PartReduction:
         chunks they wait for finish once the ones behind are dropped, and they get `grace` to
         send the rest. Dropped with the rest, a sender that was ahead of a slow one lost the part,
         and, where every other sender was ahead, the mean was the reducer's own values (a part
-        of more than AHEAD_CHUNKS chunks: a large model's). Those still forming the group
-        (`on_their_way`) get the same grace to begin and finish."""
+        of more than AHEAD_CHUNKS chunks: a large model's)."""
         await asyncio.sleep(max(self.deadline - time.monotonic(), 0))
         late = self._late()
-        ahead = late & (self.held_back | set(self.on_their_way))
+        ahead = late & self.held_back
         await self._drop_late(late - ahead, "by the deadline")
         if ahead and self._late():
             await asyncio.sleep(self.grace)
@@ -329,7 +318,7 @@ class PartReduction:
                     f"weight {weight:g} is above the {announced:g} its registration announced", RefusalReason.BAD_WEIGHT
                 )
             weight = min(weight, counted)  # what the plan lets it count: every member knows it
-        if time.monotonic() > self.deadline + (self.grace if sender in self.on_their_way else 0.0):
+        if time.monotonic() > self.deadline:
             raise SenderLate(sender)
         self.weights[sender] = weight
         self.progress[sender] = 0

@@ -683,53 +683,6 @@ def test_a_member_that_comes_after_the_reducers_deadline_takes_the_groups_mean_w
     run(main())
 
 
-def test_a_member_still_forming_the_group_at_the_reducers_deadline_gets_the_grace_and_its_values_count():
-    """A member that forms the group late (its host loaded, its DHT reads slow) says so to the
-    streams that reach it first ("still forming", FORMING_METADATA). Its reducers dropped it at
-    their deadline all the same, a second before its streams came, and their means lacked it
-    while its own part's mean held everyone: a hop-1 group of 11 at 32 nodes on 2 cores left
-    round 0 on two θ_g. A sender known to be on its way now gets the reducers' grace past the
-    deadline (HELD_BACK_GRACE of the timeout) to begin and finish, and the group averages in
-    full; one that is later still is dropped after the grace, as before."""
-
-    async def main():
-        peers = await start_peers(3)
-        plan = make_plan("test-run", 0, 0, [p.member for p in peers], 9_000, 64, 1024, INT8)
-        values = [torch.randn(9_000) for _ in range(3)]
-        outs = [torch.empty(9_000) for _ in range(3)]
-        timeout = 10.0  # the reducers' deadline is at 8 s, their grace ends at 9 s
-        late = peers[2]
-        # the others' first streams to its part wait for it this long (the node's default is 5 s,
-        # for deadlines of 10 s and more): they ask again once, and that stream meets it
-        late.service.registration_wait = 6.0
-        late.registry.hop_begins("test-run", 0, 0, 1)  # forming the hop's one group
-
-        async def forms_late():
-            await asyncio.sleep(timeout * 0.84)
-            late.registry.slot_settled("test-run", 0, 0, plan.group_id)
-            return await butterfly_allreduce(
-                plan, "peer02", values[2], 1.0, outs[2], late.registry, late.channels, timeout
-            )
-
-        try:
-            reports = await asyncio.gather(
-                *(
-                    butterfly_allreduce(plan, p.member.peer_id, v, 1.0, o, p.registry, p.channels, timeout)
-                    for p, v, o in zip(peers[:2], values, outs)
-                ),
-                forms_late(),
-            )
-        finally:
-            await stop_peers(peers)
-        for report in reports:
-            assert not report.failed_parts, report.failed_parts
-            assert report.included_peers == ["peer00", "peer01", "peer02"]
-        assert torch.equal(outs[1], outs[0]) and torch.equal(outs[2], outs[0])
-        assert rel(outs[0], exact_mean(values, [1.0, 1.0, 1.0])) <= INT8_BOUND
-
-    run(main())
-
-
 def test_a_sender_whose_stream_broke_midway_takes_the_mean_on_its_next_stream():
     """A sender's stream that broke after a chunk drops it from the part (only its chunks in
     full count); its stream sent again is not refused: it takes the part's mean back, the
