@@ -3,6 +3,7 @@
     .venv/bin/python -m tests.bench.scale                          # n = 8, 16, 24, 32, 10 rounds each
     .venv/bin/python -m tests.bench.scale --sizes 8,16 --rounds 6 --keep /tmp/scale-keep
     .venv/bin/python -m tests.bench.scale --sizes 32 --rounds 6 --churn 4   # 4 killed, 4 joining mid-round
+    .venv/bin/python -m tests.bench.scale --sizes 32 --per-round   # and a line per round: who missed, why
 
 Every run starts n `tiny` nodes (one --peer, the first node's address), --min-peers n, the
 default moshpit grid for n (`--target-group-size` 4), and rounds paced by time: each round's
@@ -12,9 +13,10 @@ the training of n nodes does not take the cores their swarm's costs are measured
 left is what a node costs besides its training. Per n it prints:
 
 - `full`: the share of rounds in which every node's average ended `full` (every group whole,
-  no part failed: history.jsonl's `outcome`);
-- `agree`: the share of rounds after which every node holds one θ_g (one `params_sha256`), and
-  the most distinct θ_g seen after a round;
+  no part failed: history.jsonl's `outcome`); a node with no entry for a round (it fell behind
+  and caught up past it) makes that round not full;
+- `agree`: the share of rounds after which every node holds one θ_g (one `params_sha256`; a node
+  that skipped the round holds none of it), and the most distinct θ_g seen after a round;
 - `mm p50/p95`: matchmaking seconds per hop (a round's matchmaking phase over its hops), and
   `net p95` the same without the seconds until the hop's last registrant was read
   (`matchmaking_waited_s`): what forming costs once everyone is there, apart from waiting for a
@@ -56,6 +58,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections import Counter
 from dataclasses import astuple, dataclass, field
 from pathlib import Path
 
@@ -321,13 +324,9 @@ def run_size(n: int, args: argparse.Namespace, base: Path) -> Row:
         print(churn.report(args), flush=True)
         nodes = churn.survivors  # the row below: the nodes that ran every round
     histories = {node.name: [r for r in node.rounds if r["round"] < args.rounds] for node in nodes}
-    by_round: dict[int, list[dict]] = {}
-    for entries in histories.values():
-        for entry in entries:
-            by_round.setdefault(entry["round"], []).append(entry)
-    rounds = sorted(r for r, entries in by_round.items() if len(entries) == len(nodes))
-    full = [all(e["outcome"] == "full" for e in by_round[r]) for r in rounds]
-    hashes = [len({e["params_sha256"] for e in by_round[r]}) for r in rounds]
+    rounds = RoundTally.of(histories)
+    if args.per_round:
+        print("\n".join(round_lines(rounds.by_round, len(nodes))), flush=True)
     per_hop = [
         e["phases_s"]["matchmaking"] / len(e["groups"])
         for entries in histories.values()
@@ -340,15 +339,15 @@ def run_size(n: int, args: argparse.Namespace, base: Path) -> Row:
         for e in entries
         if e["groups"]
     ]
-    done = max(len(rounds), 1)
+    done = max(len(rounds.rounds), 1)
     last = [sampler.last.get(node.name, Reading()) for node in nodes]
     first = [before.get(node.name, Reading()) for node in nodes]
     return Row(
         n=n,
-        rounds=len(rounds),
-        full=sum(full) / done,
-        agree=sum(h == 1 for h in hashes) / done,
-        most_hashes=max(hashes, default=0),
+        rounds=len(rounds.rounds),
+        full=sum(rounds.full) / done,
+        agree=sum(rounds.agreed) / done,
+        most_hashes=max(rounds.hashes, default=0),
         mm_p50=percentile(per_hop, 0.5),
         mm_p95=percentile(per_hop, 0.95),
         net_p95=percentile(net_per_hop, 0.95),
@@ -365,6 +364,55 @@ def run_size(n: int, args: argparse.Namespace, base: Path) -> Row:
         tracebacks=sum("Traceback" in node.output for node in sampler.nodes),  # killed and joined ones too
         wall_s=time.monotonic() - started,
     )
+
+
+@dataclass
+class RoundTally:
+    """The rounds a run's histories count, and which of them were full and agreed."""
+
+    by_round: dict[int, list[dict]]  # every node's entry of each round
+    rounds: list[int]  # every round up to the last one each node reached
+    full: list[bool]  # per round: every node has an entry, and each ended `full`
+    hashes: list[int]  # per round: the distinct θ_g its entries hold
+    agreed: list[bool]  # per round: every node has an entry, all on one θ_g
+
+    @classmethod
+    def of(cls, histories: dict[str, list[dict]]) -> RoundTally:
+        """A node with no entry for a round (it fell behind and caught up past it by a download)
+        makes that round neither full nor agreed: counting only the rounds every node has an
+        entry for, a round that 8 of 32 nodes skipped dropped out of the table."""
+        by_round: dict[int, list[dict]] = {}
+        for entries in histories.values():
+            for entry in entries:
+                by_round.setdefault(entry["round"], []).append(entry)
+        reached = min((max((e["round"] for e in entries), default=-1) for entries in histories.values()), default=-1)
+        rounds = [r for r in sorted(by_round) if r <= reached]
+        everyone = [len(by_round[r]) == len(histories) for r in rounds]
+        full = [whole and all(e["outcome"] == "full" for e in by_round[r]) for r, whole in zip(rounds, everyone)]
+        hashes = [len({e["params_sha256"] for e in by_round[r]}) for r in rounds]
+        agreed = [whole and h == 1 for h, whole in zip(hashes, everyone)]
+        return cls(by_round, rounds, full, hashes, agreed)
+
+
+def round_lines(by_round: dict[int, list[dict]], nodes: int) -> list[str]:
+    """One line per round: how many nodes ended it `full`, the θ_g it ended on (how many nodes
+    hold each), why the others did not (their history's `reasons`; `alone` for a node whose
+    only shortfall was a group of one where its cell had more), and the medians of its
+    matchmaking and all-reduce phases: where a run's misses fall, read from the histories alone."""
+    lines = []
+    for r in sorted(by_round):
+        entries = by_round[r]
+        holders = sorted(Counter(e["params_sha256"] for e in entries).values(), reverse=True)
+        reasons = Counter(reason for e in entries if e["outcome"] != "full" for reason in e["reasons"] or ["alone"])
+        lines.append(
+            f"  round {r}: {sum(e['outcome'] == 'full' for e in entries)}/{len(entries)} full"
+            + (f" ({nodes - len(entries)} without this round)" if len(entries) < nodes else "")
+            + f", {len(holders)} θ_g {tuple(holders) if len(holders) > 1 else ''}".rstrip()
+            + (f", not full: {dict(sorted(reasons.items()))}" if reasons else "")
+            + f"; matchmaking {statistics.median(e['phases_s']['matchmaking'] for e in entries):.1f}s,"
+            f" all-reduce {statistics.median(e['phases_s']['allreduce'] for e in entries):.1f}s (medians)"
+        )
+    return lines
 
 
 HEADER = (
@@ -407,6 +455,11 @@ def main() -> None:
         default=0.0,
         help="the nodes' --allreduce-timeout-min (0: their default): n nodes on one box starve one another's "
         "streams for seconds, which hosts of their own do not",
+    )
+    parser.add_argument(
+        "--per-round",
+        action="store_true",
+        help="before each size's row, a line per round: nodes full, the θ_g they ended on, why the rest were not",
     )
     parser.add_argument("--churn", type=int, default=0, help="nodes killed mid-round, and as many joining then")
     parser.add_argument(
