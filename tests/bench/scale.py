@@ -133,6 +133,7 @@ class Sampler:
     cpu_track: list[tuple[float, float]] = field(default_factory=list)  # (monotonic, summed cpu seconds)
     current_pss: dict[str, float] = field(default_factory=dict)  # each node's PSS at the last reading
     _stop: threading.Event = field(default_factory=threading.Event)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def start(self) -> None:
         threading.Thread(target=self._run, daemon=True).start()
@@ -142,6 +143,13 @@ class Sampler:
 
     def _run(self) -> None:
         while not self._stop.wait(SAMPLE_S):
+            self.sample()
+
+    def sample(self) -> None:
+        """One reading of every node, now: the thread's every SAMPLE_S, and the idle window's two
+        ends (its mean cores need a reading at each: a window shorter than two periods held one or
+        none, and `idle cores` read nan)."""
+        with self._lock:
             total_pss = total_cpu = 0.0
             for node in self.nodes:
                 reading = self.read(node)
@@ -301,7 +309,9 @@ def run_size(n: int, args: argparse.Namespace, base: Path) -> Row:
         # n - 1 nodes up, waiting for the last one (--min-peers n): the swarm's cost while nothing happens
         wait_until(lambda: all(is_up(node) and node.status() for node in nodes), 900, "every node's /status")
         idle_from = time.monotonic()
+        sampler.sample()
         time.sleep(args.idle_seconds)
+        sampler.sample()
         idle = (idle_from, time.monotonic(), sampler.peak_pss)
         before = dict(sampler.last)  # the counters at the start of training: startup is not a round's
         nodes.append(NodeProcess.join(f"n{n - 1:02d}", base, *common, "--peer", address, env=env))
