@@ -102,6 +102,18 @@ class Absentees:
         self.strike(round_no, sorted(missing & others))
         self.took_part(round_no, others - missing)
 
+    def pardon(self, round_no: int, peers: Iterable[str]) -> None:
+        """Take back this round's strike of these members: a leader passed over whose list this
+        node then took while settling did not let its group down."""
+        for peer in peers:
+            old = self._strikes.get(peer)
+            if old is None or old.until_round < round_no:
+                continue
+            if old.count == 1:
+                del self._strikes[peer]
+            else:  # its earlier strikes stand, its bench is over
+                self._strikes[peer] = _Strikes(old.count - 1, round_no - 1)
+
     def took_part(self, round_no: int, peers: Iterable[str]) -> None:
         """These members took part cleanly: past their bench, their strikes are forgiven."""
         for peer in peers:

@@ -125,6 +125,7 @@ class Forming:
     lists: dict[str, ClosedList] = field(default_factory=dict)
     formed: dict[str, tuple[str, ...]] = field(default_factory=dict)
     passed_over: set[str] = field(default_factory=set)  # pending registrants ahead, given up on
+    struck: set[str] = field(default_factory=set)  # the leaders passed over one at a time, struck for it
     # writers whose own registration here was refused (malformed, a weight of 0, no swarm key's
     # tag): they came, and will not be in this group; nobody waits for them to the window's end
     refused: set[str] = field(default_factory=set)

@@ -75,8 +75,12 @@ def valid_lists(key: str, lists: Mapping[str, ClosedList], known: Collection[str
 
 
 def confirmed(publisher: str, members: Iterable[str], formed: Mapping[str, Collection[str]]) -> bool:
-    """Whether most members a list names besides its publisher formed their group with it."""
+    """Whether most members a list names besides its publisher formed their group with it; a
+    list of one, once its publisher formed alone on it: a leader that reads so names it no more
+    (its list would name a member that went on alone, and the pair would part θ_g)."""
     others = [m for m in members if m != publisher]
+    if not others:
+        return tuple(formed.get(publisher, ())) == (publisher,)
     agreeing = sum(1 for m in others if publisher in formed.get(m, ()))
     return 2 * agreeing > len(others)
 

@@ -50,6 +50,11 @@ class ListSettling:
         held = agreed is not None and led_past_benched(forming, view)
         if held and agreed is not None and not forming.settled_on(view.taken[me], agreed):
             return await self.hold(forming, admitted, view.taken[me])
+        if agreed is not None and await self.left_alone(forming, agreed):
+            log.info(
+                "%s: every other member of %s formed another group; going on alone", forming.key, short_ids(agreed)
+            )
+            return (me,), forming.lists[view.taken[me]]
         if agreed is None or agreed == group:
             return group, decided
         log.info(
@@ -59,6 +64,24 @@ class ListSettling:
             short_ids(agreed),
         )
         return agreed, forming.lists[view.taken[forming.me]]
+
+    async def left_alone(self, forming: Forming, agreed: tuple[str, ...]) -> bool:
+        """Whether every other member of `agreed` formed a group without this peer: each
+        published a list that does not name it (a follower that passed this peer over and led
+        alone, its list read late), and its `formed` record, final, names another group. This
+        peer then goes on alone: with the others' shares in every class of the next hop and its
+        own in its rank's classes only, their classes ended on two θ_g (a pair of hop 0, 32
+        nodes on 2 cores). Reads `formed` only where such a list is in."""
+        me = forming.me
+        others = [m for m in agreed if m != me]
+        if not others or not all(m in forming.lists and me not in forming.lists[m].members for m in others):
+            return False
+        try:
+            await self.reads.formed(forming)
+        except Exception as e:  # noqa: BLE001  (hivemind's DHT reads fail with many types)
+            log.debug("%s: could not read the formed groups: %s", forming.key, e)
+            return False
+        return all(m in forming.formed and me not in forming.formed[m] for m in others)
 
     async def hold(
         self, forming: Forming, admitted: Admitted | None, publisher: str

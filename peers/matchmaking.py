@@ -174,8 +174,14 @@ class Matchmaker:
         group, decided, wanted, last_arrival, settled = await self._until_grouped(
             forming, expected, admitted, started, opened, window, target_size, round
         )
-        if len(group) > 1 and not settled:
+        # a group of one settles too where this peer passed a leader over: that leader may be
+        # publishing a list naming it right now (on a loaded host its close and the follower's
+        # reads take seconds), and the list ranks ahead of this peer's own. Averaging alone beside
+        # it, the follower stood in every class of the next hop and the leader in its rank's only,
+        # and their classes ended on two θ_g (32 nodes on 2 cores)
+        if (len(group) > 1 or forming.gave_up) and not settled:
             group, decided = await self.settling.settle(forming, group, decided, admitted)
+            self.absentees.pardon(round, forming.struck & set(group))
         members = [forming.registrants[p][0] for p in group]
         if all(m.client_mode for m in members):
             members = [own]  # nobody can reduce: average alone
@@ -294,8 +300,9 @@ class Matchmaker:
                 everyone = passes > MAX_PASSES
                 gone = forming.pass_over(view, everyone=everyone)
                 log.info("%s: no list from %s by this peer's own deadline; passing over", key, short_ids(sorted(gone)))
-                if not everyone:  # a leader that closed nothing in time let its group down (the others
-                    self.absentees.strike(round_no, gone)  # passed over at once are its followers)
+                if not everyone:  # a leader that closed nothing in time let its group down (the
+                    # others passed over at once are its followers)
+                    forming.struck |= set(self.absentees.strike(round_no, gone))
                 forming.give_up_at = give_up_at = (
                     now + LEADER_GRACE_S
                 )  # the next leader's grace: it may be taking over now

@@ -622,6 +622,84 @@ def test_members_that_benched_the_leader_hold_the_list_that_led_past_it_for_thos
     asyncio.run(main("mm-jumped-pair", "ab", benching=1))
 
 
+async def _wait_for_list(maker: Matchmaker, key: str, publisher: str, timeout: float = 20.0) -> None:
+    """Until `publisher`'s closed list under `key` can be read."""
+    deadline = time.monotonic() + timeout
+    while publisher not in await maker.board.member_lists(key, "closed"):
+        assert time.monotonic() < deadline, f"no list from {publisher}"
+        await asyncio.sleep(0.05)
+
+
+def test_a_follower_that_led_alone_past_its_leader_takes_that_leaders_list_published_while_it_settles(dht):
+    """Issue 60, 32 nodes on 2 cores: a follower of a hop-0 cell passed over its first leader (it
+    never closed) and then the next one, whose list was on its way, and averaged alone; that
+    leader's list, out a moment later, named it. The leader averaged alone too but stood in its
+    rank's classes of hop 1 only, while the follower stood in all of them, and the round ended on
+    two θ_g. A follower that led alone past a leader now settles as a group of two does: the
+    leader's list, read then, is its group, and the strike for that leader is taken back."""
+
+    async def main():
+        run_id = "mm-late-list"
+        silent, leader, follower = _ranked(run_id, "xlf")
+        makers = {p: Matchmaker(dht, run_id, _member(p), poll_interval=0.05, settle_s=2.0) for p in "xlf"}
+        key = makers[follower].group_key(0, 0)
+        await _register(makers[silent], key)  # it never closes
+        await _register(makers[leader], key)  # it closes once the follower has given up on it
+
+        async def want():
+            return {silent, leader, follower}
+
+        async def leader_late():
+            await _wait_for_list(makers[leader], key, follower)  # the follower led alone
+            await makers[leader].board.publish(key, "closed", (leader, follower))
+
+        group, _ = await asyncio.gather(
+            makers[follower].form_group(0, 0, want, window=0.5, target_size=3), leader_late()
+        )
+        assert {m.peer_id for m in group.members} == {leader, follower} and not group.complete
+        assert set((await makers[follower].formed(key))[follower]) == {leader, follower}
+        assert makers[follower].absentees.benched(1) == {silent}  # the leader that came is not benched
+
+    asyncio.run(main())
+
+
+def test_a_leader_whose_follower_went_on_alone_goes_on_alone_too(dht):
+    """The other side of the test above: the follower's list of one and its `formed` record are
+    final, and a leader that reads them goes on alone as well, so that both stand in every class
+    of the next hop. A leader that reads them before it closes does not name the follower; one
+    that reads them while settling its list takes it back."""
+
+    async def main(run_id: str, before_close: bool):
+        silent, leader, follower = _ranked(run_id, "xlf")
+        makers = {p: Matchmaker(dht, run_id, _member(p), poll_interval=0.05, settle_s=1.5) for p in "xlf"}
+        key = makers[leader].group_key(0, 0)
+        await _register(makers[silent], key)  # it never closes
+        await _register(makers[follower], key)
+
+        async def want():
+            return {silent, leader, follower}
+
+        async def follower_alone():
+            if not before_close:
+                await _wait_for_list(makers[follower], key, leader)
+            await makers[follower].board.publish(key, "closed", (follower,))
+            await makers[follower].board.publish(key, "formed", (follower,))
+
+        if before_close:
+            await follower_alone()
+        group, _ = await asyncio.gather(
+            makers[leader].form_group(0, 0, want, window=0.5, target_size=3),
+            follower_alone() if not before_close else asyncio.sleep(0),
+        )
+        assert [m.peer_id for m in group.members] == [leader] and not group.complete, run_id
+        assert (await makers[leader].formed(key))[leader] == (leader,)
+        closed = await makers[leader].board.member_lists(key, "closed")
+        assert set(closed[leader].members) == ({leader} if before_close else {leader, follower})
+
+    asyncio.run(main("mm-alone-before", before_close=True))
+    asyncio.run(main("mm-alone-settling", before_close=False))
+
+
 def test_a_registrant_refused_for_a_weight_of_0_is_not_waited_for_to_the_windows_end(dht):
     """Issue 56 (the zero-weight attacker's cost): a member whose own registration is refused
     (here a weight of 0) came, and will be in no group of ours; its group-mates expected it, and
