@@ -96,3 +96,18 @@ def test_a_member_whose_contribution_reached_this_nodes_own_part_is_not_struck_f
     client = Absentees()  # a node that reduces no part has only the reducers' word
     client.observe(1, members, "me", _report([("h0", True, honest), ("attacker", True, ["me", "attacker"])]))
     assert client.benched(1) == {"h0", "h2", "attacker"}
+
+
+def test_a_strike_taken_back_the_same_round_leaves_the_member_as_it_was_before_it():
+    """A follower strikes a leader it passes over, then may take that leader's list while it
+    settles (matchmaking.form_group): the strike is taken back, and earlier ones stand."""
+    bench = Absentees()
+    bench.strike(3, ["x"])
+    bench.pardon(3, ["x"])
+    assert not bench.benched(3) and bench.strikes("x") == 0
+    bench.strike(3, ["y"])
+    bench.strike(3 + BENCH_ROUNDS + 1, ["y"])  # struck again past its first bench
+    bench.pardon(3 + BENCH_ROUNDS + 1, ["y"])
+    assert not bench.benched(3 + BENCH_ROUNDS + 1) and bench.strikes("y") == 1
+    bench.pardon(20, ["y", "z"])  # no strike this round: nothing to take back
+    assert bench.strikes("y") == 1 and bench.strikes("z") == 0
